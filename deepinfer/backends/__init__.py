@@ -1,0 +1,1 @@
+"""Built-in backends. Each registers through the `deepinfer.backends` entry-point group."""

@@ -1,0 +1,1 @@
+"""Device-agnostic core: backend contract, KV cache, scheduler, sampler, runner, native ops."""

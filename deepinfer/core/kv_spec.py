@@ -1,0 +1,58 @@
+"""What one KV group stores per token, how long it keeps it, and its per-sequence state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One KV group: layers that share a block table because they store alike.
+
+    - full attention (V3 MLA): tokens_per_entry=1, sliding_window=None;
+    - sliding window W: only entries of the last W tokens are kept, older
+      blocks return to the pool;
+    - compressed (V4 CSA/HCA, indexer keys): one entry per `tokens_per_entry`
+      tokens, paged and append-only; entry e covers tokens [e*m, (e+1)*m).
+    `state_shape` is fixed-size per-sequence state per layer (V4 compressor
+    buffers and overlap), held in a pool of max_num_seqs rows, not in blocks.
+    """
+
+    name: str
+    layer_ids: tuple[int, ...]
+    entry_shape: tuple[int, ...]
+    dtype: torch.dtype
+    tokens_per_entry: int = 1
+    sliding_window: int | None = None
+    state_shape: tuple[int, ...] = ()
+    state_dtype: torch.dtype = torch.float32
+
+    def num_entries(self, num_tokens: int) -> int:
+        """Entries that exist once `num_tokens` tokens are in the cache."""
+        return num_tokens // self.tokens_per_entry
+
+    def first_live_entry(self, num_tokens: int) -> int:
+        """Oldest entry still needed when the next token is at position num_tokens."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_tokens - self.sliding_window + 1) // self.tokens_per_entry)
+
+    def bytes_per_entry(self) -> int:
+        """Bytes of one entry across all layers of the group."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.entry_shape) * elem * len(self.layer_ids)
+
+    def bytes_per_token(self) -> float:
+        """Average bytes per token across the group's layers (0 for fixed-size windows)."""
+        if self.sliding_window is not None:
+            return 0.0
+        return self.bytes_per_entry() / self.tokens_per_entry
+
+    def state_bytes_per_seq(self) -> int:
+        if not self.state_shape:
+            return 0
+        elem = torch.empty((), dtype=self.state_dtype).element_size()
+        return math.prod(self.state_shape) * elem * len(self.layer_ids)

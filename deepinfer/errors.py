@@ -1,0 +1,33 @@
+"""Exception types that name the problem; every user-facing failure raises one of these."""
+
+
+class DeepInferError(Exception):
+    """Base class of every error DeepInfer raises on purpose."""
+
+
+class ConfigError(DeepInferError, ValueError):
+    """An engine setting or environment variable has a bad value."""
+
+
+class ModelLoadError(DeepInferError):
+    """The model directory, its config.json or its weights cannot be used."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """config.json names a model_type or variant DeepInfer does not run."""
+
+
+class BackendError(DeepInferError):
+    """No usable backend, an unknown device name, or a feature the backend cannot honour."""
+
+
+class InvalidRequestError(DeepInferError, ValueError):
+    """A request (prompt or sampling parameters) is invalid; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus requested tokens) does not fit in max_model_len."""

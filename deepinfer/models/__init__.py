@@ -1,0 +1,1 @@
+"""DeepSeek model math, written against the backend contract (deepinfer.core.backend)."""

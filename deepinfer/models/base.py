@@ -1,0 +1,50 @@
+"""What the engine needs from a model class; every DeepSeek family implements it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from deepinfer.core.backend import Backend
+    from deepinfer.core.forward_batch import ForwardBatch
+    from deepinfer.core.kv_caches import KVCaches
+    from deepinfer.core.kv_spec import KVCacheSpec
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only model over the paged KV cache.
+
+    Built on the meta device or the backend's device from the parsed config,
+    filled by `load_weights`, then `finalize` hands converted weights to the
+    backend ops.
+    """
+
+    def __init__(self, config, backend: "Backend", dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+
+    @abstractmethod
+    def kv_cache_specs(self) -> list["KVCacheSpec"]:
+        """The KV groups this model needs (V3: one; V4: several)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (Hugging Face name, tensor) pairs; MTP weights are kept aside, not an error."""
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """After loading: let the backend convert weights (fp8 dequant, absorb, stacking)."""
+
+    @abstractmethod
+    def forward(self, batch: "ForwardBatch", caches: "KVCaches") -> torch.Tensor:
+        """Hidden states [T, hidden_size] for every scheduled token."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab_size]."""
