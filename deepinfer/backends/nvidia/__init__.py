@@ -1,0 +1,1 @@
+"""NVIDIA backend: Triton kernels plus CUDA C++ extensions (csrc/cuda), imported lazily."""
