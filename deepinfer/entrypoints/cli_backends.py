@@ -1,0 +1,139 @@
+"""`deepinfer backends` (what is registered, usable or not and why) and `deepinfer check`.
+
+Listing probes every backend (a probe never initialises a device runtime).
+Op coverage comes from the class alone: for each op of the Backend contract,
+which class in the MRO implements it (torch-native from deepinfer.core.native,
+or the backend's own module). Capabilities need an instance, so they are shown
+for available backends only (constructing a backend allocates nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "backends",
+        help="list backends: available or not and why, capabilities, op coverage",
+        description="List every registered backend (built-in and plugins), whether it can run here, and why not.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=run_backends)
+
+    c = subparsers.add_parser(
+        "check",
+        help="run the conformance suite on a backend",
+        description="Compare a backend's ops with the torch-native reference on random inputs; exit 1 on failure.",
+    )
+    c.add_argument("--device", default=None, help="backend or device to check (default: $DEEPINFER_DEVICE or auto)")
+    c.add_argument("--shapes", choices=["tiny", "real"], default="tiny", help="input sizes (default tiny)")
+    c.add_argument("--json", action="store_true", help="machine-readable report")
+    c.set_defaults(run=run_check)
+
+
+def _op_names() -> list[str]:
+    from deepinfer.core.backend import Backend
+
+    return sorted(n for n in Backend.__abstractmethods__ if n not in ("caps", "device"))
+
+
+def class_op_coverage(cls: type) -> dict[str, str]:
+    """op -> "native" (deepinfer.core.native) or the module of the class that overrides it."""
+    coverage = {}
+    for op in _op_names():
+        owner = next((k for k in cls.__mro__ if op in vars(k)), None)
+        if owner is None or getattr(vars(owner)[op], "__isabstractmethod__", False):
+            coverage[op] = "missing"
+        elif owner.__module__.startswith("deepinfer.core.native"):
+            coverage[op] = "native"
+        else:
+            coverage[op] = owner.__module__
+    return coverage
+
+
+def _caps_dict(caps) -> dict:
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v if isinstance(v, (bool, int, float, str, type(None))) else str(v).removeprefix("torch.")
+
+    return {f.name: plain(getattr(caps, f.name)) for f in dataclasses.fields(caps)}
+
+
+def describe(probed) -> dict:
+    """Everything `deepinfer backends` reports about one probed backend."""
+    from deepinfer.core.registry import load_backend_class
+
+    info = probed.info
+    entry = {
+        "name": info.name,
+        "device_type": info.device_type,
+        "priority": info.priority,
+        "description": info.description,
+        "backend_class": info.backend_class,
+        "available": probed.available,
+        "reasons": list(probed.reasons),
+        "caps": None,
+        "op_coverage": None,
+    }
+    try:
+        cls = load_backend_class(info)
+    except Exception as exc:  # a broken plugin is reported, not fatal to the listing
+        entry["load_error"] = f"{type(exc).__name__}: {exc}"
+        return entry
+    entry["op_coverage"] = class_op_coverage(cls)
+    if probed.available:
+        try:
+            backend = cls()
+            entry["caps"] = _caps_dict(backend.caps)
+            entry["op_coverage"].update(backend.op_coverage() or {})
+        except Exception as exc:
+            entry["load_error"] = f"cannot construct {info.backend_class}: {type(exc).__name__}: {exc}"
+    return entry
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    from deepinfer.core.registry import default_registry
+
+    entries = [describe(p) for p in default_registry().probe_all()]
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    for e in entries:
+        state = "available" if e["available"] else "unavailable: " + "; ".join(e["reasons"])
+        print(f"{e['name']}  (device {e['device_type']}, priority {e['priority']}): {state}")
+        if e["description"]:
+            print(f"  {e['description']}")
+        print(f"  class: {e['backend_class']}")
+        if "load_error" in e:
+            print(f"  load error: {e['load_error']}")
+        if e["caps"] is not None:
+            caps = ", ".join(f"{k}={_fmt(v)}" for k, v in e["caps"].items())
+            print(f"  caps: {caps}")
+        if e["op_coverage"] is not None:
+            ops = ", ".join(f"{op}={how}" for op, how in e["op_coverage"].items())
+            print(f"  ops: {ops}")
+    if not entries:
+        print("no backends registered (is deepinfer installed? `pip install -e .`)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _fmt(v) -> str:
+    return "|".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from deepinfer.conformance import run_for_device
+    from deepinfer.core.registry import requested_device
+
+    report = run_for_device(requested_device(args.device), shapes=args.shapes)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format())
+    return 0 if report.ok else 1
