@@ -1,0 +1,127 @@
+"""MLA attention over the paged latent cache, in plain torch.
+
+The cache holds one entry per token: kv_c (kv_lora_rank, normed latent) ||
+k_pe (qk_rope_head_dim, RoPE applied). Two paths, chosen per request:
+
+- query_len > 1 (prefill, or a chunk of it on top of a cached prefix): naive
+  MHA. The request's whole context latent is gathered from its blocks and
+  up-projected with kv_b into per-head k_nope and v; the causal mask is offset
+  by context_len (query j sits at position context_len + j).
+- query_len == 1 (decode): absorbed. q_nope is folded through W_UK into the
+  latent space, scores are taken directly against the cached latents, and the
+  latent-space output is projected through W_UV. Same math, no per-token
+  up-projection of the context.
+
+All arithmetic is fp32 (the oracle); the output is cast to q's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.core.backend import MLAAttentionOp, MLASpec
+from deepinfer.core.native.kv_write import kv_cache_write
+from deepinfer.errors import BackendError
+
+if TYPE_CHECKING:
+    from deepinfer.core.forward_batch import ForwardBatch
+
+
+def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cache entries of one request, in token order: [seq_len, entry] (fp32)."""
+    block_size = kv_cache.shape[1]
+    nblocks = -(-seq_len // block_size)
+    blocks = block_row[:nblocks].to(torch.long)
+    if blocks.shape[0] < nblocks or bool((blocks < 0).any()) or bool((blocks >= kv_cache.shape[0]).any()):
+        raise BackendError(
+            f"block table row does not cover {seq_len} tokens with valid blocks: {block_row[:nblocks].tolist()}"
+        )
+    offsets = torch.arange(block_size, device=kv_cache.device)
+    slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
+    return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots).float()
+
+
+class NativeMLAAttention(MLAAttentionOp):
+    def __init__(self, spec: MLASpec):
+        super().__init__(spec)
+        self.w_uk: torch.Tensor | None = None  # [H, qk_nope, kv_lora_rank] fp32
+        self.w_uv: torch.Tensor | None = None  # [H, v_head, kv_lora_rank] fp32
+
+    def load_kv_b_proj(self, weight: torch.Tensor) -> None:
+        s = self.spec
+        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        if tuple(weight.shape) != expect:
+            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
+        w = weight.detach().float().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        self.w_uk = w[:, : s.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, s.qk_nope_head_dim :].contiguous()
+
+    # ------------------------------------------------------------ paths
+
+    def prefill(self, q: torch.Tensor, latent: torch.Tensor, context_len: int) -> torch.Tensor:
+        """q [Q, H, nope+rope] fp32, latent [S, L+R] fp32 -> [Q, H, v] fp32 (naive MHA, causal)."""
+        s = self.spec
+        lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
+        k_nope = torch.einsum("sl,hnl->hsn", lat, self.w_uk)
+        v = torch.einsum("sl,hvl->hsv", lat, self.w_uv)
+        q_nope, q_pe = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim :]
+        scores = torch.einsum("qhn,hsn->hqs", q_nope, k_nope) + torch.einsum("qhr,sr->hqs", q_pe, k_pe)
+        scores = scores * s.softmax_scale
+        qpos = context_len + torch.arange(q.shape[0], device=q.device)
+        kpos = torch.arange(latent.shape[0], device=q.device)
+        scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return torch.einsum("hqs,hsv->qhv", probs, v)
+
+    def decode(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """q [1, H, nope+rope] fp32, latent [S, L+R] fp32 -> [1, H, v] fp32 (absorbed)."""
+        s = self.spec
+        lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
+        q_nope, q_pe = q[0, :, : s.qk_nope_head_dim], q[0, :, s.qk_nope_head_dim :]
+        q_lat = torch.einsum("hn,hnl->hl", q_nope, self.w_uk)
+        scores = (q_lat @ lat.T + q_pe @ k_pe.T) * s.softmax_scale
+        out_lat = scores.softmax(dim=-1) @ lat
+        return torch.einsum("hl,hvl->hv", out_lat, self.w_uv)[None]
+
+    # ------------------------------------------------------------ layer
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: "ForwardBatch",
+        cache_name: str,
+    ) -> torch.Tensor:
+        s = self.spec
+        if self.w_uk is None:
+            raise BackendError("MLA forward before load_kv_b_proj")
+        t = q.shape[0]
+        if tuple(q.shape[1:]) != (s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim):
+            raise BackendError(f"MLA q has shape {tuple(q.shape)}, expected [T, {s.num_heads}, "
+                               f"{s.qk_nope_head_dim + s.qk_rope_head_dim}]")
+        if kv_cache.shape[-1] != s.cache_entry_dim:
+            raise BackendError(f"MLA cache entries are {kv_cache.shape[-1]} wide, expected {s.cache_entry_dim}")
+        if sum(batch.query_lens_cpu) != t:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {t} rows")
+        kv_cache_write(kv_cache, batch.slot_mapping[cache_name], torch.cat([kv_c, k_pe], dim=-1))
+        block_tables = batch.block_tables[cache_name]
+        out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=torch.float32, device=q.device)
+        start = 0
+        for i, qlen in enumerate(batch.query_lens_cpu):
+            if qlen == 0:
+                continue
+            ctx, seq = batch.context_lens_cpu[i], batch.seq_lens_cpu[i]
+            if seq != ctx + qlen:
+                raise BackendError(f"MLA: request {i} has seq_len {seq} != context_len {ctx} + query_len {qlen}")
+            latent = gather_context(kv_cache, block_tables[i], seq)
+            rows = q[start : start + qlen].float()
+            if qlen == 1:
+                out[start : start + 1] = self.decode(rows, latent)
+            else:
+                out[start : start + qlen] = self.prefill(rows, latent, ctx)
+            start += qlen
+        return out.reshape(t, s.num_heads * s.v_head_dim).to(q.dtype)

@@ -1,0 +1,80 @@
+"""Routed experts in plain torch: route -> per-expert SwiGLU -> weighted combine.
+
+Per-expert matmuls run in the activation dtype like HF's `DeepseekV3Experts`;
+the weighted sum over a token's experts accumulates in fp32 (HF accumulates in
+the activation dtype), then is cast back once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.core.backend import MoEOp, MoESpec
+from deepinfer.core.native.activation import silu_and_mul
+from deepinfer.core.native.routing import route as native_route
+from deepinfer.core.native.routing import validate_router
+from deepinfer.errors import BackendError
+
+RouteFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def experts_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t,k]; [T, D] in x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    top_k = topk_ids.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start : start + n]
+        start += n
+        tok = sel // top_k
+        h = silu_and_mul(F.linear(x[tok], w13[e]), swiglu_limit)
+        y = F.linear(h, w2[e]).float() * topk_weights.reshape(-1)[sel, None].float()
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+class NativeMoE(MoEOp):
+    """Dense per-expert loop; the reference for fused / grouped-GEMM MoE kernels."""
+
+    def __init__(self, spec: MoESpec, route_fn: RouteFn = native_route):
+        super().__init__(spec)
+        validate_router(spec.router)
+        self.route_fn = route_fn
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        e, d, i = self.spec.router.num_experts, self.spec.hidden_size, self.spec.intermediate_size
+        if tuple(w13.shape) != (e, 2 * i, d):
+            raise BackendError(f"MoE w13 has shape {tuple(w13.shape)}, expected {(e, 2 * i, d)}")
+        if tuple(w2.shape) != (e, d, i):
+            raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
+        self.w13, self.w2 = w13.contiguous(), w2.contiguous()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        tid2eid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE forward before load_experts")
+        weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
+        return experts_forward(x, self.w13, self.w2, weights, ids, self.spec.swiglu_limit)
