@@ -1,0 +1,52 @@
+"""Incremental detokenization: the text delta of each new token, never half a character.
+
+Byte-level BPE tokens can end in the middle of a UTF-8 character (a Chinese character is 3
+bytes, most emoji 4, and a token may hold only some of them). Decoding such a prefix yields
+U+FFFD, so while the decoded text ends with U+FFFD the delta is held back until a later token
+completes the character. Decoding always covers a few tokens before the new ones (prefix_offset)
+so tokenizers whose decoders depend on context (SentencePiece's leading-space rule) give the
+same text as decoding the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.core.tokenizer import Tokenizer
+
+# How many prompt tokens give the first generated tokens their decoding context.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        if skip_special_tokens:  # a skipped special token contributes no context
+            special = tokenizer.special_token_ids
+            context = [t for t in context if t not in special]
+        self._ids: list[int] = context
+        self._prefix_offset = 0  # _ids[prefix:read] were already emitted; decoded again for context
+        self._read_offset = len(context)
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the new text it completes ('' while held back)."""
+        self.token_ids.append(token_id)
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""  # nothing new yet, or an incomplete multi-byte character at the end
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,63 @@
+"""Logit penalties, vectorized over the rows that ask for them.
+
+Semantics follow the references users compare against:
+- repetition_penalty (CTRL paper, Hugging Face / vLLM): every token seen in the prompt or the
+  output so far has its logit divided by the penalty when positive, multiplied when negative;
+- frequency_penalty / presence_penalty (OpenAI API, vLLM): subtract `frequency * count` and
+  `presence * (count > 0)`, counting the OUTPUT tokens only.
+Repetition is applied first, then frequency and presence, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer.core.sampler import SamplingRow
+
+
+def _token_matrix(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """fp32 [len(lists), vocab] counts of each id per row (ids outside [0, vocab) cannot be drawn; skipped)."""
+    counts = torch.zeros(len(lists), vocab, dtype=torch.float32, device=device)
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    toks = [t for ids in lists for t in ids]
+    if toks:
+        r = torch.tensor(rows, dtype=torch.int64, device=device)
+        t = torch.tensor(toks, dtype=torch.int64, device=device)
+        ok = (t >= 0) & (t < vocab)
+        counts.index_put_((r[ok], t[ok]), torch.ones_like(t[ok], dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def needs_penalties(row: SamplingRow) -> bool:
+    p = row.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Return logits [N, V] with each row's penalties applied (rows without any are untouched)."""
+    idx = [i for i, r in enumerate(rows) if needs_penalties(r)]
+    if not idx:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    sub_rows = [rows[i] for i in idx]
+    index = torch.tensor(idx, dtype=torch.int64, device=device)
+    sub = logits.index_select(0, index)
+    out_counts = _token_matrix([r.output_token_ids for r in sub_rows], vocab, device)
+
+    rep = [float(r.params.repetition_penalty) for r in sub_rows]
+    if any(x != 1.0 for x in rep):
+        seen = (_token_matrix([r.prompt_token_ids for r in sub_rows], vocab, device) > 0) | (out_counts > 0)
+        rep_t = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1)
+        penalized = torch.where(sub > 0, sub / rep_t, sub * rep_t)
+        sub = torch.where(seen, penalized, sub)
+
+    freq = torch.tensor([float(r.params.frequency_penalty) for r in sub_rows], dtype=logits.dtype, device=device)
+    pres = torch.tensor([float(r.params.presence_penalty) for r in sub_rows], dtype=logits.dtype, device=device)
+    sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+
+    logits = logits.clone()
+    logits.index_copy_(0, index, sub)
+    return logits

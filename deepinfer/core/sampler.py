@@ -1,0 +1,170 @@
+"""The sampler: penalties -> temperature -> top-k -> top-p -> min-p -> a counter-based draw.
+
+Batch invariance: every step is row-wise (per-row parameters broadcast as [N, 1] tensors), and
+the draw is Gumbel-max with uniforms from rng.py keyed by (seed, position, token id):
+    token = argmax_i( log p_i - log(-log u_i) ),  u_i = U(seed, position, i)
+which picks token i with probability exactly p_i, and uses no generator state, so a seeded row
+gets the same token whatever else is in its batch (and after preemption and recompute).
+
+Logprobs: the log-softmax of the logits after penalties and temperature, before top-k / top-p /
+min-p (a truncated distribution would give -inf to most candidates). Greedy rows use
+temperature 1 for their logprobs. vLLM by default returns the raw model logprobs instead; we
+return the distribution the request actually sampled from (modulo truncation), which is what
+OpenAI documents for its logprobs and what Logprob's docstring in outputs.py promises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.penalties import apply_penalties
+from deepinfer.core.rng import row_keys_tensor, uniform_tensor
+from deepinfer.errors import DeepInferError
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+# Rows per chunk of the Gumbel draw, so the fp64 noise stays ~64 MiB whatever the batch.
+_DRAW_ELEMS = 1 << 23
+
+
+@dataclass
+class SamplingRow:
+    """One token to draw. position = absolute position of that token (len(prompt) + len(output))."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int
+    position: int
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]  # per row: chosen token first, then the top-k
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p remove; per-row parameters [N].
+
+    top_k >= V, top_p >= 1 and min_p <= 0 switch a filter off for that row. Top-k keeps ties at
+    the k-th value (as Hugging Face and vLLM do). Top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches p (at least one token). Min-p removes tokens whose
+    probability is below min_p times the largest one.
+    """
+    n, vocab = logits.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+        kth = sorted_vals.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
+        keep = sorted_vals >= kth
+        probs = torch.where(keep, sorted_vals, neg_inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= (mass_before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1)
+        keep[:, 0] = True
+        keep_orig = torch.empty_like(keep).scatter_(1, sorted_idx, keep)
+        logits = torch.where(keep_orig, logits, neg_inf)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = torch.where(probs < threshold, neg_inf, logits)
+    return logits
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """int64 [N]: a draw from softmax(logits) per row, keyed by (seed, position) only."""
+    n, vocab = logits.shape
+    keys = row_keys_tensor(seeds, positions, logits.device)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    step = max(1, _DRAW_ELEMS // max(vocab, 1))
+    for s in range(0, n, step):
+        u = uniform_tensor(keys[s : s + step], vocab)
+        gumbel = -torch.log(-torch.log(u))
+        out[s : s + step] = (logits[s : s + step].to(torch.float64) + gumbel).argmax(dim=-1)
+    return out
+
+
+class Sampler:
+    """Draws one token per row of logits [N, V>=vocab_size]; ids >= vocab_size are never drawn."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id  # masked (with stop_token_ids) while output < min_tokens
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise DeepInferError(
+                f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows and vocab_size "
+                f"{self.vocab_size}; expected [{len(rows)}, >= {self.vocab_size}]"
+            )
+        if not rows:
+            return SamplerOutput([], [])
+        logits = logits[:, : self.vocab_size].float()
+        logits = self._mask_min_tokens(logits, rows)
+        logits = apply_penalties(logits, rows)
+        device = logits.device
+
+        temps = [0.0 if r.params.greedy else float(r.params.temperature) for r in rows]
+        chosen = logits.argmax(dim=-1)  # greedy rows: lowest index on ties
+        sampled = [i for i, t in enumerate(temps) if t > 0]
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.int64, device=device)
+            srows = [rows[i] for i in sampled]
+            t = torch.tensor([temps[i] for i in sampled], dtype=torch.float32, device=device)
+            vocab = logits.shape[1]
+            top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in srows], device=device)
+            top_p = torch.tensor([float(r.params.top_p) for r in srows], dtype=torch.float32, device=device)
+            min_p = torch.tensor([float(r.params.min_p) for r in srows], dtype=torch.float32, device=device)
+            scaled = logits.index_select(0, idx) / t.unsqueeze(1)
+            filtered = filter_logits(scaled, top_k, top_p, min_p)
+            drawn = gumbel_argmax(filtered, [r.seed for r in srows], [r.position for r in srows])
+            chosen = chosen.index_copy(0, idx, drawn)
+
+        logprobs = self._logprobs(logits, rows, temps, chosen)
+        return SamplerOutput(chosen.tolist(), logprobs)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Before min_tokens outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be drawn."""
+        pairs = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = set(r.params.stop_token_ids)
+                if self.eos_token_id is not None and not r.params.ignore_eos:
+                    banned.add(self.eos_token_id)
+                pairs.extend((i, t) for t in banned if 0 <= t < logits.shape[1])
+        if not pairs:
+            return logits
+        logits = logits.clone()
+        r_idx, t_idx = zip(*pairs)
+        logits[list(r_idx), list(t_idx)] = float("-inf")
+        return logits
+
+    def _logprobs(
+        self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float], chosen: torch.Tensor
+    ) -> list[dict[int, Logprob] | None]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[dict[int, Logprob] | None] = [None] * len(rows)
+        if not want:
+            return result
+        device = logits.device
+        idx = torch.tensor(want, dtype=torch.int64, device=device)
+        t = torch.tensor([temps[i] if temps[i] > 0 else 1.0 for i in want], dtype=torch.float32, device=device)
+        lp = torch.log_softmax(logits.index_select(0, idx) / t.unsqueeze(1), dim=-1)
+        tok = chosen.index_select(0, idx)
+        tok_lp = lp.gather(1, tok.unsqueeze(1))
+        ranks = (lp > tok_lp).sum(dim=-1) + 1
+        k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
+        top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        tok_l, tok_lp_l, ranks_l = tok.tolist(), tok_lp.squeeze(1).tolist(), ranks.tolist()
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(want):
+            entry = {tok_l[j]: Logprob(tok_l[j], tok_lp_l[j], rank=ranks_l[j])}
+            for r, (tid, val) in enumerate(zip(top_ids_l[j], top_vals_l[j])):
+                if r >= rows[i].params.logprobs:
+                    break
+                if tid not in entry:
+                    entry[tid] = Logprob(tid, val, rank=r + 1)
+            result[i] = entry
+        return result
