@@ -35,24 +35,41 @@ def add_parser(subparsers) -> None:
     c.set_defaults(run=run_check)
 
 
-def _op_names() -> list[str]:
+# method of the Backend contract -> op name(s) used by op_coverage() and the conformance suite
+_METHOD_OPS = {"make_mla_attention": "mla_attention", "make_moe": "moe", "linear_method": "linear"}
+
+
+def _op_methods() -> list[str]:
     from deepinfer.core.backend import Backend
 
     return sorted(n for n in Backend.__abstractmethods__ if n not in ("caps", "device"))
 
 
 def class_op_coverage(cls: type) -> dict[str, str]:
-    """op -> "native" (deepinfer.core.native) or the module of the class that overrides it."""
+    """op -> "native" (inherited from deepinfer.core.native), the module of the class that
+    overrides it, or "missing"; read from the class alone, nothing is constructed."""
     coverage = {}
-    for op in _op_names():
-        owner = next((k for k in cls.__mro__ if op in vars(k)), None)
-        if owner is None or getattr(vars(owner)[op], "__isabstractmethod__", False):
-            coverage[op] = "missing"
+    for method in _op_methods():
+        owner = next((k for k in cls.__mro__ if method in vars(k)), None)
+        if owner is None or getattr(vars(owner)[method], "__isabstractmethod__", False):
+            how = "missing"
         elif owner.__module__.startswith("deepinfer.core.native"):
-            coverage[op] = "native"
+            how = "native"
         else:
-            coverage[op] = owner.__module__
+            how = owner.__module__
+        coverage[_METHOD_OPS.get(method, method)] = how
     return coverage
+
+
+def merge_coverage(from_class: dict[str, str], from_instance: dict[str, str]) -> dict[str, str]:
+    """The backend's own report, corrected where the class overrides an op it still calls native."""
+    merged = dict(from_instance) or dict(from_class)
+    for op, how in from_class.items():
+        keys = [k for k in merged if k == op or k.startswith(op + ":")] or [op]
+        for k in keys:
+            if how != "native" and merged.get(k, "native") == "native":
+                merged[k] = how
+    return merged
 
 
 def _caps_dict(caps) -> dict:
@@ -90,7 +107,7 @@ def describe(probed) -> dict:
         try:
             backend = cls()
             entry["caps"] = _caps_dict(backend.caps)
-            entry["op_coverage"].update(backend.op_coverage() or {})
+            entry["op_coverage"] = merge_coverage(entry["op_coverage"], backend.op_coverage() or {})
         except Exception as exc:
             entry["load_error"] = f"cannot construct {info.backend_class}: {type(exc).__name__}: {exc}"
     return entry
