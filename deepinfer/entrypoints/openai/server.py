@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine)` and `run_server(args)`.
+
+    python -m deepinfer.entrypoints.openai.server MODEL_PATH --port 8000
+    deepinfer serve MODEL_PATH --port 8000          (the CLI calls run_server)
+
+FastAPI handles routing and validation; one AsyncEngine thread drives the
+engine for all requests. A pure-ASGI guard in front of the app enforces the
+API key and the body-size limit before any body is parsed and counts every
+response by status for /metrics (the soak test reads the 5xx count there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import socket
+import sys
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import deepinfer
+from deepinfer.errors import DeepInferError
+from deepinfer.entrypoints.openai.async_engine import AsyncEngine
+from deepinfer.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from deepinfer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deepinfer.entrypoints.openai.serving_chat import ChatHandler
+from deepinfer.entrypoints.openai.serving_common import ServerState
+from deepinfer.entrypoints.openai.serving_completions import CompletionsHandler
+
+logger = logging.getLogger("deepinfer.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/version", "/metrics"}
+
+
+class _Guard:
+    """ASGI middleware: API key on /v1/*, body-size limit (413), response counting by status."""
+
+    def __init__(self, app, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.metrics = metrics
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = None
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        async def answer(err: OpenAIError):
+            await err.response()(scope, receive, counted_send)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1") and not self._authorized(scope):
+                return await answer(
+                    OpenAIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                "authentication_error", None, "invalid_api_key")
+                )
+            replay = await self._read_body(scope, receive)
+            if replay is None:
+                return await answer(
+                    OpenAIError(413, f"request body exceeds {self.max_body_bytes} bytes", "invalid_request_error",
+                                "body", "request_too_large")
+                )
+            await self.app(scope, replay, counted_send)
+        except Exception:
+            if status is None:
+                status = 500
+            raise
+        finally:
+            self.metrics.on_response(endpoint, status if status is not None else 499)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    async def _read_body(self, scope, receive):
+        """Buffer the body up to the limit; a receive() that replays it, or None when it is too large."""
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                return None
+        if scope.get("method") in ("GET", "HEAD"):
+            return receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive  # disconnected mid-body; let the app see it
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return replay
+
+
+def build_app(
+    engine,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_path: str | None = None,
+) -> FastAPI:
+    """A FastAPI app serving `engine` (a DeepInferenceEngine); the engine loop runs during the app's lifespan."""
+    metrics = ServerMetrics()
+    if max_waiting_requests is None:
+        max_waiting_requests = getattr(getattr(engine, "config", None), "max_waiting_requests", None)
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
+    metrics.attach(async_engine)
+    names = served_model_name if isinstance(served_model_name, list) else [served_model_name or engine.model_name]
+    state = ServerState(
+        async_engine=async_engine,
+        tokenizer=engine.tokenizer,
+        served_model_names=names,
+        max_model_len=engine.max_model_len,
+        model_path=model_path or getattr(getattr(engine, "config", None), "model_name_or_path", None),
+    )
+    completions, chat = CompletionsHandler(state), ChatHandler(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="DeepInfer", version=deepinfer.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.deepinfer = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.running:
+            return JSONResponse({"status": "unhealthy", "reason": repr(async_engine.dead)}, status_code=503)
+        return {"status": "draining" if async_engine.draining else "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": deepinfer.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=n, root=state.model_path, max_model_len=state.max_model_len) for n in names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request):
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        return await chat.create(body, raw)
+
+    app.add_middleware(_Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `serve` flags (engine flags from cli_args plus the server's own)."""
+    from deepinfer.entrypoints.cli_args import add_engine_args
+
+    add_engine_args(parser)
+    h = parser.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
+    h.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
+    h.add_argument("--api-key", default=None, help="require this bearer token (default: $DEEPINFER_API_KEY)")
+    h.add_argument("--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 503")
+    h.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    h.add_argument("--drain-timeout", type=float, default=None, help="seconds SIGTERM waits for in-flight requests")
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, print what was loaded and where, serve until SIGTERM / SIGINT, drain, exit 0."""
+    import uvicorn
+
+    from deepinfer.engine import DeepInferenceEngine
+    from deepinfer.entrypoints.cli_args import engine_config_from_args
+
+    log_level = getattr(args, "log_level", "info")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = getattr(args, "api_key", None) or os.environ.get("DEEPINFER_API_KEY") or None
+    host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)
+
+    engine = DeepInferenceEngine.from_config(engine_config_from_args(args))
+    app = build_app(
+        engine,
+        served_model_name=getattr(args, "served_model_name", None),
+        api_key=api_key,
+        max_waiting_requests=getattr(args, "max_waiting_requests", None),
+        max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+        model_path=args.model,
+    )
+    state: ServerState = app.state.deepinfer
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    url = f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
+    stats = engine.stats()
+    print(
+        f"DeepInfer {deepinfer.__version__}: loaded {args.model} as {state.served_model_names[0]!r}\n"
+        f"  backend: {engine.backend_name}   max_model_len: {engine.max_model_len}\n"
+        f"  KV cache: {stats.kv_capacity_tokens} tokens ({stats.kv_blocks_total} blocks)\n"
+        f"  API key: {'required' if api_key else 'none'}\n"
+        f"  serving on {url}  (OpenAI API at {url}/v1)",
+        flush=True,
+    )
+    async_engine = state.async_engine
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # first signal: stop taking requests, let in-flight ones finish
+            if not async_engine.draining:
+                async_engine.draining = True
+                print(f"signal {sig}: draining {async_engine.num_in_flight} in-flight requests, then exiting", flush=True)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=getattr(args, "drain_timeout", None),
+        lifespan="on",
+    )
+    _Server(config).run(sockets=[sock])
+    print("server stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="deepinfer-serve", description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except DeepInferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

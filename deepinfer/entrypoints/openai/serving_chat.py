@@ -1,0 +1,176 @@
+"""POST /v1/chat/completions: messages -> chat template -> one engine request with n sequences."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deepinfer.entrypoints.openai.async_engine import EngineStepError
+from deepinfer.entrypoints.openai.errors import bad_request, internal_error
+from deepinfer.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from deepinfer.entrypoints.openai.serving_common import (
+    DeltaTracker,
+    ServerState,
+    build_sampling_params,
+    check_prompt_ids,
+    chosen_logprob,
+    collect,
+    new_id,
+    run_until_disconnect,
+    sse,
+    stream_error_event,
+    submit_all,
+    top_entries,
+)
+
+
+def _token_logprob(state: ServerState, token_id: int, logprob: float | None) -> dict:
+    text = state.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        entry = entry or {}
+        top = [TopLogprob(**_token_logprob(state, e.token_id, e.logprob)) for e in top_entries(entry, k)]
+        chosen = chosen_logprob(entry, tid)
+        content.append(ChatTokenLogprob(**_token_logprob(state, tid, chosen if chosen is not None else float("-inf")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise bad_request("messages must hold at least one message", "messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.role in ("user", "system", "developer") and m.content is None:
+                raise bad_request(f"messages[{i}].content is required for role {m.role}", "messages")
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        try:
+            text = self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # a template that raises (jinja2 `raise_exception`) rejects the conversation
+            raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+        return self.state.tokenizer.encode(text)  # BOS added once, as engine.chat does
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        state = self.state
+        model = state.check_model(req.model)
+        if req.tools:
+            raise bad_request("tools are not supported by DeepInfer", "tools", "unsupported_parameter")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(
+                f"response_format {req.response_format.type!r} is not supported by DeepInfer (only 'text')",
+                "response_format",
+                "unsupported_parameter",
+            )
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        rename = {"max_tokens": max_param, "logprobs": "top_logprobs"}
+        params = build_sampling_params(req, max_tokens, logprobs, rename)
+        prompt_ids = self._prompt_ids(req)
+        check_prompt_ids(state, prompt_ids, max_tokens, "messages", max_param)
+        request_id = new_id("chatcmpl")
+        handles = await submit_all(state, request_id, [prompt_ids], params, rename)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            body = self._stream(request_id, model, handles[0], len(prompt_ids), logprobs, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            final = await run_until_disconnect(raw, collect(handles[0]))
+        except EngineStepError as exc:
+            raise internal_error(str(exc)) from None
+        return JSONResponse(self._response(request_id, model, final, logprobs).model_dump())
+
+    def _response(self, request_id, model, out, logprobs: int | None) -> ChatCompletionResponse:
+        choices, completion_tokens = [], 0
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            lp = _logprobs(self.state, c.token_ids, c.logprobs or [], logprobs) if logprobs is not None else None
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=lp,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        prompt_tokens = len(out.prompt_token_ids)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        )
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, request_id, model, handle, prompt_tokens: int, logprobs: int | None, include_usage: bool):
+        created = int(time.time())
+        trackers: dict[int, DeltaTracker] = {}
+        completion_tokens = 0
+
+        def chunk(choices, usage=None) -> str:
+            data = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage).model_dump()
+            if not include_usage:
+                data.pop("usage")
+            return sse(data)
+
+        try:
+            async for out in handle.outputs():
+                choices = []
+                for c in out.outputs:
+                    tracker = trackers.get(c.index)
+                    if tracker is None:  # first chunk of a choice carries the role, as OpenAI does
+                        tracker = trackers[c.index] = DeltaTracker()
+                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+                    if tracker.finished:
+                        continue
+                    text, tokens, entries = tracker.delta(c)
+                    if not text and not tokens and not c.finished:
+                        continue
+                    tracker.finished = c.finished
+                    if c.finished:
+                        completion_tokens += len(c.token_ids)
+                    lp = _logprobs(self.state, tokens, entries, logprobs) if logprobs is not None else None
+                    choices.append(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=text) if text or not c.finished else DeltaMessage(),
+                            logprobs=lp,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
+                yield chunk([], usage)
+        except Exception as exc:
+            yield stream_error_event(exc)
+        yield sse("[DONE]")

@@ -1,0 +1,256 @@
+"""What the completions and chat handlers share: request -> SamplingParams,
+prompt checks, submitting to the engine loop, output deltas, logprobs, SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from deepinfer.entrypoints.openai.async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestHandle,
+)
+from deepinfer.entrypoints.openai.errors import OpenAIError, bad_request, from_invalid_request, internal_error, overloaded
+from deepinfer.errors import InvalidRequestError
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs, built once by build_app."""
+
+    async_engine: AsyncEngine
+    tokenizer: object
+    served_model_names: list[str]
+    max_model_len: int
+    model_path: str | None = None
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; 404 for a name this server does not serve."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {self.served_model_names}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return model
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; its validation errors become 400s naming the request's field."""
+    kwargs = dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by DeepInfer", "logit_bias", "unsupported_parameter")
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        raise from_invalid_request(exc, rename) from None
+
+
+def check_prompt_ids(state: ServerState, ids: list[int], max_tokens: int | None, prompt_param: str, max_param: str) -> None:
+    """400 when the prompt is empty, holds unknown ids, or prompt + max_tokens exceeds the context."""
+    if not ids:
+        raise bad_request(f"{prompt_param} must not be empty", prompt_param)
+    vocab = getattr(state.tokenizer, "vocab_size", None)
+    if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+        raise bad_request(f"{prompt_param} holds token ids outside [0, {vocab})", prompt_param)
+    limit = state.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but the prompt ({prompt_param}) has "
+            f"{len(ids)} tokens; reduce its length",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is not None and len(ids) + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but {len(ids) + max_tokens} were requested "
+            f"({len(ids)} in the prompt, {max_tokens} in {max_param}); reduce {max_param} or the prompt",
+            max_param,
+            "context_length_exceeded",
+        )
+
+
+async def submit(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams, rename) -> RequestHandle:
+    """add_request with its failures mapped to status codes."""
+    try:
+        return await state.async_engine.add_request(request_id, prompt_ids, params)
+    except InvalidRequestError as exc:
+        raise from_invalid_request(exc, rename) from None
+    except QueueFullError as exc:
+        raise overloaded(str(exc)) from None
+    except EngineStoppedError as exc:
+        raise overloaded(str(exc), retry_after_s=5) from None
+
+
+async def submit_all(state: ServerState, base_id: str, prompts: list[list[int]], params, rename) -> list[RequestHandle]:
+    """Submit every prompt; if one is refused, abort the ones already queued."""
+    handles: list[RequestHandle] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            handles.append(await submit(state, rid, ids, params, rename))
+    except BaseException:
+        for h in handles:
+            h.abort()
+        raise
+    return handles
+
+
+async def collect(handle: RequestHandle) -> RequestOutput:
+    """Run one request to completion (non-streaming)."""
+    last = None
+    async for out in handle.outputs():
+        last = out
+    return last
+
+
+async def run_until_disconnect(request: Request, coro):
+    """Await `coro`, cancelling it (and so aborting its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise OpenAIError(499, "client disconnected", "invalid_request_error", None, "client_disconnected")
+    return task.result()
+
+
+async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests as (prompt index, output)."""
+    if len(handles) == 1:
+        async for out in handles[0].outputs():
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle):
+        try:
+            async for out in h.outputs():
+                await queue.put((i, out))
+        except BaseException as exc:
+            await queue.put((i, exc))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            h.abort()
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative CompletionOutputs into deltas (text, new token ids, new logprobs)."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    num_logprobs: int = 0
+    finished: bool = False
+
+    def delta(self, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]]:
+        text = out.text[self.text_len :]
+        self.text_len = len(out.text)
+        tokens = out.token_ids[self.num_tokens :]
+        self.num_tokens = len(out.token_ids)
+        logprobs = []
+        if out.logprobs is not None:
+            logprobs = out.logprobs[self.num_logprobs :]
+            self.num_logprobs = len(out.logprobs)
+        return text, tokens, logprobs
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely candidates (the chosen token is added by the sampler when outside the top k)."""
+    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:k]
+
+
+def chosen_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
+    lp = entry.get(token_id)
+    return None if lp is None else lp.logprob
+
+
+def sse(payload) -> str:
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"
+
+
+def stream_error_event(exc: BaseException) -> str:
+    """An error that happens after the stream started cannot change the status: send it as an event."""
+    if isinstance(exc, OpenAIError):
+        err = exc
+    elif isinstance(exc, (EngineStepError, EngineStoppedError)):
+        err = internal_error(str(exc))
+    else:
+        logger.exception("error while streaming", exc_info=exc)
+        err = internal_error()
+    return sse(err.body())
+

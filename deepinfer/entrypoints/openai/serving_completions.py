@@ -1,0 +1,172 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> completions, streamed or not."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deepinfer.entrypoints.openai.async_engine import EngineStepError
+from deepinfer.entrypoints.openai.errors import bad_request, internal_error
+from deepinfer.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from deepinfer.entrypoints.openai.serving_common import (
+    DeltaTracker,
+    ServerState,
+    build_sampling_params,
+    check_prompt_ids,
+    chosen_logprob,
+    collect,
+    merge,
+    new_id,
+    run_until_disconnect,
+    sse,
+    stream_error_event,
+    submit_all,
+    top_entries,
+)
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """Normalise the four prompt forms to token-id lists (tokenized as engine.generate does)."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        return [state.tokenizer.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+def _logprobs(state: ServerState, token_ids, entries, k: int, offset: int) -> tuple[CompletionLogprobs, int]:
+    lp = CompletionLogprobs()
+    for tid, entry in zip(token_ids, entries):
+        text = state.token_text(tid)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(chosen_logprob(entry, tid) if entry else None)
+        lp.top_logprobs.append({state.token_text(e.token_id): e.logprob for e in top_entries(entry, k)} if entry else None)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp, offset
+
+
+class CompletionsHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        state = self.state
+        model = state.check_model(req.model)
+        if req.echo:
+            raise bad_request("echo is not supported by DeepInfer", "echo", "unsupported_parameter")
+        if req.suffix:
+            raise bad_request("suffix is not supported by DeepInfer", "suffix", "unsupported_parameter")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported by DeepInfer", "best_of", "unsupported_parameter")
+        params = build_sampling_params(req, req.max_tokens, req.logprobs, {})
+        prompts = _prompt_ids(state, req.prompt)
+        for ids in prompts:
+            check_prompt_ids(state, ids, req.max_tokens, "prompt", "max_tokens")
+        request_id = new_id("cmpl")
+        handles = await submit_all(state, request_id, prompts, params, {})
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            body = self._stream(request_id, model, handles, prompts, req, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            finals = await run_until_disconnect(raw, self._collect_all(handles))
+        except EngineStepError as exc:
+            raise internal_error(str(exc)) from None
+        return JSONResponse(self._response(request_id, model, finals, req).model_dump())
+
+    @staticmethod
+    async def _collect_all(handles):
+        import asyncio
+
+        try:
+            return await asyncio.gather(*(collect(h) for h in handles))
+        finally:
+            for h in handles:
+                h.abort()
+
+    def _response(self, request_id, model, finals, req: CompletionRequest) -> CompletionResponse:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp, _ = _logprobs(self.state, c.token_ids, c.logprobs or [], req.logprobs, 0)
+                choices.append(
+                    CompletionChoice(
+                        index=p * req.n + c.index,
+                        text=c.text,
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda ch: ch.index)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        )
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, request_id, model, handles, prompts, req: CompletionRequest, include_usage: bool):
+        created = int(time.time())
+        trackers: dict[int, DeltaTracker] = {}
+        offsets: dict[int, int] = {}
+        completion_tokens = 0
+
+        def chunk(choices, usage=None) -> str:
+            c = CompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+            data = c.model_dump(exclude_none=False)
+            if not include_usage:
+                data.pop("usage")
+            return sse(data)
+
+        try:
+            async for p, out in merge(handles):
+                choices = []
+                for c in out.outputs:
+                    index = p * req.n + c.index
+                    tracker = trackers.setdefault(index, DeltaTracker())
+                    if tracker.finished:
+                        continue
+                    text, tokens, entries = tracker.delta(c)
+                    if not text and not tokens and not c.finished:
+                        continue
+                    lp = None
+                    if req.logprobs is not None:
+                        lp, offsets[index] = _logprobs(self.state, tokens, entries, req.logprobs, offsets.get(index, 0))
+                    tracker.finished = c.finished
+                    if c.finished:
+                        completion_tokens += len(c.token_ids)
+                    choices.append(
+                        CompletionChoice(
+                            index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                        )
+                    )
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                prompt_tokens = sum(len(ids) for ids in prompts)
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
+                yield chunk([], usage)
+        except Exception as exc:  # after the 200 went out: report in-band, then end the stream
+            yield stream_error_event(exc)
+        yield sse("[DONE]")
