@@ -1,0 +1,169 @@
+"""`NvidiaBackend`: NativeOps with the hot path overridden by Triton and CUDA C++ kernels.
+
+Built on a CUDA device normally. With TRITON_INTERPRET=1 it can also be built
+on the CPU (`NvidiaBackend(device="cpu")`), so CI runs the same Triton
+kernels through the interpreter at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deepinfer.core.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, RouterSpec
+from deepinfer.core.native import NativeOps
+from deepinfer.core.native.routing import validate_router
+from deepinfer.errors import BackendError
+
+KV_BLOCK_SIZES = (64, 16, 32, 128)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class NvidiaBackend(NativeOps, Backend):
+    """Triton kernels for norm / RoPE / KV write / SiLU / routing / MoE / MLA; cuBLAS linears.
+
+    `use_cuda_ext`: run the CUDA C++ routing / alignment kernels from csrc/cuda
+    (compiled on first use); None picks them when a CUDA compiler is present
+    and the device is a GPU.
+    """
+
+    name = "nvidia"
+
+    def __init__(self, device: str | torch.device | None = None, use_cuda_ext: bool | None = None) -> None:
+        dev = torch.device(device if device is not None else ("cpu" if _interpreting() and not
+                                                              torch.cuda.is_available() else "cuda"))
+        if dev.type == "cpu":
+            if not _interpreting():
+                raise BackendError("NvidiaBackend on the CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
+            self._device = dev
+            cc = (0, 0)
+        elif dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BackendError("NvidiaBackend: torch sees no CUDA device")
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            self._device = torch.device("cuda", index)
+            cc = torch.cuda.get_device_capability(index)
+            if cc < (8, 0):
+                raise BackendError(f"NvidiaBackend needs compute capability >= 8.0, found {cc[0]}.{cc[1]}")
+        else:
+            raise BackendError(f"NvidiaBackend cannot run on device {str(dev)!r}")
+        on_gpu = self._device.type == "cuda"
+        self.compute_capability = cc
+        self._caps = BackendCaps(
+            device_type="cuda" if on_gpu else "cpu",
+            dtypes=(torch.bfloat16, torch.float16, torch.float32),
+            kv_block_sizes=KV_BLOCK_SIZES,
+            quant_schemes=("none", "fp8_block"),
+            model_types=("deepseek_v2", "deepseek_v3"),
+            batch_invariant=False,
+            graph_capture=on_gpu,
+            fp8=on_gpu and cc >= (8, 9),
+            fp4=on_gpu and cc >= (10, 0),
+            max_tensor_parallel_size=1,
+        )
+        self._cuda_ext = None
+        if use_cuda_ext is None:  # opt-in until measured faster (docs/performance.md)
+            use_cuda_ext = on_gpu and os.environ.get("DEEPINFER_NVIDIA_CUDA_EXT", "0") == "1"
+        if use_cuda_ext:
+            from deepinfer.backends.nvidia import cuda_ext
+
+            self._cuda_ext = cuda_ext.load()  # raises BackendError naming the missing compiler
+
+    @property
+    def caps(self) -> BackendCaps:
+        return self._caps
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def memory_info(self) -> tuple[int, int]:
+        if self._device.type != "cuda":  # interpreter mode: host memory
+            with open("/proc/meminfo") as f:
+                kb = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
+            return kb.get("MemAvailable", kb["MemFree"]) * 1024, kb["MemTotal"] * 1024
+        return torch.cuda.mem_get_info(self._device)
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    # ------------------------------------------------------------ small fused ops
+
+    def rms_norm(self, x, weight, eps):
+        from deepinfer.backends.nvidia.rmsnorm import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        from deepinfer.backends.nvidia.rmsnorm import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, interleaved):
+        from deepinfer.backends.nvidia.rope import rotary_embedding
+
+        return rotary_embedding(positions, q, k, cos_sin_cache, interleaved)
+
+    def silu_and_mul(self, x):
+        from deepinfer.backends.nvidia.activation import silu_and_mul
+
+        return silu_and_mul(x)
+
+    def kv_cache_write(self, cache, slot_mapping, values):
+        from deepinfer.backends.nvidia.kv_write import kv_cache_write
+
+        kv_cache_write(cache, slot_mapping, values)
+
+    def route(self, router_logits: torch.Tensor, spec: RouterSpec, correction_bias=None, token_ids=None,
+              tid2eid=None):
+        from deepinfer.backends.nvidia.moe import TRITON_SCORING, TRITON_TOPK
+
+        if spec.scoring_func not in TRITON_SCORING or spec.topk_method not in TRITON_TOPK:
+            return super().route(router_logits, spec, correction_bias, token_ids, tid2eid)  # V4: native
+        validate_router(spec)
+        if self._cuda_ext is not None and spec.topk_method != "greedy":
+            from deepinfer.backends.nvidia import cuda_ext
+
+            return cuda_ext.grouped_topk(self._cuda_ext, router_logits, spec, correction_bias)
+        from deepinfer.backends.nvidia.moe_routing import route
+
+        return route(router_logits, spec, correction_bias)
+
+    # ------------------------------------------------------------ layer ops
+
+    def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
+        from deepinfer.backends.nvidia.mla_attention import TritonMLAAttention
+
+        return TritonMLAAttention(spec)
+
+    def make_moe(self, spec: MoESpec) -> MoEOp:
+        from deepinfer.backends.nvidia.moe import TritonMoE, triton_moe_unsupported
+
+        if triton_moe_unsupported(spec):  # V4 routers / clamped SwiGLU: reported in op_coverage
+            return super().make_moe(spec)
+        align = None
+        if self._cuda_ext is not None:
+            from deepinfer.backends.nvidia import cuda_ext
+
+            align = cuda_ext.make_align(self._cuda_ext)
+        return TritonMoE(spec, route_fn=self.route, **({"align_fn": align} if align else {}))
+
+    def op_coverage(self) -> dict[str, str]:
+        cov = super().op_coverage()
+        for op in ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "kv_cache_write",
+                   "mla_attention"):
+            cov[op] = "triton"
+        ext = self._cuda_ext is not None
+        cov["route"] = ("cuda (grouped), triton (greedy)" if ext else "triton") + \
+            "; native for sqrtsoftplus/hash (V4)"
+        cov["moe"] = ("triton grouped GEMM + cuda align" if ext else "triton") + \
+            "; native for swiglu_limit/V4 routers"
+        for k in list(cov):
+            if k.startswith("linear:"):
+                cov[k] = "native (cuBLAS on GPU)"
+        return cov

@@ -1,0 +1,120 @@
+"""The MLA attention layer on NVIDIA: Triton KV write, prefill and absorbed decode.
+
+Decode rows (query_len == 1) fold q_nope through W_UK (one batched GEMM over
+heads), run the split-KV latent kernel over the paged cache, and project the
+latent output through W_UV. Prefill rows (query_len > 1, possibly on top of a
+cached prefix) gather their context latents, up-project them to per-head
+k_nope / v with two GEMMs, and run causal varlen flash attention. The same
+split as the torch-native oracle, so both are comparable request by request.
+
+A decode-only batch makes no host sync and allocates only fixed-size tensors
+per batch size, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.backends.nvidia.kv_write import kv_cache_write
+from deepinfer.backends.nvidia.mla_decode import mla_decode
+from deepinfer.backends.nvidia.prefill_attention import prefill_attention
+from deepinfer.core.backend import MLAAttentionOp, MLASpec
+from deepinfer.errors import BackendError
+
+if TYPE_CHECKING:
+    from deepinfer.core.forward_batch import ForwardBatch
+
+
+class TritonMLAAttention(MLAAttentionOp):
+    def __init__(self, spec: MLASpec):
+        super().__init__(spec)
+        self.w_uk: torch.Tensor | None = None  # [H, qk_nope, L]
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
+        self.w_uk_flat: torch.Tensor | None = None  # [H * qk_nope, L]
+        self.w_uv_flat: torch.Tensor | None = None  # [H * v, L]
+
+    def load_kv_b_proj(self, weight: torch.Tensor) -> None:
+        s = self.spec
+        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        if tuple(weight.shape) != expect:
+            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
+        w = weight.detach().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        self.w_uk = w[:, : s.qk_nope_head_dim].contiguous()
+        w_uv = w[:, s.qk_nope_head_dim :].contiguous()
+        self.w_uv_t = w_uv.transpose(1, 2).contiguous()
+        self.w_uk_flat = self.w_uk.reshape(-1, s.kv_lora_rank)
+        self.w_uv_flat = w_uv.reshape(-1, s.kv_lora_rank)
+
+    # ------------------------------------------------------------ paths
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor) -> torch.Tensor:
+        """q [B, H, nope+rope] -> [B, H, v] (absorbed, over the paged latent cache)."""
+        s = self.spec
+        q_nope = q[..., : s.qk_nope_head_dim].transpose(0, 1)  # [H, B, nope]
+        q_lat = torch.bmm(q_nope, self.w_uk.to(q.dtype)).transpose(0, 1)  # [B, H, L]
+        q_full = torch.cat([q_lat, q[..., s.qk_nope_head_dim :]], dim=-1)
+        o_lat = mla_decode(q_full, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale)
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.to(q.dtype)).transpose(0, 1)  # [B, H, v]
+
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                reqs: list[int], batch: "ForwardBatch") -> torch.Tensor:
+        """q [sum q_len, H, nope+rope] of the prefill requests `reqs` -> [.., H, v]."""
+        s = self.spec
+        dev = q.device
+        page = kv_cache.shape[1]
+        seqs = [batch.seq_lens_cpu[i] for i in reqs]
+        qlens = [batch.query_lens_cpu[i] for i in reqs]
+        for i, ql, sl in zip(reqs, qlens, seqs):
+            if sl != batch.context_lens_cpu[i] + ql:
+                raise BackendError(f"MLA: request {i} has seq_len {sl} != context_len + query_len {ql}")
+        req = torch.repeat_interleave(torch.tensor(reqs), torch.tensor(seqs)).to(dev)
+        pos = torch.cat([torch.arange(n) for n in seqs]).to(dev)
+        blocks = block_tables[req, pos // page].to(torch.int64)
+        latent = kv_cache.view(-1, s.cache_entry_dim).index_select(0, blocks * page + pos % page)
+        lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
+        tk = latent.shape[0]
+        k = torch.empty((tk, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim), dtype=q.dtype, device=dev)
+        k[..., : s.qk_nope_head_dim] = (lat @ self.w_uk_flat.to(q.dtype).t()).view(tk, s.num_heads, -1)
+        k[..., s.qk_nope_head_dim :] = k_pe[:, None, :]
+        v = (lat @ self.w_uv_flat.to(q.dtype).t()).view(tk, s.num_heads, s.v_head_dim)
+        cu_q = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *torch.tensor(seqs).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        return prefill_attention(q, k, v, cu_q, cu_k, max(qlens), s.softmax_scale)
+
+    # ------------------------------------------------------------ layer
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                batch: "ForwardBatch", cache_name: str) -> torch.Tensor:
+        s = self.spec
+        if self.w_uk is None:
+            raise BackendError("MLA forward before load_kv_b_proj")
+        t = q.shape[0]
+        if tuple(q.shape[1:]) != (s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim):
+            raise BackendError(f"MLA q has shape {tuple(q.shape)}, expected [T, {s.num_heads}, "
+                               f"{s.qk_nope_head_dim + s.qk_rope_head_dim}]")
+        if kv_cache.shape[-1] != s.cache_entry_dim:
+            raise BackendError(f"MLA cache entries are {kv_cache.shape[-1]} wide, expected {s.cache_entry_dim}")
+        qlens = batch.query_lens_cpu
+        if sum(qlens) != t:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(qlens)}, q has {t} rows")
+        kv_cache_write(kv_cache, batch.slot_mapping[cache_name], torch.cat([kv_c, k_pe], dim=-1))
+        tables = batch.block_tables[cache_name]
+        if all(n == 1 for n in qlens):  # decode-only: no host sync, graph-capturable
+            return self.decode(q, kv_cache, tables, batch.seq_lens).reshape(t, -1)
+        out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        pre = [i for i, n in enumerate(qlens) if n > 1]
+        if dec:
+            rows = torch.tensor([starts[i] for i in dec], device=q.device)
+            idx = torch.tensor(dec, device=q.device)
+            out[rows] = self.decode(q[rows], kv_cache, tables[idx], batch.seq_lens[idx])
+        if pre:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(q.device)
+            out[rows] = self.prefill(q[rows].contiguous(), kv_cache, tables, pre, batch)
+        return out.reshape(t, -1)

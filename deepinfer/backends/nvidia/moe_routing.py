@@ -1,0 +1,145 @@
+"""MoE routing in Triton plus the expert-sorted block layout the grouped GEMM reads.
+
+`route`: one program per token picks top_k experts for every DeepSeek
+router: softmax greedy (V2-Lite), softmax group-limited greedy (V2: group
+score = max), sigmoid noaux_tc (V3: selection on score + correction bias,
+group score = sum of the top two, weights from the unbiased score). Experts
+are laid out as a [groups, per_group] tile, so any group size works.
+
+`moe_align`: sorts the (token, slot) pairs by expert and pads every expert's
+run to a multiple of BLOCK_M, without a host sync, so it can be captured in
+a CUDA graph. The CUDA C++ twin lives in csrc/cuda/moe_align.cu.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SCORING = {"softmax": 0, "sigmoid": 1}
+_GROUPING = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, PER, scale,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORING: tl.constexpr, GROUPING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_P)
+    valid = (g[:, None] < G) & (c[None, :] < PER)
+    eid = g[:, None] * PER + c[None, :]
+    x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf")).to(tl.float32)
+    if SCORING == 0:
+        mx = tl.max(tl.max(x, 1), 0)
+        e = tl.where(valid, tl.exp(x - mx), 0.0)
+        score = e / tl.sum(tl.sum(e, 1), 0)
+    else:
+        score = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    sel = score
+    if HAS_BIAS:
+        sel = sel + tl.load(bias_ptr + eid, mask=valid, other=0.0).to(tl.float32)
+    sel = tl.where(valid, sel, float("-inf"))
+    if GROUPING != 0:
+        top1 = tl.max(sel, 1)
+        if GROUPING == 1:
+            gscore = top1
+        else:
+            first = tl.argmax(sel, 1)
+            rest = tl.where(c[None, :] == first[:, None], float("-inf"), sel)
+            gscore = top1 + tl.max(rest, 1)
+        gscore = tl.where(g < G, gscore, float("-inf"))
+        keep = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(tl.where(keep, float("-inf"), gscore), 0)
+            keep = keep | (g == gi)
+        sel = tl.where(keep[:, None], sel, float("-inf"))
+
+    flat_sel = tl.reshape(sel, (BLOCK_G * BLOCK_P,))
+    flat_score = tl.reshape(score, (BLOCK_G * BLOCK_P,))
+    flat_eid = tl.reshape(eid, (BLOCK_G * BLOCK_P,))
+    pos = tl.arange(0, BLOCK_G * BLOCK_P)
+    kk = tl.arange(0, BLOCK_K)
+    wv = tl.zeros([BLOCK_K], dtype=tl.float32)
+    iv = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(flat_sel, 0)
+        hit = pos == best
+        wv = tl.where(kk == j, tl.sum(tl.where(hit, flat_score, 0.0), 0), wv)
+        iv = tl.where(kk == j, tl.sum(tl.where(hit, flat_eid, 0), 0).to(tl.int64), iv)
+        flat_sel = tl.where(hit, float("-inf"), flat_sel)
+    if NORM:
+        wv = wv / (tl.sum(wv, 0) + 1e-20)
+    wv = wv * scale
+    kmask = kk < TOP_K
+    tl.store(w_ptr + row * TOP_K + kk, wv, mask=kmask)
+    tl.store(ids_ptr + row * TOP_K + kk, iv, mask=kmask)
+
+
+def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] fp32 with normalisation and routed_scaling_factor applied, topk_ids [T, k] int64)."""
+    from deepinfer.errors import BackendError
+
+    if spec.scoring_func not in _SCORING:
+        raise BackendError(f"triton route: scoring_func {spec.scoring_func!r} not implemented (softmax, sigmoid)")
+    if spec.topk_method not in _GROUPING:
+        raise BackendError(f"triton route: topk_method {spec.topk_method!r} not implemented")
+    T, E = router_logits.shape
+    if E != spec.num_experts:
+        raise BackendError(f"route: logits have {E} experts, spec says {spec.num_experts}")
+    grouping = _GROUPING[spec.topk_method]
+    groups = spec.n_group if grouping else 1
+    if E % groups:
+        raise BackendError(f"route: {E} experts do not split into {groups} groups")
+    if grouping == 2 and correction_bias is None:
+        raise BackendError("route: noaux_tc needs the e_score_correction_bias")
+    per = E // groups
+    logits = router_logits.float().contiguous()
+    weights = torch.empty((T, spec.top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, spec.top_k), dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    bias = correction_bias.float().contiguous() if correction_bias is not None else logits
+    _route_kernel[(T,)](
+        logits, bias, weights, ids, logits.stride(0), per, float(spec.routed_scaling_factor),
+        TOP_K=spec.top_k, BLOCK_K=triton.next_power_of_2(spec.top_k), G=groups,
+        BLOCK_G=triton.next_power_of_2(groups), BLOCK_P=triton.next_power_of_2(per),
+        TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=_SCORING[spec.scoring_func],
+        GROUPING=grouping, HAS_BIAS=correction_bias is not None,
+        NORM=bool(spec.norm_topk_prob and spec.top_k > 1), num_warps=4,
+    )
+    return weights, ids
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-sorted, block-padded layout of the T*k (token, slot) pairs.
+
+    Returns sorted_ids [T*k + E*(block_m-1)] (pair index, T*k marks padding),
+    expert_ids [that / block_m] (-1 for blocks past the end) and
+    num_padded [1] (int32). Sizes depend on T only: graph-capturable.
+    """
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    dev = flat.device
+    max_padded = n + num_experts * (block_m - 1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_exp = flat[order]
+    cnt_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=dev) - cnt_start[sorted_exp]
+    dest = pad_start[sorted_exp] + rank
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(max_padded // block_m, device=dev) * block_m
+    expert_ids = torch.searchsorted(pad_end, blocks, right=True).to(torch.int32)
+    total = pad_end[-1:]
+    expert_ids = torch.where(blocks < total, expert_ids, torch.full_like(expert_ids, -1))
+    return sorted_ids, expert_ids, total.to(torch.int32)
