@@ -1,0 +1,141 @@
+"""The `deepinfer` console script, driven as a user would: subprocesses, exit codes, stdout/stderr.
+
+User mistakes must exit with code 2 and one `deepinfer: error: ...` message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).parent / "deepinfer"
+
+
+def deepinfer(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run the installed console script (or the module, where the script is not on this interpreter)."""
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    full_env.update(env or {})
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, input=stdin, timeout=300)
+
+
+def assert_user_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "error:" in out.stderr
+    for needle in needles:
+        assert needle in out.stderr, (needle, out.stderr)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A tiny checkpoint written by `deepinfer make-checkpoint` itself."""
+    out_dir = tmp_path_factory.mktemp("cli") / "tiny-v2-lite"
+    out = deepinfer("make-checkpoint", "--preset", "tiny-v2-lite", str(out_dir), "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    return out_dir
+
+
+def test_console_script_is_installed():
+    assert SCRIPT.exists(), f"{SCRIPT} missing: is the package installed (pip install -e .)?"
+    out = deepinfer("--version")
+    assert out.returncode == 0 and out.stdout.startswith("deepinfer ")
+
+
+def test_backends_lists_cpu_with_caps_and_coverage():
+    out = deepinfer("backends", "--json")
+    assert out.returncode == 0, out.stderr
+    entries = {e["name"]: e for e in json.loads(out.stdout)}
+    cpu = entries["cpu"]
+    assert cpu["available"] and cpu["reasons"] == []
+    assert "float32" in cpu["caps"]["dtypes"]
+    assert cpu["op_coverage"]["mla_attention"] == "native"
+    for e in entries.values():  # every unavailable backend says why
+        assert e["available"] or e["reasons"]
+    text = deepinfer("backends")
+    assert text.returncode == 0 and "cpu" in text.stdout and "available" in text.stdout
+
+
+def test_make_checkpoint_list_and_bad_preset(tmp_path):
+    out = deepinfer("make-checkpoint", "--list")
+    assert out.returncode == 0, out.stderr
+    names = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    assert {"tiny-v2-lite", "tiny-v3-fp8", "v2-lite"} <= names
+    assert_user_error(deepinfer("make-checkpoint", "--preset", "nosuch", str(tmp_path / "x")), "nosuch", "tiny-v2-lite")
+
+
+def test_make_checkpoint_writes_hf_layout(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model_type"] in ("deepseek_v2", "deepseek_v3")
+    assert list(ckpt.glob("*.safetensors")) and (ckpt / "tokenizer.json").exists()
+    # refusing to overwrite a non-empty directory
+    assert_user_error(deepinfer("make-checkpoint", "--preset", "tiny-v2-lite", str(ckpt)), "already exists")
+
+
+def test_generate_matches_the_python_api(ckpt, tmp_path):
+    from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
+
+    prompts = ["Hello", "The quick brown fox jumps"]
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("\n".join(prompts) + "\n\n")
+    out = deepinfer(
+        "generate", str(ckpt), "--prompt-file", str(prompt_file), "--device", "cpu", "--dtype", "float32",
+        "--temperature", "0", "--max-tokens", "5", "--ignore-eos", "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+
+    engine = DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=str(ckpt), device="cpu", dtype="float32"))
+    ref = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    for row, r in zip(rows, ref):
+        assert row["outputs"][0]["token_ids"] == r.token_ids
+        assert row["outputs"][0]["text"] == r.text
+        assert row["outputs"][0]["finish_reason"] == "length"
+
+
+def test_generate_chat_and_plain_text_output(ckpt):
+    out = deepinfer("generate", str(ckpt), "Say hi", "--chat", "--temperature", "0", "--max-tokens", "3", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert "loaded" in out.stderr and "backend cpu" in out.stderr
+    out = deepinfer(
+        "generate", str(ckpt), "a", "--n", "2", "--temperature", "1", "--request-seed", "7", "--max-tokens", "3", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [o["index"] for o in row["outputs"]] == [0, 1]
+
+
+def test_device_env_var_and_bad_device(ckpt):
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--device", "nosuch"), "nosuch", "cpu")
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", env={"DEEPINFER_DEVICE": "nosuch"}), "nosuch")
+
+
+def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
+    missing = tmp_path / "no-such-model"
+    assert_user_error(deepinfer("generate", str(missing), "hi", "--device", "cpu"), str(missing))
+    assert_user_error(deepinfer("generate", str(ckpt), "--device", "cpu"), "no prompt")
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--temperature", "-1"), "temperature")
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--prompt-file", str(tmp_path / "none.txt")), "none.txt")
+    out = deepinfer("generate", str(ckpt), "hi", "--dtype", "float64")  # argparse choice error
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_check_cpu_passes():
+    out = deepinfer("check", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    json.loads(out.stdout)
+    assert_user_error(deepinfer("check", "--device", "nosuch"), "nosuch")
+
+
+def test_serve_flags():
+    out = deepinfer("serve", "--help")
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
+                 "--tensor-parallel-size", "--gpu-memory-utilization", "--enforce-eager", "--quantization", "--device"):
+        assert flag in out.stdout, flag
