@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
     add_engine_args(p)
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     h.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
     h.add_argument(
         "--api-key",
@@ -34,6 +34,8 @@ def add_parser(subparsers) -> None:
     h.add_argument(
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 503"
     )
+    h.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413")
+    h.add_argument("--drain-timeout", type=float, default=None, help="seconds SIGTERM waits for in-flight requests")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
