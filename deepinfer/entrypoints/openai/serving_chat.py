@@ -147,8 +147,8 @@ class ChatHandler:
                     if tracker.finished:
                         continue
                     text, tokens, entries = tracker.delta(c)
-                    if not text and not tokens and not c.finished:
-                        continue
+                    if not c.finished and not text and (not tokens or logprobs is None):
+                        continue  # nothing a client can see yet (e.g. half a UTF-8 character)
                     tracker.finished = c.finished
                     if c.finished:
                         completion_tokens += len(c.token_ids)

@@ -165,7 +165,8 @@ async def run_until_disconnect(request: Request, coro):
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
+            task.cancel()  # its finally blocks abort the engine requests
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         raise OpenAIError(499, "client disconnected", "invalid_request_error", None, "client_disconnected")
     return task.result()

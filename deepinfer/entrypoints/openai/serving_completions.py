@@ -144,8 +144,8 @@ class CompletionsHandler:
                     if tracker.finished:
                         continue
                     text, tokens, entries = tracker.delta(c)
-                    if not text and not tokens and not c.finished:
-                        continue
+                    if not c.finished and not text and (not tokens or req.logprobs is None):
+                        continue  # nothing a client can see yet (e.g. half a UTF-8 character)
                     lp = None
                     if req.logprobs is not None:
                         lp, offsets[index] = _logprobs(self.state, tokens, entries, req.logprobs, offsets.get(index, 0))
