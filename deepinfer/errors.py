@@ -31,3 +31,10 @@ class InvalidRequestError(DeepInferError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus requested tokens) does not fit in max_model_len."""
+
+
+class UnsupportedOpError(BackendError):
+    """A backend does not implement an op for these inputs (dtype, shape, variant).
+
+    The conformance suite reports it as coverage ("unsupported" with this message), not as a failure.
+    """
