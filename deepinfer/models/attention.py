@@ -1,0 +1,114 @@
+"""Multi-head latent attention (DeepSeek V2/V3): projections, latent norm and RoPE here; the backend's
+MLA op owns the KV-cache write and the prefill / decode attention over the paged latent cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.core.backend import Backend, MLASpec
+from deepinfer.core.forward_batch import ForwardBatch
+from deepinfer.core.kv_caches import KVCaches
+from deepinfer.core.native.rope import mla_softmax_scale
+from deepinfer.models.deepseek_config import DeepseekConfig
+from deepinfer.models.linear import Linear, Loader, MergedLinear
+from deepinfer.models.weights import tensor_loader
+
+MLA_CACHE = "mla"
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, backend: Backend, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        self.dtype = dtype
+        self.num_heads = H = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_nope = cfg.qk_nope_head_dim
+        self.qk_rope = cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.interleaved = cfg.rope_interleave
+        D, qk = cfg.hidden_size, cfg.qk_head_dim
+        quant = cfg.quantization == "fp8_block"
+        bias = cfg.attention_bias
+        kv_a_out = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is not None:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul
+            self.qkv_a_proj = MergedLinear(D, [cfg.q_lora_rank, kv_a_out], backend, dtype, biases=[bias, bias],
+                                           quantized=quant)
+            self.q_a_layernorm: torch.Tensor | None = None
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, backend, dtype, quantized=quant)
+        else:
+            self.q_proj = Linear(D, H * qk, backend, dtype, quantized=quant)
+            self.kv_a_proj_with_mqa = Linear(D, kv_a_out, backend, dtype, bias=bias, quantized=quant)
+        self.kv_a_layernorm: torch.Tensor | None = None
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), backend, dtype,
+                                quantized=quant)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, backend, dtype, bias=bias, quantized=quant)
+        self.spec = MLASpec(
+            num_heads=H,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            kv_lora_rank=cfg.kv_lora_rank,
+            softmax_scale=mla_softmax_scale(qk, cfg.rope_scaling),
+        )
+        self.attn = backend.make_mla_attention(self.spec)
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        dev = self.backend.device
+        out: dict[str, Loader] = {}
+        if self.q_lora_rank is not None:
+            out.update(self.qkv_a_proj.loaders([f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]))
+            name = f"{prefix}.q_a_layernorm.weight"
+            out[name] = tensor_loader(self, "q_a_layernorm", name, (self.q_lora_rank,), self.dtype, dev)
+            out.update(self.q_b_proj.loaders(f"{prefix}.q_b_proj"))
+        else:
+            out.update(self.q_proj.loaders(f"{prefix}.q_proj"))
+            out.update(self.kv_a_proj_with_mqa.loaders(f"{prefix}.kv_a_proj_with_mqa"))
+        name = f"{prefix}.kv_a_layernorm.weight"
+        out[name] = tensor_loader(self, "kv_a_layernorm", name, (self.kv_lora_rank,), self.dtype, dev)
+        out.update(self.kv_b_proj.loaders(f"{prefix}.kv_b_proj"))
+        out.update(self.o_proj.loaders(f"{prefix}.o_proj"))
+        return out
+
+    def finalize(self) -> None:
+        if self.q_lora_rank is not None:
+            self.qkv_a_proj.finalize()
+            self.q_b_proj.finalize()
+        else:
+            self.q_proj.finalize()
+            self.kv_a_proj_with_mqa.finalize()
+        self.o_proj.finalize()
+        # the op splits / absorbs kv_b_proj itself; it only needs the dense weight once
+        self.attn.load_kv_b_proj(self.kv_b_proj.dense())
+        self.kv_b_proj = None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
+        caches: KVCaches,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        kv_a_out = self.kv_lora_rank + self.qk_rope
+        if self.q_lora_rank is not None:
+            q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, kv_a_out], dim=-1)
+            q_a = self.backend.rms_norm(q_a.contiguous(), self.q_a_layernorm, LORA_NORM_EPS)
+            q = self.q_b_proj(q_a)
+        else:
+            q = self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        q = q.view(T, self.num_heads, self.qk_nope + self.qk_rope)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope], dim=-1)
+        kv_c = self.backend.rms_norm(kv_c.contiguous(), self.kv_a_layernorm, LORA_NORM_EPS)
+        q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
+        q_pe, k_pe = self.backend.rotary_embedding(
+            positions, q_pe.contiguous(), k_pe.contiguous().view(T, 1, self.qk_rope), rope_cache, self.interleaved
+        )
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = self.attn.forward(
+            q, kv_c, k_pe.reshape(T, self.qk_rope), caches.get(MLA_CACHE, self.layer_id), batch, MLA_CACHE
+        )
+        return self.o_proj(out)
