@@ -1,0 +1,207 @@
+"""EngineConfig: every engine setting, and the one place DEEPINFER_* environment variables map onto it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+# User-facing quantization names -> the linear scheme the backend must support.
+QUANTIZATIONS: dict[str, str] = {"fp8": "fp8_block", "fp8_block": "fp8_block"}
+
+# Without a device memory query (the CPU), the KV cache gets this many bytes unless told otherwise.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Field names follow vLLM where one exists.
+
+    max_model_len: None = the model's max_position_embeddings.
+    dtype: "auto" = the checkpoint's dtype when the backend supports it, else the
+        backend's best; on the CPU backend "auto" computes in float32.
+    block_size: tokens per KV block; None = the backend's preferred size.
+    kv_cache_memory_bytes / num_kv_blocks: size the KV cache explicitly
+        (num_kv_blocks = blocks of each full-attention group; other groups follow).
+        Otherwise a GPU backend uses gpu_memory_utilization of its memory and the
+        CPU uses DEFAULT_CPU_KV_CACHE_BYTES.
+    max_num_batched_tokens: the per-step token budget; None = 4096 with chunked
+        prefill, else max_model_len.
+    use_nextn_decode / enable_mtp_varlen: MTP (NextN) speculative decoding, not
+        implemented yet: asking for it is an error at start-up, never ignored.
+    """
+
+    model_name_or_path: str
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    quantization: str | None = None
+    device: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    batch_invariant: bool = False
+    max_waiting_requests: int = 4096
+    enable_mtp_varlen: bool = False
+    use_nextn_decode: int = 0
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"EngineConfig.{name} {why} (got {getattr(self, name)!r})")
+
+        if not isinstance(self.model_name_or_path, (str, os.PathLike)) or not str(self.model_name_or_path):
+            raise bad("model_name_or_path", "must be a non-empty path to a model directory")
+        self.model_name_or_path = str(self.model_name_or_path)
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be an integer >= 1")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise bad("max_model_len", "must be an integer >= 2 or None")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be a number in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "must be a bool")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be None (use the checkpoint's) or one of {sorted(QUANTIZATIONS)}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device.strip()):
+            raise bad("device", "must be auto, cpu, cuda, npu or a backend name")
+        if isinstance(self.dtype, torch.dtype):
+            if self.dtype not in DTYPES.values():
+                raise bad("dtype", "must be auto, bfloat16, float16 or float32")
+        elif not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
+            raise bad("dtype", "must be auto, bfloat16, float16 or float32")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be an integer >= 1")
+        if self.max_num_batched_tokens is not None and (
+            not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1
+        ):
+            raise bad("max_num_batched_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise bad("enable_chunked_prefill", "must be a bool")
+        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
+            raise bad("block_size", "must be a positive integer or None")
+        if self.kv_cache_memory_bytes is not None and (
+            not _is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes < 1
+        ):
+            raise bad("kv_cache_memory_bytes", "must be a positive integer or None")
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
+            raise bad("num_kv_blocks", "must be a positive integer or None")
+        if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
+            raise ConfigError("EngineConfig.kv_cache_memory_bytes and EngineConfig.num_kv_blocks are exclusive: set one")
+        if not _is_int(self.seed):
+            raise bad("seed", "must be an integer")
+        if not isinstance(self.batch_invariant, bool):
+            raise bad("batch_invariant", "must be a bool")
+        if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:
+            raise bad("max_waiting_requests", "must be an integer >= 1")
+        if not isinstance(self.enable_mtp_varlen, bool):
+            raise bad("enable_mtp_varlen", "must be a bool")
+        if not _is_int(self.use_nextn_decode) or self.use_nextn_decode < 0:
+            raise bad("use_nextn_decode", "must be an integer >= 0 (0 = off)")
+        if not isinstance(self.load_progress, bool):
+            raise bad("load_progress", "must be a bool")
+
+    # ------------------------------------------------------------ environment
+
+    def with_env(self, environ: dict[str, str] | None = None) -> "EngineConfig":
+        """A copy with DEEPINFER_* variables applied. Explicit fields win over the environment:
+        device set here beats DEEPINFER_DEVICE; a flag turned on here stays on."""
+        env = os.environ if environ is None else environ
+        changes: dict = {}
+        device = env.get("DEEPINFER_DEVICE")
+        if device is not None:
+            if not device.strip():
+                raise ConfigError("DEEPINFER_DEVICE is empty: set auto, cpu, cuda, npu or a backend name")
+            if self.device is None:
+                changes["device"] = device.strip()
+        if _env_bool(env, "DEEPINFER_BATCH_INVARIANT"):
+            changes["batch_invariant"] = True
+        if _env_bool(env, "DEEPINFER_ENABLE_MTP_VARLEN"):
+            changes["enable_mtp_varlen"] = True
+        nextn = _env_int(env, "DEEPINFER_USE_NEXTN_DECODE")
+        if nextn is not None and self.use_nextn_decode == 0:
+            changes["use_nextn_decode"] = nextn
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def check_features_exist(self) -> None:
+        """Features that are named in the flags but not built yet fail here, at start-up."""
+        if self.use_nextn_decode:
+            raise ConfigError(
+                f"use_nextn_decode={self.use_nextn_decode} (DEEPINFER_USE_NEXTN_DECODE) asks for MTP/NextN "
+                "speculative decoding, which DeepInfer does not implement yet; unset it or set 0"
+            )
+        if self.enable_mtp_varlen:
+            raise ConfigError(
+                "enable_mtp_varlen (DEEPINFER_ENABLE_MTP_VARLEN=1) asks for variable-length MTP drafts, "
+                "which DeepInfer does not implement yet; unset it or set 0"
+            )
+
+    # ------------------------------------------------------------ derived values
+
+    def torch_dtype(self) -> torch.dtype | None:
+        """The explicit compute dtype, or None for "auto"."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        return None if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def linear_scheme(self) -> str | None:
+        return None if self.quantization is None else QUANTIZATIONS[self.quantization]
+
+    def token_budget(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 4096 if self.enable_chunked_prefill else max_model_len
+
+
+def _env_bool(env, name: str) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return False
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean: use 0 or 1")
+
+
+def _env_int(env, name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r} must be >= 0")
+    return value

@@ -1,0 +1,21 @@
+"""A snapshot of the engine's load, for metrics and tests (block accounting is exact)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int  # requests with a sequence in the running batch
+    num_waiting: int  # requests with a sequence waiting (new or preempted)
+    kv_blocks_used: int  # summed over KV groups
+    kv_blocks_total: int
+    kv_usage: float  # used fraction of the fullest group, in [0, 1]
+    kv_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    num_requests_finished: int = 0
+    num_state_slots_used: int = 0
+    kv_blocks_by_group: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (used, total)

@@ -1,0 +1,167 @@
+"""Turns a scheduled step into a ForwardBatch, runs the model, and samples.
+
+Batch building (`build_batch`) is kept apart from the forward call (`run_model`)
+so a backend can replay captured graphs for decode batches: set
+`runner.graph_runner` to an object with `can_run(batch) -> bool` and
+`run(batch) -> hidden` (see deepinfer/core/graph_runner.py where a backend has one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.forward_batch import ForwardBatch
+from deepinfer.core.kv_caches import KVCaches
+from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.scheduler import SchedulerOutput
+from deepinfer.outputs import Logprob
+
+
+@dataclass
+class StepResult:
+    """The token drawn for each scheduled sequence that samples this step (None for mid-prompt chunks)."""
+
+    token_ids: list[int | None]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        kv: KVCacheManager,
+        num_blocks: dict[str, int],
+        max_num_seqs: int,
+        device: torch.device,
+        sampler=None,
+    ):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.specs = {s.name: s for s in kv.specs}
+        self.block_size = kv.block_size
+        self.caches = KVCaches.allocate(kv.specs, num_blocks, kv.block_size, max_num_seqs, device)
+        self.sampler = sampler
+        self.graph_runner = None  # optional decode-graph replay, installed by a backend-specific runner
+
+    # ------------------------------------------------------------ batch
+
+    def build_batch(self, sched: SchedulerOutput) -> ForwardBatch:
+        items = sched.scheduled
+        query_lens = [it.num_tokens for it in items]
+        ctx_lens = [it.context_len for it in items]
+        seq_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
+        input_ids: list[int] = []
+        for it in items:
+            input_ids.extend(it.seq.token_ids_slice(it.context_len, it.context_len + it.num_tokens))
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        logits_idx = [qsl[i + 1] - 1 for i, it in enumerate(items) if it.samples]
+
+        ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
+        q_t = torch.tensor(query_lens, dtype=torch.int64)
+        req_idx = torch.repeat_interleave(torch.arange(len(items)), q_t)
+        starts = torch.repeat_interleave(torch.tensor(qsl[:-1], dtype=torch.int64), q_t)
+        positions = ctx_t[req_idx] + torch.arange(len(input_ids), dtype=torch.int64) - starts
+
+        bs = self.block_size
+        block_tables: dict[str, torch.Tensor] = {}
+        slot_mapping: dict[str, torch.Tensor] = {}
+        for name, spec in self.specs.items():
+            tables = [self.kv.block_table(it.seq.seq_id, name) for it in items]
+            width = max((len(t) for t in tables), default=0)
+            bt = torch.full((len(items), max(width, 1)), -1, dtype=torch.int32)
+            for i, t in enumerate(tables):
+                if t:
+                    bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            block_tables[name] = bt
+            m = spec.tokens_per_entry
+            if m == 1:
+                entries = positions
+                valid = torch.ones_like(positions, dtype=torch.bool)
+            else:  # compressed: the slot of the entry this token completes, -1 otherwise
+                entries = torch.clamp((positions + 1) // m - 1, min=0)
+                valid = (positions + 1) % m == 0
+            if len(input_ids):
+                blocks = bt[req_idx, entries // bs].to(torch.int64)
+                slots = blocks * bs + entries % bs
+                slots = torch.where(valid & (blocks >= 0), slots, torch.full_like(slots, -1))
+            else:
+                slots = torch.zeros(0, dtype=torch.int64)
+            slot_mapping[name] = slots
+
+        state_slots_cpu: list[int] = []
+        state_slots = None
+        if self.kv.uses_state:
+            state_slots_cpu = [self.kv.state_slot(it.seq.seq_id) for it in items]
+            state_slots = torch.tensor(state_slots_cpu, dtype=torch.int32, device=self.device)
+
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
+            positions=positions.to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32).to(dev),
+            block_tables={k: v.to(dev) for k, v in block_tables.items()},
+            slot_mapping={k: v.to(dev) for k, v in slot_mapping.items()},
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            context_lens_cpu=ctx_lens,
+            state_slots=state_slots,
+            state_slots_cpu=state_slots_cpu,
+            block_size=bs,
+        )
+
+    def reset_state_rows(self, batch: ForwardBatch) -> None:
+        """Sequences starting from token 0 get zeroed per-sequence state (a reused row holds old data)."""
+        if not self.caches.state:
+            return
+        fresh = [s for s, c in zip(batch.state_slots_cpu, batch.context_lens_cpu) if c == 0 and s >= 0]
+        if not fresh:
+            return
+        rows = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+        for t in self.caches.state.values():
+            t.index_fill_(0, rows, 0)
+
+    # ------------------------------------------------------------ forward
+
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states for every token; replays a captured graph when the backend's runner can."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        return self.model.forward(batch, self.caches)
+
+    @torch.inference_mode()
+    def compute_logits(self, sched: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor | None]:
+        batch = self.build_batch(sched)
+        self.reset_state_rows(batch)
+        hidden = self.run_model(batch)
+        if batch.logits_indices.numel() == 0:
+            return batch, None
+        return batch, self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Forward the step and draw one token for every sequence that reached its last token."""
+        from deepinfer.core.sampler import SamplingRow
+
+        _, logits = self.compute_logits(sched)
+        token_ids: list[int | None] = [None] * len(sched.scheduled)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(sched.scheduled)
+        if logits is None:
+            return StepResult(token_ids, logprobs)
+        sampling = [i for i, it in enumerate(sched.scheduled) if it.samples]
+        rows = []
+        for i in sampling:
+            seq = sched.scheduled[i].seq
+            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.seed, seq.num_tokens))
+        with torch.inference_mode():
+            out = self.sampler(logits, rows)
+        for j, i in enumerate(sampling):
+            token_ids[i] = int(out.token_ids[j])
+            logprobs[i] = out.logprobs[j] if out.logprobs else None
+        return StepResult(token_ids, logprobs)

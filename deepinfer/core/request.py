@@ -1,0 +1,95 @@
+"""Request and sequence state. A request with n > 1 is n sequences scheduled independently."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation: the unit the scheduler batches and the KV manager pages.
+
+    num_computed_tokens counts tokens whose KV is in the cache. After preemption
+    it drops to 0 and the sequence recomputes prompt + generated tokens; it
+    samples again only once every token it holds is computed.
+    """
+
+    seq_id: str
+    request: "Request"
+    index: int
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    num_preemptions: int = 0
+    # text state, owned by the output processor
+    detokenizer: Any = None
+    stop_checker: Any = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        prompt = self.request.prompt_token_ids
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return prompt[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """What add_request received, plus timing for metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -1,0 +1,144 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each step: running decodes first (one token each), then running sequences that
+are part-way through their prompt (or a recompute), then waiting sequences in
+arrival order. A sequence whose tokens do not fit the budget gets a chunk (with
+chunked prefill on). When KV blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed and it goes to the front of the
+waiting queue, to recompute prompt + generated tokens later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.request import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    context_len: int  # seq.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so it draws the next one."""
+        return self.context_len + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the tail is preempted first
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue changes
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry
+
+        # Decodes first, then running sequences still working through their tokens.
+        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                continue
+            while not self.kv.can_allocate(seq, n):
+                victim = self.running[-1]
+                if id(victim) in scheduled:
+                    budget += scheduled.pop(id(victim)).num_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.kv.allocate(seq, n)
+            scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
+            budget -= n
+
+        # Admit waiting sequences (preempted ones are at the front) unless memory was short this step.
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.kv.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.kv.allocate(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
+            budget -= n
+
+        # Batch order follows running order (stable across steps, decodes interleaved).
+        out.scheduled = [scheduled[id(s)] for s in self.running if id(s) in scheduled]
+        return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens are in the cache; drop window blocks no longer read."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens = item.context_len + item.num_tokens
+            self.kv.trim(item.seq)

@@ -1,0 +1,475 @@
+"""DeepInferenceEngine (alias LLM): the public Python API, offline (generate / chat) and streaming
+(add_request / step / abort_request) for the server.
+
+Start-up order names problems early: config and env -> config.json and model_type -> backend
+and its capabilities -> weights -> KV cache sized and allocated -> tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.core.engine_stats import EngineStats
+from deepinfer.core.request import Request, Sequence
+from deepinfer.errors import BackendError, ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _checkpoint_quantization(hf_config: dict) -> str | None:
+    q = hf_config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = q.get("quant_method")
+    return "fp8_block" if method == "fp8" else (str(method) if method is not None else None)
+
+
+def _generation_eos_ids(path: str) -> set[int]:
+    """eos_token_id(s) of generation_config.json, if the checkpoint has one."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return set()
+    try:
+        with open(file, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        logger.warning("ignoring unreadable %s", file)
+        return set()
+    if isinstance(eos, int):
+        return {eos}
+    if isinstance(eos, list):
+        return {e for e in eos if isinstance(e, int)}
+    return set()
+
+
+class DeepInferenceEngine:
+    """One model on one backend. `LLM(model=path, **config_fields)` works as well as from_config."""
+
+    def __init__(self, config: EngineConfig | str | None = None, *, model: str | None = None, **kwargs: Any):
+        if isinstance(config, EngineConfig):
+            if model is not None or kwargs:
+                raise ConfigError("pass either an EngineConfig or model=... with settings, not both")
+        else:
+            path = config if isinstance(config, str) else model
+            if path is None:
+                raise ConfigError("no model given: pass EngineConfig(model_name_or_path=...) or model=<path>")
+            try:
+                config = EngineConfig(model_name_or_path=path, **kwargs)
+            except TypeError as exc:
+                raise ConfigError(f"unknown engine setting: {exc}") from None
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "DeepInferenceEngine":
+        return cls(config)
+
+    # ------------------------------------------------------------ start-up
+
+    def _start(self, config: EngineConfig) -> None:
+        from deepinfer.core.registry import default_registry, load_backend_class, requested_device
+        from deepinfer.core.tokenizer import Tokenizer
+        from deepinfer.models.registry import config_dtype, load_hf_config, load_model, model_class_for
+
+        cfg = config.with_env()
+        cfg.check_features_exist()
+        path = cfg.model_name_or_path
+
+        hf_config = load_hf_config(path)
+        model_class_for(hf_config)  # UnsupportedModelError before any device work
+        model_type = hf_config.get("model_type")
+        ckpt_quant = _checkpoint_quantization(hf_config)
+        if cfg.linear_scheme() is not None and cfg.linear_scheme() != ckpt_quant:
+            raise ConfigError(
+                f"EngineConfig.quantization={cfg.quantization!r} but the checkpoint in {path} is "
+                f"{'not quantized' if ckpt_quant is None else 'quantized as ' + repr(ckpt_quant)}; "
+                "DeepInfer runs the checkpoint's own weights format: leave quantization=None"
+            )
+
+        registry = default_registry()
+        info = registry.resolve(requested_device(cfg.device))
+        backend = load_backend_class(info)()
+        dtype = self._resolve_dtype(cfg, config_dtype(hf_config), backend)
+        self._check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
+        model = load_model(path, backend, dtype, progress=cfg.load_progress)
+        self._init_runtime(cfg, backend, model, tokenizer, _generation_eos_ids(path))
+
+    @classmethod
+    def from_components(cls, config: EngineConfig, model, tokenizer, backend) -> "DeepInferenceEngine":
+        """An engine around an already-built model and tokenizer (tests, embedding); same checks as from_config."""
+        self = cls.__new__(cls)
+        cfg = config.with_env()
+        cfg.check_features_exist()
+        self._check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
+        self._init_runtime(cfg, backend, model, tokenizer, set())
+        return self
+
+    @staticmethod
+    def _check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -> None:
+        from deepinfer.core.backend import FeatureRequest
+
+        reasons = backend.caps.unsupported(
+            FeatureRequest(
+                dtype=dtype,
+                quantization=quantization,
+                model_type=model_type,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                batch_invariant=cfg.batch_invariant,
+                kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
+            )
+        )
+        if reasons:
+            raise BackendError(
+                f"backend {backend.name!r} cannot run this configuration:\n  - " + "\n  - ".join(reasons)
+            )
+
+    def _init_runtime(self, cfg: EngineConfig, backend, model, tokenizer, eos_ids: set[int]) -> None:
+        """KV cache sizing and allocation, scheduler, runner, sampler, output processing."""
+        from deepinfer.core.kv_manager import KVCacheManager, plan_kv_cache
+        from deepinfer.core.model_runner import ModelRunner
+        from deepinfer.core.output_processor import OutputProcessor
+        from deepinfer.core.sampler import Sampler
+        from deepinfer.core.scheduler import Scheduler
+
+        self.config = cfg
+        self.backend = backend
+        self.model = model
+        block_size = cfg.block_size or backend.caps.kv_block_sizes[0]
+        max_pos = int(model.max_position_embeddings)
+        if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
+            raise ConfigError(
+                f"EngineConfig.max_model_len={cfg.max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+        self._max_model_len = cfg.max_model_len or max_pos
+        token_budget = cfg.token_budget(self._max_model_len)
+        if not cfg.enable_chunked_prefill and token_budget < self._max_model_len:
+            raise ConfigError(
+                f"EngineConfig.max_num_batched_tokens={token_budget} is below max_model_len={self._max_model_len} "
+                "with chunked prefill off: long prompts could never be scheduled"
+            )
+
+        specs = model.kv_cache_specs()
+        plan = plan_kv_cache(
+            specs,
+            block_size,
+            cfg.max_num_seqs,
+            self._max_model_len,
+            token_budget,
+            budget_bytes=None if cfg.num_kv_blocks else self._kv_budget_bytes(cfg, backend),
+            num_kv_blocks=cfg.num_kv_blocks,
+        )
+        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs)
+        too_small = kv.fits_alone(self._max_model_len, token_budget)
+        if too_small:
+            raise ConfigError(
+                f"the KV cache ({plan.capacity_tokens} tokens) cannot hold one sequence of max_model_len="
+                f"{self._max_model_len}: " + "; ".join(too_small)
+                + ". Raise kv_cache_memory_bytes / num_kv_blocks / gpu_memory_utilization or lower max_model_len"
+            )
+        self.kv = kv
+        self.kv_plan = plan
+
+        self._tokenizer = tokenizer
+        eos_ids = set(eos_ids)
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.vocab_size = int(model.vocab_size)
+        sampler = Sampler(self.vocab_size, eos_token_id=tokenizer.eos_token_id)
+        self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler)
+        self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
+
+        self._requests: dict[str, Request] = {}
+        self._counter = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._finished = 0
+        groups = ", ".join(f"{g}: {n} blocks" for g, n in plan.num_blocks.items())
+        quant = getattr(model, "quantization", None)
+        logger.info(
+            "DeepInfer: %s (%s%s) on backend %s in %s; KV cache %.1f MiB (%s, block size %d) holds %d tokens; "
+            "max_model_len %d, max_num_seqs %d, token budget %d",
+            cfg.model_name_or_path, getattr(model, "model_type", "?"), f", {quant}" if quant else "", backend.name,
+            _dtype_name(model.dtype), plan.bytes_total / 2**20, groups, block_size, plan.capacity_tokens,
+            self._max_model_len, cfg.max_num_seqs, token_budget,
+        )
+
+    @staticmethod
+    def _resolve_dtype(cfg: EngineConfig, ckpt_dtype: torch.dtype | None, backend) -> torch.dtype:
+        explicit = cfg.torch_dtype()
+        if explicit is not None:
+            return explicit
+        caps = backend.caps
+        if caps.device_type == "cpu" and torch.float32 in caps.dtypes:
+            chosen, why = torch.float32, "the CPU backend computes in float32 by default"
+        elif ckpt_dtype is not None and ckpt_dtype in caps.dtypes:
+            chosen, why = ckpt_dtype, "the checkpoint's dtype"
+        else:
+            chosen, why = caps.dtypes[0], f"backend {backend.name!r}'s preferred dtype"
+        ckpt = _dtype_name(ckpt_dtype) if ckpt_dtype is not None else "unstated"
+        logger.info("dtype auto -> %s (%s; checkpoint dtype %s)", _dtype_name(chosen), why, ckpt)
+        return chosen
+
+    @staticmethod
+    def _kv_budget_bytes(cfg: EngineConfig, backend) -> int:
+        if cfg.kv_cache_memory_bytes is not None:
+            return cfg.kv_cache_memory_bytes
+        if backend.caps.device_type == "cpu":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        free, total = backend.memory_info()
+        budget = int(free - (1.0 - cfg.gpu_memory_utilization) * total)
+        if budget <= 0:
+            raise BackendError(
+                f"no device memory left for the KV cache: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB "
+                f"after loading the model, gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            )
+        return budget
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name_or_path
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    # ------------------------------------------------------------ streaming API
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenize / validate one prompt; every problem is an InvalidRequestError naming it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            text, ids = prompt, self._tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            for i, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
+                if not 0 <= t < self.vocab_size:
+                    raise InvalidRequestError(
+                        f"prompt token {i} has id {t}, outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                    )
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
+            )
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
+        if len(ids) >= self._max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self._max_model_len} "
+                "(prompt and generated tokens must fit; at least one token must be generated)",
+                param="prompt",
+            )
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises InvalidRequestError / PromptTooLongError before anything is queued."""
+        from deepinfer.core.rng import derive_seed
+
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}", param="request_id")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        params.validate()
+        text, ids = self._prompt_ids(prompt)
+        self._counter += 1
+        base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
+        req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params)
+        for i in range(params.n):
+            seq = Sequence(seq_id=f"{request_id}#{i}", request=req, index=i, seed=derive_seed(base, i))
+            self.output_processor.init_seq(seq)
+            req.seqs.append(seq)
+        self._requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; an output for every request that got a token (cumulative)."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if self.scheduler.has_unfinished():
+                raise DeepInferError(
+                    f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)"
+                )
+            return []
+        result = self.runner.execute(sched)
+        self.scheduler.advance(sched)
+        now = time.monotonic()
+        progressed: dict[str, Request] = {}
+        for item, token, logprobs in zip(sched.scheduled, result.token_ids, result.logprobs):
+            if token is None:
+                continue
+            seq = item.seq
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self._prompt_tokens += len(req.prompt_token_ids)
+            self.output_processor.append_token(seq, token, logprobs)
+            self._gen_tokens += 1
+            if seq.finished:
+                self.scheduler.remove(seq)
+            progressed[req.request_id] = req
+        outputs = []
+        for rid, req in progressed.items():
+            if req.finished:
+                req.finished_time = now
+                del self._requests[rid]
+                self._finished += 1
+            outputs.append(self.output_processor.make_output(req))
+        return outputs
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks now; unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.output_processor.abort(seq)
+            self.scheduler.remove(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting}
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            kv_blocks_used=self.kv.num_blocks_used,
+            kv_blocks_total=self.kv.num_blocks_total,
+            kv_usage=self.kv.usage(),
+            kv_capacity_tokens=self.kv_plan.capacity_tokens,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._gen_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_finished=self._finished,
+            num_state_slots_used=self.kv.slots.num_used,
+            kv_blocks_by_group=self.kv.usage_by_group(),
+        )
+
+    # ------------------------------------------------------------ offline API
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        **sampling_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompts")
+        params_list = self._params_list(sampling_params, sampling_kwargs, len(prompts))
+        prepared = [self._prompt_ids(p) for p in prompts]  # validate all before queuing any
+        ids = []
+        try:
+            for (text, tok), params in zip(prepared, params_list):
+                rid = f"gen-{self._counter + 1}"
+                while rid in self._requests:
+                    self._counter += 1
+                    rid = f"gen-{self._counter + 1}"
+                self.add_request(rid, tok, params)
+                self._requests[rid].prompt = text
+                ids.append(rid)
+            return self._run_to_completion(ids, use_tqdm)
+        finally:
+            for rid in ids:
+                self.abort_request(rid)  # no-op for finished ones; cleans up after an exception
+
+    def _params_list(self, sampling_params, kwargs: dict, n: int) -> list[SamplingParams]:
+        if sampling_params is not None and kwargs:
+            raise InvalidRequestError(
+                f"give sampling_params or sampling keyword arguments ({', '.join(kwargs)}), not both",
+                param="sampling_params",
+            )
+        if sampling_params is None:
+            try:
+                sampling_params = SamplingParams(**kwargs)
+            except TypeError as exc:
+                raise InvalidRequestError(f"unknown sampling parameter: {exc}", param="sampling_params") from None
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n:
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} SamplingParams for {n} prompts", param="sampling_params"
+                )
+            for p in sampling_params:
+                if not isinstance(p, SamplingParams):
+                    raise InvalidRequestError(f"sampling_params items must be SamplingParams, got {type(p).__name__}", param="sampling_params")
+            return list(sampling_params)
+        raise InvalidRequestError(
+            f"sampling_params must be SamplingParams or a list of them, got {type(sampling_params).__name__}",
+            param="sampling_params",
+        )
+
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if pending and not self.scheduler.has_unfinished():
+                    raise DeepInferError(f"requests {sorted(pending)} vanished without finishing")
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **sampling_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template, then generate."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self._tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **sampling_kwargs)
+
+
+LLM = DeepInferenceEngine
