@@ -27,6 +27,8 @@ _ST_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.int64: "I64",
+    torch.int32: "I32",
 }
 
 
@@ -37,7 +39,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     std: float = 1.0  # normal(0, std); for kind "norm": 1 + normal(0, std)
-    kind: str = "normal"  # "normal" | "norm"
+    kind: str = "normal"  # "normal" | "norm" | "expert_table" (V4 tid2eid: distinct ids in [0, std) per row)
     dtype: torch.dtype | None = None  # None: the checkpoint dtype
     fp8: bool = False  # store e4m3 + `<name without .weight>.weight_scale_inv`
 
@@ -54,7 +56,10 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def draw(spec: TensorSpec, seed: int) -> torch.Tensor:
-    """The fp32 values of a tensor (before storage dtype / quantization)."""
+    """The fp32 values of a tensor (before storage dtype / quantization); int64 for an expert table."""
+    if spec.kind == "expert_table":
+        rows, k = spec.shape
+        return torch.rand((rows, int(spec.std)), generator=_generator(seed, spec.name)).argsort(dim=1)[:, :k]
     t = torch.randn(spec.shape, generator=_generator(seed, spec.name), dtype=torch.float32) * spec.std
     if spec.kind == "norm":
         t += 1.0
