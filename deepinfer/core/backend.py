@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from deepinfer.core.forward_batch import ForwardBatch
+    from deepinfer.core.kv_caches import KVCaches
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,32 @@ class MoESpec:
     swiglu_limit: float | None = None  # V4 clamps gate/up activations when set
 
 
+@dataclass(frozen=True)
+class V4AttentionSpec:
+    """One DeepSeek-V4 attention layer: shared-KV MQA over a sliding window plus, on CSA / HCA
+    layers, compressed entries (CSA picks them with the lightning indexer).
+
+    KV groups (KVCacheSpec names): `swa_group` holds one key per token (sliding window),
+    `comp_group` one compressed entry per `compress_rate` tokens (+ the compressor's
+    per-sequence state), `index_group` the indexer's entries (+ its state), CSA only.
+    """
+
+    num_heads: int
+    head_dim: int
+    sliding_window: int
+    softmax_scale: float
+    swa_group: str
+    compress_rate: int = 0  # 0: sliding window only
+    overlap: bool = False  # CSA: overlapping windows (two series) + lightning indexer
+    comp_group: str | None = None
+    index_group: str | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    norm_eps: float = 1e-6
+    rope_attention_factor: float = 1.0  # cos/sin magnitude of the compressed entries' RoPE
+
+
 # ---------------------------------------------------------------- layer ops
 
 
@@ -196,6 +223,42 @@ class MoEOp(ABC):
         ...
 
 
+class V4AttentionOp(ABC):
+    """One DeepSeek-V4 attention layer from projected, RoPE'd q / kv to the per-head output.
+
+    Owns the cache layout and writes (sliding-window keys, compressed entries,
+    indexer keys, per-sequence compressor state), the compressors, the indexer
+    top-k and the attention with per-head sinks. The model does the projections,
+    norms, RoPE on q / kv, the inverse RoPE on the output and the output projection.
+    """
+
+    def __init__(self, spec: V4AttentionSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """fp32 tensors: "sinks" [H]; with a compressor also "rope_inv_freq" [R/2],
+        "compressor.position_bias" [m, C*D], "compressor.norm_weight" [D]; CSA also
+        "indexer.position_bias" [m, 2*Di], "indexer.norm_weight" [Di]."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D], RoPE applied
+        kv: torch.Tensor,  # [T, D], normed, RoPE applied (shared key and value)
+        caches: "KVCaches",
+        layer_id: int,
+        batch: "ForwardBatch",
+        comp_kv: torch.Tensor | None = None,  # [T, C*D] compressor kv projection (C = 2 for CSA)
+        comp_gate: torch.Tensor | None = None,  # [T, C*D]
+        index_q: torch.Tensor | None = None,  # [T, Hi, Di], RoPE applied
+        index_weights: torch.Tensor | None = None,  # [T, Hi], scaled by Hi^-0.5
+        index_kv: torch.Tensor | None = None,  # [T, 2*Di]
+        index_gate: torch.Tensor | None = None,  # [T, 2*Di]
+    ) -> torch.Tensor:  # [T, H, D], before the inverse RoPE
+        ...
+
+
 # ---------------------------------------------------------------- the backend
 
 
@@ -264,6 +327,12 @@ class Backend(ABC):
 
     @abstractmethod
     def make_moe(self, spec: MoESpec) -> MoEOp: ...
+
+    def make_v4_attention(self, spec: V4AttentionSpec) -> V4AttentionOp:
+        """DeepSeek-V4 attention layer; the torch-native one unless a backend overrides it."""
+        from deepinfer.core.native.v4_attention import NativeV4Attention
+
+        return NativeV4Attention(spec)
 
     # device services
     def memory_info(self) -> tuple[int, int]:
