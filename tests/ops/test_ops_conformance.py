@@ -1,0 +1,92 @@
+"""The packaged conformance suite: passes on `cpu`, lists every op, and catches a wrong or missing op."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.conformance import run_conformance, run_for_device
+from deepinfer.core.backend import BackendCaps
+from deepinfer.core.native import OP_NAMES
+from deepinfer.errors import UnsupportedOpError
+
+
+def test_cpu_passes_and_lists_every_op():
+    report = run_for_device("cpu", shapes="tiny")
+    assert report.ok, report.format_table()
+    assert report.ops() == sorted(OP_NAMES)
+    assert {r.dtype for r in report.rows} == {"float32", "bfloat16", "float16"}
+    assert all(r.status == "pass" for r in report.rows)
+    data = json.loads(report.to_json())
+    assert data["ok"] and data["backend"] == "cpu" and len(data["rows"]) == len(report.rows)
+    table = report.format_table()
+    for op in OP_NAMES:
+        assert op in table
+
+
+class _WrongNorm(CPUBackend):
+    """rms_norm off by a little, silu_and_mul declared unsupported, MoE raising UnsupportedOpError."""
+
+    name = "wrong"
+
+    def rms_norm(self, x, weight, eps):
+        return super().rms_norm(x, weight, eps) * 1.001
+
+    def make_moe(self, spec):
+        raise UnsupportedOpError("no MoE on this test backend")
+
+    def op_coverage(self):
+        cov = super().op_coverage()
+        cov["silu_and_mul"] = "unsupported: not written yet"
+        return cov
+
+
+def test_suite_catches_wrong_and_reports_unsupported():
+    report = run_conformance(_WrongNorm(), dtypes=[torch.float32], ops=["rms_norm", "silu_and_mul", "moe", "route"])
+    assert not report.ok
+    status = {(r.op, r.status) for r in report.rows}
+    assert ("rms_norm", "fail") in status
+    assert {r.status for r in report.rows if r.op == "silu_and_mul"} == {"unsupported"}
+    assert all("not written yet" in r.reason for r in report.rows if r.op == "silu_and_mul")
+    assert {r.status for r in report.rows if r.op == "moe"} == {"unsupported"}
+    assert {r.status for r in report.rows if r.op == "route"} == {"pass"}
+    assert report.coverage()["moe"] == "unsupported"
+
+
+class _WrongRouting(CPUBackend):
+    name = "wrong-route"
+
+    def route(self, router_logits, spec, correction_bias=None, token_ids=None, tid2eid=None):
+        # ignores the correction bias: a classic bug that changes which experts are picked
+        bias = None if correction_bias is None else torch.zeros_like(correction_bias)
+        return super().route(router_logits, spec, bias, token_ids, tid2eid)
+
+    def kv_cache_write(self, cache, slot_mapping, values):
+        super().kv_cache_write(cache, slot_mapping.clamp(min=0), values)  # writes padding rows too
+
+
+def test_suite_catches_routing_and_cache_write_bugs():
+    report = run_conformance(_WrongRouting(), dtypes=[torch.float32], ops=["route", "kv_cache_write"])
+    by_case = {r.case: r for r in report.rows}
+    assert any(r.status == "fail" and "expert ids differ" in r.reason for r in report.rows if "noaux_tc" in r.case)
+    assert all(r.status == "pass" for c, r in by_case.items() if "greedy" in c)
+    assert [r.status for r in report.rows if r.op == "kv_cache_write"] == ["fail"]
+
+
+class _Fp32Only(CPUBackend):
+    name = "fp32-only"
+
+    @property
+    def caps(self) -> BackendCaps:
+        return BackendCaps(dtypes=(torch.float32,), quant_schemes=("none",))
+
+
+def test_caps_gaps_are_coverage_not_failures():
+    report = run_conformance(_Fp32Only(), ops=["linear:none", "linear:fp8_block"])
+    assert report.ok, report.format_table()
+    fp8 = [r for r in report.rows if r.op == "linear:fp8_block" and r.dtype == "float32"]
+    assert fp8 and all(r.status == "unsupported" and "fp8_block" in r.reason for r in fp8)
+    assert any(r.status == "pass" for r in report.rows if r.op == "linear:none")
+    assert all(r.status == "unsupported" for r in report.rows if r.dtype != "float32")
