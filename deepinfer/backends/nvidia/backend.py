@@ -126,7 +126,7 @@ class NvidiaBackend(NativeOps, Backend):
         if spec.scoring_func not in TRITON_SCORING or spec.topk_method not in TRITON_TOPK:
             return super().route(router_logits, spec, correction_bias, token_ids, tid2eid)  # V4: native
         validate_router(spec)
-        if self._cuda_ext is not None and spec.topk_method != "greedy":
+        if self._cuda_ext is not None:
             from deepinfer.backends.nvidia import cuda_ext
 
             return cuda_ext.grouped_topk(self._cuda_ext, router_logits, spec, correction_bias)
@@ -159,7 +159,7 @@ class NvidiaBackend(NativeOps, Backend):
                    "mla_attention"):
             cov[op] = "triton"
         ext = self._cuda_ext is not None
-        cov["route"] = ("cuda (grouped), triton (greedy)" if ext else "triton") + \
+        cov["route"] = ("cuda" if ext else "triton") + \
             "; native for sqrtsoftplus/hash (V4)"
         cov["moe"] = ("triton grouped GEMM + cuda align" if ext else "triton") + \
             "; native for swiglu_limit/V4 routers"

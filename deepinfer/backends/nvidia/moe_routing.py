@@ -110,7 +110,7 @@ def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | Non
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_P=triton.next_power_of_2(per),
         TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=_SCORING[spec.scoring_func],
         GROUPING=grouping, HAS_BIAS=correction_bias is not None,
-        NORM=bool(spec.norm_topk_prob and spec.top_k > 1), num_warps=4,
+        NORM=bool(spec.norm_topk_prob), num_warps=4,
     )
     return weights, ids
 

@@ -1,0 +1,99 @@
+"""Builds and loads the CUDA C++ kernels of csrc/cuda on first use (torch.utils.cpp_extension).
+
+Compiled for sm_90 and, where this nvcc knows it, sm_100; cached in
+$DEEPINFER_CACHE_DIR/torch_extensions (default ~/.cache/deepinfer) keyed by the
+sources, so later starts only load the shared object.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from deepinfer.errors import BackendError
+
+_SOURCES = ("bindings.cpp", "moe_kernels.cu")
+_SCORING = {"softmax": 0, "sigmoid": 1}
+_GROUPING = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def csrc_dir() -> Path:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "csrc" / "cuda" / "moe_kernels.cu").exists():
+            return parent / "csrc" / "cuda"
+    raise BackendError("CUDA C++ sources (csrc/cuda) not found next to the deepinfer package")
+
+
+def _nvcc() -> str:
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        raise BackendError(
+            "the nvidia backend's CUDA C++ kernels need a CUDA compiler (nvcc) and none was found: install the "
+            "CUDA toolkit matching torch's CUDA, set CUDA_HOME, or run without them (DEEPINFER_NVIDIA_CUDA_EXT=0)"
+        )
+    return nvcc
+
+
+def gencode_flags(nvcc: str) -> list[str]:
+    """sm_90 always; sm_100 when this nvcc lists it."""
+    try:
+        archs = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        archs = []
+    flags = ["-gencode=arch=compute_90,code=sm_90"]
+    if "compute_100" in archs:
+        flags.append("-gencode=arch=compute_100,code=sm_100")
+    return flags
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled extension module (built once per source version, then cached)."""
+    if torch.version.cuda is None:
+        raise BackendError(f"torch {torch.__version__} has no CUDA; the CUDA C++ kernels cannot be built")
+    nvcc = _nvcc()
+    from torch.utils import cpp_extension
+
+    src = csrc_dir()
+    cache = Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer")) / "torch_extensions"
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="deepinfer_cuda_ext",
+            sources=[str(src / s) for s in _SOURCES],
+            extra_include_paths=[str(src)],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(nvcc)],
+            build_directory=str(cache),
+            verbose=os.environ.get("DEEPINFER_VERBOSE_BUILD") == "1",
+        )
+    except Exception as exc:  # compiler output is in the message
+        raise BackendError(f"building the CUDA C++ kernels (csrc/cuda) failed: {exc}") from exc
+
+
+def grouped_topk(ext, router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None):
+    """The CUDA C++ router: same contract as Backend.route for softmax/sigmoid routers."""
+    grouping = _GROUPING[spec.topk_method]
+    w, ids = ext.grouped_topk(router_logits, correction_bias, spec.top_k, spec.n_group if grouping else 1,
+                              spec.topk_group if grouping else 1, _SCORING[spec.scoring_func], grouping,
+                              bool(spec.norm_topk_prob), float(spec.routed_scaling_factor))
+    return w, ids
+
+
+def make_align(ext):
+    """moe_align with the Triton path's signature, backed by the CUDA C++ kernel."""
+
+    def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+        sorted_ids, expert_ids, total = ext.moe_align(topk_ids, num_experts, block_m)
+        return sorted_ids, expert_ids, total
+
+    return align
