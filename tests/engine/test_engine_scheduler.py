@@ -1,0 +1,188 @@
+"""Scheduler + model runner + KV manager through the engine, on the arithmetic fake model.
+
+The fake model reads every token back through the block tables (engine_fakes.py), so a
+wrong slot, a block freed too early or a state row not kept makes the tokens differ from
+`reference_next`; these tests are for scheduling logic, the real model math is checked
+against transformers in test_engine_e2e_hf.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import EngineConfig, SamplingParams
+from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.engine import DeepInferenceEngine
+from deepinfer.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from engine_fakes import FakeBackend, FakeCausalLM, reference_next
+
+BS = 4
+
+
+def make_engine(tok_dir, model, **kw) -> DeepInferenceEngine:
+    cfg = EngineConfig(model_name_or_path="fake-model", **kw)
+    return DeepInferenceEngine.from_components(cfg, model, Tokenizer.from_pretrained(tok_dir), FakeBackend(BS))
+
+
+def prompts_of(lengths):
+    return [[(7 * i + 3 * j + 2) % 250 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def expected(prompt, max_tokens, model, max_model_len=10**9):
+    toks = list(prompt)
+    out = []
+    while len(out) < max_tokens and len(toks) < max_model_len:
+        t = reference_next(toks, model.window, model.m)
+        out.append(t)
+        toks.append(t)
+    return out
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "window,m", [(None, None), (5, None), (None, 3), (6, 4)], ids=["full", "swa", "compressed+state", "hybrid"]
+)
+def test_chunked_prefill_and_decode_match_reference(fake_tokenizer_dir, window, m):
+    model = FakeCausalLM(window=window, m=m)
+    engine = make_engine(fake_tokenizer_dir, model, max_num_batched_tokens=7, max_model_len=128, num_kv_blocks=200)
+    prompts = prompts_of([1, 2, 5, 9, 13, 17, 23, 4])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=11, **GREEDY), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == expected(p, 11, model)
+        assert o.finish_reason == "length"
+    # the token budget held every step, and long prompts really were split
+    assert all(sum(c) <= 7 for c in model.calls)
+    assert any(len(c) > 1 and max(c) > 1 and 1 in c for c in model.calls)  # decodes mixed with a chunk
+    st = engine.stats()
+    assert st.kv_blocks_used == 0 and st.num_state_slots_used == 0 and st.num_running == st.num_waiting == 0
+    assert st.generation_tokens_total == 8 * 11 and st.prompt_tokens_total == sum(map(len, prompts))
+
+
+def test_decodes_are_scheduled_before_prefill_chunks(fake_tokenizer_dir):
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_num_batched_tokens=6, max_model_len=128, num_kv_blocks=100)
+    engine.add_request("a", [5, 6], SamplingParams(max_tokens=20, **GREEDY))
+    engine.step()  # a prefills and samples
+    engine.add_request("b", list(range(10, 40)), SamplingParams(max_tokens=2, **GREEDY))
+    model.calls.clear()
+    for _ in range(4):
+        engine.step()
+    # every step: a's decode (1 token) first, then 5 tokens of b's prompt
+    assert model.calls[:4] == [[1, 5]] * 4
+
+
+def test_preemption_recomputes_and_finishes_correctly(fake_tokenizer_dir):
+    model = FakeCausalLM(window=6, m=3)
+    # 12 blocks of 4 tokens: not enough for 6 sequences of up to 36 tokens at once
+    engine = make_engine(
+        fake_tokenizer_dir, model, max_num_batched_tokens=16, max_model_len=48, num_kv_blocks=12, max_num_seqs=6
+    )
+    prompts = prompts_of([3, 7, 11, 5, 9, 14])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    st = engine.stats()
+    assert st.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == expected(p, 20, model)
+    assert st.kv_blocks_used == 0 and st.num_state_slots_used == 0
+
+
+def test_preempted_seeded_sampling_gives_the_same_tokens(fake_tokenizer_dir):
+    """Sampled requests keep their tokens across preemption: the draw is keyed by (seed, position)."""
+    prompts = prompts_of([3, 7, 11, 5, 9, 14])
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    big = make_engine(fake_tokenizer_dir, FakeCausalLM(), max_model_len=48, num_kv_blocks=200, max_num_seqs=6)
+    small = make_engine(fake_tokenizer_dir, FakeCausalLM(), max_model_len=48, num_kv_blocks=12, max_num_seqs=6)
+    a = big.generate(prompts, params, use_tqdm=False)
+    b = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0 and big.stats().num_preemptions == 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_no_chunked_prefill_schedules_whole_prompts(fake_tokenizer_dir):
+    model = FakeCausalLM(window=5)
+    engine = make_engine(
+        fake_tokenizer_dir, model, enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=32,
+        num_kv_blocks=40,
+    )
+    prompts = prompts_of([20, 17, 3])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected(p, 6, model) for p in prompts]
+    assert [20] in model.calls or any(20 in c for c in model.calls)  # 20 tokens in one step
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=16 is below max_model_len=32"):
+        make_engine(fake_tokenizer_dir, model, enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=32)
+
+
+def test_max_num_seqs_limits_the_running_batch(fake_tokenizer_dir):
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_num_seqs=2, max_model_len=64, num_kv_blocks=100)
+    prompts = prompts_of([3, 4, 5, 6, 7])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    assert all(len(c) <= 2 for c in model.calls)
+    assert [o.token_ids for o in outs] == [expected(p, 5, model) for p in prompts]
+
+
+def test_max_model_len_stops_with_length_and_rejects_long_prompts(fake_tokenizer_dir):
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_model_len=20, num_kv_blocks=50)
+    p = prompts_of([15])[0]
+    (o,) = engine.generate([p], SamplingParams(max_tokens=100, **GREEDY), use_tqdm=False)
+    assert o.finish_reason == "length" and len(o.token_ids) == 5
+    assert o.token_ids == expected(p, 100, model, max_model_len=20)
+    with pytest.raises(PromptTooLongError, match="prompt has 20 tokens but max_model_len is 20"):
+        engine.generate([list(range(5, 25))], use_tqdm=False)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("x", list(range(5, 30)), SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_at_once(fake_tokenizer_dir):
+    model = FakeCausalLM(window=5, m=3)
+    engine = make_engine(fake_tokenizer_dir, model, max_model_len=64, num_kv_blocks=100)
+    engine.add_request("a", prompts_of([9])[0], SamplingParams(max_tokens=30, **GREEDY))
+    engine.add_request("b", prompts_of([12])[0], SamplingParams(max_tokens=30, **GREEDY))
+    for _ in range(3):
+        outs = engine.step()
+    assert {o.request_id for o in outs} == {"a", "b"} and not any(o.finished for o in outs)
+    used = engine.stats().kv_blocks_used
+    engine.abort_request("a")
+    st = engine.stats()
+    assert 0 < st.kv_blocks_used < used and st.num_state_slots_used == 1 and st.num_running == 1
+    engine.abort_request("b")
+    engine.abort_request("unknown")  # ignored
+    st = engine.stats()
+    assert st.kv_blocks_used == 0 and st.num_state_slots_used == 0 and not engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
+def test_streaming_outputs_are_cumulative_and_finish_once(fake_tokenizer_dir):
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_model_len=64, num_kv_blocks=100, max_num_batched_tokens=4)
+    p = prompts_of([10])[0]
+    engine.add_request("r", p, SamplingParams(max_tokens=4, **GREEDY))
+    seen = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen.append((list(o.token_ids), o.finished))
+    exp = expected(p, 4, model)
+    assert seen == [(exp[:k], k == 4) for k in range(1, 5)]  # no output for mid-prompt chunks
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", p, SamplingParams())
+        engine.add_request("dup", p, SamplingParams())
+
+
+def test_n_sequences_have_their_own_seeds_and_blocks(fake_tokenizer_dir):
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_model_len=64, num_kv_blocks=100)
+    p = prompts_of([6])[0]
+    (o,) = engine.generate([p], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+    # the fake model's logits are one-hot * 10, so even at T=1 most draws are its argmax;
+    # sequences only need to be well-formed and independent of batch (same again with a different batch)
+    (o2,) = engine.generate([p], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in o.outputs] == [c.token_ids for c in o2.outputs]
+    assert all(len(c.token_ids) == 8 for c in o.outputs)
+    (g,) = engine.generate([p], SamplingParams(n=2, max_tokens=8, **GREEDY), use_tqdm=False)
+    assert g.outputs[0].token_ids == g.outputs[1].token_ids == expected(p, 8, model)
+    assert engine.stats().kv_blocks_used == 0
