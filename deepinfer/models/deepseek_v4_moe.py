@@ -1,0 +1,118 @@
+"""DeepSeek-V4 MoE block: routed experts (backend MoE op) + one shared expert, both SwiGLU-clamped.
+
+Routing: scores = sqrt(softplus(logits)) (or the configured scoring_func);
+`moe` layers select the top-k of scores + e_score_correction_bias (bias for
+selection only), `hash_moe` layers take the experts from the frozen
+tid2eid[token_id] table. The weights are the unbiased scores of the chosen
+experts, normalised to sum 1 (always, as the reference does), times
+routed_scaling_factor. Checkpoint names follow DeepSeek's release:
+experts.E.w1 (gate), w3 (up), w2 (down).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.core.backend import Backend, MoESpec, RouterSpec
+from deepinfer.errors import ModelLoadError
+from deepinfer.models.deepseek_v4_config import DeepseekV4Config
+from deepinfer.models.linear import Linear, Loader, MergedLinear
+from deepinfer.models.weights import tensor_loader
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) on [T, 2I] (gate half first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class V4SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float, backend: Backend, dtype: torch.dtype, q8: bool):
+        super().__init__()
+        self.limit = limit
+        self.gate_up = MergedLinear(hidden, [inter, inter], backend, dtype, quantized=q8)
+        self.down = Linear(inter, hidden, backend, dtype, quantized=q8)
+
+    def loaders(self, p: str) -> dict[str, Loader]:
+        out = self.gate_up.loaders([f"{p}.w1", f"{p}.w3"])
+        out.update(self.down.loaders(f"{p}.w2"))
+        return out
+
+    def finalize(self) -> None:
+        self.gate_up.finalize()
+        self.down.finalize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(clamped_swiglu(self.gate_up(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, backend: Backend, dtype: torch.dtype):
+        super().__init__()
+        self.backend, self.dtype = backend, dtype
+        self.is_hash = cfg.mlp_layer_types[layer_id] == "hash_moe"
+        E, D, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        self.E, self.D, self.inter, self.k, self.vocab = E, D, inter, k, cfg.vocab_size
+        q8 = cfg.quantization == "fp8_block"
+        self.router = RouterSpec(
+            num_experts=E, top_k=k, scoring_func=cfg.scoring_func, topk_method="hash" if self.is_hash else "noaux_tc",
+            n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        self.gate_weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.tid2eid: torch.Tensor | None = None
+        self.experts = nn.ModuleList(
+            nn.ModuleList([Linear(D, inter, backend, dtype, quantized=q8), Linear(D, inter, backend, dtype, quantized=q8),
+                           Linear(inter, D, backend, dtype, quantized=q8)])
+            for _ in range(E)
+        )
+        self.shared = V4SharedExpert(D, inter, cfg.swiglu_limit, backend, dtype, q8)
+        self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter,
+                                           swiglu_limit=cfg.swiglu_limit))
+
+    def _set_tid2eid(self, name: str):
+        def load(t: torch.Tensor) -> None:
+            if tuple(t.shape) != (self.vocab, self.k):
+                raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, expected {(self.vocab, self.k)}")
+            if t.is_floating_point() or t.is_complex():
+                raise ModelLoadError(f"{name} has dtype {t.dtype}; expected an integer table")
+            if int(t.min()) < 0 or int(t.max()) >= self.E:
+                raise ModelLoadError(f"{name} holds expert ids outside [0, {self.E})")
+            self.tid2eid = t.to(device=self.backend.device, dtype=torch.long)
+        return load
+
+    def loaders(self, p: str) -> dict[str, Loader]:
+        dev, f32 = self.backend.device, torch.float32
+        out = {f"{p}.gate.weight": tensor_loader(self, "gate_weight", f"{p}.gate.weight", (self.E, self.D), f32, dev)}
+        if self.is_hash:
+            out[f"{p}.gate.tid2eid"] = self._set_tid2eid(f"{p}.gate.tid2eid")
+        else:
+            out[f"{p}.gate.bias"] = tensor_loader(self, "bias", f"{p}.gate.bias", (self.E,), f32, dev)
+        for e, (w1, w3, w2) in enumerate(self.experts):
+            out.update(w1.loaders(f"{p}.experts.{e}.w1"))
+            out.update(w3.loaders(f"{p}.experts.{e}.w3"))
+            out.update(w2.loaders(f"{p}.experts.{e}.w2"))
+        out.update(self.shared.loaders(f"{p}.shared_experts"))
+        return out
+
+    def finalize(self) -> None:
+        dev = self.backend.device
+        w13 = torch.empty((self.E, 2 * self.inter, self.D), dtype=self.dtype, device=dev)
+        w2 = torch.empty((self.E, self.D, self.inter), dtype=self.dtype, device=dev)
+        for e, (g, u, d) in enumerate(self.experts):
+            w13[e, : self.inter] = g.dense()
+            w13[e, self.inter :] = u.dense()
+            w2[e] = d.dense()
+        self.experts = nn.ModuleList()
+        self.op.load_experts(w13, w2)
+        self.shared.finalize()
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate_weight)
+        if self.is_hash:
+            routed = self.op.forward(x, logits, token_ids=token_ids, tid2eid=self.tid2eid)
+        else:
+            routed = self.op.forward(x, logits, correction_bias=self.bias)
+        return routed + self.shared(x)
