@@ -25,8 +25,10 @@ from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 
-# Rows per chunk of the Gumbel draw, so the fp64 noise stays ~64 MiB whatever the batch.
-_DRAW_ELEMS = 1 << 23
+# Elements per chunk of the Gumbel draw: on CUDA the fp64 noise stays ~64 MiB whatever the
+# batch; on the CPU a chunk stays in cache (the draw is a dozen elementwise passes).
+_DRAW_ELEMS_CUDA = 1 << 23
+_DRAW_ELEMS_CPU = 1 << 16
 
 
 @dataclass
@@ -78,7 +80,7 @@ def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) 
     n, vocab = logits.shape
     keys = row_keys_tensor(seeds, positions, logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    step = max(1, _DRAW_ELEMS // max(vocab, 1))
+    step = max(1, (_DRAW_ELEMS_CPU if logits.device.type == "cpu" else _DRAW_ELEMS_CUDA) // max(vocab, 1))
     for s in range(0, n, step):
         u = uniform_tensor(keys[s : s + step], vocab)
         gumbel = -torch.log(-torch.log(u))

@@ -1,0 +1,62 @@
+"""On a CUDA device the counter RNG and the sampler give the CPU's tokens (run on the GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import SamplingParams
+from deepinfer.core import rng
+from deepinfer.core.sampler import Sampler, SamplingRow
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def test_uniforms_bitwise_equal_on_cuda():
+    keys = rng.row_keys_tensor(list(range(64)), list(range(100, 164)))
+    assert torch.equal(rng.uniform_tensor(keys, 4096), rng.uniform_tensor(keys.cuda(), 4096).cpu())
+
+
+def test_sampler_tokens_equal_on_cuda():
+    vocab, n = 129280, 48
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_p=0.9, logprobs=5),
+        SamplingParams(temperature=0.8, top_k=50, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3),
+    ]
+    rows = [SamplingRow(kinds[i % 4], [1, 2, 3], [i, 7], 1000 + i, 5) for i in range(n)]
+    sampler = Sampler(vocab)
+    cpu = sampler(logits, rows)
+    gpu = sampler(logits.cuda(), rows)
+    assert cpu.token_ids == gpu.token_ids
+    for a, b in zip(cpu.logprobs, gpu.logprobs):
+        if a is not None:
+            assert list(a) == list(b)
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+def test_seeded_rows_batch_invariant_on_cuda():
+    vocab = 129280
+    logits = (torch.randn(33, vocab, generator=torch.Generator().manual_seed(1)) * 3).cuda()
+    kinds = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.95),
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.8, min_p=0.02),
+    ]
+    sampler = Sampler(vocab)
+    for params in kinds:
+        rows = [SamplingRow(kinds[i % 3], [1, 2], [3] * (i % 5), 50 + i, 2 + i % 5) for i in range(33)]
+        target = SamplingRow(params, [9, 9, 9], [4], 1234, 4)
+        alone = sampler(logits[:1], [target]).token_ids[0]
+        for place in (0, 7, 32):
+            batch = rows[:place] + [target] + rows[place + 1 :]
+            assert sampler(logits, batch).token_ids[place] == alone
