@@ -16,6 +16,7 @@ from deepinfer.models.base import CausalLM
 MODEL_REGISTRY: dict[str, str] = {
     "deepseek_v2": "deepinfer.models.deepseek_v2:DeepseekV2ForCausalLM",
     "deepseek_v3": "deepinfer.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "deepseek_v4": "deepinfer.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
