@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.backend import LinearMethod, MLAAttentionOp, MLASpec, MoEOp, MoESpec, RouterSpec
+from deepinfer.core.backend import (
+    LinearMethod,
+    MLAAttentionOp,
+    MLASpec,
+    MoEOp,
+    MoESpec,
+    RouterSpec,
+    V4AttentionOp,
+    V4AttentionSpec,
+)
 from deepinfer.core.native import activation, kv_write, norm, rope, routing
 from deepinfer.core.native.linear import LINEAR_METHODS, native_linear_method
 from deepinfer.core.native.mla_attention import NativeMLAAttention
@@ -74,6 +83,11 @@ class NativeOps:
 
     def make_moe(self, spec: MoESpec) -> MoEOp:
         return NativeMoE(spec, route_fn=self.route)
+
+    def make_v4_attention(self, spec: V4AttentionSpec) -> V4AttentionOp:
+        from deepinfer.core.native.v4_attention import NativeV4Attention
+
+        return NativeV4Attention(spec)
 
     def op_coverage(self) -> dict[str, str]:
         return {name: "native" for name in OP_NAMES}
