@@ -190,6 +190,7 @@ class DeepInferenceEngine:
         self.vocab_size = int(model.vocab_size)
         sampler = Sampler(self.vocab_size, eos_token_id=tokenizer.eos_token_id)
         self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler)
+        self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
 

@@ -46,6 +46,16 @@ class ModelRunner:
         self.sampler = sampler
         self.graph_runner = None  # optional decode-graph replay, installed by a backend-specific runner
 
+    def capture_decode_graphs(self, backend, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
+        """Install decode CUDA-graph replay when the backend can capture and enforce_eager is off."""
+        if enforce_eager or not backend.caps.graph_capture:
+            return
+        from deepinfer.core.graph_runner import CUDAGraphRunner
+
+        self.graph_runner = CUDAGraphRunner.capture(
+            self.model, self.caches, self.block_size, max_model_len, max_num_seqs, self.device
+        )
+
     # ------------------------------------------------------------ batch
 
     def build_batch(self, sched: SchedulerOutput) -> ForwardBatch:
