@@ -74,6 +74,9 @@ def test_v2_router(method):
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(2))
     logits, hw, hi = gate(x)
     _assert_same_routing(route(logits, _v2_spec(cfg, method)), (hw, hi))
+    if method == "group_limited_greedy":  # the group limit must matter on these inputs
+        greedy = route(logits, _v2_spec(cfg, "greedy"))
+        assert not torch.equal(_sorted(*greedy)[1], _sorted(hw, hi)[1])
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -136,6 +139,13 @@ def test_ties_go_to_lowest_index():
     spec = RouterSpec(num_experts=6, top_k=2, scoring_func="softmax", topk_method="greedy")
     _, ids = route(torch.zeros(3, 6), spec)
     assert ids.tolist() == [[0, 1]] * 3
+
+
+def test_group_ties_go_to_lowest_group():
+    spec = RouterSpec(num_experts=8, top_k=2, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                      topk_group=1)
+    _, ids = route(torch.zeros(2, 8), spec, correction_bias=torch.zeros(8))
+    assert ids.tolist() == [[0, 1]] * 2
 
 
 def test_router_errors_name_the_problem():

@@ -103,6 +103,8 @@ def mla_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
     if _rope_type(scaling) != "default":
         mscale_all_dim = scaling.get("mscale_all_dim", 0)
         if mscale_all_dim:
+            if scaling.get("factor") is None:
+                raise ConfigError("yarn rope scaling with mscale_all_dim needs 'factor'")
             mscale = yarn_get_mscale(scaling["factor"], mscale_all_dim)
             scale = scale * mscale * mscale
     return scale
