@@ -165,6 +165,7 @@ def deepseek_v3_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
     n_shared = cfg.get("n_shared_experts") or 0
     first_dense, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
     noaux = cfg.get("topk_method") == "noaux_tc"
+    bias = bool(cfg.get("attention_bias"))
 
     def lin(name: str, out_f: int, in_f: int) -> TensorSpec:
         return TensorSpec(name, (out_f, in_f), std=in_f ** -0.5, fp8=fp8)
@@ -187,6 +188,10 @@ def deepseek_v3_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
                       lin(f"{a}.q_b_proj.weight", H * (nope + rope), q_lora)]
         specs += [lin(f"{a}.kv_a_proj_with_mqa.weight", kv_lora + rope, D), norm(f"{a}.kv_a_layernorm.weight", kv_lora),
                   lin(f"{a}.kv_b_proj.weight", H * (nope + vdim), kv_lora), lin(f"{a}.o_proj.weight", D, H * vdim)]
+        if bias:  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias (as in HF's modules)
+            biased = ([("q_a_proj", q_lora)] if q_lora is not None else []) + [("kv_a_proj_with_mqa", kv_lora + rope),
+                                                                               ("o_proj", D)]
+            specs += [TensorSpec(f"{a}.{n}.bias", (size,), std=0.1) for n, size in biased]
         if E and i >= first_dense and i % freq == 0:
             specs.append(TensorSpec(f"{p}.mlp.gate.weight", (E, D), std=D ** -0.5))
             if noaux:
@@ -199,5 +204,6 @@ def deepseek_v3_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
             specs += mlp(f"{p}.mlp", inter)
         specs += [norm(f"{p}.input_layernorm.weight", D), norm(f"{p}.post_attention_layernorm.weight", D)]
     specs.append(norm("model.norm.weight", D))
-    specs.append(TensorSpec("lm_head.weight", (V, D), std=2.0 * D ** -0.5))
+    if not cfg.get("tie_word_embeddings"):
+        specs.append(TensorSpec("lm_head.weight", (V, D), std=2.0 * D ** -0.5))
     return specs

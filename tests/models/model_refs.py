@@ -93,3 +93,18 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def n_blocks(tokens: int, block: int = 16) -> int:
     return math.ceil(tokens / block)
+
+
+def variant_checkpoint(preset: str, name: str, **changes) -> str:
+    """A preset's config with `changes`, weights drawn from the same plan (no tokenizer: models do not need it)."""
+    from deepinfer.checkpoints import PRESETS
+    from deepinfer.checkpoints.random_weights import write_safetensors
+
+    p = PRESETS[preset]
+    cfg = {**p.hf_config(), **changes}
+    out = os.path.join(_ROOT, f"{preset}-{name}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_safetensors(out, p.tensor_plan(cfg, p.fp8), 0, torch.float32)
+    return out

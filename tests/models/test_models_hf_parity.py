@@ -74,3 +74,45 @@ def test_bf16_model_tracks_fp32():
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     # most rows agree to bf16 precision; a row whose top-k expert choice flips in bf16 moves more
     assert cos.median() > 0.999 and cos.min() > 0.9
+
+
+@pytest.mark.parametrize(
+    "preset,changes",
+    [
+        ("tiny-v3", {"rope_interleave": False}),  # V3 without interleaved rope pairs (HF rotate_half)
+        ("tiny-v2", {"attention_bias": True}),  # biases on q_a_proj / kv_a_proj_with_mqa / o_proj
+        ("tiny-v2-lite", {"attention_bias": True, "tie_word_embeddings": True}),
+        ("tiny-v3", {"rope_scaling": None}),  # plain RoPE, no YaRN softmax correction
+    ],
+    ids=["v3-no-interleave", "v2-attention-bias", "v2lite-bias-tied", "v3-no-yarn"],
+)
+def test_config_variants_match_hf(preset, changes):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.models.registry import load_model
+    from model_refs import variant_checkpoint
+
+    name = "-".join(f"{k}={v}" for k, v in changes.items())
+    path = variant_checkpoint(preset, name, **changes)
+    transformers.logging.set_verbosity_error()
+    ref, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model = load_model(path, CPUBackend(), torch.float32, progress=False)
+    batch = prompts(model.vocab_size, [5, 33], seed=6)
+    kv = PagedKV(model)
+    out = kv.step([(i, p) for i, p in enumerate(batch)])
+    off = 0
+    for p in batch:
+        with torch.no_grad():
+            r = ref(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(out[off : off + len(p)], r, atol=ATOL, rtol=RTOL)
+        off += len(p)
+    # one decode step on top of the cache
+    nxt = [int(out[len(batch[0]) - 1].argmax()), int(out[-1].argmax())]
+    dec = kv.step([(0, [nxt[0]]), (1, [nxt[1]])])
+    for i, p in enumerate(batch):
+        with torch.no_grad():
+            r = ref(torch.tensor([p + [nxt[i]]])).logits[0, -1]
+        torch.testing.assert_close(dec[i], r, atol=ATOL, rtol=RTOL)
