@@ -15,8 +15,11 @@ __all__ = ["PRESETS", "Preset", "make_checkpoint", "register_preset"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_checkpoint(preset: str, out_dir: str, seed: int = 0, progress: bool = False) -> None:
-    """Write config.json, generation_config.json, safetensors (+ index when sharded) and the tokenizer."""
+def make_checkpoint(preset: str, out_dir: str, seed: int = 0, progress: bool | None = None) -> None:
+    """Write config.json, generation_config.json, safetensors (+ index when sharded) and the tokenizer.
+
+    progress: a byte progress bar; None shows it for checkpoints over 512 MiB (v2-lite), not for tiny ones.
+    """
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; available: {', '.join(sorted(PRESETS))}")
     p = PRESETS[preset]

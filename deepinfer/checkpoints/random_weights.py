@@ -98,7 +98,7 @@ def materialize(spec: TensorSpec, seed: int, default: torch.dtype) -> list[tuple
     return [(spec.name, w.to(spec.dtype or default))]
 
 
-def _write_shard(path: str, specs: list[TensorSpec], seed: int, default: torch.dtype) -> int:
+def _write_shard(path: str, specs: list[TensorSpec], seed: int, default: torch.dtype, bar=None) -> int:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
@@ -113,17 +113,23 @@ def _write_shard(path: str, specs: list[TensorSpec], seed: int, default: torch.d
         f.write(raw)
         for spec in specs:
             for name, t in materialize(spec, seed, default):
-                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                data = t.contiguous().view(torch.uint8).numpy()
+                f.write(memoryview(data))
+                if bar is not None:
+                    bar.update(data.nbytes)
     return offset
 
 
 def write_safetensors(
     out_dir: str, specs: list[TensorSpec], seed: int, dtype: torch.dtype, max_shard_bytes: int | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> list[str]:
-    """Write `specs` as model.safetensors, or as shards + model.safetensors.index.json. Returns file names."""
+    """Write `specs` as model.safetensors, or as shards + model.safetensors.index.json. Returns file names.
+
+    progress: a tqdm bar over bytes; None shows it only for checkpoints over 512 MiB.
+    """
     shards: list[list[TensorSpec]] = [[]]
-    size = 0
+    size = grand_total = 0
     for spec in specs:
         n = sum(_nbytes(s, d) for _, s, d in _stored(spec, dtype))
         if max_shard_bytes is not None and shards[-1] and size + n > max_shard_bytes:
@@ -131,6 +137,7 @@ def write_safetensors(
             size = 0
         shards[-1].append(spec)
         size += n
+        grand_total += n
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -138,13 +145,19 @@ def write_safetensors(
 
     from tqdm.auto import tqdm
 
+    show = grand_total > 512 * 2**20 if progress is None else progress
+    bar = tqdm(total=grand_total, desc="Writing weights", unit="B", unit_scale=True, disable=not show)
     total = 0
     weight_map: dict[str, str] = {}
-    for file, group in tqdm(list(zip(names, shards)), desc="Writing shards", disable=not progress):
-        total += _write_shard(os.path.join(out_dir, file), group, seed, dtype)
-        for spec in group:
-            for name, _, _ in _stored(spec, dtype):
-                weight_map[name] = file
+    try:
+        for file, group in zip(names, shards):
+            bar.set_postfix_str(file)
+            total += _write_shard(os.path.join(out_dir, file), group, seed, dtype, bar)
+            for spec in group:
+                for name, _, _ in _stored(spec, dtype):
+                    weight_map[name] = file
+    finally:
+        bar.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
