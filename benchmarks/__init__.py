@@ -1,0 +1,1 @@
+"""DeepInfer benchmarks (run as `python -m benchmarks.<name>` from the repository root)."""

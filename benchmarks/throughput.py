@@ -1,0 +1,133 @@
+"""Offline throughput of DeepInfer: prefill tokens/s and decode ms/step + output tokens/s per batch size.
+
+Random prompt token ids (seeded), greedy, ignore_eos, so every request runs
+exactly --output-len steps. Each batch size runs alone: its prompts are
+prefilled (timed as prefill), then every following engine step is a decode
+step of the whole batch (timed one by one; engine.step returns only after the
+sampled ids are on the host, so wall time per step is the device time plus
+the host's share). Prints JSON lines, then a table; the roofline floor from
+benchmarks/roofline.py sits beside each row.
+
+  python -m benchmarks.throughput /tmp/ckpt --batch-sizes 1,16,64,256 --prompt-len 1024 --output-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict:
+    from deepinfer.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed + batch)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()
+        engine.add_request(rid, prompt, params)
+    generated = {rid: 0 for rid in ids}
+    t0 = time.perf_counter()
+    while min(generated.values()) < 1:  # prefill (chunked by the token budget)
+        for out in engine.step():
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    t_prefill = time.perf_counter() - t0
+    step_times = []
+    decoded = 0
+    t1 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        s = time.perf_counter()
+        outs = engine.step()
+        step_times.append(time.perf_counter() - s)
+        decoded += len(outs)
+    t_decode = time.perf_counter() - t1
+    return {
+        "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
+        "prefill_s": t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
+        "decode_steps": len(step_times), "decode_s": t_decode,
+        "decode_ms_per_step_median": 1e3 * statistics.median(step_times) if step_times else None,
+        "decode_ms_per_step_mean": 1e3 * t_decode / max(1, len(step_times)),
+        "output_tok_s": decoded / t_decode if t_decode else None,
+        "avg_context": prompt_len + output_len / 2,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--batch-sizes", default="1,16,64,256")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--output-len-small", type=int, default=None, help="output length for batch <= 16 (default: same)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--bandwidth-tbs", type=float, default=4.24, help="measured copy bandwidth for the roofline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--accuracy-out", default=None,
+                   help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
+    args = p.parse_args()
+
+    from benchmarks.roofline import floor_ms
+    from deepinfer import LLM
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = args.prompt_len + max(args.output_len, args.output_len_small or 0) + 16
+    t = time.perf_counter()
+    engine = LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
+                 max_model_len=max_len, enforce_eager=args.enforce_eager,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
+    load_s = time.perf_counter() - t
+    with open(f"{args.model}/config.json") as f:
+        cfg = json.load(f)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    graphs = getattr(engine.runner, "graph_runner", None) is not None
+    meta = {"bench": "throughput", "gpu": gpu, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+            time.gmtime()), "backend": engine.backend_name, "cuda_graphs": graphs, "load_s": load_s,
+            "coverage": engine.backend.op_coverage()}
+    print(json.dumps(meta), flush=True)
+    if args.accuracy_out:
+        from deepinfer.sampling_params import SamplingParams
+
+        g = torch.Generator().manual_seed(args.seed + 7)
+        prompts = [torch.randint(10, int(cfg["vocab_size"]) - 10, (n,), generator=g).tolist()
+                   for n in (7, 100, 333, 1000)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        with open(args.accuracy_out, "w") as f:
+            json.dump({"prompts": prompts, "outputs": [o.outputs[0].token_ids for o in outs]}, f)
+    rows = []
+    for b in batches:
+        out_len = args.output_len_small if (args.output_len_small and b <= 16) else args.output_len
+        r = run_batch(engine, b, args.prompt_len, out_len, int(cfg["vocab_size"]), args.seed)
+        r["roofline_ms"] = floor_ms(cfg, b, int(r["avg_context"]), args.bandwidth_tbs)
+        r.update(bench="throughput", cuda_graphs=graphs)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            for r in [meta, *rows]:
+                f.write(json.dumps(r) + "\n")
+    print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}")
+    print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'floor ms':>8} {'out tok/s':>10}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} "
+              f"{r['roofline_ms']:>8.2f} {r['output_tok_s']:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build + check + time.
+#   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,hf (default: all)
+# Writes logs / JSON lines under $OUT (or ./gpu_out), prints a short summary last.
+# Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1).
+set -u
+STAGES="${1:-tests,check,kernels,bench,hf}"
+OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
+CKPT="${CKPT:-/tmp/ckpt-v2-lite}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
+
+log "commit $(git rev-parse --short HEAD 2>/dev/null) stages=$STAGES"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
+
+CK_PID=""
+if (has bench || has hf) && [ ! -f "$CKPT/config.json" ]; then
+  log "making the v2-lite random checkpoint in the background -> $CKPT"
+  ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite "$CKPT" > "$OUT/ckpt.log" 2>&1 ) &
+  CK_PID=$!
+fi
+
+if has tests; then
+  log "pytest tests/nvidia on the GPU"
+  timeout 240 python3 -m pytest tests/nvidia -q -x -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  log "tests rc=$? :: $(tail -1 "$OUT/tests.log")"
+fi
+if has check; then
+  log "deepinfer check --device cuda --shapes real"
+  timeout 180 python3 -m deepinfer.entrypoints.cli check --device cuda --shapes real > "$OUT/check.log" 2>&1
+  log "check rc=$? :: $(tail -1 "$OUT/check.log")"
+fi
+if has kernels; then
+  log "kernel microbenchmarks"
+  timeout 200 python3 -m benchmarks.kernels > "$OUT/kernels.log" 2>&1
+  log "kernels rc=$?"; grep -v '^{' "$OUT/kernels.log" | tail -40 | tee -a "$OUT/summary.txt"
+fi
+if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 "$OUT/ckpt.log")"; fi
+if has bench; then
+  log "throughput (CUDA graphs)"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,16,64,256}" \
+    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --json-out "$OUT/throughput.jsonl" \
+    --accuracy-out "$OUT/accuracy_tokens.json" > "$OUT/throughput.log" 2>&1
+  log "throughput rc=$?"; grep -v '^{' "$OUT/throughput.log" | tail -12 | tee -a "$OUT/summary.txt"
+  if [ "${EAGER_TOO:-0}" = 1 ]; then
+    timeout 200 python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${EAGER_BATCHES:-1,64}" --prompt-len "${PROMPT:-1024}" \
+      --output-len 64 --enforce-eager > "$OUT/throughput_eager.log" 2>&1
+    log "eager rc=$?"; grep -v '^{' "$OUT/throughput_eager.log" | tail -6 | tee -a "$OUT/summary.txt"
+  fi
+fi
+if has hf; then
+  log "transformers baseline + teacher-forcing accuracy"
+  ACC=""; [ -f "$OUT/accuracy_tokens.json" ] && ACC="--accuracy-in $OUT/accuracy_tokens.json"
+  timeout "${HF_TIMEOUT:-240}" python3 -m benchmarks.hf_baseline "$CKPT" $ACC --batch-sizes "${HF_BATCHES:-1,16}" \
+    --prompt-len "${PROMPT:-1024}" > "$OUT/hf.log" 2>&1
+  log "hf rc=$?"; grep '^{' "$OUT/hf.log" | tail -5 | tee -a "$OUT/summary.txt"; tail -3 "$OUT/hf.log"
+fi
+log "done"
