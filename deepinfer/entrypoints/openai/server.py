@@ -12,9 +12,11 @@ response by status for /metrics (the soak test reads the 5xx count there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import logging
 import os
+import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -253,6 +255,16 @@ def run_server(args: argparse.Namespace) -> int:
                 async_engine.draining = True
                 print(f"signal {sig}: draining {async_engine.num_in_flight} in-flight requests, then exiting", flush=True)
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after shutdown (exit status -15); a drained server exits 0 instead.
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(
         app,
