@@ -17,10 +17,10 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from v4_helpers import write_tiny
+    from deepinfer.checkpoints import make_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_v4"))
-    write_tiny(path, seed=0)
+    make_checkpoint("tiny-v4", path, seed=0)  # config.json + safetensors + tokenizer, as the CLI writes it
     return path
 
 
