@@ -29,6 +29,9 @@ from deepinfer.sampling_params import SamplingParams
 # batch; on the CPU a chunk stays in cache (the draw is a dozen elementwise passes).
 _DRAW_ELEMS_CUDA = 1 << 23
 _DRAW_ELEMS_CPU = 1 << 16
+# Fixed-point scale of the top-p running mass: 2^35 per unit keeps a 2^17-token vocab's sum
+# below 2^53, where int64 -> fp64 is exact; the resolution (3e-11) is far below fp32 softmax error.
+_TOP_P_SCALE = float(1 << 35)
 
 
 @dataclass
@@ -63,8 +66,13 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         kth = sorted_vals.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
         keep = sorted_vals >= kth
         probs = torch.where(keep, sorted_vals, neg_inf).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep &= (mass_before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1)
+        # The running mass is summed in fixed point: integer addition is exact, so the top-p
+        # cut does not depend on how the device's scan kernel groups a batch (CUDA's float
+        # cumsum gives a row different roundings in batches of different sizes).
+        fixed = (probs.to(torch.float64) * _TOP_P_SCALE).floor().to(torch.int64)
+        cum = fixed.cumsum(dim=-1)
+        limit = top_p.to(torch.float64).unsqueeze(1) * cum[:, -1:].to(torch.float64)
+        keep &= ((cum - fixed).to(torch.float64) < limit) | (top_p >= 1).unsqueeze(1)
         keep[:, 0] = True
         keep_orig = torch.empty_like(keep).scatter_(1, sorted_idx, keep)
         logits = torch.where(keep_orig, logits, neg_inf)

@@ -60,3 +60,17 @@ def test_seeded_rows_batch_invariant_on_cuda():
         for place in (0, 7, 32):
             batch = rows[:place] + [target] + rows[place + 1 :]
             assert sampler(logits, batch).token_ids[place] == alone
+
+
+def test_filter_rows_identical_alone_and_batched_on_cuda():
+    from deepinfer.core.sampler import filter_logits
+
+    vocab, n = 129280, 40
+    x = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(2)) * 4).cuda()
+    top_k = torch.tensor([vocab if i % 3 else 20 + i for i in range(n)], device="cuda")
+    top_p = torch.tensor([0.5 + 0.0125 * i for i in range(n)], device="cuda")
+    min_p = torch.tensor([0.0 if i % 2 else 0.01 for i in range(n)], device="cuda")
+    batched = torch.isinf(filter_logits(x, top_k, top_p, min_p))
+    for i in range(n):
+        alone = torch.isinf(filter_logits(x[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1]))
+        assert torch.equal(alone[0], batched[i]), i

@@ -301,3 +301,15 @@ def test_logprobs_values_ranks_and_order():
 def test_no_logprobs_when_not_requested():
     out = Sampler(10)(torch.randn(2, 10), [_row(SamplingParams()), _row(SamplingParams(logprobs=1))])
     assert out.logprobs[0] is None and out.logprobs[1] is not None
+
+
+def test_filter_rows_identical_alone_and_batched():
+    vocab, n = 3000, 24
+    x = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2)) * 4
+    top_k = torch.tensor([vocab if i % 3 else 20 + i for i in range(n)])
+    top_p = torch.tensor([0.5 + 0.02 * i for i in range(n)])
+    min_p = torch.tensor([0.0 if i % 2 else 0.01 for i in range(n)])
+    batched = filter_logits(x, top_k, top_p, min_p)
+    for i in range(n):
+        alone = filter_logits(x[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1])
+        assert torch.equal(alone[0], batched[i]), i
