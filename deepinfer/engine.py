@@ -169,7 +169,8 @@ class DeepInferenceEngine:
             cfg.max_num_seqs,
             self._max_model_len,
             token_budget,
-            budget_bytes=None if cfg.num_kv_blocks else self._kv_budget_bytes(cfg, backend),
+            budget_bytes=None if cfg.num_kv_blocks else self._kv_budget_bytes(
+                cfg, backend, model, block_size, token_budget, self._max_model_len),
             num_kv_blocks=cfg.num_kv_blocks,
         )
         kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs)
@@ -226,12 +227,16 @@ class DeepInferenceEngine:
         return chosen
 
     @staticmethod
-    def _kv_budget_bytes(cfg: EngineConfig, backend) -> int:
+    def _kv_budget_bytes(cfg: EngineConfig, backend, model, block_size: int, token_budget: int, max_model_len: int) -> int:
         if cfg.kv_cache_memory_bytes is not None:
             return cfg.kv_cache_memory_bytes
         if backend.caps.device_type == "cpu":
             return DEFAULT_CPU_KV_CACHE_BYTES
-        free, total = backend.memory_info()
+        from deepinfer.core.model_runner import profile_forward
+
+        profile_forward(model, block_size, token_budget, max_model_len, cfg.max_num_seqs, backend.device)
+        backend.synchronize()
+        free, total = backend.memory_info()  # weights and the activation peak are already taken
         budget = int(free - (1.0 - cfg.gpu_memory_utilization) * total)
         if budget <= 0:
             raise BackendError(

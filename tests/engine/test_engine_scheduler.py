@@ -186,3 +186,44 @@ def test_n_sequences_have_their_own_seeds_and_blocks(fake_tokenizer_dir):
     (g,) = engine.generate([p], SamplingParams(n=2, max_tokens=8, **GREEDY), use_tqdm=False)
     assert g.outputs[0].token_ids == g.outputs[1].token_ids == expected(p, 8, model)
     assert engine.stats().kv_blocks_used == 0
+
+
+class MemoryReportingBackend(FakeBackend):
+    """A device that reports memory (like a GPU): the KV cache is sized from what is left."""
+
+    name = "fake-gpu"
+
+    def __init__(self, free: int, total: int):
+        super().__init__(BS)
+        from deepinfer.core.backend import BackendCaps
+
+        self.caps = BackendCaps(device_type="fakegpu", dtypes=(__import__("torch").float32,), kv_block_sizes=(BS,))
+        self._mem = (free, total)
+
+    def memory_info(self):
+        return self._mem
+
+    def synchronize(self):
+        return None
+
+
+def test_kv_cache_sized_from_device_memory_after_a_profile_forward(fake_tokenizer_dir):
+    from deepinfer.errors import BackendError
+
+    model = FakeCausalLM(window=5, m=3)
+    total, free = 2_000_000, 1_030_000  # 30 kB for the KV cache: below what 256 x 40 tokens would take
+    cfg = EngineConfig(model_name_or_path="fake-model", max_model_len=40, max_num_batched_tokens=100,
+                       gpu_memory_utilization=0.5)
+    engine = DeepInferenceEngine.from_components(
+        cfg, model, Tokenizer.from_pretrained(fake_tokenizer_dir), MemoryReportingBackend(free, total)
+    )
+    # the profile forward ran the whole token budget, in sequences no longer than max_model_len
+    assert model.calls[0] == [40, 40, 20]
+    budget = free - 0.5 * total  # 0.5 of the device, less what is already in use
+    assert engine.kv_plan.bytes_total <= budget and engine.kv_plan.bytes_total > 0.9 * budget
+    (o,) = engine.generate([prompts_of([9])[0]], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    assert o.token_ids == expected(prompts_of([9])[0], 5, model)
+    with pytest.raises(BackendError, match="no device memory left for the KV cache"):
+        DeepInferenceEngine.from_components(
+            cfg, FakeCausalLM(), Tokenizer.from_pretrained(fake_tokenizer_dir), MemoryReportingBackend(900_000, total)
+        )
