@@ -25,6 +25,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def prepare_weight(
+    name: str, t: torch.Tensor, shape: tuple[int, int], quantized: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Check a loaded `<name>.weight` and move it to the device: fp8 stays fp8, dense becomes the compute dtype."""
+    if tuple(t.shape) != shape:
+        raise ModelLoadError(f"{name}.weight has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype == FP8_DTYPE:
+        if not quantized:
+            raise ModelLoadError(
+                f"{name}.weight is float8_e4m3fn but config.json declares no fp8 quantization_config for this layer"
+            )
+        return t.to(device)
+    if t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return t.to(device=device, dtype=dtype)
+    raise ModelLoadError(f"{name}.weight has unsupported dtype {t.dtype}")
+
+
+def prepare_scale(name: str, t: torch.Tensor, out_features: int, in_features: int, device: torch.device) -> torch.Tensor:
+    """Check a loaded `<name>.weight_scale_inv` (one fp32 scale per 128x128 block)."""
+    expect = (_cdiv(out_features, FP8_BLOCK), _cdiv(in_features, FP8_BLOCK))
+    if tuple(t.shape) != expect:
+        raise ModelLoadError(f"{name}.weight_scale_inv has shape {tuple(t.shape)}, expected {expect}")
+    return t.to(device=device, dtype=torch.float32)
+
+
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W [out, in] as loaded (compute dtype, or fp8 + block scales)."""
 
@@ -63,28 +88,11 @@ class Linear(nn.Module):
         return out
 
     def _set_weight(self, t: torch.Tensor) -> None:
-        if tuple(t.shape) != (self.out_features, self.in_features):
-            raise ModelLoadError(
-                f"{self.name}.weight has shape {tuple(t.shape)}, expected {(self.out_features, self.in_features)}"
-            )
-        dev = self.backend.device
-        if t.dtype == FP8_DTYPE:
-            if not self.quantized:
-                raise ModelLoadError(
-                    f"{self.name}.weight is float8_e4m3fn but config.json declares no fp8 quantization_config "
-                    "for this layer"
-                )
-            self.weight = t.to(dev)
-        elif t.is_floating_point() and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            self.weight = t.to(device=dev, dtype=self.dtype)
-        else:
-            raise ModelLoadError(f"{self.name}.weight has unsupported dtype {t.dtype}")
+        self.weight = prepare_weight(self.name, t, (self.out_features, self.in_features), self.quantized, self.dtype,
+                                     self.backend.device)
 
     def _set_scale(self, t: torch.Tensor) -> None:
-        expect = (_cdiv(self.out_features, FP8_BLOCK), _cdiv(self.in_features, FP8_BLOCK))
-        if tuple(t.shape) != expect:
-            raise ModelLoadError(f"{self.name}.weight_scale_inv has shape {tuple(t.shape)}, expected {expect}")
-        self.weight_scale_inv = t.to(device=self.backend.device, dtype=torch.float32)
+        self.weight_scale_inv = prepare_scale(self.name, t, self.out_features, self.in_features, self.backend.device)
 
     def _set_bias(self, t: torch.Tensor) -> None:
         if tuple(t.shape) != (self.out_features,):
