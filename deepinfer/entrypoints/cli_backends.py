@@ -31,6 +31,13 @@ def add_parser(subparsers) -> None:
     )
     c.add_argument("--device", default=None, help="backend or device to check (default: $DEEPINFER_DEVICE or auto)")
     c.add_argument("--shapes", choices=["tiny", "real"], default="tiny", help="input sizes (default tiny)")
+    c.add_argument(
+        "--dtype", action="append", default=None, choices=["float32", "bfloat16", "float16"],
+        help="dtype to test (repeatable; default: each the backend supports)",
+    )
+    c.add_argument("--op", action="append", default=None, help="only this op (repeatable)")
+    c.add_argument("--no-models", action="store_true", help="skip the end-to-end tiny-model rows")
+    c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.set_defaults(run=run_check)
 
@@ -148,9 +155,15 @@ def run_check(args: argparse.Namespace) -> int:
     from deepinfer.conformance import run_for_device
     from deepinfer.core.registry import requested_device
 
-    report = run_for_device(requested_device(args.device), shapes=args.shapes)
+    import torch
+
+    dtypes = [getattr(torch, name) for name in args.dtype] if args.dtype else None
+    report = run_for_device(
+        requested_device(args.device), shapes=args.shapes, dtypes=dtypes, seed=args.seed, ops=args.op,
+        models=not args.no_models,
+    )
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(report.to_json())
     else:
-        print(report.format())
+        print(report.format_table())
     return 0 if report.ok else 1

@@ -127,9 +127,11 @@ def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
 
 
 def test_check_cpu_passes():
-    out = deepinfer("check", "--device", "cpu", "--json")
+    out = deepinfer("check", "--device", "cpu", "--dtype", "float32", "--json")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    json.loads(out.stdout)
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["backend"] == "cpu" and report["counts"]["pass"] > 0
+    assert report["counts"]["fail"] == report["counts"]["error"] == 0
     assert_user_error(deepinfer("check", "--device", "nosuch"), "nosuch")
 
 
