@@ -265,6 +265,7 @@ BAD_INPUTS = [
     ("completions", {"prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "n": True}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 10**9}, 400, "n"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN * 4}, 400, "max_tokens"),
@@ -309,6 +310,9 @@ def test_bad_input_gets_status_and_names_field(served, path, body, status, param
 def test_malformed_and_oversize_bodies_then_keeps_serving(served, client):
     r = httpx.post(served.v1 + "/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    for raw in (b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}'):
+        r = httpx.post(served.v1 + "/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", "top_p"), r.text
     r = httpx.post(served.v1 + "/completions", content=b"x" * (9 * 1024 * 1024), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
     assert httpx.get(served.v1 + "/nope").status_code == 404

@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Int = Annotated[int, Field(strict=True)]
-Float = Annotated[float, Field(strict=True)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
+
+MAX_N = 128  # OpenAI's own limit; a huge n would otherwise let one request exhaust the engine
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +29,7 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
 
     model: str | None = None
-    n: Int = 1
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Int | None = None
