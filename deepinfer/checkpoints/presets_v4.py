@@ -133,20 +133,32 @@ def tiny_v4_config() -> dict:
                       yarn_factor=4.0, yarn_original=64, max_pos=4096)
 
 
-def v4_flash_reduced_config(num_layers: int = 4) -> dict:
-    """V4-Flash per-layer shapes (hidden 4096, 64 heads of 512, 256 experts, W=128, m=4 / 128) with few layers."""
-    pattern = [0, 4, 128, 4, 128, 4]
-    ratios = tuple(pattern[i % len(pattern)] for i in range(num_layers))
-    return _v4_config(vocab=129280, hidden=4096, layers_ratios=ratios, mtp_ratios=(0,), hash_layers=min(3, num_layers),
+def v4_flash_ratios(num_layers: int = 43) -> tuple[int, ...]:
+    """Assumed V4-Flash schedule: 2 sliding-window layers, then CSA (m=4) and HCA (m=128) alternating.
+
+    (43 layers: 21 CSA, 20 HCA, which gives the published ~6.9 KB/token; see docs/v4.md.)
+    """
+    return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(num_layers))
+
+
+def v4_flash_config(num_layers: int = 43) -> dict:
+    """V4-Flash shapes (hidden 4096, 64 heads of 512, 256 experts, W=128, m=4 / 128)."""
+    return _v4_config(vocab=129280, hidden=4096, layers_ratios=v4_flash_ratios(num_layers), mtp_ratios=(0,),
+                      hash_layers=min(3, num_layers),
                       heads=64, head_dim=512, rope_dim=64, q_lora=1024, o_groups=8, o_lora=1024, experts=256,
                       top_k=6, moe_inter=2048, window=128, csa=4, hca=128, index_heads=64, index_dim=128,
                       index_topk=512, yarn_factor=16.0, yarn_original=65536, max_pos=1048576)
 
 
+def v4_flash_reduced_config(num_layers: int = 4) -> dict:
+    """V4-Flash per-layer shapes with the first `num_layers` layers (4: SWA, SWA, CSA, HCA)."""
+    return v4_flash_config(num_layers)
+
+
 for _p in (
     Preset("tiny-v4", "tiny DeepSeek-V4 (SWA + CSA m=4 + HCA m=16 layers, W=8, hash-MoE, mHC, MTP layer), fp32",
            tiny_v4_config(), dtype="float32", tensor_plan=v4_tensor_plan),
-    Preset("v4-flash-reduced", "DeepSeek-V4-Flash shapes with 4 layers (+1 MTP), fp8 linears, bf16, ~30 GB",
+    Preset("v4-flash-reduced", "DeepSeek-V4-Flash shapes with 4 layers (SWA, SWA, CSA, HCA; +1 MTP), fp8 linears, bf16, ~35 GB",
            v4_flash_reduced_config(), dtype="bfloat16", fp8=True, max_shard_bytes=5 * 1024**3,
            tensor_plan=v4_tensor_plan),
 ):

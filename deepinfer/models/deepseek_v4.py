@@ -44,6 +44,26 @@ def canonical_name(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
+def v4_kv_cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype) -> list[KVCacheSpec]:
+    """The hybrid cache: sliding-window keys (every layer), compressed entries per rate, indexer keys, with
+    the compressors' per-sequence rings as state of the compressed groups. Depends on the config only."""
+    D, Di = cfg.head_dim, cfg.index_head_dim
+    specs = [KVCacheSpec(name=SWA_GROUP, layer_ids=tuple(range(cfg.num_hidden_layers)), entry_shape=(D,),
+                         dtype=dtype, sliding_window=cfg.sliding_window)]
+    for t in (CSA, HCA):
+        layers = cfg.layers_of(t)
+        if not layers:
+            continue
+        m, overlap = cfg.compress_rates[t], t == CSA
+        width = (2 if overlap else 1) * D
+        specs.append(KVCacheSpec(name=COMP_GROUPS[t], layer_ids=layers, entry_shape=(D,), dtype=dtype,
+                                 tokens_per_entry=m, state_shape=(ring_len(m, overlap), 2 * width), state_dtype=dtype))
+        if overlap:
+            specs.append(KVCacheSpec(name=INDEX_GROUP, layer_ids=layers, entry_shape=(Di,), dtype=dtype,
+                                     tokens_per_entry=m, state_shape=(ring_len(m, True), 4 * Di), state_dtype=dtype))
+    return specs
+
+
 class V4Block(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, backend: Backend, dtype: torch.dtype):
         super().__init__()
@@ -112,23 +132,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     # ------------------------------------------------------------ cache layout
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        cfg, dt = self.config, self.dtype
-        D, Di = cfg.head_dim, cfg.index_head_dim
-        specs = [KVCacheSpec(name=SWA_GROUP, layer_ids=tuple(range(cfg.num_hidden_layers)), entry_shape=(D,),
-                             dtype=dt, sliding_window=cfg.sliding_window)]
-        for t in (CSA, HCA):
-            layers = cfg.layers_of(t)
-            if not layers:
-                continue
-            m, overlap = cfg.compress_rates[t], t == CSA
-            width = (2 if overlap else 1) * D
-            specs.append(KVCacheSpec(name=COMP_GROUPS[t], layer_ids=layers, entry_shape=(D,), dtype=dt,
-                                     tokens_per_entry=m, state_shape=(ring_len(m, overlap), 2 * width),
-                                     state_dtype=dt))
-            if overlap:
-                specs.append(KVCacheSpec(name=INDEX_GROUP, layer_ids=layers, entry_shape=(Di,), dtype=dt,
-                                         tokens_per_entry=m, state_shape=(ring_len(m, True), 4 * Di), state_dtype=dt))
-        return specs
+        return v4_kv_cache_specs(self.config, self.dtype)
 
     # ------------------------------------------------------------ weights
 
