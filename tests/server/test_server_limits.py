@@ -115,3 +115,15 @@ def test_sigterm_drains_in_flight_stream_then_exits(tiny_checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_and_cli_import_without_server_dependencies():
+    """fastapi / uvicorn / pydantic / prometheus_client stay out of `import deepinfer` and the CLI's import."""
+    code = (
+        "import sys, deepinfer, deepinfer.engine, deepinfer.entrypoints.cli\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'uvicorn', 'pydantic', 'prometheus_client',"
+        " 'starlette'})\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
