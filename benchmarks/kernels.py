@@ -56,8 +56,8 @@ def mla_decode_bench(batch: int = 64, ctx: int = 4096, heads: int = 16, page: in
     kv = cache[table[0].long()].reshape(-1, L + R).float()
     ref = ((q[0].float() @ kv.T) * 0.1).softmax(-1) @ kv[:, :L]
     err = float((out[0].float() - ref).norm() / ref.norm())
-    for block_n, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 8, 2), (16, 4, 3)):
-        for splits in (None, 8, 16):
+    for block_n, warps, stages in ((32, 4, 2), (32, 4, 3), (64, 8, 2)):
+        for splits in (None, 8, 12):
             s = splits or default_num_splits(batch, heads)
             try:
                 ms = bench(lambda: mla_decode(q, cache, table, seq, L, 0.1, num_splits=s, block_n=block_n,
@@ -94,6 +94,34 @@ def moe_bench(tokens_list=(1, 16, 64, 256, 4096)) -> None:
              tflops=2 * 3 * t * K * D * I / ms / 1e9)
 
 
+def moe_tile_sweep(tokens_list=(1, 64, 256)) -> None:
+    """Grouped-GEMM tile choices with the CUDA C++ alignment (what the backend runs by default)."""
+    import os
+
+    from deepinfer.backends.nvidia import cuda_ext
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+    from deepinfer.backends.nvidia.moe_routing import route
+
+    align = cuda_ext.make_align(cuda_ext.load())
+    E, D, I, K = 64, 2048, 1408, 6
+    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    spec = RouterSpec(E, K, "softmax", "greedy")
+    tiles = ("64,64,4,3", "64,128,4,3", "128,64,4,3", "64,128,4,4", "32,128,4,4", "128,128,8,3", "64,256,4,3")
+    for t in tokens_list:
+        x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
+        w, ids = route(torch.randn(t, E, device="cuda"), spec)
+        nbytes = int(ids.unique().numel()) * 3 * D * I * 2
+        for tile in tiles:
+            os.environ["DEEPINFER_MOE_TILE"] = tile
+            try:
+                ms = bench(lambda: fused_moe(x, w13, w2, w, ids, align=align))
+                emit(name="moe_tile", tokens=t, tile=tile, ms=ms, TBps=nbytes / ms / 1e9)
+            except Exception as exc:
+                emit(name="moe_tile", tokens=t, tile=tile, error=str(exc)[:200])
+        os.environ.pop("DEEPINFER_MOE_TILE", None)
+
+
 def routing_bench() -> None:
     from deepinfer.backends.nvidia import cuda_ext
     from deepinfer.backends.nvidia.moe_routing import moe_align, route
@@ -123,13 +151,18 @@ def main() -> None:
     mla_decode_bench()
     moe_bench()
     try:
+        moe_tile_sweep()
+    except Exception as exc:
+        emit(name="moe_tile", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    try:
         routing_bench()
     except Exception as exc:
         emit(name="cuda_ext", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
     print("\nkernel                         ms      TB/s   note")
     for r in ROWS:
         if "ms" in r:
-            note = {k: r[k] for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens") if k in r}
+            note = {k: r[k] for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens", "tile")
+                    if k in r}
             print(f"{r['name']:<22} {r['ms']:>10.4f} {r.get('TBps', 0):>8.3f}   {note}")
         elif "triton_ms" in r or "torch_ms" in r:
             print(f"{r['name']:<22} {r}")

@@ -30,6 +30,24 @@ def _commit() -> str:
         return "unknown"
 
 
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """Device time of the forward alone: replay this batch's captured decode graph (its last inputs)."""
+    gr = getattr(engine.runner, "graph_runner", None)
+    if gr is None or not torch.cuda.is_available() or not gr.graphs:
+        return None
+    size = gr.bucket_for(batch)
+    if size is None or size not in gr.graphs:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gr.graphs[size].replay()
+    start.record()
+    for _ in range(20):
+        gr.graphs[size].replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
+
+
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict:
     from deepinfer.sampling_params import SamplingParams
 
@@ -54,7 +72,9 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
         step_times.append(time.perf_counter() - s)
         decoded += len(outs)
     t_decode = time.perf_counter() - t1
+    graph_ms = graph_replay_ms(engine, batch)
     return {
+        "graph_replay_ms": graph_ms,
         "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
         "prefill_s": t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
         "decode_steps": len(step_times), "decode_s": t_decode,
@@ -123,9 +143,10 @@ def main() -> None:
             for r in [meta, *rows]:
                 f.write(json.dumps(r) + "\n")
     print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}")
-    print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'floor ms':>8} {'out tok/s':>10}")
+    print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'graph ms':>8} {'floor ms':>8} {'out tok/s':>10}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} "
+        gms = f"{r['graph_replay_ms']:.2f}" if r.get("graph_replay_ms") else "-"
+        print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} {gms:>8} "
               f"{r['roofline_ms']:>8.2f} {r['output_tok_s']:>10.0f}")
 
 

@@ -66,8 +66,13 @@ class NvidiaBackend(NativeOps, Backend):
             max_tensor_parallel_size=1,
         )
         self._cuda_ext = None
-        if use_cuda_ext is None:  # opt-in until measured faster (docs/performance.md)
-            use_cuda_ext = on_gpu and os.environ.get("DEEPINFER_NVIDIA_CUDA_EXT", "0") == "1"
+        if use_cuda_ext is None:
+            # Default on where a CUDA compiler exists: measured faster than the Triton / torch twins
+            # (docs/performance.md). DEEPINFER_NVIDIA_CUDA_EXT=0 / =1 forces it; op_coverage says which runs.
+            from deepinfer.backends.nvidia import cuda_ext
+
+            flag = os.environ.get("DEEPINFER_NVIDIA_CUDA_EXT")
+            use_cuda_ext = on_gpu and (flag == "1" or (flag is None and cuda_ext.compiler_available()))
         if use_cuda_ext:
             from deepinfer.backends.nvidia import cuda_ext
 

@@ -30,6 +30,15 @@ def csrc_dir() -> Path:
     raise BackendError("CUDA C++ sources (csrc/cuda) not found next to the deepinfer package")
 
 
+def compiler_available() -> bool:
+    """Whether nvcc can be found (no build is attempted)."""
+    try:
+        _nvcc()
+    except BackendError:
+        return False
+    return True
+
+
 def _nvcc() -> str:
     from torch.utils import cpp_extension
 

@@ -22,7 +22,7 @@ from deepinfer.backends.nvidia.moe_routing import moe_align
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npad_ptr,
     N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
-    A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,
+    A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -48,12 +48,12 @@ def _grouped_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if MUL_WEIGHT:
+    if MUL_WEIGHT:  # round to the activation dtype first, then weight in fp32 (as the native op)
         w = tl.load(w_ptr + pairs, mask=pmask, other=0.0)
-        acc = acc * w[:, None]
+        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
 
@@ -65,6 +65,17 @@ def _pick_block_m(num_pairs: int, num_experts: int, interpret: bool) -> int:
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
+def gemm_config(block_m: int, interpret: bool) -> dict:
+    """Tile shape per BLOCK_M; DEEPINFER_MOE_TILE="BN,BK,warps,stages" overrides it (for tuning runs)."""
+    if interpret:
+        return {"block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    env = os.environ.get("DEEPINFER_MOE_TILE")
+    if env:
+        bn, bk, warps, stages = (int(v) for v in env.split(","))
+        return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+    return {"block_n": 64 if block_m <= 16 else 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+
+
 def grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_padded: torch.Tensor, num_pairs: int, a_div: int, block_m: int, topk_weights: torch.Tensor | None,
@@ -72,15 +83,16 @@ def grouped_gemm(
     """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]) for every routed pair p."""
     E, N, K = w.shape
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    block_n = 32 if interpret else (64 if block_m <= 16 else 128)
-    block_k = 16 if interpret else 64
+    cfg = gemm_config(block_m, interpret)
+    block_n, block_k = cfg["block_n"], cfg["block_k"]
     grid = (expert_ids.shape[0], triton.cdiv(N, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else a, sorted_ids, expert_ids, num_padded,
         N, K, num_pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_DIV=a_div, MUL_WEIGHT=topk_weights is not None, UPCAST=interpret and a.dtype == torch.bfloat16,
+        PREC="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=1 if interpret else 3,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -105,7 +117,7 @@ def fused_moe(
     h13 = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, h13, sorted_ids, expert_ids, num_padded, n, k, block_m, None)
     h = silu_and_mul(h13)
-    y = torch.empty((n, D), dtype=x.dtype, device=x.device)
+    y = torch.empty((n, D), dtype=torch.float32, device=x.device)  # weighted slots, summed in fp32
     grouped_gemm(h, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m,
                  topk_weights.reshape(-1).float().contiguous())
-    return y.view(T, k, D).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(T, k, D).sum(dim=1).to(x.dtype)

@@ -25,7 +25,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale_log2, D, DV,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -64,12 +64,12 @@ def _prefill_kernel(
         ka = tl.load(k_rows + offs_a[None, :], mask=nmask[:, None] & (offs_a[None, :] < D), other=0.0)
         if UPCAST:
             ka = ka.to(tl.float32)
-        qk = tl.dot(qa, tl.trans(ka))
+        qk = tl.dot(qa, tl.trans(ka), input_precision=PREC)
         if HAS_DB:
             kb = tl.load(k_rows + offs_b[None, :], mask=nmask[:, None] & (offs_b[None, :] < D), other=0.0)
             if UPCAST:
                 kb = kb.to(tl.float32)
-            qk += tl.dot(qb, tl.trans(kb))
+            qk += tl.dot(qb, tl.trans(kb), input_precision=PREC)
         allowed = nmask[None, :] & (offs_n[None, :] <= ctx + offs_m[:, None])
         qk = tl.where(allowed, qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -81,7 +81,7 @@ def _prefill_kernel(
                     mask=nmask[:, None] & vmask[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = o_ptr + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
@@ -131,6 +131,7 @@ def prefill_attention(
         softmax_scale * _LOG2E, D, DV,
         BLOCK_DA=da, BLOCK_DB=max(db, 16), HAS_DB=db > 0, BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpret and q.dtype == torch.bfloat16,
+        PREC="ieee" if q.dtype == torch.float32 else None,
         num_warps=4 if interpret else 8, num_stages=1 if interpret else 2,
     )
     return out
