@@ -15,6 +15,7 @@ OpenAI documents for its logprobs and what Logprob's docstring in outputs.py pro
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +100,15 @@ def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) 
 class Sampler:
     """Draws one token per row of logits [N, V>=vocab_size]; ids >= vocab_size are never drawn."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+    def __init__(self, vocab_size: int, eos_token_id: int | Iterable[int] | None = None):
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id  # masked (with stop_token_ids) while output < min_tokens
+        # EOS id(s), masked with stop_token_ids while a row has fewer than min_tokens outputs
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset([eos_token_id])
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
@@ -141,8 +148,8 @@ class Sampler:
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids)
-                if self.eos_token_id is not None and not r.params.ignore_eos:
-                    banned.add(self.eos_token_id)
+                if not r.params.ignore_eos:
+                    banned |= self.eos_token_ids
                 pairs.extend((i, t) for t in banned if 0 <= t < logits.shape[1])
         if not pairs:
             return logits

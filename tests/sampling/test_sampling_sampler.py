@@ -267,6 +267,8 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert sampler(logits, [_row(p, output=[3, 3])]).token_ids == [1]
     p_ign = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
     assert sampler(logits, [_row(p_ign, output=[])]).token_ids == [1]
+    several = Sampler(4, eos_token_id=[1, 2])  # e.g. generation_config's eos list
+    assert several(logits, [_row(SamplingParams(temperature=0, min_tokens=1))]).token_ids == [3]
 
 
 # ------------------------------------------------------------------ logprobs
