@@ -306,6 +306,8 @@ class DeepInferenceEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
         params.validate()
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported yet: leave it unset", param="prompt_logprobs")
         text, ids = self._prompt_ids(prompt)
         self._counter += 1
         base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)

@@ -6,6 +6,9 @@ arrival order. A sequence whose tokens do not fit the budget gets a chunk (with
 chunked prefill on). When KV blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes to the front of the
 waiting queue, to recompute prompt + generated tokens later.
+
+At most min(max_num_seqs, max_num_batched_tokens) sequences run at once, so every
+running sequence can decode every step (none starves behind a full budget).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Scheduler:
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        self.max_running = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
@@ -117,7 +121,7 @@ class Scheduler:
             budget -= n
 
         # Admit waiting sequences (preempted ones are at the front) unless memory was short this step.
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             n = seq.num_uncomputed_tokens
             if n > budget:

@@ -206,6 +206,7 @@ def test_prompt_too_long(engine):
         (dict(min_p=2.0), "min_p"),
         (dict(logprobs=99), "logprobs"),
         (dict(presence_penalty=5.0), "presence_penalty"),
+        (dict(prompt_logprobs=1), "prompt_logprobs"),  # valid value, not built: refused, not ignored
     ],
 )
 def test_invalid_sampling_values(engine, kwargs, param):

@@ -227,3 +227,14 @@ def test_kv_cache_sized_from_device_memory_after_a_profile_forward(fake_tokenize
         DeepInferenceEngine.from_components(
             cfg, FakeCausalLM(), Tokenizer.from_pretrained(fake_tokenizer_dir), MemoryReportingBackend(900_000, total)
         )
+
+
+def test_running_set_never_exceeds_the_token_budget(fake_tokenizer_dir):
+    """With a 3-token budget at most 3 sequences run, so each running sequence decodes every step."""
+    model = FakeCausalLM()
+    engine = make_engine(fake_tokenizer_dir, model, max_num_batched_tokens=3, max_model_len=64, num_kv_blocks=100)
+    prompts = prompts_of([2, 5, 1, 7, 3, 4])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected(p, 6, model) for p in prompts]
+    assert all(len(c) <= 3 and sum(c) <= 3 for c in model.calls)
+    assert engine.scheduler.max_running == 3
