@@ -43,7 +43,7 @@ if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 "$O
 if has bench; then
   log "throughput (CUDA graphs)"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,16,64,256}" \
-    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --json-out "$OUT/throughput.jsonl" \
+    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --output-len-small "${OUTLEN_SMALL:-${OUTLEN:-256}}" --json-out "$OUT/throughput.jsonl" \
     --accuracy-out "$OUT/accuracy_tokens.json" > "$OUT/throughput.log" 2>&1
   log "throughput rc=$?"; grep -v '^{' "$OUT/throughput.log" | tail -12 | tee -a "$OUT/summary.txt"
   if [ "${EAGER_TOO:-0}" = 1 ]; then
