@@ -189,7 +189,7 @@ class DeepInferenceEngine:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.vocab_size = int(model.vocab_size)
-        sampler = Sampler(self.vocab_size, eos_token_id=tokenizer.eos_token_id)
+        sampler = Sampler(self.vocab_size, eos_token_id=sorted(eos_ids))
         self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler)
         self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
