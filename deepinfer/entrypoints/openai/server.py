@@ -236,6 +236,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # connections made right after the URL is printed wait in the backlog, not refused
     port = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
     stats = engine.stats()
