@@ -127,7 +127,7 @@ def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
 
 
 def test_check_cpu_passes():
-    out = deepinfer("check", "--device", "cpu", "--dtype", "float32", "--json")
+    out = deepinfer("check", "--device", "cpu", "--dtype", "float32", "--no-models", "--json")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["ok"] and report["backend"] == "cpu" and report["counts"]["pass"] > 0

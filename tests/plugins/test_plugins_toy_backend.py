@@ -167,3 +167,18 @@ def test_cli_lists_and_selects_the_plugin(plugin_env):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "no available backend for device 'toy'" in out.stderr and "DEEPINFER_TOY_UNAVAILABLE" in out.stderr
+
+
+def test_check_catches_a_wrong_kernel(plugin_env):
+    """`deepinfer check --device toy` passes on the toy backend, and exits 1 once its rms_norm is 1% off."""
+    _, env = plugin_env
+    args = ["check", "--device", "toy", "--op", "rms_norm", "--op", "add_rms_norm", "--no-models", "--json"]
+    good = _cli(args, env)
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert json.loads(good.stdout)["backend"] == "toy"
+    bad = _cli(args, dict(env, DEEPINFER_TOY_BROKEN="1"))
+    assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
+    report = json.loads(bad.stdout)
+    assert not report["ok"]
+    statuses = {(r["op"], r["status"]) for r in report["rows"]}
+    assert ("rms_norm", "fail") in statuses and ("add_rms_norm", "pass") in statuses

@@ -1,10 +1,12 @@
 """ToyBackend: inherits every op from NativeOps, overrides three to count calls.
 
-The counts let a test prove that generation really went through this backend.
+The counts let a test prove that generation really went through this backend;
+DEEPINFER_TOY_BROKEN=1 makes rms_norm wrong by 1%, which `deepinfer check` must catch.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -13,6 +15,7 @@ from deepinfer.core.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec
 from deepinfer.core.native import NativeOps
 
 CALLS: Counter = Counter()
+BROKEN_ENV = "DEEPINFER_TOY_BROKEN"
 
 
 class ToyBackend(NativeOps, Backend):
@@ -37,7 +40,10 @@ class ToyBackend(NativeOps, Backend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         CALLS["rms_norm"] += 1
-        return super().rms_norm(x, weight, eps)
+        out = super().rms_norm(x, weight, eps)
+        if os.environ.get(BROKEN_ENV):  # a kernel bug, for the conformance suite to catch
+            out = out * 1.01
+        return out
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
