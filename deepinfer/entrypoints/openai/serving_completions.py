@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
@@ -90,8 +91,6 @@ class CompletionsHandler:
 
     @staticmethod
     async def _collect_all(handles):
-        import asyncio
-
         try:
             return await asyncio.gather(*(collect(h) for h in handles))
         finally:
