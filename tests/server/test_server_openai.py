@@ -215,10 +215,23 @@ def test_sixteen_concurrent_streams_are_complete_and_correct(served):
         async with openai.AsyncOpenAI(base_url=served.v1, api_key="unused", max_retries=0, timeout=120) as client:
             return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
+    before = httpx.get(served.base_url + "/metrics").text
     results = asyncio.run(run_all())
     for prompt, (text, reasons) in zip(PROMPTS, results):
         assert reasons == ["length"]
         assert text == served.refs[prompt].text, prompt
+    after = httpx.get(served.base_url + "/metrics").text
+
+    def grew(name, labels=None):
+        return (read_metric(after, name, labels) or 0) - (read_metric(before, name, labels) or 0)
+
+    assert grew("deepinfer_time_to_first_token_seconds_count") == 16
+    assert grew("deepinfer_e2e_request_latency_seconds_count") == 16
+    assert grew("deepinfer_inter_token_latency_seconds_count") >= 16 * 11
+    assert grew("deepinfer_generation_tokens_total") == 16 * 12
+    assert grew("deepinfer_prompt_tokens_total") == sum(len(served.refs[p].prompt_token_ids) for p in PROMPTS)
+    assert grew("deepinfer_requests_finished_total", 'finish_reason="length"') == 16
+    assert grew("deepinfer_http_responses_total", 'endpoint="/v1/completions",status="200"') == 16
 
 
 def test_client_disconnect_mid_stream_frees_blocks(served):
