@@ -108,8 +108,9 @@ class Linear(nn.Module):
             if self.weight_scale_inv is None:
                 raise ModelLoadError(f"{self.name}.weight is fp8 but {self.name}.weight_scale_inv is missing")
             return "fp8_block"
-        # a dense weight in a quantized checkpoint (e.g. a layer left unquantized) carries no scale
-        self.weight_scale_inv = None
+        if self.weight_scale_inv is not None:
+            raise ModelLoadError(f"{self.name}.weight_scale_inv is given but {self.name}.weight is not fp8 "
+                                 f"(it is {self.weight.dtype})")
         return "none"
 
     def finalize(self) -> None:

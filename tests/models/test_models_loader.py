@@ -186,3 +186,10 @@ def test_streaming_writer_output_is_standard_safetensors():
                 t = f.get_tensor(k)
                 total += t.numel() * t.element_size()
     assert total == index["metadata"]["total_size"]
+
+
+def test_dense_weight_with_a_block_scale_is_refused(tmp_path):
+    path = copy_ckpt("tiny-v3-fp8", tmp_path)
+    rewrite(path, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight", torch.zeros(256, 128)))
+    with pytest.raises(ModelLoadError, match=r"o_proj\.weight_scale_inv is given but .*o_proj\.weight is not fp8"):
+        load(path)
