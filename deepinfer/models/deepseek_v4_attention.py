@@ -159,7 +159,7 @@ class V4Attention(nn.Module):
         if self.csa:
             Hi, Di = cfg.index_n_heads, cfg.index_head_dim
             iq = apply_v4_rope(self.i_q(q_res).view(T, Hi, Di), cos, sin)
-            extra.update(index_q=iq, index_weights=self.i_w(x) * Hi**-0.5, index_kv=self.i_kv(x),
+            extra.update(index_q=iq, index_weights=self.i_w(x).float() * Hi**-0.5, index_kv=self.i_kv(x),
                          index_gate=self.i_gate(x))
         o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
         o = apply_v4_rope(o, cos, -sin)
