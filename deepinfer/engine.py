@@ -2,57 +2,32 @@
 (add_request / step / abort_request) for the server.
 
 Start-up order names problems early: config and env -> config.json and model_type -> backend
-and its capabilities -> weights -> KV cache sized and allocated -> tokenizer.
+and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from typing import Any
 
-import torch
 
-from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.config import EngineConfig
+from deepinfer.core.engine_setup import (
+    check_backend,
+    checkpoint_quantization,
+    dtype_name,
+    generation_eos_ids,
+    kv_budget_bytes,
+    resolve_dtype,
+)
 from deepinfer.core.engine_stats import EngineStats
 from deepinfer.core.request import Request, Sequence
-from deepinfer.errors import BackendError, ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
+from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer")
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
-def _checkpoint_quantization(hf_config: dict) -> str | None:
-    q = hf_config.get("quantization_config")
-    if not isinstance(q, dict):
-        return None
-    method = q.get("quant_method")
-    return "fp8_block" if method == "fp8" else (str(method) if method is not None else None)
-
-
-def _generation_eos_ids(path: str) -> set[int]:
-    """eos_token_id(s) of generation_config.json, if the checkpoint has one."""
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(file):
-        return set()
-    try:
-        with open(file, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        logger.warning("ignoring unreadable %s", file)
-        return set()
-    if isinstance(eos, int):
-        return {eos}
-    if isinstance(eos, list):
-        return {e for e in eos if isinstance(e, int)}
-    return set()
 
 
 class DeepInferenceEngine:
@@ -90,7 +65,7 @@ class DeepInferenceEngine:
         hf_config = load_hf_config(path)
         model_class_for(hf_config)  # UnsupportedModelError before any device work
         model_type = hf_config.get("model_type")
-        ckpt_quant = _checkpoint_quantization(hf_config)
+        ckpt_quant = checkpoint_quantization(hf_config)
         if cfg.linear_scheme() is not None and cfg.linear_scheme() != ckpt_quant:
             raise ConfigError(
                 f"EngineConfig.quantization={cfg.quantization!r} but the checkpoint in {path} is "
@@ -101,11 +76,11 @@ class DeepInferenceEngine:
         registry = default_registry()
         info = registry.resolve(requested_device(cfg.device))
         backend = load_backend_class(info)()
-        dtype = self._resolve_dtype(cfg, config_dtype(hf_config), backend)
-        self._check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
+        check_backend(backend, cfg, dtype, ckpt_quant, model_type)
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
         model = load_model(path, backend, dtype, progress=cfg.load_progress)
-        self._init_runtime(cfg, backend, model, tokenizer, _generation_eos_ids(path))
+        self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
 
     @classmethod
     def from_components(cls, config: EngineConfig, model, tokenizer, backend) -> "DeepInferenceEngine":
@@ -113,28 +88,9 @@ class DeepInferenceEngine:
         self = cls.__new__(cls)
         cfg = config.with_env()
         cfg.check_features_exist()
-        self._check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
+        check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
         self._init_runtime(cfg, backend, model, tokenizer, set())
         return self
-
-    @staticmethod
-    def _check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -> None:
-        from deepinfer.core.backend import FeatureRequest
-
-        reasons = backend.caps.unsupported(
-            FeatureRequest(
-                dtype=dtype,
-                quantization=quantization,
-                model_type=model_type,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                batch_invariant=cfg.batch_invariant,
-                kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
-            )
-        )
-        if reasons:
-            raise BackendError(
-                f"backend {backend.name!r} cannot run this configuration:\n  - " + "\n  - ".join(reasons)
-            )
 
     def _init_runtime(self, cfg: EngineConfig, backend, model, tokenizer, eos_ids: set[int]) -> None:
         """KV cache sizing and allocation, scheduler, runner, sampler, output processing."""
@@ -169,7 +125,7 @@ class DeepInferenceEngine:
             cfg.max_num_seqs,
             self._max_model_len,
             token_budget,
-            budget_bytes=None if cfg.num_kv_blocks else self._kv_budget_bytes(
+            budget_bytes=None if cfg.num_kv_blocks else kv_budget_bytes(
                 cfg, backend, model, block_size, token_budget, self._max_model_len),
             num_kv_blocks=cfg.num_kv_blocks,
         )
@@ -206,44 +162,9 @@ class DeepInferenceEngine:
             "DeepInfer: %s (%s%s) on backend %s in %s; KV cache %.1f MiB (%s, block size %d) holds %d tokens; "
             "max_model_len %d, max_num_seqs %d, token budget %d",
             cfg.model_name_or_path, getattr(model, "model_type", "?"), f", {quant}" if quant else "", backend.name,
-            _dtype_name(model.dtype), plan.bytes_total / 2**20, groups, block_size, plan.capacity_tokens,
+            dtype_name(model.dtype), plan.bytes_total / 2**20, groups, block_size, plan.capacity_tokens,
             self._max_model_len, cfg.max_num_seqs, token_budget,
         )
-
-    @staticmethod
-    def _resolve_dtype(cfg: EngineConfig, ckpt_dtype: torch.dtype | None, backend) -> torch.dtype:
-        explicit = cfg.torch_dtype()
-        if explicit is not None:
-            return explicit
-        caps = backend.caps
-        if caps.device_type == "cpu" and torch.float32 in caps.dtypes:
-            chosen, why = torch.float32, "the CPU backend computes in float32 by default"
-        elif ckpt_dtype is not None and ckpt_dtype in caps.dtypes:
-            chosen, why = ckpt_dtype, "the checkpoint's dtype"
-        else:
-            chosen, why = caps.dtypes[0], f"backend {backend.name!r}'s preferred dtype"
-        ckpt = _dtype_name(ckpt_dtype) if ckpt_dtype is not None else "unstated"
-        logger.info("dtype auto -> %s (%s; checkpoint dtype %s)", _dtype_name(chosen), why, ckpt)
-        return chosen
-
-    @staticmethod
-    def _kv_budget_bytes(cfg: EngineConfig, backend, model, block_size: int, token_budget: int, max_model_len: int) -> int:
-        if cfg.kv_cache_memory_bytes is not None:
-            return cfg.kv_cache_memory_bytes
-        if backend.caps.device_type == "cpu":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        from deepinfer.core.model_runner import profile_forward
-
-        profile_forward(model, block_size, token_budget, max_model_len, cfg.max_num_seqs, backend.device)
-        backend.synchronize()
-        free, total = backend.memory_info()  # weights and the activation peak are already taken
-        budget = int(free - (1.0 - cfg.gpu_memory_utilization) * total)
-        if budget <= 0:
-            raise BackendError(
-                f"no device memory left for the KV cache: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB "
-                f"after loading the model, gpu_memory_utilization={cfg.gpu_memory_utilization}"
-            )
-        return budget
 
     # ------------------------------------------------------------ properties
 

@@ -185,6 +185,15 @@ def test_unknown_model_type(clean_env, checkpoint, tmp_path):
         DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=path, device="cpu"))
 
 
+def test_malformed_generation_config(clean_env, checkpoint, tmp_path):
+    path = copy_with_config(checkpoint(PRESET), tmp_path / "g", lambda t: t)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        f.write('{"eos_token_id": "one"}')
+    with pytest.raises(ModelLoadError, match="generation_config.json: eos_token_id must be a token id"):
+        DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=path, device="cpu", load_progress=False,
+                                                     max_model_len=32, num_kv_blocks=4))
+
+
 # ---------------------------------------------------------------- requests
 
 
