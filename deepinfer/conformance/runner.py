@@ -114,8 +114,14 @@ def run_conformance(
     dtypes: Iterable[torch.dtype] | None = None,
     seed: int = 0,
     ops: Iterable[str] | None = None,
+    models: bool | Iterable[str] = False,
 ) -> ConformanceReport:
-    """Compare every op of `backend` with NativeOps on seeded random inputs; returns the report."""
+    """Compare every op of `backend` with NativeOps on seeded random inputs; returns the report.
+
+    models=True adds end-to-end rows (op "model"): tiny V2/V3 checkpoints run through the
+    backend vs through NativeOps (deepinfer.conformance.e2e), at tiny model sizes and in
+    fp32 whatever `dtypes` says; a list of preset names picks which.
+    """
     want_dtypes = tuple(dtypes) if dtypes is not None else DEFAULT_DTYPES
     want_ops = set(ops) if ops is not None else set(OP_NAMES)
     unknown = want_ops - set(OP_NAMES)
@@ -151,6 +157,11 @@ def run_conformance(
             ref = case.run(reference, to_device(inputs, device))
             passed, row.max_abs_err, row.err_ratio, row.atol, row.rtol, row.reason = _compare(case, out, ref, dtype)
             row.status = "pass" if passed else "fail"
+    if models:
+        from deepinfer.conformance.e2e import E2E_PRESETS, run_model_rows
+
+        presets = E2E_PRESETS if models is True else tuple(models)
+        run_model_rows(backend, report, seed, presets)
     return report
 
 
@@ -160,9 +171,11 @@ def run_for_device(
     dtypes: Iterable[torch.dtype] | None = None,
     seed: int = 0,
     ops: Iterable[str] | None = None,
+    models: bool | Iterable[str] = True,
 ) -> ConformanceReport:
-    """`deepinfer check --device X`: resolve X through the backend registry and run the suite on it."""
+    """`deepinfer check --device X`: resolve X through the backend registry and run the suite
+    on it: every op, then (models=True) the end-to-end tiny-model rows."""
     from deepinfer.core.registry import default_registry
 
     backend = default_registry().create(device)
-    return run_conformance(backend, shapes=shapes, dtypes=dtypes, seed=seed, ops=ops)
+    return run_conformance(backend, shapes=shapes, dtypes=dtypes, seed=seed, ops=ops, models=models)

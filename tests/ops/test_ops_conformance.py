@@ -14,7 +14,7 @@ from deepinfer.errors import UnsupportedOpError
 
 
 def test_cpu_passes_and_lists_every_op():
-    report = run_for_device("cpu", shapes="tiny")
+    report = run_for_device("cpu", shapes="tiny", models=False)
     assert report.ok, report.format_table()
     assert report.ops() == sorted(OP_NAMES)
     assert {r.dtype for r in report.rows} == {"float32", "bfloat16", "float16"}
@@ -96,6 +96,22 @@ def test_real_shape_cases_build_and_pass_on_cpu():
     """The GPU uses shapes="real"; build and run the cheap ones here so a broken case is caught in CI.
     (MoE and linear at real widths allocate GBs of weights; they run on the GPU.)"""
     ops = ["rms_norm", "rotary_embedding", "kv_cache_write", "route", "mla_attention"]
-    report = run_for_device("cpu", shapes="real", dtypes=[torch.float32], ops=ops)
+    report = run_for_device("cpu", shapes="real", dtypes=[torch.float32], ops=ops, models=False)
     assert report.ok, report.format_table()
     assert report.ops() == sorted(ops)
+
+
+class _ScaledNorm(CPUBackend):
+    name = "scaled-norm"
+
+    def rms_norm(self, x, weight, eps):
+        return super().rms_norm(x, weight, eps) * 1.001
+
+
+def test_model_rows_pass_on_cpu_and_catch_a_wrong_op():
+    """End-to-end rows: tiny checkpoints through the backend vs NativeOps (teacher-forced logits)."""
+    presets = ("tiny-v2-lite", "tiny-v3-fp8")
+    good = run_conformance(CPUBackend(), ops=[], dtypes=[torch.float32], models=presets)
+    assert good.ok and [r.op for r in good.rows] == ["model", "model"], good.format_table()
+    bad = run_conformance(_ScaledNorm(), ops=[], dtypes=[torch.float32], models=presets[:1])
+    assert [r.status for r in bad.rows] == ["fail"], bad.format_table()

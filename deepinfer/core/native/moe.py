@@ -1,8 +1,8 @@
 """Routed experts in plain torch: route -> per-expert SwiGLU -> weighted combine.
 
 Per-expert matmuls run in the activation dtype like HF's `DeepseekV3Experts`;
-the weighted sum over a token's experts accumulates in fp32 (HF accumulates in
-the activation dtype), then is cast back once.
+the weighted sum over a token's experts is taken in fp32 (HF accumulates in
+the activation dtype), then cast back once.
 """
 
 from __future__ import annotations
@@ -29,23 +29,27 @@ def experts_forward(
     topk_ids: torch.Tensor,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t,k]; [T, D] in x's dtype."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t,k]; [T, D] in x's dtype.
+
+    Each (token, slot) result lands in its own row of a [T, k, D] fp32 buffer that
+    is summed over k at the end: no scatter-add, so the combine order is fixed
+    (slot order) and a token routed twice to one expert (hash tables) is fine.
+    """
+    t, top_k = topk_ids.shape
+    buf = torch.zeros((t * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
+    flat_w = topk_weights.reshape(-1, 1).float()
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    top_k = topk_ids.shape[1]
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        sel = order[start : start + n]
+        sel = order[start : start + n]  # flat (token, slot) positions routed to expert e
         start += n
-        tok = sel // top_k
-        h = silu_and_mul(F.linear(x[tok], w13[e]), swiglu_limit)
-        y = F.linear(h, w2[e]).float() * topk_weights.reshape(-1)[sel, None].float()
-        out.index_add_(0, tok, y)
-    return out.to(x.dtype)
+        h = silu_and_mul(F.linear(x[sel // top_k], w13[e]), swiglu_limit)
+        buf[sel] = F.linear(h, w2[e]).float() * flat_w[sel]
+    return buf.view(t, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 class NativeMoE(MoEOp):
