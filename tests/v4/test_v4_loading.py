@@ -51,3 +51,15 @@ def test_unexpected_missing_and_misshaped_tensors_are_named(tiny_dir):
     model = _fresh(tiny_dir)
     with pytest.raises(ModelLoadError, match="layers.0.ffn.gate.tid2eid"):
         model.load_weights([("layers.0.ffn.gate.tid2eid", torch.full((1024, 2), 99))])
+
+
+def test_a_checkpoint_saved_by_transformers_loads_and_matches(tmp_path, hf_model, our_model):
+    """save_pretrained writes its own config.json (layer_types, nested rope_parameters) and mixed names."""
+    from v4_helpers import load_ours, run_chunks
+
+    hf_model.save_pretrained(str(tmp_path))
+    model = load_ours(str(tmp_path))
+    assert model.config.layer_types == our_model.config.layer_types
+    assert model.config.rope_compress == our_model.config.rope_compress
+    ids = list(range(3, 40))
+    torch.testing.assert_close(run_chunks(model, ids, [40]), run_chunks(our_model, ids, [40]), atol=1e-6, rtol=0)
