@@ -28,7 +28,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.backend = backend
         self.dtype = dtype
-        self.num_experts = E = cfg.n_routed_experts
+        self.num_experts = cfg.n_routed_experts
         self.hidden_size = D = cfg.hidden_size
         self.intermediate_size = inter = cfg.moe_intermediate_size
         self.quantized = quantized = cfg.quantization == "fp8_block"
