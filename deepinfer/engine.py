@@ -324,6 +324,11 @@ class DeepInferenceEngine:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompts")
+        if self._requests:
+            raise DeepInferError(
+                f"generate() cannot run while {len(self._requests)} requests from add_request are unfinished: "
+                "their outputs come from step(); finish or abort them first"
+            )
         params_list = self._params_list(sampling_params, sampling_kwargs, len(prompts))
         prepared = [self._prompt_ids(p) for p in prompts]  # validate all before queuing any
         ids = []

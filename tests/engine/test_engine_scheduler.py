@@ -13,7 +13,7 @@ import pytest
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.engine import DeepInferenceEngine
-from deepinfer.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
 from engine_fakes import FakeBackend, FakeCausalLM, reference_next
 
 BS = 4
@@ -170,6 +170,10 @@ def test_streaming_outputs_are_cumulative_and_finish_once(fake_tokenizer_dir):
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup", p, SamplingParams())
         engine.add_request("dup", p, SamplingParams())
+    with pytest.raises(DeepInferError, match="generate\\(\\) cannot run while 1 requests from add_request"):
+        engine.generate([p], use_tqdm=False)
+    engine.abort_request("dup")
+    assert engine.generate([p], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].token_ids == exp[:2]
 
 
 def test_n_sequences_have_their_own_seeds_and_blocks(fake_tokenizer_dir):
