@@ -36,7 +36,14 @@ def dequantize_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
 
 @functools.lru_cache(maxsize=None)
 def dequantized_copy(preset: str) -> str:
-    """An fp32 copy of an fp8 checkpoint (no quantization_config) for the HF reference on CPU."""
+    """An fp32 copy of an fp8 checkpoint (no quantization_config) for the HF reference on CPU.
+
+    Why not transformers' own fp8 loading: on CPU it needs `accelerate` and dequantizes with a block size
+    derived as rows // scale_rows, which is wrong for partial 128-blocks (a 192x96 weight with a 2x1 scale
+    grid gets 96-row blocks; a real V3 kv_a_proj_with_mqa, 576 rows, fails outright). DeepSeek's own
+    `weight_dequant` uses scale[i // 128, j // 128], which is what `dequantize_reference` does.
+    (Checked by hand with accelerate installed: that path loads tiny-v3-fp8 with no missing/unexpected keys.)
+    """
     from safetensors.torch import load_file, save_file
 
     src = checkpoint(preset)
