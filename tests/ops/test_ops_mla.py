@@ -185,3 +185,15 @@ def test_bad_block_table_is_an_error():
     batch.block_tables["mla"][0, 1] = -1
     with pytest.raises(BackendError, match="block table"):
         op.forward(q, kv_c, k_pe, torch.zeros(2, BS, L + ROPE), batch, "mla")
+
+
+def test_prefill_query_blocking(monkeypatch):
+    """Long prefills run in query blocks; a small block size must give the same result."""
+    import deepinfer.core.native.mla_attention as mla
+
+    op, q, kv_c, k_pe = _op_and_inputs(21, seed=6)
+    batch = make_batch([21], [0], [[0, 1, 2, 3, 4, 5]])
+    whole = op.forward(q, kv_c, k_pe, torch.zeros(6, BS, L + ROPE), batch, "mla")
+    monkeypatch.setattr(mla, "PREFILL_Q_BLOCK", 4)
+    blocked = op.forward(q, kv_c, k_pe, torch.zeros(6, BS, L + ROPE), batch, "mla")
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-5)

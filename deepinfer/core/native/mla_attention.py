@@ -28,6 +28,8 @@ from deepinfer.errors import BackendError
 if TYPE_CHECKING:
     from deepinfer.core.forward_batch import ForwardBatch
 
+PREFILL_Q_BLOCK = 512
+
 
 def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len cache entries of one request, in token order: [seq_len, entry] (fp32)."""
@@ -61,19 +63,26 @@ class NativeMLAAttention(MLAAttentionOp):
     # ------------------------------------------------------------ paths
 
     def prefill(self, q: torch.Tensor, latent: torch.Tensor, context_len: int) -> torch.Tensor:
-        """q [Q, H, nope+rope] fp32, latent [S, L+R] fp32 -> [Q, H, v] fp32 (naive MHA, causal)."""
+        """q [Q, H, nope+rope] fp32, latent [S, L+R] fp32 -> [Q, H, v] fp32 (naive MHA, causal).
+
+        Queries go in blocks of PREFILL_Q_BLOCK rows so the [H, Q, S] score tensor stays bounded
+        on long prompts (results agree across blockings to fp32 rounding).
+        """
         s = self.spec
         lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
         k_nope = torch.einsum("sl,hnl->hsn", lat, self.w_uk)
         v = torch.einsum("sl,hvl->hsv", lat, self.w_uv)
-        q_nope, q_pe = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim :]
-        scores = torch.einsum("qhn,hsn->hqs", q_nope, k_nope) + torch.einsum("qhr,sr->hqs", q_pe, k_pe)
-        scores = scores * s.softmax_scale
-        qpos = context_len + torch.arange(q.shape[0], device=q.device)
         kpos = torch.arange(latent.shape[0], device=q.device)
-        scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        return torch.einsum("hqs,hsv->qhv", probs, v)
+        out = []
+        for a in range(0, q.shape[0], PREFILL_Q_BLOCK):
+            qb = q[a : a + PREFILL_Q_BLOCK]
+            q_nope, q_pe = qb[..., : s.qk_nope_head_dim], qb[..., s.qk_nope_head_dim :]
+            scores = torch.einsum("qhn,hsn->hqs", q_nope, k_nope) + torch.einsum("qhr,sr->hqs", q_pe, k_pe)
+            scores = scores * s.softmax_scale
+            qpos = context_len + a + torch.arange(qb.shape[0], device=q.device)
+            scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+            out.append(torch.einsum("hqs,hsv->qhv", scores.softmax(dim=-1), v))
+        return torch.cat(out)
 
     def decode(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """q [1, H, nope+rope] fp32, latent [S, L+R] fp32 -> [1, H, v] fp32 (absorbed)."""
