@@ -13,7 +13,7 @@ import torch
 
 from v4_helpers import PagedRunner, hf_logits
 
-ATOL = 3e-5  # logits are O(10); fp32 reorderings give ~1e-5
+ATOL = 2e-5  # logits are O(10); observed max error ~9e-6 (fp32 reorderings)
 
 # around every boundary: 1, 3-5, W-1..W+1, multiples of 4 and 16 +-1, past YaRN's original 64, >= 200
 PREFILL_LENGTHS = [1, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 211]
