@@ -242,3 +242,45 @@ def test_running_set_never_exceeds_the_token_budget(fake_tokenizer_dir):
     assert [o.token_ids for o in outs] == [expected(p, 6, model) for p in prompts]
     assert all(len(c) <= 3 and sum(c) <= 3 for c in model.calls)
     assert engine.scheduler.max_running == 3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workload_with_aborts_and_preemption(fake_tokenizer_dir, seed):
+    """Requests arrive while others run, some are aborted, the pool is tight: every finished
+    request still equals the reference and every block and state row comes back."""
+    import random
+
+    rng = random.Random(seed)
+    model = FakeCausalLM(window=5, m=3)
+    engine = make_engine(fake_tokenizer_dir, model, max_num_batched_tokens=rng.choice([5, 8, 13]), max_model_len=40,
+                         num_kv_blocks=14, max_num_seqs=5)
+    pending = {}
+    finished = {}
+    aborted = set()
+    next_id = 0
+    for step in range(400):
+        if next_id < 24 and rng.random() < 0.4:
+            p = prompts_of([rng.randint(1, 25)])[0][::-1]
+            rid = f"r{next_id}"
+            next_id += 1
+            engine.add_request(rid, p, SamplingParams(max_tokens=rng.randint(1, 14), **GREEDY))
+            pending[rid] = p
+        if pending and rng.random() < 0.05:
+            rid = rng.choice(sorted(pending))
+            engine.abort_request(rid)
+            aborted.add(rid)
+            del pending[rid]
+        for out in engine.step():
+            assert out.request_id not in aborted
+            if out.finished:
+                finished[out.request_id] = (pending.pop(out.request_id), out)
+        if next_id >= 24 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests() and len(finished) + len(aborted) == next_id
+    for p, out in finished.values():
+        assert out.token_ids == expected(p, len(out.token_ids), model, max_model_len=40)
+        assert out.finish_reason == "length"
+    st = engine.stats()
+    assert st.num_preemptions > 0 and aborted
+    assert st.kv_blocks_used == 0 and st.num_state_slots_used == 0
+    assert all(p.num_free == p.num_blocks for p in engine.kv.pools.values())
