@@ -40,7 +40,11 @@ _ALIASES = {
 
 
 def canonical_name(name: str) -> str:
+    """Our key for a checkpoint name: no `model.` prefix; DeepSeek's own `<linear>.scale` is the
+    fp8 block scale transformers calls `<linear>.weight_scale_inv` (mHC scales are `*_scale`, no dot)."""
     name = name.removeprefix("model.")
+    if name.endswith(".scale"):
+        return name[: -len(".scale")] + ".weight_scale_inv"
     return _ALIASES.get(name, name)
 
 
