@@ -100,3 +100,16 @@ def test_ties_go_to_the_lowest_index_and_stay_causal():
     assert torch.equal(long[:, :8], short) and not long[:, 8:].any()
     assert torch.nonzero(long[6]).flatten().tolist() == [0, 1, 5]
     assert torch.nonzero(long[1]).flatten().tolist() == [0, 1]
+
+
+def test_two_indexer_heads_stay_causal_in_the_model(tmp_path):
+    """With 2 heads many scores tie at 0 (the reference's trap); ours must still give the same logits
+    whether a position is computed in the full prefill, in a chunk, or in decode."""
+    from v4_helpers import load_ours, run_chunks, write_tiny
+
+    write_tiny(str(tmp_path), seed=5, index_n_heads=2, index_topk=2)
+    model = load_ours(str(tmp_path))
+    ids = torch.randint(2, 1024, (45,), generator=torch.Generator().manual_seed(8)).tolist()
+    full = run_chunks(model, ids, [45])
+    torch.testing.assert_close(run_chunks(model, ids, [20, 1]), full, atol=2e-5, rtol=0)
+    torch.testing.assert_close(run_chunks(model, ids, [3, 7]), full, atol=2e-5, rtol=0)
