@@ -23,6 +23,10 @@ import torch
 
 
 def _commit() -> str:
+    import os
+
+    if os.environ.get("DEEPINFER_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["DEEPINFER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -46,6 +50,24 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 20
+
+
+def run_prefill(engine, n: int, prompt_len: int, vocab: int, seed: int) -> dict:
+    """Prefill only: n prompts, one output token each, so no decode step mixes in."""
+    from deepinfer.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed + 99)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"p{i}", torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist(), params)
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    return {"bench": "prefill", "prompts": n, "prompt_len": prompt_len, "steps": steps, "seconds": dt,
+            "prefill_tok_s": n * prompt_len / dt}
 
 
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict:
@@ -97,6 +119,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--bandwidth-tbs", type=float, default=4.24, help="measured copy bandwidth for the roofline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-prompts", type=int, default=64, help="prompts in the prefill-only run (0: skip)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
                    help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
@@ -130,6 +153,11 @@ def main() -> None:
                                use_tqdm=False)
         with open(args.accuracy_out, "w") as f:
             json.dump({"prompts": prompts, "outputs": [o.outputs[0].token_ids for o in outs]}, f)
+    prefill = None
+    if args.prefill_prompts:
+        run_prefill(engine, 4, args.prompt_len, int(cfg["vocab_size"]), args.seed)  # warm-up (Triton compiles)
+        prefill = run_prefill(engine, args.prefill_prompts, args.prompt_len, int(cfg["vocab_size"]), args.seed)
+        print(json.dumps(prefill), flush=True)
     rows = []
     for b in batches:
         out_len = args.output_len_small if (args.output_len_small and b <= 16) else args.output_len
@@ -140,9 +168,12 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            for r in [meta, *rows]:
+            for r in [meta, *([prefill] if prefill else []), *rows]:
                 f.write(json.dumps(r) + "\n")
     print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}")
+    if prefill:
+        print(f"prefill only: {prefill['prompts']} x {prefill['prompt_len']} tokens, "
+              f"{prefill['prefill_tok_s']:.0f} tok/s ({prefill['steps']} steps)")
     print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'graph ms':>8} {'floor ms':>8} {'out tok/s':>10}")
     for r in rows:
         gms = f"{r['graph_replay_ms']:.2f}" if r.get("graph_replay_ms") else "-"

@@ -12,7 +12,8 @@ export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 
-log "commit $(git rev-parse --short HEAD 2>/dev/null) stages=$STAGES"
+export DEEPINFER_COMMIT="${DEEPINFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+log "commit ${DEEPINFER_COMMIT:-unknown} stages=$STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
