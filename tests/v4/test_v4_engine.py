@@ -34,9 +34,10 @@ def _check_teacher_forced(hf, prompts, outputs) -> None:
             assert gap <= TOL, f"prompt len {len(p)}, token {k}: chose {tok}, reference argmax {int(row.argmax())}"
 
 
-def _engine(path: str, **kw) -> DeepInferenceEngine:
+def _engine(path: str, max_model_len: int = 96, **kw) -> DeepInferenceEngine:
     return DeepInferenceEngine.from_config(
-        EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=96, load_progress=False, **kw)
+        EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=max_model_len,
+                     load_progress=False, **kw)
     )
 
 
@@ -63,3 +64,26 @@ def test_engine_tiny_pool_preempts_and_gives_the_same_tokens(tiny_dir, hf_model)
     assert st.kv_blocks_used == 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     _check_teacher_forced(hf_model, prompts, tight)
+
+
+def test_engine_blocks_per_group_follow_the_formulas(tiny_dir):
+    """One request: compressed groups hold ceil(entries / block_size) blocks (entries = tokens // m);
+    the sliding group never holds more than a window plus the step's chunk."""
+    engine = _engine(tiny_dir, max_model_len=256, max_num_batched_tokens=32, num_kv_blocks=256)
+    bs = engine.stats().kv_capacity_tokens // 256
+    prompt = torch.randint(2, 1024, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    cached, steps = 0, 0  # tokens in the cache after each step: 32-token chunks, then one per decode step
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        cached = min(cached + 32, 150) if cached < 150 else cached + 1
+        if outs and outs[0].finished:
+            break
+        steps += 1
+        used = {g: u for g, (u, _) in engine.stats().kv_blocks_by_group.items()}
+        assert used["v4_csa"] == used["v4_idx"] == -(-(cached // 4) // bs)
+        assert used["v4_hca"] == -(-(cached // 16) // bs)
+        assert 1 <= used["v4_swa"] <= -(-(8 + 32) // bs) + 1
+        assert engine.stats().num_state_slots_used == 1
+    assert steps == 5 + 18 and cached == 150 + 19
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().num_state_slots_used == 0
