@@ -16,7 +16,7 @@ from torch import nn
 from deepinfer.core.backend import Backend, V4AttentionSpec
 from deepinfer.core.native.v4_norm import v4_rms_norm
 from deepinfer.core.native.v4_rope import apply_v4_rope, v4_cos_sin, v4_inv_freq
-from deepinfer.models.deepseek_v4_config import CSA, SWA, DeepseekV4Config, RopeBranch
+from deepinfer.models.deepseek_v4_config import CSA, DeepseekV4Config, RopeBranch
 from deepinfer.models.deepseek_v4_hc import unweighted_rms_norm
 from deepinfer.models.linear import Linear, Loader
 from deepinfer.models.weights import tensor_loader

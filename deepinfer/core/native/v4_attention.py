@@ -101,8 +101,20 @@ class NativeV4Attention(V4AttentionOp):
 
     # ------------------------------------------------------------ forward
 
-    def forward(self, q, kv, caches, layer_id, batch, comp_kv=None, comp_gate=None, index_q=None,
-                index_weights=None, index_kv=None, index_gate=None):
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        caches: "KVCaches",
+        layer_id: int,
+        batch: "ForwardBatch",
+        comp_kv: torch.Tensor | None = None,
+        comp_gate: torch.Tensor | None = None,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+        index_kv: torch.Tensor | None = None,
+        index_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         s = self.spec
         if s.compress_rate and (comp_kv is None or comp_gate is None):
             raise BackendError("V4 attention with a compressor needs comp_kv and comp_gate")
