@@ -141,3 +141,48 @@ def test_serve_flags():
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
                  "--tensor-parallel-size", "--gpu-memory-utilization", "--enforce-eager", "--quantization", "--device"):
         assert flag in out.stdout, flag
+
+
+def test_serve_starts_answers_and_drains_on_sigterm(ckpt):
+    """`deepinfer serve` wiring: flags reach the server, it prints its URL, answers, exits 0 on SIGTERM."""
+    import re
+    import signal
+    import urllib.request
+
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env["DEEPINFER_API_KEY"] = "sekret"  # the documented env default of --api-key
+    proc = subprocess.Popen(
+        [*cmd, "serve", str(ckpt), "--device", "cpu", "--port", "0", "--served-model-name", "tiny",
+         "--max-model-len", "256", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        url, seen = None, []
+        for line in proc.stdout:  # start-up banner: what was loaded, where, and the URL
+            seen.append(line)
+            m = re.search(r"serving on (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "".join(seen)
+        banner = "".join(seen)
+        assert "backend: cpu" in banner and "max_model_len: 256" in banner and "API key: required" in banner
+
+        req = urllib.request.Request(url + "/v1/models", headers={"Authorization": "Bearer sekret"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            models = json.loads(resp.read())
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=30)
+            raise AssertionError("no API key must be refused")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+
+
+def test_serve_bad_model_dir_is_a_user_error(tmp_path):
+    assert_user_error(deepinfer("serve", str(tmp_path / "missing"), "--device", "cpu", "--port", "0"), "missing")
