@@ -129,7 +129,7 @@ class DeepInferenceEngine:
                 cfg, backend, model, block_size, token_budget, self._max_model_len),
             num_kv_blocks=cfg.num_kv_blocks,
         )
-        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs)
+        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len)
         too_small = kv.fits_alone(self._max_model_len, token_budget)
         if too_small:
             raise ConfigError(

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from deepinfer.core.block_pool import BlockPool, SlotPool
 from deepinfer.core.kv_spec import KVCacheSpec
 from deepinfer.errors import DeepInferError
@@ -135,24 +137,41 @@ def plan_kv_cache(
 
 
 class KVCacheManager:
-    """Block tables and pools for all KV groups of one model."""
+    """Block tables and pools for all KV groups of one model.
 
-    def __init__(self, specs: list[KVCacheSpec], num_blocks: dict[str, int], block_size: int, max_num_seqs: int):
+    Each sequence holding blocks also holds a row (0..max_num_seqs-1): its index into
+    the per-sequence state pools and into `tables`, a [max_num_seqs, width] int32 host
+    buffer per group mirroring the block tables, so a batch's tables are one gather.
+    """
+
+    def __init__(
+        self,
+        specs: list[KVCacheSpec],
+        num_blocks: dict[str, int],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise DeepInferError(f"KV group names must be unique, got {names}")
         self.specs = list(specs)
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.pools = {s.name: BlockPool(num_blocks[s.name], s.name) for s in specs}
-        self.slots = SlotPool(max_num_seqs if any(s.state_shape for s in specs) else 0, "state")
+        self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
+        self.tables = {
+            s.name: torch.full((max_num_seqs, max(1, self.table_len(s, max_model_len))), -1, dtype=torch.int32)
+            for s in specs
+        }
         self._seqs: dict[str, SeqBlocks] = {}
 
     # ------------------------------------------------------------ sizes
 
     def table_len(self, spec: KVCacheSpec, num_tokens: int) -> int:
         """Table entries needed once num_tokens tokens are cached."""
-        return math.ceil(spec.num_entries(num_tokens) / self.block_size)
+        return -(-(num_tokens // spec.tokens_per_entry) // self.block_size)
 
     def dead_blocks(self, spec: KVCacheSpec, num_tokens: int) -> int:
         """Leading table entries no longer read when the next token is at position num_tokens."""
@@ -160,10 +179,9 @@ class KVCacheManager:
             return 0
         return spec.first_live_entry(num_tokens) // self.block_size
 
-    def table_width(self, group: str, max_model_len: int) -> int:
+    def table_width(self, group: str) -> int:
         """Width of a group's block table for a sequence of max_model_len (for fixed-shape buffers)."""
-        spec = next(s for s in self.specs if s.name == group)
-        return self.table_len(spec, max_model_len)
+        return int(self.tables[group].shape[1])
 
     def fits_alone(self, num_tokens: int, chunk_tokens: int) -> list[str]:
         """Reasons a single sequence of num_tokens (computed in chunks of chunk_tokens) cannot fit."""
@@ -179,52 +197,48 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ per sequence
 
-    def _get(self, seq_id: str) -> SeqBlocks:
-        sb = self._seqs.get(seq_id)
-        if sb is None:
-            sb = SeqBlocks(tables={s.name: [] for s in self.specs}, trimmed={s.name: 0 for s in self.specs})
-            self._seqs[seq_id] = sb
-        return sb
-
-    def _needs(self, seq: KVUser, num_new_tokens: int) -> dict[str, int]:
-        """Net blocks each group must take from its pool (new blocks minus blocks freed first)."""
-        sb = self._seqs.get(seq.seq_id)
-        ctx = seq.num_computed_tokens
-        total = ctx + num_new_tokens
+    def _needs(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int] | None:
+        """Blocks each group must add (new minus window blocks freed first); None if some pool is short."""
         out = {}
         for s in self.specs:
-            table = sb.tables[s.name] if sb else []
+            table = sb.tables[s.name] if sb else ()
             new = max(0, self.table_len(s, total) - len(table))
-            dead = min(self.dead_blocks(s, ctx), len(table))
-            done = sb.trimmed[s.name] if sb else 0
-            freeable = sum(1 for b in table[done:dead] if b >= 0)
-            out[s.name] = new - freeable
+            if s.sliding_window is not None and sb is not None:
+                dead = min(self.dead_blocks(s, ctx), len(table))
+                new -= sum(1 for b in table[sb.trimmed[s.name] : dead] if b >= 0)
+            if new > self.pools[s.name].num_free:
+                return None
+            out[s.name] = new
+        if sb is None and self.slots.num_free < 1:
+            return None
         return out
 
     def can_allocate(self, seq: KVUser, num_new_tokens: int) -> bool:
-        """Whether every group (and the state slot pool) can take this sequence's next tokens."""
-        for name, need in self._needs(seq, num_new_tokens).items():
-            if need > self.pools[name].num_free:
-                return False
-        if self.uses_state and (seq.seq_id not in self._seqs or self._seqs[seq.seq_id].state_slot < 0):
-            return self.slots.num_free >= 1
-        return True
+        """Whether every group (and the row pool) can take this sequence's next tokens."""
+        ctx = seq.num_computed_tokens
+        return self._needs(self._seqs.get(seq.seq_id), ctx, ctx + num_new_tokens) is not None
 
     def allocate(self, seq: KVUser, num_new_tokens: int) -> None:
         """Grow the tables to cover num_computed_tokens + num_new_tokens; frees dead window blocks first."""
-        if not self.can_allocate(seq, num_new_tokens):
-            raise DeepInferError(f"KV cache cannot take {num_new_tokens} tokens of {seq.seq_id!r}: check can_allocate first")
-        sb = self._get(seq.seq_id)
         ctx = seq.num_computed_tokens
         total = ctx + num_new_tokens
+        sb = self._seqs.get(seq.seq_id)
+        if self._needs(sb, ctx, total) is None:
+            raise DeepInferError(f"KV cache cannot take {num_new_tokens} tokens of {seq.seq_id!r}: check can_allocate first")
+        if total > self.max_model_len:
+            raise DeepInferError(f"{seq.seq_id!r} would hold {total} tokens, beyond max_model_len={self.max_model_len}")
+        if sb is None:
+            sb = SeqBlocks(tables={s.name: [] for s in self.specs}, trimmed={s.name: 0 for s in self.specs})
+            sb.state_slot = self.slots.allocate(1)[0]
+            self._seqs[seq.seq_id] = sb
         self._trim(sb, ctx)
         for s in self.specs:
             table = sb.tables[s.name]
             new = self.table_len(s, total) - len(table)
             if new > 0:
-                table.extend(self.pools[s.name].allocate(new))
-        if self.uses_state and sb.state_slot < 0:
-            sb.state_slot = self.slots.allocate(1)[0]
+                blocks = self.pools[s.name].allocate(new)
+                self.tables[s.name][sb.state_slot, len(table) : len(table) + new] = torch.tensor(blocks, dtype=torch.int32)
+                table.extend(blocks)
         sb.num_tokens = max(sb.num_tokens, total)
 
     def trim(self, seq: KVUser) -> None:
@@ -243,23 +257,25 @@ class KVCacheManager:
                 if table[i] >= 0:
                     self.pools[s.name].free([table[i]])
                     table[i] = -1
+                    self.tables[s.name][sb.state_slot, i] = -1
             sb.trimmed[s.name] = max(sb.trimmed[s.name], dead)
 
     def free(self, seq: KVUser | str) -> None:
-        """Return every block and the state row of a sequence (finish, abort or preemption)."""
+        """Return every block and the row of a sequence (finish, abort or preemption)."""
         seq_id = seq if isinstance(seq, str) else seq.seq_id
         sb = self._seqs.pop(seq_id, None)
         if sb is None:
             return
         for s in self.specs:
             self.pools[s.name].free(sb.tables[s.name])
-        if sb.state_slot >= 0:
-            self.slots.free([sb.state_slot])
+            self.tables[s.name][sb.state_slot].fill_(-1)
+        self.slots.free([sb.state_slot])
 
     def block_table(self, seq_id: str, group: str) -> list[int]:
         return self._seqs[seq_id].tables[group]
 
     def state_slot(self, seq_id: str) -> int:
+        """The sequence's row: in the state pools and in `tables`; -1 when it holds nothing."""
         sb = self._seqs.get(seq_id)
         return -1 if sb is None else sb.state_slot
 
@@ -275,6 +291,11 @@ class KVCacheManager:
     @property
     def num_blocks_used(self) -> int:
         return sum(p.num_used for p in self.pools.values())
+
+    @property
+    def num_rows_used(self) -> int:
+        """Sequences holding KV (state rows are only real storage for groups with state_shape)."""
+        return self.slots.num_used
 
     def usage(self) -> float:
         """Fraction used of the fullest group: the one that limits admission."""

@@ -72,21 +72,22 @@ class ModelRunner:
         logits_idx = [qsl[i + 1] - 1 for i, it in enumerate(items) if it.samples]
 
         ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
-        q_t = torch.tensor(query_lens, dtype=torch.int64)
-        req_idx = torch.repeat_interleave(torch.arange(len(items)), q_t)
-        starts = torch.repeat_interleave(torch.tensor(qsl[:-1], dtype=torch.int64), q_t)
-        positions = ctx_t[req_idx] + torch.arange(len(input_ids), dtype=torch.int64) - starts
+        if len(input_ids) == len(items):  # decode-only: one token per sequence
+            req_idx = torch.arange(len(items))
+            positions = ctx_t
+        else:
+            q_t = torch.tensor(query_lens, dtype=torch.int64)
+            req_idx = torch.repeat_interleave(torch.arange(len(items)), q_t)
+            starts = torch.repeat_interleave(torch.tensor(qsl[:-1], dtype=torch.int64), q_t)
+            positions = ctx_t[req_idx] + torch.arange(len(input_ids), dtype=torch.int64) - starts
 
         bs = self.block_size
+        rows = torch.tensor([self.kv.state_slot(it.seq.seq_id) for it in items], dtype=torch.int64)
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
-            tables = [self.kv.block_table(it.seq.seq_id, name) for it in items]
-            width = max((len(t) for t in tables), default=0)
-            bt = torch.full((len(items), max(width, 1)), -1, dtype=torch.int32)
-            for i, t in enumerate(tables):
-                if t:
-                    bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            width = max(self.kv.table_len(spec, max(seq_lens, default=0)), 1)  # tables cover seq_lens exactly
+            bt = self.kv.tables[name][rows, :width]  # a copy: later steps may change the host buffer
             block_tables[name] = bt
             m = spec.tokens_per_entry
             if m == 1:
@@ -106,8 +107,8 @@ class ModelRunner:
         state_slots_cpu: list[int] = []
         state_slots = None
         if self.kv.uses_state:
-            state_slots_cpu = [self.kv.state_slot(it.seq.seq_id) for it in items]
-            state_slots = torch.tensor(state_slots_cpu, dtype=torch.int32, device=self.device)
+            state_slots_cpu = rows.tolist()
+            state_slots = rows.to(torch.int32).to(self.device)
 
         dev = self.device
         return ForwardBatch(

@@ -39,7 +39,7 @@ def test_block_pool_allocate_free_and_double_free():
 
 
 def test_full_group_blocks_follow_ceil_tokens_over_block_size():
-    kv = KVCacheManager([full()], {"full": 10}, BS, max_num_seqs=4)
+    kv = KVCacheManager([full()], {"full": 10}, BS, max_num_seqs=4, max_model_len=256)
     s = Seq("a")
     for new, expect in [(1, 1), (3, 1), (1, 2), (7, 3), (4, 4), (1, 5)]:
         kv.allocate(s, new)
@@ -52,7 +52,7 @@ def test_full_group_blocks_follow_ceil_tokens_over_block_size():
 
 def test_admission_needs_every_group():
     specs = [full(), KVCacheSpec("cmp", (1,), (8,), torch.float32, tokens_per_entry=4)]
-    kv = KVCacheManager(specs, {"full": 100, "cmp": 1}, BS, max_num_seqs=4)
+    kv = KVCacheManager(specs, {"full": 100, "cmp": 1}, BS, max_num_seqs=4, max_model_len=256)
     s = Seq("a")
     assert kv.can_allocate(s, 16)  # 16 tokens -> 4 entries -> 1 cmp block
     assert not kv.can_allocate(s, 17 * 1 + 3)  # 20 tokens -> 5 entries -> 2 cmp blocks
@@ -64,7 +64,7 @@ def test_admission_needs_every_group():
 def test_compressed_group_has_one_entry_per_m_tokens():
     m = 4
     spec = KVCacheSpec("cmp", (0,), (8,), torch.float32, tokens_per_entry=m)
-    kv = KVCacheManager([spec], {"cmp": 8}, BS, max_num_seqs=2)
+    kv = KVCacheManager([spec], {"cmp": 8}, BS, max_num_seqs=2, max_model_len=256)
     s = Seq("a")
     kv.allocate(s, 3)  # 0 complete entries
     assert kv.block_table("a", "cmp") == []
@@ -82,7 +82,7 @@ def test_compressed_group_has_one_entry_per_m_tokens():
 def test_sliding_window_returns_old_blocks_and_keeps_minus_one():
     w = 6
     spec = KVCacheSpec("swa", (0,), (8,), torch.float32, sliding_window=w)
-    kv = KVCacheManager([spec], {"swa": 5}, BS, max_num_seqs=2)
+    kv = KVCacheManager([spec], {"swa": 5}, BS, max_num_seqs=2, max_model_len=256)
     s = Seq("a")
     used = []
     for _ in range(30):  # decode one token at a time up to 30 tokens
@@ -104,11 +104,11 @@ def test_sliding_window_returns_old_blocks_and_keeps_minus_one():
 
 def test_sliding_window_counts_freeable_blocks_at_admission():
     spec = KVCacheSpec("swa", (0,), (8,), torch.float32, sliding_window=4)
-    kv = KVCacheManager([spec], {"swa": 3}, BS, max_num_seqs=1)
+    kv = KVCacheManager([spec], {"swa": 3}, BS, max_num_seqs=1, max_model_len=256)
     s = Seq("a")
     kv.allocate(s, 12)  # 3 blocks, all used
     s.num_computed_tokens = 12
-    assert kv.slots.num_blocks == 0 and kv.pools["swa"].num_free == 0
+    assert kv.pools["swa"].num_free == 0
     # the next 4 tokens need a 4th block; blocks 0 and 1 are dead (entries < 9), so it fits
     assert kv.can_allocate(s, 4)
     kv.allocate(s, 4)
@@ -118,7 +118,7 @@ def test_sliding_window_counts_freeable_blocks_at_admission():
 
 def test_state_rows_are_a_pool_of_max_num_seqs():
     spec = KVCacheSpec("cmp", (0, 1), (8,), torch.float32, tokens_per_entry=4, state_shape=(3, 8))
-    kv = KVCacheManager([spec], {"cmp": 100}, BS, max_num_seqs=2)
+    kv = KVCacheManager([spec], {"cmp": 100}, BS, max_num_seqs=2, max_model_len=256)
     a, b, c = Seq("a"), Seq("b"), Seq("c")
     kv.allocate(a, 5)
     kv.allocate(b, 5)
@@ -140,7 +140,7 @@ def test_accounting_returns_to_zero_over_many_sequences():
         KVCacheSpec("swa", (1,), (8,), torch.float32, sliding_window=5),
         KVCacheSpec("cmp", (2,), (8,), torch.float32, tokens_per_entry=3, state_shape=(2,)),
     ]
-    kv = KVCacheManager(specs, {"full": 64, "swa": 64, "cmp": 64}, BS, max_num_seqs=8)
+    kv = KVCacheManager(specs, {"full": 64, "swa": 64, "cmp": 64}, BS, max_num_seqs=8, max_model_len=256)
     seqs = [Seq(f"s{i}") for i in range(6)]
     g = torch.Generator().manual_seed(0)
     for step in range(40):
@@ -150,6 +150,13 @@ def test_accounting_returns_to_zero_over_many_sequences():
                 kv.allocate(s, n)
                 s.num_computed_tokens += n
                 kv.trim(s)
+        for s in seqs:  # the host table buffer mirrors every block table, -1 beyond it
+            if kv.has(s.seq_id):
+                row = kv.state_slot(s.seq_id)
+                for spec in specs:
+                    t = kv.block_table(s.seq_id, spec.name)
+                    buf = kv.tables[spec.name][row].tolist()
+                    assert buf[: len(t)] == t and all(b == -1 for b in buf[len(t):])
         if step % 7 == 6:  # preempt one
             victim = seqs[step % len(seqs)]
             kv.free(victim)
@@ -158,6 +165,7 @@ def test_accounting_returns_to_zero_over_many_sequences():
         kv.free(s)
     assert kv.num_blocks_used == 0 and kv.slots.num_used == 0
     assert all(p.num_free == p.num_blocks for p in kv.pools.values())
+    assert all(bool((t == -1).all()) for t in kv.tables.values())
 
 
 def test_plan_sizes_groups_from_a_byte_budget():
