@@ -8,6 +8,7 @@ and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from typing import Any
 
@@ -28,6 +29,11 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer")
+
+
+def _is_token_id(t) -> bool:
+    """Python and numpy integers (not bools) are token ids."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 class DeepInferenceEngine:
@@ -195,8 +201,9 @@ class DeepInferenceEngine:
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             for i, t in enumerate(ids):
-                if not isinstance(t, int) or isinstance(t, bool):
+                if not _is_token_id(t):
                     raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
+                ids[i] = int(t)
                 if not 0 <= t < self.vocab_size:
                     raise InvalidRequestError(
                         f"prompt token {i} has id {t}, outside the vocabulary [0, {self.vocab_size})", param="prompt"
@@ -319,7 +326,7 @@ class DeepInferenceEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
         if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+            isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts)
         ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

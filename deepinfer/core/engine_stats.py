@@ -17,5 +17,5 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     num_requests_finished: int = 0
-    num_state_slots_used: int = 0
+    num_state_slots_used: int = 0  # rows held by sequences with KV (their per-sequence state rows)
     kv_blocks_by_group: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (used, total)

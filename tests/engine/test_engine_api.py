@@ -47,7 +47,11 @@ def test_prompt_forms_agree(small_engine):
     a = e.generate("The quick brown fox", greedy, use_tqdm=False)
     b = e.generate(ids, greedy, use_tqdm=False)
     c = e.generate([ids, "The quick brown fox"], [greedy, greedy], use_tqdm=False)
-    assert a[0].token_ids == b[0].token_ids == c[0].token_ids == c[1].token_ids
+    import numpy as np
+
+    d = e.generate([[np.int64(t) for t in ids]], greedy, use_tqdm=False)
+    assert a[0].token_ids == b[0].token_ids == c[0].token_ids == c[1].token_ids == d[0].token_ids
+    assert all(type(t) is int for t in d[0].prompt_token_ids)
     assert a[0].prompt == "The quick brown fox" and b[0].prompt is None and a[0].prompt_token_ids == ids
     assert a[0].text == e.tokenizer.decode(a[0].token_ids)
 
