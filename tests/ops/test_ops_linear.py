@@ -76,3 +76,16 @@ def test_unquantized_linear():
     m = OPS.linear_method("none")
     m.process_weights(layer, torch.float32)
     torch.testing.assert_close(m.apply(layer, x), x @ w.T + b)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
+def test_fp8_dequant_matches_hf_finegrained_fp8(shape):
+    """Hugging Face's own block dequantization (used by its FP8 linear backward) as a second reference."""
+    hf_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    g = torch.Generator().manual_seed(2)
+    w8 = (torch.randn(shape, generator=g) * 30).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-shape[0] // 128), -(-shape[1] // 128), generator=g) + 0.01
+    layer = _layer(w8, s)
+    OPS.linear_method("fp8_block").process_weights(layer, torch.float32)
+    ref = hf_fp8._dequantize_fp8_weight(w8, s, [128, 128], torch.float32)
+    assert torch.equal(layer.weight, ref)
