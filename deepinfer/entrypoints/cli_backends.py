@@ -52,9 +52,9 @@ def _op_methods() -> list[str]:
     return sorted(n for n in Backend.__abstractmethods__ if n not in ("caps", "device"))
 
 
-def class_op_coverage(cls: type) -> dict[str, str]:
-    """op -> "native" (inherited from deepinfer.core.native), the module of the class that
-    overrides it, or "missing"; read from the class alone, nothing is constructed."""
+def class_op_coverage(cls: type, label: str | None = None) -> dict[str, str]:
+    """op -> "native" (inherited from deepinfer.core.native), `label` (default: the module of the
+    class that overrides it), or "missing"; read from the class alone, nothing is constructed."""
     coverage = {}
     for method in _op_methods():
         owner = next((k for k in cls.__mro__ if method in vars(k)), None)
@@ -63,7 +63,7 @@ def class_op_coverage(cls: type) -> dict[str, str]:
         elif owner.__module__.startswith("deepinfer.core.native"):
             how = "native"
         else:
-            how = owner.__module__
+            how = label or owner.__module__
         coverage[_METHOD_OPS.get(method, method)] = how
     return coverage
 
@@ -109,7 +109,7 @@ def describe(probed) -> dict:
     except Exception as exc:  # a broken plugin is reported, not fatal to the listing
         entry["load_error"] = f"{type(exc).__name__}: {exc}"
         return entry
-    entry["op_coverage"] = class_op_coverage(cls)
+    entry["op_coverage"] = class_op_coverage(cls, label=info.name)
     if probed.available:
         try:
             backend = cls()
