@@ -190,6 +190,11 @@ class DeepInferenceEngine:
     def backend_name(self) -> str:
         return self.backend.name
 
+    @property
+    def dtype(self):
+        """The compute dtype the model runs in (what dtype="auto" resolved to)."""
+        return self.model.dtype
+
     # ------------------------------------------------------------ streaming API
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -29,6 +29,7 @@ def test_quickstart_runs_exactly(checkpoint, capsys):
     assert all(1 <= len(o.token_ids) <= 64 and o.finish_reason in ("stop", "length") for o in outputs)
     assert all(o.finish_reason == "stop" or len(o.token_ids) == 64 for o in outputs)
     assert engine.max_model_len == 8192 and engine.backend_name == "cpu" and engine.model_name == path
+    assert engine.dtype == __import__("torch").float32  # dtype "auto" on the CPU backend
     st = engine.stats()
     assert st.kv_blocks_used == 0 and st.kv_capacity_tokens >= 8192 and st.num_requests_finished == 2
 
