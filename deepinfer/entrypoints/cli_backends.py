@@ -4,7 +4,8 @@ Listing probes every backend (a probe never initialises a device runtime).
 Op coverage comes from the class alone: for each op of the Backend contract,
 which class in the MRO implements it (torch-native from deepinfer.core.native,
 or the backend's own module). Capabilities need an instance, so they are shown
-for available backends only (constructing a backend allocates nothing).
+for available backends only: constructing one may touch its device (the nvidia
+backend reads the compute capability), which probing never does.
 """
 
 from __future__ import annotations
