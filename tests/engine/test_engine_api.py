@@ -112,3 +112,20 @@ def test_streaming_api(small_engine):
     assert final["s1"].text == e.tokenizer.decode(final["s1"].token_ids)
     st = e.stats()
     assert st.kv_blocks_used == 0 and st.num_running == 0 and st.generation_tokens_total >= 8
+
+
+def test_stop_string_and_stop_token_end_to_end(small_engine):
+    e = small_engine
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (free,) = e.generate("The weather today", use_tqdm=False, **greedy)
+    text, ids = free.text, free.token_ids
+    assert len(text) > 8
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.index(stop)
+    (o,) = e.generate("The weather today", use_tqdm=False, stop=[stop], **greedy)
+    assert o.finish_reason == "stop" and o.outputs[0].stop_reason == stop and o.text == text[:cut]
+    (o,) = e.generate("The weather today", use_tqdm=False, stop=[stop], include_stop_str_in_output=True, **greedy)
+    assert o.text == text[: cut + len(stop)]
+    (o,) = e.generate("The weather today", use_tqdm=False, stop_token_ids=[ids[5]], **greedy)
+    k = ids.index(ids[5])
+    assert o.token_ids == ids[: k + 1] and o.finish_reason == "stop" and o.outputs[0].stop_reason == ids[5]
