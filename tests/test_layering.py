@@ -2,7 +2,8 @@
 
 - deepinfer/core and deepinfer/models never import a vendor package (triton,
   torch_npu), a compiled extension, or deepinfer.backends.*;
-- a backend never imports another backend;
+- a backend never imports another backend, and nothing else imports a backend
+  (the registry finds them through entry points);
 - deepinfer/entrypoints import only the public API (ENTRYPOINT_ALLOWED);
 - `import deepinfer` pulls in no server or vendor package, and probing every
   backend initialises no device runtime (checked in a fresh interpreter).
@@ -183,6 +184,13 @@ def test_backends_never_import_each_other():
         return backend_violation(name, rel[0]) if len(rel) > 1 else None
 
     assert _violations(files, check) == []
+
+
+def test_backends_are_reached_only_through_the_registry():
+    """Nothing outside deepinfer/backends imports a backend: built-in backends are found through
+    their entry points exactly as third-party ones are."""
+    files = [p for p in PKG.rglob("*.py") if (PKG / "backends") not in p.parents]
+    assert _violations(files, lambda p, name: "a backend module" if _under(name, "deepinfer.backends") else None) == []
 
 
 def test_entrypoints_use_only_the_public_api():
