@@ -289,14 +289,18 @@ class DeepInferenceEngine:
             outputs.append(self.output_processor.make_output(req))
         return outputs
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks now; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks now; unknown or finished ids are ignored.
+
+        Returns the request's last state with finish_reason "abort" (None for unknown ids).
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             self.output_processor.abort(seq)
             self.scheduler.remove(seq)
+        return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

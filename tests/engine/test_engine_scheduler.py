@@ -146,11 +146,12 @@ def test_abort_frees_blocks_at_once(fake_tokenizer_dir):
         outs = engine.step()
     assert {o.request_id for o in outs} == {"a", "b"} and not any(o.finished for o in outs)
     used = engine.stats().kv_blocks_used
-    engine.abort_request("a")
+    last = engine.abort_request("a")
+    assert last.finished and last.finish_reason == "abort" and len(last.token_ids) == 3
     st = engine.stats()
     assert 0 < st.kv_blocks_used < used and st.num_state_slots_used == 1 and st.num_running == 1
     engine.abort_request("b")
-    engine.abort_request("unknown")  # ignored
+    assert engine.abort_request("unknown") is None  # ignored
     st = engine.stats()
     assert st.kv_blocks_used == 0 and st.num_state_slots_used == 0 and not engine.has_unfinished_requests()
     assert engine.step() == []
