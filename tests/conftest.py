@@ -1,4 +1,4 @@
-"""Project-wide pytest setup, kept minimal: CPU thread count and the `gpu` marker skip.
+"""Project-wide pytest setup, kept minimal: an optional CPU thread cap and the `gpu` marker skip.
 
 Markers (`gpu`, `slow`) are declared in pyproject.toml. Area fixtures live in
 their own tests/<area>/ directories.
@@ -11,8 +11,10 @@ import os
 import pytest
 import torch
 
-# CI machines have 2 cores; more intra-op threads than cores only thrash.
-torch.set_num_threads(max(1, min(int(os.environ.get("DEEPINFER_TEST_THREADS", "2")), os.cpu_count() or 1)))
+# DEEPINFER_TEST_THREADS caps torch's intra-op threads (useful when several suites share a few
+# cores); unset, torch's default (one per physical core) stands.
+if os.environ.get("DEEPINFER_TEST_THREADS"):
+    torch.set_num_threads(max(1, int(os.environ["DEEPINFER_TEST_THREADS"])))
 
 
 def pytest_collection_modifyitems(config, items):
