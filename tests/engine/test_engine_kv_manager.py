@@ -193,3 +193,25 @@ def test_plan_hybrid_groups_share_one_token_capacity():
     # bytes per token: full 64 B + cmp 64/4 B; fixed per seq: window 8 entries * 64 B + state 128 B
     assert bytes_per_token(specs) == 64 + 16
     assert fixed_bytes_per_seq(specs) == 8 * 64 + 2 * 16 * 4
+
+
+def test_plan_compressed_group_holds_max_num_seqs_partial_blocks():
+    """A compressed group (m=8) gets max_num_seqs blocks plus one per block_size of the remaining entries,
+    capped at max_num_seqs sequences of max_model_len; full groups keep exactly num_kv_blocks."""
+    specs = [KVCacheSpec("full", (0,), (16,), torch.float32),
+             KVCacheSpec("cmp", (1,), (16,), torch.float32, tokens_per_entry=8)]
+    plan = plan_kv_cache(specs, BS, 6, 4096, 32, num_kv_blocks=40)
+    entries = 40 * BS // 8
+    assert plan.num_blocks == {"full": 40, "cmp": 6 + (entries - 6) // BS}
+    assert plan.capacity_tokens == 40 * BS
+    short = plan_kv_cache(specs, BS, 6, 8 * BS, 32, num_kv_blocks=1000)  # one block per sequence is all it needs
+    assert short.num_blocks["cmp"] == 6
+
+
+def test_plan_budget_too_small_names_what_it_cannot_hold():
+    mla = KVCacheSpec("mla", (0,), (576,), torch.bfloat16)
+    with pytest.raises(DeepInferError, match="cannot hold one block of every KV group"):
+        plan_kv_cache([mla], BS, 8, 64, 32, budget_bytes=100)
+    cmp = KVCacheSpec("cmp", (1,), (16,), torch.float32, tokens_per_entry=4, state_shape=(2, 16))
+    with pytest.raises(DeepInferError, match="cannot hold max_num_seqs=8 minimal sequences"):
+        plan_kv_cache([mla, cmp], BS, 8, 64, 32, budget_bytes=BS * mla.bytes_per_entry() + 100)
