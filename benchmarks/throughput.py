@@ -70,6 +70,31 @@ def run_prefill(engine, n: int, prompt_len: int, vocab: int, seed: int) -> dict:
             "prefill_tok_s": n * prompt_len / dt}
 
 
+def profile_host(engine, batch: int, prompt_len: int, vocab: int, steps: int = 8) -> None:
+    """cProfile of a few decode steps at `batch`: where the host's share of a step goes."""
+    import cProfile
+    import pstats
+
+    from deepinfer.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1234)
+    for i in range(batch):
+        engine.add_request(f"prof{i}", torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist(), params)
+    started: set[str] = set()
+    while len(started) < batch and engine.has_unfinished_requests():  # until every request is decoding
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    print(f"\nhost profile: {steps} decode steps at batch {batch} (sorted by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict:
     from deepinfer.sampling_params import SamplingParams
 
@@ -119,6 +144,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--bandwidth-tbs", type=float, default=4.24, help="measured copy bandwidth for the roofline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-batch", type=int, default=0, help="cProfile decode steps at this batch (0: skip)")
     p.add_argument("--prefill-prompts", type=int, default=64, help="prompts in the prefill-only run (0: skip)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
@@ -166,6 +192,8 @@ def main() -> None:
         r.update(bench="throughput", cuda_graphs=graphs)
         rows.append(r)
         print(json.dumps(r), flush=True)
+    if args.profile_batch:
+        profile_host(engine, min(args.profile_batch, max(batches)), args.prompt_len, int(cfg["vocab_size"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
             for r in [meta, *([prefill] if prefill else []), *rows]:

@@ -21,7 +21,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 CK_PID=""
 if (has bench || has hf) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
-  ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite "$CKPT" > "$OUT/ckpt.log" 2>&1 ) &
+  ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
 fi
 
@@ -40,13 +40,13 @@ if has kernels; then
   timeout 200 python3 -m benchmarks.kernels > "$OUT/kernels.log" 2>&1
   log "kernels rc=$?"; grep -v '^{' "$OUT/kernels.log" | tail -40 | tee -a "$OUT/summary.txt"
 fi
-if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 "$OUT/ckpt.log")"; fi
+if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 /tmp/ckpt.log)"; fi
 if has bench; then
   log "throughput (CUDA graphs)"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,16,64,256}" \
     --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --output-len-small "${OUTLEN_SMALL:-${OUTLEN:-256}}" --json-out "$OUT/throughput.jsonl" \
-    --accuracy-out "$OUT/accuracy_tokens.json" > "$OUT/throughput.log" 2>&1
-  log "throughput rc=$?"; grep -v '^{' "$OUT/throughput.log" | tail -12 | tee -a "$OUT/summary.txt"
+    --accuracy-out /tmp/accuracy_tokens.json --profile-batch "${PROFILE_BATCH:-0}" > "$OUT/throughput.log" 2>&1
+  log "throughput rc=$?"; grep -v '^{' "$OUT/throughput.log" | grep -v 'Loading weights' | tail -60 | tee -a "$OUT/summary.txt"
   if [ "${EAGER_TOO:-0}" = 1 ]; then
     timeout 200 python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${EAGER_BATCHES:-1,64}" --prompt-len "${PROMPT:-1024}" \
       --output-len 64 --enforce-eager > "$OUT/throughput_eager.log" 2>&1
@@ -55,7 +55,7 @@ if has bench; then
 fi
 if has hf; then
   log "transformers baseline + teacher-forcing accuracy"
-  ACC=""; [ -f "$OUT/accuracy_tokens.json" ] && ACC="--accuracy-in $OUT/accuracy_tokens.json"
+  ACC=""; [ -f /tmp/accuracy_tokens.json ] && ACC="--accuracy-in /tmp/accuracy_tokens.json"
   timeout "${HF_TIMEOUT:-240}" python3 -m benchmarks.hf_baseline "$CKPT" $ACC --batch-sizes "${HF_BATCHES:-1,16}" \
     --prompt-len "${PROMPT:-1024}" > "$OUT/hf.log" 2>&1
   log "hf rc=$?"; grep '^{' "$OUT/hf.log" | tail -5 | tee -a "$OUT/summary.txt"; tail -3 "$OUT/hf.log"

@@ -18,6 +18,38 @@ def _kv_write_kernel(cache_ptr, slot_ptr, val_ptr, E, stride_v, BLOCK: tl.conste
         tl.store(cache_ptr + slot * E + offs, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _kv_write2_kernel(cache_ptr, slot_ptr, a_ptr, b_ptr, EA, EB, stride_a, stride_b,
+                      BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Entry = [a row | b row]: MLA's kv_c and k_pe written without concatenating them first."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        base = cache_ptr + slot * (EA + EB)
+        oa = tl.arange(0, BLOCK_A)
+        va = tl.load(a_ptr + tok.to(tl.int64) * stride_a + oa, mask=oa < EA)
+        tl.store(base + oa, va.to(cache_ptr.dtype.element_ty), mask=oa < EA)
+        ob = tl.arange(0, BLOCK_B)
+        vb = tl.load(b_ptr + tok.to(tl.int64) * stride_b + ob, mask=ob < EB)
+        tl.store(base + EA + ob, vb.to(cache_ptr.dtype.element_ty), mask=ob < EB)
+
+
+def kv_cache_write_parts(cache: torch.Tensor, slot_mapping: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """kv_cache_write(cache, slots, cat([a, b], -1)) in one kernel; a [T, EA], b [T, EB]."""
+    from deepinfer.errors import BackendError
+
+    ea, eb = a.shape[-1], b.shape[-1]
+    if cache.shape[-1] != ea + eb or cache.dim() != 3 or not cache.is_contiguous():
+        raise BackendError(f"kv_cache_write_parts: cache {tuple(cache.shape)} entries are not {ea} + {eb} wide")
+    if not (a.shape[0] == b.shape[0] == slot_mapping.shape[0]) or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise BackendError("kv_cache_write_parts: a, b and slot_mapping need one row per token, contiguous rows")
+    if a.shape[0]:
+        _kv_write2_kernel[(a.shape[0],)](
+            cache, slot_mapping, a, b, ea, eb, a.stride(0), b.stride(0),
+            BLOCK_A=triton.next_power_of_2(ea), BLOCK_B=triton.next_power_of_2(eb), num_warps=4,
+        )
+
+
 def kv_cache_write(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """cache.view(-1, *entry)[slot] = values[i] for every slot >= 0."""
     from deepinfer.errors import BackendError

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.backends.nvidia.kv_write import kv_cache_write
+from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_decode import mla_decode
 from deepinfer.backends.nvidia.prefill_attention import prefill_attention
 from deepinfer.core.backend import MLAAttentionOp, MLASpec
@@ -54,9 +54,9 @@ class TritonMLAAttention(MLAAttentionOp):
         """q [B, H, nope+rope] -> [B, H, v] (absorbed, over the paged latent cache)."""
         s = self.spec
         q_nope = q[..., : s.qk_nope_head_dim].transpose(0, 1)  # [H, B, nope]
-        q_lat = torch.bmm(q_nope, self.w_uk.to(q.dtype)).transpose(0, 1)  # [B, H, L]
-        q_full = torch.cat([q_lat, q[..., s.qk_nope_head_dim :]], dim=-1)
-        o_lat = mla_decode(q_full, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale)
+        q_lat = torch.bmm(q_nope, self.w_uk.to(q.dtype)).transpose(0, 1)  # [B, H, L] (strided view)
+        o_lat = mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
+                           q_pe=q[..., s.qk_nope_head_dim :])
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.to(q.dtype)).transpose(0, 1)  # [B, H, v]
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -100,7 +100,7 @@ class TritonMLAAttention(MLAAttentionOp):
         qlens = batch.query_lens_cpu
         if sum(qlens) != t:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(qlens)}, q has {t} rows")
-        kv_cache_write(kv_cache, batch.slot_mapping[cache_name], torch.cat([kv_c, k_pe], dim=-1))
+        kv_cache_write_parts(kv_cache, batch.slot_mapping[cache_name], kv_c, k_pe)
         tables = batch.block_tables[cache_name]
         if all(n == 1 for n in qlens):  # decode-only: no host sync, graph-capturable
             return self.decode(q, kv_cache, tables, batch.seq_lens).reshape(t, -1)

@@ -29,8 +29,8 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
-    H, stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    H, stride_qb, stride_qh, stride_eb, stride_eh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
@@ -52,7 +52,8 @@ def _mla_decode_split_kernel(
     rmask = offs_r < R
     q_base = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q_nope = tl.load(q_base + offs_l[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_base + L + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    pe_base = qpe_ptr + b.to(tl.int64) * stride_eb + heads[:, None] * stride_eh
+    q_pe = tl.load(pe_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     if UPCAST:
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -127,7 +128,7 @@ def default_num_splits(batch_size: int, num_heads: int, block_h: int = 16, num_s
 
 
 def mla_decode(
-    q: torch.Tensor,  # [B, H, L + R]: absorbed q_nope then q_pe
+    q: torch.Tensor,  # [B, H, L + R]: absorbed q_nope then q_pe (or [B, H, L] with q_pe given)
     kv_cache: torch.Tensor,  # [num_blocks, page, L + R]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens in the cache (the new one included)
@@ -137,12 +138,18 @@ def mla_decode(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 3,
+    q_pe: torch.Tensor | None = None,  # [B, H, R]: pass the rope part apart to skip a concatenation
 ) -> torch.Tensor:  # [B, H, L]
     from deepinfer.errors import BackendError
 
-    B, H, entry = q.shape
     L = kv_lora_rank
-    R = entry - L
+    if q_pe is None:
+        q, q_pe = q[..., :L], q[..., L:]
+    B, H = q.shape[:2]
+    R = q_pe.shape[-1]
+    entry = L + R
+    if q.shape[-1] != L or q_pe.shape[:2] != q.shape[:2] or q_pe.stride(-1) != 1:
+        raise BackendError(f"mla_decode: q {tuple(q.shape)} / q_pe {tuple(q_pe.shape)} do not match L={L}")
     if kv_cache.shape[-1] != entry:
         raise BackendError(f"mla_decode: q width {entry} != cache entry width {kv_cache.shape[-1]}")
     if L & (L - 1) or L < 16:
@@ -161,8 +168,8 @@ def mla_decode(
     if B == 0:
         return out
     _mla_decode_split_kernel[(B, triton.cdiv(H, block_h), num_splits)](
-        q, kv_cache, block_table, seq_lens, part_o, part_lse,
-        H, q.stride(0), q.stride(1), block_table.stride(0), part_o.stride(0), part_o.stride(1),
+        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse,
+        H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0), part_o.stride(0), part_o.stride(1),
         part_o.stride(2), part_lse.stride(0), part_lse.stride(1), softmax_scale * _LOG2E,
         L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype),
