@@ -257,6 +257,21 @@ def _moe_cases(t: int, d: int, inter: int, routers: dict[str, RouterSpec], limit
     return cases
 
 
+# ------------------------------------------------------------------ V4 attention
+
+
+def _v4_attention_cases(shapes: str) -> list[Case]:
+    from deepinfer.conformance.v4_cases import make_v4_inputs, run_v4_attention, v4_setups
+
+    cases = []
+    for name, setup in v4_setups(shapes).items():
+        steps = ", ".join("+".join(str(n) for _, n in step) for step in setup.steps)
+        cases.append(Case("v4_attention", f"{name} bs={setup.block_size} steps [{steps}]",
+                          lambda g, dt, st=setup: make_v4_inputs(st, g, dt),
+                          lambda o, i, st=setup: run_v4_attention(o, st, i), kind="layer"))
+    return cases
+
+
 # ------------------------------------------------------------------ the lists
 
 
@@ -278,6 +293,7 @@ def cases_for(shapes: str) -> list[Case]:
                 "mixed chunked": ([5, 1, 3], [0, 12, 17]),
             }),
             *_moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
+            *_v4_attention_cases("tiny"),
         ]
     if shapes == "real":
         mla = MLASpec(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
@@ -302,5 +318,6 @@ def cases_for(shapes: str) -> list[Case]:
                 "mixed chunked": ([128, 1, 1, 64], [0, 300, 77, 512]),
             }),
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
+            *_v4_attention_cases("real"),
         ]
     raise ValueError(f"unknown conformance shapes {shapes!r} (choose 'tiny' or 'real')")

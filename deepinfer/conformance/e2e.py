@@ -1,6 +1,7 @@
 """End-to-end rows: a tiny random-weight model run through the backend vs through NativeOps.
 
-Each V3-family preset (written with deepinfer.checkpoints) is loaded twice on
+Each preset (V2 / V3, and tiny-v4 on backends whose caps take deepseek_v4;
+written with deepinfer.checkpoints) is loaded twice on
 the backend's device: once with the backend's ops, once with a NativeOps
 reference backend. Two requests of different lengths are prefilled in one
 batch (the longer one in two chunks, so the second chunk attends to a cached
@@ -30,7 +31,11 @@ from deepinfer.core.kv_caches import KVCaches
 from deepinfer.core.native import NativeOps
 from deepinfer.errors import UnsupportedOpError
 
-E2E_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3", "tiny-v3-fp8")
+E2E_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3", "tiny-v3-fp8", "tiny-v4")
+# (long, short) prompt lengths; tiny-v4's pass its window (W=8) and both compress rates (4, 16),
+# so the second chunk reads window keys, compressed entries and a compressor ring from the cache
+PROMPT_LENS = {"tiny-v4": (40, 21)}
+DEFAULT_PROMPT_LENS = (13, 6)
 MODEL_DTYPE = torch.float32
 MODEL_TOLERANCE = (2e-3, 2e-3)  # (atol, rtol) on the logits of a whole (3-layer) tiny model
 DECODE_STEPS = 3
@@ -81,6 +86,9 @@ def _batch(chunks: list[tuple[list[int], int]], tables: list[list[int]], groups:
         slot_mapping={g: slot_t for g in groups},
         logits_indices=torch.tensor(qsl[1:], dtype=torch.long, device=device) - 1,
         query_lens_cpu=qlens, seq_lens_cpu=seqs, context_lens_cpu=ctxs, block_size=block_size,
+        # request i keeps state row i (V4 compressor rings); fresh rows are zero from allocation
+        state_slots=torch.arange(len(chunks), dtype=torch.int32, device=device),
+        state_slots_cpu=list(range(len(chunks))),
     )
 
 
@@ -166,7 +174,8 @@ def run_model_rows(
                 row.status, row.reason = "unsupported", "; ".join(reasons)
                 continue
             gen = torch.Generator().manual_seed(seed)
-            prompts = [torch.randint(2, int(hf["vocab_size"]), (n,), generator=gen).tolist() for n in (13, 6)]
+            lens = PROMPT_LENS.get(preset, DEFAULT_PROMPT_LENS)
+            prompts = [torch.randint(2, int(hf["vocab_size"]), (n,), generator=gen).tolist() for n in lens]
             start = time.perf_counter()
             try:
                 model = load_model(path, backend, MODEL_DTYPE, progress=False)

@@ -118,7 +118,7 @@ def run_conformance(
 ) -> ConformanceReport:
     """Compare every op of `backend` with NativeOps on seeded random inputs; returns the report.
 
-    models=True adds end-to-end rows (op "model"): tiny V2/V3 checkpoints run through the
+    models=True adds end-to-end rows (op "model"): tiny V2/V3/V4 checkpoints run through the
     backend vs through NativeOps (deepinfer.conformance.e2e), at tiny model sizes and in
     fp32 whatever `dtypes` says; a list of preset names picks which.
     """

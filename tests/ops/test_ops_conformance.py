@@ -95,7 +95,7 @@ def test_caps_gaps_are_coverage_not_failures():
 def test_real_shape_cases_build_and_pass_on_cpu():
     """The GPU uses shapes="real"; build and run the cheap ones here so a broken case is caught in CI.
     (MoE and linear at real widths allocate GBs of weights; they run on the GPU.)"""
-    ops = ["rms_norm", "rotary_embedding", "kv_cache_write", "route", "mla_attention"]
+    ops = ["rms_norm", "rotary_embedding", "kv_cache_write", "route", "mla_attention", "v4_attention"]
     report = run_for_device("cpu", shapes="real", dtypes=[torch.float32], ops=ops, models=False)
     assert report.ok, report.format_table()
     assert report.ops() == sorted(ops)

@@ -35,6 +35,7 @@ OP_NAMES: tuple[str, ...] = (
     *(f"linear:{scheme}" for scheme in LINEAR_METHODS),
     "mla_attention",
     "moe",
+    "v4_attention",
 )
 
 
