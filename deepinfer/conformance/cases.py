@@ -268,7 +268,8 @@ def _v4_attention_cases(shapes: str) -> list[Case]:
         steps = ", ".join("+".join(str(n) for _, n in step) for step in setup.steps)
         cases.append(Case("v4_attention", f"{name} bs={setup.block_size} steps [{steps}]",
                           lambda g, dt, st=setup: make_v4_inputs(st, g, dt),
-                          lambda o, i, st=setup: run_v4_attention(o, st, i), kind="layer"))
+                          lambda o, i, st=setup: run_v4_attention(o, st, i), kind="layer",
+                          dtypes=FP32 if setup.selects else None))
     return cases
 
 
