@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# The NVIDIA backend's Triton kernels run on the CPU under the interpreter. TRITON_INTERPRET must be
+# set before the first @triton.jit is defined, and any test (a backend listing, a coverage report)
+# may import the kernels first, so it is decided here, before every other test module.
+# nvidia-smi's device files tell whether a GPU is there without touching torch.cuda.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # DEEPINFER_TEST_THREADS caps torch's intra-op threads (useful when several suites share a few
 # cores); unset, torch's default (one per physical core) stands.
