@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from deepinfer.errors import BackendError
+
 if TYPE_CHECKING:
     from deepinfer.core.forward_batch import ForwardBatch
     from deepinfer.core.kv_caches import KVCaches
@@ -188,6 +190,17 @@ class MLAAttentionOp(ABC):
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         """kv_b_proj as dense [H * (qk_nope + v), kv_lora_rank]; split / absorb it here."""
 
+    def check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor, loaded: bool) -> None:
+        """Shape checks every implementation shares; raises BackendError naming the mismatch."""
+        s = self.spec
+        if not loaded:
+            raise BackendError("MLA forward before load_kv_b_proj")
+        if tuple(q.shape[1:]) != (s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim):
+            raise BackendError(f"MLA q has shape {tuple(q.shape)}, expected [T, {s.num_heads}, "
+                               f"{s.qk_nope_head_dim + s.qk_rope_head_dim}]")
+        if kv_cache.shape[-1] != s.cache_entry_dim:
+            raise BackendError(f"MLA cache entries are {kv_cache.shape[-1]} wide, expected {s.cache_entry_dim}")
+
     @abstractmethod
     def forward(
         self,
@@ -210,6 +223,14 @@ class MoEOp(ABC):
     @abstractmethod
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E, 2*I, D] (gate rows then up rows), w2 [E, D, I], dense in compute dtype."""
+
+    def check_expert_shapes(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Raise BackendError unless w13 / w2 have the shapes load_experts documents."""
+        e, d, i = self.spec.router.num_experts, self.spec.hidden_size, self.spec.intermediate_size
+        if tuple(w13.shape) != (e, 2 * i, d):
+            raise BackendError(f"MoE w13 has shape {tuple(w13.shape)}, expected {(e, 2 * i, d)}")
+        if tuple(w2.shape) != (e, d, i):
+            raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
 
     @abstractmethod
     def forward(

@@ -39,11 +39,7 @@ class TritonMoE(MoEOp):
         self.w2: torch.Tensor | None = None
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        e, d, i = self.spec.router.num_experts, self.spec.hidden_size, self.spec.intermediate_size
-        if tuple(w13.shape) != (e, 2 * i, d):
-            raise BackendError(f"MoE w13 has shape {tuple(w13.shape)}, expected {(e, 2 * i, d)}")
-        if tuple(w2.shape) != (e, d, i):
-            raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
+        self.check_expert_shapes(w13, w2)
         self.w13, self.w2 = w13.contiguous(), w2.contiguous()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,

@@ -106,14 +106,8 @@ class NativeMLAAttention(MLAAttentionOp):
         cache_name: str,
     ) -> torch.Tensor:
         s = self.spec
-        if self.w_uk is None:
-            raise BackendError("MLA forward before load_kv_b_proj")
+        self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
         t = q.shape[0]
-        if tuple(q.shape[1:]) != (s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim):
-            raise BackendError(f"MLA q has shape {tuple(q.shape)}, expected [T, {s.num_heads}, "
-                               f"{s.qk_nope_head_dim + s.qk_rope_head_dim}]")
-        if kv_cache.shape[-1] != s.cache_entry_dim:
-            raise BackendError(f"MLA cache entries are {kv_cache.shape[-1]} wide, expected {s.cache_entry_dim}")
         if sum(batch.query_lens_cpu) != t:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {t} rows")
         kv_cache_write(kv_cache, batch.slot_mapping[cache_name], torch.cat([kv_c, k_pe], dim=-1))
