@@ -46,3 +46,19 @@ def test_serve_parses_into_the_engine_config(tmp_path):
     assert (cfg.model_name_or_path, cfg.device, cfg.max_model_len, cfg.max_num_seqs) == (str(tmp_path), "cpu", 512, 8)
     assert cfg.gpu_memory_utilization == 0.5 and cfg.enforce_eager is True and cfg.dtype == "float32"
     assert args.host == "127.0.0.1" and args.port == 8000
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(tmp_path):
+    """On a machine without FastAPI (e.g. the GPU image), `deepinfer serve` names the extra to install."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"  # makes `import fastapi` raise ImportError
+        "from deepinfer.entrypoints.cli import main\n"
+        f"sys.exit(main(['serve', {str(tmp_path)!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "pip install 'deepinfer[serve]'" in out.stderr and "fastapi" in out.stderr
