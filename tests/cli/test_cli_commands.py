@@ -114,6 +114,8 @@ def test_generate_chat_and_plain_text_output(ckpt):
 def test_device_env_var_and_bad_device(ckpt):
     assert_user_error(deepinfer("generate", str(ckpt), "hi", "--device", "nosuch"), "nosuch", "cpu")
     assert_user_error(deepinfer("generate", str(ckpt), "hi", env={"DEEPINFER_DEVICE": "nosuch"}), "nosuch")
+    # a device type no registered backend serves here (no Ascend backend exists yet)
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--device", "npu"), "no available backend for device 'npu'", "cpu")
 
 
 def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
