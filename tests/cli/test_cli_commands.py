@@ -174,6 +174,7 @@ def test_serve_starts_answers_and_drains_on_sigterm(ckpt):
         assert url, "".join(seen)
         banner = "".join(seen)
         assert "backend: cpu" in banner and "max_model_len: 256" in banner and "API key: required" in banner
+        assert re.search(r"KV cache: \d+ tokens", banner), banner
 
         req = urllib.request.Request(url + "/v1/models", headers={"Authorization": "Bearer sekret"})
         with urllib.request.urlopen(req, timeout=30) as resp:
