@@ -255,6 +255,11 @@ class DeepInferenceEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; an output for every request that got a token (cumulative)."""
+        return self._step(all_outputs=True)
+
+    def _step(self, all_outputs: bool) -> list[RequestOutput]:
+        """One batch. all_outputs=False builds outputs only for requests that finished (generate()
+        reads nothing else), so a long offline run does not copy every sequence's tokens each step."""
         sched = self.scheduler.schedule()
         if sched.empty:
             if self.scheduler.has_unfinished():
@@ -267,6 +272,7 @@ class DeepInferenceEngine:
         self.scheduler.advance(sched)
         now = time.monotonic()
         progressed: dict[str, Request] = {}
+        append_token = self.output_processor.append_token
         for item, token, logprobs in zip(sched.scheduled, result.token_ids, result.logprobs):
             if token is None:
                 continue
@@ -275,18 +281,21 @@ class DeepInferenceEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += len(req.prompt_token_ids)
-            self.output_processor.append_token(seq, token, logprobs)
+            append_token(seq, token, logprobs)
             self._gen_tokens += 1
             if seq.finished:
                 self.scheduler.remove(seq)
             progressed[req.request_id] = req
         outputs = []
+        make_output = self.output_processor.make_output
         for rid, req in progressed.items():
-            if req.finished:
+            finished = req.finished
+            if finished:
                 req.finished_time = now
                 del self._requests[rid]
                 self._finished += 1
-            outputs.append(self.output_processor.make_output(req))
+            if finished or all_outputs:
+                outputs.append(make_output(req))
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -396,7 +405,7 @@ class DeepInferenceEngine:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while pending:
-                for out in self.step():
+                for out in self._step(all_outputs=False):
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)

@@ -31,8 +31,16 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0  # _ids[prefix:read] were already emitted; decoded again for context
         self._read_offset = len(context)
+        self._prefix_text: str | None = None  # decode of _ids[prefix:read], kept while text is held back
         self.token_ids: list[int] = []
-        self.text = ""
+        self._parts: list[str] = []  # the deltas; joined on read, so a step costs O(1), not O(text)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -41,12 +49,15 @@ class IncrementalDetokenizer:
         """Append one generated token; return the new text it completes ('' while held back)."""
         self.token_ids.append(token_id)
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or an incomplete multi-byte character at the end
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self.text += delta
+        self._prefix_text = None  # the window moved: decode the new prefix on the next add
+        self._parts.append(delta)
         return delta

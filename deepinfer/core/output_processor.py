@@ -82,30 +82,38 @@ class OutputProcessor:
             seq.status = SeqStatus.FINISHED
 
     def make_output(self, req: Request) -> RequestOutput:
-        """A snapshot with cumulative text / token_ids / logprobs of every sequence."""
+        """A snapshot with cumulative text / token_ids / logprobs of every sequence.
+
+        token_ids and logprobs are copies (a consumer on another thread reads them after later
+        steps appended more); text is an immutable str; prompt_token_ids is one copy per request,
+        shared by its outputs (the engine never changes it), not a new copy every step.
+        """
         outs = [
             CompletionOutput(
                 index=s.index,
                 text=s.text,
-                token_ids=list(s.output_token_ids),
+                token_ids=s.output_token_ids[:],
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                logprobs=s.logprobs[:] if s.logprobs is not None else None,
             )
             for s in req.seqs
         ]
+        finished = req.finished
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
-        if req.finished:
+        if finished:
             if req.finished_time is None:
                 req.finished_time = time.monotonic()
             metrics["finished_time"] = req.finished_time
+        if req.output_prompt_token_ids is None:
+            req.output_prompt_token_ids = list(req.prompt_token_ids)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_token_ids=req.output_prompt_token_ids,
             outputs=outs,
-            finished=req.finished,
+            finished=finished,
             metrics=metrics,
         )

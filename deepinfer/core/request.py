@@ -89,7 +89,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+    output_prompt_token_ids: list[int] | None = None  # the copy every RequestOutput shares (made once)
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return True

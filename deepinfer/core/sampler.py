@@ -52,17 +52,32 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]  # per row: chosen token first, then the top-k
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    *,
+    use_sort: bool | None = None,
+    use_min_p: bool | None = None,
+) -> torch.Tensor:
     """Mask (to -inf) what top-k, then top-p, then min-p remove; per-row parameters [N].
 
     top_k >= V, top_p >= 1 and min_p <= 0 switch a filter off for that row. Top-k keeps ties at
     the k-th value (as Hugging Face and vLLM do). Top-p keeps the smallest prefix of the sorted
     distribution whose mass reaches p (at least one token). Min-p removes tokens whose
     probability is below min_p times the largest one.
+
+    use_sort / use_min_p: whether any row has top-k / top-p, min-p on, when the caller knows it
+    from the host-side parameters (None: read it from the tensors, a device sync each).
     """
     n, vocab = logits.shape
     neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+    if use_sort is None:
+        use_sort = bool((top_k < vocab).any()) or bool((top_p < 1).any())
+    if use_min_p is None:
+        use_min_p = bool((min_p > 0).any())
+    if use_sort:
         sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
         kth = sorted_vals.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
         keep = sorted_vals >= kth
@@ -77,7 +92,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         keep[:, 0] = True
         keep_orig = torch.empty_like(keep).scatter_(1, sorted_idx, keep)
         logits = torch.where(keep_orig, logits, neg_inf)
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = logits.softmax(dim=-1)
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = torch.where(probs < threshold, neg_inf, logits)
@@ -124,20 +139,34 @@ class Sampler:
         device = logits.device
 
         temps = [0.0 if r.params.greedy else float(r.params.temperature) for r in rows]
-        chosen = logits.argmax(dim=-1)  # greedy rows: lowest index on ties
         sampled = [i for i, t in enumerate(temps) if t > 0]
-        if sampled:
-            idx = torch.tensor(sampled, dtype=torch.int64, device=device)
-            srows = [rows[i] for i in sampled]
-            t = torch.tensor([temps[i] for i in sampled], dtype=torch.float32, device=device)
+        if not sampled:  # all greedy: one argmax over the batch (lowest index on ties)
+            chosen = logits.argmax(dim=-1)
+        else:
             vocab = logits.shape[1]
-            top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in srows], device=device)
-            top_p = torch.tensor([float(r.params.top_p) for r in srows], dtype=torch.float32, device=device)
-            min_p = torch.tensor([float(r.params.min_p) for r in srows], dtype=torch.float32, device=device)
-            scaled = logits.index_select(0, idx) / t.unsqueeze(1)
-            filtered = filter_logits(scaled, top_k, top_p, min_p)
+            srows = [rows[i] for i in sampled]
+            top_k_l = [r.params.top_k if r.params.top_k > 0 else vocab for r in srows]
+            top_p_l = [float(r.params.top_p) for r in srows]
+            min_p_l = [float(r.params.min_p) for r in srows]
+            t = torch.tensor([temps[i] for i in sampled], dtype=torch.float32, device=device)
+            top_k = torch.tensor(top_k_l, device=device)
+            top_p = torch.tensor(top_p_l, dtype=torch.float32, device=device)
+            min_p = torch.tensor(min_p_l, dtype=torch.float32, device=device)
+            if len(sampled) == len(rows):  # all sampled: no argmax for greedy rows, no gather
+                scaled = logits / t.unsqueeze(1)
+            else:
+                idx = torch.tensor(sampled, dtype=torch.int64, device=device)
+                scaled = logits.index_select(0, idx) / t.unsqueeze(1)
+            use_sort = any(k < vocab for k in top_k_l) or any(p < 1 for p in top_p_l)
+            filtered = filter_logits(scaled, top_k, top_p, min_p, use_sort=use_sort, use_min_p=any(m > 0 for m in min_p_l))
             drawn = gumbel_argmax(filtered, [r.seed for r in srows], [r.position for r in srows])
-            chosen = chosen.index_copy(0, idx, drawn)
+            if len(sampled) == len(rows):
+                chosen = drawn
+            else:
+                greedy = torch.tensor([i for i, t in enumerate(temps) if t <= 0], dtype=torch.int64, device=device)
+                chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
+                chosen.index_copy_(0, greedy, logits.index_select(0, greedy).argmax(dim=-1))
+                chosen.index_copy_(0, idx, drawn)
 
         logprobs = self._logprobs(logits, rows, temps, chosen)
         return SamplerOutput(chosen.tolist(), logprobs)
