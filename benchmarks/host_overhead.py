@@ -9,7 +9,11 @@ ids, ignore_eos, fixed max_tokens: what benchmarks/throughput.py does. The token
 tiny-v2-lite checkpoint's byte-level BPE, so detokenization is real too.
 
 Per step we report the median over the first and the last `--window` decode steps, so work
-that grows with output length shows up as late > early.
+that grows with output length shows up as late > early. Modes: greedy and sampled (temperature
+0.8, top_p 0.95) over readable random tokens, and greedy-bytes, where every sequence repeats
+tokens that decode to U+FFFD alone (stray UTF-8 bytes), as random-weight checkpoints often do:
+that is the case where an incremental detokenizer that holds back text ending in U+FFFD
+re-decodes an ever longer window.
 
     python -m benchmarks.host_overhead --batch-sizes 1,64,256 --output-len 512
     python -m benchmarks.host_overhead --modes sampled --sampled-batch-sizes 1,64,256 --sampled-output-len 64
@@ -36,9 +40,13 @@ from deepinfer.core.kv_spec import KVCacheSpec
 from deepinfer.models.base import CausalLM
 
 VOCAB = 102400  # DeepSeek-V2-Lite
+# mode -> (sampling params, logits): "text" logits make readable random tokens; "bytes" logits
+# make each sequence repeat tokens that decode to U+FFFD alone (stray UTF-8 bytes), which is
+# what random-weight checkpoints like the benchmark's often emit.
 MODES = {
-    "greedy": dict(temperature=0.0),
-    "sampled": dict(temperature=0.8, top_p=0.95),
+    "greedy": (dict(temperature=0.0), "text"),
+    "greedy-bytes": (dict(temperature=0.0), "bytes"),
+    "sampled": (dict(temperature=0.8, top_p=0.95), "text"),
 }
 
 
@@ -62,7 +70,8 @@ class ConstantLM(CausalLM):
     model_type = "host-bench"
     quantization = None
 
-    def __init__(self, max_tokens: int, max_rows: int, text_vocab: int, max_pos: int, seed: int = 0):
+    def __init__(self, max_tokens: int, max_rows: int, text_vocab: int, max_pos: int, byte_ids: list[int],
+                 seed: int = 0):
         super().__init__(config={}, backend=None, dtype=torch.float32)
         self.vocab_size = VOCAB
         self.max_position_embeddings = max_pos
@@ -72,7 +81,15 @@ class ConstantLM(CausalLM):
         self._logits = torch.full((max_rows + self._rot, VOCAB), -30.0)
         self._logits[:, :text_vocab] = 4 * torch.rand(max_rows + self._rot, text_vocab, generator=g)
         self._logits[:, :8] = -30.0  # never draw the special tokens
+        self._text_logits = self._logits
+        self._byte_logits = torch.full((max_rows + self._rot, VOCAB), -30.0)
+        rows = torch.arange(max_rows + self._rot)
+        self._byte_logits[rows, torch.tensor(byte_ids)[rows % len(byte_ids)]] = 10.0
         self._calls = 0
+
+    def use(self, logits: str) -> None:
+        """Which logits the next steps return: "text" or "bytes"."""
+        self._logits = self._text_logits if logits == "text" else self._byte_logits
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [KVCacheSpec("full", (0,), (1,), torch.float32)]
@@ -124,7 +141,9 @@ def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, 
     max_len = prompt_len + output_len + 16
     budget = 16384  # throughput.py's --max-num-batched-tokens
     blocks = max_batch * -(-max_len // block_size) + 8
-    model = ConstantLM(budget, max(max_batch, 1), min(int(tok.vocab_size), VOCAB), max_len)
+    text_vocab = min(int(tok.vocab_size), VOCAB)
+    byte_ids = [i for i in range(8, text_vocab) if tok.decode([i]) == "\ufffd"][:16]
+    model = ConstantLM(budget, max(max_batch, 1), text_vocab, max_len, byte_ids)
     cfg = EngineConfig(model_name_or_path="host-bench", max_num_seqs=max_batch, max_model_len=max_len,
                        max_num_batched_tokens=budget, num_kv_blocks=blocks, enforce_eager=True)
     engine = DeepInferenceEngine.from_components(cfg, model, tok, HostBackend(block_size))
@@ -137,7 +156,9 @@ def run(engine, batch: int, prompt_len: int, output_len: int, mode: str, window:
     from deepinfer.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed + batch)
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **MODES[mode])
+    sampling, logits = MODES[mode]
+    engine.model.use(logits)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **sampling)
     ids = [f"{mode}{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(10, 1000, (prompt_len,), generator=g).tolist(), params)
@@ -148,8 +169,9 @@ def run(engine, batch: int, prompt_len: int, output_len: int, mode: str, window:
     times, sampler_times = [], []
     timed = engine.runner.sampler
     prof = cProfile.Profile() if profile_steps else None
+    first_profiled = (output_len - profile_steps) // 2  # middle steps: outside the early / late windows
     while engine.has_unfinished_requests():
-        profiling = prof is not None and len(times) >= output_len - 1 - profile_steps
+        profiling = prof is not None and first_profiled <= len(times) < first_profiled + profile_steps
         s = time.perf_counter()
         if profiling:
             prof.enable()
@@ -182,7 +204,7 @@ def run(engine, batch: int, prompt_len: int, output_len: int, mode: str, window:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,64,256")
-    p.add_argument("--modes", default="greedy,sampled", help=f"comma list of {sorted(MODES)}")
+    p.add_argument("--modes", default="greedy,greedy-bytes,sampled", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--sampled-batch-sizes", default="1,64",
@@ -190,7 +212,7 @@ def main() -> None:
     p.add_argument("--sampled-output-len", type=int, default=128)
     p.add_argument("--window", type=int, default=32, help="steps in the early / late medians")
     p.add_argument("--block-size", type=int, default=64, help="the NVIDIA backend's default")
-    p.add_argument("--profile-batch", type=int, default=256, help="cProfile the last steps at this batch (0: skip)")
+    p.add_argument("--profile-batch", type=int, default=256, help="cProfile middle steps at this batch (0: skip)")
     p.add_argument("--profile-steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     p.add_argument("--seed", type=int, default=0)
@@ -223,14 +245,14 @@ def main() -> None:
                 print(json.dumps(res), flush=True)
                 results.append(res)
                 if prof:
-                    print(f"cProfile, {mode}, batch {b}, last {prof_n} steps (by tottime):")
+                    print(f"cProfile, {mode}, batch {b}, {prof_n} middle steps (by tottime):")
                     print("\n".join(prof.splitlines()[:40]), flush=True)
     print(f"\nms per engine.step(), prompt {args.prompt_len}; early / late = median of the first / last "
           f"{args.window} decode steps; 'w/o sampler' subtracts the time inside Sampler.__call__")
-    print(f"{'mode':8} {'batch':>5} {'out':>5} {'early':>8} {'late':>8} {'mean':>8} {'late/early':>10} "
+    print(f"{'mode':12} {'batch':>5} {'out':>5} {'early':>8} {'late':>8} {'mean':>8} {'late/early':>10} "
           f"{'early w/o sampler':>18} {'late w/o sampler':>17}")
     for r in results:
-        print(f"{r['mode']:8} {r['batch']:5d} {r['output_len']:5d} {r['early_ms']:8.2f} {r['late_ms']:8.2f} "
+        print(f"{r['mode']:12} {r['batch']:5d} {r['output_len']:5d} {r['early_ms']:8.2f} {r['late_ms']:8.2f} "
               f"{r['mean_ms']:8.2f} {r['late_over_early']:10.2f} {r['early_excl_sampler_ms']:18.2f} "
               f"{r['late_excl_sampler_ms']:17.2f}")
     if args.json_out:

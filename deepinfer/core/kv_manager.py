@@ -37,6 +37,7 @@ class SeqBlocks:
     trimmed: dict[str, int]  # leading table entries already returned to the pool (sliding groups)
     state_slot: int = -1
     num_tokens: int = 0  # tokens the tables cover
+    room: int = 0  # most tokens the tables hold before any group needs another block
 
 
 @dataclass
@@ -198,6 +199,7 @@ class KVCacheManager:
         self.pools = {s.name: BlockPool(num_blocks[s.name], s.name) for s in specs}
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
+        self._has_windows = any(s.sliding_window is not None for s in specs)
         self.tables = {
             s.name: torch.full((max_num_seqs, max(1, self.table_len(s, max_model_len))), -1, dtype=torch.int32)
             for s in specs
@@ -255,6 +257,22 @@ class KVCacheManager:
         ctx = seq.num_computed_tokens
         return self._needs(self._seqs.get(seq.seq_id), ctx, ctx + num_new_tokens) is not None
 
+    def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
+        """The decode fast path: cover the next tokens when no group needs a block or frees one.
+
+        True when done (what allocate would do); False when allocate must run (new blocks, a
+        window to trim, or a sequence holding nothing yet). Costs O(1), not O(groups).
+        """
+        if self._has_windows:
+            return False
+        sb = self._seqs.get(seq.seq_id)
+        total = seq.num_computed_tokens + num_new_tokens
+        if sb is None or total > sb.room or total > self.max_model_len:
+            return False
+        if total > sb.num_tokens:
+            sb.num_tokens = total
+        return True
+
     def allocate(self, seq: KVUser, num_new_tokens: int) -> None:
         """Grow the tables to cover num_computed_tokens + num_new_tokens; frees dead window blocks first."""
         ctx = seq.num_computed_tokens
@@ -277,9 +295,15 @@ class KVCacheManager:
                 self.tables[s.name][sb.state_slot, len(table) : len(table) + new] = torch.tensor(blocks, dtype=torch.int32)
                 table.extend(blocks)
         sb.num_tokens = max(sb.num_tokens, total)
+        # table_len(s, t) <= len(table) while t // m <= len(table) * block_size
+        sb.room = min(
+            (len(sb.tables[s.name]) * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs
+        )
 
     def trim(self, seq: KVUser) -> None:
         """Return sliding-window blocks no longer read once num_computed_tokens tokens are cached."""
+        if not self._has_windows:
+            return
         sb = self._seqs.get(seq.seq_id)
         if sb is not None:
             self._trim(sb, seq.num_computed_tokens)

@@ -97,14 +97,20 @@ class Scheduler:
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry
 
         # Decodes first, then running sequences still working through their tokens.
-        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
-        for seq in order:
+        decodes, others = [], []
+        for seq in self.running:
+            (others if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
+        for seq in decodes + others if others else decodes:
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                continue
+            if self.kv.try_extend(seq, n):  # no new block needed: the common decode step
+                scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
+                budget -= n
                 continue
             while not self.kv.can_allocate(seq, n):
                 victim = self.running[-1]
