@@ -60,16 +60,28 @@ class ModelRunner:
 
     def build_batch(self, sched: SchedulerOutput) -> ForwardBatch:
         items = sched.scheduled
-        query_lens = [it.num_tokens for it in items]
-        ctx_lens = [it.context_len for it in items]
-        seq_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
+        query_lens: list[int] = []
+        ctx_lens: list[int] = []
+        seq_lens: list[int] = []
         input_ids: list[int] = []
-        for it in items:
-            input_ids.extend(it.seq.token_ids_slice(it.context_len, it.context_len + it.num_tokens))
         qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        logits_idx = [qsl[i + 1] - 1 for i, it in enumerate(items) if it.samples]
+        logits_idx: list[int] = []
+        total = 0
+        for it in items:  # one pass; a decode's input is its last output token (no slice)
+            seq, c, q = it.seq, it.context_len, it.num_tokens
+            out_ids = seq.output_token_ids
+            n = len(seq.request.prompt_token_ids) + len(out_ids)
+            query_lens.append(q)
+            ctx_lens.append(c)
+            seq_lens.append(c + q)
+            if q == 1 and c == n - 1 and out_ids:
+                input_ids.append(out_ids[-1])
+            else:
+                input_ids.extend(seq.token_ids_slice(c, c + q))
+            total += q
+            qsl.append(total)
+            if c + q == n:  # reaches the last token: samples (ScheduledSeq.samples)
+                logits_idx.append(total - 1)
 
         ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
         if len(input_ids) == len(items):  # decode-only: one token per sequence
@@ -165,11 +177,15 @@ class ModelRunner:
         logprobs: list[dict[int, Logprob] | None] = [None] * len(sched.scheduled)
         if logits is None:
             return StepResult(token_ids, logprobs)
-        sampling = [i for i, it in enumerate(sched.scheduled) if it.samples]
+        sampling: list[int] = []
         rows = []
-        for i in sampling:
-            seq = sched.scheduled[i].seq
-            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.seed, seq.num_tokens))
+        for i, it in enumerate(sched.scheduled):
+            seq = it.seq
+            req = seq.request
+            n = len(req.prompt_token_ids) + len(seq.output_token_ids)
+            if it.context_len + it.num_tokens == n:  # ScheduledSeq.samples
+                sampling.append(i)
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed, n))
         with torch.inference_mode():
             out = self.sampler(logits, rows)
         for j, i in enumerate(sampling):

@@ -105,8 +105,9 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
+            if n < uncomputed and not self.enable_chunked_prefill:
                 continue
             if self.kv.try_extend(seq, n):  # no new block needed: the common decode step
                 scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
