@@ -47,6 +47,7 @@ MODES = {
     "greedy": (dict(temperature=0.0), "text"),
     "greedy-bytes": (dict(temperature=0.0), "bytes"),
     "sampled": (dict(temperature=0.8, top_p=0.95), "text"),
+    "penalties": (dict(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.5), "text"),
 }
 
 
@@ -208,7 +209,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--sampled-batch-sizes", default="1,64",
-                   help="batches for the sampled mode (its top-p sort over 102400 ids is slow on a CPU)")
+                   help="batches for the sampled and penalties modes (vocab-wide sorts / counts are slow on a CPU)")
     p.add_argument("--sampled-output-len", type=int, default=128)
     p.add_argument("--window", type=int, default=32, help="steps in the early / late medians")
     p.add_argument("--block-size", type=int, default=64, help="the NVIDIA backend's default")
@@ -237,7 +238,7 @@ def main() -> None:
         make_checkpoint("tiny-v2-lite", tok_dir)
         engine = make_engine(tok_dir, max(batches), args.prompt_len, args.output_len, args.block_size)
         for mode in modes:
-            sampled = mode == "sampled"
+            sampled = mode in ("sampled", "penalties")
             out_len = args.sampled_output_len if sampled else args.output_len
             for b in ([int(x) for x in args.sampled_batch_sizes.split(",")] if sampled else batches):
                 prof_n = args.profile_steps if b == args.profile_batch else 0
