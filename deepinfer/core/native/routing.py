@@ -19,6 +19,8 @@ the ids of a row come out in descending order of the selection score.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deepinfer.core.backend import RouterSpec
@@ -57,6 +59,7 @@ def _group_mask(choice: torch.Tensor, spec: RouterSpec, group_score: str) -> tor
     return gmask.unsqueeze(-1).expand(t, spec.n_group, e // spec.n_group).reshape(t, e)
 
 
+@functools.cache  # specs are frozen: route() runs per MoE layer per step, check each spec once
 def validate_router(spec: RouterSpec) -> None:
     if spec.scoring_func not in SCORING_FUNCS:
         raise BackendError(f"unknown router scoring_func {spec.scoring_func!r} (supported: {', '.join(SCORING_FUNCS)})")
