@@ -8,7 +8,8 @@ import torch
 
 from deepinfer.backends.nvidia.fused_moe import fused_moe
 from deepinfer.backends.nvidia.moe_routing import moe_align
-from deepinfer.core.backend import MoEOp, MoESpec
+from deepinfer.core.backend import MoESpec
+from deepinfer.core.native.moe import NativeMoE
 from deepinfer.errors import BackendError
 
 TRITON_SCORING = ("softmax", "sigmoid")
@@ -27,24 +28,15 @@ def triton_moe_unsupported(spec: MoESpec) -> list[str]:
     return reasons
 
 
-class TritonMoE(MoEOp):
+class TritonMoE(NativeMoE):
+    """NativeMoE's loading and routing (route_fn: the backend's Triton / CUDA router), fused grouped GEMMs."""
+
     def __init__(self, spec: MoESpec, route_fn: Callable, align_fn: Callable = moe_align):
-        super().__init__(spec)
         reasons = triton_moe_unsupported(spec)
         if reasons:
             raise BackendError("the Triton MoE does not implement: " + ", ".join(reasons))
-        self.route_fn = route_fn
+        super().__init__(spec, route_fn=route_fn)
         self.align_fn = align_fn
-        self.w13: torch.Tensor | None = None
-        self.w2: torch.Tensor | None = None
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self.check_expert_shapes(w13, w2)
-        self.w13, self.w2 = w13.contiguous(), w2.contiguous()
-
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None) -> torch.Tensor:
-        if self.w13 is None or self.w2 is None:
-            raise BackendError("MoE forward before load_experts")
-        weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
-        return fused_moe(x, self.w13, self.w2, weights, ids, align=self.align_fn)
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn)

@@ -53,7 +53,11 @@ def experts_forward(
 
 
 class NativeMoE(MoEOp):
-    """Dense per-expert loop; the reference for fused / grouped-GEMM MoE kernels."""
+    """Dense per-expert loop; the reference for fused / grouped-GEMM MoE kernels.
+
+    Accelerated MoE ops subclass it and override `experts` only: loading,
+    routing and the not-loaded check are the same for all of them.
+    """
 
     def __init__(self, spec: MoESpec, route_fn: RouteFn = native_route):
         super().__init__(spec)
@@ -66,6 +70,10 @@ class NativeMoE(MoEOp):
         self.check_expert_shapes(w13, w2)
         self.w13, self.w2 = w13.contiguous(), w2.contiguous()
 
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, D] for already-chosen (weights, ids)."""
+        return experts_forward(x, self.w13, self.w2, topk_weights, topk_ids, self.spec.swiglu_limit)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -77,4 +85,4 @@ class NativeMoE(MoEOp):
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE forward before load_experts")
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
-        return experts_forward(x, self.w13, self.w2, weights, ids, self.spec.swiglu_limit)
+        return self.experts(x, weights, ids)
