@@ -20,14 +20,14 @@ from deepinfer.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
-    UsageInfo,
 )
 from deepinfer.entrypoints.openai.serving_common import (
-    DeltaTracker,
+    ChoiceDeltas,
     ServerState,
     build_sampling_params,
     check_prompt_ids,
     chosen_logprob,
+    chunk_event,
     collect,
     new_id,
     run_until_disconnect,
@@ -35,6 +35,7 @@ from deepinfer.entrypoints.openai.serving_common import (
     stream_error_event,
     submit_all,
     top_entries,
+    usage_info,
 )
 
 
@@ -119,39 +120,29 @@ class ChatHandler:
                     stop_reason=c.stop_reason,
                 )
             )
-        prompt_tokens = len(out.prompt_token_ids)
-        usage = UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
-        )
+        usage = usage_info(len(out.prompt_token_ids), completion_tokens)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request_id, model, handle, prompt_tokens: int, logprobs: int | None, include_usage: bool):
         created = int(time.time())
-        trackers: dict[int, DeltaTracker] = {}
-        completion_tokens = 0
+        deltas = ChoiceDeltas(logprobs is not None)
 
         def chunk(choices, usage=None) -> str:
-            data = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage).model_dump()
-            if not include_usage:
-                data.pop("usage")
-            return sse(data)
+            return chunk_event(
+                ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage),
+                include_usage,
+            )
 
         try:
             async for out in handle.outputs():
                 choices = []
                 for c in out.outputs:
-                    tracker = trackers.get(c.index)
-                    if tracker is None:  # first chunk of a choice carries the role, as OpenAI does
-                        tracker = trackers[c.index] = DeltaTracker()
+                    if c.index not in deltas.trackers:  # first chunk of a choice carries the role, as OpenAI does
                         yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
-                    if tracker.finished:
+                    delta = deltas.delta(c.index, c)
+                    if delta is None:
                         continue
-                    text, tokens, entries = tracker.delta(c)
-                    if not c.finished and not text and (not tokens or logprobs is None):
-                        continue  # nothing a client can see yet (e.g. half a UTF-8 character)
-                    tracker.finished = c.finished
-                    if c.finished:
-                        completion_tokens += len(c.token_ids)
+                    text, tokens, entries = delta
                     lp = _logprobs(self.state, tokens, entries, logprobs) if logprobs is not None else None
                     choices.append(
                         ChatChunkChoice(
@@ -165,12 +156,7 @@ class ChatHandler:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
-                yield chunk([], usage)
+                yield chunk([], usage_info(prompt_tokens, deltas.completion_tokens))
         except Exception as exc:
             yield stream_error_event(exc)
         yield sse("[DONE]")

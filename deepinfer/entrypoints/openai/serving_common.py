@@ -21,6 +21,7 @@ from deepinfer.entrypoints.openai.async_engine import (
     RequestHandle,
 )
 from deepinfer.entrypoints.openai.errors import OpenAIError, bad_request, from_invalid_request, internal_error, overloaded
+from deepinfer.entrypoints.openai.protocol import UsageInfo
 from deepinfer.errors import InvalidRequestError
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -71,8 +72,8 @@ def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, ren
         n=req.n,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
+        stop=req.stop,  # SamplingParams takes a string, a list or None
+        stop_token_ids=req.stop_token_ids,
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -227,6 +228,45 @@ class DeltaTracker:
             logprobs = out.logprobs[self.num_logprobs :]
             self.num_logprobs = len(out.logprobs)
         return text, tokens, logprobs
+
+
+class ChoiceDeltas:
+    """Delta tracking for every choice of one stream (shared by chat and completions).
+
+    `delta` returns None when the choice has nothing a client can see yet (e.g. half a UTF-8
+    character) or already finished; it counts completion tokens as choices finish.
+    """
+
+    def __init__(self, logprobs: bool):
+        self.logprobs = logprobs
+        self.trackers: dict[int, DeltaTracker] = {}
+        self.completion_tokens = 0
+
+    def delta(self, index: int, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]] | None:
+        tracker = self.trackers.setdefault(index, DeltaTracker())
+        if tracker.finished:
+            return None
+        text, tokens, entries = tracker.delta(out)
+        if not out.finished and not text and (not tokens or not self.logprobs):
+            return None
+        tracker.finished = out.finished
+        if out.finished:
+            self.completion_tokens += len(out.token_ids)
+        return text, tokens, entries
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def chunk_event(chunk, include_usage: bool) -> str:
+    """One SSE event for a streamed chunk; `usage` is in the payload only when the client asked for it."""
+    data = chunk.model_dump()
+    if not include_usage:
+        data.pop("usage")
+    return sse(data)
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[Logprob]:

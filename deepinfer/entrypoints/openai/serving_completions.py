@@ -16,14 +16,14 @@ from deepinfer.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from deepinfer.entrypoints.openai.serving_common import (
-    DeltaTracker,
+    ChoiceDeltas,
     ServerState,
     build_sampling_params,
     check_prompt_ids,
     chosen_logprob,
+    chunk_event,
     collect,
     merge,
     new_id,
@@ -32,6 +32,7 @@ from deepinfer.entrypoints.openai.serving_common import (
     stream_error_event,
     submit_all,
     top_entries,
+    usage_info,
 )
 
 
@@ -116,41 +117,32 @@ class CompletionsHandler:
                     )
                 )
         choices.sort(key=lambda ch: ch.index)
-        usage = UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        return CompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage_info(prompt_tokens, completion_tokens)
         )
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request_id, model, handles, prompts, req: CompletionRequest, include_usage: bool):
         created = int(time.time())
-        trackers: dict[int, DeltaTracker] = {}
+        deltas = ChoiceDeltas(req.logprobs is not None)
         offsets: dict[int, int] = {}
-        completion_tokens = 0
 
         def chunk(choices, usage=None) -> str:
-            c = CompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
-            data = c.model_dump(exclude_none=False)
-            if not include_usage:
-                data.pop("usage")
-            return sse(data)
+            return chunk_event(
+                CompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage), include_usage
+            )
 
         try:
             async for p, out in merge(handles):
                 choices = []
                 for c in out.outputs:
                     index = p * req.n + c.index
-                    tracker = trackers.setdefault(index, DeltaTracker())
-                    if tracker.finished:
+                    delta = deltas.delta(index, c)
+                    if delta is None:
                         continue
-                    text, tokens, entries = tracker.delta(c)
-                    if not c.finished and not text and (not tokens or req.logprobs is None):
-                        continue  # nothing a client can see yet (e.g. half a UTF-8 character)
+                    text, tokens, entries = delta
                     lp = None
                     if req.logprobs is not None:
                         lp, offsets[index] = _logprobs(self.state, tokens, entries, req.logprobs, offsets.get(index, 0))
-                    tracker.finished = c.finished
-                    if c.finished:
-                        completion_tokens += len(c.token_ids)
                     choices.append(
                         CompletionChoice(
                             index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
@@ -159,13 +151,7 @@ class CompletionsHandler:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                prompt_tokens = sum(len(ids) for ids in prompts)
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
-                yield chunk([], usage)
+                yield chunk([], usage_info(sum(len(ids) for ids in prompts), deltas.completion_tokens))
         except Exception as exc:  # after the 200 went out: report in-band, then end the stream
             yield stream_error_event(exc)
         yield sse("[DONE]")
