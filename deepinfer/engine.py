@@ -8,10 +8,8 @@ and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from typing import Any
-
 
 from deepinfer.config import EngineConfig
 from deepinfer.core.engine_setup import (
@@ -23,17 +21,13 @@ from deepinfer.core.engine_setup import (
     resolve_dtype,
 )
 from deepinfer.core.engine_stats import EngineStats
+from deepinfer.core.inputs import params_list, prompt_list, prompt_token_ids
 from deepinfer.core.request import Request, Sequence
-from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
+from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer")
-
-
-def _is_token_id(t) -> bool:
-    """Python and numpy integers (not bools) are token ids."""
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 class DeepInferenceEngine:
@@ -198,34 +192,7 @@ class DeepInferenceEngine:
     # ------------------------------------------------------------ streaming API
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenize / validate one prompt; every problem is an InvalidRequestError naming it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt")
-            text, ids = prompt, self._tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            for i, t in enumerate(ids):
-                if not _is_token_id(t):
-                    raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
-                ids[i] = int(t)
-                if not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError(
-                        f"prompt token {i} has id {t}, outside the vocabulary [0, {self.vocab_size})", param="prompt"
-                    )
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
-            )
-        if not ids:
-            raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
-        if len(ids) >= self._max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self._max_model_len} "
-                "(prompt and generated tokens must fit; at least one token must be generated)",
-                param="prompt",
-            )
-        return text, ids
+        return prompt_token_ids(prompt, self._tokenizer, self.vocab_size, self._max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises InvalidRequestError / PromptTooLongError before anything is queued."""
@@ -343,22 +310,17 @@ class DeepInferenceEngine:
         **sampling_kwargs: Any,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts)
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompts")
+        prompts = prompt_list(prompts)
         if self._requests:
             raise DeepInferError(
                 f"generate() cannot run while {len(self._requests)} requests from add_request are unfinished: "
                 "their outputs come from step(); finish or abort them first"
             )
-        params_list = self._params_list(sampling_params, sampling_kwargs, len(prompts))
+        all_params = params_list(sampling_params, sampling_kwargs, len(prompts))
         prepared = [self._prompt_ids(p) for p in prompts]  # validate all before queuing any
         ids = []
         try:
-            for (text, tok), params in zip(prepared, params_list):
+            for (text, tok), params in zip(prepared, all_params):
                 rid = f"gen-{self._counter + 1}"
                 while rid in self._requests:
                     self._counter += 1
@@ -370,33 +332,6 @@ class DeepInferenceEngine:
         finally:
             for rid in ids:
                 self.abort_request(rid)  # no-op for finished ones; cleans up after an exception
-
-    def _params_list(self, sampling_params, kwargs: dict, n: int) -> list[SamplingParams]:
-        if sampling_params is not None and kwargs:
-            raise InvalidRequestError(
-                f"give sampling_params or sampling keyword arguments ({', '.join(kwargs)}), not both",
-                param="sampling_params",
-            )
-        if sampling_params is None:
-            try:
-                sampling_params = SamplingParams(**kwargs)
-            except TypeError as exc:
-                raise InvalidRequestError(f"unknown sampling parameter: {exc}", param="sampling_params") from None
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n:
-                raise InvalidRequestError(
-                    f"got {len(sampling_params)} SamplingParams for {n} prompts", param="sampling_params"
-                )
-            for p in sampling_params:
-                if not isinstance(p, SamplingParams):
-                    raise InvalidRequestError(f"sampling_params items must be SamplingParams, got {type(p).__name__}", param="sampling_params")
-            return list(sampling_params)
-        raise InvalidRequestError(
-            f"sampling_params must be SamplingParams or a list of them, got {type(sampling_params).__name__}",
-            param="sampling_params",
-        )
 
     def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
