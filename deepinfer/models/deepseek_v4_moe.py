@@ -16,36 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.backend import Backend, MoESpec, RouterSpec
+from deepinfer.core.native.activation import silu_and_mul
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
-from deepinfer.models.linear import Linear, Loader, MergedLinear
+from deepinfer.models.linear import Linear, Loader
+from deepinfer.models.mlp import GatedMLP
 from deepinfer.models.weights import tensor_loader
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) on [T, 2I] (gate half first)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-class V4SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, backend: Backend, dtype: torch.dtype, q8: bool):
-        super().__init__()
-        self.limit = limit
-        self.gate_up = MergedLinear(hidden, [inter, inter], backend, dtype, quantized=q8)
-        self.down = Linear(inter, hidden, backend, dtype, quantized=q8)
-
-    def loaders(self, p: str) -> dict[str, Loader]:
-        out = self.gate_up.loaders([f"{p}.w1", f"{p}.w3"])
-        out.update(self.down.loaders(f"{p}.w2"))
-        return out
-
-    def finalize(self) -> None:
-        self.gate_up.finalize()
-        self.down.finalize()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(clamped_swiglu(self.gate_up(x), self.limit))
+    return silu_and_mul(gate_up, limit)
 
 
 class V4MoE(nn.Module):
@@ -68,7 +49,8 @@ class V4MoE(nn.Module):
                            Linear(inter, D, backend, dtype, quantized=q8)])
             for _ in range(E)
         )
-        self.shared = V4SharedExpert(D, inter, cfg.swiglu_limit, backend, dtype, q8)
+        self.shared = GatedMLP(D, inter, backend, dtype, quantized=q8, swiglu_limit=cfg.swiglu_limit,
+                               names=("w1", "w3", "w2"))
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter,
                                            swiglu_limit=cfg.swiglu_limit))
 

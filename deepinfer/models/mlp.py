@@ -6,23 +6,32 @@ import torch
 from torch import nn
 
 from deepinfer.core.backend import Backend
+from deepinfer.core.native.activation import silu_and_mul
 from deepinfer.models.linear import Linear, Loader, MergedLinear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one matmul when they can be fused."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one matmul when they can be fused.
+
+    `swiglu_limit` (V4) clamps gate and up first; `names` are the checkpoint's
+    (gate, up, down) names (V4: w1, w3, w2).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, backend: Backend, dtype: torch.dtype,
-                 quantized: bool = False):
+                 quantized: bool = False, swiglu_limit: float | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
         self.backend = backend
+        self.swiglu_limit = swiglu_limit
+        self.names = names
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
                                          quantized=quantized)
         self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
-        out = self.gate_up_proj.loaders([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
-        out.update(self.down_proj.loaders(f"{prefix}.down_proj"))
+        gate, up, down = self.names
+        out = self.gate_up_proj.loaders([f"{prefix}.{gate}", f"{prefix}.{up}"])
+        out.update(self.down_proj.loaders(f"{prefix}.{down}"))
         return out
 
     def finalize(self) -> None:
@@ -30,4 +39,7 @@ class GatedMLP(nn.Module):
         self.down_proj.finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.swiglu_limit is None:
+            return self.down_proj(self.backend.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up, self.swiglu_limit))  # Backend.silu_and_mul has no clamp
