@@ -35,9 +35,10 @@ class OutputProcessor:
         p = seq.params
         seq.output_token_ids.append(token_id)
         if seq.logprobs is not None and logprobs is not None:
+            token_text = self.tokenizer.token_text
             for lp in logprobs.values():
                 if not lp.decoded:
-                    lp.decoded = self.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+                    lp.decoded = token_text(lp.token_id)
             seq.logprobs.append(logprobs)
         n_out = len(seq.output_token_ids)
         can_stop = n_out >= p.min_tokens

@@ -67,6 +67,7 @@ class Tokenizer:
         else:  # no explicit flag: follow what tokenizer.json's post-processor does
             self.add_bos_token = self.bos_token_id is not None and self.bos_token_id in tokenizer.encode("").ids
         self.chat_template = chat_template
+        self._token_text: dict[int, str] = {}
 
     def _special_id(self, token: str | None, field: str, cfg_path: str) -> int | None:
         if token is None:
@@ -140,6 +141,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (what logprobs report); memoized, since
+        the same candidates recur every step and a decode call costs far more than a dict lookup."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(int(i)) for i in ids]

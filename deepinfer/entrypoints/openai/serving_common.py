@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -38,7 +38,6 @@ class ServerState:
     served_model_names: list[str]
     max_model_len: int
     model_path: str | None = None
-    _token_text: dict[int, str] = field(default_factory=dict)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a name this server does not serve."""
@@ -55,11 +54,7 @@ class ServerState:
         return model
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+        return self.tokenizer.token_text(token_id)  # memoized by the tokenizer, shared with the engine
 
 
 def new_id(prefix: str) -> str:
