@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deepinfer.core.backend import Backend, BackendCaps
 from deepinfer.core.native import NativeOps
-
-
-def _meminfo_bytes() -> tuple[int, int]:
-    """(available, total) host memory from /proc/meminfo; os.sysconf where that file is absent."""
-    try:
-        fields: dict[str, int] = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    fields[key] = int(parts[0]) * 1024  # values are in kB
-        total = fields["MemTotal"]
-        free = fields.get("MemAvailable", fields.get("MemFree", 0))
-        return free, total
-    except (OSError, KeyError, ValueError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+from deepinfer.core.native.host_memory import host_memory_info
 
 
 class CPUBackend(NativeOps, Backend):
@@ -61,4 +42,4 @@ class CPUBackend(NativeOps, Backend):
         return torch.device("cpu")
 
     def memory_info(self) -> tuple[int, int]:
-        return _meminfo_bytes()
+        return host_memory_info()

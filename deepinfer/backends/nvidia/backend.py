@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.core.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, RouterSpec
 from deepinfer.core.native import NativeOps
+from deepinfer.core.native.host_memory import host_memory_info
 from deepinfer.core.native.routing import validate_router
 from deepinfer.errors import BackendError
 
@@ -88,9 +89,7 @@ class NvidiaBackend(NativeOps, Backend):
 
     def memory_info(self) -> tuple[int, int]:
         if self._device.type != "cuda":  # interpreter mode: host memory
-            with open("/proc/meminfo") as f:
-                kb = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
-            return kb.get("MemAvailable", kb["MemFree"]) * 1024, kb["MemTotal"] * 1024
+            return host_memory_info()
         return torch.cuda.mem_get_info(self._device)
 
     def synchronize(self) -> None:
