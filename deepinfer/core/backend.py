@@ -190,6 +190,15 @@ class MLAAttentionOp(ABC):
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         """kv_b_proj as dense [H * (qk_nope + v), kv_lora_rank]; split / absorb it here."""
 
+    def split_kv_b_proj(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check kv_b_proj's shape; (W_UK [H, qk_nope, L], W_UV [H, v, L]) as views of `weight`."""
+        s = self.spec
+        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        if tuple(weight.shape) != expect:
+            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
+        w = weight.detach().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]
+
     def check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor, loaded: bool) -> None:
         """Shape checks every implementation shares; raises BackendError naming the mismatch."""
         s = self.spec

@@ -36,16 +36,12 @@ class TritonMLAAttention(MLAAttentionOp):
         self.w_uv_flat: torch.Tensor | None = None  # [H * v, L]
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
-        s = self.spec
-        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
-        if tuple(weight.shape) != expect:
-            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
-        w = weight.detach().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        self.w_uk = w[:, : s.qk_nope_head_dim].contiguous()
-        w_uv = w[:, s.qk_nope_head_dim :].contiguous()
+        w_uk, w_uv = self.split_kv_b_proj(weight)
+        self.w_uk, w_uv = w_uk.contiguous(), w_uv.contiguous()
+        L = self.spec.kv_lora_rank
         self.w_uv_t = w_uv.transpose(1, 2).contiguous()
-        self.w_uk_flat = self.w_uk.reshape(-1, s.kv_lora_rank)
-        self.w_uv_flat = w_uv.reshape(-1, s.kv_lora_rank)
+        self.w_uk_flat = self.w_uk.reshape(-1, L)
+        self.w_uv_flat = w_uv.reshape(-1, L)
 
     # ------------------------------------------------------------ paths
 

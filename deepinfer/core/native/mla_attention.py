@@ -52,13 +52,8 @@ class NativeMLAAttention(MLAAttentionOp):
         self.w_uv: torch.Tensor | None = None  # [H, v_head, kv_lora_rank] fp32
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
-        s = self.spec
-        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
-        if tuple(weight.shape) != expect:
-            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
-        w = weight.detach().float().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        self.w_uk = w[:, : s.qk_nope_head_dim].contiguous()
-        self.w_uv = w[:, s.qk_nope_head_dim :].contiguous()
+        w_uk, w_uv = self.split_kv_b_proj(weight)
+        self.w_uk, self.w_uv = w_uk.float().contiguous(), w_uv.float().contiguous()
 
     # ------------------------------------------------------------ paths
 
