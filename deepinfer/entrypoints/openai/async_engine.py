@@ -231,12 +231,12 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted while this step ran
             num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if num_tokens > tracked.num_tokens and self.metrics is not None:
-                if tracked.first_token is None:
-                    self.metrics.on_first_token(now - tracked.arrival)
-                else:
-                    self.metrics.on_inter_token(now - tracked.last_token)
             if num_tokens > tracked.num_tokens:
+                if self.metrics is not None:
+                    if tracked.first_token is None:
+                        self.metrics.on_first_token(now - tracked.arrival)
+                    else:
+                        self.metrics.on_inter_token(now - tracked.last_token)
                 tracked.first_token = tracked.first_token or now
                 tracked.last_token = now
                 tracked.num_tokens = num_tokens
