@@ -30,6 +30,13 @@ from deepinfer.sampling_params import SamplingParams
 logger = logging.getLogger("deepinfer")
 
 
+def _effective(config: EngineConfig) -> EngineConfig:
+    """The settings an engine runs with: DEEPINFER_* applied, unbuilt features refused."""
+    cfg = config.with_env()
+    cfg.check_features_exist()
+    return cfg
+
+
 class DeepInferenceEngine:
     """One model on one backend. `LLM(model=path, **config_fields)` works as well as from_config."""
 
@@ -58,8 +65,7 @@ class DeepInferenceEngine:
         from deepinfer.core.tokenizer import Tokenizer
         from deepinfer.models.registry import config_dtype, load_hf_config, load_model, model_class_for
 
-        cfg = config.with_env()
-        cfg.check_features_exist()
+        cfg = _effective(config)
         path = cfg.model_name_or_path
 
         hf_config = load_hf_config(path)
@@ -86,8 +92,7 @@ class DeepInferenceEngine:
     def from_components(cls, config: EngineConfig, model, tokenizer, backend) -> "DeepInferenceEngine":
         """An engine around an already-built model and tokenizer (tests, embedding); same checks as from_config."""
         self = cls.__new__(cls)
-        cfg = config.with_env()
-        cfg.check_features_exist()
+        cfg = _effective(config)
         check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
         self._init_runtime(cfg, backend, model, tokenizer, set())
         return self

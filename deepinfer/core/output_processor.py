@@ -60,9 +60,7 @@ class OutputProcessor:
         else:  # before min_tokens a stop string is plain text
             seq.text += delta
 
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            self._finish(seq, "length", None)
-        elif seq.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, stop_token: int | None = None, flush: bool = True) -> None:
