@@ -19,7 +19,8 @@ from deepinfer.core.backend import Backend, MoESpec, RouterSpec
 from deepinfer.core.native.activation import silu_and_mul
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
-from deepinfer.models.linear import Linear, Loader
+from deepinfer.models.experts import ExpertWeights
+from deepinfer.models.linear import Loader
 from deepinfer.models.mlp import GatedMLP
 from deepinfer.models.weights import tensor_loader
 
@@ -32,10 +33,10 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 class V4MoE(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, backend: Backend, dtype: torch.dtype):
         super().__init__()
-        self.backend, self.dtype = backend, dtype
+        self.backend = backend
         self.is_hash = cfg.mlp_layer_types[layer_id] == "hash_moe"
         E, D, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-        self.E, self.D, self.inter, self.k, self.vocab = E, D, inter, k, cfg.vocab_size
+        self.E, self.D, self.k, self.vocab = E, D, k, cfg.vocab_size
         q8 = cfg.quantization == "fp8_block"
         self.router = RouterSpec(
             num_experts=E, top_k=k, scoring_func=cfg.scoring_func, topk_method="hash" if self.is_hash else "noaux_tc",
@@ -44,11 +45,7 @@ class V4MoE(nn.Module):
         self.gate_weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.tid2eid: torch.Tensor | None = None
-        self.experts = nn.ModuleList(
-            nn.ModuleList([Linear(D, inter, backend, dtype, quantized=q8), Linear(D, inter, backend, dtype, quantized=q8),
-                           Linear(inter, D, backend, dtype, quantized=q8)])
-            for _ in range(E)
-        )
+        self.experts = ExpertWeights(E, D, inter, backend, dtype, q8, ("w1", "w3", "w2"))
         self.shared = GatedMLP(D, inter, backend, dtype, quantized=q8, swiglu_limit=cfg.swiglu_limit,
                                names=("w1", "w3", "w2"))
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter,
@@ -72,23 +69,12 @@ class V4MoE(nn.Module):
             out[f"{p}.gate.tid2eid"] = self._set_tid2eid(f"{p}.gate.tid2eid")
         else:
             out[f"{p}.gate.bias"] = tensor_loader(self, "bias", f"{p}.gate.bias", (self.E,), f32, dev)
-        for e, (w1, w3, w2) in enumerate(self.experts):
-            out.update(w1.loaders(f"{p}.experts.{e}.w1"))
-            out.update(w3.loaders(f"{p}.experts.{e}.w3"))
-            out.update(w2.loaders(f"{p}.experts.{e}.w2"))
+        out.update(self.experts.loaders(p))
         out.update(self.shared.loaders(f"{p}.shared_experts"))
         return out
 
     def finalize(self) -> None:
-        dev = self.backend.device
-        w13 = torch.empty((self.E, 2 * self.inter, self.D), dtype=self.dtype, device=dev)
-        w2 = torch.empty((self.E, self.D, self.inter), dtype=self.dtype, device=dev)
-        for e, (g, u, d) in enumerate(self.experts):
-            w13[e, : self.inter] = g.dense()
-            w13[e, self.inter :] = u.dense()
-            w2[e] = d.dense()
-        self.experts = nn.ModuleList()
-        self.op.load_experts(w13, w2)
+        self.op.load_experts(*self.experts.stacked())
         self.shared.finalize()
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

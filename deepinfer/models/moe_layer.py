@@ -1,10 +1,7 @@
-"""A DeepSeek MoE layer: fp32 router gate + routed experts (backend MoE op) + shared experts (dense MLP).
+"""A DeepSeek V2/V3 MoE layer: fp32 router gate + routed experts (backend MoE op) + shared experts (dense MLP).
 
-Checkpoints store one tensor per expert (`experts.E.{gate,up,down}_proj`).
-They are held as plain tensors while loading (V3 has 44k of them, too many
-to make modules of), then densified through the backend's linear method (so
-fp8 experts are dequantized by the backend, not here) and stacked into
-w13 / w2 for the MoE op.
+The per-expert checkpoint tensors (`experts.E.{gate,up,down}_proj`) are held
+and stacked by `ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -14,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.backend import Backend, MoESpec
-from deepinfer.errors import ModelLoadError
 from deepinfer.models.deepseek_config import DeepseekConfig
-from deepinfer.models.linear import Linear, Loader, prepare_scale, prepare_weight
+from deepinfer.models.experts import ExpertWeights
+from deepinfer.models.linear import Loader
 from deepinfer.models.mlp import GatedMLP
 from deepinfer.models.weights import tensor_loader
 
@@ -27,17 +24,15 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, backend: Backend, dtype: torch.dtype):
         super().__init__()
         self.backend = backend
-        self.dtype = dtype
         self.num_experts = cfg.n_routed_experts
         self.hidden_size = D = cfg.hidden_size
-        self.intermediate_size = inter = cfg.moe_intermediate_size
-        self.quantized = quantized = cfg.quantization == "fp8_block"
+        inter = cfg.moe_intermediate_size
+        quantized = cfg.quantization == "fp8_block"
         self.router = cfg.router_spec()
         self.use_bias = cfg.topk_method == "noaux_tc"
         self.gate_weight: torch.Tensor | None = None  # [E, D] fp32, as the reference keeps it
         self.e_score_correction_bias: torch.Tensor | None = None  # [E] fp32, selection only
-        self._loaded: dict[tuple[int, str, str], torch.Tensor] = {}  # (expert, proj, "weight"|"scale") -> tensor
-        self.prefix = ""
+        self.experts = ExpertWeights(cfg.n_routed_experts, D, inter, backend, dtype, quantized, _PROJS)
         self.shared_experts = (
             GatedMLP(D, inter * cfg.n_shared_experts, backend, dtype, quantized=quantized)
             if cfg.n_shared_experts
@@ -45,61 +40,20 @@ class MoELayer(nn.Module):
         )
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter))
 
-    def _shape(self, proj: str) -> tuple[int, int]:
-        return (self.hidden_size, self.intermediate_size) if proj == "down_proj" else (self.intermediate_size,
-                                                                                       self.hidden_size)
-
-    def _expert_loader(self, e: int, proj: str, kind: str) -> Loader:
-        name = f"{self.prefix}.experts.{e}.{proj}"
-        out_f, in_f = self._shape(proj)
-        dev = self.backend.device
-
-        def load(t: torch.Tensor) -> None:
-            if kind == "weight":
-                self._loaded[(e, proj, kind)] = prepare_weight(name, t, (out_f, in_f), self.quantized, self.dtype, dev)
-            else:
-                self._loaded[(e, proj, kind)] = prepare_scale(name, t, out_f, in_f, dev)
-
-        return load
-
     def loaders(self, prefix: str) -> dict[str, Loader]:
-        self.prefix = prefix
         dev = self.backend.device
         name = f"{prefix}.gate.weight"
         out = {name: tensor_loader(self, "gate_weight", name, (self.num_experts, self.hidden_size), torch.float32, dev)}
         if self.use_bias:
             name = f"{prefix}.gate.e_score_correction_bias"
             out[name] = tensor_loader(self, "e_score_correction_bias", name, (self.num_experts,), torch.float32, dev)
-        for e in range(self.num_experts):
-            for proj in _PROJS:
-                out[f"{prefix}.experts.{e}.{proj}.weight"] = self._expert_loader(e, proj, "weight")
-                if self.quantized:
-                    out[f"{prefix}.experts.{e}.{proj}.weight_scale_inv"] = self._expert_loader(e, proj, "scale")
+        out.update(self.experts.loaders(prefix))
         if self.shared_experts is not None:
             out.update(self.shared_experts.loaders(f"{prefix}.shared_experts"))
         return out
 
-    def _dense(self, e: int, proj: str) -> torch.Tensor:
-        """One expert matrix as dense compute-dtype [out, in], through the backend's linear method."""
-        out_f, in_f = self._shape(proj)
-        lin = Linear(in_f, out_f, self.backend, self.dtype, quantized=self.quantized)
-        lin.name = f"{self.prefix}.experts.{e}.{proj}"
-        if (e, proj, "weight") not in self._loaded:
-            raise ModelLoadError(f"{lin.name}.weight was never loaded")
-        lin.weight = self._loaded.pop((e, proj, "weight"))
-        lin.weight_scale_inv = self._loaded.pop((e, proj, "scale"), None)
-        return lin.dense()
-
     def finalize(self) -> None:
-        E, D, inter = self.num_experts, self.hidden_size, self.intermediate_size
-        dev = self.backend.device
-        w13 = torch.empty((E, 2 * inter, D), dtype=self.dtype, device=dev)
-        w2 = torch.empty((E, D, inter), dtype=self.dtype, device=dev)
-        for e in range(E):
-            w13[e, :inter] = self._dense(e, "gate_proj")
-            w13[e, inter:] = self._dense(e, "up_proj")
-            w2[e] = self._dense(e, "down_proj")
-        self.op.load_experts(w13, w2)
+        self.op.load_experts(*self.experts.stacked())
         if self.shared_experts is not None:
             self.shared_experts.finalize()
 
