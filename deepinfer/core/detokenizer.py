@@ -40,7 +40,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # _ids[prefix:read] were already emitted; decoded again for context
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode of _ids[prefix:read], kept while text is held back
-        self.token_ids: list[int] = []
+        self._num_context = len(context)
         self._parts: list[str] = []  # the deltas; joined on read, so a step costs O(1), not O(text)
 
     @property
@@ -50,12 +50,16 @@ class IncrementalDetokenizer:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens added so far (after the prompt context in _ids)."""
+        return self._ids[self._num_context :]
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the new text it completes ('' while held back)."""
-        self.token_ids.append(token_id)
         self._ids.append(token_id)
         prefix_text = self._prefix_text
         if prefix_text is None:
