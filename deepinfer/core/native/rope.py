@@ -59,6 +59,14 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict, max_position: int) -> t
     beta_fast = scaling.get("beta_fast") or 32
     beta_slow = scaling.get("beta_slow") or 1
     truncate = scaling.get("truncate", True)
+    inv_freq = yarn_blend_inv_freq(dim, base, factor, original, beta_fast, beta_slow, truncate)
+    return inv_freq, float(attention_factor)
+
+
+def yarn_blend_inv_freq(dim: int, base: float, factor: float, original: int, beta_fast: float, beta_slow: float,
+                        truncate: bool) -> torch.Tensor:
+    """YaRN inv_freq [dim/2] fp32: interpolated (/ factor) and extrapolated frequencies blended by a linear ramp
+    over the correction range [beta_fast, beta_slow] rotations (HF `_compute_yarn_parameters`; V4 too)."""
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -75,8 +83,7 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict, max_position: int) -> t
     inv_freq_extrapolation = 1.0 / pos_freqs
     inv_freq_interpolation = 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp
-    inv_freq = inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
-    return inv_freq, float(attention_factor)
+    return inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:

@@ -9,9 +9,9 @@ reused here). The same rotation with -sin undoes it on the attention output.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from deepinfer.core.native.rope import yarn_blend_inv_freq
 
 
 def v4_inv_freq(
@@ -28,26 +28,12 @@ def v4_inv_freq(
     The correction range is always truncated to whole dimensions, as the V4
     reference does (its `truncate` lookup never sees the branch's own flag).
     """
-    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
-    extrapolation = 1.0 / pos_freqs
     if rope_type == "default":
-        return extrapolation
+        return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if rope_type != "yarn":
         raise ValueError(f"unknown V4 rope type {rope_type!r}")
-    interpolation = 1.0 / (factor * pos_freqs)
-
-    def correction_dim(num_rotations: float) -> float:
-        return (rope_dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
-            2 * math.log(theta)
-        )
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation_factor = 1 - ramp
-    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return yarn_blend_inv_freq(rope_dim, theta, factor, original_max_position_embeddings, beta_fast, beta_slow,
+                               truncate=True)
 
 
 def v4_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0):
