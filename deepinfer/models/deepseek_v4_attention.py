@@ -66,6 +66,7 @@ class V4Attention(nn.Module):
         self.kv_proj = Linear(Dm, D, backend, dtype, quantized=q8)
         self.o_a_proj = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, backend, dtype, quantized=q8)
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, Dm, backend, dtype, quantized=q8)
+        self.o_a_weight: torch.Tensor | None = None  # o_a_proj dense, set by finalize
         self.q_a_norm: torch.Tensor | None = None
         self.kv_norm: torch.Tensor | None = None
         self.sinks: torch.Tensor | None = None
@@ -129,6 +130,7 @@ class V4Attention(nn.Module):
     def finalize(self) -> None:
         for lin in self.linears():
             lin.finalize()
+        self.o_a_weight = self.o_a_proj.dense()  # grouped_linear reads it dense every step: fetch it once
         w = {"sinks": self.sinks}
         if self.m:
             w.update({"rope_inv_freq": self.rope.inv_freq, "compressor.position_bias": self.c_bias,
@@ -163,5 +165,5 @@ class V4Attention(nn.Module):
                          index_gate=self.i_gate(x))
         o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
         o = apply_v4_rope(o, cos, -sin)
-        o = grouped_linear(o.reshape(T, cfg.o_groups, -1), self.o_a_proj.dense(), cfg.o_groups)
+        o = grouped_linear(o.reshape(T, cfg.o_groups, -1), self.o_a_weight, cfg.o_groups)
         return self.o_b_proj(o)
