@@ -93,6 +93,14 @@ def _block(cfg: dict, p: str, ratio: int, hash_layer: bool, fp8: bool) -> list[T
     return specs
 
 
+def _hc_head(prefix: str, n: int, D: int) -> list[TensorSpec]:
+    """The final hyper-connection collapse of the model (prefix "") or of an MTP layer ("mtp.J.")."""
+    f32 = torch.float32
+    return [TensorSpec(f"{prefix}hc_head_fn", (n, n * D), std=(n * D) ** -0.5, dtype=f32),
+            TensorSpec(f"{prefix}hc_head_base", (n,), std=0.5, dtype=f32),
+            TensorSpec(f"{prefix}hc_head_scale", (1,), std=0.1, kind="norm", dtype=f32)]
+
+
 def v4_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
     """Every tensor of a DeepSeek-V4 checkpoint (main layers, head, and the MTP layers kept aside)."""
     D, V, n = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
@@ -104,9 +112,7 @@ def v4_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
     for i in range(L):
         specs += _block(cfg, f"layers.{i}", ratios[i], cfg["mlp_layer_types"][i] == "hash_moe", fp8)
     specs += [TensorSpec("norm.weight", (D,), std=0.1, kind="norm", dtype=f32),
-              TensorSpec("hc_head_fn", (n, n * D), std=(n * D) ** -0.5, dtype=f32),
-              TensorSpec("hc_head_base", (n,), std=0.5, dtype=f32),
-              TensorSpec("hc_head_scale", (1,), std=0.1, kind="norm", dtype=f32),
+              *_hc_head("", n, D),
               TensorSpec("head.weight", (V, D), std=2.0 * D ** -0.5)]
     for j, r in enumerate(ratios[L:]):
         p = f"mtp.{j}"
@@ -116,9 +122,7 @@ def v4_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
                   TensorSpec(f"{p}.e_proj.weight", (D, D), std=D ** -0.5),
                   TensorSpec(f"{p}.h_proj.weight", (D, D), std=D ** -0.5),
                   TensorSpec(f"{p}.norm.weight", (D,), std=0.1, kind="norm", dtype=f32),
-                  TensorSpec(f"{p}.hc_head_fn", (n, n * D), std=(n * D) ** -0.5, dtype=f32),
-                  TensorSpec(f"{p}.hc_head_base", (n,), std=0.5, dtype=f32),
-                  TensorSpec(f"{p}.hc_head_scale", (1,), std=0.1, kind="norm", dtype=f32)]
+                  *_hc_head(f"{p}.", n, D)]
     return specs
 
 
