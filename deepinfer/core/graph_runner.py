@@ -41,7 +41,6 @@ class _StaticInputs:
     block_tables: dict[str, torch.Tensor]
     slot_mapping: dict[str, torch.Tensor]
     logits_indices: torch.Tensor
-    state_slots: torch.Tensor | None
 
     def batch(self, b: int, block_size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -52,8 +51,7 @@ class _StaticInputs:
             slot_mapping={k: v[:b] for k, v in self.slot_mapping.items()},
             logits_indices=self.logits_indices[:b],
             query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, context_lens_cpu=[0] * b,
-            state_slots=None if self.state_slots is None else self.state_slots[:b],
-            state_slots_cpu=[0] * b if self.state_slots is not None else [],
+            state_slots=None, state_slots_cpu=[],  # runners exist only for stateless models
             block_size=block_size,
         )
 
@@ -81,10 +79,10 @@ class CUDAGraphRunner:
         runner = cls(model=model, caches=caches, block_size=block_size,
                      max_blocks_per_seq=-(-max_model_len // block_size) + 1, buckets=buckets,
                      group_names=names, uses_state=bool(caches.state))
-        runner._allocate(device)
-        if runner.uses_state:
+        if runner.uses_state:  # can_run refuses every batch: no static buffers, no capture
             log.warning("decode CUDA graphs are off: this model keeps per-sequence state (no padding-safe row)")
             return runner
+        runner._allocate(device)
         runner._capture_all()
         return runner
 
@@ -99,7 +97,6 @@ class CUDAGraphRunner:
             block_tables={g: torch.zeros((n, self.max_blocks_per_seq), **i32) for g in self.group_names},
             slot_mapping={g: torch.full((n,), -1, **i64) for g in self.group_names},
             logits_indices=torch.arange(n, **i64),
-            state_slots=torch.zeros(n, **i32) if self.uses_state else None,
         )
 
     @torch.inference_mode()
@@ -152,7 +149,5 @@ class CUDAGraphRunner:
             st.block_tables[g][:b, : src.shape[1]].copy_(src)
             st.slot_mapping[g][:b].copy_(batch.slot_mapping[g])
             st.slot_mapping[g][b:size].fill_(-1)
-        if st.state_slots is not None and batch.state_slots is not None:
-            st.state_slots[:b].copy_(batch.state_slots)
         self.graphs[size].replay()
         return self.outputs[size][:b]
