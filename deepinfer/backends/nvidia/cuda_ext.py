@@ -18,8 +18,6 @@ import torch
 from deepinfer.errors import BackendError
 
 _SOURCES = ("bindings.cpp", "moe_kernels.cu")
-_SCORING = {"softmax": 0, "sigmoid": 1}
-_GROUPING = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 def csrc_dir() -> Path:
@@ -91,9 +89,11 @@ def load():
 
 def grouped_topk(ext, router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None):
     """The CUDA C++ router: same contract as Backend.route for softmax/sigmoid routers."""
-    grouping = _GROUPING[spec.topk_method]
+    from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES
+
+    grouping = GROUPING_CODES[spec.topk_method]
     w, ids = ext.grouped_topk(router_logits, correction_bias, spec.top_k, spec.n_group if grouping else 1,
-                              spec.topk_group if grouping else 1, _SCORING[spec.scoring_func], grouping,
+                              spec.topk_group if grouping else 1, SCORING_CODES[spec.scoring_func], grouping,
                               bool(spec.norm_topk_prob), float(spec.routed_scaling_factor))
     return w, ids
 

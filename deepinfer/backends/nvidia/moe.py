@@ -7,13 +7,13 @@ from typing import Callable
 import torch
 
 from deepinfer.backends.nvidia.fused_moe import fused_moe
-from deepinfer.backends.nvidia.moe_routing import moe_align
+from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align
 from deepinfer.core.backend import MoESpec
 from deepinfer.core.native.moe import NativeMoE
 from deepinfer.errors import BackendError
 
-TRITON_SCORING = ("softmax", "sigmoid")
-TRITON_TOPK = ("greedy", "group_limited_greedy", "noaux_tc")
+TRITON_SCORING = tuple(SCORING_CODES)
+TRITON_TOPK = tuple(GROUPING_CODES)
 
 
 def triton_moe_unsupported(spec: MoESpec) -> list[str]:

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-_SCORING = {"softmax": 0, "sigmoid": 1}
-_GROUPING = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+# The router codes both the Triton kernel and the CUDA C++ twin (csrc/cuda) take.
+SCORING_CODES = {"softmax": 0, "sigmoid": 1}
+GROUPING_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 @triton.jit
@@ -84,14 +85,14 @@ def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | Non
     """(topk_weights [T, k] fp32 with normalisation and routed_scaling_factor applied, topk_ids [T, k] int64)."""
     from deepinfer.errors import BackendError
 
-    if spec.scoring_func not in _SCORING:
+    if spec.scoring_func not in SCORING_CODES:
         raise BackendError(f"triton route: scoring_func {spec.scoring_func!r} not implemented (softmax, sigmoid)")
-    if spec.topk_method not in _GROUPING:
+    if spec.topk_method not in GROUPING_CODES:
         raise BackendError(f"triton route: topk_method {spec.topk_method!r} not implemented")
     T, E = router_logits.shape
     if E != spec.num_experts:
         raise BackendError(f"route: logits have {E} experts, spec says {spec.num_experts}")
-    grouping = _GROUPING[spec.topk_method]
+    grouping = GROUPING_CODES[spec.topk_method]
     groups = spec.n_group if grouping else 1
     if E % groups:
         raise BackendError(f"route: {E} experts do not split into {groups} groups")
@@ -108,7 +109,7 @@ def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | Non
         logits, bias, weights, ids, logits.stride(0), per, float(spec.routed_scaling_factor),
         TOP_K=spec.top_k, BLOCK_K=triton.next_power_of_2(spec.top_k), G=groups,
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_P=triton.next_power_of_2(per),
-        TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=_SCORING[spec.scoring_func],
+        TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=SCORING_CODES[spec.scoring_func],
         GROUPING=grouping, HAS_BIAS=correction_bias is not None,
         NORM=bool(spec.norm_topk_prob), num_warps=4,
     )
