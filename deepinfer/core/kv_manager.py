@@ -218,10 +218,6 @@ class KVCacheManager:
             return 0
         return spec.first_live_entry(num_tokens) // self.block_size
 
-    def table_width(self, group: str) -> int:
-        """Width of a group's block table for a sequence of max_model_len (for fixed-shape buffers)."""
-        return int(self.tables[group].shape[1])
-
     def fits_alone(self, num_tokens: int, chunk_tokens: int) -> list[str]:
         """Reasons a single sequence of num_tokens (computed in chunks of chunk_tokens) cannot fit."""
         reasons = []
@@ -352,11 +348,6 @@ class KVCacheManager:
     @property
     def num_blocks_used(self) -> int:
         return sum(p.num_used for p in self.pools.values())
-
-    @property
-    def num_rows_used(self) -> int:
-        """Sequences holding KV (state rows are only real storage for groups with state_shape)."""
-        return self.slots.num_used
 
     def usage(self) -> float:
         """Fraction used of the fullest group: the one that limits admission."""

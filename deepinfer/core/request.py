@@ -51,10 +51,6 @@ class Sequence:
         return self.request.prompt_token_ids
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 

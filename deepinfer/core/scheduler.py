@@ -38,10 +38,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def empty(self) -> bool:
         return not self.scheduled
 
