@@ -27,6 +27,20 @@ class StepResult:
     logprobs: list[dict[int, Logprob] | None]
 
 
+def token_slots(table: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor, tokens_per_entry: int,
+                block_size: int) -> torch.Tensor:
+    """int64 KV slot each token writes: the entry it completes (a compressed group writes one
+    entry per tokens_per_entry tokens: -1 for the others), -1 where the table entry is freed."""
+    m = tokens_per_entry
+    entries = positions if m == 1 else torch.clamp((positions + 1) // m - 1, min=0)
+    blocks = table[req_idx, entries // block_size].to(torch.int64)
+    slots = blocks * block_size + entries % block_size
+    valid = blocks >= 0
+    if m > 1:
+        valid &= (positions + 1) % m == 0
+    return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -101,20 +115,7 @@ class ModelRunner:
             width = max(self.kv.table_len(spec, max(seq_lens, default=0)), 1)  # tables cover seq_lens exactly
             bt = self.kv.tables[name][rows, :width]  # a copy: later steps may change the host buffer
             block_tables[name] = bt
-            m = spec.tokens_per_entry
-            if m == 1:
-                entries = positions
-                valid = torch.ones_like(positions, dtype=torch.bool)
-            else:  # compressed: the slot of the entry this token completes, -1 otherwise
-                entries = torch.clamp((positions + 1) // m - 1, min=0)
-                valid = (positions + 1) % m == 0
-            if len(input_ids):
-                blocks = bt[req_idx, entries // bs].to(torch.int64)
-                slots = blocks * bs + entries % bs
-                slots = torch.where(valid & (blocks >= 0), slots, torch.full_like(slots, -1))
-            else:
-                slots = torch.zeros(0, dtype=torch.int64)
-            slot_mapping[name] = slots
+            slot_mapping[name] = token_slots(bt, req_idx, positions, spec.tokens_per_entry, bs)
 
         state_slots_cpu: list[int] = []
         state_slots = None
@@ -216,12 +217,7 @@ def profile_forward(
         n = per_seq[s.name]
         table = torch.arange(n * len(lens), dtype=torch.int32).view(len(lens), n)
         tables[s.name] = table.to(device)
-        m = s.tokens_per_entry
-        entries = torch.clamp((pos + 1) // m - 1, min=0)
-        slot = table[req, entries // block_size].to(torch.int64) * block_size + entries % block_size
-        if m > 1:
-            slot = torch.where((pos + 1) % m == 0, slot, torch.full_like(slot, -1))
-        slots[s.name] = slot.to(device)
+        slots[s.name] = token_slots(table, req, pos, s.tokens_per_entry, block_size).to(device)
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
