@@ -98,10 +98,11 @@ class V4Block(nn.Module):
         self.attn.finalize()
         self.ffn.finalize()
 
-    def forward(self, streams, token_ids, batch, caches):
+    def forward(self, streams, token_ids, batch, caches, rope_memo: dict | None = None):
         eps = self.cfg.rms_norm_eps
         post, comb, x = self.attn_hc(streams)
-        streams = hc_merge(streams, self.attn(v4_rms_norm(x, self.attn_norm, eps), batch, caches), post, comb)
+        streams = hc_merge(streams, self.attn(v4_rms_norm(x, self.attn_norm, eps), batch, caches, rope_memo),
+                           post, comb)
         post, comb, x = self.ffn_hc(streams)
         return hc_merge(streams, self.ffn(v4_rms_norm(x, self.ffn_norm, eps), token_ids), post, comb)
 
@@ -190,8 +191,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         ids = batch.input_ids
         x = self.embed(ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        rope_memo: dict = {}  # cos/sin of this step's positions, once per rotary branch, not once per layer
         for layer in self.layers:
-            streams = layer(streams, ids, batch, caches)
+            streams = layer(streams, ids, batch, caches, rope_memo)
         return v4_rms_norm(self.hc_head(streams), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,15 +87,15 @@ class V4Attention(nn.Module):
             self.i_w = Linear(Dm, Hi, backend, dtype)
             self.i_bias: torch.Tensor | None = None
             self.i_norm: torch.Tensor | None = None
-        branch = cfg.rope_for(layer_id)
-        self.rope = RopeTable(branch, dtype)
+        self.rope_branch = cfg.rope_for(layer_id)
+        self.rope = RopeTable(self.rope_branch, dtype)
         spec = V4AttentionSpec(
             num_heads=H, head_dim=D, sliding_window=cfg.sliding_window, softmax_scale=D**-0.5,
             swa_group=SWA_GROUP, compress_rate=self.m, overlap=self.csa,
             comp_group=COMP_GROUPS.get(self.layer_type), index_group=INDEX_GROUP if self.csa else None,
             index_n_heads=cfg.index_n_heads if self.csa else 0, index_head_dim=cfg.index_head_dim if self.csa else 0,
             index_topk=cfg.index_topk if self.csa else 0, norm_eps=cfg.rms_norm_eps,
-            rope_attention_factor=branch.attention_factor,
+            rope_attention_factor=self.rope_branch.attention_factor,
         )
         self.op = backend.make_v4_attention(spec)
 
@@ -147,10 +147,16 @@ class V4Attention(nn.Module):
             out += [self.i_kv, self.i_gate, self.i_q, self.i_w]
         return out
 
-    def forward(self, x: torch.Tensor, batch, caches) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch, caches, rope_memo: dict | None = None) -> torch.Tensor:
+        """`rope_memo`: one forward's cos/sin per rotary branch, shared by the layers (else computed here)."""
         cfg, T = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
-        cos, sin = self.rope(batch.positions)
+        if rope_memo is None:
+            cos, sin = self.rope(batch.positions)
+        else:
+            if self.rope_branch not in rope_memo:
+                rope_memo[self.rope_branch] = self.rope(batch.positions)
+            cos, sin = rope_memo[self.rope_branch]
         q_res = v4_rms_norm(self.q_a_proj(x), self.q_a_norm, eps)
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, self.H, self.D), eps)
         q = apply_v4_rope(q, cos, sin)
