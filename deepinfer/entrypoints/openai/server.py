@@ -194,20 +194,10 @@ def build_app(
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The `serve` flags (engine flags from cli_args plus the server's own)."""
-    from deepinfer.entrypoints.cli_args import add_engine_args
+    """The `serve` flags; defined once in the CLI (FastAPI-free) and reused here."""
+    from deepinfer.entrypoints.cli_serve import add_serve_arguments as add
 
-    add_engine_args(parser)
-    h = parser.add_argument_group("server")
-    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    h.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
-    h.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
-    h.add_argument("--api-key", default=None, help="require this bearer token (default: $DEEPINFER_API_KEY)")
-    h.add_argument("--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 503")
-    h.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
-    h.add_argument("--drain-timeout", type=float, default=None, help="seconds SIGTERM waits for in-flight requests")
-    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return parser
+    return add(parser)
 
 
 def run_server(args: argparse.Namespace) -> int:
