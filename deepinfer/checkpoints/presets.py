@@ -82,16 +82,13 @@ def _tiny_v2_lite() -> dict:
 
 
 def _tiny_v2() -> dict:
+    """tiny-v2-lite's shapes plus V2's q compression and group-limited routing."""
     return {
-        **_common("deepseek_v2", "DeepseekV2ForCausalLM"),
-        "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-        "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 2, "first_k_dense_replace": 1,
-        "topk_method": "group_limited_greedy", "scoring_func": "softmax", "n_group": 4, "topk_group": 2,
-        "norm_topk_prob": False, "routed_scaling_factor": 2.0,
+        **_tiny_v2_lite(),
+        "q_lora_rank": 96, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0,
         # mscale != mscale_all_dim: exercises the YaRN cos/sin magnitude factor as well as the softmax correction
-        "max_position_embeddings": 8192, "rope_scaling": _yarn(4.0, 2048, 1.0, 0.8),
+        "rope_scaling": _yarn(4.0, 2048, 1.0, 0.8),
     }
 
 
