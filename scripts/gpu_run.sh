@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build + check + time.
-#   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,hf (default: all)
+#   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,profile,hf (default: all but profile)
 # Writes logs / JSON lines under $OUT (or ./gpu_out), prints a short summary last.
 # Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1).
 set -u
@@ -19,9 +19,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
 
 CK_PID=""
-if (has bench || has hf) && [ ! -f "$CKPT/config.json" ]; then
+if (has bench || has hf || has profile) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
-  ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite "$CKPT" > /tmp/ckpt.log 2>&1 ) &
+  ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
 fi
 
@@ -52,6 +52,12 @@ if has bench; then
       --output-len 64 --enforce-eager > "$OUT/throughput_eager.log" 2>&1
     log "eager rc=$?"; grep -v '^{' "$OUT/throughput_eager.log" | tail -6 | tee -a "$OUT/summary.txt"
   fi
+fi
+if has profile; then
+  log "kernel profile of decode steps (torch.profiler)"
+  timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.profile_step "$CKPT" --batch-sizes "${PROFILE_BATCHES:-1,64,256}" \
+    --trace-dir "$OUT" --json-out "$OUT/profile.jsonl" > "$OUT/profile.log" 2>&1
+  log "profile rc=$?"; grep -v '^{' "$OUT/profile.log" | grep -v 'Loading weights' | tail -120 | tee -a "$OUT/summary.txt"
 fi
 if has hf; then
   log "transformers baseline + teacher-forcing accuracy"

@@ -15,10 +15,12 @@ __all__ = ["PRESETS", "Preset", "make_checkpoint", "register_preset"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_checkpoint(preset: str, out_dir: str, seed: int = 0, progress: bool | None = None) -> None:
+def make_checkpoint(preset: str, out_dir: str, seed: int = 0, progress: bool | None = None,
+                    workers: int = 1) -> None:
     """Write config.json, generation_config.json, safetensors (+ index when sharded) and the tokenizer.
 
     progress: a byte progress bar; None shows it for checkpoints over 512 MiB (v2-lite), not for tiny ones.
+    workers: processes writing shards at once (the files are the same for any number).
     """
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; available: {', '.join(sorted(PRESETS))}")
@@ -34,5 +36,5 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, progress: bool | N
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     write_safetensors(out_dir, p.tensor_plan(cfg, p.fp8), seed, _DTYPES[p.dtype], p.max_shard_bytes,
-                      progress=progress)
+                      progress=progress, workers=workers)
     write_tokenizer(out_dir, cfg["vocab_size"])

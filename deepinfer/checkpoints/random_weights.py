@@ -120,13 +120,33 @@ def _write_shard(path: str, specs: list[TensorSpec], seed: int, default: torch.d
     return offset
 
 
+def _write_one(job: tuple[str, list[TensorSpec], int, torch.dtype]) -> int:
+    torch.set_num_threads(1)
+    return _write_shard(*job)
+
+
+def _write_shards_parallel(out_dir: str, names: list[str], shards: list[list[TensorSpec]], seed: int,
+                           dtype: torch.dtype, workers: int, bar) -> int:
+    import multiprocessing as mp
+
+    jobs = [(os.path.join(out_dir, f), g, seed, dtype) for f, g in zip(names, shards)]
+    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+        total = 0
+        for n in pool.imap_unordered(_write_one, jobs):
+            total += n
+            bar.update(n)
+    return total
+
+
 def write_safetensors(
     out_dir: str, specs: list[TensorSpec], seed: int, dtype: torch.dtype, max_shard_bytes: int | None = None,
-    progress: bool | None = None,
+    progress: bool | None = None, workers: int = 1,
 ) -> list[str]:
     """Write `specs` as model.safetensors, or as shards + model.safetensors.index.json. Returns file names.
 
     progress: a tqdm bar over bytes; None shows it only for checkpoints over 512 MiB.
+    workers: shards written by this many processes at once (drawing is CPU-bound and one
+    process per shard is bit-identical to one process overall: each tensor has its own stream).
     """
     shards: list[list[TensorSpec]] = [[]]
     size = grand_total = 0
@@ -150,9 +170,13 @@ def write_safetensors(
     total = 0
     weight_map: dict[str, str] = {}
     try:
+        if workers > 1 and len(shards) > 1:
+            total = _write_shards_parallel(out_dir, names, shards, seed, dtype, workers, bar)
+        else:
+            for file, group in zip(names, shards):
+                bar.set_postfix_str(file)
+                total += _write_shard(os.path.join(out_dir, file), group, seed, dtype, bar)
         for file, group in zip(names, shards):
-            bar.set_postfix_str(file)
-            total += _write_shard(os.path.join(out_dir, file), group, seed, dtype, bar)
             for spec in group:
                 for name, _, _ in _stored(spec, dtype):
                     weight_map[name] = file

@@ -19,6 +19,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("out", nargs="?", metavar="OUT", help="output directory")
     p.add_argument("--preset", default=None, help="preset name (see --list)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="processes writing shards at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.set_defaults(run=run, parser=p)
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown preset {args.preset!r}; available: {', '.join(sorted(PRESETS))}")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise ConfigError(f"output {args.out!r} already exists and is not an empty directory")
-    make_checkpoint(args.preset, args.out, seed=args.seed)
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    make_checkpoint(args.preset, args.out, seed=args.seed, workers=args.workers)
     print(f"wrote {args.preset} checkpoint to {args.out}")
     return 0
