@@ -10,6 +10,7 @@ replayed CUDA graphs). Reported per step:
 - graph span / kernel sum: one replay of the batch's decode graph alone, first kernel
   start to last kernel end vs the sum of its kernel durations (the difference is the
   launch latency between dependent kernels that fusion would remove);
+- graph launch (host): how long the replay() call itself holds the CPU, without the profiler;
 - the top kernels by device time, with launches per step.
 
   python -m benchmarks.profile_step /tmp/ckpt --batch-sizes 1,64,256 --trace-dir $OUT
@@ -103,7 +104,14 @@ def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, t
         gpath = os.path.join(tempfile.gettempdir(), f"graph_b{batch}.json")
         gev, _ = _profile(gr.graphs[size].replay, 3, gpath)
         span = (max(e["ts"] + e["dur"] for e in gev) - min(e["ts"] for e in gev)) / 1e3 / 3
-        out.update(graph_bucket=size, graph_kernels=len(gev) / 3, graph_kernel_sum_ms=sum(e["dur"] for e in gev) / 3e3,
+        launch = []
+        for _ in range(10):  # host time of the launch call alone (no profiler attached)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            gr.graphs[size].replay()
+            launch.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+        out.update(graph_launch_host_ms=statistics.median(launch), graph_bucket=size, graph_kernels=len(gev) / 3, graph_kernel_sum_ms=sum(e["dur"] for e in gev) / 3e3,
                    graph_span_ms=span, graph_replay_ms=graph_replay_ms(engine, batch),
                    graph_top=[(n, round(us, 1), round(c, 2)) for n, us, c in _by_name(gev, 3)[:30]])
     while engine.has_unfinished_requests():
@@ -147,7 +155,7 @@ def main() -> None:
         if "graph_span_ms" in r:
             print(f"  graph (bucket {r['graph_bucket']}): {r['graph_kernels']:.0f} kernels, span "
                   f"{r['graph_span_ms']:.3f} ms, kernel sum {r['graph_kernel_sum_ms']:.3f} ms, "
-                  f"replay {r['graph_replay_ms']:.3f} ms")
+                  f"replay {r['graph_replay_ms']:.3f} ms, launch call (host) {r['graph_launch_host_ms']:.3f} ms")
             for name, us, n in r["graph_top"]:
                 print(f"    {us:9.1f} us  x{n:<6} {name}")
         print("  step (outside + inside the graph):")
