@@ -42,8 +42,9 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm: torch.Tensor | None = None
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, backend, dtype, quantized=quant)
         else:
-            self.q_proj = Linear(D, H * qk, backend, dtype, quantized=quant)
-            self.kv_a_proj_with_mqa = Linear(D, kv_a_out, backend, dtype, bias=bias, quantized=quant)
+            # q_proj (no bias, as in HF) and kv_a_proj_with_mqa read the same input: one matmul
+            self.q_kv_a_proj = MergedLinear(D, [H * qk, kv_a_out], backend, dtype, biases=[False, bias],
+                                            quantized=quant)
         self.kv_a_layernorm: torch.Tensor | None = None
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), backend, dtype,
                                 quantized=quant)
@@ -67,8 +68,7 @@ class MLAAttention(nn.Module):
             out[name] = tensor_loader(self, "q_a_layernorm", name, (self.q_lora_rank,), self.dtype, dev)
             out.update(self.q_b_proj.loaders(f"{prefix}.q_b_proj"))
         else:
-            out.update(self.q_proj.loaders(f"{prefix}.q_proj"))
-            out.update(self.kv_a_proj_with_mqa.loaders(f"{prefix}.kv_a_proj_with_mqa"))
+            out.update(self.q_kv_a_proj.loaders([f"{prefix}.q_proj", f"{prefix}.kv_a_proj_with_mqa"]))
         name = f"{prefix}.kv_a_layernorm.weight"
         out[name] = tensor_loader(self, "kv_a_layernorm", name, (self.kv_lora_rank,), self.dtype, dev)
         out.update(self.kv_b_proj.loaders(f"{prefix}.kv_b_proj"))
@@ -80,8 +80,7 @@ class MLAAttention(nn.Module):
             self.qkv_a_proj.finalize()
             self.q_b_proj.finalize()
         else:
-            self.q_proj.finalize()
-            self.kv_a_proj_with_mqa.finalize()
+            self.q_kv_a_proj.finalize()
         self.o_proj.finalize()
         # the op splits / absorbs kv_b_proj itself; it only needs the dense weight once
         self.attn.load_kv_b_proj(self.kv_b_proj.dense())
@@ -98,8 +97,7 @@ class MLAAttention(nn.Module):
             q_a = self.backend.rms_norm(q_a.contiguous(), self.q_a_layernorm, LORA_NORM_EPS)
             q = self.q_b_proj(q_a)
         else:
-            q = self.q_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)
+            q, kv_a = self.q_kv_a_proj(x).split([self.num_heads * (self.qk_nope + self.qk_rope), kv_a_out], dim=-1)
         q = q.view(T, self.num_heads, self.qk_nope + self.qk_rope)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope], dim=-1)
         kv_c = self.backend.rms_norm(kv_c.contiguous(), self.kv_a_layernorm, LORA_NORM_EPS)
