@@ -222,6 +222,37 @@ class MLAAttentionOp(ABC):
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         ...
 
+    def forward_from_latent(
+        self,
+        q: torch.Tensor,  # [T, H, qk_nope + qk_rope], RoPE NOT applied; an override may rotate it in place
+        kv_a: torch.Tensor,  # [T, kv_lora_rank + qk_rope]: kv_a_proj_with_mqa output, before norm / RoPE
+        kv_norm_weight: torch.Tensor,  # [kv_lora_rank] (kv_a_layernorm)
+        eps: float,
+        positions: torch.Tensor,  # [T] int64
+        rope_cache: torch.Tensor,  # [max_pos, qk_rope] fp32: cos in [:R/2], sin in [R/2:]
+        interleaved: bool,
+        kv_cache: torch.Tensor,
+        batch: "ForwardBatch",
+        cache_name: str,
+        ops: "Backend",  # whose rms_norm / rotary_embedding this default composes
+    ) -> torch.Tensor:  # [T, H * v_head_dim]
+        """The layer from the projections: kv_a RMSNorm, RoPE on q_pe / k_pe, then `forward`.
+
+        This default composes the backend's small ops as the model always did. A backend
+        overrides it to fuse norm + RoPE + KV write into one kernel, keeping these rounding
+        points (norm and RoPE in fp32, each rounded to the input dtype).
+        """
+        s = self.spec
+        t = q.shape[0]
+        kv_c, k_pe = kv_a.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        kv_c = ops.rms_norm(kv_c.contiguous(), kv_norm_weight, eps)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = ops.rotary_embedding(
+            positions, q_pe.contiguous(), k_pe.contiguous().view(t, 1, s.qk_rope_head_dim), rope_cache, interleaved
+        )
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return self.forward(q, kv_c, k_pe.reshape(t, s.qk_rope_head_dim), kv_cache, batch, cache_name)
+
 
 class MoEOp(ABC):
     """Routed experts: route -> dispatch -> experts (SwiGLU) -> weighted combine."""
