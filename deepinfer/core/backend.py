@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
@@ -272,6 +272,16 @@ class MoEOp(ABC):
         if tuple(w2.shape) != (e, d, i):
             raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
 
+    def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """Offer the dense weights of the shared-experts MLP that `forward`'s `shared_experts` computes:
+        gate_up [2*S*I, D] (S*I gate rows, then S*I up rows), down [D, S*I], S = n_shared_experts.
+
+        An op may then run that MLP as S more experts of width I (weight 1.0) inside its routed
+        GEMMs at small batches (sum of their outputs == the MLP). Returns whether it kept them;
+        the default keeps nothing and calls `shared_experts` instead.
+        """
+        return False
+
     @abstractmethod
     def forward(
         self,
@@ -280,7 +290,8 @@ class MoEOp(ABC):
         correction_bias: torch.Tensor | None = None,  # [E], used for selection only
         token_ids: torch.Tensor | None = None,  # [T], for hash routing
         tid2eid: torch.Tensor | None = None,  # [vocab, top_k], for hash routing
-    ) -> torch.Tensor:  # [T, D], already scaled by routed_scaling_factor
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,  # x -> [T, D], added (weight 1.0)
+    ) -> torch.Tensor:  # [T, D]: routed experts (scaled by routed_scaling_factor) + shared_experts(x) if given
         ...
 
 
