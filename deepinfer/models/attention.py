@@ -1,5 +1,6 @@
-"""Multi-head latent attention (DeepSeek V2/V3): projections, latent norm and RoPE here; the backend's
-MLA op owns the KV-cache write and the prefill / decode attention over the paged latent cache."""
+"""Multi-head latent attention (DeepSeek V2/V3): the projections here; the backend's MLA op takes q and
+the kv_a projection from there (latent norm, RoPE, KV-cache write, prefill / decode attention over the
+paged latent cache), so a backend can fuse the small pre-attention ops into one kernel."""
 
 from __future__ import annotations
 
@@ -99,14 +100,9 @@ class MLAAttention(nn.Module):
         else:
             q, kv_a = self.q_kv_a_proj(x).split([self.num_heads * (self.qk_nope + self.qk_rope), kv_a_out], dim=-1)
         q = q.view(T, self.num_heads, self.qk_nope + self.qk_rope)
-        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope], dim=-1)
-        kv_c = self.backend.rms_norm(kv_c.contiguous(), self.kv_a_layernorm, LORA_NORM_EPS)
-        q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
-        q_pe, k_pe = self.backend.rotary_embedding(
-            positions, q_pe.contiguous(), k_pe.contiguous().view(T, 1, self.qk_rope), rope_cache, self.interleaved
-        )
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        out = self.attn.forward(
-            q, kv_c, k_pe.reshape(T, self.qk_rope), caches.get(MLA_CACHE, self.layer_id), batch, MLA_CACHE
+        # kv_a norm, RoPE on q_pe / k_pe and the KV write: one fused kernel where the backend has one
+        out = self.attn.forward_from_latent(
+            q, kv_a, self.kv_a_layernorm, LORA_NORM_EPS, positions, rope_cache, self.interleaved,
+            caches.get(MLA_CACHE, self.layer_id), batch, MLA_CACHE, self.backend,
         )
         return self.o_proj(out)

@@ -7,7 +7,8 @@ cached prefix) gather their context latents, up-project them to per-head
 k_nope / v with two GEMMs, and run causal varlen flash attention. The same
 split as the torch-native oracle, so both are comparable request by request.
 
-A decode-only batch makes no host sync and allocates only fixed-size tensors
+`forward_from_latent` runs the latent norm, RoPE and KV write as one kernel
+(mla_prep) before the same attention. A decode-only batch makes no host sync and allocates only fixed-size tensors
 per batch size, so it can be captured in a CUDA graph.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_decode import mla_decode
+from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.backends.nvidia.prefill_attention import prefill_attention
 from deepinfer.core.backend import MLAAttentionOp, MLASpec
 from deepinfer.errors import BackendError
@@ -47,13 +49,27 @@ class TritonMLAAttention(MLAAttentionOp):
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor) -> torch.Tensor:
-        """q [B, H, nope+rope] -> [B, H, v] (absorbed, over the paged latent cache)."""
+        """q [B, H, nope+rope] (rows may be strided) -> [B, H, v], contiguous (absorbed, paged latent cache).
+
+        No elementwise copies: both head-batched GEMMs read and write strided views ([H, B, .] over
+        [B, H, .] memory), which cuBLAS takes as leading dimensions; q_pe is read in place.
+        """
         s = self.spec
-        q_nope = q[..., : s.qk_nope_head_dim].transpose(0, 1)  # [H, B, nope]
-        q_lat = torch.bmm(q_nope, self.w_uk.to(q.dtype)).transpose(0, 1)  # [B, H, L] (strided view)
+        B = q.shape[0]
+        w_uk, w_uv_t = self._weights(q.dtype)
+        q_lat = torch.empty((B, s.num_heads, s.kv_lora_rank), dtype=q.dtype, device=q.device)
+        torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
         o_lat = mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
                            q_pe=q[..., s.qk_nope_head_dim :])
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.to(q.dtype)).transpose(0, 1)  # [B, H, v]
+        out = torch.empty((B, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
+        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
+        return out
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, L], W_UV^T [H, L, v]) in `dtype`; the load dtype needs no conversion."""
+        if self.w_uk.dtype == dtype:
+            return self.w_uk, self.w_uv_t
+        return self.w_uk.to(dtype), self.w_uv_t.to(dtype)
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 reqs: list[int], batch: "ForwardBatch") -> torch.Tensor:
@@ -84,16 +100,31 @@ class TritonMLAAttention(MLAAttentionOp):
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: "ForwardBatch", cache_name: str) -> torch.Tensor:
-        s = self.spec
+        self._check(q, kv_cache, batch)
+        kv_cache_write_parts(kv_cache, batch.slot_mapping[cache_name], kv_c, k_pe)
+        return self._attend(q, kv_cache, batch, cache_name)
+
+    def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                            batch, cache_name, ops) -> torch.Tensor:
+        """One kernel for kv_a norm + RoPE (q_pe rotated in place in q) + KV write, then the attention."""
+        self._check(q, kv_cache, batch)
+        mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                 batch.slot_mapping[cache_name])
+        return self._attend(q, kv_cache, batch, cache_name)
+
+    def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch") -> None:
         self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
+        if sum(batch.query_lens_cpu) != q.shape[0]:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {q.shape[0]} rows")
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch", cache_name: str) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's entries."""
+        s = self.spec
         t = q.shape[0]
         qlens = batch.query_lens_cpu
-        if sum(qlens) != t:
-            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(qlens)}, q has {t} rows")
-        kv_cache_write_parts(kv_cache, batch.slot_mapping[cache_name], kv_c, k_pe)
         tables = batch.block_tables[cache_name]
         if all(n == 1 for n in qlens):  # decode-only: no host sync, graph-capturable
-            return self.decode(q, kv_cache, tables, batch.seq_lens).reshape(t, -1)
+            return self.decode(q, kv_cache, tables, batch.seq_lens).view(t, -1)
         out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
         starts = [0]
         for n in qlens:

@@ -1,0 +1,109 @@
+"""MLA pre-attention in one Triton kernel: latent RMSNorm + RoPE on k_pe and q_pe + paged KV-cache write.
+
+The model's kv_a projection row is [kv_c (L) | k_pe (R)] and q is [T, H, nope + R].
+Done op by op this is an RMSNorm, two `.contiguous()` copies, a RoPE kernel, a
+concatenation and a KV write: six launches of a few microseconds each at batch
+1. Here one program per token normalises kv_c, rotates k_pe and writes both
+into the token's cache slot (slot -1, a padded row, writes nothing), and rotates
+that token's q_pe of every head in place in q, where the attention reads it.
+
+Rounding follows the separate ops exactly (so the model's numerics do not move):
+RMSNorm in fp32, rounded to the input dtype, times the weight in fp32, rounded;
+RoPE in fp32 with the fp32 cos/sin table (YaRN factors included), rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_prep_kernel(
+    q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr,
+    H, stride_qt, stride_qh, stride_kvt, stride_cs, eps,
+    L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    im = i < HALF
+    c = tl.load(cs_ptr + pos * stride_cs + i, mask=im, other=0.0)
+    s = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=im, other=0.0)
+    if INTERLEAVED:
+        a_off = 2 * i
+        b_off = 2 * i + 1
+    else:
+        a_off = i
+        b_off = i + HALF
+
+    # q_pe of every head, in place (before any early exit: padded rows still get a defined q)
+    heads = tl.arange(0, BLOCK_H)
+    hm = (heads < H)[:, None] & im[None, :]
+    qrow = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + NOPE
+    qa = tl.load(qrow + a_off[None, :], mask=hm, other=0.0).to(tl.float32)
+    qb = tl.load(qrow + b_off[None, :], mask=hm, other=0.0).to(tl.float32)
+    tl.store(qrow + a_off[None, :], (qa * c[None, :] - qb * s[None, :]).to(q_ptr.dtype.element_ty), mask=hm)
+    tl.store(qrow + b_off[None, :], (qb * c[None, :] + qa * s[None, :]).to(q_ptr.dtype.element_ty), mask=hm)
+
+    if slot >= 0:
+        # kv_c: RMSNorm (fp32, rounded to the input dtype, then scaled by the weight)
+        offs = tl.arange(0, BLOCK_L)
+        lm = offs < L
+        x = tl.load(kv_ptr + tok * stride_kvt + offs, mask=lm, other=0.0)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / L
+        y = (xf * tl.rsqrt(var + eps)).to(kv_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + offs, mask=lm, other=0.0)
+        normed = (y.to(tl.float32) * w.to(tl.float32)).to(kv_ptr.dtype.element_ty)
+        entry = cache_ptr + slot * (L + 2 * HALF)
+        tl.store(entry + offs, normed.to(cache_ptr.dtype.element_ty), mask=lm)
+        # k_pe: RoPE, rounded to the input dtype, then into the cache entry after kv_c
+        krow = kv_ptr + tok * stride_kvt + L
+        ka = tl.load(krow + a_off, mask=im, other=0.0).to(tl.float32)
+        kb = tl.load(krow + b_off, mask=im, other=0.0).to(tl.float32)
+        ra = (ka * c - kb * s).to(kv_ptr.dtype.element_ty)
+        rb = (kb * c + ka * s).to(kv_ptr.dtype.element_ty)
+        tl.store(entry + L + a_off, ra.to(cache_ptr.dtype.element_ty), mask=im)
+        tl.store(entry + L + b_off, rb.to(cache_ptr.dtype.element_ty), mask=im)
+
+
+def mla_prep(
+    q: torch.Tensor,  # [T, H, nope + R], its last R columns rotated in place
+    kv_a: torch.Tensor,  # [T, L + R]: kv_c then k_pe (rows may be strided, e.g. a split of a merged GEMM)
+    kv_norm_weight: torch.Tensor,  # [L]
+    eps: float,
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_pos, R] fp32: cos in [:R/2], sin in [R/2:]
+    interleaved: bool,
+    kv_cache: torch.Tensor,  # [num_blocks, page, L + R]
+    slot_mapping: torch.Tensor,  # [T], -1 = write nothing
+) -> None:
+    from deepinfer.errors import BackendError
+
+    t, h, qw = q.shape
+    r = cos_sin_cache.shape[-1]
+    L = kv_a.shape[-1] - r
+    if q.stride(-1) != 1 or kv_a.dim() != 2 or kv_a.stride(-1) != 1:
+        raise BackendError(f"mla_prep: q {tuple(q.shape)} / kv_a {tuple(kv_a.shape)} need contiguous last dims")
+    if r % 2 or qw < r or L <= 0 or kv_norm_weight.shape != (L,):
+        raise BackendError(f"mla_prep: rope width {r}, q width {qw}, kv_a width {kv_a.shape[-1]} and norm weight "
+                           f"{tuple(kv_norm_weight.shape)} do not fit together")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != L + r or not kv_cache.is_contiguous():
+        raise BackendError(f"mla_prep: cache {tuple(kv_cache.shape)} entries are not {L} + {r} wide (contiguous)")
+    if not (kv_a.shape[0] == positions.shape[0] == slot_mapping.shape[0] == t):
+        raise BackendError(f"mla_prep: {t} q rows, {kv_a.shape[0]} kv rows, {positions.shape[0]} positions, "
+                           f"{slot_mapping.shape[0]} slots")
+    if t == 0:
+        return
+    cs = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    half = r // 2
+    _mla_prep_kernel[(t,)](
+        q, kv_a, kv_norm_weight, positions, cs, slot_mapping, kv_cache,
+        h, q.stride(0), q.stride(1), kv_a.stride(0), cs.stride(0), eps,
+        L=L, BLOCK_L=triton.next_power_of_2(L), NOPE=qw - r, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=triton.next_power_of_2(h), INTERLEAVED=interleaved, num_warps=4,
+    )

@@ -1,0 +1,182 @@
+"""The fused MLA pre-attention kernel (norm + RoPE + KV write + q_pe in place), the merged q/kv_a GEMM and the
+copy-free decode path, against the op-by-op path they replace and the torch-native oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
+
+from deepinfer.conformance.cases import _mla_batch
+from deepinfer.core.backend import MLASpec
+from deepinfer.core.native import NativeOps
+from deepinfer.core.native.rope import rope_cos_sin_cache
+
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+SPEC = MLASpec(num_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+               softmax_scale=0.2)
+PAGE = 4
+
+
+def _inputs(t: int, dtype: torch.dtype, g: torch.Generator, extra_cols: int = 24):
+    """q [T, H, nope+R] and kv_a [T, L+R] as views of one wider GEMM output (strided rows, as the model has)."""
+    s = SPEC
+    qw = s.num_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim)
+    kw = s.kv_lora_rank + s.qk_rope_head_dim
+    buf = (torch.randn(t, qw + kw + extra_cols, generator=g) * 2).to(device=DEVICE, dtype=dtype)
+    q = buf[:, :qw].view(t, s.num_heads, -1)
+    kv_a = buf[:, qw : qw + kw]
+    w = (torch.randn(s.kv_lora_rank, generator=g) * 0.5 + 1).to(device=DEVICE, dtype=dtype)
+    pos = torch.randint(0, 256, (t,), generator=g).to(DEVICE)
+    cs = rope_cos_sin_cache(s.qk_rope_head_dim, 256, 10000.0, YARN).to(DEVICE)
+    return q, kv_a, w, pos, cs
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mla_prep_equals_separate_kernels_and_native(interleaved, dtype):
+    """Bit-equal to rms_norm + rope + kv_write2 (same rounding points); close to the native ops; slot -1 skipped."""
+    from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
+    from deepinfer.backends.nvidia.mla_prep import mla_prep
+    from deepinfer.backends.nvidia.rmsnorm import rms_norm
+    from deepinfer.backends.nvidia.rope import rotary_embedding
+
+    g = torch.Generator().manual_seed(11)
+    s, t = SPEC, 6
+    q, kv_a, w, pos, cs = _inputs(t, dtype, g)
+    slots = torch.tensor([5, -1, 0, 17, 9, -1], device=DEVICE)
+    cache0 = torch.randn(6, PAGE, s.cache_entry_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    L, R, nope = s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim
+
+    # op by op, as the model did before (Triton kernels)
+    kv_c = rms_norm(kv_a[:, :L].contiguous(), w, 1e-6)
+    q_pe, k_pe = rotary_embedding(pos, q[..., nope:].contiguous(), kv_a[:, L:].contiguous().view(t, 1, R), cs,
+                                  interleaved)
+    old_cache = cache0.clone()
+    kv_cache_write_parts(old_cache, slots, kv_c, k_pe.view(t, R))
+    old_q = torch.cat([q[..., :nope], q_pe], dim=-1)
+
+    # torch-native oracle
+    ops = NativeOps()
+    n_kv = ops.rms_norm(kv_a[:, :L], w, 1e-6)
+    n_qpe, n_kpe = ops.rotary_embedding(pos, q[..., nope:], kv_a[:, L:].reshape(t, 1, R), cs, interleaved)
+    nat_cache = cache0.clone()
+    ops.kv_cache_write(nat_cache, slots, torch.cat([n_kv, n_kpe.view(t, R)], -1))
+
+    q_in = q.clone()
+    new_cache = cache0.clone()
+    mla_prep(q, kv_a, w, 1e-6, pos, cs, interleaved, new_cache, slots)
+    assert torch.equal(q, old_q)  # q_pe rotated in place, q_nope untouched
+    assert torch.equal(new_cache, old_cache)
+    assert torch.equal(q[..., :nope], q_in[..., :nope])
+    written = slots[slots >= 0]  # every other slot (the -1 rows' included) keeps its old entry
+    untouched = torch.ones(cache0.numel() // s.cache_entry_dim, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(new_cache.view(-1, s.cache_entry_dim)[untouched], cache0.view(-1, s.cache_entry_dim)[untouched])
+    atol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert torch.allclose(new_cache.float(), nat_cache.float(), atol=atol, rtol=atol)
+    assert torch.allclose(q[..., nope:].float(), n_qpe.float(), atol=atol, rtol=atol)
+
+
+def test_mla_prep_rejects_mismatched_shapes():
+    from deepinfer.backends.nvidia.mla_prep import mla_prep
+    from deepinfer.errors import BackendError
+
+    g = torch.Generator().manual_seed(1)
+    q, kv_a, w, pos, cs = _inputs(3, torch.float32, g)
+    cache = torch.zeros(2, PAGE, 41, device=DEVICE)  # one column too wide
+    with pytest.raises(BackendError, match="cache"):
+        mla_prep(q, kv_a, w, 1e-6, pos, cs, True, cache, torch.zeros(3, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ctx,qlen", [
+    ([3, 6, 0, 37], [5, 1, 4, 1]),  # mixed: prefill on a prefix, decode, fresh prefill, long decode
+    ([9, 0, 70], [1, 1, 1]),  # decode only (the graph-captured path)
+])
+def test_forward_from_latent_matches_native_default(dtype, ctx, qlen):
+    """TritonMLAAttention's fused override vs the base-class default run by the torch-native op."""
+    g = torch.Generator().manual_seed(5)
+    s = SPEC
+    t = sum(qlen)
+    num_blocks = sum(-(-(c + n) // PAGE) for c, n in zip(ctx, qlen)) + 2
+    batch = _mla_batch(qlen, ctx, PAGE, num_blocks, g)
+    batch = type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
+                               {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
+                           for k, v in batch.__dict__.items()})
+    q, kv_a, w, _, cs = _inputs(t, dtype, g)
+    kv_b = (torch.randn(s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, generator=g) / 6)
+    cache = torch.randn(num_blocks, PAGE, s.cache_entry_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    ours, ref = backend().make_mla_attention(s), NativeOps().make_mla_attention(s)
+    ours.load_kv_b_proj(kv_b.to(device=DEVICE, dtype=dtype))
+    ref.load_kv_b_proj(kv_b.to(device=DEVICE, dtype=dtype))
+    c_ours, c_ref = cache.clone(), cache.clone()
+    exp = ref.forward_from_latent(q.clone(), kv_a, w, 1e-6, batch.positions, cs, True, c_ref, batch, "mla",
+                                  NativeOps())
+    out = ours.forward_from_latent(q.clone(), kv_a, w, 1e-6, batch.positions, cs, True, c_ours, batch, "mla",
+                                   backend())
+    assert out.shape == (t, s.num_heads * s.v_head_dim) and out.dtype == dtype and out.is_contiguous()
+    atol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert torch.allclose(c_ours.float(), c_ref.float(), atol=atol, rtol=atol)
+    assert rel_err(out, exp) < 5 * tol(dtype)
+
+
+def test_decode_writes_heads_contiguous_without_copies():
+    """The copy-free decode (strided q, bmm into transposed views) equals the native absorbed decode."""
+    g = torch.Generator().manual_seed(8)
+    s = SPEC
+    batch = _mla_batch([1, 1], [5, 12], PAGE, 8, g)
+    batch = type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
+                               {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
+                           for k, v in batch.__dict__.items()})
+    wide = torch.randn(2, s.num_heads * 24 + 7, generator=g).to(DEVICE)
+    q = wide[:, : s.num_heads * 24].view(2, s.num_heads, 24)  # strided rows
+    kv_b = torch.randn(s.num_heads * 32, s.kv_lora_rank, generator=g).to(DEVICE) / 6
+    cache = torch.randn(8, PAGE, s.cache_entry_dim, generator=g).to(DEVICE)
+    ours, ref = backend().make_mla_attention(s), NativeOps().make_mla_attention(s)
+    ours.load_kv_b_proj(kv_b)
+    ref.load_kv_b_proj(kv_b)
+    out = ours.decode(q, cache, batch.block_tables["mla"], batch.seq_lens)
+    assert out.is_contiguous() and out.shape == (2, s.num_heads, s.v_head_dim)
+    for i, n in enumerate((6, 13)):
+        from deepinfer.core.native.mla_attention import gather_context
+
+        lat = gather_context(cache, batch.block_tables["mla"][i], n)
+        assert rel_err(out[i], ref.decode(q[i : i + 1].float(), lat)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_q_and_kv_a_projections_run_as_one_gemm(quantized):
+    """V2-Lite shapes (q_lora_rank None): q_proj [3072, 2048] + kv_a_proj_with_mqa [576, 2048] fuse, fp8 included."""
+    from deepinfer.models.linear import MergedLinear
+
+    g = torch.Generator().manual_seed(3)
+    ops = backend()
+    D, sizes = 256, [3 * 128, 72]  # scaled down; the q part fills whole 128-row fp8 blocks as 3072 does
+    ml = MergedLinear(D, sizes, ops, torch.float32, biases=[False, True], quantized=quantized)
+    loaders = ml.loaders(["a.q_proj", "a.kv_a_proj_with_mqa"])
+    weights = {}
+    for n, o in zip(("a.q_proj", "a.kv_a_proj_with_mqa"), sizes):
+        w = torch.randn(o, D, generator=g) * 0.1
+        if quantized:
+            weights[f"{n}.weight"] = w.to(torch.float8_e4m3fn)
+            weights[f"{n}.weight_scale_inv"] = torch.rand(-(-o // 128), D // 128, generator=g) + 0.5
+        else:
+            weights[f"{n}.weight"] = w
+    weights["a.kv_a_proj_with_mqa.bias"] = torch.randn(sizes[1], generator=g)
+    for name, t in weights.items():
+        loaders[name](t)
+    parts = [p.weight.float().cpu() for p in ml.parts]
+    if quantized:
+        from deepinfer.core.native.linear import dequant_fp8_block
+
+        parts = [dequant_fp8_block(p.weight, p.weight_scale_inv).cpu() for p in ml.parts]
+    ml.finalize()
+    assert ml.fused is not None  # one GEMM
+    x = torch.randn(5, D, generator=g).to(DEVICE)
+    q, kv = ml(x).cpu().split(sizes, dim=-1)
+    x = x.cpu()
+    assert torch.allclose(q, x @ parts[0].T, atol=1e-4)
+    assert torch.allclose(kv, x @ parts[1].T + weights["a.kv_a_proj_with_mqa.bias"], atol=1e-4)
