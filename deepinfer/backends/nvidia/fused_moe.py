@@ -1,9 +1,19 @@
-"""Fused MoE grouped GEMM in Triton over expert-sorted (token, slot) pairs.
+"""Fused MoE on NVIDIA: two grouped GEMMs (SiLU-and-mul in the first's epilogue) and one combine kernel.
 
-Each program takes BLOCK_M pairs routed to one expert (moe_align's layout)
-and a BLOCK_N slice of that expert's output features, so every expert weight
-tile is read once per block of its tokens. The down projection multiplies by
-the routing weight in the epilogue; the k slots of a token are summed after.
+Two schedules, picked from the batch size (a Python int, so fixed per
+captured CUDA graph):
+
+- direct (T * top_k <= DEEPINFER_MOE_DIRECT_MAX_PAIRS, default 64): no
+  alignment kernel; each expert's pairs are gathered by the GEMM program
+  itself, and the shared experts can ride along as extra experts. At batch 1
+  the layer is gate_up -> down -> combine: three launches.
+- aligned (larger batches): moe_align's expert-sorted, block-padded layout,
+  tuned for prefill / large decode; the shared MLP runs densely outside and
+  only its add is fused into the combine.
+
+The combine sums a token's weighted slots in fp32, rounds to the activation
+dtype, adds the shared experts' output if given and rounds again: the native
+op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
 """
 
 from __future__ import annotations
@@ -14,88 +24,71 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia.activation import silu_and_mul
+from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm, direct_gemm, interpreting
 from deepinfer.backends.nvidia.moe_routing import moe_align
+from deepinfer.errors import BackendError
+
+DIRECT_MAX_PAIRS = 64
+
+
+def direct_max_pairs() -> int:
+    """Largest T * top_k run in direct mode (DEEPINFER_MOE_DIRECT_MAX_PAIRS overrides; 0 turns it off).
+
+    Why 64: the direct program scans all pairs ([BLOCK_M, next_pow2(pairs)]
+    compares), cheap up to ~100 pairs; at 64 pairs over 64 experts most
+    experts have one or two tokens, so a 16-row tile wastes nothing the
+    aligned path would save, while the alignment kernel it skips costs ~6 us.
+    V2-Lite (k=6): batches 1..10 (graph buckets 1, 2, 4, 8); V3 (k=8): 1..8.
+    """
+    env = os.environ.get("DEEPINFER_MOE_DIRECT_MAX_PAIRS")
+    if env is None:
+        return DIRECT_MAX_PAIRS
+    try:
+        return int(env)
+    except ValueError:
+        raise BackendError(f"DEEPINFER_MOE_DIRECT_MAX_PAIRS must be an integer, got {env!r}") from None
+
+
+def use_direct(num_tokens: int, top_k: int) -> bool:
+    return 0 < num_tokens * top_k <= direct_max_pairs()
 
 
 @triton.jit
-def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npad_ptr,
-    N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
-    A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(npad_ptr):
-        return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    pmask = pairs < num_pairs
-    rows = (pairs // A_DIV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k + k0 < K
-        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if MUL_WEIGHT:  # round to the activation dtype first, then weight in fp32 (as the native op)
-        w = tl.load(w_ptr + pairs, mask=pmask, other=0.0)
-        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
+def _combine_kernel(y_ptr, s_ptr, out_ptr, D, stride_y, stride_s, stride_o,
+                    SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(SLOTS):  # slot order, as the native sum over k
+        acc += tl.load(y_ptr + t * stride_y + j * D + offs, mask=mask, other=0.0)
+    ty = out_ptr.dtype.element_ty
+    if HAS_SHARED:
+        acc = acc.to(ty).to(tl.float32) + tl.load(s_ptr + t * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(ty), mask=mask)
 
 
-def _pick_block_m(num_pairs: int, num_experts: int, interpret: bool) -> int:
-    if interpret:
+def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, S, D] fp32 weighted slots -> sum over S (fp32) -> dtype (+ shared [T, D], then dtype again)."""
+    T, slots, D = y.shape
+    if shared is not None and (tuple(shared.shape) != (T, D) or shared.stride(-1) != 1):
+        raise BackendError(f"MoE combine: shared output has shape {tuple(shared.shape)}, expected {(T, D)}")
+    out = torch.empty((T, D), dtype=dtype, device=y.device)
+    if T == 0:
+        return out
+    block = 128 if interpreting() else 1024
+    _combine_kernel[(T, triton.cdiv(D, block))](
+        y, shared if shared is not None else y, out, D, y.stride(0), shared.stride(0) if shared is not None else 0,
+        out.stride(0), SLOTS=slots, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def pick_block_m(num_pairs: int, num_experts: int) -> int:
+    if interpreting():
         return 16
     per_expert = num_pairs / max(1, num_experts)
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
-
-
-def gemm_config(block_m: int, interpret: bool) -> dict:
-    """Tile shape per BLOCK_M; DEEPINFER_MOE_TILE="BN,BK,warps,stages" overrides it (for tuning runs)."""
-    if interpret:
-        return {"block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
-    env = os.environ.get("DEEPINFER_MOE_TILE")
-    if env:
-        bn, bk, warps, stages = (int(v) for v in env.split(","))
-        return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-    if block_m <= 32:  # decode: H200 sweep (docs/performance.md): all tiles within ~10%, this one best at 1 token
-        return {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
-    return {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
-
-
-def grouped_gemm(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_padded: torch.Tensor, num_pairs: int, a_div: int, block_m: int, topk_weights: torch.Tensor | None,
-) -> None:
-    """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]) for every routed pair p."""
-    E, N, K = w.shape
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    cfg = gemm_config(block_m, interpret)
-    block_n, block_k = cfg["block_n"], cfg["block_k"]
-    grid = (expert_ids.shape[0], triton.cdiv(N, block_n))
-    _grouped_gemm_kernel[grid](
-        a, w, out, topk_weights if topk_weights is not None else a, sorted_ids, expert_ids, num_padded,
-        N, K, num_pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_DIV=a_div, MUL_WEIGHT=topk_weights is not None, UPCAST=interpret and a.dtype == torch.bfloat16,
-        PREC="ieee" if a.dtype == torch.float32 else None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
 
 
 def fused_moe(
@@ -105,21 +98,35 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int64
     align=moe_align,
-) -> torch.Tensor:  # [T, D]
+    shared_out: torch.Tensor | None = None,  # [T, D]: the shared experts' output, added in the combine
+    shared_w: tuple[torch.Tensor, torch.Tensor] | None = None,  # (gate_up [2SI, D], down [D, SI]): direct mode only
+    direct: bool | None = None,  # None: use_direct(T, k)
+) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
-    n = T * k
     if T == 0:
         return torch.zeros_like(x)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    block_m = _pick_block_m(n, E, interpret)
-    sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
+    if direct is None:
+        direct = use_direct(T, k)
+    if shared_w is not None and (not direct or shared_out is not None):
+        raise BackendError("fused_moe: shared-expert weights fold in only in direct mode, and not with shared_out")
     x = x.contiguous()
-    h13 = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, h13, sorted_ids, expert_ids, num_padded, n, k, block_m, None)
-    h = silu_and_mul(h13)
+    weights = topk_weights.float().contiguous()
+    if direct:
+        ids = topk_ids.contiguous()
+        n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else 0
+        slots = k + n_shared
+        act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
+        direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True)
+        y = torch.empty((T * slots, D), dtype=torch.float32, device=x.device)
+        direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False)
+        return combine(y.view(T, slots, D), shared_out, x.dtype)
+    n = T * k
+    block_m = pick_block_m(n, E)
+    sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
+    act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
+    aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True)
     y = torch.empty((n, D), dtype=torch.float32, device=x.device)  # weighted slots, summed in fp32
-    grouped_gemm(h, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m,
-                 topk_weights.reshape(-1).float().contiguous())
-    return y.view(T, k, D).sum(dim=1).to(x.dtype)
+    aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1))
+    return combine(y.view(T, k, D), shared_out, x.dtype)

@@ -1,0 +1,250 @@
+"""The MoE grouped GEMMs in Triton: an expert-sorted ("aligned") kernel and a small-batch "direct" one.
+
+Both multiply the rows of the (token, slot) pairs routed to one expert by a
+BLOCK_N slice of that expert's weights, so an expert tile is read once per
+block of its pairs. Two epilogues:
+
+- DUAL (gate_up): the program accumulates the gate rows [n0, n0+BN) and the
+  matching up rows [I+n0, I+n0+BN) and writes silu(gate) * up ([pairs, I]),
+  rounding gate, up and silu(gate) to the activation dtype as the native op
+  (F.linear, F.silu, *) does; no [pairs, 2I] round trip, no SiLU launch.
+- MUL_WEIGHT (down): the result is rounded to the activation dtype, then
+  multiplied by the routing weight in fp32 (as the native op), stored fp32.
+
+The aligned kernel reads moe_align's layout (sorted pair ids padded per
+expert to BLOCK_M). The direct kernel needs no alignment kernel: program
+(p, n) takes pair p's expert, exits unless p is that expert's first pair,
+and gathers every pair of that expert itself (at most BLOCK_M >= T, since a
+token picks an expert at most once). Shared experts folded in are experts
+E..E+S-1 taken by every token with weight 1.0, their weights read in place
+from the dense shared MLP (gate_up [2*S*I, D], down [D, S*I]).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mainloop(a_ptr, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
+              DUAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (NOTES.md)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc_g += tl.dot(a, b, input_precision=PREC)
+        if DUAL:
+            u = tl.load(b_ptrs + u_off, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            acc_u += tl.dot(a, u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, wv, ACT: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    if DUAL:  # silu(gate) * up with the native op's roundings
+        gate = acc_g.to(ACT).to(tl.float32)
+        up = acc_u.to(ACT).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(ACT).to(tl.float32)
+        return act * up
+    if MUL_WEIGHT:  # round to the activation dtype first, then weight in fp32 (as the native op)
+        return acc_g.to(ACT).to(tl.float32) * wv[:, None]
+    return acc_g
+
+
+@triton.jit
+def _aligned_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npad_ptr,
+    N, K, num_pairs, u_off, stride_am, stride_be, stride_bn, stride_cm,
+    A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pmask = pairs < num_pairs
+    rows = (pairs // A_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc_g, acc_u = _mainloop(a_ptr, rows, pmask, stride_am, b_ptr + expert * stride_be, u_off, offs_n, nmask,
+                             stride_bn, K, DUAL, UPCAST, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    if MUL_WEIGHT:
+        wv = tl.load(w_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
+    else:
+        wv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    out = _epilogue(acc_g, acc_u, wv, a_ptr.dtype.element_ty, DUAL, MUL_WEIGHT)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _direct_gemm_kernel(
+    a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, ids_ptr,
+    N, K, num_pairs, num_experts, u_off, us_off, shared_step,
+    stride_am, stride_be, stride_bn, stride_sn, stride_cm,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
+    DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # every pair's expert: slot < TOP_K reads topk_ids, slot TOP_K + s is shared expert E + s
+    offs_q = tl.arange(0, BLOCK_P)
+    qmask = offs_q < num_pairs
+    slot = offs_q % SLOTS
+    routed = slot < TOP_K
+    ids = tl.load(ids_ptr + (offs_q // SLOTS) * TOP_K + slot, mask=qmask & routed, other=0).to(tl.int32)
+    ids = tl.where(routed, ids, num_experts + slot - TOP_K)
+    ids = tl.where(qmask, ids, -1)
+    expert = tl.sum(tl.where(offs_q == pid_p, ids, 0), 0)
+    match = ids == expert
+    if tl.min(tl.where(match, offs_q, BLOCK_P), 0) != pid_p:
+        return  # an earlier pair's program does this expert
+    # the pairs of this expert, in pair order, compacted into BLOCK_M rows
+    rank = tl.cumsum(match.to(tl.int32), 0) - 1
+    offs_m = tl.arange(0, BLOCK_M)
+    sel = match[None, :] & (rank[None, :] == offs_m[:, None])
+    pairs = tl.sum(tl.where(sel, offs_q[None, :], 0), 1)
+    pmask = tl.sum(sel.to(tl.int32), 1) > 0
+    rows = (pairs // A_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    shared = expert >= num_experts
+    base = tl.where(shared, bs_ptr + tl.maximum(expert - num_experts, 0).to(tl.int64) * shared_step,
+                    b_ptr + tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_be)
+    acc_g, acc_u = _mainloop(a_ptr, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off), offs_n, nmask,
+                             tl.where(shared, stride_sn, stride_bn), K, DUAL, UPCAST, PREC,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
+    if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
+        p_slot = pairs % SLOTS
+        p_routed = p_slot < TOP_K
+        wv = tl.load(w_ptr + (pairs // SLOTS) * TOP_K + p_slot, mask=pmask & p_routed, other=0.0)
+        wv = tl.where(p_routed, wv.to(tl.float32), 1.0)
+    else:
+        wv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    out = _epilogue(acc_g, acc_u, wv, a_ptr.dtype.element_ty, DUAL, MUL_WEIGHT)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tile_env(name: str) -> dict | None:
+    env = os.environ.get(name)
+    if not env:
+        return None
+    bn, bk, warps, stages = (int(v) for v in env.split(","))
+    return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+
+def gemm_config(block_m: int, dual: bool = False) -> dict:
+    """Aligned tile per BLOCK_M; DEEPINFER_MOE_TILE="BN,BK,warps,stages" overrides it (for tuning runs).
+
+    DUAL programs read two BN-row weight slices, so they take BN/2: the same
+    weight bytes per program (and shared memory) as the tuned single tile.
+    """
+    if interpreting():
+        return {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    cfg = _tile_env("DEEPINFER_MOE_TILE")
+    if cfg is None:
+        if block_m <= 32:  # decode: H200 sweep (docs/performance.md): all tiles within ~10%, this one best at 1 token
+            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
+        else:
+            cfg = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    if dual:
+        cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
+    return cfg
+
+
+def direct_config(dual: bool) -> dict:
+    """Direct-mode tile; DEEPINFER_MOE_DIRECT_TILE="BN,BK,warps,stages" overrides it (BN counts both halves
+    of a DUAL program: 128 = 64 gate + 64 up rows)."""
+    if interpreting():
+        return {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    cfg = _tile_env("DEEPINFER_MOE_DIRECT_TILE") or {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+    if dual:
+        cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
+    return cfg
+
+
+def _prec(dtype: torch.dtype):
+    return "ieee" if dtype == torch.float32 else None  # fp32 tl.dot defaults to TF32 on the GPU
+
+
+def aligned_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_padded: torch.Tensor, num_pairs: int, a_div: int, block_m: int, topk_weights: torch.Tensor | None = None,
+    dual: bool = False,
+) -> None:
+    """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]); dual: silu(gate) * up, out [pairs, N/2]."""
+    E, N, K = w.shape
+    n_out = N // 2 if dual else N
+    cfg = gemm_config(block_m, dual)
+    grid = (expert_ids.shape[0], triton.cdiv(n_out, cfg["block_n"]))
+    _aligned_gemm_kernel[grid](
+        a, w, out, topk_weights if topk_weights is not None else a, sorted_ids, expert_ids, num_padded,
+        n_out, K, num_pairs, n_out * w.stride(1), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
+        UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=_prec(a.dtype),
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def direct_gemm(
+    a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor | None, out: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
+) -> None:
+    """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
+
+    dual (gate_up): a = x [T, D], w [E, 2I, D], shared_w [2*S*I, D] -> out [pairs, I] = silu(gate) * up.
+    down: a = act [pairs, I], w [E, D, I], shared_w [D, S*I] -> out [pairs, D] fp32, routed rows weighted.
+    """
+    T, top_k = topk_ids.shape
+    E, N, K = w.shape
+    slots = top_k + num_shared
+    num_pairs = T * slots
+    n_out = N // 2 if dual else N
+    if shared_w is None:
+        shared_w, stride_sn, shared_step, us_off = w, 0, 0, 0
+    elif dual:  # [2*S*I, D]: shared expert s has gate rows s*I.., up rows S*I + s*I..
+        stride_sn = shared_w.stride(0)
+        shared_step, us_off = n_out * stride_sn, num_shared * n_out * stride_sn
+    else:  # [D, S*I]: shared expert s is the column slice [s*I, (s+1)*I)
+        stride_sn, shared_step, us_off = shared_w.stride(0), K, 0
+    cfg = direct_config(dual)
+    block_m = max(16, triton.next_power_of_2(T))
+    grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
+    _direct_gemm_kernel[grid](
+        a, w, shared_w, out, topk_weights if topk_weights is not None else a, topk_ids,
+        n_out, K, num_pairs, E, n_out * w.stride(1), us_off, shared_step,
+        a.stride(0), w.stride(0), w.stride(1), stride_sn, out.stride(0),
+        TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
+        UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=_prec(a.dtype),
+        BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

@@ -1,0 +1,161 @@
+"""The fused MoE paths (SiLU in the gate_up epilogue, direct small-batch mode, combine kernel, shared experts
+folded in as experts) against the native per-expert loop and a dense shared MLP, fp32 / fp16 / bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
+
+from deepinfer.core.backend import MoESpec, RouterSpec
+from deepinfer.core.native import NativeOps
+from deepinfer.core.native.activation import silu_and_mul
+from deepinfer.core.native.moe import experts_forward
+from deepinfer.errors import BackendError
+
+E, D, I, K = 8, 32, 24, 3  # tiny V2-Lite-like experts: E routed, top-K, hidden D, expert width I
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    # bf16 under the interpreter: fp32 -> bf16 rounds toward zero (docs/performance.md), ~3 roundings deep
+    return 5 * tol(dtype)
+
+
+def _weights(dtype, n_shared=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, D, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    gate_up = (torch.randn(2 * n_shared * I, D, generator=g) / D**0.5).to(DEVICE, dtype)
+    down = (torch.randn(D, n_shared * I, generator=g) / (n_shared * I) ** 0.5).to(DEVICE, dtype)
+    return w13, w2, gate_up, down
+
+
+def _routing(t, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(DEVICE)
+    return torch.rand(t, K, generator=g).to(DEVICE) + 0.1, ids
+
+
+def _shared_mlp(gate_up, down):
+    return lambda x: F.linear(silu_and_mul(F.linear(x, gate_up)), down)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_schedules_match_native(dtype, direct, t):
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    w13, w2, gate_up, down = _weights(dtype)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    w, ids = _routing(t)
+    ref = experts_forward(x, w13, w2, w, ids)
+    out = fused_moe(x, w13, w2, w, ids, direct=direct)
+    assert out.dtype == dtype and out.shape == (t, D)
+    assert rel_err(out, ref) < _tol(dtype)
+    if dtype == torch.float16:  # tiny K: same accumulation order, same roundings -> the native op's bits
+        assert torch.equal(out, ref)
+    shared = _shared_mlp(gate_up, down)(x)
+    out = fused_moe(x, w13, w2, w, ids, shared_out=shared, direct=direct)
+    assert rel_err(out, ref + shared) < _tol(dtype)
+    if dtype == torch.float16:
+        assert torch.equal(out, ref + shared)  # sum -> round -> + shared -> round, as native + model
+
+
+def test_duplicate_expert_pairs_and_repeated_tokens():
+    """Many tokens on one expert (all rows of one direct program), some experts unused."""
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    w13, w2, _, _ = _weights(torch.float32)
+    t = 12
+    ids = torch.tensor([[0, 1, 2]] * 6 + [[2, 1, 0]] * 6, device=DEVICE)
+    w = torch.rand(t, K, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref = experts_forward(x, w13, w2, w, ids)
+    for direct in (True, False):
+        assert rel_err(fused_moe(x, w13, w2, w, ids, direct=direct), ref) < tol(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 4])
+def test_shared_experts_folded_as_experts(dtype, t):
+    """Direct mode with the shared MLP as 2 more experts of width I == routed experts + the dense MLP."""
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    w13, w2, gate_up, down = _weights(dtype)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    w, ids = _routing(t, seed=6)
+    ref = experts_forward(x, w13, w2, w, ids) + _shared_mlp(gate_up, down)(x)
+    out = fused_moe(x, w13, w2, w, ids, shared_w=(gate_up, down), direct=True)
+    assert out.dtype == dtype and rel_err(out, ref) < _tol(dtype)
+    with pytest.raises(BackendError, match="direct mode"):
+        fused_moe(x, w13, w2, w, ids, shared_w=(gate_up, down), direct=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [2, 30])  # 30 * 3 pairs > 64: the aligned schedule with the dense shared MLP
+def test_triton_moe_op_with_shared_experts(dtype, t):
+    """The op contract: fuse_shared_experts + forward(shared_experts=mlp) == native routed + mlp(x)."""
+    spec = MoESpec(router=RouterSpec(E, K, "softmax", "greedy", routed_scaling_factor=2.0), hidden_size=D,
+                   intermediate_size=I)
+    w13, w2, gate_up, down = _weights(dtype)
+    ours = backend().make_moe(spec)
+    ours.load_experts(w13, w2)
+    assert ours.fuse_shared_experts(gate_up, down) is True
+    ref = NativeOps().make_moe(spec)
+    ref.load_experts(w13, w2)
+    assert ref.fuse_shared_experts(gate_up, down) is False
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(t, D, generator=g).to(DEVICE, dtype)
+    logits = torch.randn(t, E, generator=g).to(DEVICE)
+    calls = []
+
+    def mlp(h):
+        calls.append(h.shape[0])
+        return _shared_mlp(gate_up, down)(h)
+
+    out = ours.forward(x, logits, shared_experts=mlp)
+    exp = ref.forward(x, logits, shared_experts=mlp)
+    assert out.shape == (t, D) and out.dtype == dtype
+    assert rel_err(out, exp) < _tol(dtype)
+    assert calls == ([t] if t * K > 64 else []) + [t]  # folded at small batch: only the reference called it
+    assert rel_err(ours.forward(x, logits), ref.forward(x, logits)) < _tol(dtype)  # no shared_experts: routed only
+
+
+def test_fuse_shared_experts_checks_shapes():
+    spec = MoESpec(router=RouterSpec(E, K, "softmax", "greedy"), hidden_size=D, intermediate_size=I)
+    w13, w2, gate_up, down = _weights(torch.float32)
+    op = backend().make_moe(spec)
+    with pytest.raises(BackendError, match="before load_experts"):
+        op.fuse_shared_experts(gate_up, down)
+    op.load_experts(w13, w2)
+    with pytest.raises(BackendError, match="not a shared MLP"):
+        op.fuse_shared_experts(gate_up[:-1], down)
+    assert op.fuse_shared_experts(gate_up.half(), down.half()) is False  # other dtype: the model's MLP runs
+
+
+def test_direct_threshold_env(monkeypatch):
+    from deepinfer.backends.nvidia.fused_moe import use_direct
+
+    assert use_direct(10, 6) and not use_direct(11, 6) and not use_direct(0, 6)
+    monkeypatch.setenv("DEEPINFER_MOE_DIRECT_MAX_PAIRS", "0")
+    assert not use_direct(1, 6)
+    monkeypatch.setenv("DEEPINFER_MOE_DIRECT_MAX_PAIRS", "many")
+    with pytest.raises(BackendError, match="DEEPINFER_MOE_DIRECT_MAX_PAIRS"):
+        use_direct(1, 6)
+
+
+def test_combine_kernel():
+    from deepinfer.backends.nvidia.fused_moe import combine
+
+    g = torch.Generator().manual_seed(8)
+    y = torch.randn(5, 4, 200, generator=g).to(DEVICE)
+    shared = torch.randn(5, 200, generator=g).to(DEVICE, torch.float16)
+    out = combine(y, shared, torch.float16)
+    assert torch.equal(out, y.sum(1).half() + shared)
+    assert rel_err(combine(y, None, torch.float32), y.sum(1)) < 1e-7  # fp32: only the summation order differs
+    with pytest.raises(BackendError, match="shared output"):
+        combine(y, shared[:, :10], torch.float16)
