@@ -7,6 +7,7 @@ from torch import nn
 
 from deepinfer.core.backend import Backend
 from deepinfer.core.native.activation import silu_and_mul
+from deepinfer.errors import ModelLoadError
 from deepinfer.models.linear import Linear, Loader, MergedLinear
 
 
@@ -37,6 +38,21 @@ class GatedMLP(nn.Module):
     def finalize(self) -> None:
         self.gate_up_proj.finalize()
         self.down_proj.finalize()
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, D]: gate rows then up rows, down [D, I]) dense in the compute dtype, after finalize.
+
+        For a MoE op that runs this MLP inside its expert GEMMs (MoEOp.fuse_shared_experts); the
+        tensors are the ones forward multiplies by (no copy) when gate and up are fused.
+        """
+        if self.swiglu_limit is not None:
+            raise ModelLoadError("dense_weights: a clamped (swiglu_limit) MLP cannot run as plain SwiGLU experts")
+        merged = self.gate_up_proj
+        if merged.fused is not None:
+            gate_up = merged.fused.dense()
+        else:
+            gate_up = torch.cat([p.dense() for p in merged.parts], dim=0)
+        return gate_up, self.down_proj.dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -1,4 +1,4 @@
-"""A DeepSeek V2/V3 MoE layer: fp32 router gate + routed experts (backend MoE op) + shared experts (dense MLP).
+"""A DeepSeek V2/V3 MoE layer: fp32 router gate + routed experts and shared experts (dense MLP) through the backend MoE op.
 
 The per-expert checkpoint tensors (`experts.E.{gate,up,down}_proj`) are held
 and stacked by `ExpertWeights`.
@@ -38,6 +38,7 @@ class MoELayer(nn.Module):
             if cfg.n_shared_experts
             else None
         )
+        self.shared_fused = False  # set by finalize: the op runs the shared experts itself at small batches
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter))
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
@@ -56,10 +57,10 @@ class MoELayer(nn.Module):
         self.op.load_experts(*self.experts.stacked())
         if self.shared_experts is not None:
             self.shared_experts.finalize()
+            # the op may run the shared MLP as extra experts at small batches; it still calls the
+            # module (one dense GEMM per weight) where it does not
+            self.shared_fused = self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x.float(), self.gate_weight)
-        out = self.op.forward(x, router_logits, self.e_score_correction_bias)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.op.forward(x, router_logits, self.e_score_correction_bias, shared_experts=self.shared_experts)

@@ -1,4 +1,11 @@
-"""The routed-experts layer on NVIDIA: Triton router -> expert-sorted blocks -> fused grouped GEMMs."""
+"""The routed-experts layer on NVIDIA: Triton / CUDA router -> fused grouped GEMMs -> one combine kernel.
+
+Small batches run fused_moe's direct mode, with the shared experts (when
+offered through fuse_shared_experts) folded in as extra experts; larger ones
+the expert-aligned mode with the shared MLP run densely by the model's
+module (one read of its weights) and only its add fused into the combine.
+The choice depends on the batch size alone, so it is fixed per CUDA graph.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from deepinfer.backends.nvidia.fused_moe import fused_moe
+from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
 from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align
 from deepinfer.core.backend import MoESpec
 from deepinfer.core.native.moe import NativeMoE
@@ -37,6 +44,31 @@ class TritonMoE(NativeMoE):
             raise BackendError("the Triton MoE does not implement: " + ", ".join(reasons))
         super().__init__(spec, route_fn=route_fn)
         self.align_fn = align_fn
+        self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
+
+    def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        d, i = self.spec.hidden_size, self.spec.intermediate_size
+        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
+                or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
+            raise BackendError(f"fuse_shared_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are "
+                               f"not a shared MLP of n * {i} intermediate over hidden {d}")
+        if self.w13 is None:
+            raise BackendError("fuse_shared_experts before load_experts")
+        if gate_up.dtype != self.w13.dtype or down.dtype != self.w13.dtype:
+            return False  # the kernel reads both from one dtype; the model's MLP runs instead
+        self.shared_w = (gate_up.contiguous(), down.contiguous())
+        return True
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn)
+
+    def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE forward before load_experts")
+        weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
+        direct = use_direct(x.shape[0], ids.shape[1])
+        if direct and shared_experts is not None and self.shared_w is not None:
+            return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True)
+        shared_out = shared_experts(x) if shared_experts is not None else None
+        return fused_moe(x, self.w13, self.w2, weights, ids, align=self.align_fn, shared_out=shared_out,
+                         direct=direct)

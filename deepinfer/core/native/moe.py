@@ -81,8 +81,12 @@ class NativeMoE(MoEOp):
         correction_bias: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
         tid2eid: torch.Tensor | None = None,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE forward before load_experts")
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if shared_experts is not None:  # the routed sum rounded to x's dtype, then the add (as HF)
+            out = out + shared_experts(x)
+        return out
