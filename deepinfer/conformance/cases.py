@@ -230,6 +230,42 @@ def _mla_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[list[int
     return cases
 
 
+def _mla_latent_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[list[int], list[int]]]) -> list[Case]:
+    """forward_from_latent: kv_a norm + RoPE (q_pe, k_pe) + KV write + attention (one fused kernel on NVIDIA)."""
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    cases = []
+    for label, (qlens, ctxs) in batches.items():
+        for interleaved in (True, False):
+            def make(g, dt, qlens=qlens, ctxs=ctxs):
+                t = sum(qlens)
+                blocks = sum(-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)) + 2
+                return {
+                    "batch": _mla_batch(qlens, ctxs, block_size, blocks, g),
+                    "kv_b": _randn(g, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
+                                   dtype=dt, scale=spec.kv_lora_rank**-0.5),
+                    "q": _randn(g, t, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim, dtype=dt),
+                    "kv_a": _randn(g, t, spec.cache_entry_dim, dtype=dt, scale=2.0),
+                    "w": _randn(g, spec.kv_lora_rank, dtype=dt, scale=0.5) + 1,
+                    "rope": rope_cos_sin_cache(spec.qk_rope_head_dim, 2048, 10000.0, yarn),
+                    "cache": _randn(g, blocks, block_size, spec.cache_entry_dim, dtype=dt),
+                }
+
+            def run(o, i, inter=interleaved):
+                op = o.make_mla_attention(spec)
+                op.load_kv_b_proj(i["kv_b"])
+                cache = i["cache"].clone()
+                b = i["batch"]
+                out = op.forward_from_latent(i["q"].clone(), i["kv_a"], i["w"], 1e-6, b.positions, i["rope"], inter,
+                                             cache, b, "mla", o)
+                return out, cache
+
+            desc = (f"from latent ({'interleaved' if interleaved else 'halves'}) {label} q={_lens(qlens)} "
+                    f"ctx={_lens(ctxs)} H={spec.num_heads} L={spec.kv_lora_rank}")
+            cases.append(Case("mla_attention", desc, make, run, kind="layer"))
+    return cases
+
+
 # ------------------------------------------------------------------ MoE
 
 
@@ -293,6 +329,7 @@ def cases_for(shapes: str) -> list[Case]:
                 "decode": ([1, 1, 1], [9, 20, 1]),
                 "mixed chunked": ([5, 1, 3], [0, 12, 17]),
             }),
+            *_mla_latent_cases(mla, 16, {"decode": ([1, 1, 1], [9, 20, 1]), "mixed": ([5, 1], [0, 12])}),
             *_moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
             *_v4_attention_cases("tiny"),
         ]
@@ -318,6 +355,8 @@ def cases_for(shapes: str) -> list[Case]:
                 "decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1000, 16)]),
                 "mixed chunked": ([128, 1, 1, 64], [0, 300, 77, 512]),
             }),
+            *_mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
+                                         "mixed": ([64, 1, 1], [0, 300, 1000])}),
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
             *_v4_attention_cases("real"),
         ]
