@@ -2,8 +2,10 @@
 
 - MLA decode: effective bandwidth (latent cache bytes read / time) at batch 64,
   4k context, for a few tile / split choices; target >= 2.5 TB/s.
-- fused MoE (Triton grouped GEMM) vs the native per-expert loop at decode and
-  prefill token counts, as weight bandwidth.
+- the whole MoE layer (router + routed + shared experts) at 1..256 tokens through
+  CUDA-graph replay: the pre-fusion schedule ("old_ms") vs TritonMoE's (direct
+  mode with the shared experts folded in at small batches, fused SiLU and
+  combine), as weight bandwidth; plus MoE tile sweeps (env overrides).
 - routing and block alignment: Triton / torch vs the CUDA C++ kernels, to pick
   the faster one as the default.
 - a device-to-device copy, the bandwidth ceiling, measured in the same run.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from deepinfer.core.backend import MoESpec, RouterSpec
@@ -70,56 +73,139 @@ def mla_decode_bench(batch: int = 64, ctx: int = 4096, heads: int = 16, page: in
                  ms=ms, TBps=nbytes / ms / 1e9, rel_err=err)
 
 
-def moe_bench(tokens_list=(1, 16, 64, 256, 4096)) -> None:
-    from deepinfer.backends.nvidia.fused_moe import fused_moe
-    from deepinfer.backends.nvidia.moe_routing import route
-    from deepinfer.core.native.moe import experts_forward
+def graph_ms(fn, inner: int = 1, reps: int = 20) -> float:
+    """ms per fn() call, replaying a CUDA graph of `inner` calls (decode-size work is launch-bound eagerly)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile + warm up outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / inner
 
-    E, D, I, K = 64, 2048, 1408, 6
-    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    spec = RouterSpec(E, K, "softmax", "greedy")
+
+class MoEBench:
+    """V2-Lite MoE layers (64 experts top-6, 2 shared, 2048 x 1408, bf16), one weight set per layer so a
+    graph of LAYERS layers streams weights like a decode step (no L2 reuse between layers)."""
+
+    E, D, I, K, SHARED, LAYERS = 64, 2048, 1408, 6, 2, 3
+
+    def __init__(self, device: str = "cuda"):
+        from deepinfer.backends.nvidia import cuda_ext
+        from deepinfer.backends.nvidia.moe_routing import moe_align, route
+
+        E, D, I, S = self.E, self.D, self.I, self.SHARED
+        self.spec = RouterSpec(E, self.K, "softmax", "greedy")
+        try:
+            if device != "cuda":
+                raise RuntimeError("no CUDA C++ kernels off the GPU")
+            ext = cuda_ext.load()
+            self.route = lambda logits: cuda_ext.grouped_topk(ext, logits, self.spec, None)
+            self.align = cuda_ext.make_align(ext)
+        except Exception:  # no nvcc: the Triton / torch twins
+            self.route = lambda logits: route(logits, self.spec)
+            self.align = moe_align
+        mk = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02  # noqa: E731
+        self.layers = [dict(gate=torch.randn(E, D, device=device) * 0.02, w13=mk(E, 2 * I, D), w2=mk(E, D, I),
+                            gu=mk(2 * S * I, D), dn=mk(D, S * I)) for _ in range(self.LAYERS)]
+
+    def shared(self, L, x):
+        from deepinfer.backends.nvidia.activation import silu_and_mul
+
+        return F.linear(silu_and_mul(F.linear(x, L["gu"])), L["dn"])
+
+    def old(self, L, x):
+        """The pre-fusion layer: router, align, gate_up GEMM, SiLU, down GEMM, sum, cast, shared MLP, add."""
+        from deepinfer.backends.nvidia.activation import silu_and_mul
+        from deepinfer.backends.nvidia.fused_moe import pick_block_m
+        from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm
+
+        w, ids = self.route(F.linear(x.float(), L["gate"]))
+        T, n = x.shape[0], ids.numel()
+        block_m = pick_block_m(n, self.E)
+        sorted_ids, expert_ids, npad = self.align(ids, self.E, block_m)
+        h13 = torch.empty((n, 2 * self.I), dtype=x.dtype, device=x.device)
+        aligned_gemm(x, L["w13"], h13, sorted_ids, expert_ids, npad, n, self.K, block_m)
+        h = silu_and_mul(h13)
+        y = torch.empty((n, self.D), dtype=torch.float32, device=x.device)
+        aligned_gemm(h, L["w2"], y, sorted_ids, expert_ids, npad, n, 1, block_m, w.reshape(-1))
+        return y.view(T, self.K, self.D).sum(1).to(x.dtype) + self.shared(L, x)
+
+    def new(self, L, x, direct=None):
+        """TritonMoE.forward's schedule: direct + shared folded at small T, else aligned + fused add."""
+        from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
+
+        w, ids = self.route(F.linear(x.float(), L["gate"]))
+        if direct is None:
+            direct = use_direct(x.shape[0], self.K)
+        if direct:
+            return fused_moe(x, L["w13"], L["w2"], w, ids, shared_w=(L["gu"], L["dn"]), direct=True)
+        return fused_moe(x, L["w13"], L["w2"], w, ids, align=self.align, shared_out=self.shared(L, x), direct=False)
+
+    def time(self, fn, x) -> float:
+        return graph_ms(lambda: [fn(L, x) for L in self.layers]) / self.LAYERS
+
+    def nbytes(self, x) -> int:
+        """Weight bytes one layer must read: touched routed experts + shared MLP + router gate."""
+        ids = self.route(F.linear(x.float(), self.layers[0]["gate"]))[1]
+        return (int(ids.unique().numel()) + self.SHARED) * 3 * self.D * self.I * 2 + self.E * self.D * 4
+
+
+def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
+    """Whole MoE layer (router + routed + shared experts), old vs new schedule, through CUDA-graph replay."""
+    b = MoEBench()
     for t in tokens_list:
-        x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(t, E, device="cuda")
-        w, ids = route(logits, spec)
-        touched = int(ids.unique().numel())
-        nbytes = touched * 3 * D * I * 2
-        out = fused_moe(x, w13, w2, w, ids)
-        ref = experts_forward(x, w13, w2, w, ids)
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        ms = bench(lambda: fused_moe(x, w13, w2, w, ids))
-        ms_native = bench(lambda: experts_forward(x, w13, w2, w, ids), reps=20)
-        emit(name="fused_moe", tokens=t, ms=ms, TBps=nbytes / ms / 1e9, native_ms=ms_native, rel_err=err,
-             tflops=2 * 3 * t * K * D * I / ms / 1e9)
+        x = torch.randn(t, b.D, device="cuda", dtype=torch.bfloat16)
+        L = b.layers[0]
+        ref = b.old(L, x).float()
+        err = float((b.new(L, x).float() - ref).norm() / ref.norm())
+        nbytes = b.nbytes(x)
+        old_ms, new_ms = b.time(b.old, x), b.time(b.new, x)
+        emit(name="moe_layer", tokens=t, ms=new_ms, old_ms=old_ms, speedup=old_ms / new_ms, TBps=nbytes / new_ms / 1e9,
+             old_TBps=nbytes / old_ms / 1e9, rel_err_vs_old=err)
+        for forced in ((True,) if t <= 64 else ()) + ((False,) if t * b.K <= 64 else ()):  # the other schedule
+            try:
+                ms = b.time(lambda L_, x_, d=forced: b.new(L_, x_, direct=d), x)
+                emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, ms=ms, TBps=nbytes / ms / 1e9)
+            except Exception as exc:
+                emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, error=str(exc)[:200])
 
 
-def moe_tile_sweep(tokens_list=(1, 64, 256)) -> None:
-    """Grouped-GEMM tile choices with the CUDA C++ alignment (what the backend runs by default)."""
+def moe_tile_sweep() -> None:
+    """Tile choices (graph replay): aligned at 256 tokens, direct at 1 and 8 (BN counts gate + up rows)."""
     import os
 
-    from deepinfer.backends.nvidia import cuda_ext
-    from deepinfer.backends.nvidia.fused_moe import fused_moe
-    from deepinfer.backends.nvidia.moe_routing import route
-
-    align = cuda_ext.make_align(cuda_ext.load())
-    E, D, I, K = 64, 2048, 1408, 6
-    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    spec = RouterSpec(E, K, "softmax", "greedy")
-    tiles = ("64,64,4,3", "64,128,4,3", "128,64,4,3", "64,128,4,4", "32,128,4,4", "128,128,8,3", "64,256,4,3")
-    for t in tokens_list:
-        x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
-        w, ids = route(torch.randn(t, E, device="cuda"), spec)
-        nbytes = int(ids.unique().numel()) * 3 * D * I * 2
-        for tile in tiles:
-            os.environ["DEEPINFER_MOE_TILE"] = tile
-            try:
-                ms = bench(lambda: fused_moe(x, w13, w2, w, ids, align=align))
-                emit(name="moe_tile", tokens=t, tile=tile, ms=ms, TBps=nbytes / ms / 1e9)
-            except Exception as exc:
-                emit(name="moe_tile", tokens=t, tile=tile, error=str(exc)[:200])
-        os.environ.pop("DEEPINFER_MOE_TILE", None)
+    b = MoEBench()
+    sweeps = (
+        ("DEEPINFER_MOE_TILE", (256,), ("128,128,8,3", "128,64,4,3", "256,64,8,3", "128,128,4,4")),
+        ("DEEPINFER_MOE_DIRECT_TILE", (1, 8), ("64,128,4,4", "32,128,4,4", "128,128,4,3", "64,256,4,3")),
+    )
+    for var, tokens, tiles in sweeps:
+        for t in tokens:
+            x = torch.randn(t, b.D, device="cuda", dtype=torch.bfloat16)
+            nbytes = b.nbytes(x)
+            for tile in tiles:
+                os.environ[var] = tile
+                try:
+                    ms = b.time(b.new, x)
+                    emit(name="moe_tile", env=var, tokens=t, tile=tile, ms=ms, TBps=nbytes / ms / 1e9)
+                except Exception as exc:
+                    emit(name="moe_tile", env=var, tokens=t, tile=tile, error=str(exc)[:200])
+            os.environ.pop(var, None)
 
 
 def routing_bench() -> None:
@@ -161,8 +247,9 @@ def main() -> None:
     print("\nkernel                         ms      TB/s   note")
     for r in ROWS:
         if "ms" in r:
-            note = {k: r[k] for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens", "tile")
-                    if k in r}
+            note = {k: (round(r[k], 4) if isinstance(r[k], float) else r[k])
+                    for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens", "tile", "env",
+                              "old_ms", "speedup", "old_TBps") if k in r}
             print(f"{r['name']:<22} {r['ms']:>10.4f} {r.get('TBps', 0):>8.3f}   {note}")
         elif "triton_ms" in r or "torch_ms" in r:
             print(f"{r['name']:<22} {r}")
