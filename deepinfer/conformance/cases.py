@@ -293,6 +293,29 @@ def _moe_cases(t: int, d: int, inter: int, routers: dict[str, RouterSpec], limit
     return cases
 
 
+def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSpec) -> list[Case]:
+    """Routed + shared experts through MoEOp.fuse_shared_experts / forward(shared_experts=...): an op may run
+    the shared MLP as extra experts (NVIDIA at small T) or call it; either must equal native routed + MLP."""
+    spec = MoESpec(router=rspec, hidden_size=d, intermediate_size=inter)
+
+    def make(g, dt):
+        inputs = _moe_cases(t, d, inter, {"": rspec}, None)[0].make(g, dt)
+        inputs.update(gate_up=_randn(g, 2 * n_shared * inter, d, dtype=dt, scale=d**-0.5),
+                      down=_randn(g, d, n_shared * inter, dtype=dt, scale=(n_shared * inter) ** -0.5))
+        return inputs
+
+    def run(o, i):
+        op = o.make_moe(spec)
+        op.load_experts(i["w13"], i["w2"])
+        op.fuse_shared_experts(i["gate_up"], i["down"])
+        mlp = lambda x: torch.nn.functional.linear(o.silu_and_mul(torch.nn.functional.linear(x, i["gate_up"])),  # noqa: E731
+                                                   i["down"])
+        return (op.forward(i["x"], i["logits"], i["bias"], shared_experts=mlp),)
+
+    return [Case("moe", f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts T={t} D={d} I={inter} E={rspec.num_experts} k={rspec.top_k}",
+                 make, run, kind="layer")]
+
+
 # ------------------------------------------------------------------ V4 attention
 
 
@@ -331,6 +354,8 @@ def cases_for(shapes: str) -> list[Case]:
             }),
             *_mla_latent_cases(mla, 16, {"decode": ([1, 1, 1], [9, 20, 1]), "mixed": ([5, 1], [0, 12])}),
             *_moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
+            *_moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
+            *_moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
             *_v4_attention_cases("tiny"),
         ]
     if shapes == "real":
@@ -358,6 +383,10 @@ def cases_for(shapes: str) -> list[Case]:
             *_mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
                                          "mixed": ([64, 1, 1], [0, 300, 1000])}),
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
+            *_moe_cases(4, 2048, 1408, routers, limit=None),  # small decode batch (NVIDIA: direct mode)
+            *_moe_shared_cases(1, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
+            *_moe_shared_cases(8, 2048, 1408, 2, routers["v3 sigmoid noaux_tc"]),
+            *_moe_shared_cases(32, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
             *_v4_attention_cases("real"),
         ]
     raise ValueError(f"unknown conformance shapes {shapes!r} (choose 'tiny' or 'real')")
