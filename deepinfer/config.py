@@ -48,6 +48,10 @@ class EngineConfig:
         prefill, else max_model_len.
     use_nextn_decode / enable_mtp_varlen: MTP (NextN) speculative decoding, not
         implemented yet: asking for it is an error at start-up, never ignored.
+    async_scheduling: schedule and launch step N+1 while the device runs step N
+        (core/step_pipeline.py); outputs are identical either way. None = on where the
+        backend runs on an accelerator, off on the CPU; models with per-sequence state
+        (V4) always run sync. DEEPINFER_ASYNC_SCHEDULING=0/1 sets it when left None.
     """
 
     model_name_or_path: str
@@ -70,6 +74,7 @@ class EngineConfig:
     enable_mtp_varlen: bool = False
     use_nextn_decode: int = 0
     load_progress: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,6 +134,8 @@ class EngineConfig:
             raise bad("use_nextn_decode", "must be an integer >= 0 (0 = off)")
         if not isinstance(self.load_progress, bool):
             raise bad("load_progress", "must be a bool")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "must be a bool or None (auto)")
 
     # ------------------------------------------------------------ environment
 
@@ -147,6 +154,9 @@ class EngineConfig:
             changes["batch_invariant"] = True
         if _env_bool(env, "DEEPINFER_ENABLE_MTP_VARLEN"):
             changes["enable_mtp_varlen"] = True
+        raw = env.get("DEEPINFER_ASYNC_SCHEDULING")
+        if self.async_scheduling is None and raw is not None and raw.strip():
+            changes["async_scheduling"] = _env_bool(env, "DEEPINFER_ASYNC_SCHEDULING")
         nextn = _env_int(env, "DEEPINFER_USE_NEXTN_DECODE")
         if nextn is not None and self.use_nextn_decode == 0:
             changes["use_nextn_decode"] = nextn

@@ -16,13 +16,17 @@ from deepinfer.core.engine_setup import (
     check_backend,
     checkpoint_quantization,
     dtype_name,
+    freeze_startup_objects,
     generation_eos_ids,
     kv_budget_bytes,
     resolve_dtype,
+    use_async_scheduling,
 )
 from deepinfer.core.engine_stats import EngineStats
 from deepinfer.core.inputs import params_list, prompt_list, prompt_token_ids
+from deepinfer.core.penalties import params_need_penalties
 from deepinfer.core.request import Request, Sequence
+from deepinfer.core.step_pipeline import StepPipeline
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -155,6 +159,8 @@ class DeepInferenceEngine:
         self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
+        self.async_scheduling = use_async_scheduling(cfg, backend, kv)
+        self._pipeline = StepPipeline(self.scheduler, self.runner, self.output_processor, self.async_scheduling)
 
         self._requests: dict[str, Request] = {}
         self._counter = 0
@@ -165,11 +171,12 @@ class DeepInferenceEngine:
         quant = getattr(model, "quantization", None)
         logger.info(
             "DeepInfer: %s (%s%s) on backend %s in %s; KV cache %.1f MiB (%s, block size %d) holds %d tokens; "
-            "max_model_len %d, max_num_seqs %d, token budget %d",
+            "max_model_len %d, max_num_seqs %d, token budget %d, async scheduling %s",
             cfg.model_name_or_path, getattr(model, "model_type", "?"), f", {quant}" if quant else "", backend.name,
             dtype_name(model.dtype), plan.bytes_total / 2**20, groups, block_size, plan.capacity_tokens,
-            self._max_model_len, cfg.max_num_seqs, token_budget,
+            self._max_model_len, cfg.max_num_seqs, token_budget, "on" if self.async_scheduling else "off",
         )
+        freeze_startup_objects()
 
     # ------------------------------------------------------------ properties
 
@@ -216,7 +223,8 @@ class DeepInferenceEngine:
         text, ids = self._prompt_ids(prompt)
         self._counter += 1
         base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
-        req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params)
+        req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+                      needs_host_tokens=params_need_penalties(params))
         for i in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{i}", request=req, index=i, seed=derive_seed(base, i))
             self.output_processor.init_seq(seq)
@@ -231,33 +239,21 @@ class DeepInferenceEngine:
 
     def _step(self, all_outputs: bool) -> list[RequestOutput]:
         """One batch. all_outputs=False builds outputs only for requests that finished (generate()
-        reads nothing else), so a long offline run does not copy every sequence's tokens each step."""
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            if self.scheduler.has_unfinished():
-                raise DeepInferError(
-                    f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
-                    f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)"
-                )
+        reads nothing else), so a long offline run does not copy every sequence's tokens each step.
+        With async scheduling the outputs are those of the step launched by the previous call
+        (core/step_pipeline.py)."""
+        seqs = self._pipeline.step()
+        if not seqs:
             return []
-        result = self.runner.execute(sched)
-        self.scheduler.advance(sched)
         now = time.monotonic()
         progressed: dict[str, Request] = {}
-        append_token = self.output_processor.append_token
-        for item, token, logprobs in zip(sched.scheduled, result.token_ids, result.logprobs):
-            if token is None:
-                continue
-            seq = item.seq
+        for seq in seqs:
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += len(req.prompt_token_ids)
-            append_token(seq, token, logprobs)
-            self._gen_tokens += 1
-            if seq.finished:
-                self.scheduler.remove(seq)
             progressed[req.request_id] = req
+        self._gen_tokens += len(seqs)
         outputs = []
         make_output = self.output_processor.make_output
         for rid, req in progressed.items():
@@ -284,7 +280,9 @@ class DeepInferenceEngine:
         return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """True while a request is unfinished or a step is still in flight (async scheduling:
+        the next step() resolves it)."""
+        return bool(self._requests) or self._pipeline.has_pending()
 
     def stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}
@@ -352,6 +350,8 @@ class DeepInferenceEngine:
                         bar.update(1)
                 if pending and not self.scheduler.has_unfinished():
                     raise DeepInferError(f"requests {sorted(pending)} vanished without finishing")
+        if not self._requests:
+            self._pipeline.drain()  # a step launched for sequences that finished meanwhile: nothing to output
         return [results[rid] for rid in ids]
 
     def chat(

@@ -104,3 +104,45 @@ def kv_budget_bytes(cfg: EngineConfig, backend, model, block_size: int, token_bu
             f"after loading the model and a profiling forward, gpu_memory_utilization={cfg.gpu_memory_utilization}"
         )
     return budget
+
+
+def use_async_scheduling(cfg: EngineConfig, backend, kv) -> bool:
+    """Whether engine steps overlap the host's work with the device (core/step_pipeline.py).
+
+    None (the default) = on where the device runs asynchronously to the host (an accelerator
+    with a stream), off on the CPU, where the forward runs inside the host's call and there is
+    nothing to overlap. Models with per-sequence state (V4's compressor rows) always run sync:
+    their state rows are reset and read on the host's schedule, and the pending-token path is
+    not proven for them. True on the CPU is allowed (tests check async == sync there).
+    """
+    want = cfg.async_scheduling
+    if want is None:
+        want = backend.device.type != "cpu"
+    if want and kv.uses_state:
+        if cfg.async_scheduling:
+            logger.info("async scheduling is off: this model keeps per-sequence state (V4); steps run sync")
+        return False
+    return bool(want)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (model, tokenizer, caches) out of the cyclic GC's view.
+
+    Python's generational GC otherwise re-scans these long-lived objects in its gen-2
+    collections, triggered by the many small objects each step allocates (vLLM does the same).
+    Objects are still freed by reference counting; only cycles among them are never collected.
+    At exit they are unfrozen, so the interpreter's final collection still sees them (nanobind
+    extensions such as Triton's report frozen objects as leaks otherwise).
+    """
+    import atexit
+    import gc
+
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False

@@ -232,8 +232,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ per sequence
 
-    def _needs(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int] | None:
-        """Blocks each group must add (new minus window blocks freed first); None if some pool is short."""
+    def _new_blocks(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int]:
+        """Blocks each group must add (new minus window blocks freed first)."""
         out = {}
         for s in self.specs:
             table = sb.tables[s.name] if sb else ()
@@ -241,12 +241,28 @@ class KVCacheManager:
             if s.sliding_window is not None and sb is not None:
                 dead = min(self.dead_blocks(s, ctx), len(table))
                 new -= sum(1 for b in table[sb.trimmed[s.name] : dead] if b >= 0)
-            if new > self.pools[s.name].num_free:
-                return None
             out[s.name] = new
-        if sb is None and self.slots.num_free < 1:
+        return out
+
+    def _needs(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int] | None:
+        """Blocks each group must add; None if some pool (or the row pool) is short."""
+        out = self._new_blocks(sb, ctx, total)
+        if not self.fits(out) or (sb is None and self.slots.num_free < 1):
             return None
         return out
+
+    def fits(self, need: dict[str, int]) -> bool:
+        """Whether every group has `need[group]` free blocks."""
+        return all(n <= self.pools[g].num_free for g, n in need.items())
+
+    def blocks_needed(self, seq: KVUser, num_new_tokens: int) -> dict[str, int]:
+        """Blocks per group the next num_new_tokens of seq take (net of window blocks it frees);
+        {} on the decode fast path. The scheduler sums these to see whether a step must preempt."""
+        ctx = seq.num_computed_tokens
+        sb = self._seqs.get(seq.seq_id)
+        if sb is not None and not self._has_windows and ctx + num_new_tokens <= sb.room:
+            return {}
+        return self._new_blocks(sb, ctx, ctx + num_new_tokens)
 
     def can_allocate(self, seq: KVUser, num_new_tokens: int) -> bool:
         """Whether every group (and the row pool) can take this sequence's next tokens."""

@@ -16,6 +16,8 @@ from deepinfer.core.forward_batch import ForwardBatch
 from deepinfer.core.kv_caches import KVCaches
 from deepinfer.core.kv_manager import KVCacheManager
 from deepinfer.core.scheduler import SchedulerOutput
+from deepinfer.core.transfer import HostCopy, tensor_to, to_device
+from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
 
 
@@ -25,6 +27,39 @@ class StepResult:
 
     token_ids: list[int | None]
     logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose draw is still on (or on its way from) the device.
+
+    Every sequence that samples in it holds one pending token (Sequence.num_pending) until
+    resolve() reads the ids; resolve() clears those placeholders and returns the ids, and the
+    caller appends them (output processing). Nothing here waits for the device except resolve().
+    """
+
+    sched: SchedulerOutput
+    sampling: list[int]  # indices into sched.scheduled of the sequences that sample
+    sample: object | None = None  # sampler.DeviceSample
+    host: HostCopy | None = None
+    resolved: bool = False
+
+    def resolve(self) -> StepResult:
+        if self.resolved:
+            raise DeepInferError("a pending step was resolved twice")
+        self.resolved = True
+        n = len(self.sched.scheduled)
+        token_ids: list[int | None] = [None] * n
+        logprobs: list[dict[int, Logprob] | None] = [None] * n
+        if self.sample is None:
+            return StepResult(token_ids, logprobs)
+        out = self.sample.output(self.host.wait())
+        items = self.sched.scheduled
+        for j, i in enumerate(self.sampling):
+            items[i].seq.num_pending -= 1
+            token_ids[i] = out.token_ids[j]
+            logprobs[i] = out.logprobs[j]
+        return StepResult(token_ids, logprobs)
 
 
 def token_slots(table: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor, tokens_per_entry: int,
@@ -59,6 +94,8 @@ class ModelRunner:
         self.caches = KVCaches.allocate(kv.specs, num_blocks, kv.block_size, max_num_seqs, device)
         self.sampler = sampler
         self.graph_runner = None  # optional decode-graph replay, installed by a backend-specific runner
+        # ids drawn by the last launched step, on the device: a pending token's input id (async)
+        self._last_tokens: torch.Tensor | None = None
 
     def capture_decode_graphs(self, backend, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         """Install decode CUDA-graph replay when the backend can capture and enforce_eager is off."""
@@ -73,6 +110,15 @@ class ModelRunner:
     # ------------------------------------------------------------ batch
 
     def build_batch(self, sched: SchedulerOutput) -> ForwardBatch:
+        return self._build(sched)[0]
+
+    def _build(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[int]]:
+        """The batch, and the indices of the scheduled sequences that sample this step.
+
+        A sequence whose last token is still pending (drawn by the step in flight, async
+        scheduling) gets a 0 in the host input ids, overwritten on the device by that step's
+        drawn id: the host never waits for it.
+        """
         items = sched.scheduled
         query_lens: list[int] = []
         ctx_lens: list[int] = []
@@ -80,15 +126,29 @@ class ModelRunner:
         input_ids: list[int] = []
         qsl = [0]
         logits_idx: list[int] = []
+        sampling: list[int] = []
+        fill_dst: list[int] = []  # input rows whose id is a pending token ...
+        fill_src: list[int] = []  # ... and its row in self._last_tokens
         total = 0
-        for it in items:  # one pass; a decode's input is its last output token (no slice)
+        for i, it in enumerate(items):  # one pass; a decode's input is its last output token (no slice)
             seq, c, q = it.seq, it.context_len, it.num_tokens
             out_ids = seq.output_token_ids
-            n = len(seq.request.prompt_token_ids) + len(out_ids)
+            n = seq.num_tokens
             query_lens.append(q)
             ctx_lens.append(c)
             seq_lens.append(c + q)
-            if q == 1 and c == n - 1 and out_ids:
+            if seq.num_pending:
+                if seq.num_pending != 1 or c + q != n or self._last_tokens is None:
+                    raise DeepInferError(
+                        f"{seq.seq_id!r}: {seq.num_pending} pending tokens, scheduled [{c}, {c + q}) of {n}: "
+                        "only the last token may be pending, drawn by the last launched step"
+                    )
+                if q > 1:
+                    input_ids.extend(seq.token_ids_slice(c, n - 1))
+                input_ids.append(0)
+                fill_dst.append(total + q - 1)
+                fill_src.append(seq.pending_row)
+            elif q == 1 and c == n - 1 and out_ids:
                 input_ids.append(out_ids[-1])
             else:
                 input_ids.extend(seq.token_ids_slice(c, c + q))
@@ -96,6 +156,7 @@ class ModelRunner:
             qsl.append(total)
             if c + q == n:  # reaches the last token: samples (ScheduledSeq.samples)
                 logits_idx.append(total - 1)
+                sampling.append(i)
 
         ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
         if len(input_ids) == len(items):  # decode-only: one token per sequence
@@ -117,22 +178,26 @@ class ModelRunner:
             block_tables[name] = bt
             slot_mapping[name] = token_slots(bt, req_idx, positions, spec.tokens_per_entry, bs)
 
+        dev = self.device
         state_slots_cpu: list[int] = []
         state_slots = None
         if self.kv.uses_state:
             state_slots_cpu = rows.tolist()
-            state_slots = rows.to(torch.int32).to(self.device)
+            state_slots = to_device(rows.to(torch.int32), dev)
 
-        dev = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
-            positions=positions.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32).to(dev),
-            block_tables={k: v.to(dev) for k, v in block_tables.items()},
-            slot_mapping={k: v.to(dev) for k, v in slot_mapping.items()},
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev),
+        ids = tensor_to(input_ids, torch.int64, dev)
+        if fill_dst:  # device-side: pending tokens' ids from the last step's draw (stream-ordered after it)
+            idx = tensor_to([fill_dst, fill_src], torch.int64, dev)
+            ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]))
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=to_device(positions, dev),
+            query_start_loc=tensor_to(qsl, torch.int32, dev),
+            seq_lens=tensor_to(seq_lens, torch.int32, dev),
+            context_lens=tensor_to(ctx_lens, torch.int32, dev),
+            block_tables={k: to_device(v, dev) for k, v in block_tables.items()},
+            slot_mapping={k: to_device(v, dev) for k, v in slot_mapping.items()},
+            logits_indices=tensor_to(logits_idx, torch.int64, dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
@@ -140,6 +205,7 @@ class ModelRunner:
             state_slots_cpu=state_slots_cpu,
             block_size=bs,
         )
+        return batch, sampling
 
     def reset_state_rows(self, batch: ForwardBatch) -> None:
         """Sequences starting from token 0 get zeroed per-sequence state (a reused row holds old data)."""
@@ -148,7 +214,7 @@ class ModelRunner:
         fresh = [s for s, c in zip(batch.state_slots_cpu, batch.context_lens_cpu) if c == 0 and s >= 0]
         if not fresh:
             return
-        rows = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+        rows = tensor_to(fresh, torch.int64, self.device)
         for t in self.caches.state.values():
             t.index_fill_(0, rows, 0)
 
@@ -162,37 +228,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, sched: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor | None]:
-        batch = self.build_batch(sched)
+        batch, _ = self._build(sched)
+        return batch, self._forward_logits(batch)
+
+    def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         self.reset_state_rows(batch)
         hidden = self.run_model(batch)
         if batch.logits_indices.numel() == 0:
-            return batch, None
-        return batch, self.model.compute_logits(hidden[batch.logits_indices]).float()
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Forward the step and draw one token for every sequence that reached its last token."""
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue the step's forward and draw on the device and the copy of the drawn ids to the
+        host; never waits for the device. Each sampling sequence gets one pending token."""
         from deepinfer.core.sampler import SamplingRow
 
-        _, logits = self.compute_logits(sched)
-        token_ids: list[int | None] = [None] * len(sched.scheduled)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(sched.scheduled)
+        batch, sampling = self._build(sched)
+        logits = self._forward_logits(batch)
+        step = PendingStep(sched, sampling)
         if logits is None:
-            return StepResult(token_ids, logprobs)
-        sampling: list[int] = []
+            return step
         rows = []
-        for i, it in enumerate(sched.scheduled):
-            seq = it.seq
+        items = sched.scheduled
+        for i in sampling:
+            seq = items[i].seq
             req = seq.request
-            n = len(req.prompt_token_ids) + len(seq.output_token_ids)
-            if it.context_len + it.num_tokens == n:  # ScheduledSeq.samples
-                sampling.append(i)
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed, n))
-        with torch.inference_mode():
-            out = self.sampler(logits, rows)
+            n = seq.num_tokens  # the drawn token's position (pending tokens included)
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed, n,
+                                    num_outputs=n - len(req.prompt_token_ids)))
+        step.sample = self.sampler.sample(logits, rows)
+        step.host = HostCopy(step.sample.tensors, self.device)
+        self._last_tokens = step.sample.token_ids
         for j, i in enumerate(sampling):
-            token_ids[i] = int(out.token_ids[j])
-            logprobs[i] = out.logprobs[j] if out.logprobs else None
-        return StepResult(token_ids, logprobs)
+            seq = items[i].seq
+            seq.num_pending += 1
+            seq.pending_row = j
+        return step
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Forward the step and draw one token for every sequence that reached its last token (waits)."""
+        return self.launch(sched).resolve()
 
 
 @torch.inference_mode()

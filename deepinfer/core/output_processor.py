@@ -60,7 +60,8 @@ class OutputProcessor:
         else:  # before min_tokens a stop string is plain text
             seq.text += delta
 
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+        # prompt + output ids the host holds (num_tokens would count a next step still in flight)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, stop_token: int | None = None, flush: bool = True) -> None:

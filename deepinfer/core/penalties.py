@@ -33,9 +33,13 @@ def _token_matrix(lists: list[list[int]], vocab: int, device: torch.device) -> t
     return counts
 
 
-def needs_penalties(row: SamplingRow) -> bool:
-    p = row.params
+def params_need_penalties(p) -> bool:
+    """Whether SamplingParams p sets any penalty (then each draw reads the output ids on the host)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def needs_penalties(row: SamplingRow) -> bool:
+    return params_need_penalties(row.params)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -24,6 +24,12 @@ class Sequence:
     num_computed_tokens counts tokens whose KV is in the cache. After preemption
     it drops to 0 and the sequence recomputes prompt + generated tokens; it
     samples again only once every token it holds is computed.
+
+    num_pending counts tokens drawn on the device but not yet read by the host (async
+    scheduling: the step that draws them is still in flight). They are the placeholders at
+    the end of the token list: num_tokens includes them, so the scheduler schedules the next
+    decode at the right position, while output_token_ids holds only real ids. The input id of
+    a pending token comes from the previous step's device tensor (row pending_row of it).
     """
 
     seq_id: str
@@ -38,6 +44,8 @@ class Sequence:
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    num_pending: int = 0
+    pending_row: int = -1
     # text state, owned by the output processor
     detokenizer: Any = None
     stop_checker: Any = None
@@ -52,7 +60,15 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output tokens, including those still pending on the device."""
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether the tokens drawn so far (pending ones included) already reach max_tokens or
+        max_model_len, so the sequence finishes when they are read, whatever they are."""
+        n_out = len(self.output_token_ids) + self.num_pending
+        max_tokens = self.request.params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or self.num_tokens >= max_model_len
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -86,6 +102,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     output_prompt_token_ids: list[int] | None = None  # the copy every RequestOutput shares (made once)
+    # penalties read the ids of the output so far: the next step needs the last token on the host
+    needs_host_tokens: bool = False
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from deepinfer.core.penalties import apply_penalties
 from deepinfer.core.rng import row_keys_tensor, uniform_tensor
+from deepinfer.core.transfer import tensor_to, to_device
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
@@ -37,19 +38,60 @@ _TOP_P_SCALE = float(1 << 35)
 
 @dataclass
 class SamplingRow:
-    """One token to draw. position = absolute position of that token (len(prompt) + len(output))."""
+    """One token to draw. position = absolute position of that token (len(prompt) + len(output)).
+
+    num_outputs: output tokens drawn before this one, counting any still pending on the device
+    (async scheduling); None = len(output_token_ids).
+    """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int
     position: int
+    num_outputs: int | None = None
+
+    @property
+    def num_drawn(self) -> int:
+        return len(self.output_token_ids) if self.num_outputs is None else self.num_outputs
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]  # per row: chosen token first, then the top-k
+
+
+@dataclass
+class DeviceSample:
+    """A draw still on the device (no host sync yet): `tensors` go to the host in one go, then
+    `output(host_tensors)` builds the SamplerOutput."""
+
+    token_ids: torch.Tensor  # int64 [N]
+    logprob_rows: list[int]  # rows that asked for logprobs
+    logprob_k: list[int]  # top-k asked per such row
+    logprob_tensors: list[torch.Tensor]  # chosen logprob [M], rank [M], top values [M, k], top ids [M, k]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token_ids, *self.logprob_tensors]
+
+    def output(self, host: list[torch.Tensor]) -> SamplerOutput:
+        """host: `tensors`, on the host, in the same order."""
+        token_ids = host[0].tolist()
+        result: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            tok_lp_l, ranks_l, top_vals_l, top_ids_l = (t.tolist() for t in host[1:5])
+            for j, i in enumerate(self.logprob_rows):
+                tok = token_ids[i]
+                entry = {tok: Logprob(tok, tok_lp_l[j], rank=ranks_l[j])}
+                for r, (tid, val) in enumerate(zip(top_ids_l[j], top_vals_l[j])):
+                    if r >= self.logprob_k[j]:
+                        break
+                    if tid not in entry:
+                        entry[tid] = Logprob(tid, val, rank=r + 1)
+                result[i] = entry
+        return SamplerOutput(token_ids, result)
 
 
 def filter_logits(
@@ -102,7 +144,7 @@ def filter_logits(
 def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
     """int64 [N]: a draw from softmax(logits) per row, keyed by (seed, position) only."""
     n, vocab = logits.shape
-    keys = row_keys_tensor(seeds, positions, logits.device)
+    keys = to_device(row_keys_tensor(seeds, positions), logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     step = max(1, (_DRAW_ELEMS_CPU if logits.device.type == "cpu" else _DRAW_ELEMS_CUDA) // max(vocab, 1))
     for s in range(0, n, step):
@@ -126,13 +168,20 @@ class Sampler:
             self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Draw and read the tokens back (waits for the device)."""
+        sample = self.sample(logits, rows)
+        return sample.output([t.cpu() for t in sample.tensors])
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Draw on the device without waiting for it: every host value goes up without a stream
+        sync (transfer.py), so the host can queue this while earlier steps still run."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise DeepInferError(
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows and vocab_size "
                 f"{self.vocab_size}; expected [{len(rows)}, >= {self.vocab_size}]"
             )
         if not rows:
-            return SamplerOutput([], [])
+            return DeviceSample(torch.empty(0, dtype=torch.int64, device=logits.device), [], [], [])
         logits = logits[:, : self.vocab_size].float()
         logits = self._mask_min_tokens(logits, rows)
         logits = apply_penalties(logits, rows)
@@ -148,14 +197,14 @@ class Sampler:
             top_k_l = [r.params.top_k if r.params.top_k > 0 else vocab for r in srows]
             top_p_l = [float(r.params.top_p) for r in srows]
             min_p_l = [float(r.params.min_p) for r in srows]
-            t = torch.tensor([temps[i] for i in sampled], dtype=torch.float32, device=device)
-            top_k = torch.tensor(top_k_l, device=device)
-            top_p = torch.tensor(top_p_l, dtype=torch.float32, device=device)
-            min_p = torch.tensor(min_p_l, dtype=torch.float32, device=device)
+            t = tensor_to([temps[i] for i in sampled], torch.float32, device)
+            top_k = tensor_to(top_k_l, torch.int64, device)
+            top_p = tensor_to(top_p_l, torch.float32, device)
+            min_p = tensor_to(min_p_l, torch.float32, device)
             if len(sampled) == len(rows):  # all sampled: no argmax for greedy rows, no gather
                 scaled = logits / t.unsqueeze(1)
             else:
-                idx = torch.tensor(sampled, dtype=torch.int64, device=device)
+                idx = tensor_to(sampled, torch.int64, device)
                 scaled = logits.index_select(0, idx) / t.unsqueeze(1)
             use_sort = any(k < vocab for k in top_k_l) or any(p < 1 for p in top_p_l)
             filtered = filter_logits(scaled, top_k, top_p, min_p, use_sort=use_sort, use_min_p=any(m > 0 for m in min_p_l))
@@ -163,19 +212,18 @@ class Sampler:
             if len(sampled) == len(rows):
                 chosen = drawn
             else:
-                greedy = torch.tensor([i for i, t in enumerate(temps) if t <= 0], dtype=torch.int64, device=device)
+                greedy = tensor_to([i for i, t in enumerate(temps) if t <= 0], torch.int64, device)
                 chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
                 chosen.index_copy_(0, greedy, logits.index_select(0, greedy).argmax(dim=-1))
                 chosen.index_copy_(0, idx, drawn)
 
-        logprobs = self._logprobs(logits, rows, temps, chosen)
-        return SamplerOutput(chosen.tolist(), logprobs)
+        return self._logprobs(logits, rows, temps, chosen)
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Before min_tokens outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be drawn."""
         pairs = []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if r.num_drawn < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     banned |= self.eos_token_ids
@@ -183,34 +231,23 @@ class Sampler:
         if not pairs:
             return logits
         logits = logits.clone()
-        r_idx, t_idx = zip(*pairs)
-        logits[list(r_idx), list(t_idx)] = float("-inf")
+        idx = tensor_to(pairs, torch.int64, logits.device)
+        logits[idx[:, 0], idx[:, 1]] = float("-inf")
         return logits
 
-    def _logprobs(
-        self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float], chosen: torch.Tensor
-    ) -> list[dict[int, Logprob] | None]:
+    def _logprobs(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float],
+                  chosen: torch.Tensor) -> DeviceSample:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        result: list[dict[int, Logprob] | None] = [None] * len(rows)
         if not want:
-            return result
+            return DeviceSample(chosen, [], [], [])
         device = logits.device
-        idx = torch.tensor(want, dtype=torch.int64, device=device)
-        t = torch.tensor([temps[i] if temps[i] > 0 else 1.0 for i in want], dtype=torch.float32, device=device)
+        idx = tensor_to(want, torch.int64, device)
+        t = tensor_to([temps[i] if temps[i] > 0 else 1.0 for i in want], torch.float32, device)
         lp = torch.log_softmax(logits.index_select(0, idx) / t.unsqueeze(1), dim=-1)
         tok = chosen.index_select(0, idx)
         tok_lp = lp.gather(1, tok.unsqueeze(1))
         ranks = (lp > tok_lp).sum(dim=-1) + 1
         k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
         top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        tok_l, tok_lp_l, ranks_l = tok.tolist(), tok_lp.squeeze(1).tolist(), ranks.tolist()
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(want):
-            entry = {tok_l[j]: Logprob(tok_l[j], tok_lp_l[j], rank=ranks_l[j])}
-            for r, (tid, val) in enumerate(zip(top_ids_l[j], top_vals_l[j])):
-                if r >= rows[i].params.logprobs:
-                    break
-                if tid not in entry:
-                    entry[tid] = Logprob(tid, val, rank=r + 1)
-            result[i] = entry
-        return result
+        return DeviceSample(chosen, want, [rows[i].params.logprobs for i in want],
+                            [tok_lp.squeeze(1), ranks, top_vals, top_ids])

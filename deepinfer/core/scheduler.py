@@ -92,18 +92,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry
 
-        # Decodes first, then running sequences still working through their tokens.
-        decodes, others = [], []
-        for seq in self.running:
-            (others if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
-        for seq in decodes + others if others else decodes:
+        for seq in self._running_in_order():
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            uncomputed = seq.num_uncomputed_tokens
-            n = min(uncomputed, budget)
-            if n < uncomputed and not self.enable_chunked_prefill:
+            n = self._tokens_for(seq, budget)
+            if n == 0:
                 continue
             if self.kv.try_extend(seq, n):  # no new block needed: the common decode step
                 scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
@@ -143,6 +138,48 @@ class Scheduler:
         # Batch order follows running order (stable across steps, decodes interleaved).
         out.scheduled = [scheduled[id(s)] for s in self.running if id(s) in scheduled]
         return out
+
+    def _running_in_order(self) -> list[Sequence]:
+        """Decodes first, then running sequences still working through their tokens."""
+        decodes, others = [], []
+        for seq in self.running:
+            (others if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
+        return decodes + others if others else decodes
+
+    def _tokens_for(self, seq: Sequence, budget: int) -> int:
+        """Tokens a running sequence gets this step (0: none).
+
+        With async scheduling a sequence whose pending tokens already reach max_tokens or
+        max_model_len is skipped: it finishes when they are read, so a step for it would be
+        discarded (sync mode has no pending tokens here, so this never applies there).
+        """
+        if seq.num_pending and seq.ends_by_length(self.kv.max_model_len):
+            return 0
+        uncomputed = seq.num_uncomputed_tokens
+        n = min(uncomputed, budget)
+        if n < uncomputed and not self.enable_chunked_prefill:
+            return 0
+        return n
+
+    def would_preempt(self) -> bool:
+        """Whether schedule() would have to preempt a running sequence now (memory short).
+
+        Async scheduling asks before scheduling past a step in flight: if so, it resolves that
+        step first, so sequences finishing in it free their blocks before anything is evicted,
+        as in sync mode. O(running), O(1) per sequence on the decode fast path.
+        """
+        budget = self.max_num_batched_tokens
+        need: dict[str, int] = {}
+        for seq in self._running_in_order():
+            if budget <= 0:
+                break
+            n = self._tokens_for(seq, budget)
+            if n == 0:
+                continue
+            for group, k in self.kv.blocks_needed(seq, n).items():
+                need[group] = need.get(group, 0) + k
+            budget -= n
+        return not self.kv.fits(need)
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens are in the cache; drop window blocks no longer read."""

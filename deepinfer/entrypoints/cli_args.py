@@ -26,6 +26,7 @@ ENGINE_FIELDS = (
     "kv_cache_memory_bytes",
     "enable_chunked_prefill",
     "max_waiting_requests",  # serve only
+    "async_scheduling",
 )
 
 
@@ -56,6 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule each prompt's prefill in one step",
     )
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the next step's scheduling with the device (default: on for accelerators)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
