@@ -383,9 +383,9 @@ def cases_for(shapes: str) -> list[Case]:
             *_mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
                                          "mixed": ([64, 1, 1], [0, 300, 1000])}),
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
-            *_moe_cases(4, 2048, 1408, routers, limit=None),  # small decode batch (NVIDIA: direct mode)
+            # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32)
+            *_moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": routers["v3 sigmoid noaux_tc"]}, limit=None),
             *_moe_shared_cases(1, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
-            *_moe_shared_cases(8, 2048, 1408, 2, routers["v3 sigmoid noaux_tc"]),
             *_moe_shared_cases(32, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
             *_v4_attention_cases("real"),
         ]
