@@ -272,6 +272,11 @@ class MoEOp(ABC):
         if tuple(w2.shape) != (e, d, i):
             raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
 
+    def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits [T, E] = x [T, D] (activation dtype) @ gate_weight [E, D] (fp32)^T, in fp32 as
+        the reference gate; an op may skip the fp32 copy of x (the default makes it)."""
+        return torch.nn.functional.linear(x.float(), gate_weight.float())
+
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Offer the dense weights of the shared-experts MLP that `forward`'s `shared_experts` computes:
         gate_up [2*S*I, D] (S*I gate rows, then S*I up rows), down [D, S*I], S = n_shared_experts.
