@@ -95,7 +95,7 @@ class MLAAttention(nn.Module):
         kv_a_out = self.kv_lora_rank + self.qk_rope
         if self.q_lora_rank is not None:
             q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, kv_a_out], dim=-1)
-            q_a = self.backend.rms_norm(q_a.contiguous(), self.q_a_layernorm, LORA_NORM_EPS)
+            q_a = self.backend.rms_norm(q_a, self.q_a_layernorm, LORA_NORM_EPS)  # strided rows: no copy
             q = self.q_b_proj(q_a)
         else:
             q, kv_a = self.q_kv_a_proj(x).split([self.num_heads * (self.qk_nope + self.qk_rope), kv_a_out], dim=-1)
