@@ -180,3 +180,61 @@ def test_q_and_kv_a_projections_run_as_one_gemm(quantized):
     x = x.cpu()
     assert torch.allclose(q, x @ parts[0].T, atol=1e-4)
     assert torch.allclose(kv, x @ parts[1].T + weights["a.kv_a_proj_with_mqa.bias"], atol=1e-4)
+
+
+def _decode_ref(q, cache, table, seq, L, scale):
+    out = torch.zeros(q.shape[0], q.shape[1], L, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        n = int(seq[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=cache.device)
+        kv = cache.view(-1, cache.shape[-1])[table[b][pos // PAGE].long() * PAGE + pos % PAGE].double().cpu()
+        out[b] = ((q[b].double().cpu() @ kv.T) * scale).softmax(-1) @ kv[:, :L]
+    return out
+
+
+@pytest.mark.parametrize("splits,min_split", [(1, 16), (4, 16), (8, 32), (16, 16)])
+def test_mla_decode_adaptive_splits_and_direct_write(splits, min_split):
+    """Per-sequence split sizes (short rows use fewer splits, a padded row of length 0 gives zeros), the
+    one-split direct write, and the tiled merge: all equal the float64 reference, and repeat bit for bit."""
+    from deepinfer.backends.nvidia.mla_decode import mla_decode
+
+    g = torch.Generator().manual_seed(9)
+    L, R = 32, 16
+    cache = torch.randn(40, PAGE, L + R, generator=g).to(DEVICE)
+    table = torch.randperm(40, generator=g)[:36].view(3, 12).int().to(DEVICE)
+    seq = torch.tensor([45, 3, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 5, L + R, generator=g).to(DEVICE)
+    out = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=min_split)
+    again = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=min_split)
+    assert torch.equal(out, again)
+    exp = _decode_ref(q, cache, table, seq, L, 0.2)
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))
+    assert rel_err(out[:2].cpu(), exp[:2]) < 1e-5
+
+
+def test_decode_params_heuristic_and_env_overrides(monkeypatch):
+    """The launch shape depends on host sizes only; env overrides win and bad values name the variable."""
+    from deepinfer.backends.nvidia import mla_decode as md
+    from deepinfer.errors import ConfigError
+
+    md.env_overrides.cache_clear()
+    try:
+        p1, p64, p256 = (md.decode_params(b, 16, 163840) for b in (1, 64, 256))
+        assert (p1.num_splits, p1.min_split) == (32, 32)
+        assert (p64.num_splits, p64.min_split) == (8, 256)  # 4k context: 512-token splits, as measured best
+        assert p256.num_splits == 2
+        assert md.decode_params(64, 16, 300).num_splits == 2  # an eager batch of short rows: capped by the table
+        monkeypatch.setenv("DEEPINFER_MLA_SPLITS", "3")
+        monkeypatch.setenv("DEEPINFER_MLA_BLOCK_N", "64")
+        monkeypatch.setenv("DEEPINFER_MLA_MIN_SPLIT", "100")
+        md.env_overrides.cache_clear()
+        p = md.decode_params(64, 16, 163840)
+        assert (p.num_splits, p.block_n, p.min_split) == (3, 64, 128)
+        monkeypatch.setenv("DEEPINFER_MLA_BLOCK_N", "48")
+        md.env_overrides.cache_clear()
+        with pytest.raises(ConfigError, match="DEEPINFER_MLA_BLOCK_N"):
+            md.decode_params(1, 16, 1024)
+    finally:
+        md.env_overrides.cache_clear()

@@ -7,19 +7,35 @@ so the output is L wide (the model projects it through W_UV afterwards).
 Split-KV: stage 1 gives each (sequence, head block, split) program a slice of
 the context and writes a partial output plus its log-sum-exp; stage 2 merges
 the splits of each row in a fixed order, so results do not depend on timing.
-The number of splits depends only on the batch size, never on sequence
-lengths, which keeps the launch shape fixed for CUDA-graph replay.
+With one split, stage 1 writes the output itself and there is no stage 2.
+
+The launch shape (split count, tile) depends only on host-known sizes (batch
+size, heads, the block table's width), never on device values, so it is fixed
+for CUDA-graph replay. Inside that shape each sequence sizes its own splits
+from its length: ceil(len / splits) rounded up to whole tiles and at least
+`min_split` tokens, so a short sequence uses fewer splits (the surplus
+programs exit at once, the merge skips them) instead of many tiny ones whose
+partial outputs (fp32, L wide per head) would cost more traffic than the
+cache slice they cover. The split of a token depends only on its sequence's
+length, so the reduction is deterministic.
+
+`decode_params` holds the heuristic; DEEPINFER_MLA_SPLITS / DEEPINFER_MLA_BLOCK_N /
+DEEPINFER_MLA_MIN_SPLIT override it for sweeps (benchmarks/kernels_mla.py).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+BLOCK_H = 16  # heads per program: tl.dot needs >= 16 rows
+MERGE_BLOCK_L = 128  # latent columns per merge program
 
 
 def _prec(dtype: torch.dtype) -> str | None:
@@ -28,103 +44,175 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 
 @triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, min_split):
+    """Tokens per split of one sequence: ceil(len / splits) in whole tiles, at least min_split."""
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, min_split)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     H, stride_qb, stride_qh, stride_eb, stride_eh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale_log2,
+    stride_ob, stride_oh, scale_log2, min_split,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
     ENTRY: tl.constexpr = L + R
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N, min_split)
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
-
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < R
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q_nope = tl.load(q_base + offs_l[None, :], mask=hmask[:, None], other=0.0)
-    pe_base = qpe_ptr + b.to(tl.int64) * stride_eb + heads[:, None] * stride_eh
-    q_pe = tl.load(pe_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
-    if UPCAST:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + offs_n // PAGE, mask=nmask, other=0)
-        slot = blk.to(tl.int64) * PAGE + (offs_n % PAGE)
-        kv = tl.load(cache_ptr + slot[:, None] * ENTRY + offs_l[None, :], mask=nmask[:, None], other=0.0)
-        kpe = tl.load(cache_ptr + slot[:, None] * ENTRY + L + offs_r[None, :],
-                      mask=nmask[:, None] & rmask[None, :], other=0.0)
+    active = start < seq_len  # an unused split writes nothing: the merge skips it
+    if DIRECT:
+        active = s == 0  # the only split writes the output, zeros for an empty (padded) row
+    if active:
+        offs_r = tl.arange(0, BLOCK_R)
+        rmask = offs_r < R
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q_nope = tl.load(q_base + offs_l[None, :], mask=hmask[:, None], other=0.0)
+        pe_base = qpe_ptr + b.to(tl.int64) * stride_eb + heads[:, None] * stride_eh
+        q_pe = tl.load(pe_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
         if UPCAST:
-            kv = kv.to(tl.float32)
-            kpe = kpe.to(tl.float32)
-        qk = tl.dot(q_nope, tl.trans(kv), input_precision=PREC)
-        qk += tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
-        qk = tl.where(nmask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
-        m_i = m_new
+            q_nope = q_nope.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
 
-    has = end > start
-    denom = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / denom[:, None]
-    lse = tl.where(has & (l_i > 0), m_i + tl.log2(denom), float("-inf"))
-    po = part_o_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_l[None, :]
-    tl.store(po, out, mask=hmask[:, None])
-    tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + offs_n // PAGE, mask=nmask, other=0)
+            slot = blk.to(tl.int64) * PAGE + (offs_n % PAGE)
+            kv = tl.load(cache_ptr + slot[:, None] * ENTRY + offs_l[None, :], mask=nmask[:, None], other=0.0)
+            kpe = tl.load(cache_ptr + slot[:, None] * ENTRY + L + offs_r[None, :],
+                          mask=nmask[:, None] & rmask[None, :], other=0.0)
+            if UPCAST:
+                kv = kv.to(tl.float32)
+                kpe = kpe.to(tl.float32)
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=PREC)
+            qk += tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
+            qk = tl.where(nmask[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
+            m_i = m_new
+
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / denom[:, None]
+        if DIRECT:  # one split: this is the output
+            po = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
+            tl.store(po, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
+            po = part_o_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_l[None, :]
+            tl.store(po, out, mask=hmask[:, None])
+            tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
 
 @triton.jit
 def _mla_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    L: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, min_split,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
+    """One program per (row, head, BLOCK_L columns): all used splits in one [S, BLOCK_L] tile, summed in a
+    fixed tree order (deterministic); unused splits are masked, never read."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    c = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N, min_split))
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=offs_s < NUM_SPLITS,
-                  other=float("-inf"))
+    smask = offs_s < used
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    offs_l = tl.arange(0, L)
-    acc = tl.zeros([L], dtype=tl.float32)
-    total = 0.0
-    for s in range(NUM_SPLITS):  # fixed order: deterministic
-        ls = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s)
-        w = tl.exp2(ls - m)
-        o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + s * stride_ps + offs_l)
-        acc += w * o
-        total += w
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    offs_l = c * BLOCK_L + tl.arange(0, BLOCK_L)
+    o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_l[None, :],
+                mask=smask[:, None], other=0.0)
+    acc = tl.sum(w[:, None] * o, 0)
+    total = tl.sum(w, 0)
     total = tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_l, (acc / total).to(out_ptr.dtype.element_ty))
 
 
-def default_num_splits(batch_size: int, num_heads: int, block_h: int = 16, num_sms: int = 132) -> int:
-    """About four programs per SM; depends on batch size only (graph-safe).
+def default_num_splits(batch_size: int, num_heads: int, block_h: int = BLOCK_H, num_sms: int = 132) -> int:
+    """About four programs per SM, a power of two <= 32; depends on batch size only (graph-safe).
 
     Measured on H200 at batch 64, 4k context: 5 splits 1.9 TB/s, 8 splits 2.6, 16 splits 2.4.
     """
     head_blocks = triton.cdiv(num_heads, block_h)
     want = max(1, (4 * num_sms) // max(1, batch_size * head_blocks))
     return min(32, 1 << (want.bit_length() - 1))  # a power of two: 64 sequences x 16 heads -> 8
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    num_splits: int  # programs per (sequence, head block): the launch shape
+    block_n: int  # cache tokens per tile
+    min_split: int  # fewest tokens a sequence gives one split (device-side; a multiple of block_n)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _env_int(name: str, low: int) -> int | None:
+    from deepinfer.errors import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < low:
+        raise ConfigError(f"{name}={value} must be >= {low}")
+    return value
+
+
+@lru_cache(maxsize=1)
+def env_overrides() -> tuple[int | None, int | None, int | None]:
+    """(splits, block_n, min_split) from DEEPINFER_MLA_SPLITS / _BLOCK_N / _MIN_SPLIT; read once."""
+    from deepinfer.errors import ConfigError
+
+    block_n = _env_int("DEEPINFER_MLA_BLOCK_N", 16)
+    if block_n is not None and block_n & (block_n - 1):
+        raise ConfigError(f"DEEPINFER_MLA_BLOCK_N={block_n} must be a power of two >= 16")
+    return _env_int("DEEPINFER_MLA_SPLITS", 1), block_n, _env_int("DEEPINFER_MLA_MIN_SPLIT", 1)
+
+
+def decode_params(batch_size: int, num_heads: int, max_context: int) -> DecodeParams:
+    """The launch for `batch_size` sequences of at most `max_context` tokens (host-known: the block table's
+    width; in a captured graph that is max_model_len, so the split count then depends on the batch only).
+
+    Splits: about four programs per SM (default_num_splits), never more than max_context / min_split.
+    min_split grows with the batch: one sequence needs every SM (32-token splits), a large batch fills the
+    GPU by itself and each split's fp32 partial (16 heads x 512 x 4 bytes = 32 KB, written and read back
+    by the merge) must stay small next to the cache it covers (256 tokens x 1152 bytes = 295 KB).
+    """
+    splits_env, block_env, min_env = env_overrides()
+    block_n = block_env or 32
+    rows = batch_size * triton.cdiv(num_heads, BLOCK_H)
+    min_split = min_env or block_n * min(8, max(1, rows // 8))  # 1 -> 32, 16 -> 64, 64+ -> 256 tokens
+    min_split = triton.cdiv(min_split, block_n) * block_n
+    if splits_env is not None:
+        splits = splits_env
+    else:
+        splits = default_num_splits(batch_size, num_heads)
+        splits = max(1, min(splits, triton.cdiv(max(1, max_context), min_split)))
+    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split)
 
 
 def mla_decode(
@@ -135,11 +223,13 @@ def mla_decode(
     kv_lora_rank: int,
     softmax_scale: float,
     num_splits: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
     q_pe: torch.Tensor | None = None,  # [B, H, R]: pass the rope part apart to skip a concatenation
+    min_split: int | None = None,
 ) -> torch.Tensor:  # [B, H, L]
+    """Unset num_splits / block_n / min_split come from decode_params (heuristic + env overrides)."""
     from deepinfer.errors import BackendError
 
     L = kv_lora_rank
@@ -157,27 +247,38 @@ def mla_decode(
     if q.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise BackendError("mla_decode: q needs a contiguous last dim and the cache must be contiguous")
     page = kv_cache.shape[1]
-    if num_splits is None:
-        num_splits = default_num_splits(B, H)
+    auto = decode_params(B, H, block_table.shape[1] * page)
+    num_splits = num_splits or auto.num_splits
+    block_n = block_n or auto.block_n
+    min_split = triton.cdiv(min_split or auto.min_split, block_n) * block_n
+    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise BackendError(f"mla_decode: {num_splits} splits / {block_n}-token tiles (need >= 1 / a power of two >= 16)")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-    block_h = 16
-    part_o = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((B, H, L), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    _mla_decode_split_kernel[(B, triton.cdiv(H, block_h), num_splits)](
-        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse,
-        H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0), part_o.stride(0), part_o.stride(1),
-        part_o.stride(2), part_lse.stride(0), part_lse.stride(1), softmax_scale * _LOG2E,
+    direct = num_splits == 1
+    if direct:  # the split kernel writes `out` itself; the partial buffers are not touched
+        part_o, part_lse = out, out
+    else:
+        part_o = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), num_splits)](
+        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse, out,
+        H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0, part_lse.stride(0),
+        part_lse.stride(1), out.stride(0), out.stride(1), softmax_scale * _LOG2E, min_split,
         L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, NUM_SPLITS=num_splits,
-        BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype),
+        BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
     )
-    _mla_decode_merge_kernel[(B, H)](
-        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        L=L, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-    )
+    if not direct:
+        block_l = min(L, MERGE_BLOCK_L)
+        _mla_decode_merge_kernel[(B, H, L // block_l)](
+            part_o, part_lse, out, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), min_split,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, BLOCK_L=block_l,
+            num_warps=4,
+        )
     return out
