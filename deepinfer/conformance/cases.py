@@ -308,12 +308,14 @@ def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSp
         op = o.make_moe(spec)
         op.load_experts(i["w13"], i["w2"])
         op.fuse_shared_experts(i["gate_up"], i["down"])
-        mlp = lambda x: torch.nn.functional.linear(o.silu_and_mul(torch.nn.functional.linear(x, i["gate_up"])),  # noqa: E731
-                                                   i["down"])
+        def mlp(x):
+            return torch.nn.functional.linear(o.silu_and_mul(torch.nn.functional.linear(x, i["gate_up"])), i["down"])
+
         return (op.forward(i["x"], i["logits"], i["bias"], shared_experts=mlp),)
 
-    return [Case("moe", f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts T={t} D={d} I={inter} E={rspec.num_experts} k={rspec.top_k}",
-                 make, run, kind="layer")]
+    name = f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts"
+    return [Case("moe", f"{name} T={t} D={d} I={inter} E={rspec.num_experts} k={rspec.top_k}", make, run,
+                 kind="layer")]
 
 
 # ------------------------------------------------------------------ V4 attention
