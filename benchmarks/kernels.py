@@ -149,7 +149,9 @@ class MoEBench:
         """TritonMoE.forward's schedule: direct + shared folded at small T, else aligned + fused add."""
         from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
 
-        w, ids = self.route(F.linear(x.float(), L["gate"]))
+        from deepinfer.backends.nvidia.moe_routing import router_logits
+
+        w, ids = self.route(router_logits(x, L["gate"]))
         if direct is None:
             direct = use_direct(x.shape[0], self.K)
         if direct:
@@ -183,6 +185,26 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
                 emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, ms=ms, TBps=nbytes / ms / 1e9)
             except Exception as exc:
                 emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, error=str(exc)[:200])
+
+
+def router_bench(tokens_list=(1, 4, 16)) -> None:
+    """fp32 router logits: x.float() + cuBLAS (old) vs the Triton GEMV (DEEPINFER_ROUTER_GEMV tiles), graph replay."""
+    import os
+
+    from deepinfer.backends.nvidia.moe_routing import router_logits
+
+    gates = [torch.randn(MoEBench.E, MoEBench.D, device="cuda") * 0.02 for _ in range(8)]
+    for t in tokens_list:
+        x = torch.randn(t, MoEBench.D, device="cuda", dtype=torch.bfloat16)
+        old = graph_ms(lambda: [F.linear(x.float(), g) for g in gates]) / len(gates)
+        for tile in (None, "1,2048,4", "4,512,4", "2,1024,8"):
+            if tile:
+                os.environ["DEEPINFER_ROUTER_GEMV"] = tile
+            err = float((router_logits(x, gates[0]) - F.linear(x.float(), gates[0])).abs().max())
+            ms = graph_ms(lambda: [router_logits(x, g) for g in gates]) / len(gates)
+            emit(name="router_logits", tokens=t, tile=tile or "default", ms=ms, old_ms=old, speedup=old / ms,
+                 max_abs_err=err)
+            os.environ.pop("DEEPINFER_ROUTER_GEMV", None)
 
 
 def moe_tile_sweep() -> None:
@@ -236,6 +258,7 @@ def main() -> None:
     copy_bandwidth()
     mla_decode_bench()
     moe_bench()
+    router_bench()
     try:
         moe_tile_sweep()
     except Exception as exc:

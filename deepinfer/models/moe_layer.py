@@ -1,4 +1,4 @@
-"""A DeepSeek V2/V3 MoE layer: fp32 router gate + routed experts and shared experts (dense MLP) through the backend MoE op.
+"""A DeepSeek V2/V3 MoE layer: fp32 router gate, routed + shared experts (a dense MLP) through the backend MoE op.
 
 The per-expert checkpoint tensors (`experts.E.{gate,up,down}_proj`) are held
 and stacked by `ExpertWeights`.
@@ -7,7 +7,6 @@ and stacked by `ExpertWeights`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.backend import Backend, MoESpec
@@ -62,5 +61,5 @@ class MoELayer(nn.Module):
             self.shared_fused = self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x.float(), self.gate_weight)
+        router_logits = self.op.router_logits(x, self.gate_weight)  # fp32, as the reference gate
         return self.op.forward(x, router_logits, self.e_score_correction_bias, shared_experts=self.shared_experts)

@@ -159,3 +159,16 @@ def test_combine_kernel():
     assert rel_err(combine(y, None, torch.float32), y.sum(1)) < 1e-7  # fp32: only the summation order differs
     with pytest.raises(BackendError, match="shared output"):
         combine(y, shared[:, :10], torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 3, 17])  # 17: above the GEMV's token limit, cuBLAS on x.float()
+def test_router_logits_fp32_without_copy(dtype, t):
+    spec = MoESpec(router=RouterSpec(E, K, "softmax", "greedy"), hidden_size=300, intermediate_size=I)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(t, 300, generator=g).to(DEVICE, dtype)
+    gate = torch.randn(E + 3, 300, generator=g).to(DEVICE)  # E + 3: a partial expert block
+    out = backend().make_moe(spec).router_logits(x, gate)
+    ref = NativeOps().make_moe(spec).router_logits(x, gate)
+    assert out.dtype == torch.float32 and out.shape == (t, E + 3)
+    assert rel_err(out, ref) < 1e-6  # fp32 products of the same values; only the summation order differs

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
-from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align
+from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align, router_logits
 from deepinfer.core.backend import MoESpec
 from deepinfer.core.native.moe import NativeMoE
 from deepinfer.errors import BackendError
@@ -58,6 +58,9 @@ class TritonMoE(NativeMoE):
             return False  # the kernel reads both from one dtype; the model's MLP runs instead
         self.shared_w = (gate_up.contiguous(), down.contiguous())
         return True
+
+    def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+        return router_logits(x, gate_weight)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn)

@@ -13,6 +13,8 @@ a CUDA graph. The CUDA C++ twin lives in csrc/cuda/moe_align.cu.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,51 @@ def _route_kernel(
     kmask = kk < TOP_K
     tl.store(w_ptr + row * TOP_K + kk, wv, mask=kmask)
     tl.store(ids_ptr + row * TOP_K + kk, iv, mask=kmask)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o,
+                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(1).to(tl.int64)
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = offs_e < E
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dmask = offs_d + d0 < D
+        xv = tl.load(x_ptr + t * stride_x + d0 + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + d0 + offs_d[None, :],
+                     mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, 1), mask=emask)
+
+
+ROUTER_GEMV_MAX_TOKENS = 16
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, E] of the fp32 router gate without an fp32 copy of x: one launch at decode sizes.
+
+    Up to ROUTER_GEMV_MAX_TOKENS tokens a Triton GEMV (each program: BLOCK_E experts of one token, fp32
+    products and sums); above that cuBLAS on x.float(), where the copy is small next to the GEMM.
+    """
+    T, D = x.shape
+    E = gate_weight.shape[0]
+    if T > ROUTER_GEMV_MAX_TOKENS or x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
+        return torch.nn.functional.linear(x.float(), gate_weight.float())
+    w = gate_weight.float()
+    out = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    if T:
+        # many small programs, few iterations: latency-bound at decode (V2-Lite T=1: 32 programs x 2 steps)
+        block_e, block_d, warps = 2, min(1024, triton.next_power_of_2(D)), 4
+        env = os.environ.get("DEEPINFER_ROUTER_GEMV")  # "BLOCK_E,BLOCK_D,warps" for tuning runs
+        if env:
+            block_e, block_d, warps = (int(v) for v in env.split(","))
+        _router_logits_kernel[(triton.cdiv(E, block_e), T)](
+            x, w, out, E, D, x.stride(0), w.stride(0), out.stride(0), BLOCK_E=block_e, BLOCK_D=block_d,
+            num_warps=warps,
+        )
+    return out
 
 
 def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
