@@ -39,6 +39,8 @@ if has kernels; then
   log "kernel microbenchmarks"
   timeout 200 python3 -m benchmarks.kernels > "$OUT/kernels.log" 2>&1
   log "kernels rc=$?"; grep -v '^{' "$OUT/kernels.log" | tail -40 | tee -a "$OUT/summary.txt"
+  timeout 120 python3 -m benchmarks.kernels_mla > "$OUT/kernels_mla.log" 2>&1  # MLA prep old/new + decode split sweep
+  log "kernels_mla rc=$?"; grep -v '^{' "$OUT/kernels_mla.log" | tail -30 | tee -a "$OUT/summary.txt"
 fi
 if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 /tmp/ckpt.log)"; fi
 if has bench; then
