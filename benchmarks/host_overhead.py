@@ -15,6 +15,14 @@ tokens that decode to U+FFFD alone (stray UTF-8 bytes), as random-weight checkpo
 that is the case where an incremental detokenizer that holds back text ending in U+FFFD
 re-decodes an ever longer window.
 
+Async scheduling (--async-scheduling off,on runs both): with it on, a step launches step N+1
+and then processes step N's tokens. Here the fake forward returns at once and the CPU runs
+every "device" op inside the host's call, so there is nothing to overlap: async vs sync shows
+what the pipeline itself costs on the host (the pending-token bookkeeping, the device-side
+input-id gather, the extra checks), and that it does not grow with output length. What it
+cannot show is the overlap itself (a GPU step costs ~max(host, device) instead of the sum):
+that needs a device, see benchmarks/throughput.py --async-scheduling on|off.
+
     python -m benchmarks.host_overhead --batch-sizes 1,64,256 --output-len 512
     python -m benchmarks.host_overhead --modes sampled --sampled-batch-sizes 1,64,256 --sampled-output-len 64
 """
@@ -112,16 +120,23 @@ class ConstantLM(CausalLM):
 
 class TimedSampler:
     """Wraps the engine's sampler to time it: on the CPU its vocab-wide kernels (argmax, top-p sort,
-    Gumbel draw) are compute a GPU would do, so steps are also reported without it."""
+    Gumbel draw) are compute a GPU would do, so steps are also reported without it. The engine
+    calls sample() (the device-side draw); last_s sums the calls since the last reset."""
 
     def __init__(self, sampler):
         self.sampler = sampler
         self.last_s = 0.0
 
+    def sample(self, logits, rows):
+        s = time.perf_counter()
+        out = self.sampler.sample(logits, rows)
+        self.last_s += time.perf_counter() - s
+        return out
+
     def __call__(self, logits, rows):
         s = time.perf_counter()
         out = self.sampler(logits, rows)
-        self.last_s = time.perf_counter() - s
+        self.last_s += time.perf_counter() - s
         return out
 
 
@@ -133,7 +148,8 @@ def _commit() -> str:
         return "unknown"
 
 
-def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, block_size: int):
+def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, block_size: int,
+                async_scheduling: bool = False):
     from deepinfer import EngineConfig
     from deepinfer.core.tokenizer import Tokenizer
     from deepinfer.engine import DeepInferenceEngine
@@ -146,7 +162,8 @@ def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, 
     byte_ids = [i for i in range(8, text_vocab) if tok.decode([i]) == "\ufffd"][:16]
     model = ConstantLM(budget, max(max_batch, 1), text_vocab, max_len, byte_ids)
     cfg = EngineConfig(model_name_or_path="host-bench", max_num_seqs=max_batch, max_model_len=max_len,
-                       max_num_batched_tokens=budget, num_kv_blocks=blocks, enforce_eager=True)
+                       max_num_batched_tokens=budget, num_kv_blocks=blocks, enforce_eager=True,
+                       async_scheduling=async_scheduling)
     engine = DeepInferenceEngine.from_components(cfg, model, tok, HostBackend(block_size))
     engine.runner.sampler = TimedSampler(engine.runner.sampler)
     return engine
@@ -173,6 +190,7 @@ def run(engine, batch: int, prompt_len: int, output_len: int, mode: str, window:
     first_profiled = (output_len - profile_steps) // 2  # middle steps: outside the early / late windows
     while engine.has_unfinished_requests():
         profiling = prof is not None and first_profiled <= len(times) < first_profiled + profile_steps
+        timed.last_s = 0.0
         s = time.perf_counter()
         if profiling:
             prof.enable()
@@ -185,7 +203,8 @@ def run(engine, batch: int, prompt_len: int, output_len: int, mode: str, window:
     rest = [1e3 * (t - st) for t, st in zip(times, sampler_times)]
     w = min(window, max(1, len(ms) // 2))
     res = {
-        "bench": "host_overhead", "mode": mode, "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
+        "bench": "host_overhead", "mode": mode, "async": engine.async_scheduling, "batch": batch,
+        "prompt_len": prompt_len, "output_len": output_len,
         "decode_steps": len(ms),
         "early_ms": statistics.median(ms[:w]), "late_ms": statistics.median(ms[-w:]),
         "mean_ms": statistics.fmean(ms), "window": w,
@@ -216,6 +235,7 @@ def main() -> None:
     p.add_argument("--profile-batch", type=int, default=256, help="cProfile middle steps at this batch (0: skip)")
     p.add_argument("--profile-steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
+    p.add_argument("--async-scheduling", default="off,on", help="comma list of off / on: run each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
@@ -234,26 +254,33 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(), "vocab": VOCAB, "block_size": args.block_size}
     print(json.dumps(meta), flush=True)
     results = []
+    asyncs = []
+    for a in args.async_scheduling.split(","):
+        if a not in ("on", "off"):
+            p.error(f"--async-scheduling takes on / off, got {a!r}")
+        asyncs.append(a == "on")
     with tempfile.TemporaryDirectory() as tok_dir:
         make_checkpoint("tiny-v2-lite", tok_dir)
-        engine = make_engine(tok_dir, max(batches), args.prompt_len, args.output_len, args.block_size)
-        for mode in modes:
-            sampled = mode in ("sampled", "penalties")
-            out_len = args.sampled_output_len if sampled else args.output_len
-            for b in ([int(x) for x in args.sampled_batch_sizes.split(",")] if sampled else batches):
-                prof_n = args.profile_steps if b == args.profile_batch else 0
-                res, prof = run(engine, b, args.prompt_len, out_len, mode, args.window, args.seed, prof_n)
-                print(json.dumps(res), flush=True)
-                results.append(res)
-                if prof:
-                    print(f"cProfile, {mode}, batch {b}, {prof_n} middle steps (by tottime):")
-                    print("\n".join(prof.splitlines()[:40]), flush=True)
+        for use_async in asyncs:
+            engine = make_engine(tok_dir, max(batches), args.prompt_len, args.output_len, args.block_size, use_async)
+            for mode in modes:
+                sampled = mode in ("sampled", "penalties")
+                out_len = args.sampled_output_len if sampled else args.output_len
+                for b in ([int(x) for x in args.sampled_batch_sizes.split(",")] if sampled else batches):
+                    prof_n = args.profile_steps if b == args.profile_batch else 0
+                    res, prof = run(engine, b, args.prompt_len, out_len, mode, args.window, args.seed, prof_n)
+                    print(json.dumps(res), flush=True)
+                    results.append(res)
+                    if prof:
+                        print(f"cProfile, {mode}, batch {b}, async {use_async}, {prof_n} middle steps (by tottime):")
+                        print("\n".join(prof.splitlines()[:40]), flush=True)
     print(f"\nms per engine.step(), prompt {args.prompt_len}; early / late = median of the first / last "
-          f"{args.window} decode steps; 'w/o sampler' subtracts the time inside Sampler.__call__")
-    print(f"{'mode':12} {'batch':>5} {'out':>5} {'early':>8} {'late':>8} {'mean':>8} {'late/early':>10} "
+          f"{args.window} decode steps; 'w/o sampler' subtracts the time inside the sampler")
+    print(f"{'mode':12} {'async':>5} {'batch':>5} {'out':>5} {'early':>8} {'late':>8} {'mean':>8} {'late/early':>10} "
           f"{'early w/o sampler':>18} {'late w/o sampler':>17}")
     for r in results:
-        print(f"{r['mode']:12} {r['batch']:5d} {r['output_len']:5d} {r['early_ms']:8.2f} {r['late_ms']:8.2f} "
+        print(f"{r['mode']:12} {'on' if r['async'] else 'off':>5} {r['batch']:5d} {r['output_len']:5d} "
+              f"{r['early_ms']:8.2f} {r['late_ms']:8.2f} "
               f"{r['mean_ms']:8.2f} {r['late_over_early']:10.2f} {r['early_excl_sampler_ms']:18.2f} "
               f"{r['late_excl_sampler_ms']:17.2f}")
     if args.json_out:

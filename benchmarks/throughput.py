@@ -9,6 +9,12 @@ the host's share). Prints JSON lines, then a table; the roofline floor from
 benchmarks/roofline.py sits beside each row.
 
   python -m benchmarks.throughput /tmp/ckpt --batch-sizes 1,16,64,256 --prompt-len 1024 --output-len 512
+
+--async-scheduling on|off picks the engine's step pipeline (default: the engine's choice, on for
+GPUs); with it on, engine.step returns the previous step's tokens while the device runs the
+next one, so ms/step approaches max(host, device). Each decode row also reports the time spent
+in Python's cyclic GC during decode (gc.callbacks), and --profile-batch B prints a cProfile of
+the LAST --profile-steps decode steps at batch B (where per-token host costs are largest).
 """
 
 from __future__ import annotations
@@ -32,6 +38,45 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+class GCTimer:
+    """Time spent in the cyclic garbage collector while active (gc.callbacks), per generation."""
+
+    def __init__(self):
+        self.active = False
+        self.total_s = 0.0
+        self.max_s = 0.0
+        self.count = {0: 0, 1: 0, 2: 0}
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            dt = time.perf_counter() - self._t
+            self.total_s += dt
+            self.max_s = max(self.max_s, dt)
+            self.count[info["generation"]] += 1
+
+    def __enter__(self):
+        import gc
+
+        self.active = True
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        self.active = False
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict:
+        return {"gc_ms_total": 1e3 * self.total_s, "gc_ms_max": 1e3 * self.max_s,
+                "gc_collections": [self.count[g] for g in (0, 1, 2)]}
 
 
 def graph_replay_ms(engine, batch: int) -> float | None:
@@ -70,32 +115,12 @@ def run_prefill(engine, n: int, prompt_len: int, vocab: int, seed: int) -> dict:
             "prefill_tok_s": n * prompt_len / dt}
 
 
-def profile_host(engine, batch: int, prompt_len: int, vocab: int, steps: int = 8) -> None:
-    """cProfile of a few decode steps at `batch`: where the host's share of a step goes."""
+def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int,
+              profile_steps: int = 0) -> dict:
+    """profile_steps > 0: cProfile the last that many decode steps and print the top entries."""
     import cProfile
     import pstats
 
-    from deepinfer.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(1234)
-    for i in range(batch):
-        engine.add_request(f"prof{i}", torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist(), params)
-    started: set[str] = set()
-    while len(started) < batch and engine.has_unfinished_requests():  # until every request is decoding
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
-    while engine.has_unfinished_requests():
-        engine.step()
-    print(f"\nhost profile: {steps} decode steps at batch {batch} (sorted by own time)")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-
-
-def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict:
     from deepinfer.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed + batch)
@@ -112,15 +137,34 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     t_prefill = time.perf_counter() - t0
     step_times = []
     decoded = 0
+    prof = cProfile.Profile() if profile_steps else None
+    first_profiled = max(0, output_len - 2 - profile_steps)  # about output_len - 1 decode steps follow
+    profiled = 0
+    gc_timer = GCTimer()
     t1 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        s = time.perf_counter()
-        outs = engine.step()
-        step_times.append(time.perf_counter() - s)
-        decoded += len(outs)
+    with gc_timer:
+        while engine.has_unfinished_requests():
+            profiling = prof is not None and len(step_times) >= first_profiled and profiled < profile_steps
+            s = time.perf_counter()
+            if profiling:
+                prof.enable()
+            outs = engine.step()
+            if profiling:
+                prof.disable()
+                profiled += 1
+            step_times.append(time.perf_counter() - s)
+            decoded += len(outs)
     t_decode = time.perf_counter() - t1
     graph_ms = graph_replay_ms(engine, batch)
+    if prof is not None:
+        print(f"\nhost profile: the last {profiled} decode steps at batch {batch} (steps {first_profiled}.."
+              f"{first_profiled + profiled - 1} of {len(step_times)}), sorted by own time; async scheduling "
+              f"{'on' if engine.async_scheduling else 'off'}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(12)
     return {
+        **gc_timer.summary(),
+        "late_ms_per_step_median": 1e3 * statistics.median(step_times[-32:]) if step_times else None,
         "graph_replay_ms": graph_ms,
         "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
         "prefill_s": t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
@@ -144,7 +188,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--bandwidth-tbs", type=float, default=4.24, help="measured copy bandwidth for the roofline")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile-batch", type=int, default=0, help="cProfile decode steps at this batch (0: skip)")
+    p.add_argument("--profile-batch", type=int, default=0, help="cProfile the last decode steps at this batch (0: skip)")
+    p.add_argument("--profile-steps", type=int, default=16, help="how many of the last decode steps to profile")
+    p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                   help="overlap the host's step work with the device (default: the engine's choice)")
     p.add_argument("--prefill-prompts", type=int, default=64, help="prompts in the prefill-only run (0: skip)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
@@ -159,7 +206,8 @@ def main() -> None:
     t = time.perf_counter()
     engine = LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
                  max_model_len=max_len, enforce_eager=args.enforce_eager,
-                 max_num_batched_tokens=args.max_num_batched_tokens)
+                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
     load_s = time.perf_counter() - t
     with open(f"{args.model}/config.json") as f:
         cfg = json.load(f)
@@ -167,6 +215,7 @@ def main() -> None:
     graphs = getattr(engine.runner, "graph_runner", None) is not None
     meta = {"bench": "throughput", "gpu": gpu, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "backend": engine.backend_name, "cuda_graphs": graphs, "load_s": load_s,
+            "async_scheduling": engine.async_scheduling,
             "coverage": engine.backend.op_coverage()}
     print(json.dumps(meta), flush=True)
     if args.accuracy_out:
@@ -187,26 +236,29 @@ def main() -> None:
     rows = []
     for b in batches:
         out_len = args.output_len_small if (args.output_len_small and b <= 16) else args.output_len
-        r = run_batch(engine, b, args.prompt_len, out_len, int(cfg["vocab_size"]), args.seed)
+        r = run_batch(engine, b, args.prompt_len, out_len, int(cfg["vocab_size"]), args.seed,
+                      args.profile_steps if b == args.profile_batch else 0)
         r["roofline_ms"] = floor_ms(cfg, b, int(r["avg_context"]), args.bandwidth_tbs)
         r.update(bench="throughput", cuda_graphs=graphs)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    if args.profile_batch:
-        profile_host(engine, min(args.profile_batch, max(batches)), args.prompt_len, int(cfg["vocab_size"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
             for r in [meta, *([prefill] if prefill else []), *rows]:
                 f.write(json.dumps(r) + "\n")
-    print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}")
+    print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}, "
+          f"async scheduling {'on' if engine.async_scheduling else 'off'}")
     if prefill:
         print(f"prefill only: {prefill['prompts']} x {prefill['prompt_len']} tokens, "
               f"{prefill['prefill_tok_s']:.0f} tok/s ({prefill['steps']} steps)")
-    print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'graph ms':>8} {'floor ms':>8} {'out tok/s':>10}")
+    print(f"{'batch':>5} {'prefill tok/s':>13} {'ms/step':>8} {'late ms':>8} {'graph ms':>8} {'floor ms':>8} "
+          f"{'out tok/s':>10} {'gc ms':>7} {'gc n (g0/g1/g2)':>16}")
     for r in rows:
         gms = f"{r['graph_replay_ms']:.2f}" if r.get("graph_replay_ms") else "-"
-        print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} {gms:>8} "
-              f"{r['roofline_ms']:>8.2f} {r['output_tok_s']:>10.0f}")
+        gcn = "/".join(str(c) for c in r["gc_collections"])
+        print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} "
+              f"{r['late_ms_per_step_median']:>8.2f} {gms:>8} {r['roofline_ms']:>8.2f} {r['output_tok_s']:>10.0f} "
+              f"{r['gc_ms_total']:>7.1f} {gcn:>16}")
 
 
 if __name__ == "__main__":
