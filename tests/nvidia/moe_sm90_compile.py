@@ -1,0 +1,87 @@
+"""Compile the MoE Triton kernels for sm_90 without a GPU (no launch) and print one JSON line per kernel:
+shared memory, registers and stack (spill) bytes from the cubin. Run with TRITON_INTERPRET unset; used by
+test_nvidia_moe_compile.py. The interpreter cannot catch compiled-mode type errors; this can."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from deepinfer.backends.nvidia import fused_moe as fm
+from deepinfer.backends.nvidia import fused_moe_gemm as g
+from deepinfer.backends.nvidia import moe_routing as r
+
+ALIGNED = ("N", "K", "D", "E", "u_off", "us_off", "shared_step")  # multiples of 16 at DeepSeek shapes
+
+
+def resources(cubin: bytes) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next(ln for ln in out.splitlines() if "REG:" in ln)
+    fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"])}
+
+
+def compile_one(label, fn, sig, consts, warps, stages):
+    # runtime launches specialise 16-divisible pointers / ints; without the hint loads are not vectorised
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t.startswith("*") or n.startswith("stride") or n in ALIGNED}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    print(json.dumps({"kernel": label, "shared": k.metadata.shared, **resources(k.asm["cubin"])}), flush=True)
+
+
+def direct(dt, dual, P, BM, cfg):
+    sig = {"a_ptr": "*" + dt, "b_ptr": "*" + dt, "bs_ptr": "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
+           "w_ptr": "*fp32", "ids_ptr": "*i64", **{n: "i32" for n in (
+               "N", "K", "num_pairs", "num_experts", "u_off", "us_off", "shared_step", "stride_am", "stride_be",
+               "stride_bn", "stride_sn", "stride_cm")}}
+    consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
+              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, "BLOCK_P": P, "BLOCK_M": BM,
+              "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
+    sig.update({k: "constexpr" for k in consts})
+    compile_one(f"direct {dt} dual={dual} P={P} BM={BM} {cfg}", g._direct_gemm_kernel, sig, consts,
+                cfg["num_warps"], cfg["num_stages"])
+
+
+def aligned(dt, dual, BM, cfg):
+    sig = {"a_ptr": "*" + dt, "b_ptr": "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"), "w_ptr": "*fp32",
+           "sorted_ptr": "*i32", "expert_ptr": "*i32", "npad_ptr": "*i32", **{n: "i32" for n in (
+               "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}}
+    consts = {"A_DIV": 6 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual, "UPCAST": False,
+              "PREC": "ieee" if dt == "fp32" else None, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
+              "BLOCK_K": cfg["block_k"]}
+    sig.update({k: "constexpr" for k in consts})
+    compile_one(f"aligned {dt} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig, consts,
+                cfg["num_warps"], cfg["num_stages"])
+
+
+def main() -> None:
+    for dual in (True, False):
+        direct("bf16", dual, 8, 16, g.direct_config(dual))  # batch 1: 6 routed + 2 shared pairs
+        direct("bf16", dual, 128, 16, g.direct_config(dual))  # batch 10
+        for bm in (16, 32, 64):
+            aligned("bf16", dual, bm, g.gemm_config(bm, dual))
+    direct("fp32", True, 8, 16, g.direct_config(True))
+    sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
+           "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
+    compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "D": "i32", "stride_x": "i32",
+           "stride_w": "i32", "stride_o": "i32", "BLOCK_E": "constexpr", "BLOCK_D": "constexpr"}
+    compile_one("router_logits", r._router_logits_kernel, sig, {"BLOCK_E": 2, "BLOCK_D": 1024}, 4, 3)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET")
+    main()
