@@ -251,7 +251,8 @@ def test_finished_sequence_extra_token_is_dropped(fake_tokenizer_dir):
 
 
 def test_streaming_outputs_lag_one_step_and_drain(fake_tokenizer_dir):
-    e = make(fake_tokenizer_dir, True, max_model_len=64, num_kv_blocks=40)
+    model = FakeCausalLM()
+    e = make(fake_tokenizer_dir, True, model, max_model_len=64, num_kv_blocks=40)
     e.add_request("x", prompts_of([5])[0], SamplingParams(max_tokens=4, **GREEDY))
     assert e.step() == []  # step 1 launched (prefill), nothing resolved yet
     assert e.has_unfinished_requests()
@@ -260,6 +261,20 @@ def test_streaming_outputs_lag_one_step_and_drain(fake_tokenizer_dir):
         lengths += [len(o.outputs[0].token_ids) for o in e.step()]
     assert lengths == [1, 2, 3, 4]
     assert e._pipeline.pending is None and e.stats().kv_blocks_used == 0
+    # no wasted forward: a sequence whose pending token reaches max_tokens is not scheduled again
+    assert model.calls == [[5], [1], [1], [1]]
+
+
+def test_cli_flag_maps_onto_the_config():
+    import argparse
+
+    from deepinfer.entrypoints.cli_args import engine_config_from_args
+    from deepinfer.entrypoints.cli_serve import add_serve_arguments
+
+    p = add_serve_arguments(argparse.ArgumentParser())
+    got = [engine_config_from_args(p.parse_args(["m", *a])).async_scheduling
+           for a in ([], ["--async-scheduling"], ["--no-async-scheduling"])]
+    assert got == [None, True, False]
 
 
 def test_state_models_run_sync_and_config(fake_tokenizer_dir, monkeypatch):
