@@ -41,17 +41,18 @@ def compile_one(label, fn, sig, consts, warps, stages):
     print(json.dumps({"kernel": label, "shared": k.metadata.shared, **resources(k.asm["cubin"])}), flush=True)
 
 
-def direct(dt, dual, P, BM, cfg):
+def direct(dt, dual, P, BM, cfg, combine=False):
     sig = {"a_ptr": "*" + dt, "b_ptr": "*" + dt, "bs_ptr": "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
-           "w_ptr": "*fp32", "ids_ptr": "*i64", **{n: "i32" for n in (
+           "w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*" + dt, "s_ptr": "*" + dt, "cnt_ptr": "*i32",
+           **{n: "i32" for n in (
                "N", "K", "num_pairs", "num_experts", "u_off", "us_off", "shared_step", "stride_am", "stride_be",
-               "stride_bn", "stride_sn", "stride_cm")}}
+               "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}}
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
-              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, "BLOCK_P": P, "BLOCK_M": BM,
-              "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
+              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, "COMBINE": combine, "HAS_SHARED": combine,
+              "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
-    compile_one(f"direct {dt} dual={dual} P={P} BM={BM} {cfg}", g._direct_gemm_kernel, sig, consts,
-                cfg["num_warps"], cfg["num_stages"])
+    compile_one(f"direct {dt} dual={dual} combine={combine} P={P} BM={BM} {cfg}", g._direct_gemm_kernel, sig,
+                consts, cfg["num_warps"], cfg["num_stages"])
 
 
 def aligned(dt, dual, BM, cfg):
@@ -72,6 +73,8 @@ def main() -> None:
         direct("bf16", dual, 128, 16, g.direct_config(dual))  # batch 10
         for bm in (16, 32, 64):
             aligned("bf16", dual, bm, g.gemm_config(bm, dual))
+    direct("bf16", False, 8, 16, g.direct_config(False), combine=True)
+    direct("bf16", False, 128, 16, g.direct_config(False), combine=True)
     direct("fp32", True, 8, 16, g.direct_config(True))
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}

@@ -172,3 +172,27 @@ def test_router_logits_fp32_without_copy(dtype, t):
     ref = NativeOps().make_moe(spec).router_logits(x, gate)
     assert out.dtype == torch.float32 and out.shape == (t, E + 3)
     assert rel_err(out, ref) < 1e-6  # fp32 products of the same values; only the summation order differs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", ["none", "folded", "added"])
+def test_direct_down_gemm_fuses_the_combine(dtype, shared):
+    """The last program of each down-GEMM column combines: same bits as the combine kernel, counters reset."""
+    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
+
+    w13, w2, gate_up, down = _weights(dtype)
+    t = 3
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+    w, ids = _routing(t, seed=11)
+    kw = {"folded": {"shared_w": (gate_up, down)}, "added": {"shared_out": _shared_mlp(gate_up, down)(x)},
+          "none": {}}[shared]
+    counters = counters_for(D, DEVICE)
+    unfused = fused_moe(x, w13, w2, w, ids, direct=True, **kw)
+    for _ in range(2):  # a second launch reuses the counters (graph replay)
+        fused = fused_moe(x, w13, w2, w, ids, direct=True, counters=counters, **kw)
+        assert torch.equal(fused, unfused)
+        assert int(counters.abs().sum()) == 0
+    ref = experts_forward(x, w13, w2, w, ids)
+    if shared != "none":
+        ref = ref + _shared_mlp(gate_up, down)(x)
+    assert rel_err(fused, ref) < _tol(dtype)

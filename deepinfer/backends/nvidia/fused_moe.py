@@ -5,8 +5,9 @@ captured CUDA graph):
 
 - direct (T * top_k <= DEEPINFER_MOE_DIRECT_MAX_PAIRS, default 64): no
   alignment kernel; each expert's pairs are gathered by the GEMM program
-  itself, and the shared experts can ride along as extra experts. At batch 1
-  the layer is gate_up -> down -> combine: three launches.
+  itself, and the shared experts can ride along as extra experts; the last
+  program of each down-GEMM column does the combine (given `counters`). At
+  batch 1 the experts are two launches: gate_up (+SiLU) and down (+combine).
 - aligned (larger batches): moe_align's expert-sorted, block-padded layout,
   tuned for prefill / large decode; the shared MLP runs densely outside and
   only its add is fused into the combine.
@@ -47,6 +48,17 @@ def direct_max_pairs() -> int:
         return int(env)
     except ValueError:
         raise BackendError(f"DEEPINFER_MOE_DIRECT_MAX_PAIRS must be an integer, got {env!r}") from None
+
+
+def fused_combine() -> bool:
+    """Direct mode sums the slots in the down GEMM's last program per column (a self-resetting counter per
+    column, no combine launch); DEEPINFER_MOE_FUSED_COMBINE=0 runs the combine kernel instead (A/B runs)."""
+    return os.environ.get("DEEPINFER_MOE_FUSED_COMBINE", "1") != "0"
+
+
+def counters_for(hidden_size: int, device) -> torch.Tensor:
+    """The zeroed per-column counters the fused combine needs (one per 16 output features: the smallest tile)."""
+    return torch.zeros(triton.cdiv(hidden_size, 16), dtype=torch.int32, device=device)
 
 
 def use_direct(num_tokens: int, top_k: int) -> bool:
@@ -101,6 +113,7 @@ def fused_moe(
     shared_out: torch.Tensor | None = None,  # [T, D]: the shared experts' output, added in the combine
     shared_w: tuple[torch.Tensor, torch.Tensor] | None = None,  # (gate_up [2SI, D], down [D, SI]): direct mode only
     direct: bool | None = None,  # None: use_direct(T, k)
+    counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -120,6 +133,11 @@ def fused_moe(
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
         direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True)
         y = torch.empty((T * slots, D), dtype=torch.float32, device=x.device)
+        if counters is not None and fused_combine():
+            out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+            direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False,
+                        combine_into=(out, shared_out, counters))
+            return out
         direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False)
         return combine(y.view(T, slots, D), shared_out, x.dtype)
     n = T * k

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.errors import BackendError
+
 
 @triton.jit
 def _mainloop(a_ptr, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
@@ -100,29 +102,12 @@ def _aligned_gemm_kernel(
 
 
 @triton.jit
-def _direct_gemm_kernel(
-    a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, ids_ptr,
-    N, K, num_pairs, num_experts, u_off, us_off, shared_step,
-    stride_am, stride_be, stride_bn, stride_sn, stride_cm,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
-    DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    # every pair's expert: slot < TOP_K reads topk_ids, slot TOP_K + s is shared expert E + s
-    offs_q = tl.arange(0, BLOCK_P)
-    qmask = offs_q < num_pairs
-    slot = offs_q % SLOTS
-    routed = slot < TOP_K
-    ids = tl.load(ids_ptr + (offs_q // SLOTS) * TOP_K + slot, mask=qmask & routed, other=0).to(tl.int32)
-    ids = tl.where(routed, ids, num_experts + slot - TOP_K)
-    ids = tl.where(qmask, ids, -1)
-    expert = tl.sum(tl.where(offs_q == pid_p, ids, 0), 0)
-    match = ids == expert
-    if tl.min(tl.where(match, offs_q, BLOCK_P), 0) != pid_p:
-        return  # an earlier pair's program does this expert
-    # the pairs of this expert, in pair order, compacted into BLOCK_M rows
+def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
+                 N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn, stride_cm,
+                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
+                 DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
     offs_m = tl.arange(0, BLOCK_M)
     sel = match[None, :] & (rank[None, :] == offs_m[:, None])
@@ -147,6 +132,60 @@ def _direct_gemm_kernel(
     out = _epilogue(acc_g, acc_u, wv, a_ptr.dtype.element_ty, DUAL, MUL_WEIGHT)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_programs, num_tokens, N,
+                           stride_cm, stride_o, stride_s,
+                           SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Serial reduction: the last program to finish a BLOCK_N column sums its slots (the combine kernel's
+    arithmetic, slot order: deterministic) and resets the column's counter for the next launch."""
+    tl.debug_barrier()  # all threads' tile stores happen before the (acq_rel, gpu-scope) counter increment
+    done = tl.atomic_add(cnt_ptr + pid_n, 1)
+    if done == num_programs - 1:  # [T, D] with T <= 64 pairs: int32 offsets suffice
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        ty = out_ptr.dtype.element_ty
+        for t in range(0, num_tokens):
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(SLOTS):
+                acc += tl.load(c_ptr + (t * SLOTS + j) * stride_cm + offs_n, mask=nmask, other=0.0, cache_modifier=".cg")
+            if HAS_SHARED:
+                sh = tl.load(s_ptr + t * stride_s + offs_n, mask=nmask, other=0.0)
+                acc = acc.to(ty).to(tl.float32) + sh.to(tl.float32)
+            tl.store(out_ptr + t * stride_o + offs_n, acc.to(ty), mask=nmask)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _direct_gemm_kernel(
+    a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, ids_ptr, out_ptr, s_ptr, cnt_ptr,
+    N, K, num_pairs, num_experts, u_off, us_off, shared_step,
+    stride_am, stride_be, stride_bn, stride_sn, stride_cm, stride_o, stride_s,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
+    DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # every pair's expert: slot < TOP_K reads topk_ids, slot TOP_K + s is shared expert E + s
+    offs_q = tl.arange(0, BLOCK_P)
+    qmask = offs_q < num_pairs
+    slot = offs_q % SLOTS
+    routed = slot < TOP_K
+    ids = tl.load(ids_ptr + (offs_q // SLOTS) * TOP_K + slot, mask=qmask & routed, other=0).to(tl.int32)
+    ids = tl.where(routed, ids, num_experts + slot - TOP_K)
+    ids = tl.where(qmask, ids, -1)
+    expert = tl.sum(tl.where(offs_q == pid_p, ids, 0), 0)
+    match = ids == expert
+    if tl.min(tl.where(match, offs_q, BLOCK_P), 0) == pid_p:  # else an earlier pair's program has this expert
+        _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
+                     N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
+                     stride_cm, TOP_K, SLOTS, A_DIV, DUAL, MUL_WEIGHT, UPCAST, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
+        _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
+                               stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_N)
 
 
 def interpreting() -> bool:
@@ -218,11 +257,14 @@ def aligned_gemm(
 def direct_gemm(
     a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor | None, out: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
+    combine_into: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
 ) -> None:
     """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
 
     dual (gate_up): a = x [T, D], w [E, 2I, D], shared_w [2*S*I, D] -> out [pairs, I] = silu(gate) * up.
-    down: a = act [pairs, I], w [E, D, I], shared_w [D, S*I] -> out [pairs, D] fp32, routed rows weighted.
+    down: a = act [pairs, I], w [E, D, I], shared_w [D, S*I] -> out [pairs, D] fp32, routed rows weighted;
+    with combine_into = (final [T, D], shared output [T, D] or None, counters int32 zeros) the last program
+    of each column also writes final (as fused_moe.combine), saving the combine launch.
     """
     T, top_k = topk_ids.shape
     E, N, K = w.shape
@@ -239,12 +281,18 @@ def direct_gemm(
     cfg = direct_config(dual)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
+    final, shared_out, counters = combine_into if combine_into is not None else (out, None, out)
+    if combine_into is not None and (dual or counters.numel() < grid[1] or counters.dtype != torch.int32):
+        raise BackendError(f"direct_gemm: the fused combine needs the down GEMM and >= {grid[1]} int32 counters")
     _direct_gemm_kernel[grid](
         a, w, shared_w, out, topk_weights if topk_weights is not None else a, topk_ids,
+        final, shared_out if shared_out is not None else final, counters,
         n_out, K, num_pairs, E, n_out * w.stride(1), us_off, shared_step,
-        a.stride(0), w.stride(0), w.stride(1), stride_sn, out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), stride_sn, out.stride(0), final.stride(0),
+        shared_out.stride(0) if shared_out is not None else 0,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=_prec(a.dtype),
+        COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

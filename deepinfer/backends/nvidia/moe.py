@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
+from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
 from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align, router_logits
 from deepinfer.core.backend import MoESpec
 from deepinfer.core.native.moe import NativeMoE
@@ -45,6 +45,11 @@ class TritonMoE(NativeMoE):
         super().__init__(spec, route_fn=route_fn)
         self.align_fn = align_fn
         self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
+        self.counters: torch.Tensor | None = None  # the direct mode's fused-combine counters (made at load)
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().load_experts(w13, w2)
+        self.counters = counters_for(self.spec.hidden_size, w13.device)  # before any graph capture
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         d, i = self.spec.hidden_size, self.spec.intermediate_size
@@ -63,7 +68,7 @@ class TritonMoE(NativeMoE):
         return router_logits(x, gate_weight)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters)
 
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
         if self.w13 is None or self.w2 is None:
@@ -71,7 +76,8 @@ class TritonMoE(NativeMoE):
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
         direct = use_direct(x.shape[0], ids.shape[1])
         if direct and shared_experts is not None and self.shared_w is not None:
-            return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True)
+            return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True,
+                             counters=self.counters)
         shared_out = shared_experts(x) if shared_experts is not None else None
         return fused_moe(x, self.w13, self.w2, weights, ids, align=self.align_fn, shared_out=shared_out,
-                         direct=direct)
+                         direct=direct, counters=self.counters)
