@@ -119,6 +119,9 @@ class MoEBench:
         except Exception:  # no nvcc: the Triton / torch twins
             self.route = lambda logits: route(logits, self.spec)
             self.align = moe_align
+        from deepinfer.backends.nvidia.fused_moe import counters_for
+
+        self.counters = counters_for(D, device)  # the fused combine's (self-resetting) column counters
         mk = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02  # noqa: E731
         self.layers = [dict(gate=torch.randn(E, D, device=device) * 0.02, w13=mk(E, 2 * I, D), w2=mk(E, D, I),
                             gu=mk(2 * S * I, D), dn=mk(D, S * I)) for _ in range(self.LAYERS)]
@@ -148,14 +151,14 @@ class MoEBench:
     def new(self, L, x, direct=None):
         """TritonMoE.forward's schedule: direct + shared folded at small T, else aligned + fused add."""
         from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
-
         from deepinfer.backends.nvidia.moe_routing import router_logits
 
         w, ids = self.route(router_logits(x, L["gate"]))
         if direct is None:
             direct = use_direct(x.shape[0], self.K)
         if direct:
-            return fused_moe(x, L["w13"], L["w2"], w, ids, shared_w=(L["gu"], L["dn"]), direct=True)
+            return fused_moe(x, L["w13"], L["w2"], w, ids, shared_w=(L["gu"], L["dn"]), direct=True,
+                             counters=self.counters)
         return fused_moe(x, L["w13"], L["w2"], w, ids, align=self.align, shared_out=self.shared(L, x), direct=False)
 
     def time(self, fn, x) -> float:
@@ -169,6 +172,10 @@ class MoEBench:
 
 def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
     """Whole MoE layer (router + routed + shared experts), old vs new schedule, through CUDA-graph replay."""
+    import os
+
+    from deepinfer.backends.nvidia.fused_moe import use_direct
+
     b = MoEBench()
     for t in tokens_list:
         x = torch.randn(t, b.D, device="cuda", dtype=torch.bfloat16)
@@ -179,12 +186,18 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
         old_ms, new_ms = b.time(b.old, x), b.time(b.new, x)
         emit(name="moe_layer", tokens=t, ms=new_ms, old_ms=old_ms, speedup=old_ms / new_ms, TBps=nbytes / new_ms / 1e9,
              old_TBps=nbytes / old_ms / 1e9, rel_err_vs_old=err)
-        for forced in ((True,) if t <= 64 else ()) + ((False,) if t * b.K <= 64 else ()):  # the other schedule
+        if t * b.K <= 64:  # direct mode with the separate combine kernel (A/B of the fused combine)
+            os.environ["DEEPINFER_MOE_FUSED_COMBINE"] = "0"
+            emit(name="moe_layer combine kernel", tokens=t, ms=b.time(b.new, x))
+            os.environ.pop("DEEPINFER_MOE_FUSED_COMBINE")
+        if t <= 64:  # the other schedule, for the DEEPINFER_MOE_DIRECT_MAX_PAIRS choice
+            other = not use_direct(t, b.K)
+            label = "moe_layer " + ("direct" if other else "aligned")
             try:
-                ms = b.time(lambda L_, x_, d=forced: b.new(L_, x_, direct=d), x)
-                emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, ms=ms, TBps=nbytes / ms / 1e9)
+                ms = b.time(lambda L_, x_: b.new(L_, x_, direct=other), x)
+                emit(name=label, tokens=t, ms=ms, TBps=nbytes / ms / 1e9)
             except Exception as exc:
-                emit(name="moe_layer " + ("direct" if forced else "aligned"), tokens=t, error=str(exc)[:200])
+                emit(name=label, tokens=t, error=str(exc)[:200])
 
 
 def router_bench(tokens_list=(1, 4, 16)) -> None:
