@@ -149,7 +149,8 @@ def _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_programs, 
         for t in range(0, num_tokens):
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(SLOTS):
-                acc += tl.load(c_ptr + (t * SLOTS + j) * stride_cm + offs_n, mask=nmask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(c_ptr + (t * SLOTS + j) * stride_cm + offs_n, mask=nmask, other=0.0,
+                               cache_modifier=".cg")  # L2: other programs' tiles, not a stale L1 line
             if HAS_SHARED:
                 sh = tl.load(s_ptr + t * stride_s + offs_n, mask=nmask, other=0.0)
                 acc = acc.to(ty).to(tl.float32) + sh.to(tl.float32)
