@@ -5,8 +5,9 @@
    - old: q_proj and kv_a_proj GEMMs, rms_norm(kv_c.contiguous()), q_pe / k_pe .contiguous(), RoPE,
      torch.cat, KV write, W_UK bmm, split-KV decode with the batch-only split count (every split
      used, however short), merge, W_UV bmm, the transposed reshape copy, o_proj;
-   - new: one merged GEMM, the fused mla_prep kernel (norm + RoPE + KV write, q_pe in place), the
-     copy-free decode with decode_params' split sizing, o_proj.
+   - new: one merged GEMM, the fused mla_prep kernel (norm + RoPE + KV write, q_pe in place, and the
+     W_UK absorb in the same launch), the copy-free decode with decode_params' split sizing, o_proj;
+   - "new, bmm absorb": the same with the W_UK absorb as a cuBLAS batched GEMM (fuse_absorb=False).
    LAYERS distinct weight / cache sets per graph so weights stream from HBM as in a real step.
 2. MLA decode alone: a split / tile / min-split sweep at batch 1, 16, 64, 256 x context 1024, 1536,
    4096 (latent cache bytes / time = TB/s), the heuristic's pick against the best found.
@@ -152,10 +153,13 @@ def attention_layers(batches: list[int], ctx: int = 1024) -> None:
         got = new_attention(layers[0], x, pos, cs, fbs[0])
         err = float((got.float() - ref.float()).norm() / ref.float().norm())
         res = {}
-        for name, fn in (("old", old_attention), ("new", new_attention)):
+        for name, fn, fused in (("old", old_attention, True), ("new_bmm", new_attention, False),
+                                ("new", new_attention, True)):
+            for lay in layers:
+                lay.op.fuse_absorb = fused
             res[name] = graph_ms(lambda fn=fn: [fn(lay, x, pos, cs, fb) for lay, fb in zip(layers, fbs)]) / LAYERS
         emit(name="attention_layer", batch=b, ctx=ctx, old_us=res["old"] * 1e3, new_us=res["new"] * 1e3,
-             saved_us=(res["old"] - res["new"]) * 1e3, rel_err=err)
+             new_bmm_absorb_us=res["new_bmm"] * 1e3, saved_us=(res["old"] - res["new"]) * 1e3, rel_err=err)
         del layers, fbs
         torch.cuda.empty_cache()
 
@@ -226,10 +230,11 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
 
 def table() -> None:
     print("\nattention layer per decode step (us per layer, CUDA-graph replay, context 1024)")
-    print(f"{'batch':>6} {'old us':>8} {'new us':>8} {'saved':>7} {'rel_err':>8}")
+    print(f"{'batch':>6} {'old us':>8} {'new us':>8} {'saved':>7} {'new, bmm absorb':>16} {'rel_err':>8}")
     for r in ROWS:
         if r["name"] == "attention_layer":
-            print(f"{r['batch']:>6} {r['old_us']:>8.1f} {r['new_us']:>8.1f} {r['saved_us']:>7.1f} {r['rel_err']:>8.1e}")
+            print(f"{r['batch']:>6} {r['old_us']:>8.1f} {r['new_us']:>8.1f} {r['saved_us']:>7.1f} "
+                  f"{r['new_bmm_absorb_us']:>16.1f} {r['rel_err']:>8.1e}")
     print("\nMLA decode (latent cache TB/s): heuristic pick vs best of the sweep  [splits used/launched, tile, min split]")
     print(f"{'batch':>6} {'ctx':>5} | {'auto us':>8} {'TB/s':>5} {'cfg':>18} | {'best us':>8} {'TB/s':>5} {'cfg':>22}")
     for r in ROWS:

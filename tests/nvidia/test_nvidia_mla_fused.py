@@ -103,9 +103,7 @@ def test_forward_from_latent_matches_native_default(dtype, ctx, qlen):
     t = sum(qlen)
     num_blocks = sum(-(-(c + n) // PAGE) for c, n in zip(ctx, qlen)) + 2
     batch = _mla_batch(qlen, ctx, PAGE, num_blocks, g)
-    batch = type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
-                               {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
-                           for k, v in batch.__dict__.items()})
+    batch = _to_device(batch)
     q, kv_a, w, _, cs = _inputs(t, dtype, g)
     kv_b = (torch.randn(s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, generator=g) / 6)
     cache = torch.randn(num_blocks, PAGE, s.cache_entry_dim, generator=g).to(device=DEVICE, dtype=dtype)
@@ -128,9 +126,7 @@ def test_decode_writes_heads_contiguous_without_copies():
     g = torch.Generator().manual_seed(8)
     s = SPEC
     batch = _mla_batch([1, 1], [5, 12], PAGE, 8, g)
-    batch = type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
-                               {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
-                           for k, v in batch.__dict__.items()})
+    batch = _to_device(batch)
     wide = torch.randn(2, s.num_heads * 24 + 7, generator=g).to(DEVICE)
     q = wide[:, : s.num_heads * 24].view(2, s.num_heads, 24)  # strided rows
     kv_b = torch.randn(s.num_heads * 32, s.kv_lora_rank, generator=g).to(DEVICE) / 6
@@ -238,3 +234,54 @@ def test_decode_params_heuristic_and_env_overrides(monkeypatch):
             md.decode_params(1, 16, 1024)
     finally:
         md.env_overrides.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 17])
+def test_mla_prep_absorbs_q_nope_through_w_uk(dtype, t):
+    """The decode launch's extra programs: q_lat = q_nope @ W_UK per head (token blocks of 16, 128-column
+    blocks, a non-power-of-two nope width), equal to the batched GEMM it replaces; the prep part unchanged."""
+    from deepinfer.backends.nvidia.mla_prep import mla_prep
+
+    g = torch.Generator().manual_seed(4)
+    h, nope, r, L = 3, 24, 8, 256
+    to = dict(device=DEVICE, dtype=dtype)
+    q = torch.randn(t, h, nope + r, generator=g).to(**to)
+    kv_a = torch.randn(t, L + r, generator=g).to(**to)
+    w = torch.ones(L, **to)
+    w_uk = (torch.randn(h, nope, L, generator=g) / 5).to(**to)
+    pos = torch.arange(t, device=DEVICE)
+    cs = rope_cos_sin_cache(r, 64, 10000.0, None).to(DEVICE)
+    slots = torch.arange(t, device=DEVICE)
+    c1, c2 = torch.zeros(5, PAGE, L + r, **to), torch.zeros(5, PAGE, L + r, **to)
+    q1, q2 = q.clone(), q.clone()
+    assert mla_prep(q1, kv_a, w, 1e-6, pos, cs, True, c1, slots) is None
+    q_lat = mla_prep(q2, kv_a, w, 1e-6, pos, cs, True, c2, slots, w_uk=w_uk)
+    assert torch.equal(q1, q2) and torch.equal(c1, c2)
+    exp = torch.bmm(q[..., :nope].transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
+    assert q_lat.shape == (t, h, L) and q_lat.dtype == dtype
+    assert rel_err(q_lat, exp) < tol(dtype)
+
+
+def test_fused_absorb_equals_batched_gemm_path():
+    """forward_from_latent on a decode batch: absorb in the prep launch vs the cuBLAS bmm, same result."""
+    g = torch.Generator().manual_seed(12)
+    s = SPEC
+    batch = _mla_batch([1, 1, 1], [4, 30, 0], PAGE, 14, g)
+    q, kv_a, w, _, cs = _inputs(3, torch.float32, g)
+    kv_b = torch.randn(s.num_heads * 32, s.kv_lora_rank, generator=g).to(DEVICE) / 6
+    outs = []
+    for fused in (True, False):
+        op = backend().make_mla_attention(s)
+        op.fuse_absorb = fused
+        op.load_kv_b_proj(kv_b)
+        cache = torch.zeros(14, PAGE, s.cache_entry_dim, device=DEVICE)
+        outs.append(op.forward_from_latent(q.clone(), kv_a, w, 1e-6, batch.positions.to(DEVICE), cs, True, cache,
+                                           _to_device(batch), "mla", backend()))
+    assert rel_err(outs[0], outs[1]) < 1e-6
+
+
+def _to_device(batch):
+    return type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
+                              {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
+                          for k, v in batch.__dict__.items()})

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 class TritonMLAAttention(MLAAttentionOp):
+    fuse_absorb = True  # decode: W_UK absorb inside the mla_prep launch (False: a cuBLAS batched GEMM)
+
     def __init__(self, spec: MLASpec):
         super().__init__(spec)
         self.w_uk: torch.Tensor | None = None  # [H, qk_nope, L]
@@ -48,7 +50,7 @@ class TritonMLAAttention(MLAAttentionOp):
     # ------------------------------------------------------------ paths
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor) -> torch.Tensor:
+               seq_lens: torch.Tensor, q_lat: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, nope+rope] (rows may be strided) -> [B, H, v], contiguous (absorbed, paged latent cache).
 
         No elementwise copies: both head-batched GEMMs read and write strided views ([H, B, .] over
@@ -57,8 +59,9 @@ class TritonMLAAttention(MLAAttentionOp):
         s = self.spec
         B = q.shape[0]
         w_uk, w_uv_t = self._weights(q.dtype)
-        q_lat = torch.empty((B, s.num_heads, s.kv_lora_rank), dtype=q.dtype, device=q.device)
-        torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+        if q_lat is None:  # not absorbed by mla_prep already
+            q_lat = torch.empty((B, s.num_heads, s.kv_lora_rank), dtype=q.dtype, device=q.device)
+            torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
         o_lat = mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
                            q_pe=q[..., s.qk_nope_head_dim :])
         out = torch.empty((B, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
@@ -106,10 +109,15 @@ class TritonMLAAttention(MLAAttentionOp):
 
     def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
                             batch, cache_name, ops) -> torch.Tensor:
-        """One kernel for kv_a norm + RoPE (q_pe rotated in place in q) + KV write, then the attention."""
+        """One kernel for kv_a norm + RoPE (q_pe rotated in place in q) + KV write, then the attention.
+        A decode-only batch also absorbs q_nope through W_UK in that launch (fuse_absorb)."""
         self._check(q, kv_cache, batch)
-        mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
-                 batch.slot_mapping[cache_name])
+        decode_only = all(n == 1 for n in batch.query_lens_cpu)
+        w_uk = self._weights(q.dtype)[0] if decode_only and self.fuse_absorb else None
+        q_lat = mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                         batch.slot_mapping[cache_name], w_uk=w_uk)
+        if q_lat is not None:
+            return self.decode(q, kv_cache, batch.block_tables[cache_name], batch.seq_lens, q_lat).view(q.shape[0], -1)
         return self._attend(q, kv_cache, batch, cache_name)
 
     def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch") -> None:

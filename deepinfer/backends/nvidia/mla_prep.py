@@ -6,6 +6,9 @@ concatenation and a KV write: six launches of a few microseconds each at batch
 1. Here one program per token normalises kv_c, rotates k_pe and writes both
 into the token's cache slot (slot -1, a padded row, writes nothing), and rotates
 that token's q_pe of every head in place in q, where the attention reads it.
+For decode, the same launch can also absorb q_nope through W_UK (extra
+programs, one per 16 tokens x head x 128 latent columns, fp32 accumulation as
+the batched GEMM it replaces), so the decode kernel reads q_lat directly.
 
 Rounding follows the separate ops exactly (so the model's numerics do not move):
 RMSNorm in fp32, rounded to the input dtype, times the weight in fp32, rounded;
@@ -14,19 +17,43 @@ RoPE in fp32 with the fp32 cos/sin table (YaRN factors included), rounded.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _mla_prep_kernel(
-    q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr,
-    H, stride_qt, stride_qh, stride_kvt, stride_cs, eps,
-    L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _absorb_block(q_ptr, wuk_ptr, qlat_ptr, a, T, H, stride_qt, stride_qh, stride_wh, stride_wn, stride_lt, stride_lh,
+                  NOPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                  NUM_C: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """q_lat[tokens, h, columns] = q_nope[tokens, h] @ W_UK[h][:, columns] for one (token block, head, column block)."""
+    c = a % NUM_C
+    h = (a // NUM_C) % H
+    tb = a // (NUM_C * H)
+    toks = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = toks < T
+    offs_n = tl.arange(0, BLOCK_K)
+    nm = offs_n < NOPE
+    qn = tl.load(q_ptr + toks[:, None] * stride_qt + h * stride_qh + offs_n[None, :], mask=tm[:, None] & nm[None, :],
+                 other=0.0)
+    offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.load(wuk_ptr + h * stride_wh + offs_n[:, None] * stride_wn + offs_c[None, :], mask=nm[:, None], other=0.0)
+    if UPCAST:
+        qn = qn.to(tl.float32)
+        w = w.to(tl.float32)
+    acc = tl.dot(qn, w, input_precision=PREC)  # fp32 accumulation, rounded once: as the batched GEMM
+    tl.store(qlat_ptr + toks[:, None] * stride_lt + h * stride_lh + offs_c[None, :],
+             acc.to(qlat_ptr.dtype.element_ty), mask=tm[:, None])
+
+
+@triton.jit
+def _prep_token(
+    q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, tok, H, stride_qt, stride_qh, stride_kvt, stride_cs,
+    eps, L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -71,6 +98,27 @@ def _mla_prep_kernel(
         tl.store(entry + L + b_off, rb.to(cache_ptr.dtype.element_ty), mask=im)
 
 
+@triton.jit
+def _mla_prep_kernel(
+    q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, wuk_ptr, qlat_ptr,
+    T, H, stride_qt, stride_qh, stride_kvt, stride_cs, eps, stride_wh, stride_wn, stride_lt, stride_lh,
+    L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ABSORB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_C: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Programs [0, T): one token's norm / RoPE / KV write. With ABSORB, programs from T on: the W_UK absorb
+    of q_nope (it reads only q_nope, which the RoPE programs never touch, so the two roles are independent)."""
+    pid = tl.program_id(0)
+    if pid < T:
+        _prep_token(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, pid.to(tl.int64), H, stride_qt,
+                    stride_qh, stride_kvt, stride_cs, eps, L, BLOCK_L, NOPE, HALF, BLOCK_HALF, BLOCK_H, INTERLEAVED)
+    else:
+        if ABSORB:
+            _absorb_block(q_ptr, wuk_ptr, qlat_ptr, pid - T, T, H, stride_qt, stride_qh, stride_wh, stride_wn,
+                          stride_lt, stride_lh, NOPE, BLOCK_K, BLOCK_T, BLOCK_C, NUM_C, UPCAST, PREC)
+
+
 def mla_prep(
     q: torch.Tensor,  # [T, H, nope + R], its last R columns rotated in place
     kv_a: torch.Tensor,  # [T, L + R]: kv_c then k_pe (rows may be strided, e.g. a split of a merged GEMM)
@@ -81,7 +129,8 @@ def mla_prep(
     interleaved: bool,
     kv_cache: torch.Tensor,  # [num_blocks, page, L + R]
     slot_mapping: torch.Tensor,  # [T], -1 = write nothing
-) -> None:
+    w_uk: torch.Tensor | None = None,  # [H, nope, L]: also absorb q_nope through W_UK in the same launch
+) -> torch.Tensor | None:  # q_lat [T, H, L] in q's dtype when w_uk is given
     from deepinfer.errors import BackendError
 
     t, h, qw = q.shape
@@ -97,13 +146,31 @@ def mla_prep(
     if not (kv_a.shape[0] == positions.shape[0] == slot_mapping.shape[0] == t):
         raise BackendError(f"mla_prep: {t} q rows, {kv_a.shape[0]} kv rows, {positions.shape[0]} positions, "
                            f"{slot_mapping.shape[0]} slots")
+    nope = qw - r
+    q_lat = None
+    grid = t
+    absorb = dict(ABSORB=False, BLOCK_K=16, BLOCK_T=16, BLOCK_C=16, NUM_C=1, UPCAST=False, PREC=None)
+    if w_uk is not None:
+        if tuple(w_uk.shape) != (h, nope, L) or w_uk.stride(-1) != 1 or w_uk.dtype != q.dtype:
+            raise BackendError(f"mla_prep: W_UK {tuple(w_uk.shape)} {w_uk.dtype} is not [{h}, {nope}, {L}] {q.dtype}")
+        q_lat = torch.empty((t, h, L), dtype=q.dtype, device=q.device)
+        block_c = min(128, triton.next_power_of_2(L))
+        absorb = dict(ABSORB=True, BLOCK_K=max(16, triton.next_power_of_2(nope)), BLOCK_T=16, BLOCK_C=block_c,
+                      NUM_C=triton.cdiv(L, block_c), PREC="ieee" if q.dtype == torch.float32 else None,
+                      UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16)
+        grid = t + triton.cdiv(t, 16) * h * absorb["NUM_C"]
     if t == 0:
-        return
+        return q_lat
     cs = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     half = r // 2
-    _mla_prep_kernel[(t,)](
-        q, kv_a, kv_norm_weight, positions, cs, slot_mapping, kv_cache,
-        h, q.stride(0), q.stride(1), kv_a.stride(0), cs.stride(0), eps,
-        L=L, BLOCK_L=triton.next_power_of_2(L), NOPE=qw - r, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(h), INTERLEAVED=interleaved, num_warps=4,
+    wk = w_uk if w_uk is not None else q
+    ql = q_lat if q_lat is not None else q
+    _mla_prep_kernel[(grid,)](
+        q, kv_a, kv_norm_weight, positions, cs, slot_mapping, kv_cache, wk, ql,
+        t, h, q.stride(0), q.stride(1), kv_a.stride(0), cs.stride(0), eps,
+        wk.stride(0) if w_uk is not None else 0, wk.stride(1) if w_uk is not None else 0,
+        ql.stride(0), ql.stride(1),
+        L=L, BLOCK_L=triton.next_power_of_2(L), NOPE=nope, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=triton.next_power_of_2(h), INTERLEAVED=interleaved, **absorb, num_warps=4,
     )
+    return q_lat
