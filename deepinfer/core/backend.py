@@ -277,6 +277,17 @@ class MoEOp(ABC):
         the reference gate; an op may skip the fp32 copy of x (the default makes it)."""
         return torch.nn.functional.linear(x.float(), gate_weight.float())
 
+    def forward_hidden(
+        self,
+        x: torch.Tensor,  # [T, D]
+        gate_weight: torch.Tensor,  # [E, D] fp32 router gate
+        correction_bias: torch.Tensor | None = None,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """forward() from the hidden states, so an op may fuse the router GEMV with the top-k; the
+        default computes router_logits, then forward."""
+        return self.forward(x, self.router_logits(x, gate_weight), correction_bias, shared_experts=shared_experts)
+
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Offer the dense weights of the shared-experts MLP that `forward`'s `shared_experts` computes:
         gate_up [2*S*I, D] (S*I gate rows, then S*I up rows), down [D, S*I], S = n_shared_experts.
