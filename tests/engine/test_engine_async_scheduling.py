@@ -170,6 +170,28 @@ def test_preemption_in_a_tiny_kv_pool(fake_tokenizer_dir):
     assert e._pipeline.num_sync_fallbacks > 0  # the pool ran short: resolved before scheduling
 
 
+def test_preemption_with_a_step_in_flight_is_still_correct(fake_tokenizer_dir, monkeypatch):
+    """Without the resolve-first fallback, the scheduler preempts sequences whose token is still
+    pending (their blocks are freed while the step in flight writes them): outputs stay right."""
+    prompts = prompts_of([3, 7, 11, 5, 9, 14])
+    model = FakeCausalLM()
+    e = make(fake_tokenizer_dir, True, model, max_num_batched_tokens=16, max_model_len=48, num_kv_blocks=12,
+             max_num_seqs=6)
+    monkeypatch.setattr(e.scheduler, "would_preempt", lambda: False)
+    pending_victims = []
+    preempt = e.scheduler._preempt
+
+    def spy(seq):
+        pending_victims.append(seq.num_pending)
+        preempt(seq)
+
+    monkeypatch.setattr(e.scheduler, "_preempt", spy)
+    outs = e.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    assert any(pending_victims)  # some victims had a token in flight
+    assert [o.token_ids for o in outs] == [expected(p, 20, model) for p in prompts]
+    assert e.stats().kv_blocks_used == 0 and e._pipeline.num_sync_fallbacks == 0
+
+
 def test_n_greater_than_one_and_penalties(fake_tokenizer_dir):
     prompts = prompts_of([4, 9, 2])
     params = [SamplingParams(n=3, temperature=3.0, seed=11, max_tokens=9, ignore_eos=True),
