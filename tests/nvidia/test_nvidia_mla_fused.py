@@ -285,3 +285,27 @@ def _to_device(batch):
     return type(batch)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else
                               {n: x.to(DEVICE) for n, x in v.items()} if isinstance(v, dict) else v)
                           for k, v in batch.__dict__.items()})
+
+
+@pytest.mark.parametrize("batch,splits", [(2, 4), (9, 4), (2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_with_w_uv(batch, splits, dtype):
+    """W_UV applied in the merge launch (batch <= MERGE_UV_MAX_BATCH) or by a batched GEMM after it (larger
+    batches, or one split): both equal o_lat @ W_UV^T, o_lat rounded to the dtype first as before."""
+    from deepinfer.backends.nvidia.mla_decode import MERGE_UV_MAX_BATCH, mla_decode
+
+    assert MERGE_UV_MAX_BATCH < 9
+    g = torch.Generator().manual_seed(21)
+    L, R, V, h = 32, 16, 24, 3
+    to = dict(device=DEVICE, dtype=dtype)
+    blocks = batch * 6
+    cache = torch.randn(blocks, PAGE, L + R, generator=g).to(**to)
+    table = torch.randperm(blocks, generator=g).view(batch, 6).int().to(DEVICE)
+    seq = torch.randint(0, 24, (batch,), generator=g).int().to(DEVICE)
+    q = torch.randn(batch, h, L + R, generator=g).to(**to)
+    w_uv_t = (torch.randn(h, L, V, generator=g) / 4).to(**to)
+    o_lat = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=16)
+    out = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=16, w_uv_t=w_uv_t)
+    exp = torch.einsum("bhl,hlv->bhv", o_lat.double(), w_uv_t.double())
+    assert out.shape == (batch, h, V) and out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, exp) < tol(dtype)

@@ -62,11 +62,9 @@ class TritonMLAAttention(MLAAttentionOp):
         if q_lat is None:  # not absorbed by mla_prep already
             q_lat = torch.empty((B, s.num_heads, s.kv_lora_rank), dtype=q.dtype, device=q.device)
             torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
-        o_lat = mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
-                           q_pe=q[..., s.qk_nope_head_dim :])
-        out = torch.empty((B, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
-        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
-        return out
+        # W_UV: fused into the split merge at small batches, a batched GEMM otherwise (see mla_decode)
+        return mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
+                          q_pe=q[..., s.qk_nope_head_dim :], w_uv_t=w_uv_t)
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV^T [H, L, v]) in `dtype`; the load dtype needs no conversion."""

@@ -44,9 +44,9 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, min_split):
+def _split_len(seq_len, num_splits, block_n, min_split):
     """Tokens per split of one sequence: ceil(len / splits) in whole tiles, at least min_split."""
-    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
     return tl.maximum(per, min_split)
 
 
@@ -54,9 +54,9 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, min_spl
 def _mla_decode_split_kernel(
     q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     H, stride_qb, stride_qh, stride_eb, stride_eh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh, scale_log2, min_split,
+    stride_ob, stride_oh, scale_log2, min_split, num_splits,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -64,7 +64,7 @@ def _mla_decode_split_kernel(
     s = tl.program_id(2)
     ENTRY: tl.constexpr = L + R
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N, min_split)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, min_split)
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -123,8 +123,8 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, min_split,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, min_split, num_splits, block_n,
+    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """One program per (row, head, BLOCK_L columns): all used splits in one [S, BLOCK_L] tile, summed in a
     fixed tree order (deterministic); unused splits are masked, never read."""
@@ -132,7 +132,7 @@ def _mla_decode_merge_kernel(
     h = tl.program_id(1)
     c = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N, min_split))
+    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, block_n, min_split))
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < used
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
@@ -146,6 +146,45 @@ def _mla_decode_merge_kernel(
     total = tl.sum(w, 0)
     total = tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_l, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mla_decode_merge_uv_kernel(
+    part_o_ptr, part_lse_ptr, wuv_ptr, out_ptr, seq_lens_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_wh, stride_wl, stride_ob, stride_oh,
+    min_split, num_splits, block_n, V,
+    L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_LC: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Small batches: one program per (row, head) merges the splits (as the merge kernel, then rounded to the
+    output dtype as mla_decode's result is) and multiplies by W_UV^T [L, V] (fp32 accumulation, one
+    rounding: as the batched GEMM it replaces), so the merge and the W_UV product are one launch."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, block_n, min_split))
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < used
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    total = tl.sum(w, 0)
+    total = tl.where(total > 0, total, 1.0)
+    offs_v = tl.arange(0, BLOCK_V)
+    vmask = offs_v < V
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for c in tl.static_range(0, L, BLOCK_LC):
+        offs_l = c + tl.arange(0, BLOCK_LC)
+        o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_l[None, :],
+                    mask=smask[:, None], other=0.0)
+        lat = (tl.sum(w[:, None] * o, 0) / total).to(out_ptr.dtype.element_ty).to(tl.float32)
+        wt = tl.load(wuv_ptr + h * stride_wh + offs_l[:, None] * stride_wl + offs_v[None, :], mask=vmask[None, :],
+                     other=0.0)
+        acc += tl.sum(lat[:, None] * wt.to(tl.float32), 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_v, acc.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more than a batched GEMM
 
 
 def default_num_splits(batch_size: int, num_heads: int, block_h: int = BLOCK_H, num_sms: int = 132) -> int:
@@ -228,8 +267,12 @@ def mla_decode(
     num_stages: int = 3,
     q_pe: torch.Tensor | None = None,  # [B, H, R]: pass the rope part apart to skip a concatenation
     min_split: int | None = None,
-) -> torch.Tensor:  # [B, H, L]
-    """Unset num_splits / block_n / min_split come from decode_params (heuristic + env overrides)."""
+    w_uv_t: torch.Tensor | None = None,  # [H, L, V]: also project through W_UV -> [B, H, V]
+) -> torch.Tensor:  # [B, H, L], or [B, H, V] with w_uv_t
+    """Unset num_splits / block_n / min_split come from decode_params (heuristic + env overrides).
+
+    With w_uv_t the result is o_lat @ W_UV^T per head: merged in the same launch for up to
+    MERGE_UV_MAX_BATCH rows (host-known, so graph-safe), else a cuBLAS batched GEMM after the merge."""
     from deepinfer.errors import BackendError
 
     L = kv_lora_rank
@@ -255,30 +298,47 @@ def mla_decode(
         raise BackendError(f"mla_decode: {num_splits} splits / {block_n}-token tiles (need >= 1 / a power of two >= 16)")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-    out = torch.empty((B, H, L), dtype=q.dtype, device=q.device)
-    if B == 0:
-        return out
     direct = num_splits == 1
+    fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH
+    if w_uv_t is not None and (w_uv_t.shape[:2] != (H, L) or w_uv_t.stride(-1) != 1 or w_uv_t.dtype != q.dtype):
+        raise BackendError(f"mla_decode: W_UV^T {tuple(w_uv_t.shape)} {w_uv_t.dtype} is not [{H}, {L}, V] {q.dtype}")
+    out = torch.empty((B, H, L), dtype=q.dtype, device=q.device) if not fuse_uv else None
+    if B == 0:
+        return torch.empty((0, H, L if w_uv_t is None else w_uv_t.shape[-1]), dtype=q.dtype, device=q.device)
     if direct:  # the split kernel writes `out` itself; the partial buffers are not touched
         part_o, part_lse = out, out
     else:
         part_o = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), num_splits)](
-        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse, out,
+        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse, out if out is not None else part_o,
         H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0, part_lse.stride(0),
-        part_lse.stride(1), out.stride(0), out.stride(1), softmax_scale * _LOG2E, min_split,
-        L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, NUM_SPLITS=num_splits,
-        BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
+        part_lse.stride(1), out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
+        softmax_scale * _LOG2E, min_split, num_splits,
+        L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if fuse_uv:
+        V = w_uv_t.shape[-1]
+        res = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
+        _mla_decode_merge_uv_kernel[(B, H)](
+            part_o, part_lse, w_uv_t, res, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), w_uv_t.stride(0), w_uv_t.stride(1), res.stride(0), res.stride(1),
+            min_split, num_splits, block_n, V, L=L, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_LC=min(L, 64), BLOCK_V=triton.next_power_of_2(V), num_warps=4,
+        )
+        return res
     if not direct:
         block_l = min(L, MERGE_BLOCK_L)
         _mla_decode_merge_kernel[(B, H, L // block_l)](
             part_o, part_lse, out, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), min_split,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, BLOCK_L=block_l,
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), min_split, num_splits, block_n,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_L=block_l,
             num_warps=4,
         )
+    if w_uv_t is not None:  # [H, B, L] @ [H, L, V] into a [B, H, V] buffer: strided, no copies
+        res = torch.empty((B, H, w_uv_t.shape[-1]), dtype=q.dtype, device=q.device)
+        torch.bmm(out.transpose(0, 1), w_uv_t, out=res.transpose(0, 1))
+        return res
     return out
