@@ -122,6 +122,7 @@ class MoEBench:
         from deepinfer.backends.nvidia.fused_moe import counters_for
 
         self.counters = counters_for(D, device)  # the fused combine's (self-resetting) column counters
+        self.route_counters = torch.zeros(16, dtype=torch.int32, device=device)  # the fused router's
         mk = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02  # noqa: E731
         self.layers = [dict(gate=torch.randn(E, D, device=device) * 0.02, w13=mk(E, 2 * I, D), w2=mk(E, D, I),
                             gu=mk(2 * S * I, D), dn=mk(D, S * I)) for _ in range(self.LAYERS)]
@@ -150,10 +151,15 @@ class MoEBench:
 
     def new(self, L, x, direct=None):
         """TritonMoE.forward's schedule: direct + shared folded at small T, else aligned + fused add."""
-        from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
-        from deepinfer.backends.nvidia.moe_routing import router_logits
+        import os
 
-        w, ids = self.route(router_logits(x, L["gate"]))
+        from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
+        from deepinfer.backends.nvidia.moe_routing import ROUTER_GEMV_MAX_TOKENS, gate_route, router_logits
+
+        if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") != "0":
+            w, ids = gate_route(x, L["gate"], self.spec, None, self.route_counters)
+        else:
+            w, ids = self.route(router_logits(x, L["gate"]))
         if direct is None:
             direct = use_direct(x.shape[0], self.K)
         if direct:
@@ -186,10 +192,12 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
         old_ms, new_ms = b.time(b.old, x), b.time(b.new, x)
         emit(name="moe_layer", tokens=t, ms=new_ms, old_ms=old_ms, speedup=old_ms / new_ms, TBps=nbytes / new_ms / 1e9,
              old_TBps=nbytes / old_ms / 1e9, rel_err_vs_old=err)
-        if t * b.K <= 64:  # direct mode with the separate combine kernel (A/B of the fused combine)
-            os.environ["DEEPINFER_MOE_FUSED_COMBINE"] = "0"
-            emit(name="moe_layer combine kernel", tokens=t, ms=b.time(b.new, x))
-            os.environ.pop("DEEPINFER_MOE_FUSED_COMBINE")
+        for var, label in (("DEEPINFER_MOE_FUSED_COMBINE", "combine kernel"), ("DEEPINFER_MOE_FUSED_ROUTER",
+                                                                                "router + top-k kernels")):
+            if t * b.K <= 64:  # A/B of the small-batch fusions: each one off
+                os.environ[var] = "0"
+                emit(name="moe_layer " + label, tokens=t, ms=b.time(b.new, x))
+                os.environ.pop(var)
         if t <= 64:  # the other schedule, for the DEEPINFER_MOE_DIRECT_MAX_PAIRS choice
             other = not use_direct(t, b.K)
             label = "moe_layer " + ("direct" if other else "aligned")
@@ -204,12 +212,27 @@ def router_bench(tokens_list=(1, 4, 16)) -> None:
     """fp32 router logits: x.float() + cuBLAS (old) vs the Triton GEMV (DEEPINFER_ROUTER_GEMV tiles), graph replay."""
     import os
 
-    from deepinfer.backends.nvidia.moe_routing import router_logits
+    from deepinfer.backends.nvidia.moe_routing import gate_route, router_logits
 
     gates = [torch.randn(MoEBench.E, MoEBench.D, device="cuda") * 0.02 for _ in range(8)]
+    spec = RouterSpec(MoEBench.E, MoEBench.K, "softmax", "greedy")
+    try:
+        from deepinfer.backends.nvidia import cuda_ext
+
+        ext = cuda_ext.load()
+        topk = lambda logits: cuda_ext.grouped_topk(ext, logits, spec, None)  # noqa: E731
+    except Exception:
+        from deepinfer.backends.nvidia.moe_routing import route
+
+        topk = lambda logits: route(logits, spec)  # noqa: E731
+    counters = torch.zeros(16, dtype=torch.int32, device="cuda")
     for t in tokens_list:
         x = torch.randn(t, MoEBench.D, device="cuda", dtype=torch.bfloat16)
         old = graph_ms(lambda: [F.linear(x.float(), g) for g in gates]) / len(gates)
+        old_route = graph_ms(lambda: [topk(F.linear(x.float(), g)) for g in gates]) / len(gates)
+        fused = graph_ms(lambda: [gate_route(x, g, spec, None, counters) for g in gates]) / len(gates)
+        same = torch.equal(gate_route(x, gates[0], spec, None, counters)[1], topk(F.linear(x.float(), gates[0]))[1])
+        emit(name="router+topk", tokens=t, ms=fused, old_ms=old_route, speedup=old_route / fused, same_ids=same)
         for tile in (None, "1,2048,4", "4,512,4", "2,1024,8"):
             if tile:
                 os.environ["DEEPINFER_ROUTER_GEMV"] = tile

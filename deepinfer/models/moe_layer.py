@@ -61,5 +61,5 @@ class MoELayer(nn.Module):
             self.shared_fused = self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.op.router_logits(x, self.gate_weight)  # fp32, as the reference gate
-        return self.op.forward(x, router_logits, self.e_score_correction_bias, shared_experts=self.shared_experts)
+        # fp32 router gate as the reference; the op may fuse it with the top-k
+        return self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)

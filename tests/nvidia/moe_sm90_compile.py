@@ -82,6 +82,19 @@ def main() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32", "stride_o": "i32", "BLOCK_E": "constexpr", "BLOCK_D": "constexpr"}
     compile_one("router_logits", r._router_logits_kernel, sig, {"BLOCK_E": 2, "BLOCK_D": 1024}, 4, 3)
+    from deepinfer.core.backend import RouterSpec
+
+    for label, spec, E, bias in (("v2-lite", RouterSpec(64, 6, "softmax", "greedy"), 64, None),
+                                 ("v3", RouterSpec(256, 8, "sigmoid", "noaux_tc", n_group=8, topk_group=4,
+                                                   norm_topk_prob=True), 256, True)):
+        params = r._route_params(spec, E, bias)
+        sig = {"x_ptr": "*bf16", "gw_ptr": "*fp32", "logits_ptr": "*fp32", "cnt_ptr": "*i32", "bias_ptr": "*fp32",
+               "w_ptr": "*fp32", "ids_ptr": "*i64", "E": "i32", "D": "i32", "stride_x": "i32", "stride_gw": "i32",
+               "PER": "i32", "scale": "fp32"}
+        consts = {k: v for k, v in params.items() if k not in ("PER", "scale")}
+        consts.update(BLOCK_E=2, BLOCK_D=1024)
+        sig.update({k: "constexpr" for k in consts})
+        compile_one(f"gate_route {label}", r._gate_route_kernel, sig, consts, 4, 3)
 
 
 if __name__ == "__main__":

@@ -196,3 +196,58 @@ def test_direct_down_gemm_fuses_the_combine(dtype, shared):
     if shared != "none":
         ref = ref + _shared_mlp(gate_up, down)(x)
     assert rel_err(fused, ref) < _tol(dtype)
+
+
+ROUTERS = {
+    "softmax greedy": RouterSpec(E, K, "softmax", "greedy", routed_scaling_factor=2.0),
+    "softmax group_limited_greedy": RouterSpec(16, 4, "softmax", "group_limited_greedy", n_group=4, topk_group=2,
+                                               routed_scaling_factor=16.0),
+    "sigmoid noaux_tc": RouterSpec(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                                   routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_gate_route_fuses_router_gemv_and_topk(name):
+    """One launch (per-token last program picks the experts) == router_logits then the Triton top-k."""
+    from deepinfer.backends.nvidia.moe_routing import gate_route, route, router_logits
+
+    spec = ROUTERS[name]
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 300, generator=g).to(DEVICE, torch.bfloat16)
+    gate = torch.randn(spec.num_experts, 300, generator=g).to(DEVICE)
+    bias = torch.randn(spec.num_experts, generator=g).to(DEVICE) if spec.topk_method == "noaux_tc" else None
+    counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        w, ids = gate_route(x, gate, spec, bias, counters)
+        rw, rids = route(router_logits(x, gate), spec, bias)
+        assert torch.equal(ids, rids) and torch.equal(w, rw)
+        assert int(counters.abs().sum()) == 0
+    nw, nids = NativeOps().route(F.linear(x.float(), gate), spec, bias)
+    assert torch.equal(ids, nids) and rel_err(w, nw) < 1e-6
+    with pytest.raises(BackendError, match="gate_route"):
+        gate_route(torch.zeros(17, 300, device=DEVICE), gate, spec, bias, counters)
+
+
+@pytest.mark.parametrize("t", [1, 6, 20])  # 20 > 16 tokens: router GEMV / cuBLAS, then the top-k
+@pytest.mark.parametrize("name", ["softmax greedy", "sigmoid noaux_tc"])
+def test_forward_hidden_matches_native(name, t):
+    router = ROUTERS[name]
+    spec = MoESpec(router=router, hidden_size=D, intermediate_size=I)
+    w13, w2, gate_up, down = _weights(torch.float32)
+    w13, w2 = w13[: router.num_experts], w2[: router.num_experts]
+    if router.num_experts > E:
+        w13, w2 = w13.repeat(2, 1, 1), w2.repeat(2, 1, 1)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(t, D, generator=g).to(DEVICE)
+    gate = torch.randn(router.num_experts, D, generator=g).to(DEVICE)
+    bias = torch.randn(router.num_experts, generator=g).to(DEVICE) if router.topk_method == "noaux_tc" else None
+    ours, ref = backend().make_moe(spec), NativeOps().make_moe(spec)
+    for op in (ours, ref):
+        op.load_experts(w13, w2)
+        op.fuse_shared_experts(gate_up, down)
+    mlp = _shared_mlp(gate_up, down)
+    out = ours.forward_hidden(x, gate, bias, mlp)
+    assert rel_err(out, ref.forward_hidden(x, gate, bias, mlp)) < tol(torch.float32)
+    assert rel_err(ours.forward_hidden(x, gate, bias), ref.forward_hidden(x, gate, bias)) < tol(torch.float32)
+    assert int(ours.route_counters.abs().sum()) == 0 and int(ours.counters.abs().sum()) == 0

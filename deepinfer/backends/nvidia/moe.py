@@ -5,16 +5,26 @@ offered through fuse_shared_experts) folded in as extra experts; larger ones
 the expert-aligned mode with the shared MLP run densely by the model's
 module (one read of its weights) and only its add fused into the combine.
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
+Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
+(DEEPINFER_MOE_FUSED_ROUTER=0: GEMV, then the CUDA C++ / Triton top-k).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
-from deepinfer.backends.nvidia.moe_routing import GROUPING_CODES, SCORING_CODES, moe_align, router_logits
+from deepinfer.backends.nvidia.moe_routing import (
+    GROUPING_CODES,
+    ROUTER_GEMV_MAX_TOKENS,
+    SCORING_CODES,
+    gate_route,
+    moe_align,
+    router_logits,
+)
 from deepinfer.core.backend import MoESpec
 from deepinfer.core.native.moe import NativeMoE
 from deepinfer.errors import BackendError
@@ -46,10 +56,12 @@ class TritonMoE(NativeMoE):
         self.align_fn = align_fn
         self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
         self.counters: torch.Tensor | None = None  # the direct mode's fused-combine counters (made at load)
+        self.route_counters: torch.Tensor | None = None  # the fused router's per-token counters
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
         self.counters = counters_for(self.spec.hidden_size, w13.device)  # before any graph capture
+        self.route_counters = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=w13.device)
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         d, i = self.spec.hidden_size, self.spec.intermediate_size
@@ -70,10 +82,22 @@ class TritonMoE(NativeMoE):
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters)
 
+    def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
+        if x.shape[0] > ROUTER_GEMV_MAX_TOKENS or os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
+            return super().forward_hidden(x, gate_weight, correction_bias, shared_experts)
+        if self.w13 is None or self.route_counters is None:
+            raise BackendError("MoE forward before load_experts")
+        weights, ids = gate_route(x, gate_weight, self.spec.router, correction_bias, self.route_counters)
+        return self._experts(x, weights, ids, shared_experts)
+
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE forward before load_experts")
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
+        return self._experts(x, weights, ids, shared_experts)
+
+    def _experts(self, x, weights, ids, shared_experts):
+        """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused."""
         direct = use_direct(x.shape[0], ids.shape[1])
         if direct and shared_experts is not None and self.shared_w is not None:
             return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True,

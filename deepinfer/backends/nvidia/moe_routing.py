@@ -25,18 +25,22 @@ GROUPING_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, PER, scale,
+def _route_row(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, row, stride_l, PER, scale,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORING: tl.constexpr, GROUPING: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CG: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Top-k of one token's logits row (CG: read through L2, the row was written by other programs)."""
     g = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_P)
     valid = (g[:, None] < G) & (c[None, :] < PER)
     eid = g[:, None] * PER + c[None, :]
-    x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf")).to(tl.float32)
+    if CG:
+        x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
     if SCORING == 0:
         mx = tl.max(tl.max(x, 1), 0)
         e = tl.where(valid, tl.exp(x - mx), 0.0)
@@ -84,9 +88,20 @@ def _route_kernel(
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o,
-                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(1).to(tl.int64)
+def _route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, PER, scale,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORING: tl.constexpr, GROUPING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):
+    _route_row(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0).to(tl.int64), stride_l, PER, scale,
+               TOP_K, BLOCK_K, G, BLOCK_G, BLOCK_P, TOPK_GROUP, SCORING, GROUPING, HAS_BIAS, NORM, False)
+
+
+@triton.jit
+def _gate_gemv(x_ptr, w_ptr, out_ptr, t, E, D, stride_x, stride_w, stride_o,
+               BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, block of BLOCK_E experts] = x[t] . w[e] with fp32 products and sums."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = offs_e < E
     offs_d = tl.arange(0, BLOCK_D)
@@ -98,6 +113,32 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, strid
                      mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         acc += wv * xv[None, :]
     tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, 1), mask=emask)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o,
+                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    _gate_gemv(x_ptr, w_ptr, out_ptr, tl.program_id(1).to(tl.int64), E, D, stride_x, stride_w, stride_o,
+               BLOCK_E, BLOCK_D)
+
+
+@triton.jit
+def _gate_route_kernel(
+    x_ptr, gw_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, E, D, stride_x, stride_gw, PER, scale,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORING: tl.constexpr, GROUPING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):
+    """Router GEMV + top-k in one launch: the last program of a token (per-token counter, reset after)
+    picks its experts from the logits row the token's programs wrote."""
+    t = tl.program_id(1).to(tl.int64)
+    _gate_gemv(x_ptr, gw_ptr, logits_ptr, t, E, D, stride_x, stride_gw, E, BLOCK_E, BLOCK_D)
+    tl.debug_barrier()  # all threads' logits stores happen before the (acq_rel, gpu-scope) increment
+    if tl.atomic_add(cnt_ptr + t, 1) == tl.num_programs(0) - 1:
+        _route_row(logits_ptr, bias_ptr, w_ptr, ids_ptr, t, E, PER, scale,
+                   TOP_K, BLOCK_K, G, BLOCK_G, BLOCK_P, TOPK_GROUP, SCORING, GROUPING, HAS_BIAS, NORM, True)
+        tl.atomic_xchg(cnt_ptr + t, 0)
 
 
 ROUTER_GEMV_MAX_TOKENS = 16
@@ -116,11 +157,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     w = gate_weight.float()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
     if T:
-        # many small programs, few iterations: latency-bound at decode (V2-Lite T=1: 32 programs x 2 steps)
-        block_e, block_d, warps = 2, min(1024, triton.next_power_of_2(D)), 4
-        env = os.environ.get("DEEPINFER_ROUTER_GEMV")  # "BLOCK_E,BLOCK_D,warps" for tuning runs
-        if env:
-            block_e, block_d, warps = (int(v) for v in env.split(","))
+        block_e, block_d, warps = _gemv_tile(D)
         _router_logits_kernel[(triton.cdiv(E, block_e), T)](
             x, w, out, E, D, x.stride(0), w.stride(0), out.stride(0), BLOCK_E=block_e, BLOCK_D=block_d,
             num_warps=warps,
@@ -128,15 +165,23 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] fp32 with normalisation and routed_scaling_factor applied, topk_ids [T, k] int64)."""
+def _gemv_tile(D: int) -> tuple[int, int, int]:
+    # many small programs, few iterations: latency-bound at decode (V2-Lite T=1: 32 programs x 2 steps)
+    env = os.environ.get("DEEPINFER_ROUTER_GEMV")  # "BLOCK_E,BLOCK_D,warps" for tuning runs
+    if env:
+        block_e, block_d, warps = (int(v) for v in env.split(","))
+        return block_e, block_d, warps
+    return 2, min(1024, triton.next_power_of_2(D)), 4
+
+
+def _route_params(spec, E: int, correction_bias: torch.Tensor | None) -> dict:
+    """The routing kernels' per-spec arguments (PER, scale and the constexprs), after checking the spec."""
     from deepinfer.errors import BackendError
 
     if spec.scoring_func not in SCORING_CODES:
         raise BackendError(f"triton route: scoring_func {spec.scoring_func!r} not implemented (softmax, sigmoid)")
     if spec.topk_method not in GROUPING_CODES:
         raise BackendError(f"triton route: topk_method {spec.topk_method!r} not implemented")
-    T, E = router_logits.shape
     if E != spec.num_experts:
         raise BackendError(f"route: logits have {E} experts, spec says {spec.num_experts}")
     grouping = GROUPING_CODES[spec.topk_method]
@@ -146,19 +191,49 @@ def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | Non
     if grouping == 2 and correction_bias is None:
         raise BackendError("route: noaux_tc needs the e_score_correction_bias")
     per = E // groups
+    return dict(PER=per, scale=float(spec.routed_scaling_factor),
+                TOP_K=spec.top_k, BLOCK_K=triton.next_power_of_2(spec.top_k), G=groups,
+                BLOCK_G=triton.next_power_of_2(groups), BLOCK_P=triton.next_power_of_2(per),
+                TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=SCORING_CODES[spec.scoring_func],
+                GROUPING=grouping, HAS_BIAS=correction_bias is not None, NORM=bool(spec.norm_topk_prob))
+
+
+def route(router_logits: torch.Tensor, spec, correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] fp32 with normalisation and routed_scaling_factor applied, topk_ids [T, k] int64)."""
+    T, E = router_logits.shape
+    params = _route_params(spec, E, correction_bias)
     logits = router_logits.float().contiguous()
     weights = torch.empty((T, spec.top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, spec.top_k), dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
-    _route_kernel[(T,)](
-        logits, bias, weights, ids, logits.stride(0), per, float(spec.routed_scaling_factor),
-        TOP_K=spec.top_k, BLOCK_K=triton.next_power_of_2(spec.top_k), G=groups,
-        BLOCK_G=triton.next_power_of_2(groups), BLOCK_P=triton.next_power_of_2(per),
-        TOPK_GROUP=spec.topk_group if grouping else 0, SCORING=SCORING_CODES[spec.scoring_func],
-        GROUPING=grouping, HAS_BIAS=correction_bias is not None,
-        NORM=bool(spec.norm_topk_prob), num_warps=4,
+    _route_kernel[(T,)](logits, bias, weights, ids, logits.stride(0), **params, num_warps=4)
+    return weights, ids
+
+
+def gate_route(x: torch.Tensor, gate_weight: torch.Tensor, spec, correction_bias: torch.Tensor | None,
+               counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """route(router_logits(x, gate_weight)) in one launch, for T <= ROUTER_GEMV_MAX_TOKENS (`counters`:
+    >= T int32 zeros, left zero)."""
+    from deepinfer.errors import BackendError
+
+    T, D = x.shape
+    E = gate_weight.shape[0]
+    if T > min(ROUTER_GEMV_MAX_TOKENS, counters.numel()) or x.stride(-1) != 1 or counters.dtype != torch.int32:
+        raise BackendError(f"gate_route: {T} tokens need <= {ROUTER_GEMV_MAX_TOKENS} and >= T int32 counters")
+    params = _route_params(spec, E, correction_bias)
+    gw = gate_weight.float().contiguous()
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    weights = torch.empty((T, spec.top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, spec.top_k), dtype=torch.int64, device=x.device)
+    if T == 0:
+        return weights, ids
+    bias = correction_bias.float().contiguous() if correction_bias is not None else logits
+    block_e, block_d, warps = _gemv_tile(D)
+    _gate_route_kernel[(triton.cdiv(E, block_e), T)](
+        x, gw, logits, counters, bias, weights, ids, E, D, x.stride(0), gw.stride(0), **params,
+        BLOCK_E=block_e, BLOCK_D=block_d, num_warps=warps,
     )
     return weights, ids
 
