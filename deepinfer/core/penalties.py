@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.core.transfer import tensor_to, to_device
+
 if TYPE_CHECKING:
     from deepinfer.core.sampler import SamplingRow
 
@@ -26,8 +28,8 @@ def _token_matrix(lists: list[list[int]], vocab: int, device: torch.device) -> t
     if sum(lens):
         # The ids go to a tensor in C (chain + torch.tensor), not through a Python loop per token:
         # still O(tokens) per step, but ~3x cheaper than building row / token lists in Python.
-        t = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64).to(device)
-        r = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lens)).to(device)
+        t = tensor_to(list(chain.from_iterable(lists)), torch.int64, device)
+        r = to_device(torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lens)), device)
         ok = (t >= 0) & (t < vocab)  # out-of-range ids add 0 (a weight, not a mask: no device sync)
         counts.index_put_((r, t.clamp(0, vocab - 1)), ok.to(torch.float32), accumulate=True)
     return counts
@@ -49,19 +51,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         return logits
     device, vocab = logits.device, logits.shape[1]
     sub_rows = [rows[i] for i in idx]
-    index = torch.tensor(idx, dtype=torch.int64, device=device)
+    index = tensor_to(idx, torch.int64, device)
     sub = logits.index_select(0, index)
     out_counts = _token_matrix([r.output_token_ids for r in sub_rows], vocab, device)
 
     rep = [float(r.params.repetition_penalty) for r in sub_rows]
     if any(x != 1.0 for x in rep):
         seen = (_token_matrix([r.prompt_token_ids for r in sub_rows], vocab, device) > 0) | (out_counts > 0)
-        rep_t = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1)
+        rep_t = tensor_to(rep, logits.dtype, device).unsqueeze(1)
         penalized = torch.where(sub > 0, sub / rep_t, sub * rep_t)
         sub = torch.where(seen, penalized, sub)
 
-    freq = torch.tensor([float(r.params.frequency_penalty) for r in sub_rows], dtype=logits.dtype, device=device)
-    pres = torch.tensor([float(r.params.presence_penalty) for r in sub_rows], dtype=logits.dtype, device=device)
+    freq = tensor_to([float(r.params.frequency_penalty) for r in sub_rows], logits.dtype, device)
+    pres = tensor_to([float(r.params.presence_penalty) for r in sub_rows], logits.dtype, device)
     sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
 
     logits = logits.clone()

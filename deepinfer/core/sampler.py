@@ -114,7 +114,7 @@ def filter_logits(
     from the host-side parameters (None: read it from the tensors, a device sync each).
     """
     n, vocab = logits.shape
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    neg_inf = logits.new_full((), float("-inf"))  # a fill on the device, not a (stream-syncing) copy
     if use_sort is None:
         use_sort = bool((top_k < vocab).any()) or bool((top_p < 1).any())
     if use_min_p is None:
