@@ -296,7 +296,7 @@ def test_mla_decode_with_w_uv(batch, splits, dtype):
 
     assert MERGE_UV_MAX_BATCH < 9
     g = torch.Generator().manual_seed(21)
-    L, R, V, h = 32, 16, 24, 3
+    L, R, V, h = 32, 16, 40, 3  # V = 40: two 32-column blocks, the second masked
     to = dict(device=DEVICE, dtype=dtype)
     blocks = batch * 6
     cache = torch.randn(blocks, PAGE, L + R, generator=g).to(**to)

@@ -155,7 +155,7 @@ def _mla_decode_merge_uv_kernel(
     min_split, num_splits, block_n, V,
     L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_LC: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Small batches: one program per (row, head) merges the splits (as the merge kernel, then rounded to the
+    """Small batches: one program per (row, head, BLOCK_V output columns) merges the splits (as the merge kernel, then rounded to the
     output dtype as mla_decode's result is) and multiplies by W_UV^T [L, V] (fp32 accumulation, one
     rounding: as the batched GEMM it replaces), so the merge and the W_UV product are one launch."""
     b = tl.program_id(0).to(tl.int64)
@@ -170,7 +170,7 @@ def _mla_decode_merge_uv_kernel(
     w = tl.where(smask, tl.exp2(lse - m), 0.0)
     total = tl.sum(w, 0)
     total = tl.where(total > 0, total, 1.0)
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     for c in tl.static_range(0, L, BLOCK_LC):
@@ -322,11 +322,12 @@ def mla_decode(
     if fuse_uv:
         V = w_uv_t.shape[-1]
         res = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
-        _mla_decode_merge_uv_kernel[(B, H)](
+        block_v = min(32, triton.next_power_of_2(V))  # more programs: at batch 1 this is latency-bound
+        _mla_decode_merge_uv_kernel[(B, H, triton.cdiv(V, block_v))](
             part_o, part_lse, w_uv_t, res, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), w_uv_t.stride(0), w_uv_t.stride(1), res.stride(0), res.stride(1),
             min_split, num_splits, block_n, V, L=L, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_LC=min(L, 64), BLOCK_V=triton.next_power_of_2(V), num_warps=4,
+            BLOCK_LC=min(L, 64), BLOCK_V=block_v, num_warps=4,
         )
         return res
     if not direct:
