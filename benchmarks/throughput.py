@@ -202,6 +202,8 @@ def main() -> None:
     from deepinfer import LLM
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.profile_batch and args.profile_batch not in batches:
+        p.error(f"--profile-batch {args.profile_batch} must be one of --batch-sizes {args.batch_sizes}")
     max_len = args.prompt_len + max(args.output_len, args.output_len_small or 0) + 16
     t = time.perf_counter()
     engine = LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
