@@ -1,15 +1,19 @@
 """The MLA attention layer on NVIDIA: Triton KV write, prefill and absorbed decode.
 
-Decode rows (query_len == 1) fold q_nope through W_UK (one batched GEMM over
-heads), run the split-KV latent kernel over the paged cache, and project the
-latent output through W_UV. Prefill rows (query_len > 1, possibly on top of a
-cached prefix) gather their context latents, up-project them to per-head
-k_nope / v with two GEMMs, and run causal varlen flash attention. The same
-split as the torch-native oracle, so both are comparable request by request.
+Decode rows (query_len == 1) fold q_nope through W_UK, run the split-KV latent
+kernel over the paged cache, and project the latent output through W_UV.
+Prefill rows (query_len > 1, possibly on top of a cached prefix) gather their
+context latents, up-project them to per-head k_nope / v with two GEMMs, and run
+causal varlen flash attention. The same split as the torch-native oracle, so
+both are comparable request by request.
 
-`forward_from_latent` runs the latent norm, RoPE and KV write as one kernel
-(mla_prep) before the same attention. A decode-only batch makes no host sync and allocates only fixed-size tensors
-per batch size, so it can be captured in a CUDA graph.
+`forward_from_latent` (what the model calls) runs the latent norm, RoPE (q_pe
+rotated in place) and KV write as one kernel (mla_prep); for a decode-only
+batch that launch also absorbs q_nope through W_UK, and at small batches the
+split merge applies W_UV (mla_decode), so a decode layer's attention is
+GEMM, prep, split, merge, o_proj: no elementwise copies, no torch.cat. A
+decode-only batch makes no host sync and allocates only fixed-size tensors per
+batch size, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class TritonMLAAttention(MLAAttentionOp):
                seq_lens: torch.Tensor, q_lat: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, nope+rope] (rows may be strided) -> [B, H, v], contiguous (absorbed, paged latent cache).
 
-        No elementwise copies: both head-batched GEMMs read and write strided views ([H, B, .] over
-        [B, H, .] memory), which cuBLAS takes as leading dimensions; q_pe is read in place.
+        No elementwise copies: the head-batched GEMMs (W_UK when q_lat is not given, W_UV at larger
+        batches) read and write strided views ([H, B, .] over [B, H, .] memory), which cuBLAS takes as
+        leading dimensions; q_pe is read in place.
         """
         s = self.spec
         B = q.shape[0]
