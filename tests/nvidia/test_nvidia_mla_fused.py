@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
+from nvidia_testutil import DEVICE, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.conformance.cases import _mla_batch
 from deepinfer.core.backend import MLASpec
@@ -32,6 +32,15 @@ def _inputs(t: int, dtype: torch.dtype, g: torch.Generator, extra_cols: int = 24
     pos = torch.randint(0, 256, (t,), generator=g).to(DEVICE)
     cs = rope_cos_sin_cache(s.qk_rope_head_dim, 256, 10000.0, YARN).to(DEVICE)
     return q, kv_a, w, pos, cs
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal under the interpreter; on the GPU two compiled kernels may reduce the RMS sum in another
+    order (another warp layout), so within one unit of the dtype's precision there."""
+    if not ON_GPU:
+        return torch.equal(a, b)
+    eps = torch.finfo(a.dtype).eps
+    return torch.allclose(a.float(), b.float(), rtol=eps, atol=eps)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -68,8 +77,8 @@ def test_mla_prep_equals_separate_kernels_and_native(interleaved, dtype):
     q_in = q.clone()
     new_cache = cache0.clone()
     mla_prep(q, kv_a, w, 1e-6, pos, cs, interleaved, new_cache, slots)
-    assert torch.equal(q, old_q)  # q_pe rotated in place, q_nope untouched
-    assert torch.equal(new_cache, old_cache)
+    assert _same(q, old_q)  # q_pe rotated in place, q_nope untouched
+    assert _same(new_cache, old_cache)
     assert torch.equal(q[..., :nope], q_in[..., :nope])
     written = slots[slots >= 0]  # every other slot (the -1 rows' included) keeps its old entry
     untouched = torch.ones(cache0.numel() // s.cache_entry_dim, dtype=torch.bool, device=DEVICE)
@@ -257,7 +266,7 @@ def test_mla_prep_absorbs_q_nope_through_w_uk(dtype, t):
     q1, q2 = q.clone(), q.clone()
     assert mla_prep(q1, kv_a, w, 1e-6, pos, cs, True, c1, slots) is None
     q_lat = mla_prep(q2, kv_a, w, 1e-6, pos, cs, True, c2, slots, w_uk=w_uk)
-    assert torch.equal(q1, q2) and torch.equal(c1, c2)
+    assert _same(q1, q2) and _same(c1, c2)  # the absorb programs change nothing else
     exp = torch.bmm(q[..., :nope].transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
     assert q_lat.shape == (t, h, L) and q_lat.dtype == dtype
     assert rel_err(q_lat, exp) < tol(dtype)
