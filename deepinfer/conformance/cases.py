@@ -293,15 +293,18 @@ def _moe_cases(t: int, d: int, inter: int, routers: dict[str, RouterSpec], limit
     return cases
 
 
-def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSpec) -> list[Case]:
+def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSpec,
+                      from_hidden: bool = False) -> list[Case]:
     """Routed + shared experts through MoEOp.fuse_shared_experts / forward(shared_experts=...): an op may run
-    the shared MLP as extra experts (NVIDIA at small T) or call it; either must equal native routed + MLP."""
+    the shared MLP as extra experts (NVIDIA at small T) or call it; either must equal native routed + MLP.
+    from_hidden: through forward_hidden with the fp32 router gate (NVIDIA fuses the gate GEMV + top-k)."""
     spec = MoESpec(router=rspec, hidden_size=d, intermediate_size=inter)
 
     def make(g, dt):
         inputs = _moe_cases(t, d, inter, {"": rspec}, None)[0].make(g, dt)
         inputs.update(gate_up=_randn(g, 2 * n_shared * inter, d, dtype=dt, scale=d**-0.5),
-                      down=_randn(g, d, n_shared * inter, dtype=dt, scale=(n_shared * inter) ** -0.5))
+                      down=_randn(g, d, n_shared * inter, dtype=dt, scale=(n_shared * inter) ** -0.5),
+                      gate=_randn(g, rspec.num_experts, d, scale=2 * d**-0.5))
         return inputs
 
     def run(o, i):
@@ -311,9 +314,11 @@ def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSp
         def mlp(x):
             return torch.nn.functional.linear(o.silu_and_mul(torch.nn.functional.linear(x, i["gate_up"])), i["down"])
 
+        if from_hidden:
+            return (op.forward_hidden(i["x"], i["gate"], i["bias"], shared_experts=mlp),)
         return (op.forward(i["x"], i["logits"], i["bias"], shared_experts=mlp),)
 
-    name = f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts"
+    name = f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts{' from hidden' if from_hidden else ''}"
     return [Case("moe", f"{name} T={t} D={d} I={inter} E={rspec.num_experts} k={rspec.top_k}", make, run,
                  kind="layer")]
 
@@ -356,7 +361,8 @@ def cases_for(shapes: str) -> list[Case]:
             }),
             *_mla_latent_cases(mla, 16, {"decode": ([1, 1, 1], [9, 20, 1]), "mixed": ([5, 1], [0, 12])}),
             *_moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
-            *_moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
+            *_moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"], from_hidden=True),
+            *_moe_shared_cases(5, 64, 32, 2, router_specs(real=False)["v3 sigmoid noaux_tc"], from_hidden=True),
             *_moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
             *_v4_attention_cases("tiny"),
         ]
@@ -387,7 +393,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
             # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32)
             *_moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": routers["v3 sigmoid noaux_tc"]}, limit=None),
-            *_moe_shared_cases(1, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
+            *_moe_shared_cases(1, 2048, 1408, 2, routers["v2-lite softmax greedy"], from_hidden=True),
             *_moe_shared_cases(32, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
             *_v4_attention_cases("real"),
         ]
