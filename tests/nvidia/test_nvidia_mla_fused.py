@@ -318,3 +318,13 @@ def test_mla_decode_with_w_uv(batch, splits, dtype):
     exp = torch.einsum("bhl,hlv->bhv", o_lat.double(), w_uv_t.double())
     assert out.shape == (batch, h, V) and out.dtype == dtype and out.is_contiguous()
     assert rel_err(out, exp) < tol(dtype)
+
+
+@pytest.mark.slow
+def test_tiny_v2_lite_model_through_fused_path_matches_native():
+    """Whole tiny V2-Lite (q_lora_rank None: merged q/kv_a GEMM, mla_prep with the absorb, merge + W_UV) on
+    the NVIDIA backend vs NativeOps: chunked prefill on a cached prefix, then teacher-forced decode (fp32)."""
+    from deepinfer.conformance.runner import run_conformance
+
+    report = run_conformance(backend(), ops=[], dtypes=[torch.float32], models=("tiny-v2-lite",))
+    assert report.ok and [r.status for r in report.rows] == ["pass"], report.format_table()
