@@ -180,7 +180,9 @@ class MLAAttentionOp(ABC):
 
     Owns the KV-cache write, prefill (naive MHA over the up-projected latent
     context, causal, on top of any cached prefix) and decode (absorbed, over the
-    paged latent cache). The model does the projections, norms and RoPE.
+    paged latent cache). The model does the projections and calls
+    `forward_from_latent`, whose default runs the latent norm and RoPE through
+    the backend's small ops and then `forward`; a backend may fuse them.
     """
 
     def __init__(self, spec: MLASpec):
