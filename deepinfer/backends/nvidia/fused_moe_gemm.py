@@ -137,24 +137,27 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
 @triton.jit
 def _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_programs, num_tokens, N,
                            stride_cm, stride_o, stride_s,
-                           SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+                           SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
     """Serial reduction: the last program to finish a BLOCK_N column sums its slots (the combine kernel's
-    arithmetic, slot order: deterministic) and resets the column's counter for the next launch."""
+    arithmetic, slot order: deterministic) and resets the column's counter for the next launch. All
+    tokens at once ([BLOCK_T, BLOCK_N] tiles, SLOTS independent loads): one L2 round trip of tail."""
     tl.debug_barrier()  # all threads' tile stores happen before the (acq_rel, gpu-scope) counter increment
     done = tl.atomic_add(cnt_ptr + pid_n, 1)
-    if done == num_programs - 1:  # [T, D] with T <= 64 pairs: int32 offsets suffice
+    if done == num_programs - 1:  # [T, D] with T <= 64 tokens in direct mode: int32 offsets suffice
+        offs_t = tl.arange(0, BLOCK_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
+        mask = (offs_t < num_tokens)[:, None] & (offs_n < N)[None, :]
         ty = out_ptr.dtype.element_ty
-        for t in range(0, num_tokens):
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(SLOTS):
-                acc += tl.load(c_ptr + (t * SLOTS + j) * stride_cm + offs_n, mask=nmask, other=0.0,
-                               cache_modifier=".cg")  # L2: other programs' tiles, not a stale L1 line
-            if HAS_SHARED:
-                sh = tl.load(s_ptr + t * stride_s + offs_n, mask=nmask, other=0.0)
-                acc = acc.to(ty).to(tl.float32) + sh.to(tl.float32)
-            tl.store(out_ptr + t * stride_o + offs_n, acc.to(ty), mask=nmask)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(SLOTS):
+            rows = offs_t * SLOTS + j
+            acc += tl.load(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], mask=mask, other=0.0,
+                           cache_modifier=".cg")  # L2: other programs' tiles, not a stale L1 line
+        if HAS_SHARED:
+            sh = tl.load(s_ptr + offs_t[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
+            acc = acc.to(ty).to(tl.float32) + sh.to(tl.float32)
+        tl.store(out_ptr + offs_t[:, None] * stride_o + offs_n[None, :], acc.to(ty), mask=mask)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -186,7 +189,7 @@ def _direct_gemm_kernel(
                      stride_cm, TOP_K, SLOTS, A_DIV, DUAL, MUL_WEIGHT, UPCAST, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
-                               stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_N)
+                               stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
 
 
 def interpreting() -> bool:
