@@ -251,3 +251,15 @@ def test_forward_hidden_matches_native(name, t):
     assert rel_err(out, ref.forward_hidden(x, gate, bias, mlp)) < tol(torch.float32)
     assert rel_err(ours.forward_hidden(x, gate, bias), ref.forward_hidden(x, gate, bias)) < tol(torch.float32)
     assert int(ours.route_counters.abs().sum()) == 0 and int(ours.counters.abs().sum()) == 0
+
+
+def test_bad_tile_env_names_the_variable(monkeypatch):
+    from deepinfer.backends.nvidia.fused_moe_gemm import _tile_env
+    from deepinfer.backends.nvidia.moe_routing import _gemv_tile
+
+    monkeypatch.setenv("DEEPINFER_MOE_DIRECT_TILE", "64,128")
+    with pytest.raises(BackendError, match="DEEPINFER_MOE_DIRECT_TILE"):
+        _tile_env("DEEPINFER_MOE_DIRECT_TILE")
+    monkeypatch.setenv("DEEPINFER_ROUTER_GEMV", "x")
+    with pytest.raises(BackendError, match="DEEPINFER_ROUTER_GEMV"):
+        _gemv_tile(2048)

@@ -17,7 +17,9 @@ expert to BLOCK_M). The direct kernel needs no alignment kernel: program
 and gathers every pair of that expert itself (at most BLOCK_M >= T, since a
 token picks an expert at most once). Shared experts folded in are experts
 E..E+S-1 taken by every token with weight 1.0, their weights read in place
-from the dense shared MLP (gate_up [2*S*I, D], down [D, S*I]).
+from the dense shared MLP (gate_up [2*S*I, D], down [D, S*I]). With COMBINE
+the last program of each down-GEMM column (a per-column counter) also sums
+the slots into the [T, D] output, so small batches need no combine launch.
 """
 
 from __future__ import annotations
@@ -200,7 +202,10 @@ def _tile_env(name: str) -> dict | None:
     env = os.environ.get(name)
     if not env:
         return None
-    bn, bk, warps, stages = (int(v) for v in env.split(","))
+    try:
+        bn, bk, warps, stages = (int(v) for v in env.split(","))
+    except ValueError:
+        raise BackendError(f"{name} must be 'BLOCK_N,BLOCK_K,num_warps,num_stages', got {env!r}") from None
     return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 
 

@@ -169,7 +169,12 @@ def _gemv_tile(D: int) -> tuple[int, int, int]:
     # many small programs, few iterations: latency-bound at decode (V2-Lite T=1: 32 programs x 2 steps)
     env = os.environ.get("DEEPINFER_ROUTER_GEMV")  # "BLOCK_E,BLOCK_D,warps" for tuning runs
     if env:
-        block_e, block_d, warps = (int(v) for v in env.split(","))
+        try:
+            block_e, block_d, warps = (int(v) for v in env.split(","))
+        except ValueError:
+            from deepinfer.errors import BackendError
+
+            raise BackendError(f"DEEPINFER_ROUTER_GEMV must be 'BLOCK_E,BLOCK_D,num_warps', got {env!r}") from None
         return block_e, block_d, warps
     return 2, min(1024, triton.next_power_of_2(D)), 4
 
