@@ -293,8 +293,11 @@ def main() -> None:
     emit(name="device", gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__)
     copy_bandwidth()
     mla_decode_bench()
-    moe_bench()
-    router_bench()
+    for fn in (moe_bench, router_bench):  # a failure is a result row, the later benchmarks still run
+        try:
+            fn()
+        except Exception as exc:
+            emit(name=fn.__name__, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
     try:
         moe_tile_sweep()
     except Exception as exc:
@@ -308,8 +311,11 @@ def main() -> None:
         if "ms" in r:
             note = {k: (round(r[k], 4) if isinstance(r[k], float) else r[k])
                     for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens", "tile", "env",
-                              "old_ms", "speedup", "old_TBps") if k in r}
+                              "old_ms", "speedup", "old_TBps", "rel_err_vs_old", "same_ids", "max_abs_err")
+                    if k in r}
             print(f"{r['name']:<22} {r['ms']:>10.4f} {r.get('TBps', 0):>8.3f}   {note}")
+        elif "error" in r:
+            print(f"{r['name']:<22} ERROR {r['error'][:300]}")
         elif "triton_ms" in r or "torch_ms" in r:
             print(f"{r['name']:<22} {r}")
 
