@@ -255,7 +255,7 @@ def table() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two tiles in the sweep instead of four")
-    ap.add_argument("--budget", type=float, default=40.0, help="seconds for the decode sweep (the auto rows always run)")
+    ap.add_argument("--budget", type=float, default=30.0, help="seconds for the decode sweep (the auto rows always run)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels_mla needs a CUDA GPU")
