@@ -391,10 +391,13 @@ def cases_for(shapes: str) -> list[Case]:
             *_mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
                                          "mixed": ([64, 1, 1], [0, 300, 1000])}),
             *_moe_cases(32, 2048, 1408, routers, limit=10.0),
-            # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32)
-            *_moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": routers["v3 sigmoid noaux_tc"]}, limit=None),
-            *_moe_shared_cases(1, 2048, 1408, 2, routers["v2-lite softmax greedy"], from_hidden=True),
-            *_moe_shared_cases(32, 2048, 1408, 2, routers["v2-lite softmax greedy"]),
+            # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32);
+            # 16 experts of V2-Lite width keep the random weights quick to draw
+            *_moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": RouterSpec(16, 6, "sigmoid", "noaux_tc", n_group=4,
+                                                                          topk_group=2, norm_topk_prob=True,
+                                                                          routed_scaling_factor=2.5)}, limit=None),
+            *_moe_shared_cases(1, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy"), from_hidden=True),
+            *_moe_shared_cases(32, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy")),
             *_v4_attention_cases("real"),
         ]
     raise ValueError(f"unknown conformance shapes {shapes!r} (choose 'tiny' or 'real')")
