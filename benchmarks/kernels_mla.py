@@ -13,12 +13,14 @@
    4096 (latent cache bytes / time = TB/s), the heuristic's pick against the best found.
 
 Run on the GPU machine:  python -m benchmarks.kernels_mla [--quick]   (JSON lines + a compact table, < 60 s)
+Code-path check on a CPU:  TRITON_INTERPRET=1 python -m benchmarks.kernels_mla --dry-run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -38,6 +40,9 @@ def emit(**row) -> None:
 
 def graph_ms(fn, inner: int = 1, reps: int = 15) -> float:
     """ms per fn() call, replaying a CUDA graph of `inner` calls (decode-size work is launch-bound eagerly)."""
+    if DEV != "cuda":  # --dry-run: the code paths once, no timing
+        fn()
+        return float("nan")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile + warm up outside the capture
@@ -229,11 +234,11 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
 
 
 def table() -> None:
-    print("\nattention layer per decode step (us per layer, CUDA-graph replay, context 1024)")
-    print(f"{'batch':>6} {'old us':>8} {'new us':>8} {'saved':>7} {'new, bmm absorb':>16} {'rel_err':>8}")
+    print("\nattention layer per decode step (us per layer, CUDA-graph replay)")
+    print(f"{'batch':>6} {'ctx':>5} {'old us':>8} {'new us':>8} {'saved':>7} {'new, bmm absorb':>16} {'rel_err':>8}")
     for r in ROWS:
         if r["name"] == "attention_layer":
-            print(f"{r['batch']:>6} {r['old_us']:>8.1f} {r['new_us']:>8.1f} {r['saved_us']:>7.1f} "
+            print(f"{r['batch']:>6} {r['ctx']:>5} {r['old_us']:>8.1f} {r['new_us']:>8.1f} {r['saved_us']:>7.1f} "
                   f"{r['new_bmm_absorb_us']:>16.1f} {r['rel_err']:>8.1e}")
     print("\nMLA decode (latent cache TB/s): heuristic pick vs best of the sweep  [splits used/launched, tile, min split]")
     print(f"{'batch':>6} {'ctx':>5} | {'auto us':>8} {'TB/s':>5} {'cfg':>18} | {'best us':>8} {'TB/s':>5} {'cfg':>22}")
@@ -252,15 +257,26 @@ def table() -> None:
               f"{b['us']:>8.1f} {b['TBps']:>5.2f} {cfg(b):>22}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global DEV, LAYERS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two tiles in the sweep instead of four")
     ap.add_argument("--budget", type=float, default=30.0, help="seconds for the decode sweep (the auto rows always run)")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, TRITON_INTERPRET=1, tiny contexts, no timing: checks the benchmark's code paths")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment")
+        DEV, LAYERS = "cpu", 1
+        attention_layers([1, 3], ctx=40)
+        decode_sweep([1, 3], [40], quick=True, budget_s=2.0)
+        table()
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels_mla needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    t0 = time.perf_counter()
     attention_layers([1, 64, 256])
     decode_sweep([1, 16, 64, 256], [1024, 1536, 4096], args.quick, args.budget)
     table()
