@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
+from nvidia_testutil import DEVICE, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.core.backend import MoESpec, RouterSpec
 from deepinfer.core.native import NativeOps
@@ -56,12 +56,12 @@ def test_fused_moe_schedules_match_native(dtype, direct, t):
     out = fused_moe(x, w13, w2, w, ids, direct=direct)
     assert out.dtype == dtype and out.shape == (t, D)
     assert rel_err(out, ref) < _tol(dtype)
-    if dtype == torch.float16:  # tiny K: same accumulation order, same roundings -> the native op's bits
+    if dtype == torch.float16 and not ON_GPU:  # interpreter, tiny K: same sums and roundings -> the native bits
         assert torch.equal(out, ref)
     shared = _shared_mlp(gate_up, down)(x)
     out = fused_moe(x, w13, w2, w, ids, shared_out=shared, direct=direct)
     assert rel_err(out, ref + shared) < _tol(dtype)
-    if dtype == torch.float16:
+    if dtype == torch.float16 and not ON_GPU:
         assert torch.equal(out, ref + shared)  # sum -> round -> + shared -> round, as native + model
 
 
@@ -155,7 +155,8 @@ def test_combine_kernel():
     y = torch.randn(5, 4, 200, generator=g).to(DEVICE)
     shared = torch.randn(5, 200, generator=g).to(DEVICE, torch.float16)
     out = combine(y, shared, torch.float16)
-    assert torch.equal(out, y.sum(1).half() + shared)
+    ref = y[:, 0] + y[:, 1] + y[:, 2] + y[:, 3]  # slot order, as the native sum over k on the CPU
+    assert torch.equal(out, ref.half() + shared)
     assert rel_err(combine(y, None, torch.float32), y.sum(1)) < 1e-7  # fp32: only the summation order differs
     with pytest.raises(BackendError, match="shared output"):
         combine(y, shared[:, :10], torch.float16)
