@@ -87,6 +87,7 @@ class TritonMoE(NativeMoE):
             return super().forward_hidden(x, gate_weight, correction_bias, shared_experts)
         if self.w13 is None or self.route_counters is None:
             raise BackendError("MoE forward before load_experts")
+        x = x.contiguous()  # no-op for the model's hidden states
         weights, ids = gate_route(x, gate_weight, self.spec.router, correction_bias, self.route_counters)
         return self._experts(x, weights, ids, shared_experts)
 
