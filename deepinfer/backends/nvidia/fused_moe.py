@@ -35,11 +35,15 @@ DIRECT_MAX_PAIRS = 64
 def direct_max_pairs() -> int:
     """Largest T * top_k run in direct mode (DEEPINFER_MOE_DIRECT_MAX_PAIRS overrides; 0 turns it off).
 
-    Why 64: the direct program scans all pairs ([BLOCK_M, next_pow2(pairs)]
-    compares), cheap up to ~100 pairs; at 64 pairs over 64 experts most
-    experts have one or two tokens, so a 16-row tile wastes nothing the
-    aligned path would save, while the alignment kernel it skips costs ~6 us.
-    V2-Lite (k=6): batches 1..10 (graph buckets 1, 2, 4, 8); V3 (k=8): 1..8.
+    Both schedules read each touched expert once per 16+-row tile; direct skips
+    the alignment kernel (~6 us at batch 1) and, with shared experts folded in,
+    the shared MLP's three launches and the combine. Its costs grow with the
+    pair count: a grid of pairs x column blocks in which every pair but an
+    expert's first exits at once, and a [BLOCK_M, next_pow2(pairs)] scan per
+    program. At 64 pairs (V2-Lite k=6: batches 1..10, graph buckets 1-8; V3
+    k=8: 1..8) both are small; the aligned path stays tuned for the rest.
+    benchmarks/kernels.py times the other schedule at 16 and 64 tokens.
+    Direct mode never takes more than 64 tokens (BLOCK_M >= T).
     """
     env = os.environ.get("DEEPINFER_MOE_DIRECT_MAX_PAIRS")
     if env is None:
@@ -61,8 +65,11 @@ def counters_for(hidden_size: int, device) -> torch.Tensor:
     return torch.zeros(triton.cdiv(hidden_size, 16), dtype=torch.int32, device=device)
 
 
+DIRECT_MAX_TOKENS = 64  # a direct program holds all of one expert's tokens in one BLOCK_M tile
+
+
 def use_direct(num_tokens: int, top_k: int) -> bool:
-    return 0 < num_tokens * top_k <= direct_max_pairs()
+    return 0 < num_tokens <= DIRECT_MAX_TOKENS and num_tokens * top_k <= direct_max_pairs()
 
 
 @triton.jit
@@ -122,6 +129,8 @@ def fused_moe(
         return torch.zeros_like(x)
     if direct is None:
         direct = use_direct(T, k)
+    if direct and T > DIRECT_MAX_TOKENS:
+        raise BackendError(f"fused_moe: direct mode takes at most {DIRECT_MAX_TOKENS} tokens, got {T}")
     if shared_w is not None and (not direct or shared_out is not None):
         raise BackendError("fused_moe: shared-expert weights fold in only in direct mode, and not with shared_out")
     x = x.contiguous()
