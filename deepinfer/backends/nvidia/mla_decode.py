@@ -251,7 +251,9 @@ def decode_params(batch_size: int, num_heads: int, max_context: int) -> DecodePa
     else:
         splits = default_num_splits(batch_size, num_heads)
         splits = max(1, min(splits, triton.cdiv(max(1, max_context), min_split)))
-    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split)
+    big = block_n >= 64  # 64-token tiles: 8 warps, 2 stages (shared memory)
+    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split, num_warps=8 if big else 4,
+                        num_stages=2 if big else 3)
 
 
 def mla_decode(
@@ -263,13 +265,13 @@ def mla_decode(
     softmax_scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     q_pe: torch.Tensor | None = None,  # [B, H, R]: pass the rope part apart to skip a concatenation
     min_split: int | None = None,
     w_uv_t: torch.Tensor | None = None,  # [H, L, V]: also project through W_UV -> [B, H, V]
 ) -> torch.Tensor:  # [B, H, L], or [B, H, V] with w_uv_t
-    """Unset num_splits / block_n / min_split come from decode_params (heuristic + env overrides).
+    """Unset num_splits / block_n / min_split / warps / stages come from decode_params (heuristic + env).
 
     With w_uv_t the result is o_lat @ W_UV^T per head: merged in the same launch for up to
     MERGE_UV_MAX_BATCH rows (host-known, so graph-safe), else a cuBLAS batched GEMM after the merge."""
@@ -292,7 +294,10 @@ def mla_decode(
     page = kv_cache.shape[1]
     auto = decode_params(B, H, block_table.shape[1] * page)
     num_splits = num_splits or auto.num_splits
+    if block_n is None or block_n == auto.block_n:
+        num_warps, num_stages = num_warps or auto.num_warps, num_stages or auto.num_stages
     block_n = block_n or auto.block_n
+    num_warps, num_stages = num_warps or 4, num_stages or 3
     min_split = triton.cdiv(min_split or auto.min_split, block_n) * block_n
     if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise BackendError(f"mla_decode: {num_splits} splits / {block_n}-token tiles (need >= 1 / a power of two >= 16)")
