@@ -203,7 +203,7 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
                 os.environ[var] = "0"
                 emit(name="moe_layer " + label, tokens=t, ms=b.time(b.new, x))
                 os.environ.pop(var)
-        if t <= 64:  # the other schedule, for the DEEPINFER_MOE_DIRECT_MAX_PAIRS choice
+        if t <= 16:  # the other schedule, for the DEEPINFER_MOE_DIRECT_MAX_PAIRS choice
             other = not use_direct(t, b.K)
             label = "moe_layer " + ("direct" if other else "aligned")
             try:

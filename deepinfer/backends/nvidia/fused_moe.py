@@ -42,7 +42,7 @@ def direct_max_pairs() -> int:
     expert's first exits at once, and a [BLOCK_M, next_pow2(pairs)] scan per
     program. At 64 pairs (V2-Lite k=6: batches 1..10, graph buckets 1-8; V3
     k=8: 1..8) both are small; the aligned path stays tuned for the rest.
-    benchmarks/kernels.py times the other schedule at 16 and 64 tokens.
+    benchmarks/kernels.py times the other schedule at 1, 4 and 16 tokens.
     Direct mode never takes more than 64 tokens (BLOCK_M >= T).
     """
     env = os.environ.get("DEEPINFER_MOE_DIRECT_MAX_PAIRS")
