@@ -227,10 +227,10 @@ def test_decode_params_heuristic_and_env_overrides(monkeypatch):
     md.env_overrides.cache_clear()
     try:
         p1, p64, p256 = (md.decode_params(b, 16, 163840) for b in (1, 64, 256))
-        assert (p1.num_splits, p1.min_split) == (32, 32)
-        assert (p64.num_splits, p64.min_split) == (8, 256)  # 4k context: 512-token splits, as measured best
-        assert p256.num_splits == 2
-        assert md.decode_params(64, 16, 300).num_splits == 2  # an eager batch of short rows: capped by the table
+        assert (p1.num_splits, p1.min_split, p1.block_n, p1.num_warps) == (64, 64, 64, 8)
+        assert (p64.num_splits, p64.min_split, p64.block_n) == (4, 768, 64)  # 2 splits up to 1536 tokens
+        assert (p256.num_splits, p256.block_n, p256.num_stages) == (1, 32, 3)  # one split: no merge launch
+        assert md.decode_params(16, 16, 300).num_splits == 3  # an eager batch of short rows: capped by the table
         monkeypatch.setenv("DEEPINFER_MLA_SPLITS", "3")
         monkeypatch.setenv("DEEPINFER_MLA_BLOCK_N", "64")
         monkeypatch.setenv("DEEPINFER_MLA_MIN_SPLIT", "100")

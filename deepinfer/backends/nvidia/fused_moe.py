@@ -20,6 +20,7 @@ op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -121,6 +122,7 @@ def fused_moe(
     shared_w: tuple[torch.Tensor, torch.Tensor] | None = None,  # (gate_up [2SI, D], down [D, SI]): direct mode only
     direct: bool | None = None,  # None: use_direct(T, k)
     counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
+    before_combine: Callable[[], None] | None = None,  # called just before shared_out is read (a stream join)
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -156,4 +158,6 @@ def fused_moe(
     aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True)
     y = torch.empty((n, D), dtype=torch.float32, device=x.device)  # weighted slots, summed in fp32
     aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1))
+    if before_combine is not None:
+        before_combine()
     return combine(y.view(T, k, D), shared_out, x.dtype)

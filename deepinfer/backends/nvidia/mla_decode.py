@@ -232,25 +232,40 @@ def env_overrides() -> tuple[int | None, int | None, int | None]:
     return _env_int("DEEPINFER_MLA_SPLITS", 1), block_n, _env_int("DEEPINFER_MLA_MIN_SPLIT", 1)
 
 
+# (largest batch, splits launched, min tokens per split, tile): from the H200 sweep of
+# benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/performance.md).
+# Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 2 splits of
+# 64 up to 1.5k context (58 us vs 72 us for 6 splits of 32 at 1536); 256 -> 1 split of 32-token
+# tiles (no merge: 145 us vs 175 us at 1536). Rows between are interpolated, not measured.
+_DECODE_TABLE = (
+    (2, 64, 64, 64),
+    (8, 32, 64, 64),
+    (31, 16, 128, 64),
+    (63, 8, 256, 64),
+    (127, 4, 768, 64),
+    (191, 2, 1024, 32),
+    (1 << 30, 1, 32, 32),
+)
+
+
 def decode_params(batch_size: int, num_heads: int, max_context: int) -> DecodeParams:
     """The launch for `batch_size` sequences of at most `max_context` tokens (host-known: the block table's
     width; in a captured graph that is max_model_len, so the split count then depends on the batch only).
 
-    Splits: about four programs per SM (default_num_splits), never more than max_context / min_split.
-    min_split grows with the batch: one sequence needs every SM (32-token splits), a large batch fills the
-    GPU by itself and each split's fp32 partial (16 heads x 512 x 4 bytes = 32 KB, written and read back
-    by the merge) must stay small next to the cache it covers (256 tokens x 1152 bytes = 295 KB).
+    The table above gives the launched splits and each split's minimum length: a sequence uses
+    min(splits, ceil(len / min_split)) of them (device-side), so short contexts take fewer, longer
+    splits without a new graph. An eager batch never launches more splits than its table covers.
     """
     splits_env, block_env, min_env = env_overrides()
-    block_n = block_env or 32
-    rows = batch_size * triton.cdiv(num_heads, BLOCK_H)
-    min_split = min_env or block_n * min(8, max(1, rows // 8))  # 1 -> 32, 16 -> 64, 64+ -> 256 tokens
-    min_split = triton.cdiv(min_split, block_n) * block_n
+    for max_batch, t_splits, t_min, t_block in _DECODE_TABLE:
+        if batch_size <= max_batch:
+            break
+    block_n = block_env or t_block
+    min_split = triton.cdiv(min_env or t_min, block_n) * block_n
     if splits_env is not None:
         splits = splits_env
     else:
-        splits = default_num_splits(batch_size, num_heads)
-        splits = max(1, min(splits, triton.cdiv(max(1, max_context), min_split)))
+        splits = max(1, min(t_splits, triton.cdiv(max(1, max_context), min_split)))
     big = block_n >= 64  # 64-token tiles: 8 warps, 2 stages (shared memory)
     return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split, num_warps=8 if big else 4,
                         num_stages=2 if big else 3)

@@ -7,6 +7,12 @@ module (one read of its weights) and only its add fused into the combine.
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
 Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
 (DEEPINFER_MOE_FUSED_ROUTER=0: GEMV, then the CUDA C++ / Triton top-k).
+
+In the aligned mode the dense shared MLP runs on a second CUDA stream, forked
+before the router and joined just before the combine: its GEMMs overlap the
+router, top-k and alignment kernels, which are latency-bound at decode sizes
+and leave most of the GPU idle (DEEPINFER_MOE_SHARED_STREAM=0 runs it inline).
+The fork and join are stream-event edges, so a captured CUDA graph keeps them.
 """
 
 from __future__ import annotations
@@ -57,11 +63,14 @@ class TritonMoE(NativeMoE):
         self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
         self.counters: torch.Tensor | None = None  # the direct mode's fused-combine counters (made at load)
         self.route_counters: torch.Tensor | None = None  # the fused router's per-token counters
+        self.side_stream = None  # torch.cuda.Stream for the shared MLP (made at load, before any capture)
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
         self.counters = counters_for(self.spec.hidden_size, w13.device)  # before any graph capture
         self.route_counters = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=w13.device)
+        if w13.is_cuda:
+            self.side_stream = torch.cuda.Stream(device=w13.device)
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         d, i = self.spec.hidden_size, self.spec.intermediate_size
@@ -83,10 +92,13 @@ class TritonMoE(NativeMoE):
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters)
 
     def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
-        if x.shape[0] > ROUTER_GEMV_MAX_TOKENS or os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
-            return super().forward_hidden(x, gate_weight, correction_bias, shared_experts)
         if self.w13 is None or self.route_counters is None:
             raise BackendError("MoE forward before load_experts")
+        if x.shape[0] > ROUTER_GEMV_MAX_TOKENS or os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
+            shared = self._start_shared(x, shared_experts)  # before the router: it overlaps the routing kernels
+            logits = self.router_logits(x, gate_weight)
+            weights, ids = self.route_fn(logits, self.spec.router, correction_bias, None, None)
+            return self._experts(x, weights, ids, shared_experts, shared)
         x = x.contiguous()  # no-op for the model's hidden states
         weights, ids = gate_route(x, gate_weight, self.spec.router, correction_bias, self.route_counters)
         return self._experts(x, weights, ids, shared_experts)
@@ -94,15 +106,36 @@ class TritonMoE(NativeMoE):
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE forward before load_experts")
+        shared = self._start_shared(x, shared_experts)
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
-        return self._experts(x, weights, ids, shared_experts)
+        return self._experts(x, weights, ids, shared_experts, shared)
 
-    def _experts(self, x, weights, ids, shared_experts):
+    def _folds_shared(self, x: torch.Tensor, top_k: int, shared_experts) -> bool:
+        return use_direct(x.shape[0], top_k) and shared_experts is not None and self.shared_w is not None
+
+    def _start_shared(self, x: torch.Tensor, shared_experts):
+        """(shared output, join) with the dense shared MLP queued on the side stream (aligned mode only),
+        or None: run inline by _experts (no CUDA stream, turned off) or folded into the direct GEMMs."""
+        if shared_experts is None or use_direct(x.shape[0], self.spec.router.top_k):
+            return None  # direct mode folds it in, or its fused combine reads it mid-GEMM: no overlap there
+        if self.side_stream is None or not x.is_cuda or os.environ.get("DEEPINFER_MOE_SHARED_STREAM") == "0":
+            return None
+        main, side = torch.cuda.current_stream(x.device), self.side_stream
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            out = shared_experts(x)
+        return out, lambda: main.wait_stream(side)
+
+    def _experts(self, x, weights, ids, shared_experts, shared=None):
         """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused."""
         direct = use_direct(x.shape[0], ids.shape[1])
-        if direct and shared_experts is not None and self.shared_w is not None:
+        if self._folds_shared(x, ids.shape[1], shared_experts):
             return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True,
                              counters=self.counters)
-        shared_out = shared_experts(x) if shared_experts is not None else None
+        join = None
+        if shared is not None:
+            shared_out, join = shared
+        else:
+            shared_out = shared_experts(x) if shared_experts is not None else None
         return fused_moe(x, self.w13, self.w2, weights, ids, align=self.align_fn, shared_out=shared_out,
-                         direct=direct, counters=self.counters)
+                         direct=direct, counters=self.counters, before_combine=join)
