@@ -25,16 +25,22 @@ if (has bench || has hf || has profile) && [ ! -f "$CKPT/config.json" ]; then
   CK_PID=$!
 fi
 
+# tests and the conformance check run side by side (both are small on the GPU) while the checkpoint is written
+T_PID=""; C_PID=""
 if has tests; then
-  log "pytest tests/nvidia on the GPU"
-  timeout 240 python3 -m pytest tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
-  log "tests rc=$? :: $(tail -1 "$OUT/tests.log")"
+  log "pytest tests/nvidia + the async-scheduling GPU test on the GPU"
+  ( timeout 300 python3 -m pytest tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py -q -p no:cacheprovider \
+      > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
+  T_PID=$!
 fi
 if has check; then
   log "deepinfer check --device cuda --shapes real"
-  timeout 180 python3 -m deepinfer.entrypoints.cli check --device cuda --shapes real > "$OUT/check.log" 2>&1
-  log "check rc=$? :: $(tail -1 "$OUT/check.log")"
+  ( timeout 300 python3 -m deepinfer.entrypoints.cli check --device cuda --shapes real > "$OUT/check.log" 2>&1;
+    echo "rc=$?" >> "$OUT/check.log" ) &
+  C_PID=$!
 fi
+if [ -n "$T_PID" ]; then wait "$T_PID"; log "tests :: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
+if [ -n "$C_PID" ]; then wait "$C_PID"; log "check :: $(tail -2 "$OUT/check.log" | tr '\n' ' ')"; fi
 if has kernels; then
   log "kernel microbenchmarks"
   timeout 200 python3 -m benchmarks.kernels > "$OUT/kernels.log" 2>&1
