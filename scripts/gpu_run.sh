@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build + check + time.
-#   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,profile,hf (default: all but profile)
+#   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,ab,profile,hf (default: all but ab and profile)
 # Writes logs / JSON lines under $OUT (or ./gpu_out), prints a short summary last.
 # Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1).
 set -u
@@ -60,6 +60,16 @@ if has bench; then
       --output-len 64 --enforce-eager > "$OUT/throughput_eager.log" 2>&1
     log "eager rc=$?"; grep -v '^{' "$OUT/throughput_eager.log" | tail -6 | tee -a "$OUT/summary.txt"
   fi
+fi
+if has ab; then  # A/B of env settings at one batch size, each in its own engine (graphs are captured at start-up)
+  IFS=';' read -ra AB_LIST <<< "${AB_ENVS:-}"
+  for setting in "default" "${AB_LIST[@]}"; do
+    [ "$setting" = "default" ] && envs="" || envs="$setting"
+    log "A/B batch ${AB_BATCHES:-64}: ${setting}"
+    env $envs timeout 200 python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${AB_BATCHES:-64}" \
+      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --prefill-prompts 0 > /tmp/ab.log 2>&1
+    log "  rc=$? :: $(grep -v '^{' /tmp/ab.log | grep -v Loading | tail -1)"
+  done
 fi
 if has profile; then
   log "kernel profile of decode steps (torch.profiler)"

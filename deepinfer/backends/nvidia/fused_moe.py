@@ -105,8 +105,15 @@ def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) ->
 
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per aligned tile: an expert with more routed pairs than this re-reads its weights per tile.
+    DEEPINFER_MOE_BLOCK_M (16, 32 or 64) overrides it for A/B runs on skewed routing."""
     if interpreting():
         return 16
+    env = os.environ.get("DEEPINFER_MOE_BLOCK_M")
+    if env:
+        if env not in ("16", "32", "64"):
+            raise BackendError(f"DEEPINFER_MOE_BLOCK_M must be 16, 32 or 64, got {env!r}")
+        return int(env)
     per_expert = num_pairs / max(1, num_experts)
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
