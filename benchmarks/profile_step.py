@@ -4,7 +4,7 @@ For each batch size: prefill `batch` random prompts, decode a few warm-up steps,
 profile `--steps` engine steps with torch.profiler (CUPTI sees the kernels inside
 replayed CUDA graphs). Reported per step:
 
-- wall: engine.step() wall time;
+- wall: engine.step() wall time (no sync between steps: with async scheduling one step stays in flight);
 - gpu busy: the union of kernel / memcpy / memset intervals (so wall - busy is time the
   GPU sat idle waiting for the host);
 - graph span / kernel sum: one replay of the batch's decode graph alone, first kernel
@@ -48,15 +48,17 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _profile(fn, steps: int, trace_path: str) -> tuple[list[dict], list[float]]:
+def _profile(fn, steps: int, trace_path: str, sync_each: bool) -> tuple[list[dict], list[float]]:
+    """sync_each=False leaves the device queue alone between calls (async scheduling keeps one step in
+    flight: a sync per step would serialize it); the one sync at the end closes the last step."""
     from torch.profiler import ProfilerActivity, profile
 
     walls: list[float] = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+        for i in range(steps):
             t = time.perf_counter()
             fn()
-            if torch.cuda.is_available():
+            if torch.cuda.is_available() and (sync_each or i == steps - 1):
                 torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t))
     prof.export_chrome_trace(trace_path)
@@ -88,7 +90,7 @@ def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, t
     for _ in range(3):
         engine.step()
     path = os.path.join(trace_dir or tempfile.gettempdir(), f"trace_b{batch}.json")
-    events, walls = _profile(engine.step, steps, path)
+    events, walls = _profile(engine.step, steps, path, sync_each=False)
     if not events:
         raise SystemExit("the profiler saw no device kernels (no CUDA device, or CUPTI unavailable)")
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3 / steps
@@ -102,7 +104,7 @@ def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, t
     size = gr.bucket_for(batch) if gr is not None else None
     if size is not None and size in gr.graphs:
         gpath = os.path.join(tempfile.gettempdir(), f"graph_b{batch}.json")
-        gev, _ = _profile(gr.graphs[size].replay, 3, gpath)
+        gev, _ = _profile(gr.graphs[size].replay, 3, gpath, sync_each=True)
         span = (max(e["ts"] + e["dur"] for e in gev) - min(e["ts"] for e in gev)) / 1e3 / 3
         launch = []
         for _ in range(10):  # host time of the launch call alone (no profiler attached)
