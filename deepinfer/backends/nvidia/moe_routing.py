@@ -141,18 +141,34 @@ def _gate_route_kernel(
         tl.atomic_xchg(cnt_ptr + t, 0)
 
 
-ROUTER_GEMV_MAX_TOKENS = 16
+ROUTER_GEMV_MAX_TOKENS = 16  # gate_route (GEMV + top-k in one launch)
+ROUTER_LOGITS_GEMV_MAX_TOKENS = 64  # router_logits alone
+
+
+def _logits_gemv_max_tokens() -> int:
+    """DEEPINFER_ROUTER_GEMV_MAX_TOKENS overrides (A/B runs); 0 sends every size to cuBLAS."""
+    env = os.environ.get("DEEPINFER_ROUTER_GEMV_MAX_TOKENS")
+    if not env:
+        return ROUTER_LOGITS_GEMV_MAX_TOKENS
+    try:
+        return int(env)
+    except ValueError:
+        from deepinfer.errors import BackendError
+
+        raise BackendError(f"DEEPINFER_ROUTER_GEMV_MAX_TOKENS must be an integer, got {env!r}") from None
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] of the fp32 router gate without an fp32 copy of x: one launch at decode sizes.
 
-    Up to ROUTER_GEMV_MAX_TOKENS tokens a Triton GEMV (each program: BLOCK_E experts of one token, fp32
-    products and sums); above that cuBLAS on x.float(), where the copy is small next to the GEMM.
+    Up to 64 tokens a Triton GEMV (each program: BLOCK_E experts of one token, fp32 products and sums;
+    the fp32 gate, 512 KB at V2-Lite, stays in L2 across tokens); above that cuBLAS on x.float(). At 64
+    tokens on the H200 the cuBLAS path was a copy kernel plus a SIMT fp32 GEMM on the MoE layer's
+    critical path (profile in docs/performance.md).
     """
     T, D = x.shape
     E = gate_weight.shape[0]
-    if T > ROUTER_GEMV_MAX_TOKENS or x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
+    if T > _logits_gemv_max_tokens() or x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
         return torch.nn.functional.linear(x.float(), gate_weight.float())
     w = gate_weight.float()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
