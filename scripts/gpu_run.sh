@@ -19,7 +19,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
 
 CK_PID=""
-if (has bench || has hf || has profile) && [ ! -f "$CKPT/config.json" ]; then
+if (has bench || has hf || has profile || has ab) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
