@@ -232,43 +232,52 @@ def env_overrides() -> tuple[int | None, int | None, int | None]:
     return _env_int("DEEPINFER_MLA_SPLITS", 1), block_n, _env_int("DEEPINFER_MLA_MIN_SPLIT", 1)
 
 
-# (largest batch, splits launched, min tokens per split, tile): from the H200 sweep of
+# (largest batch, splits launched, min tokens per split, tile, warps, stages): from the H200 sweep of
 # benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/performance.md).
 # Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 2 splits of
-# 64 up to 1.5k context (58 us vs 72 us for 6 splits of 32 at 1536); 256 -> 1 split of 32-token
-# tiles (no merge: 145 us vs 175 us at 1536). Rows between are interpolated, not measured.
+# 64 up to 1.5k context (58 us vs 72 us for 6 splits of 32 at 1536) but 4 splits of 32-token
+# tiles at 4k (118 us, 2.56 TB/s); 256 -> 1 split of 32-token tiles (no merge: 145 us vs 175 us at
+# 1536). Rows between are interpolated, not measured.
 _DECODE_TABLE = (
-    (2, 64, 64, 64),
-    (8, 32, 64, 64),
-    (31, 16, 128, 64),
-    (63, 8, 256, 64),
-    (127, 4, 768, 64),
-    (191, 2, 1024, 32),
-    (1 << 30, 1, 32, 32),
+    (2, 64, 64, 64, 8, 2),
+    (8, 32, 64, 64, 8, 2),
+    (31, 16, 128, 64, 8, 2),
+    (63, 8, 256, 64, 8, 2),
+    (127, 4, 768, 64, 8, 2),
+    (191, 2, 1024, 32, 4, 3),
+    (1 << 30, 1, 32, 32, 4, 3),
 )
+# Tables wider than this (long max_model_len) take 32-token tiles at batch 32..127: the 64-token
+# tiles win only up to ~2k tokens.
+_LONG_CONTEXT = 2304
+_LONG_ROW = (4, 32, 32, 4, 2)  # splits, min split, tile, warps, stages (b64, 4k: 2.56 TB/s)
 
 
 def decode_params(batch_size: int, num_heads: int, max_context: int) -> DecodeParams:
     """The launch for `batch_size` sequences of at most `max_context` tokens (host-known: the block table's
-    width; in a captured graph that is max_model_len, so the split count then depends on the batch only).
+    width; in a captured graph that is max_model_len, so the launch then depends on the batch and the
+    longest context the graph can meet).
 
     The table above gives the launched splits and each split's minimum length: a sequence uses
     min(splits, ceil(len / min_split)) of them (device-side), so short contexts take fewer, longer
     splits without a new graph. An eager batch never launches more splits than its table covers.
     """
     splits_env, block_env, min_env = env_overrides()
-    for max_batch, t_splits, t_min, t_block in _DECODE_TABLE:
+    for max_batch, t_splits, t_min, t_block, warps, stages in _DECODE_TABLE:
         if batch_size <= max_batch:
             break
+    if 32 <= batch_size <= 127 and max_context > _LONG_CONTEXT:
+        t_splits, t_min, t_block, warps, stages = _LONG_ROW
     block_n = block_env or t_block
+    if block_env is not None and block_env != t_block:  # an overridden tile gets its usual warps / stages
+        warps, stages = (8, 2) if block_n >= 64 else (4, 3)
     min_split = triton.cdiv(min_env or t_min, block_n) * block_n
     if splits_env is not None:
         splits = splits_env
     else:
         splits = max(1, min(t_splits, triton.cdiv(max(1, max_context), min_split)))
-    big = block_n >= 64  # 64-token tiles: 8 warps, 2 stages (shared memory)
-    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split, num_warps=8 if big else 4,
-                        num_stages=2 if big else 3)
+    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split, num_warps=warps,
+                        num_stages=stages)
 
 
 def mla_decode(
