@@ -165,7 +165,8 @@ class NvidiaBackend(NativeOps, Backend):
         ext = self._cuda_ext is not None
         cov["route"] = ("cuda" if ext else "triton") + \
             "; native for sqrtsoftplus/hash (V4)"
-        cov["moe"] = ("triton grouped GEMM + cuda align" if ext else "triton") + \
+        cov["moe"] = ("triton grouped GEMM + cuda align" if ext else "triton grouped GEMM") + \
+            " (<= 64 pairs: direct, shared experts folded; router GEMV + top-k <= 16 tokens)" + \
             "; native for swiglu_limit/V4 routers"
         for k in list(cov):
             if k.startswith("linear:"):
