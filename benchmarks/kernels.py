@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.graph_timing import graph_ms as timed_by_graph
 from deepinfer.core.backend import MoESpec, RouterSpec
 
 ROWS: list[dict] = []
@@ -75,31 +76,8 @@ def mla_decode_bench(batch: int = 64, ctx: int = 4096, heads: int = 16, page: in
 
 
 def graph_ms(fn, inner: int = 1, reps: int = 20) -> float:
-    """ms per fn() call, replaying a CUDA graph of `inner` calls (decode-size work is launch-bound eagerly)."""
-    if DEV != "cuda":  # dry run of the benchmark code paths: no timing
-        fn()
-        return 1.0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile + warm up outside the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] / inner
+    """ms per fn() call through CUDA-graph replay (benchmarks/graph_timing.py); a CPU dry run just calls fn."""
+    return timed_by_graph(fn, inner, reps, dry_run=DEV != "cuda", dry_value=1.0)
 
 
 class MoEBench:

@@ -26,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_timing import graph_ms as timed_by_graph
+
 H, NOPE, ROPE, L, V, D, PAGE = 16, 128, 64, 512, 128, 2048, 64
 LAYERS = 4
 DEV = "cuda"  # the benchmark is for the GPU; a CPU smoke run (TRITON_INTERPRET=1) may set "cpu"
@@ -39,32 +41,8 @@ def emit(**row) -> None:
 
 
 def graph_ms(fn, inner: int = 1, reps: int = 15) -> float:
-    """ms per fn() call, replaying a CUDA graph of `inner` calls (decode-size work is launch-bound eagerly)."""
-    if DEV != "cuda":  # --dry-run: the code paths once, no timing
-        fn()
-        return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile + warm up outside the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2] / inner
+    """ms per fn() call through CUDA-graph replay (benchmarks/graph_timing.py); a CPU dry run just calls fn."""
+    return timed_by_graph(fn, inner, reps, dry_run=DEV != "cuda", dry_value=float("nan"))
 
 
 def paged(batch: int, ctx: int, dev: str | None = None):
@@ -194,9 +172,10 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
             kv = cache[table[0].long()].reshape(-1, L + ROPE)[:ctx].float()
             ref = ((q[0].float() @ kv.T) * 0.1).softmax(-1) @ kv[:, :L]
             err = float((out[0].float() - ref).norm() / ref.norm())
-            configs, seen = [(auto.num_splits, auto.block_n, auto.min_split, 4, 3, "auto")], set()
+            configs = [(auto.num_splits, auto.block_n, auto.min_split, auto.num_warps, auto.num_stages, "auto")]
+            seen = set()
             seen.add((auto.num_splits, auto.block_n, _split_len(ctx, auto.num_splits, auto.block_n, auto.min_split),
-                      4, 3))
+                      auto.num_warps, auto.num_stages))
             for bn, warps, stages in tiles:
                 for splits in (1, 2, 4, 8, 16, 32, 64):
                     if b * splits > 8192:
