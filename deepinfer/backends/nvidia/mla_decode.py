@@ -121,6 +121,23 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
+def _split_weights(part_lse_ptr, seq_lens_ptr, b, h, stride_lb, stride_lh, min_split, num_splits, block_n,
+                   BLOCK_S: tl.constexpr):
+    """The merge weights of one (row, head): exp2(lse - max) over the splits this row used (0 for the
+    others, never read), their sum (1 where nothing was attended), the split offsets and their mask."""
+    seq_len = tl.load(seq_lens_ptr + b)
+    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, block_n, min_split))
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < used
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    total = tl.sum(w, 0)
+    return w, tl.where(total > 0, total, 1.0), offs_s, smask
+
+
+@triton.jit
 def _mla_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, min_split, num_splits, block_n,
@@ -131,20 +148,12 @@ def _mla_decode_merge_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, block_n, min_split))
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < used
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    w, total, offs_s, smask = _split_weights(part_lse_ptr, seq_lens_ptr, b, h, stride_lb, stride_lh, min_split,
+                                             num_splits, block_n, BLOCK_S)
     offs_l = c * BLOCK_L + tl.arange(0, BLOCK_L)
     o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_l[None, :],
                 mask=smask[:, None], other=0.0)
     acc = tl.sum(w[:, None] * o, 0)
-    total = tl.sum(w, 0)
-    total = tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_l, (acc / total).to(out_ptr.dtype.element_ty))
 
 
@@ -160,16 +169,8 @@ def _mla_decode_merge_uv_kernel(
     rounding: as the batched GEMM it replaces), so the merge and the W_UV product are one launch."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, block_n, min_split))
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < used
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(smask, tl.exp2(lse - m), 0.0)
-    total = tl.sum(w, 0)
-    total = tl.where(total > 0, total, 1.0)
+    w, total, offs_s, smask = _split_weights(part_lse_ptr, seq_lens_ptr, b, h, stride_lb, stride_lh, min_split,
+                                             num_splits, block_n, BLOCK_S)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
