@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.graph_timing import graph_ms as timed_by_graph
-from deepinfer.core.backend import MoESpec, RouterSpec
+from deepinfer.core.backend import RouterSpec
 
 ROWS: list[dict] = []
 DEV = "cuda"  # the MoE benchmarks' device (a CPU dry run under TRITON_INTERPRET sets "cpu")
@@ -105,7 +105,7 @@ class MoEBench:
         from deepinfer.backends.nvidia.fused_moe import counters_for
 
         self.counters = counters_for(D, device)  # the fused combine's (self-resetting) column counters
-        self.route_counters = torch.zeros(16, dtype=torch.int32, device=device)  # the fused router's
+        self.route_counters = torch.zeros(64, dtype=torch.int32, device=device)  # the fused router's
         mk = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02  # noqa: E731
         self.layers = [dict(gate=torch.randn(E, D, device=device) * 0.02, w13=mk(E, 2 * I, D), w2=mk(E, D, I),
                             gu=mk(2 * S * I, D), dn=mk(D, S * I)) for _ in range(self.LAYERS)]
@@ -134,12 +134,10 @@ class MoEBench:
 
     def new(self, L, x, direct=None):
         """TritonMoE.forward's schedule: direct + shared folded at small T, else aligned + fused add."""
-        import os
-
         from deepinfer.backends.nvidia.fused_moe import fused_moe, use_direct
-        from deepinfer.backends.nvidia.moe_routing import ROUTER_GEMV_MAX_TOKENS, gate_route, router_logits
+        from deepinfer.backends.nvidia.moe_routing import fused_router_max_tokens, gate_route, router_logits
 
-        if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") != "0":
+        if x.shape[0] <= fused_router_max_tokens():
             w, ids = gate_route(x, L["gate"], self.spec, None, self.route_counters)
         else:
             w, ids = self.route(router_logits(x, L["gate"]))

@@ -6,7 +6,8 @@ the expert-aligned mode with the shared MLP run densely by the model's
 module (one read of its weights) and only its add fused into the combine.
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
 Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
-(DEEPINFER_MOE_FUSED_ROUTER=0: GEMV, then the CUDA C++ / Triton top-k).
+(moe_routing.fused_router_max_tokens: DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS up to 64 for A/B runs,
+DEEPINFER_MOE_FUSED_ROUTER=0: GEMV, then the CUDA C++ / Triton top-k).
 
 In the aligned mode the dense shared MLP runs on a second CUDA stream, forked
 before the router and joined just before the combine: its GEMMs overlap the
@@ -27,6 +28,7 @@ from deepinfer.backends.nvidia.moe_routing import (
     GROUPING_CODES,
     ROUTER_GEMV_MAX_TOKENS,
     SCORING_CODES,
+    fused_router_max_tokens,
     gate_route,
     moe_align,
     router_logits,
@@ -94,11 +96,12 @@ class TritonMoE(NativeMoE):
     def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
         if self.w13 is None or self.route_counters is None:
             raise BackendError("MoE forward before load_experts")
-        if x.shape[0] > ROUTER_GEMV_MAX_TOKENS or os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
+        if x.shape[0] > fused_router_max_tokens():
             shared = self._start_shared(x, shared_experts)  # before the router: it overlaps the routing kernels
             logits = self.router_logits(x, gate_weight)
             weights, ids = self.route_fn(logits, self.spec.router, correction_bias, None, None)
             return self._experts(x, weights, ids, shared_experts, shared)
+        # the fused router is one short launch: nothing for a side stream to overlap, the shared MLP runs inline
         x = x.contiguous()  # no-op for the model's hidden states
         weights, ids = gate_route(x, gate_weight, self.spec.router, correction_bias, self.route_counters)
         return self._experts(x, weights, ids, shared_experts)

@@ -141,8 +141,30 @@ def _gate_route_kernel(
         tl.atomic_xchg(cnt_ptr + t, 0)
 
 
-ROUTER_GEMV_MAX_TOKENS = 16  # gate_route (GEMV + top-k in one launch)
+ROUTER_GEMV_MAX_TOKENS = 64  # the most tokens gate_route takes (its per-token counters)
+FUSED_ROUTER_MAX_TOKENS = 16  # the MoE op's default for gate_route (measured up to 16 tokens on the H200)
 ROUTER_LOGITS_GEMV_MAX_TOKENS = 64  # router_logits alone
+
+
+def fused_router_max_tokens() -> int:
+    """Largest batch the MoE op routes with gate_route (GEMV + top-k, one launch); above it the GEMV /
+    cuBLAS logits then the top-k kernel. DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS (<= 64) overrides it for
+    A/B runs; DEEPINFER_MOE_FUSED_ROUTER=0 turns the fused router off."""
+    if os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
+        return 0
+    env = os.environ.get("DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS")
+    if not env:
+        return FUSED_ROUTER_MAX_TOKENS
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= ROUTER_GEMV_MAX_TOKENS:
+        from deepinfer.errors import BackendError
+
+        raise BackendError(f"DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS must be an integer in [0, "
+                           f"{ROUTER_GEMV_MAX_TOKENS}], got {env!r}")
+    return value
 
 
 def _logits_gemv_max_tokens() -> int:
