@@ -202,17 +202,25 @@ def _lens(values: list[int]) -> str:
     return f"{len(values)}x[{min(values)}..{max(values)}]"
 
 
+def _mla_inputs(spec: MLASpec, block_size: int, qlens: list[int], ctxs: list[int], g, dt) -> tuple[int, int, dict]:
+    """(tokens, cache blocks, the batch / kv_b / q inputs) both MLA case families draw first, in this order."""
+    t = sum(qlens)
+    blocks = sum(-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)) + 2
+    return t, blocks, {
+        "batch": _mla_batch(qlens, ctxs, block_size, blocks, g),
+        "kv_b": _randn(g, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
+                       dtype=dt, scale=spec.kv_lora_rank**-0.5),
+        "q": _randn(g, t, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim, dtype=dt),
+    }
+
+
 def _mla_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[list[int], list[int]]]) -> list[Case]:
     cases = []
     for label, (qlens, ctxs) in batches.items():
         def make(g, dt, qlens=qlens, ctxs=ctxs):
-            t = sum(qlens)
-            blocks = sum(-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)) + 2
+            t, blocks, common = _mla_inputs(spec, block_size, qlens, ctxs, g, dt)
             return {
-                "batch": _mla_batch(qlens, ctxs, block_size, blocks, g),
-                "kv_b": _randn(g, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
-                               dtype=dt, scale=spec.kv_lora_rank**-0.5),
-                "q": _randn(g, t, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim, dtype=dt),
+                **common,
                 "kv_c": _randn(g, t, spec.kv_lora_rank, dtype=dt),
                 "k_pe": _randn(g, t, spec.qk_rope_head_dim, dtype=dt),
                 "cache": _randn(g, blocks, block_size, spec.cache_entry_dim, dtype=dt),
@@ -238,13 +246,9 @@ def _mla_latent_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[l
     for label, (qlens, ctxs) in batches.items():
         for interleaved in (True, False):
             def make(g, dt, qlens=qlens, ctxs=ctxs):
-                t = sum(qlens)
-                blocks = sum(-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)) + 2
+                t, blocks, common = _mla_inputs(spec, block_size, qlens, ctxs, g, dt)
                 return {
-                    "batch": _mla_batch(qlens, ctxs, block_size, blocks, g),
-                    "kv_b": _randn(g, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
-                                   dtype=dt, scale=spec.kv_lora_rank**-0.5),
-                    "q": _randn(g, t, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim, dtype=dt),
+                    **common,
                     "kv_a": _randn(g, t, spec.cache_entry_dim, dtype=dt, scale=2.0),
                     "w": _randn(g, spec.kv_lora_rank, dtype=dt, scale=0.5) + 1,
                     "rope": rope_cos_sin_cache(spec.qk_rope_head_dim, 2048, 10000.0, yarn),
