@@ -116,8 +116,10 @@ def run_prefill(engine, n: int, prompt_len: int, vocab: int, seed: int) -> dict:
 
 
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int,
-              profile_steps: int = 0) -> dict:
-    """profile_steps > 0: cProfile the last that many decode steps and print the top entries."""
+              profile_steps: int = 0, step_timing: bool = False) -> dict:
+    """profile_steps > 0: cProfile the last that many decode steps and print the top entries.
+    step_timing: stream events per decode step (core/step_timer.py): device time per phase,
+    device idle between steps, host wait; reported for all decode steps and the last 32."""
     import cProfile
     import pstats
 
@@ -141,6 +143,12 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     first_profiled = max(0, output_len - 2 - profile_steps)  # about output_len - 1 decode steps follow
     profiled = 0
     gc_timer = GCTimer()
+    timer = None
+    if step_timing:
+        from deepinfer.core.step_timer import StepTimer
+
+        timer = engine.runner.timer = StepTimer(torch.device(engine.runner.device))
+    fallbacks0 = engine.stats().num_sync_fallbacks
     t1 = time.perf_counter()
     with gc_timer:
         while engine.has_unfinished_requests():
@@ -155,6 +163,10 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
             step_times.append(time.perf_counter() - s)
             decoded += len(outs)
     t_decode = time.perf_counter() - t1
+    timing = {}
+    if timer is not None:
+        engine.runner.timer = None
+        timing = {"step_timing": timer.summary(), "step_timing_late": timer.summary(last=32)}
     graph_ms = graph_replay_ms(engine, batch)
     if prof is not None:
         print(f"\nhost profile: the last {profiled} decode steps at batch {batch} (steps {first_profiled}.."
@@ -163,7 +175,8 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(12)
     return {
-        **gc_timer.summary(),
+        **gc_timer.summary(), **timing,
+        "sync_fallbacks": engine.stats().num_sync_fallbacks - fallbacks0,
         "late_ms_per_step_median": 1e3 * statistics.median(step_times[-32:]) if step_times else None,
         "graph_replay_ms": graph_ms,
         "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
@@ -190,6 +203,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-batch", type=int, default=0, help="cProfile the last decode steps at this batch (0: skip)")
     p.add_argument("--profile-steps", type=int, default=16, help="how many of the last decode steps to profile")
+    p.add_argument("--step-timing", action="store_true",
+                   help="time each decode step's phases on the device with stream events (idle vs busy)")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="overlap the host's step work with the device (default: the engine's choice)")
     p.add_argument("--prefill-prompts", type=int, default=64, help="prompts in the prefill-only run (0: skip)")
@@ -239,7 +254,7 @@ def main() -> None:
     for b in batches:
         out_len = args.output_len_small if (args.output_len_small and b <= 16) else args.output_len
         r = run_batch(engine, b, args.prompt_len, out_len, int(cfg["vocab_size"]), args.seed,
-                      args.profile_steps if b == args.profile_batch else 0)
+                      args.profile_steps if b == args.profile_batch else 0, args.step_timing)
         r["roofline_ms"] = floor_ms(cfg, b, int(r["avg_context"]), args.bandwidth_tbs)
         r.update(bench="throughput", cuda_graphs=graphs)
         rows.append(r)
@@ -261,6 +276,12 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>13.0f} {r['decode_ms_per_step_median']:>8.2f} "
               f"{r['late_ms_per_step_median']:>8.2f} {gms:>8} {r['roofline_ms']:>8.2f} {r['output_tok_s']:>10.0f} "
               f"{r['gc_ms_total']:>7.1f} {gcn:>16}")
+    for r in rows:
+        for key in ("step_timing", "step_timing_late"):
+            if key in r:
+                t = r[key]
+                print(f"batch {r['batch']} {key}: " + ", ".join(
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
 
 
 if __name__ == "__main__":

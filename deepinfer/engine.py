@@ -299,6 +299,7 @@ class DeepInferenceEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_requests_finished=self._finished,
             num_state_slots_used=self.kv.slots.num_used,
+            num_sync_fallbacks=self._pipeline.num_sync_fallbacks,
             kv_blocks_by_group=self.kv.usage_by_group(),
         )
 

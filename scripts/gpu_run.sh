@@ -2,7 +2,10 @@
 # One call on the GPU machine: build + check + time.
 #   scripts/gpu_run.sh [STAGES]   STAGES: comma list of tests,check,kernels,bench,ab,profile,hf (default: all but ab and profile)
 # Writes logs / JSON lines under $OUT (or ./gpu_out), prints a short summary last.
-# Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1).
+# Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1),
+#      BENCH_ARGS (extra benchmarks.throughput arguments for bench and ab, e.g. --step-timing),
+#      AB_ENVS ("ENV=1 ENV2=2;ENV=3 -- --async-scheduling off": ';'-separated settings, each env
+#      assignments and optionally ' -- ' and extra throughput arguments). Stage mla: benchmarks.kernels_mla only.
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -41,6 +44,10 @@ if has check; then
 fi
 if [ -n "$T_PID" ]; then wait "$T_PID"; log "tests :: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
 if [ -n "$C_PID" ]; then wait "$C_PID"; log "check :: $(tail -2 "$OUT/check.log" | tr '\n' ' ')"; fi
+if has mla && ! has kernels; then
+  timeout 150 python3 -m benchmarks.kernels_mla > "$OUT/kernels_mla.log" 2>&1
+  log "kernels_mla rc=$?"; grep -v '^{' "$OUT/kernels_mla.log" | tail -40 | tee -a "$OUT/summary.txt"
+fi
 if has kernels; then
   log "kernel microbenchmarks"
   timeout 200 python3 -m benchmarks.kernels > "$OUT/kernels.log" 2>&1
@@ -53,7 +60,7 @@ if has bench; then
   log "throughput (CUDA graphs)"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,16,64,256}" \
     --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --output-len-small "${OUTLEN_SMALL:-${OUTLEN:-256}}" --json-out "$OUT/throughput.jsonl" \
-    --accuracy-out /tmp/accuracy_tokens.json --profile-batch "${PROFILE_BATCH:-0}" > "$OUT/throughput.log" 2>&1
+    --accuracy-out /tmp/accuracy_tokens.json --profile-batch "${PROFILE_BATCH:-0}" ${BENCH_ARGS:-} > "$OUT/throughput.log" 2>&1
   log "throughput rc=$?"; grep -v '^{' "$OUT/throughput.log" | grep -v 'Loading weights' | tail -60 | tee -a "$OUT/summary.txt"
   if [ "${EAGER_TOO:-0}" = 1 ]; then
     timeout 200 python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${EAGER_BATCHES:-1,64}" --prompt-len "${PROMPT:-1024}" \
@@ -65,10 +72,15 @@ if has ab; then  # A/B of env settings at one batch size, each in its own engine
   IFS=';' read -ra AB_LIST <<< "${AB_ENVS:-}"
   for setting in "default" "${AB_LIST[@]}"; do
     [ "$setting" = "default" ] && envs="" || envs="$setting"
+    args=""
+    if [[ "$envs" == *" -- "* ]]; then args="${envs#* -- }"; envs="${envs%% -- *}"; fi
+    [[ "$envs" == "--"* ]] && { args="${envs#--}"; envs=""; }
     log "A/B batch ${AB_BATCHES:-64}: ${setting}"
     env $envs timeout 200 python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${AB_BATCHES:-64}" \
-      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --prefill-prompts 0 > /tmp/ab.log 2>&1
-    log "  rc=$? :: $(grep -v '^{' /tmp/ab.log | grep -v Loading | tail -1)"
+      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --prefill-prompts 0 ${BENCH_ARGS:-} $args > /tmp/ab.log 2>&1
+    log "  rc=$? :: $(grep -v '^{' /tmp/ab.log | grep -v Loading | grep -v step_timing | tail -1)"
+    grep 'step_timing' /tmp/ab.log | tee -a "$OUT/summary.txt"
+    cat /tmp/ab.log >> "$OUT/ab.log"
   done
 fi
 if has profile; then

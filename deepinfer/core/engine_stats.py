@@ -18,4 +18,5 @@ class EngineStats:
     num_preemptions: int
     num_requests_finished: int = 0
     num_state_slots_used: int = 0  # rows held by sequences with KV (their per-sequence state rows)
+    num_sync_fallbacks: int = 0  # async-scheduling steps that resolved the step in flight first
     kv_blocks_by_group: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (used, total)

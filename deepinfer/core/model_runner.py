@@ -16,6 +16,7 @@ from deepinfer.core.forward_batch import ForwardBatch
 from deepinfer.core.kv_caches import KVCaches
 from deepinfer.core.kv_manager import KVCacheManager
 from deepinfer.core.scheduler import SchedulerOutput
+from deepinfer.core.step_timer import StepTimer
 from deepinfer.core.transfer import HostCopy, tensor_to, to_device
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
@@ -43,6 +44,7 @@ class PendingStep:
     sample: object | None = None  # sampler.DeviceSample
     host: HostCopy | None = None
     resolved: bool = False
+    timer: StepTimer | None = None  # times the host's wait for the draw (benchmarks)
 
     def resolve(self) -> StepResult:
         if self.resolved:
@@ -53,7 +55,8 @@ class PendingStep:
         logprobs: list[dict[int, Logprob] | None] = [None] * n
         if self.sample is None:
             return StepResult(token_ids, logprobs)
-        out = self.sample.output(self.host.wait())
+        host = self.host.wait() if self.timer is None else self.timer.wait(self.host.wait)
+        out = self.sample.output(host)
         items = self.sched.scheduled
         for j, i in enumerate(self.sampling):
             items[i].seq.num_pending -= 1
@@ -96,6 +99,7 @@ class ModelRunner:
         self.graph_runner = None  # optional decode-graph replay, installed by a backend-specific runner
         # ids drawn by the last launched step, on the device: a pending token's input id (async)
         self._last_tokens: torch.Tensor | None = None
+        self.timer: StepTimer | None = None  # per-phase device timing of launched steps (benchmarks)
 
     def capture_decode_graphs(self, backend, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         """Install decode CUDA-graph replay when the backend can capture and enforce_eager is off."""
@@ -234,6 +238,8 @@ class ModelRunner:
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         self.reset_state_rows(batch)
         hidden = self.run_model(batch)
+        if self.timer is not None:
+            self.timer.mark("forward")
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
@@ -244,10 +250,19 @@ class ModelRunner:
         host; never waits for the device. Each sampling sequence gets one pending token."""
         from deepinfer.core.sampler import SamplingRow
 
+        timer = self.timer
+        if timer is not None:
+            timer.begin()
         batch, sampling = self._build(sched)
+        if timer is not None:
+            timer.mark("inputs")
         logits = self._forward_logits(batch)
-        step = PendingStep(sched, sampling)
+        step = PendingStep(sched, sampling, timer=timer)
+        if timer is not None:
+            timer.mark("logits")
         if logits is None:
+            if timer is not None:
+                timer.mark("end")
             return step
         rows = []
         items = sched.scheduled
@@ -259,6 +274,8 @@ class ModelRunner:
                                     num_outputs=n - len(req.prompt_token_ids)))
         step.sample = self.sampler.sample(logits, rows)
         step.host = HostCopy(step.sample.tensors, self.device)
+        if timer is not None:
+            timer.mark("end")
         self._last_tokens = step.sample.token_ids
         for j, i in enumerate(sampling):
             seq = items[i].seq
