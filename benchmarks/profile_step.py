@@ -75,26 +75,27 @@ def _by_name(events: list[dict], steps: int) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, trace_dir: str | None) -> dict:
+def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, trace_dir: str | None,
+                  warm_steps: int = 3) -> dict:
     from benchmarks.throughput import graph_replay_ms
     from deepinfer.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(4321 + batch)
-    params = SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + warm_steps + 9, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"prof{batch}-{i}", torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist(),
                            params)
     started: set[str] = set()
     while len(started) < batch and engine.has_unfinished_requests():
         started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-    for _ in range(3):
+    for _ in range(warm_steps):  # decode steps before the profiled ones (a longer context, later routing)
         engine.step()
     path = os.path.join(trace_dir or tempfile.gettempdir(), f"trace_b{batch}.json")
     events, walls = _profile(engine.step, steps, path, sync_each=False)
     if not events:
         raise SystemExit("the profiler saw no device kernels (no CUDA device, or CUPTI unavailable)")
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3 / steps
-    out = {"bench": "profile_step", "batch": batch, "steps": steps,
+    out = {"bench": "profile_step", "batch": batch, "steps": steps, "warm_steps": warm_steps,
            "wall_ms_median": statistics.median(walls), "gpu_busy_ms": busy,
            "kernel_sum_ms": sum(e["dur"] for e in events) / 1e3 / steps,
            "launches_per_step": len(events) / steps,
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warm-steps", type=int, default=3, help="decode steps before the profiled ones")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--trace-dir", default=None, help="write trace_b<batch>.json.gz here")
@@ -142,14 +144,14 @@ def main() -> None:
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     engine = LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
-                 max_model_len=args.prompt_len + args.steps + 64, enforce_eager=args.enforce_eager,
+                 max_model_len=args.prompt_len + args.steps + args.warm_steps + 64, enforce_eager=args.enforce_eager,
                  max_num_batched_tokens=16384)
     with open(f"{args.model}/config.json") as f:
         vocab = int(json.load(f)["vocab_size"])
     rows = []
     for b in batches:
         keep = args.trace_dir if str(b) in args.trace_batches.split(",") else None
-        r = profile_batch(engine, b, args.prompt_len, vocab, args.steps, keep)
+        r = profile_batch(engine, b, args.prompt_len, vocab, args.steps, keep, args.warm_steps)
         rows.append(r)
         print(json.dumps(r), flush=True)
         print(f"\nbatch {b}: wall {r['wall_ms_median']:.2f} ms/step, GPU busy {r['gpu_busy_ms']:.2f} ms, "
@@ -161,7 +163,7 @@ def main() -> None:
             for name, us, n in r["graph_top"]:
                 print(f"    {us:9.1f} us  x{n:<6} {name}")
         print("  step (outside + inside the graph):")
-        for name, us, n in r["top"][:15]:
+        for name, us, n in r["top"][:25]:
             print(f"    {us:9.1f} us  x{n:<6} {name}")
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -21,6 +21,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
 
+# GPU clocks, power and throttle reasons every 250 ms while this script runs (smi.csv)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 250 > "$OUT/smi.csv" 2>/dev/null &
+SMI_PID=$!
+trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
 if (has bench || has hf || has profile || has ab) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
@@ -86,7 +91,7 @@ fi
 if has profile; then
   log "kernel profile of decode steps (torch.profiler)"
   timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.profile_step "$CKPT" --batch-sizes "${PROFILE_BATCHES:-1,64,256}" \
-    --trace-dir "$OUT" --json-out "$OUT/profile.jsonl" > "$OUT/profile.log" 2>&1
+    --trace-dir "$OUT" --json-out "$OUT/profile.jsonl" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   log "profile rc=$?"; grep -v '^{' "$OUT/profile.log" | grep -v 'Loading weights' | tail -120 | tee -a "$OUT/summary.txt"
 fi
 if has hf; then
