@@ -155,7 +155,9 @@ def _split_len(ctx: int, splits: int, block_n: int, min_split: int) -> int:
     return max(per, min_split)
 
 
-def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s: float) -> None:
+def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s: float,
+                 split_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), tile_min_only: bool = False) -> None:
+    """tile_min_only: each split count with min split = one tile only (exactly that many splits)."""
     from deepinfer.backends.nvidia.mla_decode import decode_params, mla_decode
 
     cell_budget = budget_s / (len(batches) * len(contexts))
@@ -174,24 +176,27 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
             kv = cache[table[0].long()].reshape(-1, L + ROPE)[:ctx].float()
             ref = ((q[0].float() @ kv.T) * 0.1).softmax(-1) @ kv[:, :L]
             err = float((out[0].float() - ref).norm() / ref.norm())
-            configs = [(auto.num_splits, auto.block_n, auto.min_split, auto.num_warps, auto.num_stages, "auto")]
+            configs = [(auto.num_splits, auto.block_n, auto.min_split, auto.num_warps, auto.num_stages, "auto"),
+                       (auto.num_splits, auto.block_n, auto.min_split, auto.num_warps, auto.num_stages, "separate")]
             seen = set()
             seen.add((auto.num_splits, auto.block_n, _split_len(ctx, auto.num_splits, auto.block_n, auto.min_split),
                       auto.num_warps, auto.num_stages))
             for bn, warps, stages in tiles:
-                for splits in (1, 2, 4, 8, 16, 32, 64):
+                for splits in split_list:
                     if b * splits > 8192:
                         continue
-                    for min_split in (bn, 128, 256, 512):
+                    for min_split in (bn,) if tile_min_only else (bn, 128, 256, 512):
                         key = (splits, bn, _split_len(ctx, splits, bn, min_split), warps, stages)
                         if key in seen or min_split < bn:
                             continue
                         seen.add(key)
                         configs.append((splits, bn, min_split, warps, stages, "sweep"))
-            best, auto_row, t0 = None, None, time.perf_counter()
+            best, auto_row, separate_row, t0 = None, None, None, time.perf_counter()
             for splits, bn, min_split, warps, stages, kind in configs:
-                if time.perf_counter() - t0 > cell_budget and kind != "auto":
+                if time.perf_counter() - t0 > cell_budget and kind == "sweep":
                     break
+                if kind == "separate":  # the same launch with the merge as its own kernel (the fused merge's A/B)
+                    os.environ["DEEPINFER_MLA_FUSED_MERGE"] = "0"
                 try:
                     ms = graph_ms(lambda: mla_decode(q, cache, table, seq, L, 0.1, num_splits=splits, block_n=bn,
                                                      min_split=min_split, num_warps=warps, num_stages=stages),
@@ -200,6 +205,8 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
                     emit(name="mla_decode", batch=b, ctx=ctx, splits=splits, block_n=bn, min_split=min_split,
                          warps=warps, stages=stages, error=str(exc)[:160])
                     continue
+                finally:
+                    os.environ.pop("DEEPINFER_MLA_FUSED_MERGE", None)
                 used = -(-ctx // _split_len(ctx, splits, bn, min_split))
                 row = dict(name="mla_decode", batch=b, ctx=ctx, kind=kind, splits=splits, used_splits=used,
                            block_n=bn, min_split=min_split, warps=warps, stages=stages, us=ms * 1e3,
@@ -207,9 +214,13 @@ def decode_sweep(batches: list[int], contexts: list[int], quick: bool, budget_s:
                 emit(**row, rel_err=err if kind == "auto" else None)
                 if kind == "auto":
                     auto_row = row
+                elif kind == "separate":
+                    separate_row = row
+                    continue
                 if best is None or ms * 1e3 < best["us"]:
                     best = row
-            emit(name="mla_decode_summary", batch=b, ctx=ctx, auto=auto_row, best=best, rel_err=err)
+            emit(name="mla_decode_summary", batch=b, ctx=ctx, auto=auto_row, best=best, rel_err=err,
+                 separate=separate_row)
             del cache, table
             torch.cuda.empty_cache()
 
@@ -221,8 +232,10 @@ def table() -> None:
         if r["name"] == "attention_layer":
             print(f"{r['batch']:>6} {r['ctx']:>5} {r['old_us']:>8.1f} {r['new_us']:>8.1f} {r['saved_us']:>7.1f} "
                   f"{r['new_bmm_absorb_us']:>16.1f} {r['rel_err']:>8.1e}")
-    print("\nMLA decode (latent cache TB/s): heuristic pick vs best of the sweep  [splits used/launched, tile, min split]")
-    print(f"{'batch':>6} {'ctx':>5} | {'auto us':>8} {'TB/s':>5} {'cfg':>18} | {'best us':>8} {'TB/s':>5} {'cfg':>22}")
+    print("\nMLA decode (latent cache TB/s): heuristic pick vs best of the sweep  [splits used/launched, tile, min split]"
+          "\n  (sep us: the auto launch with the merge as a separate kernel instead of in the split kernel)")
+    print(f"{'batch':>6} {'ctx':>5} | {'auto us':>8} {'TB/s':>5} {'cfg':>18} | {'sep us':>7} | {'best us':>8} "
+          f"{'TB/s':>5} {'cfg':>22}")
     for r in ROWS:
         if r["name"] != "mla_decode_summary":
             continue
@@ -234,7 +247,8 @@ def table() -> None:
         def cfg(x):
             return f"{x['used_splits']}/{x['splits']} n{x['block_n']} m{x['min_split']} w{x['warps']}s{x['stages']}"
 
-        print(f"{r['batch']:>6} {r['ctx']:>5} | {a['us']:>8.1f} {a['TBps']:>5.2f} {cfg(a):>18} | "
+        sep = f"{r['separate']['us']:>7.1f}" if r.get("separate") else f"{'-':>7}"
+        print(f"{r['batch']:>6} {r['ctx']:>5} | {a['us']:>8.1f} {a['TBps']:>5.2f} {cfg(a):>18} | {sep} | "
               f"{b['us']:>8.1f} {b['TBps']:>5.2f} {cfg(b):>22}")
 
 
@@ -243,6 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two tiles in the sweep instead of four")
     ap.add_argument("--budget", type=float, default=30.0, help="seconds for the decode sweep (the auto rows always run)")
+    ap.add_argument("--batches", default="1,16,64,256", help="decode sweep batch sizes")
+    ap.add_argument("--contexts", default="1024,1536,4096", help="decode sweep context lengths")
+    ap.add_argument("--no-layers", action="store_true", help="skip the attention-layer comparison")
+    ap.add_argument("--splits", default=None,
+                    help="focused sweep: these split counts only, each with a one-tile minimum (e.g. 2,3,4,6,8)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, TRITON_INTERPRET=1, tiny contexts, no timing: checks the benchmark's code paths")
     args = ap.parse_args(argv)
@@ -258,8 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels_mla needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    attention_layers([1, 64, 256])
-    decode_sweep([1, 16, 64, 256], [1024, 1536, 4096], args.quick, args.budget)
+    if not args.no_layers:
+        attention_layers([1, 64, 256])
+    focus = dict(split_list=tuple(int(x) for x in args.splits.split(",")), tile_min_only=True) if args.splits else {}
+    decode_sweep([int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")], args.quick,
+                 args.budget, **focus)
     table()
     print(f"\n{time.perf_counter() - t0:.1f} s")
 

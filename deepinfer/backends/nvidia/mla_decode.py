@@ -7,7 +7,11 @@ so the output is L wide (the model projects it through W_UV afterwards).
 Split-KV: stage 1 gives each (sequence, head block, split) program a slice of
 the context and writes a partial output plus its log-sum-exp; stage 2 merges
 the splits of each row in a fixed order, so results do not depend on timing.
-With one split, stage 1 writes the output itself and there is no stage 2.
+With one split, stage 1 writes the output itself and there is no stage 2. By
+default stage 2 runs inside stage 1: the last split of a row to finish (a
+per-row counter) merges the row, which saves a launch and its latency per
+layer (at batch 64 the separate merge cost ~13 us of ~90 per layer); the
+merge order is fixed, so which program runs it does not change the result.
 
 The launch shape (split count, tile) depends only on host-known sizes (batch
 size, heads, the block table's width), never on device values, so it is fixed
@@ -19,22 +23,27 @@ partial outputs (fp32, L wide per head) would cost more traffic than the
 cache slice they cover. The split of a token depends only on its sequence's
 length, so the reduction is deterministic.
 
-`decode_params` holds the heuristic; DEEPINFER_MLA_SPLITS / DEEPINFER_MLA_BLOCK_N /
-DEEPINFER_MLA_MIN_SPLIT override it for sweeps (benchmarks/kernels_mla.py).
+`decode_params` (mla_decode_params.py) holds the launch table; DEEPINFER_MLA_SPLITS /
+DEEPINFER_MLA_BLOCK_N / DEEPINFER_MLA_MIN_SPLIT override it for sweeps (benchmarks/kernels_mla.py).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.nvidia.mla_decode_params import (  # noqa: F401  (re-exported for callers)
+    BLOCK_H,
+    DecodeParams,
+    decode_params,
+    default_num_splits,
+    env_overrides,
+)
+
 _LOG2E = 1.4426950408889634
-BLOCK_H = 16  # heads per program: tl.dot needs >= 16 rows
 MERGE_BLOCK_L = 128  # latent columns per merge program
 
 
@@ -52,12 +61,13 @@ def _split_len(seq_len, num_splits, block_n, min_split):
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr,
     H, stride_qb, stride_qh, stride_eb, stride_eh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_ob, stride_oh, scale_log2, min_split, num_splits,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr, DIRECT: tl.constexpr,
+    PREC: tl.constexpr, DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_L: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -118,6 +128,44 @@ def _mla_decode_split_kernel(
             po = part_o_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_l[None, :]
             tl.store(po, out, mask=hmask[:, None])
             tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+            if FUSED_MERGE:  # the row's last split to finish merges all of them (then resets the counter)
+                tl.debug_barrier()  # every thread's partial stores happen before the (acq_rel, gpu) increment
+                used = tl.cdiv(seq_len, split_len)
+                cnt = cnt_ptr + b * tl.num_programs(1) + hb  # one counter per (row, head block)
+                if tl.atomic_add(cnt, 1) == used - 1:
+                    _merge_row(part_o_ptr, part_lse_ptr, out_ptr, b.to(tl.int64), heads, hmask, used,
+                               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                               L, BLOCK_S, MERGE_L)
+                    tl.atomic_xchg(cnt, 0)
+    if FUSED_MERGE:
+        if (seq_len == 0) & (s == 0):  # an empty (padded) row gets zeros, as the merge kernel gives it
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
+                     tl.zeros([BLOCK_H, L], dtype=out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _merge_row(part_o_ptr, part_lse_ptr, out_ptr, b, heads, hmask, used,
+               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+               L: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_L: tl.constexpr):
+    """Merge the `used` splits of row b for a block of heads in split order (deterministic: the same
+    result whichever program runs it); partials are read through L2 (written by other programs)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < used
+    hs = hmask[:, None] & smask[None, :]
+    lse = tl.load(part_lse_ptr + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :], mask=hs,
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(hs, tl.exp2(lse - m[:, None]), 0.0)
+    total = tl.sum(w, 1)
+    total = tl.where(total > 0, total, 1.0)
+    base = part_o_ptr + b * stride_pb + heads[:, None, None] * stride_ph + offs_s[None, :, None] * stride_ps
+    for c in tl.static_range(0, L, MERGE_L):
+        offs_l = c + tl.arange(0, MERGE_L)
+        o = tl.load(base + offs_l[None, None, :], mask=hs[:, :, None], other=0.0, cache_modifier=".cg")
+        acc = tl.sum(w[:, :, None] * o, 1) / total[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -187,98 +235,26 @@ def _mla_decode_merge_uv_kernel(
 
 MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more than a batched GEMM
 
-
-def default_num_splits(batch_size: int, num_heads: int, block_h: int = BLOCK_H, num_sms: int = 132) -> int:
-    """About four programs per SM, a power of two <= 32; depends on batch size only (graph-safe).
-
-    Measured on H200 at batch 64, 4k context: 5 splits 1.9 TB/s, 8 splits 2.6, 16 splits 2.4.
-    """
-    head_blocks = triton.cdiv(num_heads, block_h)
-    want = max(1, (4 * num_sms) // max(1, batch_size * head_blocks))
-    return min(32, 1 << (want.bit_length() - 1))  # a power of two: 64 sequences x 16 heads -> 8
+# Per-device merge counters, one per (row, head block), zero between launches (the merging program
+# resets its own). Never freed or replaced while smaller: a captured graph holds the pointer. Launches
+# that share them run in stream order (one attention stream), as graph replays do.
+_MERGE_COUNTERS: dict[str, list[torch.Tensor]] = {}
 
 
-@dataclass(frozen=True)
-class DecodeParams:
-    num_splits: int  # programs per (sequence, head block): the launch shape
-    block_n: int  # cache tokens per tile
-    min_split: int  # fewest tokens a sequence gives one split (device-side; a multiple of block_n)
-    num_warps: int = 4
-    num_stages: int = 3
+def fused_merge_enabled() -> bool:
+    """The split kernel's last program per row merges (no merge launch); DEEPINFER_MLA_FUSED_MERGE=0
+    keeps the separate merge kernel (A/B runs)."""
+    return os.environ.get("DEEPINFER_MLA_FUSED_MERGE", "1") != "0"
 
 
-def _env_int(name: str, low: int) -> int | None:
-    from deepinfer.errors import ConfigError
-
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < low:
-        raise ConfigError(f"{name}={value} must be >= {low}")
-    return value
-
-
-@lru_cache(maxsize=1)
-def env_overrides() -> tuple[int | None, int | None, int | None]:
-    """(splits, block_n, min_split) from DEEPINFER_MLA_SPLITS / _BLOCK_N / _MIN_SPLIT; read once."""
-    from deepinfer.errors import ConfigError
-
-    block_n = _env_int("DEEPINFER_MLA_BLOCK_N", 16)
-    if block_n is not None and block_n & (block_n - 1):
-        raise ConfigError(f"DEEPINFER_MLA_BLOCK_N={block_n} must be a power of two >= 16")
-    return _env_int("DEEPINFER_MLA_SPLITS", 1), block_n, _env_int("DEEPINFER_MLA_MIN_SPLIT", 1)
-
-
-# (largest batch, splits launched, min tokens per split, tile, warps, stages): from the H200 sweep of
-# benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/performance.md).
-# Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 2 splits of
-# 64 up to 1.5k context (58 us vs 72 us for 6 splits of 32 at 1536) but 4 splits of 32-token
-# tiles at 4k (118 us, 2.56 TB/s); 256 -> 1 split of 32-token tiles (no merge: 145 us vs 175 us at
-# 1536). Rows between are interpolated, not measured.
-_DECODE_TABLE = (
-    (2, 64, 64, 64, 8, 2),
-    (8, 32, 64, 64, 8, 2),
-    (31, 16, 128, 64, 8, 2),
-    (63, 8, 256, 64, 8, 2),
-    (127, 4, 768, 64, 8, 2),
-    (191, 2, 1024, 32, 4, 3),
-    (1 << 30, 1, 32, 32, 4, 3),
-)
-# Tables wider than this (long max_model_len) take 32-token tiles at batch 32..127: the 64-token
-# tiles win only up to ~2k tokens.
-_LONG_CONTEXT = 2304
-_LONG_ROW = (4, 32, 32, 4, 2)  # splits, min split, tile, warps, stages (b64, 4k: 2.56 TB/s)
-
-
-def decode_params(batch_size: int, num_heads: int, max_context: int) -> DecodeParams:
-    """The launch for `batch_size` sequences of at most `max_context` tokens (host-known: the block table's
-    width; in a captured graph that is max_model_len, so the launch then depends on the batch and the
-    longest context the graph can meet).
-
-    The table above gives the launched splits and each split's minimum length: a sequence uses
-    min(splits, ceil(len / min_split)) of them (device-side), so short contexts take fewer, longer
-    splits without a new graph. An eager batch never launches more splits than its table covers.
-    """
-    splits_env, block_env, min_env = env_overrides()
-    for max_batch, t_splits, t_min, t_block, warps, stages in _DECODE_TABLE:
-        if batch_size <= max_batch:
-            break
-    if 32 <= batch_size <= 127 and max_context > _LONG_CONTEXT:
-        t_splits, t_min, t_block, warps, stages = _LONG_ROW
-    block_n = block_env or t_block
-    if block_env is not None and block_env != t_block:  # an overridden tile gets its usual warps / stages
-        warps, stages = (8, 2) if block_n >= 64 else (4, 3)
-    min_split = triton.cdiv(min_env or t_min, block_n) * block_n
-    if splits_env is not None:
-        splits = splits_env
-    else:
-        splits = max(1, min(t_splits, triton.cdiv(max(1, max_context), min_split)))
-    return DecodeParams(num_splits=splits, block_n=block_n, min_split=min_split, num_warps=warps,
-                        num_stages=stages)
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters on `device`; allocated outside graph capture in practice (the
+    graph runner's warm-up of the largest batch comes first), grown by allocating a larger buffer."""
+    key = str(device)
+    bufs = _MERGE_COUNTERS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def mla_decode(
@@ -330,6 +306,7 @@ def mla_decode(
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     direct = num_splits == 1
     fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH
+    fused_merge = not direct and not fuse_uv and fused_merge_enabled()
     if w_uv_t is not None and (w_uv_t.shape[:2] != (H, L) or w_uv_t.stride(-1) != 1 or w_uv_t.dtype != q.dtype):
         raise BackendError(f"mla_decode: W_UV^T {tuple(w_uv_t.shape)} {w_uv_t.dtype} is not [{H}, {L}, V] {q.dtype}")
     out = torch.empty((B, H, L), dtype=q.dtype, device=q.device) if not fuse_uv else None
@@ -340,13 +317,17 @@ def mla_decode(
     else:
         part_o = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-    _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), num_splits)](
-        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse, out if out is not None else part_o,
+    head_blocks = triton.cdiv(H, BLOCK_H)
+    block_s = triton.next_power_of_2(num_splits)
+    counters = merge_counters(q.device, B * head_blocks) if fused_merge else seq_lens
+    _mla_decode_split_kernel[(B, head_blocks, num_splits)](
+        q, q_pe, kv_cache, block_table, seq_lens, part_o, part_lse, out if out is not None else part_o, counters,
         H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0, part_lse.stride(0),
         part_lse.stride(1), out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
         softmax_scale * _LOG2E, min_split, num_splits,
         L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
+        FUSED_MERGE=fused_merge, BLOCK_S=block_s, MERGE_L=min(L, max(16, 4096 // (BLOCK_H * block_s))),
         num_warps=num_warps, num_stages=num_stages,
     )
     if fuse_uv:
@@ -360,7 +341,7 @@ def mla_decode(
             BLOCK_LC=min(L, 64), BLOCK_V=block_v, num_warps=4,
         )
         return res
-    if not direct:
+    if not direct and not fused_merge:
         block_l = min(L, MERGE_BLOCK_L)
         _mla_decode_merge_kernel[(B, H, L // block_l)](
             part_o, part_lse, out, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
