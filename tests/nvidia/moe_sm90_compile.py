@@ -82,6 +82,11 @@ def main() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32", "stride_o": "i32", "BLOCK_E": "constexpr", "BLOCK_D": "constexpr"}
     compile_one("router_logits", r._router_logits_kernel, sig, {"BLOCK_E": 2, "BLOCK_D": 1024}, 4, 3)
+    bt, be, bd, warps, stages = r._tiled_gemv_tile(64, 64, 2048)  # the token-tiled GEMV at V2-Lite, 64 tokens
+    sig = {**sig, "T": "i32", "BLOCK_T": "constexpr", "NUM_STAGES": "constexpr"}
+    compile_one("router_logits tiled", r._router_tile_kernel, {k: sig[k] for k in (
+        "x_ptr", "w_ptr", "out_ptr", "T", "E", "D", "stride_x", "stride_w", "stride_o", "BLOCK_T", "BLOCK_E",
+        "BLOCK_D", "NUM_STAGES")}, {"BLOCK_T": bt, "BLOCK_E": be, "BLOCK_D": bd, "NUM_STAGES": stages}, warps, stages)
     from deepinfer.core.backend import RouterSpec
 
     for label, spec, E, bias in (("v2-lite", RouterSpec(64, 6, "softmax", "greedy"), 64, None),

@@ -123,6 +123,33 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, strid
 
 
 @triton.jit
+def _router_tile_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_x, stride_w, stride_o,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NUM_STAGES: tl.constexpr):
+    """out[BLOCK_T tokens, BLOCK_E experts] = x . w^T, fp32 products and sums (a broadcast multiply, not a
+    tf32 dot: routing must match fp32). Each gate chunk serves BLOCK_T tokens and each x chunk BLOCK_E
+    experts; the loop's loads are pipelined NUM_STAGES deep (cp.async), so a program keeps several chunks
+    in flight instead of one latency-bound load per step. A [T, E, D-lane] accumulator summed once at the
+    end: a fixed order, the same bits every run."""
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    tmask = offs_t < T
+    emask = offs_e < E
+    x_rows = x_ptr + offs_t[:, None, None].to(tl.int64) * stride_x + offs_d[None, None, :]
+    w_rows = w_ptr + offs_e[None, :, None].to(tl.int64) * stride_w + offs_d[None, None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_D], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
+        dmask = offs_d[None, None, :] + d0 < D
+        xv = tl.load(x_rows + d0, mask=tmask[:, None, None] & dmask, other=0.0).to(tl.float32)
+        wv = tl.load(w_rows + d0, mask=emask[None, :, None] & dmask, other=0.0).to(tl.float32)
+        acc += xv * wv
+    out = tl.sum(acc, 2)
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_o + offs_e[None, :], out,
+             mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit
 def _gate_route_kernel(
     x_ptr, gw_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, E, D, stride_x, stride_gw, PER, scale,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -183,10 +210,11 @@ def _logits_gemv_max_tokens() -> int:
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] of the fp32 router gate without an fp32 copy of x: one launch at decode sizes.
 
-    Up to 64 tokens a Triton GEMV (each program: BLOCK_E experts of one token, fp32 products and sums;
-    the fp32 gate, 512 KB at V2-Lite, stays in L2 across tokens); above that cuBLAS on x.float(). At 64
-    tokens on the H200 the cuBLAS path was a copy kernel plus a SIMT fp32 GEMM on the MoE layer's
-    critical path (profile in docs/performance.md).
+    One token: the per-token GEMV (BLOCK_E experts per program). 2..64 tokens: the token-tiled kernel
+    (a BLOCK_T x BLOCK_E tile per program, so the fp32 gate, 512 KB at V2-Lite, is read T / BLOCK_T times
+    instead of T times, by ~128 programs instead of 2048 short latency-bound ones). Above 64 tokens cuBLAS
+    on x.float(). At 64 tokens on the H200 the cuBLAS path was a copy kernel plus a SIMT fp32 GEMM on the
+    MoE layer's critical path, and the per-token GEMV 13.7 us per layer (profiles in docs/performance.md).
     """
     T, D = x.shape
     E = gate_weight.shape[0]
@@ -194,27 +222,93 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.float(), gate_weight.float())
     w = gate_weight.float()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    if T:
+    if T == 0:
+        return out
+    tile = _router_gemv_env()
+    if T == 1 or (tile is not None and len(tile) == 3):  # a 3-value override: the per-token GEMV (A/B)
         block_e, block_d, warps = _gemv_tile(D)
         _router_logits_kernel[(triton.cdiv(E, block_e), T)](
             x, w, out, E, D, x.stride(0), w.stride(0), out.stride(0), BLOCK_E=block_e, BLOCK_D=block_d,
             num_warps=warps,
         )
+    else:
+        block_t, block_e, block_d, warps, stages = _tiled_gemv_tile(T, E, D, x.element_size())
+        _router_tile_kernel[(triton.cdiv(E, block_e), triton.cdiv(T, block_t))](
+            x, w, out, T, E, D, x.stride(0), w.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_E=block_e,
+            BLOCK_D=block_d, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+        )
     return out
 
 
-def _gemv_tile(D: int) -> tuple[int, int, int]:
-    # many small programs, few iterations: latency-bound at decode (V2-Lite T=1: 32 programs x 2 steps)
-    env = os.environ.get("DEEPINFER_ROUTER_GEMV")  # "BLOCK_E,BLOCK_D,warps" for tuning runs
-    if env:
-        try:
-            block_e, block_d, warps = (int(v) for v in env.split(","))
-        except ValueError:
-            from deepinfer.errors import BackendError
+ROUTER_GEMV_ENV_FORMATS = ("'BLOCK_E,BLOCK_D,num_warps' (the per-token GEMV, then used at every size) or "
+                           "'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]' (the token-tiled GEMV, 2..64 tokens)")
+TILED_MIN_PROGRAMS = 128  # about one wave on the H200's 132 SMs
+TILED_STAGES = 4  # chunks in flight per program (cp.async pipeline of the D loop)
 
-            raise BackendError(f"DEEPINFER_ROUTER_GEMV must be 'BLOCK_E,BLOCK_D,num_warps', got {env!r}") from None
-        return block_e, block_d, warps
+
+def _router_gemv_env() -> tuple[int, ...] | None:
+    """DEEPINFER_ROUTER_GEMV, checked (tuning / A/B runs). Three values, 'BLOCK_E,BLOCK_D,num_warps': the
+    per-token GEMV's tile (gate_route's too), and router_logits uses the per-token GEMV at every size, as
+    before the tiled kernel. Four or five, 'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]': the token-tiled
+    kernel's tile for 2..64 tokens; the per-token GEMV (one token, gate_route) keeps its default."""
+    env = os.environ.get("DEEPINFER_ROUTER_GEMV")
+    if not env:
+        return None
+    from deepinfer.errors import BackendError
+
+    def bad(problem: str) -> BackendError:
+        return BackendError(f"DEEPINFER_ROUTER_GEMV={env!r}: {problem}; expected {ROUTER_GEMV_ENV_FORMATS}")
+
+    try:
+        values = tuple(int(v) for v in env.split(","))
+    except ValueError:
+        raise bad("not comma-separated integers") from None
+    if len(values) not in (3, 4, 5):
+        raise bad(f"{len(values)} values")
+    warps_at = 2 if len(values) == 3 else 3
+    for i, v in enumerate(values[:warps_at + 1]):
+        if v < 1 or v & (v - 1):
+            what = "num_warps" if i == warps_at else "block sizes"
+            raise bad(f"{what} must be powers of two >= 1, got {v}")
+    if values[warps_at] > 32:
+        raise bad(f"num_warps must be <= 32, got {values[warps_at]}")
+    if len(values) == 5 and not 1 <= values[4] <= 8:
+        raise bad(f"num_stages must be in [1, 8], got {values[4]}")
+    return values
+
+
+def _gemv_tile(D: int) -> tuple[int, int, int]:
+    """The per-token GEMV's (BLOCK_E, BLOCK_D, num_warps): many small programs, few iterations
+    (V2-Lite T=1: 32 programs x 2 steps)."""
+    tile = _router_gemv_env()
+    if tile is not None and len(tile) == 3:
+        return tile
     return 2, min(1024, triton.next_power_of_2(D)), 4
+
+
+def _tiled_gemv_tile(T: int, E: int, D: int, x_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """The token-tiled GEMV's (BLOCK_T, BLOCK_E, BLOCK_D, num_warps, num_stages).
+
+    Tiles up to 8 tokens x 4 experts: the grid first needs about one program per SM (latency: each
+    program is a chain of D / BLOCK_D pipelined steps), then the least L2 traffic, x_bytes / BLOCK_E +
+    4 / BLOCK_T bytes per logit (the fp32 gate, cold in HBM, is read T / BLOCK_T times), ties to more
+    tokens. V2-Lite at 64 tokens: 8 x 4, 128 programs reading 64 KB each (8 MB from L2 in all, against
+    2048 programs x 20 KB = 42 MB for the per-token GEMV), 8 KB per 256-wide chunk, 3 chunks in flight.
+    """
+    tile = _router_gemv_env()
+    if tile is not None and len(tile) >= 4:
+        return tile if len(tile) == 5 else (*tile, TILED_STAGES)
+    best = None
+    for block_t in (b for b in (1, 2, 4, 8) if b <= triton.next_power_of_2(T)):
+        for block_e in (b for b in (1, 2, 4) if b <= triton.next_power_of_2(E)):
+            programs = triton.cdiv(T, block_t) * triton.cdiv(E, block_e)
+            key = (min(programs, TILED_MIN_PROGRAMS), -(x_bytes / block_e + 4 / block_t), block_t)
+            if best is None or key > best[0]:
+                best = key, block_t, block_e
+    _, block_t, block_e = best
+    # ~64 accumulators per thread (4 warps): 8 x 4 tiles step 256 wide, small tiles up to 1024 (fewer steps)
+    block_d = min(triton.next_power_of_2(D), 1024, max(256, 64 * 32 * 4 // (block_t * block_e)))
+    return block_t, block_e, block_d, 4, TILED_STAGES
 
 
 def _route_params(spec, E: int, correction_bias: torch.Tensor | None) -> dict:
