@@ -189,39 +189,95 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
                 emit(name=label, tokens=t, error=str(exc)[:200])
 
 
-def router_bench(tokens_list=(1, 4, 16)) -> None:
-    """fp32 router logits: x.float() + cuBLAS (old) vs the Triton GEMV (DEEPINFER_ROUTER_GEMV tiles), graph replay."""
+ROUTER_TILES = (  # DEEPINFER_ROUTER_GEMV candidates (None: the default pick per token count)
+    None,
+    "2,1024,4",  # 3 values: the per-token GEMV at every size (the default before the token-tiled kernel)
+    "8,4,256,4,3", "8,4,256,4,2", "8,4,256,8,4", "8,4,512,8,3",  # the 64-token default's neighbours
+    "4,4,256,4", "4,4,512,4", "8,2,512,4", "4,2,1024,4",  # 256 / 512 programs at 64 tokens
+    "8,8,128,4", "16,4,128,4", "2,2,1024,4", "1,1,1024,4",  # 64 programs (more reuse), smaller tiles
+)
+
+
+def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
+    """fp32 router logits at V2-Lite shapes, us per call by CUDA-graph replay over enough gates (> 2x L2)
+    that each call reads its gate from HBM as in a decode step: cuBLAS on x.float() (old), the per-token
+    GEMV, the token-tiled GEMV's default and candidate tiles (DEEPINFER_ROUTER_GEMV); max abs error vs
+    F.linear in fp64 and whether two calls give the same bits. Plus the fused router + top-k (gate_route,
+    "same" = its expert ids equal the cuBLAS logits' top-k)."""
     import os
 
-    from deepinfer.backends.nvidia.moe_routing import gate_route, router_logits
+    from deepinfer.backends.nvidia.moe_routing import _gemv_tile, _tiled_gemv_tile, gate_route, route, router_logits
 
-    gates = [torch.randn(MoEBench.E, MoEBench.D, device=DEV) * 0.02 for _ in range(8)]
-    spec = RouterSpec(MoEBench.E, MoEBench.K, "softmax", "greedy")
-    try:
-        from deepinfer.backends.nvidia import cuda_ext
+    E, D = MoEBench.E, MoEBench.D
+    if DEV == "cuda":
+        n = max(8, -(-2 * torch.cuda.get_device_properties(DEV).L2_cache_size // (E * D * 4)))
+    else:  # a CPU dry run (Triton interpreter)
+        n = 1
+    gates = [torch.randn(E, D, device=DEV) * 0.02 for _ in range(n)]
+    spec = RouterSpec(E, MoEBench.K, "softmax", "greedy")
+    # the Triton top-k, not the CUDA C++ one: building that extension on a fresh machine takes longer than
+    # this whole benchmark (routing_bench compares the two top-k kernels)
+    topk = lambda logits: route(logits, spec)  # noqa: E731
+    counters = torch.zeros(64, dtype=torch.int32, device=DEV)
+    # row label -> {tokens: us, "err": worst max abs error, "same": deterministic (gate_route: same ids)}
+    labels = ["cuBLAS x.float() (old)", *(tile or "default" for tile in tiles), "cuBLAS + Triton top-k",
+              "router+top-k gate_route"]
+    table: dict[str, dict] = {label: {"err": None, "same": None} for label in labels}
 
-        ext = cuda_ext.load()
-        topk = lambda logits: cuda_ext.grouped_topk(ext, logits, spec, None)  # noqa: E731
-    except Exception:
-        from deepinfer.backends.nvidia.moe_routing import route
+    def record(label, t, ms, err=None, same=None):
+        row = table[label]
+        row[t] = ms * 1e3
+        if err is not None:
+            row["err"] = max(row["err"] or 0.0, err)
+        if same is not None:
+            row["same"] = same if row["same"] is None else row["same"] and same
 
-        topk = lambda logits: route(logits, spec)  # noqa: E731
-    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
     for t in tokens_list:
-        x = torch.randn(t, MoEBench.D, device=DEV, dtype=torch.bfloat16)
-        old = graph_ms(lambda: [F.linear(x.float(), g) for g in gates]) / len(gates)
-        old_route = graph_ms(lambda: [topk(F.linear(x.float(), g)) for g in gates]) / len(gates)
-        fused = graph_ms(lambda: [gate_route(x, g, spec, None, counters) for g in gates]) / len(gates)
-        same = torch.equal(gate_route(x, gates[0], spec, None, counters)[1], topk(F.linear(x.float(), gates[0]))[1])
-        emit(name="router+topk", tokens=t, ms=fused, old_ms=old_route, speedup=old_route / fused, same_ids=same)
-        for tile in (None, "1,2048,4", "4,512,4"):
+        x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
+        ref = F.linear(x.double(), gates[0].double())
+        nbytes = E * D * 4 + t * D * 2 + t * E * 4
+        old = graph_ms(lambda: [F.linear(x.float(), g) for g in gates]) / n
+        record("cuBLAS x.float() (old)", t, old, float((F.linear(x.float(), gates[0]) - ref).abs().max()))
+        emit(name="router_logits cuBLAS", tokens=t, ms=old, TBps=nbytes / old / 1e9)
+        for tile in tiles:
+            if t == 1 and tile and len(tile.split(",")) > 3:
+                continue  # one token always takes the per-token GEMV
             if tile:
                 os.environ["DEEPINFER_ROUTER_GEMV"] = tile
-            err = float((router_logits(x, gates[0]) - F.linear(x.float(), gates[0])).abs().max())
-            ms = graph_ms(lambda: [router_logits(x, g) for g in gates]) / len(gates)
-            emit(name="router_logits", tokens=t, tile=tile or "default", ms=ms, old_ms=old, speedup=old / ms,
-                 max_abs_err=err)
-            os.environ.pop("DEEPINFER_ROUTER_GEMV", None)
+            label = tile or "default"
+            used = ",".join(map(str, _gemv_tile(D) if t == 1 else _tiled_gemv_tile(t, E, D))) if not tile else tile
+            try:
+                out = router_logits(x, gates[0])
+                err = float((out.double() - ref).abs().max())
+                same = torch.equal(router_logits(x, gates[0]), out)
+                ms = graph_ms(lambda: [router_logits(x, g) for g in gates]) / n
+            except Exception as exc:  # an out-of-resources tile is a result, not a crash
+                emit(name="router_logits", tokens=t, tile=label, error=str(exc)[:200])
+                continue
+            finally:
+                os.environ.pop("DEEPINFER_ROUTER_GEMV", None)
+            record(label, t, ms, err, same)
+            if not tile:
+                table[label].setdefault("used", []).append(f"T={t}: {used}")
+            emit(name="router_logits", tokens=t, tile=label, tile_used=used, ms=ms, old_ms=old, speedup=old / ms,
+                 TBps=nbytes / ms / 1e9, max_abs_err=err, deterministic=same)
+        if t <= counters.numel():
+            route_ms = graph_ms(lambda: [topk(F.linear(x.float(), g)) for g in gates]) / n
+            fused = graph_ms(lambda: [gate_route(x, g, spec, None, counters) for g in gates]) / n
+            same = torch.equal(gate_route(x, gates[0], spec, None, counters)[1], topk(F.linear(x.float(), gates[0]))[1])
+            record("cuBLAS + Triton top-k", t, route_ms)
+            record("router+top-k gate_route", t, fused, same=same)
+            emit(name="router+topk", tokens=t, ms=fused, old_ms=route_ms, speedup=route_ms / fused, same_ids=same)
+
+    print(f"\nrouter logits, V2-Lite gate {E} x {D} fp32, bf16 x: us per call (graph replay over {n} gates)")
+    print(f"{'tile':<26}" + "".join(f"{'T=' + str(t):>9}" for t in tokens_list) + "   max_abs_err  same bits/ids")
+    for label, row in table.items():
+        cells = "".join(f"{row[t]:>9.2f}" if t in row else f"{'-':>9}" for t in tokens_list)
+        err = f"{row['err']:>11.2e}" if row["err"] is not None else f"{'-':>11}"
+        print(f"{label:<26}{cells}   {err}  {'-' if row['same'] is None else row['same']}")
+    if "default" in table:
+        print("default tiles (BLOCK_T,BLOCK_E,BLOCK_D,warps,stages; T=1: BLOCK_E,BLOCK_D,warps of the per-token GEMV): "
+              + "; ".join(table["default"].get("used", [])))
 
 
 def moe_tile_sweep() -> None:
@@ -269,26 +325,42 @@ def routing_bench() -> None:
              cuda_ms=bench(lambda: ext.moe_align(ids, 64, 16)))
 
 
-def main() -> None:
+BENCHES = ("copy", "mla", "moe", "router", "moe_tile", "routing")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(BENCHES), metavar="NAME[,NAME]",
+                        help=f"comma-separated subset of {', '.join(BENCHES)} (the d2d copy, the ceiling, always runs)")
+    names = set(parser.parse_args(argv).only.split(","))
+    if names - set(BENCHES):
+        parser.error(f"--only: unknown benchmark(s) {sorted(names - set(BENCHES))}; choose from {', '.join(BENCHES)}")
     torch.manual_seed(0)
     emit(name="device", gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__)
     copy_bandwidth()
-    mla_decode_bench()
-    for fn in (moe_bench, router_bench):  # a failure is a result row, the later benchmarks still run
-        try:
+    if "mla" in names:
+        mla_decode_bench()
+    for fn in (f for key, f in (("moe", moe_bench), ("router", router_bench)) if key in names):
+        try:  # a failure is a result row, the later benchmarks still run
             fn()
         except Exception as exc:
             emit(name=fn.__name__, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
-    try:
-        moe_tile_sweep()
-    except Exception as exc:
-        emit(name="moe_tile", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
-    try:
-        routing_bench()
-    except Exception as exc:
-        emit(name="cuda_ext", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    if "moe_tile" in names:
+        try:
+            moe_tile_sweep()
+        except Exception as exc:
+            emit(name="moe_tile", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    if "routing" in names:
+        try:
+            routing_bench()
+        except Exception as exc:
+            emit(name="cuda_ext", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
     print("\nkernel                         ms      TB/s   note")
     for r in ROWS:
+        if "ms" in r and r["name"].startswith("router_logits"):
+            continue  # in router_bench's own table
         if "ms" in r:
             note = {k: (round(r[k], 4) if isinstance(r[k], float) else r[k])
                     for k in ("batch", "ctx", "block_n", "warps", "stages", "splits", "tokens", "tile", "env",

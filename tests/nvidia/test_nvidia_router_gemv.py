@@ -62,6 +62,15 @@ def test_router_logits_fp32_and_fp16_inputs(dtype, t):
     _check(t, 64, 300, dtype, seed=1)
 
 
+@pytest.mark.parametrize("t, d", [(64, 600), (16, 2100)])
+def test_default_tile_loops_over_d_with_a_tail(t, d):
+    """The default tiles' D loop: 64 tokens step 256 (600 = 2 x 256 + 88), 16 tokens 1024 (2100 = 2 x 1024 + 52)."""
+    from deepinfer.backends.nvidia.moe_routing import _tiled_gemv_tile
+
+    assert _tiled_gemv_tile(t, 64, d)[2] < d / 2
+    _check(t, 64, d, torch.bfloat16, seed=4)
+
+
 @pytest.mark.parametrize("tile", ["4,8,128,4", "2,4,64,2,2", "16,2,128,4,1", "8,1,512,1"])
 def test_tiled_gemv_tile_override_and_tails(monkeypatch, tile):
     """Tiles that leave partial token, expert and D blocks (17 = 4x4 + 1, 11 = 8 + 3, 300 = 2x128 + 44)."""
@@ -122,3 +131,21 @@ def test_router_logits_real_shapes(dtype, e, d):
     for t in TOKENS:
         for seed in range(3):
             _check(t, e, d, dtype, seed)
+
+
+def test_router_bench_dry_run(monkeypatch, capsys):
+    """benchmarks.kernels --only router's code paths on the CPU (each timing is a single call): the GPU run
+    that times them should not be the first place a typo shows up."""
+    if ON_GPU:
+        pytest.skip("the GPU runs the real benchmark")
+    from benchmarks import kernels
+
+    monkeypatch.setattr(kernels, "DEV", "cpu")
+    monkeypatch.setattr(kernels, "ROWS", [])
+    kernels.router_bench(tokens_list=(2,), tiles=(None, "2,1024,4", "3,3,3,3"))
+    out = capsys.readouterr().out
+    assert "router logits, V2-Lite gate 64 x 2048" in out and "T=2: 1,1,1024,4,4" in out
+    rows = [r for r in kernels.ROWS if r["name"] == "router_logits"]
+    assert all(r["deterministic"] and r["max_abs_err"] < 1e-5 for r in rows if "ms" in r)
+    assert [r["tile"] for r in rows if "error" in r] == ["3,3,3,3"]  # a bad tile is a result row
+    assert all(r["same_ids"] for r in kernels.ROWS if r["name"] == "router+topk")
