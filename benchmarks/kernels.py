@@ -202,8 +202,8 @@ def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
     """fp32 router logits at V2-Lite shapes, us per call by CUDA-graph replay over enough gates (> 2x L2)
     that each call reads its gate from HBM as in a decode step: cuBLAS on x.float() (old), the per-token
     GEMV, the token-tiled GEMV's default and candidate tiles (DEEPINFER_ROUTER_GEMV); max abs error vs
-    F.linear in fp64 and whether two calls give the same bits. Plus the fused router + top-k (gate_route,
-    "same" = its expert ids equal the cuBLAS logits' top-k)."""
+    F.linear in fp64 and whether two calls give the same bits. Plus logits + top-k against the fused router +
+    top-k (gate_route), for the MoE op's choice between them ("same": expert ids equal the cuBLAS logits')."""
     import os
 
     from deepinfer.backends.nvidia.moe_routing import _gemv_tile, _tiled_gemv_tile, gate_route, route, router_logits
@@ -221,7 +221,7 @@ def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
     counters = torch.zeros(64, dtype=torch.int32, device=DEV)
     # row label -> {tokens: us, "err": worst max abs error, "same": deterministic (gate_route: same ids)}
     labels = ["cuBLAS x.float() (old)", *(tile or "default" for tile in tiles), "cuBLAS + Triton top-k",
-              "router+top-k gate_route"]
+              "default + Triton top-k", "router+top-k gate_route"]
     table: dict[str, dict] = {label: {"err": None, "same": None} for label in labels}
 
     def record(label, t, ms, err=None, same=None):
@@ -263,11 +263,15 @@ def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
                  TBps=nbytes / ms / 1e9, max_abs_err=err, deterministic=same)
         if t <= counters.numel():
             route_ms = graph_ms(lambda: [topk(F.linear(x.float(), g)) for g in gates]) / n
+            tiled_ms = graph_ms(lambda: [topk(router_logits(x, g)) for g in gates]) / n
             fused = graph_ms(lambda: [gate_route(x, g, spec, None, counters) for g in gates]) / n
             same = torch.equal(gate_route(x, gates[0], spec, None, counters)[1], topk(F.linear(x.float(), gates[0]))[1])
             record("cuBLAS + Triton top-k", t, route_ms)
+            record("default + Triton top-k", t, tiled_ms, same=torch.equal(topk(router_logits(x, gates[0]))[1],
+                                                                           topk(F.linear(x.float(), gates[0]))[1]))
             record("router+top-k gate_route", t, fused, same=same)
-            emit(name="router+topk", tokens=t, ms=fused, old_ms=route_ms, speedup=route_ms / fused, same_ids=same)
+            emit(name="router+topk", tokens=t, ms=fused, old_ms=route_ms, speedup=route_ms / fused, same_ids=same,
+                 tiled_logits_topk_ms=tiled_ms)
 
     print(f"\nrouter logits, V2-Lite gate {E} x {D} fp32, bf16 x: us per call (graph replay over {n} gates)")
     print(f"{'tile':<26}" + "".join(f"{'T=' + str(t):>9}" for t in tokens_list) + "   max_abs_err  same bits/ids")

@@ -128,8 +128,11 @@ def test_bad_router_gemv_env_names_the_variable(monkeypatch, value, problem):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e, d", [(64, 2048), (67, 2048), (64, 300), (67, 300), (256, 7168)])
 def test_router_logits_real_shapes(dtype, e, d):
+    """V2-Lite (64 x 2048), partial blocks, and V3 (256 x 7168, bf16 only: its compiles cost test time)."""
+    if e == 256 and dtype != torch.bfloat16:
+        pytest.skip("V3 shapes in bf16 only")
     for t in TOKENS:
-        for seed in range(3):
+        for seed in range(2):
             _check(t, e, d, dtype, seed)
 
 
