@@ -192,7 +192,7 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
 ROUTER_TILES = (  # DEEPINFER_ROUTER_GEMV candidates (None: the default pick per token count)
     None,
     "2,1024,4",  # 3 values: the per-token GEMV at every size (the default before the token-tiled kernel)
-    "8,4,256,4,3", "8,4,256,4,2", "8,4,256,8,4", "8,4,512,8,3",  # the 64-token default's neighbours
+    "8,4,256,4,2", "8,4,256,4,3", "8,4,256,4,6", "8,4,256,8,4", "8,4,512,8,3",  # the 64-token default's neighbours
     "4,4,256,4", "4,4,512,4", "8,2,512,4", "4,2,1024,4",  # 256 / 512 programs at 64 tokens
     "8,8,128,4", "16,4,128,4", "2,2,1024,4", "1,1,1024,4",  # 64 programs (more reuse), smaller tiles
 )
