@@ -5,7 +5,9 @@
 # Env: CKPT (default /tmp/ckpt-v2-lite), BATCHES (1,16,64,256), PROMPT (1024), OUTLEN (256), EAGER_TOO (0/1),
 #      BENCH_ARGS (extra benchmarks.throughput arguments for bench and ab, e.g. --step-timing),
 #      AB_ENVS ("ENV=1 ENV2=2;ENV=3 -- --async-scheduling off": ';'-separated settings, each env
-#      assignments and optionally ' -- ' and extra throughput arguments). Stage mla: benchmarks.kernels_mla only.
+#      assignments and optionally ' -- ' and extra throughput arguments). Stage mla: benchmarks.kernels_mla only
+#      (KMLA_ARGS: its arguments); stage router: benchmarks.kernels --only router; TEST_PATHS: what stage
+#      tests runs (default tests/nvidia + the async-scheduling GPU test).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -37,7 +39,7 @@ fi
 T_PID=""; C_PID=""
 if has tests; then
   log "pytest tests/nvidia + the async-scheduling GPU test on the GPU"
-  ( timeout 300 python3 -m pytest tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py -q -p no:cacheprovider \
+  ( timeout 300 python3 -m pytest ${TEST_PATHS:-tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py} -q -p no:cacheprovider \
       > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
   T_PID=$!
 fi
@@ -49,8 +51,12 @@ if has check; then
 fi
 if [ -n "$T_PID" ]; then wait "$T_PID"; log "tests :: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
 if [ -n "$C_PID" ]; then wait "$C_PID"; log "check :: $(tail -2 "$OUT/check.log" | tr '\n' ' ')"; fi
+if has router; then
+  timeout 120 python3 -m benchmarks.kernels --only router > "$OUT/kernels_router.log" 2>&1
+  log "kernels --only router rc=$?"; grep -v '^{' "$OUT/kernels_router.log" | tail -40 | tee -a "$OUT/summary.txt"
+fi
 if has mla && ! has kernels; then
-  timeout 150 python3 -m benchmarks.kernels_mla > "$OUT/kernels_mla.log" 2>&1
+  timeout 240 python3 -m benchmarks.kernels_mla ${KMLA_ARGS:-} > "$OUT/kernels_mla.log" 2>&1
   log "kernels_mla rc=$?"; grep -v '^{' "$OUT/kernels_mla.log" | tail -40 | tee -a "$OUT/summary.txt"
 fi
 if has kernels; then
