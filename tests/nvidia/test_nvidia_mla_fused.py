@@ -229,8 +229,8 @@ def test_decode_params_heuristic_and_env_overrides(monkeypatch):
         p1, p64, p256 = (md.decode_params(b, 16, 163840) for b in (1, 64, 256))
         assert (p1.num_splits, p1.min_split, p1.block_n, p1.num_warps) == (64, 64, 64, 8)
         assert (p64.num_splits, p64.min_split, p64.block_n, p64.num_stages) == (4, 32, 32, 2)  # long tables
-        short = md.decode_params(64, 16, 2064)  # max_model_len ~2k: 64-token tiles, 2 splits up to 1536
-        assert (short.num_splits, short.min_split, short.block_n) == (3, 768, 64)
+        short = md.decode_params(64, 16, 2064)  # max_model_len ~2k: 4 splits of 32-token tiles, 3 stages
+        assert (short.num_splits, short.min_split, short.block_n, short.num_stages) == (4, 32, 32, 3)
         assert (p256.num_splits, p256.block_n, p256.num_stages) == (1, 32, 3)  # one split: no merge launch
         assert md.decode_params(16, 16, 300).num_splits == 3  # an eager batch of short rows: capped by the table
         monkeypatch.setenv("DEEPINFER_MLA_SPLITS", "3")

@@ -63,16 +63,17 @@ def env_overrides() -> tuple[int | None, int | None, int | None]:
 
 # (largest batch, splits launched, min tokens per split, tile, warps, stages): from the H200 sweep of
 # benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/performance.md).
-# Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 2 splits of
-# 64 up to 1.5k context (58 us vs 72 us for 6 splits of 32 at 1536) but 4 splits of 32-token
-# tiles at 4k (118 us, 2.56 TB/s); 256 -> 1 split of 32-token tiles (no merge: 145 us vs 175 us at
-# 1536). Rows between are interpolated, not measured.
+# Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 4 splits of
+# 32-token tiles since the merge runs in the split kernel (1536: 52 us vs 60 with the merge kernel;
+# 2048: 63 vs 71; 4k: 116 us, 2.6 TB/s; end to end at batch 64: 6,262 tok/s vs 6,114 with 2-3 splits
+# of 64-token tiles); 256 -> 1 split of 32-token tiles (no merge: 145 us vs 175 us at 1536). Rows
+# between are interpolated, not measured.
 _DECODE_TABLE = (
     (2, 64, 64, 64, 8, 2),
     (8, 32, 64, 64, 8, 2),
     (31, 16, 128, 64, 8, 2),
     (63, 8, 256, 64, 8, 2),
-    (127, 4, 768, 64, 8, 2),
+    (127, 4, 32, 32, 4, 3),
     (191, 2, 1024, 32, 4, 3),
     (1 << 30, 1, 32, 32, 4, 3),
 )

@@ -169,7 +169,10 @@ def _gate_route_kernel(
 
 
 ROUTER_GEMV_MAX_TOKENS = 64  # the most tokens gate_route takes (its per-token counters)
-FUSED_ROUTER_MAX_TOKENS = 16  # the MoE op's default for gate_route (measured up to 16 tokens on the H200)
+# The MoE op's default limit for gate_route. H200, graph replay, V2-Lite gate (benchmarks/kernels.py
+# --only router): gate_route 8.9 us at 1 token, 8.9 / 9.1 at 4 / 16; the token-tiled logits + top-k
+# 8.9 at 1, 6.0 / 6.3 at 4 / 16. So one token only (one launch fewer there, same time).
+FUSED_ROUTER_MAX_TOKENS = 1
 ROUTER_LOGITS_GEMV_MAX_TOKENS = 64  # router_logits alone
 
 
