@@ -85,3 +85,15 @@ def test_fused_merge_real_shapes_repeatable(monkeypatch, batch, splits, block_n)
         assert torch.equal(mla_decode(q, cache, table, seq_t, 512, 0.1, **kw), first)
     assert rel_err(first.float(), separate.float()) < 1e-2 / 8  # bf16 output rounding only
     assert torch.equal(first[0], torch.zeros_like(first[0]))
+
+
+def test_fused_merge_policy(monkeypatch):
+    """In-kernel merge up to FUSED_MERGE_MAX_SPLITS launched splits by default; the env forces either way."""
+    from deepinfer.backends.nvidia.mla_decode import FUSED_MERGE_MAX_SPLITS, fused_merge_enabled
+
+    monkeypatch.delenv("DEEPINFER_MLA_FUSED_MERGE", raising=False)
+    assert fused_merge_enabled(FUSED_MERGE_MAX_SPLITS) and not fused_merge_enabled(FUSED_MERGE_MAX_SPLITS + 1)
+    monkeypatch.setenv("DEEPINFER_MLA_FUSED_MERGE", "0")
+    assert not fused_merge_enabled(2)
+    monkeypatch.setenv("DEEPINFER_MLA_FUSED_MERGE", "1")
+    assert fused_merge_enabled(16)

@@ -7,11 +7,11 @@ so the output is L wide (the model projects it through W_UV afterwards).
 Split-KV: stage 1 gives each (sequence, head block, split) program a slice of
 the context and writes a partial output plus its log-sum-exp; stage 2 merges
 the splits of each row in a fixed order, so results do not depend on timing.
-With one split, stage 1 writes the output itself and there is no stage 2. By
-default stage 2 runs inside stage 1: the last split of a row to finish (a
-per-row counter) merges the row, which saves a launch and its latency per
-layer (at batch 64 the separate merge cost ~13 us of ~90 per layer); the
-merge order is fixed, so which program runs it does not change the result.
+With one split, stage 1 writes the output itself and there is no stage 2. Up
+to 4 launched splits stage 2 runs inside stage 1: the last split of a row to
+finish (a per-row counter) merges the row, which saves a launch and its
+latency per layer (at batch 64 ~8 us of ~60 per layer); the merge order is
+fixed, so which program runs it does not change the result.
 
 The launch shape (split count, tile) depends only on host-known sizes (batch
 size, heads, the block table's width), never on device values, so it is fixed
@@ -241,10 +241,20 @@ MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more th
 _MERGE_COUNTERS: dict[str, list[torch.Tensor]] = {}
 
 
-def fused_merge_enabled() -> bool:
-    """The split kernel's last program per row merges (no merge launch); DEEPINFER_MLA_FUSED_MERGE=0
-    keeps the separate merge kernel (A/B runs)."""
-    return os.environ.get("DEEPINFER_MLA_FUSED_MERGE", "1") != "0"
+# The in-kernel merge is one program reading every split of its row (16 heads x 512 x 4 B per split),
+# so with many splits that tail is long and serial; the separate merge spreads it over many programs.
+# Measured better at 4 splits (batch 64: 52 vs 60 us per layer at 1536); a run with it at 16 splits
+# (batch 16) was slower end to end (8.66 vs 8.00 ms/step, with another change in the same run).
+FUSED_MERGE_MAX_SPLITS = 4
+
+
+def fused_merge_enabled(num_splits: int) -> bool:
+    """Whether the split kernel's last program per row merges (no merge launch): up to
+    FUSED_MERGE_MAX_SPLITS launched splits; DEEPINFER_MLA_FUSED_MERGE=1 / 0 forces it on / off (A/B runs)."""
+    env = os.environ.get("DEEPINFER_MLA_FUSED_MERGE", "")
+    if env:
+        return env != "0"
+    return num_splits <= FUSED_MERGE_MAX_SPLITS
 
 
 def merge_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -306,7 +316,7 @@ def mla_decode(
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     direct = num_splits == 1
     fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH
-    fused_merge = not direct and not fuse_uv and fused_merge_enabled()
+    fused_merge = not direct and not fuse_uv and fused_merge_enabled(num_splits)
     if w_uv_t is not None and (w_uv_t.shape[:2] != (H, L) or w_uv_t.stride(-1) != 1 or w_uv_t.dtype != q.dtype):
         raise BackendError(f"mla_decode: W_UV^T {tuple(w_uv_t.shape)} {w_uv_t.dtype} is not [{H}, {L}, V] {q.dtype}")
     out = torch.empty((B, H, L), dtype=q.dtype, device=q.device) if not fuse_uv else None

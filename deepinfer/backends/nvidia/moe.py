@@ -5,7 +5,7 @@ offered through fuse_shared_experts) folded in as extra experts; larger ones
 the expert-aligned mode with the shared MLP run densely by the model's
 module (one read of its weights) and only its add fused into the combine.
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
-At one token `forward_hidden` also fuses the router GEMV with the top-k
+Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
 (moe_routing.fused_router_max_tokens: DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS up to 64 for A/B runs,
 DEEPINFER_MOE_FUSED_ROUTER=0: GEMV, then the CUDA C++ / Triton top-k).
 

@@ -169,10 +169,12 @@ def _gate_route_kernel(
 
 
 ROUTER_GEMV_MAX_TOKENS = 64  # the most tokens gate_route takes (its per-token counters)
-# The MoE op's default limit for gate_route. H200, graph replay, V2-Lite gate (benchmarks/kernels.py
-# --only router): gate_route 8.9 us at 1 token, 8.9 / 9.1 at 4 / 16; the token-tiled logits + top-k
-# 8.9 at 1, 6.0 / 6.3 at 4 / 16. So one token only (one launch fewer there, same time).
-FUSED_ROUTER_MAX_TOKENS = 1
+# The MoE op's default limit for gate_route (measured end to end up to 16 tokens on the H200). In graph
+# replay of the router alone (benchmarks/kernels.py --only router) the token-tiled logits + top-k beat it
+# at 4 / 16 tokens (6.0 / 6.3 us vs 8.9 / 9.1), but a run with the limit at 1 (commit b4afae7, together
+# with the in-kernel MLA merge at 16 splits) had batch 16 at 8.66 ms/step against 8.00: kept at 16
+# until an A/B run separates the two.
+FUSED_ROUTER_MAX_TOKENS = 16
 ROUTER_LOGITS_GEMV_MAX_TOKENS = 64  # router_logits alone
 
 
