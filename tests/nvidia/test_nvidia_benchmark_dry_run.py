@@ -14,8 +14,35 @@ pytest.importorskip("triton", reason="triton is not installed")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def k(p, o):
+    n = tl.load(p)
+    acc = 0
+    for i in range(0, n, 1):
+        acc += 1
+    tl.store(o, acc)
+x = torch.tensor([3], dtype=torch.int32); o = torch.zeros(1, dtype=torch.int32)
+k[(1,)](x, o)
+assert int(o[0]) == 3
+"""
+
+
+def _interpreter_loops_over_loaded_bounds(env: dict) -> bool:
+    """Triton 3.6's interpreter (the H200 image's) cannot take range() bounds from a loaded value
+    ('only 0-dimensional arrays can be converted to Python scalars'); the MLA kernels need it."""
+    probe = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    return probe.returncode == 0
+
+
 def test_kernels_mla_dry_run_prints_its_tables():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    if not _interpreter_loops_over_loaded_bounds(env):
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a loaded bound (the kernels "
+                    "themselves run compiled on this machine; CI's Triton runs this dry run)")
     run = subprocess.run([sys.executable, "-m", "benchmarks.kernels_mla", "--dry-run"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
