@@ -88,7 +88,7 @@ def test_greedy_and_seeded_mixed_lengths_are_identical(fake_tokenizer_dir):
         if i % 2:
             assert row[2][0][2] == expected(p, 3 + 2 * i)
     assert any(row[2][0][2] != expected(p, len(row[2][0][2])) for p, row in zip(prompts, sync))  # sampled rows
-    assert e._pipeline.num_sync_fallbacks == 0  # every step overlapped the previous one
+    assert e.stats().num_sync_fallbacks == 0  # every step overlapped the previous one
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "swa"])
@@ -202,7 +202,7 @@ def test_n_greater_than_one_and_penalties(fake_tokenizer_dir):
                         max_model_len=128, num_kv_blocks=200)
     assert sync == asy
     assert len({tuple(c[2]) for c in sync[0][2]}) > 1
-    assert e._pipeline.num_sync_fallbacks > 0  # penalties need the last token on the host
+    assert e.stats().num_sync_fallbacks > 0  # penalties need the last token on the host
 
 
 def _collect(e, outs, finals):
