@@ -34,3 +34,18 @@ def backend():
     from deepinfer.backends.nvidia.backend import NvidiaBackend
 
     return NvidiaBackend(device=DEVICE)
+
+
+def mla_decode_ref(q, cache, table, seq, L: int, scale: float) -> torch.Tensor:
+    """Float64 absorbed MLA decode over a paged latent cache [blocks, page, L + R]: softmax(q . k) v per
+    row and head, v = the first L latent columns; rows of length 0 give zeros (a padded row)."""
+    page = cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], L, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        n = int(seq[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=cache.device)
+        kv = cache.view(-1, cache.shape[-1])[table[b][pos // page].long() * page + pos % page].double().cpu()
+        out[b] = ((q[b].double().cpu() @ kv.T) * scale).softmax(-1) @ kv[:, :L]
+    return out

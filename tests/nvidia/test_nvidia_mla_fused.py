@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvidia_testutil import DEVICE, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
+from nvidia_testutil import DEVICE, ON_GPU, backend, mla_decode_ref, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.conformance.cases import _mla_batch
 from deepinfer.core.backend import MLASpec
@@ -187,18 +187,6 @@ def test_q_and_kv_a_projections_run_as_one_gemm(quantized):
     assert torch.allclose(kv, x @ parts[1].T + weights["a.kv_a_proj_with_mqa.bias"], atol=1e-4)
 
 
-def _decode_ref(q, cache, table, seq, L, scale):
-    out = torch.zeros(q.shape[0], q.shape[1], L, dtype=torch.float64)
-    for b in range(q.shape[0]):
-        n = int(seq[b])
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=cache.device)
-        kv = cache.view(-1, cache.shape[-1])[table[b][pos // PAGE].long() * PAGE + pos % PAGE].double().cpu()
-        out[b] = ((q[b].double().cpu() @ kv.T) * scale).softmax(-1) @ kv[:, :L]
-    return out
-
-
 @pytest.mark.parametrize("splits,min_split", [(1, 16), (4, 16), (8, 32), (16, 16)])
 def test_mla_decode_adaptive_splits_and_direct_write(splits, min_split):
     """Per-sequence split sizes (short rows use fewer splits, a padded row of length 0 gives zeros), the
@@ -214,7 +202,7 @@ def test_mla_decode_adaptive_splits_and_direct_write(splits, min_split):
     out = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=min_split)
     again = mla_decode(q, cache, table, seq, L, 0.2, num_splits=splits, block_n=16, min_split=min_split)
     assert torch.equal(out, again)
-    exp = _decode_ref(q, cache, table, seq, L, 0.2)
+    exp = mla_decode_ref(q, cache, table, seq, L, 0.2)
     assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))
     assert rel_err(out[:2].cpu(), exp[:2]) < 1e-5
 

@@ -6,21 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvidia_testutil import DEVICE, ON_GPU, rel_err  # noqa: I001  (sets TRITON_INTERPRET)
+from nvidia_testutil import DEVICE, ON_GPU, mla_decode_ref, rel_err  # noqa: I001  (sets TRITON_INTERPRET)
 
 PAGE = 4
-
-
-def _decode_ref(q, cache, table, seq, L, scale):
-    out = torch.zeros(q.shape[0], q.shape[1], L, dtype=torch.float64)
-    for b in range(q.shape[0]):
-        n = int(seq[b])
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=cache.device)
-        kv = cache.view(-1, cache.shape[-1])[table[b][pos // PAGE].long() * PAGE + pos % PAGE].double().cpu()
-        out[b] = ((q[b].double().cpu() @ kv.T) * scale).softmax(-1) @ kv[:, :L]
-    return out
 
 
 def _inputs(heads: int, seq: list[int], dtype: torch.dtype, seed: int, L: int = 32, R: int = 16, page: int = PAGE):
@@ -60,7 +48,7 @@ def test_fused_merge_equals_merge_kernel_and_reference(monkeypatch, heads, split
     assert int(merge_counters(DEVICE, 1).abs().sum()) == 0
     assert torch.equal(fused[2].cpu(), torch.zeros_like(fused[2].cpu()))  # the padded row
     assert rel_err(fused.cpu(), separate.cpu()) < 1e-6  # fp32: only the merge's summation tile differs
-    exp = _decode_ref(q, cache, table, seq_t, L, 0.2)
+    exp = mla_decode_ref(q, cache, table, seq_t, L, 0.2)
     assert rel_err(fused.cpu(), exp) < 1e-5
 
 
