@@ -235,11 +235,11 @@ class ModelRunner:
         batch, _ = self._build(sched)
         return batch, self._forward_logits(batch)
 
-    def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def _forward_logits(self, batch: ForwardBatch, timer: StepTimer | None = None) -> torch.Tensor | None:
         self.reset_state_rows(batch)
         hidden = self.run_model(batch)
-        if self.timer is not None:
-            self.timer.mark("forward")
+        if timer is not None:
+            timer.mark("forward")
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
@@ -256,7 +256,7 @@ class ModelRunner:
         batch, sampling = self._build(sched)
         if timer is not None:
             timer.mark("inputs")
-        logits = self._forward_logits(batch)
+        logits = self._forward_logits(batch, timer)
         step = PendingStep(sched, sampling, timer=timer)
         if timer is not None:
             timer.mark("logits")
