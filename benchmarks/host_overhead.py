@@ -43,8 +43,7 @@ import time
 
 import torch
 
-from deepinfer.core.backend import BackendCaps
-from deepinfer.core.kv_spec import KVCacheSpec
+from deepinfer.backend import BackendCaps, KVCacheSpec, KVLayout
 from deepinfer.models.base import CausalLM
 
 VOCAB = 102400  # DeepSeek-V2-Lite
@@ -67,6 +66,9 @@ class HostBackend:
     def __init__(self, block_size: int):
         self.caps = BackendCaps(device_type="cpu", dtypes=(torch.float32,), kv_block_sizes=(block_size,))
         self.device = torch.device("cpu")
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        return KVLayout.single(spec)
 
 
 class ConstantLM(CausalLM):
@@ -151,7 +153,7 @@ def _commit() -> str:
 def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, block_size: int,
                 async_scheduling: bool = False):
     from deepinfer import EngineConfig
-    from deepinfer.core.tokenizer import Tokenizer
+    from deepinfer.text.tokenizer import Tokenizer
     from deepinfer.engine import DeepInferenceEngine
 
     tok = Tokenizer.from_pretrained(tok_dir)

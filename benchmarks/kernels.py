@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.graph_timing import graph_ms as timed_by_graph
-from deepinfer.core.backend import RouterSpec
+from deepinfer.backend import RouterSpec
 
 ROWS: list[dict] = []
 DEV = "cuda"  # the MoE benchmarks' device (a CPU dry run under TRITON_INTERPRET sets "cpu")

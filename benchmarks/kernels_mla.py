@@ -60,7 +60,7 @@ def paged(batch: int, ctx: int, dev: str | None = None):
 class Layer:
     def __init__(self, batch: int, ctx: int, backend, g: torch.Generator):
         from deepinfer.backends.nvidia.mla_attention import TritonMLAAttention
-        from deepinfer.core.backend import MLASpec
+        from deepinfer.backend import MLASpec
 
         bf = dict(device=DEV, dtype=torch.bfloat16)
         self.wq = (torch.randn(H * (NOPE + ROPE), D, generator=g) * D**-0.5).to(**bf)
@@ -75,7 +75,7 @@ class Layer:
 
 
 def step_batch(batch: int, ctx: int, table: torch.Tensor):
-    from deepinfer.core.forward_batch import ForwardBatch
+    from deepinfer.backend.forward_batch import ForwardBatch
 
     dev = DEV
     pos = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
@@ -121,7 +121,7 @@ def new_attention(lay: Layer, x, pos, cs, fb):
 
 def attention_layers(batches: list[int], ctx: int = 1024) -> None:
     from deepinfer.backends.nvidia.backend import NvidiaBackend
-    from deepinfer.core.native.rope import rope_cos_sin_cache
+    from deepinfer.backend.native.rope import rope_cos_sin_cache
 
     backend = NvidiaBackend(device=DEV, use_cuda_ext=False)
     cs = rope_cos_sin_cache(ROPE, 8192, 10000.0, None).to(DEV)

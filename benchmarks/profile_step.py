@@ -116,9 +116,20 @@ def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, t
         torch.cuda.synchronize()
         out.update(graph_launch_host_ms=statistics.median(launch), graph_bucket=size, graph_kernels=len(gev) / 3, graph_kernel_sum_ms=sum(e["dur"] for e in gev) / 3e3,
                    graph_span_ms=span, graph_replay_ms=graph_replay_ms(engine, batch),
+                   graph_inputs=dict(input_ids=gr.static.input_ids[:batch].tolist(),
+                                     seq_lens=gr.static.seq_lens[:batch].tolist()),
                    graph_top=[(n, round(us, 1), round(c, 2)) for n, us, c in _by_name(gev, 3)[:30]])
     while engine.has_unfinished_requests():
         engine.step()
+    if size is not None and size in gr.graphs:  # the same graph and inputs once its requests are done
+        gev, _ = _profile(gr.graphs[size].replay, 3, os.path.join(tempfile.gettempdir(), f"graph_after_b{batch}.json"),
+                          sync_each=True)
+        st = gr.static
+        out.update(graph_inputs_after=dict(input_ids=st.input_ids[:batch].tolist(),
+                                           seq_lens=st.seq_lens[:batch].tolist()))
+        out.update(graph_after_kernel_sum_ms=sum(e["dur"] for e in gev) / 3e3,
+                   graph_after_replay_ms=graph_replay_ms(engine, batch),
+                   graph_after_top=[(n, round(us, 1), round(c, 2)) for n, us, c in _by_name(gev, 3)[:12]])
     if trace_dir:  # keep the trace small enough to bring back
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
             z.write(f.read())
@@ -161,6 +172,12 @@ def main() -> None:
                   f"{r['graph_span_ms']:.3f} ms, kernel sum {r['graph_kernel_sum_ms']:.3f} ms, "
                   f"replay {r['graph_replay_ms']:.3f} ms, launch call (host) {r['graph_launch_host_ms']:.3f} ms")
             for name, us, n in r["graph_top"]:
+                print(f"    {us:9.1f} us  x{n:<6} {name}")
+        if "graph_after_top" in r:
+            print(f"  the same graph after its requests finished: kernel sum {r['graph_after_kernel_sum_ms']:.3f} ms, "
+                  f"replay {r['graph_after_replay_ms']:.3f} ms")
+            print(f"  static inputs mid-run {r['graph_inputs']}, after {r['graph_inputs_after']}")
+            for name, us, n in r["graph_after_top"]:
                 print(f"    {us:9.1f} us  x{n:<6} {name}")
         print("  step (outside + inside the graph):")
         for name, us, n in r["top"][:25]:

@@ -49,7 +49,7 @@ class EngineConfig:
     use_nextn_decode / enable_mtp_varlen: MTP (NextN) speculative decoding, not
         implemented yet: asking for it is an error at start-up, never ignored.
     async_scheduling: schedule and launch step N+1 while the device runs step N
-        (core/step_pipeline.py); outputs are identical either way. None = on where the
+        (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
         (V4) always run sync. DEEPINFER_ASYNC_SCHEDULING=0/1 sets it when left None.
     """

@@ -1,39 +1,21 @@
 """The conformance cases: one list per op, at "tiny" (CI, Triton interpreter) or "real" (GPU) shapes.
 
-A case builds its inputs on the CPU from a seeded generator (so every device
-sees the same numbers), and runs one op through any object with the Backend
-op methods. The runner moves inputs to the backend's device and compares
-the backend with `NativeOps`.
+This file holds the small ops, routing, linear methods and collectives; layer_cases.py the
+whole-layer ops (MLA, MoE, V4 attention); cases_base.py what a case is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import torch
 
-from deepinfer.core.backend import MLASpec, MoESpec, RouterSpec
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.native.rope import rope_cos_sin_cache
+from deepinfer.backend import MLASpec, RouterSpec
+from deepinfer.backend.native.rope import rope_cos_sin_cache
+from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
+from deepinfer.conformance.cases_base import FP32, Case, randn as _randn, router_inputs, router_specs
+from deepinfer.conformance.layer_cases import (mla_cases, mla_latent_cases, moe_cases, moe_shared_cases,
+                                               v4_attention_cases)
 
-Inputs = dict[str, Any]
-FP32 = (torch.float32,)
-
-
-@dataclass(frozen=True)
-class Case:
-    op: str  # OP_NAMES entry
-    name: str
-    make: Callable[[torch.Generator, torch.dtype], Inputs]  # CPU tensors
-    run: Callable[[Any, Inputs], tuple[torch.Tensor, ...]]  # (backend-like ops, inputs) -> outputs
-    compare: str = "close"  # close | exact | route
-    kind: str = "elementwise"  # elementwise | layer (looser low-precision tolerances)
-    dtypes: tuple[torch.dtype, ...] | None = None  # fixed dtypes (route: fp32 logits); None = the run's
-
-
-def _randn(g: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+__all__ = ["Case", "cases_for", "router_specs"]
 
 
 # ------------------------------------------------------------------ small ops
@@ -67,9 +49,40 @@ def _rope_cases(t: int, hq: int, r: int) -> list[Case]:
     return cases
 
 
-def _silu_cases(t: int, i_dim: int) -> list[Case]:
-    return [Case("silu_and_mul", f"T={t} I={i_dim}", lambda g, dt: {"x": _randn(g, t, 2 * i_dim, dtype=dt, scale=2)},
-                 lambda o, i: (o.silu_and_mul(i["x"]),))]
+def _silu_cases(t: int, i_dim: int, limit: float) -> list[Case]:
+    def make(g, dt):
+        return {"x": _randn(g, t, 2 * i_dim, dtype=dt, scale=2)}
+
+    return [Case("silu_and_mul", f"T={t} I={i_dim}", make, lambda o, i: (o.silu_and_mul(i["x"]),)),
+            Case("silu_and_mul", f"T={t} I={i_dim} clamped limit={limit} (V4)", make,
+                 lambda o, i: (o.silu_and_mul(i["x"], limit),), options=(("limit", limit),))]
+
+
+def _v4_norm_cases(t: int, h: int, d: int) -> list[Case]:
+    """V4's RMSNorm: an fp32 weight over [T, D]; unweighted per head over [T, H, D]."""
+    def make(g, dt):
+        return {"x": _randn(g, t, d, dtype=dt, scale=2.0), "w": _randn(g, d, scale=0.5) + 1,
+                "heads": _randn(g, t, h, d, dtype=dt, scale=2.0)}
+
+    return [Case("v4_rms_norm", f"T={t} D={d} fp32 weight", make, lambda o, i: (o.v4_rms_norm(i["x"], i["w"], 1e-6),)),
+            Case("v4_rms_norm", f"T={t} H={h} D={d} unweighted", make,
+                 lambda o, i: (o.v4_rms_norm(i["heads"], None, 1e-6),))]
+
+
+def _v4_rope_cases(t: int, h: int, d: int, r: int) -> list[Case]:
+    """V4's rotary embedding on the trailing r channels: q-like [T, H, D], kv-like [T, D], the inverse."""
+    yarn = v4_inv_freq(r, 10000.0, "yarn", 16.0, 64, 32.0, 1.0)
+
+    def make(g, dt):
+        cos, sin = v4_cos_sin(torch.randint(0, 4096, (t,), generator=g), yarn)
+        return {"q": _randn(g, t, h, d, dtype=dt), "kv": _randn(g, t, d, dtype=dt), "cos": cos.to(dt), "sin": sin.to(dt)}
+
+    return [Case("v4_rotary_embedding", f"T={t} H={h} D={d} R={r} yarn", make,
+                 lambda o, i: (o.v4_rotary_embedding(i["q"], i["cos"], i["sin"]),)),
+            Case("v4_rotary_embedding", f"T={t} D={d} R={r} one head", make,
+                 lambda o, i: (o.v4_rotary_embedding(i["kv"], i["cos"], i["sin"]),)),
+            Case("v4_rotary_embedding", f"T={t} H={h} D={d} R={r} inverse (-sin)", make,
+                 lambda o, i: (o.v4_rotary_embedding(i["q"], i["cos"], -i["sin"]),))]
 
 
 def _kv_write_cases(blocks: int, block_size: int, width: int, t: int) -> list[Case]:
@@ -90,31 +103,8 @@ def _kv_write_cases(blocks: int, block_size: int, width: int, t: int) -> list[Ca
 # ------------------------------------------------------------------ routing
 
 
-def router_specs(real: bool) -> dict[str, RouterSpec]:
-    e2, e3 = (64, 256) if real else (16, 32)
-    return {
-        "v2-lite softmax greedy": RouterSpec(e2, 6 if real else 4, "softmax", "greedy", routed_scaling_factor=1.0),
-        "v2 softmax group_limited_greedy": RouterSpec(e2, 6 if real else 4, "softmax", "group_limited_greedy",
-                                                      n_group=8 if real else 4, topk_group=3 if real else 2,
-                                                      routed_scaling_factor=16.0),
-        "v3 sigmoid noaux_tc": RouterSpec(e3, 8 if real else 4, "sigmoid", "noaux_tc", n_group=8, topk_group=4,
-                                          norm_topk_prob=True, routed_scaling_factor=2.5),
-        "v4 sqrtsoftplus noaux_tc": RouterSpec(e3, 6 if real else 4, "sqrtsoftplus", "noaux_tc",
-                                               norm_topk_prob=True, routed_scaling_factor=1.5),
-        "v4 sqrtsoftplus hash": RouterSpec(e3, 6 if real else 4, "sqrtsoftplus", "hash", norm_topk_prob=True,
-                                           routed_scaling_factor=1.5),
-    }
 
-
-def _router_inputs(g: torch.Generator, spec: RouterSpec, t: int, vocab: int = 64) -> Inputs:
-    inputs: Inputs = {"logits": _randn(g, t, spec.num_experts, scale=2.0), "bias": None, "tokens": None, "tid2eid": None}
-    if spec.topk_method == "noaux_tc":
-        inputs["bias"] = _randn(g, spec.num_experts, scale=0.1)
-    if spec.topk_method == "hash":
-        inputs["tokens"] = torch.randint(0, vocab, (t,), generator=g)
-        inputs["tid2eid"] = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k]
-                                         for _ in range(vocab)])
-    return inputs
+# ------------------------------------------------------------------ routing
 
 
 def _route_cases(t: int, real: bool) -> list[Case]:
@@ -124,7 +114,8 @@ def _route_cases(t: int, real: bool) -> list[Case]:
             return o.route(i["logits"], s, i["bias"], i["tokens"], i["tid2eid"])
 
         cases.append(Case("route", f"{name} E={spec.num_experts} k={spec.top_k} T={t}",
-                          lambda g, dt, s=spec: _router_inputs(g, s, t), run, compare="route", dtypes=FP32))
+                          lambda g, dt, s=spec: router_inputs(g, s, t), run, compare="route", dtypes=FP32,
+                          spec=spec))
     return cases
 
 
@@ -158,188 +149,35 @@ def _linear_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
                           lambda o, i: run(o, i, "fp8_block"), kind="layer"))
     return cases
 
-
-# ------------------------------------------------------------------ MLA attention
-
-
-def _mla_batch(query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int,
-               g: torch.Generator, name: str = "mla") -> ForwardBatch:
-    """Requests on shuffled blocks; their cached prefixes are whatever the (random) cache holds there."""
-    seqs = [q + c for q, c in zip(query_lens, context_lens)]
-    need = [-(-s // block_size) for s in seqs]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    rows, start = [], 0
-    for n in need:
-        rows.append(perm[start : start + n])
-        start += n
-    width = max(need)
-    slots, positions = [], []
-    for q, c, row in zip(query_lens, context_lens, rows):
-        for p in range(c, c + q):
-            slots.append(row[p // block_size] * block_size + p % block_size)
-            positions.append(p)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    return ForwardBatch(
-        input_ids=torch.zeros(sum(query_lens), dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seqs, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_tables={name: torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)},
-        slot_mapping={name: torch.tensor(slots, dtype=torch.long)},
-        logits_indices=torch.tensor(qsl[1:], dtype=torch.long) - 1,
-        query_lens_cpu=list(query_lens), seq_lens_cpu=seqs, context_lens_cpu=list(context_lens),
-        block_size=block_size,
-    )
+# ------------------------------------------------------------------ collectives
 
 
-def _lens(values: list[int]) -> str:
-    """Short label for a list of lengths: [5,1,3] or 16x[1..1000]."""
-    if len(values) <= 4:
-        return "[" + ",".join(map(str, values)) + "]"
-    return f"{len(values)}x[{min(values)}..{max(values)}]"
+def _collective_cases(t: int, d: int) -> list[Case]:
+    """Each collective of `backend.communicator()` on one rank's tensor, against the native group of one
+    (the identity, exactly). A communicator spanning several ranks needs the multi-process suite; these
+    cases then say so (UnsupportedOpError) instead of comparing what cannot be equal."""
+    from deepinfer.errors import UnsupportedOpError
 
-
-def _mla_inputs(spec: MLASpec, block_size: int, qlens: list[int], ctxs: list[int], g, dt) -> tuple[int, int, dict]:
-    """(tokens, cache blocks, the batch / kv_b / q inputs) both MLA case families draw first, in this order."""
-    t = sum(qlens)
-    blocks = sum(-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)) + 2
-    return t, blocks, {
-        "batch": _mla_batch(qlens, ctxs, block_size, blocks, g),
-        "kv_b": _randn(g, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
-                       dtype=dt, scale=spec.kv_lora_rank**-0.5),
-        "q": _randn(g, t, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim, dtype=dt),
+    calls = {
+        "all_reduce": lambda c, x: c.all_reduce(x),
+        "all_gather": lambda c, x: c.all_gather(x, dim=-1),
+        "reduce_scatter": lambda c, x: c.reduce_scatter(x, dim=0),
+        "all_to_all": lambda c, x: c.all_to_all(x, [x.shape[0]], [x.shape[0]]),
+        "broadcast": lambda c, x: c.broadcast(x, src=0),
     }
 
-
-def _mla_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[list[int], list[int]]]) -> list[Case]:
-    cases = []
-    for label, (qlens, ctxs) in batches.items():
-        def make(g, dt, qlens=qlens, ctxs=ctxs):
-            t, blocks, common = _mla_inputs(spec, block_size, qlens, ctxs, g, dt)
-            return {
-                **common,
-                "kv_c": _randn(g, t, spec.kv_lora_rank, dtype=dt),
-                "k_pe": _randn(g, t, spec.qk_rope_head_dim, dtype=dt),
-                "cache": _randn(g, blocks, block_size, spec.cache_entry_dim, dtype=dt),
-            }
-
-        def run(o, i):
-            op = o.make_mla_attention(spec)
-            op.load_kv_b_proj(i["kv_b"])
-            cache = i["cache"].clone()
-            out = op.forward(i["q"], i["kv_c"], i["k_pe"], cache, i["batch"], "mla")
-            return out, cache
-
-        desc = f"{label} q={_lens(qlens)} ctx={_lens(ctxs)} H={spec.num_heads} L={spec.kv_lora_rank}"
-        cases.append(Case("mla_attention", desc, make, run, kind="layer"))
-    return cases
-
-
-def _mla_latent_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[list[int], list[int]]]) -> list[Case]:
-    """forward_from_latent: kv_a norm + RoPE (q_pe, k_pe) + KV write + attention (one fused kernel on NVIDIA)."""
-    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-            "mscale": 1.0, "mscale_all_dim": 1.0}
-    cases = []
-    for label, (qlens, ctxs) in batches.items():
-        for interleaved in (True, False):
-            def make(g, dt, qlens=qlens, ctxs=ctxs):
-                t, blocks, common = _mla_inputs(spec, block_size, qlens, ctxs, g, dt)
-                return {
-                    **common,
-                    "kv_a": _randn(g, t, spec.cache_entry_dim, dtype=dt, scale=2.0),
-                    "w": _randn(g, spec.kv_lora_rank, dtype=dt, scale=0.5) + 1,
-                    "rope": rope_cos_sin_cache(spec.qk_rope_head_dim, 2048, 10000.0, yarn),
-                    "cache": _randn(g, blocks, block_size, spec.cache_entry_dim, dtype=dt),
-                }
-
-            def run(o, i, inter=interleaved):
-                op = o.make_mla_attention(spec)
-                op.load_kv_b_proj(i["kv_b"])
-                cache = i["cache"].clone()
-                b = i["batch"]
-                out = op.forward_from_latent(i["q"].clone(), i["kv_a"], i["w"], 1e-6, b.positions, i["rope"], inter,
-                                             cache, b, "mla", o)
-                return out, cache
-
-            desc = (f"from latent ({'interleaved' if interleaved else 'halves'}) {label} q={_lens(qlens)} "
-                    f"ctx={_lens(ctxs)} H={spec.num_heads} L={spec.kv_lora_rank}")
-            cases.append(Case("mla_attention", desc, make, run, kind="layer"))
-    return cases
-
-
-# ------------------------------------------------------------------ MoE
-
-
-def _moe_cases(t: int, d: int, inter: int, routers: dict[str, RouterSpec], limit: float | None) -> list[Case]:
-    cases = []
-    for name, rspec in routers.items():
-        spec = MoESpec(router=rspec, hidden_size=d, intermediate_size=inter,
-                       swiglu_limit=limit if name.startswith("v4") else None)
-
-        def make(g, dt, s=spec):
-            inputs = _router_inputs(g, s.router, t)
-            e = s.router.num_experts
-            inputs.update(x=_randn(g, t, d, dtype=dt),
-                          w13=_randn(g, e, 2 * inter, d, dtype=dt, scale=d**-0.5),
-                          w2=_randn(g, e, d, inter, dtype=dt, scale=inter**-0.5))
-            return inputs
-
-        def run(o, i, s=spec):
-            op = o.make_moe(s)
-            op.load_experts(i["w13"], i["w2"])
-            return (op.forward(i["x"], i["logits"], i["bias"], i["tokens"], i["tid2eid"]),)
-
-        lim = f" swiglu_limit={spec.swiglu_limit}" if spec.swiglu_limit is not None else ""
-        cases.append(Case("moe", f"{name} T={t} D={d} I={inter} E={rspec.num_experts}{lim}", make, run, kind="layer"))
-    return cases
-
-
-def _moe_shared_cases(t: int, d: int, inter: int, n_shared: int, rspec: RouterSpec,
-                      from_hidden: bool = False) -> list[Case]:
-    """Routed + shared experts through MoEOp.fuse_shared_experts / forward(shared_experts=...): an op may run
-    the shared MLP as extra experts (NVIDIA at small T) or call it; either must equal native routed + MLP.
-    from_hidden: through forward_hidden with the fp32 router gate (NVIDIA fuses the gate GEMV + top-k)."""
-    spec = MoESpec(router=rspec, hidden_size=d, intermediate_size=inter)
-
     def make(g, dt):
-        inputs = _moe_cases(t, d, inter, {"": rspec}, None)[0].make(g, dt)
-        inputs.update(gate_up=_randn(g, 2 * n_shared * inter, d, dtype=dt, scale=d**-0.5),
-                      down=_randn(g, d, n_shared * inter, dtype=dt, scale=(n_shared * inter) ** -0.5),
-                      gate=_randn(g, rspec.num_experts, d, scale=2 * d**-0.5))
-        return inputs
-
-    def run(o, i):
-        op = o.make_moe(spec)
-        op.load_experts(i["w13"], i["w2"])
-        op.fuse_shared_experts(i["gate_up"], i["down"])
-        def mlp(x):
-            return torch.nn.functional.linear(o.silu_and_mul(torch.nn.functional.linear(x, i["gate_up"])), i["down"])
-
-        if from_hidden:
-            return (op.forward_hidden(i["x"], i["gate"], i["bias"], shared_experts=mlp),)
-        return (op.forward(i["x"], i["logits"], i["bias"], shared_experts=mlp),)
-
-    name = f"{rspec.scoring_func} {rspec.topk_method} +{n_shared} shared experts{' from hidden' if from_hidden else ''}"
-    return [Case("moe", f"{name} T={t} D={d} I={inter} E={rspec.num_experts} k={rspec.top_k}", make, run,
-                 kind="layer")]
-
-
-# ------------------------------------------------------------------ V4 attention
-
-
-def _v4_attention_cases(shapes: str) -> list[Case]:
-    from deepinfer.conformance.v4_cases import make_v4_inputs, run_v4_attention, v4_setups
+        return {"x": _randn(g, t, d, dtype=dt)}
 
     cases = []
-    for name, setup in v4_setups(shapes).items():
-        steps = ", ".join("+".join(str(n) for _, n in step) for step in setup.steps)
-        cases.append(Case("v4_attention", f"{name} bs={setup.block_size} steps [{steps}]",
-                          lambda g, dt, st=setup: make_v4_inputs(st, g, dt),
-                          lambda o, i, st=setup: run_v4_attention(o, st, i), kind="layer",
-                          dtypes=FP32 if setup.selects else None))
+    for name, call in calls.items():
+        def run(o, i, call=call):
+            comm = o.communicator()
+            if comm.world_size != 1:
+                raise UnsupportedOpError(f"a communicator over {comm.world_size} ranks: run the multi-process suite")
+            return (call(comm, i["x"].clone()),)
+
+        cases.append(Case(name, f"T={t} D={d} one rank", make, run, compare="exact"))
     return cases
 
 
@@ -354,21 +192,24 @@ def cases_for(shapes: str) -> list[Case]:
         return [
             *_norm_cases(64, 7),
             *_rope_cases(9, 4, 16),
-            *_silu_cases(7, 48),
+            *_silu_cases(7, 48, limit=1.5),
+            *_v4_norm_cases(7, 3, 64),
+            *_v4_rope_cases(9, 4, 32, 16),
             *_kv_write_cases(6, 16, 40, 11),
             *_route_cases(9, real=False),
             *_linear_cases(5, [(48, 64), (200, 136)]),
-            *_mla_cases(mla, 16, {
+            *mla_cases(mla, 16, {
                 "prefill": ([7], [0]),
                 "decode": ([1, 1, 1], [9, 20, 1]),
                 "mixed chunked": ([5, 1, 3], [0, 12, 17]),
             }),
-            *_mla_latent_cases(mla, 16, {"decode": ([1, 1, 1], [9, 20, 1]), "mixed": ([5, 1], [0, 12])}),
-            *_moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
-            *_moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"], from_hidden=True),
-            *_moe_shared_cases(5, 64, 32, 2, router_specs(real=False)["v3 sigmoid noaux_tc"], from_hidden=True),
-            *_moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
-            *_v4_attention_cases("tiny"),
+            *mla_latent_cases(mla, 16, {"decode": ([1, 1, 1], [9, 20, 1]), "mixed": ([5, 1], [0, 12])}),
+            *moe_cases(9, 64, 32, router_specs(real=False), limit=0.5),
+            *moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"], from_hidden=True),
+            *moe_shared_cases(5, 64, 32, 2, router_specs(real=False)["v3 sigmoid noaux_tc"], from_hidden=True),
+            *moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
+            *v4_attention_cases("tiny"),
+            *_collective_cases(5, 32),
         ]
     if shapes == "real":
         mla = MLASpec(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
@@ -383,25 +224,28 @@ def cases_for(shapes: str) -> list[Case]:
             *_norm_cases(2048, 64),
             *_norm_cases(7168, 8),
             *_rope_cases(64, 128, 64),
-            *_silu_cases(64, 1408),
+            *_silu_cases(64, 1408, limit=10.0),
+            *_v4_norm_cases(64, 64, 512),
+            *_v4_rope_cases(64, 64, 512, 64),
             *_kv_write_cases(64, 16, 576, 200),
             *_route_cases(128, real=True),
             *_linear_cases(32, [(3072, 2048), (2112, 7168), (576, 2048)]),
-            *_mla_cases(mla, 16, {
+            *mla_cases(mla, 16, {
                 "prefill": ([256], [0]),
                 "decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1000, 16)]),
                 "mixed chunked": ([128, 1, 1, 64], [0, 300, 77, 512]),
             }),
-            *_mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
+            *mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
                                          "mixed": ([64, 1, 1], [0, 300, 1000])}),
-            *_moe_cases(32, 2048, 1408, routers, limit=10.0),
+            *moe_cases(32, 2048, 1408, routers, limit=10.0),
             # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32);
             # 16 experts of V2-Lite width keep the random weights quick to draw
-            *_moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": RouterSpec(16, 6, "sigmoid", "noaux_tc", n_group=4,
+            *moe_cases(4, 2048, 1408, {"v3 sigmoid noaux_tc": RouterSpec(16, 6, "sigmoid", "noaux_tc", n_group=4,
                                                                           topk_group=2, norm_topk_prob=True,
                                                                           routed_scaling_factor=2.5)}, limit=None),
-            *_moe_shared_cases(1, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy"), from_hidden=True),
-            *_moe_shared_cases(32, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy")),
-            *_v4_attention_cases("real"),
+            *moe_shared_cases(1, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy"), from_hidden=True),
+            *moe_shared_cases(32, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy")),
+            *v4_attention_cases("real"),
+            *_collective_cases(64, 2048),
         ]
     raise ValueError(f"unknown conformance shapes {shapes!r} (choose 'tiny' or 'real')")

@@ -24,11 +24,8 @@ import time
 
 import torch
 
+from deepinfer.backend import Backend, BackendCaps, FeatureRequest, ForwardBatch, KVCaches, NativeOps, token_slots
 from deepinfer.conformance.report import ConformanceReport, ConformanceRow
-from deepinfer.core.backend import Backend, BackendCaps, FeatureRequest
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_caches import KVCaches
-from deepinfer.core.native import NativeOps
 from deepinfer.errors import UnsupportedOpError
 
 E2E_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3", "tiny-v3-fp8", "tiny-v4")
@@ -59,31 +56,31 @@ class ReferenceBackend(NativeOps, Backend):
         return self._device
 
 
-def _batch(chunks: list[tuple[list[int], int]], tables: list[list[int]], groups: list[str], block_size: int,
+def _batch(chunks: list[tuple[list[int], int]], tables: list[list[int]], specs: list, block_size: int,
            device: torch.device) -> ForwardBatch:
-    """chunks[i] = (token ids scheduled now, context_len) for request i, on block row tables[i]."""
-    ids, pos, slots, qsl = [], [], [], [0]
-    for (tokens, ctx), row in zip(chunks, tables):
+    """chunks[i] = (token ids scheduled now, context_len) for request i, on block row tables[i] (every
+    group uses the same rows; each group's slots follow its tokens_per_entry, as token_slots defines)."""
+    ids, pos, qsl = [], [], [0]
+    for tokens, ctx in chunks:
         for j, tok in enumerate(tokens):
-            p = ctx + j
             ids.append(tok)
-            pos.append(p)
-            slots.append(row[p // block_size] * block_size + p % block_size)
+            pos.append(ctx + j)
         qsl.append(qsl[-1] + len(tokens))
     qlens = [len(t) for t, _ in chunks]
     ctxs = [c for _, c in chunks]
     seqs = [q + c for q, c in zip(qlens, ctxs)]
     width = max(len(r) for r in tables)
     bt = torch.tensor([r + [-1] * (width - len(r)) for r in tables], dtype=torch.int32, device=device)
-    slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+    positions = torch.tensor(pos, dtype=torch.long, device=device)
+    req_idx = torch.repeat_interleave(torch.arange(len(chunks), device=device), torch.tensor(qlens, device=device))
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        positions=positions,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctxs, dtype=torch.int32, device=device),
-        block_tables={g: bt for g in groups},
-        slot_mapping={g: slot_t for g in groups},
+        block_tables={s.name: bt for s in specs},
+        slot_mapping={s.name: token_slots(bt, req_idx, positions, s.tokens_per_entry, block_size) for s in specs},
         logits_indices=torch.tensor(qsl[1:], dtype=torch.long, device=device) - 1,
         query_lens_cpu=qlens, seq_lens_cpu=seqs, context_lens_cpu=ctxs, block_size=block_size,
         # request i keeps state row i (V4 compressor rings); fresh rows are zero from allocation
@@ -114,7 +111,7 @@ def _teacher_forced_logits(model, ref_model, backend: Backend, prompts: list[lis
 
     def step(chunks, rows_done: list[int]) -> None:
         """Run one batch on both models; keep the logits of the requests whose prompt is complete."""
-        batch = _batch(chunks, tables[: len(chunks)], groups, block_size, device)
+        batch = _batch(chunks, tables[: len(chunks)], specs, block_size, device)
         out = model.compute_logits(model.forward(batch, caches[0])[batch.logits_indices]).float()
         ref = ref_model.compute_logits(ref_model.forward(batch, caches[1])[batch.logits_indices]).float()
         for r in rows_done:

@@ -17,11 +17,9 @@ from typing import Any, Iterable
 
 import torch
 
+from deepinfer.backend import OP_NAMES, Backend, ForwardBatch, KVCacheSpec, KVLayout, NativeOps
 from deepinfer.conformance.cases import Case, cases_for
 from deepinfer.conformance.report import ConformanceReport, ConformanceRow
-from deepinfer.core.backend import Backend
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.native import OP_NAMES, NativeOps
 from deepinfer.errors import UnsupportedOpError
 
 DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,7 +33,10 @@ TOLERANCES: dict[torch.dtype, dict[str, tuple[float, float]]] = {
 
 
 class _Reference(NativeOps):
-    """The oracle: NativeOps alone, run on the same device as the backend."""
+    """The oracle: NativeOps alone, run on the same device as the backend, in the default KV layout."""
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        return KVLayout.single(spec)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -58,16 +59,13 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 def _unsupported_reason(backend: Backend, case: Case, dtype: torch.dtype, coverage: dict[str, str]) -> str | None:
+    """Why the backend will not run this case: op_coverage() says "unsupported: ...", or supports() gives
+    reasons for the case's OpSpec (its caps, or what its kernels cannot take)."""
     impl = coverage.get(case.op, "")
     if impl.startswith("unsupported"):
         return impl.partition(":")[2].strip() or "declared unsupported in op_coverage()"
-    if dtype not in backend.caps.dtypes:
-        return f"dtype {_dtype_name(dtype)} not in the backend's caps"
-    if case.op.startswith("linear:"):
-        scheme = case.op.partition(":")[2]
-        if scheme not in backend.caps.quant_schemes:
-            return f"quant scheme {scheme!r} not in the backend's caps"
-    return None
+    reasons = backend.supports(case.op_spec(dtype))
+    return "; ".join(reasons) if reasons else None
 
 
 def _compare(case: Case, out: tuple, ref: tuple, dtype: torch.dtype) -> tuple[bool, float, float, float, float, str]:
@@ -134,7 +132,7 @@ def run_conformance(
     for index, case in enumerate(c for c in cases_for(shapes) if c.op in want_ops):
         for dtype in case.dtypes or want_dtypes:
             row = ConformanceRow(op=case.op, case=case.name, dtype=_dtype_name(dtype), status="pass",
-                                 impl=coverage.get(case.op, ""))
+                                 impl=backend.op_impl(case.op_spec(dtype)))
             report.rows.append(row)
             reason = _unsupported_reason(backend, case, dtype, coverage)
             if reason is not None:
@@ -175,7 +173,7 @@ def run_for_device(
 ) -> ConformanceReport:
     """`deepinfer check --device X`: resolve X through the backend registry and run the suite
     on it: every op, then (models=True) the end-to-end tiny-model rows."""
-    from deepinfer.core.registry import default_registry
+    from deepinfer.backend.registry import default_registry
 
     backend = default_registry().create(device)
     return run_conformance(backend, shapes=shapes, dtypes=dtypes, seed=seed, ops=ops, models=models)

@@ -20,12 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.backend import V4AttentionSpec
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_caches import KVCaches
-from deepinfer.core.kv_spec import KVCacheSpec
-from deepinfer.core.native.v4_compressor import ring_len
-from deepinfer.core.native.v4_rope import v4_inv_freq
+from deepinfer.backend import ForwardBatch, KVCaches, KVCacheSpec, V4AttentionSpec, token_slots
+from deepinfer.backend.native.v4_compressor import ring_len
+from deepinfer.backend.native.v4_rope import v4_inv_freq
 
 LAYER = 1  # the op runs layer 1 of groups holding layers (0, 1): it must touch its own layer only
 
@@ -89,11 +86,10 @@ def _schedule(setup: V4Setup, specs: list[KVCacheSpec], g: torch.Generator) -> t
                     t.append(free[s.name].pop())
         ctx = [lens[r] for r, _ in step]
         qlens = [n for _, n in step]
-        swa = specs[0]
-        slots = [tables[r][swa.name][p // bs] * bs + p % bs for (r, n), c in zip(step, ctx) for p in range(c, c + n)]
         out.append({
-            "ctx": ctx, "qlens": qlens, "rows": [rows[rids.index(r)] for r, _ in step], "slots": slots,
+            "ctx": ctx, "qlens": qlens, "rows": [rows[rids.index(r)] for r, _ in step],
             "tables": {s.name: [list(tables[r][s.name]) for r, _ in step] for s in specs},
+            "tokens_per_entry": {s.name: s.tokens_per_entry for s in specs},
         })
         for r, n in step:
             lens[r] += n
@@ -106,19 +102,21 @@ def _batch(sched: dict, block_size: int) -> ForwardBatch:
     qsl = [0]
     for q in qlens:
         qsl.append(qsl[-1] + q)
-    tables = {}
+    positions = torch.tensor([p for c, q in zip(ctx, qlens) for p in range(c, c + q)], dtype=torch.long)
+    req_idx = torch.repeat_interleave(torch.arange(len(qlens)), torch.tensor(qlens))
+    tables, slots = {}, {}
     for name, rows in sched["tables"].items():
         width = max(1, max(len(r) for r in rows))
         tables[name] = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
-    swa = next(iter(sched["tables"]))
+        slots[name] = token_slots(tables[name], req_idx, positions, sched["tokens_per_entry"][name], block_size)
     return ForwardBatch(
         input_ids=torch.zeros(qsl[-1], dtype=torch.long),
-        positions=torch.tensor([p for c, q in zip(ctx, qlens) for p in range(c, c + q)], dtype=torch.long),
+        positions=positions,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seqs, dtype=torch.int32),
         context_lens=torch.tensor(ctx, dtype=torch.int32),
         block_tables=tables,
-        slot_mapping={swa: torch.tensor(sched["slots"], dtype=torch.long)},
+        slot_mapping=slots,
         logits_indices=torch.tensor(qsl[1:], dtype=torch.long) - 1,
         query_lens_cpu=list(qlens), seq_lens_cpu=seqs, context_lens_cpu=list(ctx),
         state_slots=torch.tensor(sched["rows"], dtype=torch.int32), state_slots_cpu=list(sched["rows"]),

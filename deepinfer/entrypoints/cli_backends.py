@@ -2,7 +2,7 @@
 
 Listing probes every backend (a probe never initialises a device runtime).
 Op coverage comes from the class alone: for each op of the Backend contract,
-which class in the MRO implements it (torch-native from deepinfer.core.native,
+which class in the MRO implements it (torch-native from deepinfer.backend.native,
 or the backend's own module). Capabilities need an instance, so they are shown
 for available backends only: constructing one may touch its device (the nvidia
 backend reads the compute capability), which probing never does.
@@ -48,20 +48,20 @@ _METHOD_OPS = {"make_mla_attention": "mla_attention", "make_moe": "moe", "linear
 
 
 def _op_methods() -> list[str]:
-    from deepinfer.core.backend import Backend
+    from deepinfer.backend import Backend
 
     return sorted(n for n in Backend.__abstractmethods__ if n not in ("caps", "device"))
 
 
 def class_op_coverage(cls: type, label: str | None = None) -> dict[str, str]:
-    """op -> "native" (inherited from deepinfer.core.native), `label` (default: the module of the
+    """op -> "native" (inherited from deepinfer.backend.native), `label` (default: the module of the
     class that overrides it), or "missing"; read from the class alone, nothing is constructed."""
     coverage = {}
     for method in _op_methods():
         owner = next((k for k in cls.__mro__ if method in vars(k)), None)
         if owner is None or getattr(vars(owner)[method], "__isabstractmethod__", False):
             how = "missing"
-        elif owner.__module__.startswith("deepinfer.core.native"):
+        elif owner.__module__.startswith("deepinfer.backend.native"):
             how = "native"
         else:
             how = label or owner.__module__
@@ -91,7 +91,7 @@ def _caps_dict(caps) -> dict:
 
 def describe(probed) -> dict:
     """Everything `deepinfer backends` reports about one probed backend."""
-    from deepinfer.core.registry import load_backend_class
+    from deepinfer.backend.registry import load_backend_class
 
     info = probed.info
     entry = {
@@ -122,7 +122,7 @@ def describe(probed) -> dict:
 
 
 def run_backends(args: argparse.Namespace) -> int:
-    from deepinfer.core.registry import default_registry
+    from deepinfer.backend.registry import default_registry
 
     entries = [describe(p) for p in default_registry().probe_all()]
     if args.json:
@@ -154,7 +154,7 @@ def _fmt(v) -> str:
 
 def run_check(args: argparse.Namespace) -> int:
     from deepinfer.conformance import run_for_device
-    from deepinfer.core.registry import requested_device
+    from deepinfer.backend.registry import requested_device
 
     import torch
 

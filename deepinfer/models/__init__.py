@@ -1,1 +1,1 @@
-"""DeepSeek model math, written against the backend contract (deepinfer.core.backend)."""
+"""DeepSeek model math, written against the backend contract (deepinfer.backend)."""

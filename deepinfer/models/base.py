@@ -9,10 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from deepinfer.core.backend import Backend
-    from deepinfer.core.forward_batch import ForwardBatch
-    from deepinfer.core.kv_caches import KVCaches
-    from deepinfer.core.kv_spec import KVCacheSpec
+    from deepinfer.backend import Backend, ForwardBatch, KVCacheSpec, KVCaches
 
 
 class CausalLM(nn.Module, ABC):

@@ -8,15 +8,15 @@ import os
 
 import torch
 
-from deepinfer.core.backend import Backend
+from deepinfer.backend import Backend
 from deepinfer.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.models.base import CausalLM
 
 # model_type -> "module:Class". Classes take (config.json dict, backend, dtype).
 MODEL_REGISTRY: dict[str, str] = {
-    "deepseek_v2": "deepinfer.models.deepseek_v2:DeepseekV2ForCausalLM",
-    "deepseek_v3": "deepinfer.models.deepseek_v2:DeepseekV2ForCausalLM",
-    "deepseek_v4": "deepinfer.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "deepseek_v2": "deepinfer.models.deepseek_v3.model:DeepseekV2ForCausalLM",
+    "deepseek_v3": "deepinfer.models.deepseek_v3.model:DeepseekV2ForCausalLM",
+    "deepseek_v4": "deepinfer.models.deepseek_v4.model:DeepseekV4ForCausalLM",
 }
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.backend import Backend, BackendCaps
-from deepinfer.core.native import NativeOps
+from deepinfer.backend import Backend, BackendCaps
+from deepinfer.backend.native import NativeOps
 from deepinfer.entrypoints.cli_backends import class_op_coverage, merge_coverage
 
 

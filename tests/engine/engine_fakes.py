@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.backend import BackendCaps
-from deepinfer.core.kv_spec import KVCacheSpec
+from deepinfer.backend import BackendCaps, KVCacheSpec, KVLayout
 from deepinfer.models.base import CausalLM
 
 VOCAB = 300
@@ -40,6 +39,9 @@ class FakeBackend:
     def __init__(self, block_size: int = 4):
         self.caps = BackendCaps(device_type="cpu", dtypes=(torch.float32,), kv_block_sizes=(block_size,))
         self.device = torch.device("cpu")
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        return KVLayout.single(spec)
 
 
 class FakeCausalLM(CausalLM):

@@ -1,4 +1,4 @@
-"""Async scheduling (core/step_pipeline.py) gives exactly the outputs of sync scheduling.
+"""Async scheduling (sched/step_pipeline.py) gives exactly the outputs of sync scheduling.
 
 Each test runs the same workload on two engines, async_scheduling=False and True, and
 compares everything a caller sees (token ids, text, finish and stop reasons, logprobs,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.engine import DeepInferenceEngine
 from engine_fakes import FakeBackend, FakeCausalLM, reference_next
 

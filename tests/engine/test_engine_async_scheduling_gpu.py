@@ -67,9 +67,9 @@ def test_async_equals_sync_and_decode_launch_never_syncs(gpu_engines):
 
 
 def test_step_timer_times_every_launch(gpu_engines):
-    """core/step_timer.py: one event set per launched step, phases that add up to about the step's
+    """worker/step_timer.py: one event set per launched step, phases that add up to about the step's
     device time, a host wait per resolved draw and a host launch time per launch."""
-    from deepinfer.core.step_timer import PHASES, StepTimer
+    from deepinfer.worker.step_timer import PHASES, StepTimer
 
     _, asy = gpu_engines
     timer = asy.runner.timer = StepTimer(torch.device("cuda"))

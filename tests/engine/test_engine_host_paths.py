@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from deepinfer.core.kv_manager import KVCacheManager
-from deepinfer.core.kv_spec import KVCacheSpec
+from deepinfer.kv.manager import KVCacheManager
+from deepinfer.backend.kv_spec import KVCacheSpec
 
 
 @dataclass
@@ -50,8 +50,8 @@ def test_fast_path_tables_equal_allocate(kind):
         used = _grow(kv, seqs, 20, fast)
         made.append((kv, seqs, used))
     (slow, seqs, _), (fast, _, used) = made
-    for name in slow.tables:
-        assert torch.equal(slow.tables[name], fast.tables[name]), name
+    for name in slow.block_tables:
+        assert torch.equal(slow.block_tables[name], fast.block_tables[name]), name
         for s in seqs:
             assert slow.block_table(s.seq_id, name) == fast.block_table(s.seq_id, name)
     assert slow.usage_by_group() == fast.usage_by_group()

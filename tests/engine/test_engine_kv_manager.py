@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from deepinfer.core.block_pool import BlockPool
-from deepinfer.core.kv_manager import KVCacheManager, bytes_per_token, fixed_bytes_per_seq, plan_kv_cache
-from deepinfer.core.kv_spec import KVCacheSpec
+from deepinfer.kv.block_pool import BlockPool
+from deepinfer.kv.manager import KVCacheManager
+from deepinfer.kv.planner import bytes_per_token, fixed_bytes_per_seq, plan_kv_cache
+from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.errors import DeepInferError
 
 BS = 4
@@ -155,7 +156,7 @@ def test_accounting_returns_to_zero_over_many_sequences():
                 row = kv.state_slot(s.seq_id)
                 for spec in specs:
                     t = kv.block_table(s.seq_id, spec.name)
-                    buf = kv.tables[spec.name][row].tolist()
+                    buf = kv.block_tables[spec.name][row].tolist()
                     assert buf[: len(t)] == t and all(b == -1 for b in buf[len(t):])
         if step % 7 == 6:  # preempt one
             victim = seqs[step % len(seqs)]
@@ -165,7 +166,7 @@ def test_accounting_returns_to_zero_over_many_sequences():
         kv.free(s)
     assert kv.num_blocks_used == 0 and kv.slots.num_used == 0
     assert all(p.num_free == p.num_blocks for p in kv.pools.values())
-    assert all(bool((t == -1).all()) for t in kv.tables.values())
+    assert all(bool((t == -1).all()) for t in kv.block_tables.values())
 
 
 def test_plan_sizes_groups_from_a_byte_budget():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
-from deepinfer.core.output_processor import OutputProcessor
-from deepinfer.core.request import Request, Sequence
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.output_processor import OutputProcessor
+from deepinfer.sched.request import Request, Sequence
+from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.outputs import Logprob
 
 EOS = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
 from engine_fakes import FakeBackend, FakeCausalLM, reference_next
@@ -200,7 +200,7 @@ class MemoryReportingBackend(FakeBackend):
 
     def __init__(self, free: int, total: int):
         super().__init__(BS)
-        from deepinfer.core.backend import BackendCaps
+        from deepinfer.backend import BackendCaps
 
         self.caps = BackendCaps(device_type="fakegpu", dtypes=(__import__("torch").float32,), kv_block_sizes=(BS,))
         self._mem = (free, total)

@@ -1,4 +1,4 @@
-"""core/step_timer.py on the CPU: it refuses a device without stream events (the GPU behaviour is
+"""worker/step_timer.py on the CPU: it refuses a device without stream events (the GPU behaviour is
 tested in test_engine_async_scheduling_gpu.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.core.step_timer import StepTimer
+from deepinfer.worker.step_timer import StepTimer
 from deepinfer.errors import DeepInferError
 
 

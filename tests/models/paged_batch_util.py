@@ -10,8 +10,8 @@ import random
 
 import torch
 
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_caches import KVCaches
+from deepinfer.backend.forward_batch import ForwardBatch
+from deepinfer.backend.kv_caches import KVCaches
 
 
 class PagedKV:

@@ -8,7 +8,7 @@ import pytest
 
 from deepinfer.checkpoints import PRESETS
 from deepinfer.errors import ModelLoadError, UnsupportedModelError
-from deepinfer.models.deepseek_config import parse_deepseek_config
+from deepinfer.models.deepseek_v3.config import parse_deepseek_config
 from deepinfer.models.registry import load_hf_config, model_class_for
 
 

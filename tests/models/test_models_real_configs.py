@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.checkpoints.random_weights import deepseek_v3_tensor_plan
-from deepinfer.models.deepseek_v2 import DeepseekV2ForCausalLM
+from deepinfer.models.deepseek_v3.model import DeepseekV2ForCausalLM
 
 _YARN_V2 = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
             "original_max_position_embeddings": 4096, "type": "yarn"}

@@ -87,7 +87,7 @@ def main() -> None:
     compile_one("router_logits tiled", r._router_tile_kernel, {k: sig[k] for k in (
         "x_ptr", "w_ptr", "out_ptr", "T", "E", "D", "stride_x", "stride_w", "stride_o", "BLOCK_T", "BLOCK_E",
         "BLOCK_D", "NUM_STAGES")}, {"BLOCK_T": bt, "BLOCK_E": be, "BLOCK_D": bd, "NUM_STAGES": stages}, warps, stages)
-    from deepinfer.core.backend import RouterSpec
+    from deepinfer.backend import RouterSpec
 
     for label, spec, E, bias in (("v2-lite", RouterSpec(64, 6, "softmax", "greedy"), 64, None),
                                  ("v3", RouterSpec(256, 8, "sigmoid", "noaux_tc", n_group=8, topk_group=4,

@@ -7,8 +7,8 @@ import torch
 
 from nvidia_testutil import ON_GPU  # noqa: I001
 
-from deepinfer.core.backend import RouterSpec
-from deepinfer.core.native import NativeOps
+from deepinfer.backend import RouterSpec
+from deepinfer.backend.native import NativeOps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU and nvcc")]
 

@@ -7,8 +7,8 @@ import torch
 
 from nvidia_testutil import ON_GPU  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.graph_runner import CUDAGraphRunner, default_buckets
+from deepinfer.backend.forward_batch import ForwardBatch
+from deepinfer.backends.nvidia.graph_runner import CUDAGraphRunner, default_buckets
 
 PAGE = 16
 
@@ -60,7 +60,7 @@ def test_bucket_and_eligibility_without_capture():
 def test_graph_replay_matches_eager_decode(tmp_path):
     from deepinfer.backends.nvidia.backend import NvidiaBackend
     from deepinfer.checkpoints import make_checkpoint
-    from deepinfer.core.kv_caches import KVCaches
+    from deepinfer.backend.kv_caches import KVCaches
     from deepinfer.models.registry import load_model
 
     make_checkpoint("tiny-v2-lite", str(tmp_path / "ckpt"))

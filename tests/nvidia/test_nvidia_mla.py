@@ -7,9 +7,9 @@ import torch
 
 from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.core.backend import MLASpec
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.native import NativeOps
+from deepinfer.backend import MLASpec
+from deepinfer.backend.forward_batch import ForwardBatch
+from deepinfer.backend.native import NativeOps
 
 SPEC = MLASpec(num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
                softmax_scale=0.17)

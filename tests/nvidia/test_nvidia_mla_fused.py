@@ -8,10 +8,10 @@ import torch
 
 from nvidia_testutil import DEVICE, ON_GPU, backend, mla_decode_ref, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.conformance.cases import _mla_batch
-from deepinfer.core.backend import MLASpec
-from deepinfer.core.native import NativeOps
-from deepinfer.core.native.rope import rope_cos_sin_cache
+from deepinfer.conformance.layer_cases import _mla_batch
+from deepinfer.backend import MLASpec
+from deepinfer.backend.native import NativeOps
+from deepinfer.backend.native.rope import rope_cos_sin_cache
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -146,7 +146,7 @@ def test_decode_writes_heads_contiguous_without_copies():
     out = ours.decode(q, cache, batch.block_tables["mla"], batch.seq_lens)
     assert out.is_contiguous() and out.shape == (2, s.num_heads, s.v_head_dim)
     for i, n in enumerate((6, 13)):
-        from deepinfer.core.native.mla_attention import gather_context
+        from deepinfer.backend.native.mla_attention import gather_context
 
         lat = gather_context(cache, batch.block_tables["mla"][i], n)
         assert rel_err(out[i], ref.decode(q[i : i + 1].float(), lat)[0]) < 1e-5
@@ -155,7 +155,7 @@ def test_decode_writes_heads_contiguous_without_copies():
 @pytest.mark.parametrize("quantized", [False, True])
 def test_q_and_kv_a_projections_run_as_one_gemm(quantized):
     """V2-Lite shapes (q_lora_rank None): q_proj [3072, 2048] + kv_a_proj_with_mqa [576, 2048] fuse, fp8 included."""
-    from deepinfer.models.linear import MergedLinear
+    from deepinfer.models.layers.linear import MergedLinear
 
     g = torch.Generator().manual_seed(3)
     ops = backend()
@@ -175,7 +175,7 @@ def test_q_and_kv_a_projections_run_as_one_gemm(quantized):
         loaders[name](t)
     parts = [p.weight.float().cpu() for p in ml.parts]
     if quantized:
-        from deepinfer.core.native.linear import dequant_fp8_block
+        from deepinfer.backend.native.linear import dequant_fp8_block
 
         parts = [dequant_fp8_block(p.weight, p.weight_scale_inv).cpu() for p in ml.parts]
     ml.finalize()

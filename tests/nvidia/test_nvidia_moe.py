@@ -7,8 +7,8 @@ import torch
 
 from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.core.backend import MoESpec, RouterSpec
-from deepinfer.core.native import NativeOps
+from deepinfer.backend import MoESpec, RouterSpec
+from deepinfer.backend.native import NativeOps
 
 ROUTERS = {
     "v2-lite softmax greedy": RouterSpec(16, 3, "softmax", "greedy", routed_scaling_factor=1.0),

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from nvidia_testutil import DEVICE, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.core.backend import MoESpec, RouterSpec
-from deepinfer.core.native import NativeOps
-from deepinfer.core.native.activation import silu_and_mul
-from deepinfer.core.native.moe import experts_forward
+from deepinfer.backend import MoESpec, RouterSpec
+from deepinfer.backend.native import NativeOps
+from deepinfer.backend.native.activation import silu_and_mul
+from deepinfer.backend.native.moe import experts_forward
 from deepinfer.errors import BackendError
 
 E, D, I, K = 8, 32, 24, 3  # tiny V2-Lite-like experts: E routed, top-K, hidden D, expert width I

@@ -12,7 +12,7 @@ from nvidia_testutil import ON_GPU, backend  # noqa: I001  (sets TRITON_INTERPRE
 
 
 def test_entry_point_registers_nvidia():
-    from deepinfer.core.registry import BackendRegistry
+    from deepinfer.backend.registry import BackendRegistry
 
     reg = BackendRegistry()
     assert "nvidia" in reg.names()

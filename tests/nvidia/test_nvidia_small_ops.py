@@ -7,7 +7,7 @@ import torch
 
 from nvidia_testutil import DEVICE, DTYPES, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.core.native import NativeOps, rope_cos_sin_cache
+from deepinfer.backend.native import NativeOps, rope_cos_sin_cache
 
 NATIVE = NativeOps()
 

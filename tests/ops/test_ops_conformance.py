@@ -8,8 +8,8 @@ import torch
 
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.conformance import run_conformance, run_for_device
-from deepinfer.core.backend import BackendCaps
-from deepinfer.core.native import OP_NAMES
+from deepinfer.backend import BackendCaps
+from deepinfer.backend.native import OP_NAMES
 from deepinfer.errors import UnsupportedOpError
 
 

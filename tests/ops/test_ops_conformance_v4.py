@@ -15,7 +15,7 @@ import torch
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.conformance import run_conformance
 from deepinfer.conformance.v4_cases import v4_kv_specs, v4_setups
-from deepinfer.core.native.v4_attention import NativeV4Attention
+from deepinfer.backend.native.v4_attention import NativeV4Attention
 
 
 ALL = {"swa", "hca", "csa-select", "csa"}

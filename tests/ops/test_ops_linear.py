@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.core.native import NativeOps
+from deepinfer.backend.native import NativeOps
 from deepinfer.errors import BackendError, ModelLoadError
 
 OPS = NativeOps()

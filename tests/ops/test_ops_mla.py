@@ -10,9 +10,9 @@ from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3  # noqa: E402
 
-from deepinfer.core.backend import MLASpec  # noqa: E402
-from deepinfer.core.forward_batch import ForwardBatch  # noqa: E402
-from deepinfer.core.native import NativeOps, mla_softmax_scale, rope_cos_sin_cache  # noqa: E402
+from deepinfer.backend import MLASpec  # noqa: E402
+from deepinfer.backend.forward_batch import ForwardBatch  # noqa: E402
+from deepinfer.backend.native import NativeOps, mla_softmax_scale, rope_cos_sin_cache  # noqa: E402
 from deepinfer.errors import BackendError  # noqa: E402
 
 OPS = NativeOps()
@@ -189,7 +189,7 @@ def test_bad_block_table_is_an_error():
 
 def test_prefill_query_blocking(monkeypatch):
     """Long prefills run in query blocks; a small block size must give the same result."""
-    import deepinfer.core.native.mla_attention as mla
+    import deepinfer.backend.native.mla_attention as mla
 
     op, q, kv_c, k_pe = _op_and_inputs(21, seed=6)
     batch = make_batch([21], [0], [[0, 1, 2, 3, 4, 5]])

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3  # noqa: E402
 
-from deepinfer.core.native import NativeOps  # noqa: E402
+from deepinfer.backend.native import NativeOps  # noqa: E402
 from deepinfer.errors import BackendError  # noqa: E402
 
 OPS = NativeOps()

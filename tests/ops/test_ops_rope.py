@@ -10,7 +10,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3  # noqa: E402
 
-from deepinfer.core.native.rope import mla_softmax_scale, rope_cos_sin_cache, rotary_embedding  # noqa: E402
+from deepinfer.backend.native.rope import mla_softmax_scale, rope_cos_sin_cache, rotary_embedding  # noqa: E402
 from deepinfer.errors import ConfigError  # noqa: E402
 
 R = 16  # qk_rope_head_dim

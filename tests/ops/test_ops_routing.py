@@ -11,9 +11,9 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2  # noqa:
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf4  # noqa: E402
 
-from deepinfer.core.backend import MoESpec, RouterSpec  # noqa: E402
-from deepinfer.core.native import NativeOps  # noqa: E402
-from deepinfer.core.native.routing import route  # noqa: E402
+from deepinfer.backend import MoESpec, RouterSpec  # noqa: E402
+from deepinfer.backend.native import NativeOps  # noqa: E402
+from deepinfer.backend.native.routing import route  # noqa: E402
 from deepinfer.errors import BackendError  # noqa: E402
 
 D, E, I, T = 32, 16, 8, 11

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.core.registry import BackendRegistry
+from deepinfer.backend.registry import BackendRegistry
 from deepinfer.errors import BackendError
 
 TOY_SRC = Path(__file__).resolve().parent / "toy_backend"

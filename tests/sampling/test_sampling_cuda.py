@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer import SamplingParams
-from deepinfer.core import rng
-from deepinfer.core.sampler import Sampler, SamplingRow
+from deepinfer.sample import rng
+from deepinfer.sample.sampler import Sampler, SamplingRow
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ def test_seeded_rows_batch_invariant_on_cuda():
 
 
 def test_filter_rows_identical_alone_and_batched_on_cuda():
-    from deepinfer.core.sampler import filter_logits
+    from deepinfer.sample.sampler import filter_logits
 
     vocab, n = 129280, 40
     x = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(2)) * 4).cuda()

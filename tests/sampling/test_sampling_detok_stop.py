@@ -7,9 +7,9 @@ import random
 import pytest
 
 from deepinfer.checkpoints.tokenizer_factory import EOS_TOKEN, USER_TOKEN, write_tokenizer
-from deepinfer.core.detokenizer import IncrementalDetokenizer
-from deepinfer.core.stop_checker import StopChecker
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.stop_checker import StopChecker
+from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.errors import InvalidRequestError
 
 MULTIBYTE = [

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from deepinfer.checkpoints.tokenizer_factory import write_tokenizer
-from deepinfer.core.detokenizer import _MAX_HELD, IncrementalDetokenizer
-from deepinfer.core.sampler import filter_logits
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.detokenizer import _MAX_HELD, IncrementalDetokenizer
+from deepinfer.sample.sampler import filter_logits
+from deepinfer.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from deepinfer.core import rng
+from deepinfer.sample import rng
 
 
 def _numpy_mix64(z: np.ndarray) -> np.ndarray:

@@ -13,8 +13,8 @@ import torch
 from scipy.stats import chisquare
 
 from deepinfer import SamplingParams
-from deepinfer.core.penalties import apply_penalties
-from deepinfer.core.sampler import Sampler, SamplingRow, filter_logits
+from deepinfer.sample.penalties import apply_penalties
+from deepinfer.sample.sampler import Sampler, SamplingRow, filter_logits
 from deepinfer.errors import DeepInferError
 
 V = 64

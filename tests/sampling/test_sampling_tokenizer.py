@@ -17,7 +17,7 @@ from deepinfer.checkpoints.tokenizer_factory import (
     USER_TOKEN,
     write_tokenizer,
 )
-from deepinfer.core.tokenizer import Tokenizer
+from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 TEXTS = [

@@ -12,16 +12,16 @@ import torch
 
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config
-from deepinfer.core.backend import MoESpec, RouterSpec, V4AttentionSpec
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_caches import KVCaches
-from deepinfer.core.kv_spec import KVCacheSpec
-from deepinfer.core.native.v4_attention import NativeV4Attention
-from deepinfer.core.native.v4_rope import apply_v4_rope, v4_cos_sin
-from deepinfer.models.deepseek_v4_attention import RopeTable, grouped_linear
-from deepinfer.models.deepseek_v4_config import parse_v4_config
-from deepinfer.models.deepseek_v4_hc import HyperConnection, HyperHead, sinkhorn
-from deepinfer.models.deepseek_v4_moe import clamped_swiglu
+from deepinfer.backend import MoESpec, RouterSpec, V4AttentionSpec
+from deepinfer.backend.forward_batch import ForwardBatch
+from deepinfer.backend.kv_caches import KVCaches
+from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.backend.native.v4_attention import NativeV4Attention
+from deepinfer.backend.native.v4_rope import apply_v4_rope, v4_cos_sin
+from deepinfer.models.deepseek_v4.attention import RopeTable, grouped_linear
+from deepinfer.models.deepseek_v4.config import parse_v4_config
+from deepinfer.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, sinkhorn
+from deepinfer.backend.native.activation import silu_and_mul
 
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
@@ -177,7 +177,7 @@ def test_swiglu_clamp_above_the_limit_matches_reference():
     moe = CPUBackend().make_moe(MoESpec(router=RouterSpec(cfg.n_routed_experts, 2, "sqrtsoftplus", "noaux_tc"),
                                         hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
                                         swiglu_limit=cfg.swiglu_limit))
-    from deepinfer.core.native.moe import experts_forward
+    from deepinfer.backend.native.moe import experts_forward
 
     moe.load_experts(experts.gate_up_proj.detach(), experts.down_proj.detach())
     got = experts_forward(x, moe.w13, moe.w2, w, ids, moe.spec.swiglu_limit)
@@ -185,7 +185,7 @@ def test_swiglu_clamp_above_the_limit_matches_reference():
     unclamped = experts_forward(x, moe.w13, moe.w2, w, ids, None)
     assert (unclamped - ref).abs().max() > 1.0  # the clamp was active
     gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
-    shared = torch.nn.functional.linear(clamped_swiglu(gate_up, cfg.swiglu_limit), mlp.down_proj.weight)
+    shared = torch.nn.functional.linear(silu_and_mul(gate_up, cfg.swiglu_limit), mlp.down_proj.weight)
     torch.testing.assert_close(shared, mlp(x), atol=1e-4, rtol=1e-5)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.errors import ModelLoadError
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.loader import iter_checkpoint
 
 

@@ -17,9 +17,9 @@ import torch
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
 from deepinfer.checkpoints.random_weights import write_safetensors
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_caches import KVCaches
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+from deepinfer.backend.kv_caches import KVCaches
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.loader import iter_checkpoint
 
 
@@ -119,12 +119,8 @@ class PagedRunner:
                 t = self.tables[r][n]
                 bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
             tables[n] = bt
-            if spec.tokens_per_entry == 1:
-                sm = []
-                for i, (r, toks) in enumerate(chunks):
-                    t = self.tables[r][n]
-                    sm += [t[p // self.bs] * self.bs + p % self.bs for p in range(ctx[i], seq[i])]
-                slot_map[n] = torch.tensor(sm, dtype=torch.int64)
+            req_idx = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([len(t) for _, t in chunks]))
+            slot_map[n] = token_slots(bt, req_idx, torch.tensor(pos, dtype=torch.int64), spec.tokens_per_entry, self.bs)
         T = len(ids)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),

@@ -1,12 +1,10 @@
-"""The `cpu` backend: every op torch-native (deepinfer.core.native), the reference for the others."""
+"""The `cpu` backend: every op torch-native (deepinfer.backend.native), the reference for the others."""
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.core.backend import Backend, BackendCaps
-from deepinfer.core.native import NativeOps
-from deepinfer.core.native.host_memory import host_memory_info
+from deepinfer.backend import Backend, BackendCaps, NativeOps, host_memory_info
 
 
 class CPUBackend(NativeOps, Backend):
@@ -24,12 +22,10 @@ class CPUBackend(NativeOps, Backend):
             device_type="cpu",
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
             kv_block_sizes=(16,),
-            quant_schemes=("none", "fp8_block"),
+            quant_schemes=("none", "fp8_block"),  # fp8 weights are dequantized at load, computed in the dtype
             model_types=("deepseek_v2", "deepseek_v3", "deepseek_v4"),
             batch_invariant=False,
             graph_capture=False,
-            fp8=False,  # fp8 weights are dequantized at load, never computed in fp8
-            fp4=False,
             max_tensor_parallel_size=1,
         )
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.core.backend import BackendInfo
-from deepinfer.core.hookspecs import hookimpl
+from deepinfer.backend import BackendInfo, hookimpl
 
 
 def _probe() -> list[str]:

@@ -11,10 +11,8 @@ import os
 
 import torch
 
-from deepinfer.core.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, RouterSpec
-from deepinfer.core.native import NativeOps
-from deepinfer.core.native.host_memory import host_memory_info
-from deepinfer.core.native.routing import validate_router
+from deepinfer.backend import (Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, NativeOps, OpSpec,
+                               RouterSpec, host_memory_info, validate_router)
 from deepinfer.errors import BackendError
 
 KV_BLOCK_SIZES = (64, 16, 32, 128)
@@ -62,8 +60,6 @@ class NvidiaBackend(NativeOps, Backend):
             model_types=("deepseek_v2", "deepseek_v3"),
             batch_invariant=False,
             graph_capture=on_gpu,
-            fp8=on_gpu and cc >= (8, 9),
-            fp4=on_gpu and cc >= (10, 0),
             max_tensor_parallel_size=1,
         )
         self._cuda_ext = None
@@ -113,7 +109,9 @@ class NvidiaBackend(NativeOps, Backend):
 
         return rotary_embedding(positions, q, k, cos_sin_cache, interleaved)
 
-    def silu_and_mul(self, x):
+    def silu_and_mul(self, x, limit=None):
+        if limit is not None:  # V4's clamped SwiGLU: no Triton kernel yet (op_coverage says so)
+            return super().silu_and_mul(x, limit)
         from deepinfer.backends.nvidia.activation import silu_and_mul
 
         return silu_and_mul(x)
@@ -138,6 +136,13 @@ class NvidiaBackend(NativeOps, Backend):
 
         return route(router_logits, spec, correction_bias)
 
+    # ------------------------------------------------------------ graphs
+
+    def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
+        from deepinfer.backends.nvidia.graph_runner import CUDAGraphRunner
+
+        return CUDAGraphRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self._device)
+
     # ------------------------------------------------------------ layer ops
 
     def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
@@ -156,6 +161,37 @@ class NvidiaBackend(NativeOps, Backend):
 
             align = cuda_ext.make_align(self._cuda_ext)
         return TritonMoE(spec, route_fn=self.route, **({"align_fn": align} if align else {}))
+
+    # ------------------------------------------------------------ per-op support
+
+    def supports(self, op: OpSpec) -> list[str]:
+        """The caps, plus what the Triton kernels cannot take (everything else runs, natively if need be)."""
+        reasons = super().supports(op)
+        if op.op == "mla_attention" and isinstance(op.spec, MLASpec):
+            rank = op.spec.kv_lora_rank
+            if rank < 16 or rank & (rank - 1):
+                reasons.append(f"kv_lora_rank {rank} is not a power of two >= 16 (the Triton MLA decode kernel)")
+        return reasons
+
+    def op_impl(self, op: OpSpec) -> str:
+        """What runs `op`; the same on a GPU and under the interpreter (the CUDA C++ router needs nvcc)."""
+        from deepinfer.backends.nvidia.moe import TRITON_SCORING, TRITON_TOPK, triton_moe_unsupported
+
+        name, spec = op.op, op.spec
+        if name in ("rms_norm", "add_rms_norm", "rotary_embedding", "kv_cache_write", "mla_attention"):
+            return "triton"
+        if name == "silu_and_mul":
+            return "native (no Triton kernel for the clamped SwiGLU)" if op.option("limit") is not None else "triton"
+        if name == "route" and isinstance(spec, RouterSpec):
+            if spec.scoring_func in TRITON_SCORING and spec.topk_method in TRITON_TOPK:
+                return "cuda (csrc/cuda) where nvcc builds it, else triton"
+            return f"native ({spec.scoring_func} / {spec.topk_method}: no fused kernel)"
+        if name == "moe" and isinstance(spec, MoESpec):
+            why = triton_moe_unsupported(spec)
+            return "triton grouped GEMM" if not why else f"native ({', '.join(why)}: no fused kernel)"
+        if name.startswith("linear:"):
+            return "native (cuBLAS)"
+        return "native"
 
     def op_coverage(self) -> dict[str, str]:
         cov = super().op_coverage()

@@ -26,11 +26,11 @@ from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_decode import mla_decode
 from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.backends.nvidia.prefill_attention import prefill_attention
-from deepinfer.core.backend import MLAAttentionOp, MLASpec
+from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:
-    from deepinfer.core.forward_batch import ForwardBatch
+    from deepinfer.backend import ForwardBatch
 
 
 class TritonMLAAttention(MLAAttentionOp):
@@ -105,35 +105,35 @@ class TritonMLAAttention(MLAAttentionOp):
     # ------------------------------------------------------------ layer
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                batch: "ForwardBatch", cache_name: str) -> torch.Tensor:
+                batch: "ForwardBatch", group: str) -> torch.Tensor:
         self._check(q, kv_cache, batch)
-        kv_cache_write_parts(kv_cache, batch.slot_mapping[cache_name], kv_c, k_pe)
-        return self._attend(q, kv_cache, batch, cache_name)
+        kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c, k_pe)
+        return self._attend(q, kv_cache, batch, group)
 
     def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
-                            batch, cache_name, ops) -> torch.Tensor:
+                            batch, group, ops) -> torch.Tensor:
         """One kernel for kv_a norm + RoPE (q_pe rotated in place in q) + KV write, then the attention.
         A decode-only batch also absorbs q_nope through W_UK in that launch (fuse_absorb)."""
         self._check(q, kv_cache, batch)
         decode_only = all(n == 1 for n in batch.query_lens_cpu)
         w_uk = self._weights(q.dtype)[0] if decode_only and self.fuse_absorb else None
         q_lat = mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
-                         batch.slot_mapping[cache_name], w_uk=w_uk)
+                         batch.slot_mapping[group], w_uk=w_uk)
         if q_lat is not None:
-            return self.decode(q, kv_cache, batch.block_tables[cache_name], batch.seq_lens, q_lat).view(q.shape[0], -1)
-        return self._attend(q, kv_cache, batch, cache_name)
+            return self.decode(q, kv_cache, batch.block_tables[group], batch.seq_lens, q_lat).view(q.shape[0], -1)
+        return self._attend(q, kv_cache, batch, group)
 
     def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch") -> None:
         self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
         if sum(batch.query_lens_cpu) != q.shape[0]:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {q.shape[0]} rows")
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch", cache_name: str) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch", group: str) -> torch.Tensor:
         """Attention over the cache, which already holds this step's entries."""
         s = self.spec
         t = q.shape[0]
         qlens = batch.query_lens_cpu
-        tables = batch.block_tables[cache_name]
+        tables = batch.block_tables[group]
         if all(n == 1 for n in qlens):  # decode-only: no host sync, graph-capturable
             return self.decode(q, kv_cache, tables, batch.seq_lens).view(t, -1)
         out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)

@@ -33,8 +33,7 @@ from deepinfer.backends.nvidia.moe_routing import (
     moe_align,
     router_logits,
 )
-from deepinfer.core.backend import MoESpec
-from deepinfer.core.native.moe import NativeMoE
+from deepinfer.backend import MoESpec, NativeMoE
 from deepinfer.errors import BackendError
 
 TRITON_SCORING = tuple(SCORING_CODES)

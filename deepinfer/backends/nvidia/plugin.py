@@ -11,8 +11,7 @@ import glob
 import importlib.util
 import os
 
-from deepinfer.core.backend import BackendInfo
-from deepinfer.core.hookspecs import hookimpl
+from deepinfer.backend import BackendInfo, hookimpl
 
 
 def _gpu_files_present() -> bool:

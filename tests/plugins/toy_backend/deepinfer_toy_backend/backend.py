@@ -11,8 +11,7 @@ from collections import Counter
 
 import torch
 
-from deepinfer.core.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec
-from deepinfer.core.native import NativeOps
+from deepinfer.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec, NativeOps
 
 CALLS: Counter = Counter()
 BROKEN_ENV = "DEEPINFER_TOY_BROKEN"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from deepinfer.core.backend import BackendInfo
-from deepinfer.core.hookspecs import hookimpl
+from deepinfer.backend import BackendInfo, hookimpl
 
 UNAVAILABLE_ENV = "DEEPINFER_TOY_UNAVAILABLE"
 

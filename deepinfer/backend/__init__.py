@@ -1,0 +1,45 @@
+"""The backend contract, and the one module a backend author imports from.
+
+    from deepinfer.backend import hookimpl, Backend, BackendCaps, BackendInfo, NativeOps, MLASpec
+
+A backend is a plugin (entry-point group `deepinfer.backends`) whose `hookimpl`
+`deepinfer_register_backends(register)` registers a `BackendInfo`; its class subclasses
+`NativeOps` (every op in torch, the oracle) and `Backend`, and overrides what it accelerates.
+docs/backend-plugins.md walks through tests/plugins/toy_backend/. Everything a backend needs is
+exported here; the submodules are the contract's own layout:
+
+- base.py (Backend), caps.py (BackendCaps, FeatureRequest), specs.py (op specs),
+  layer_ops.py (LinearMethod and the whole-layer op ABCs), op_support.py (OpSpec, OP_NAMES),
+- forward_batch.py, kv_spec.py, kv_caches.py (KVLayout, KVCaches): what ops read,
+- communicator.py (collectives), graph_runner.py (decode graphs),
+- hookspecs.py + registry.py (pluggy), native/ (torch-native ops).
+"""
+
+from deepinfer.backend.base import Backend
+from deepinfer.backend.caps import BackendCaps, FeatureRequest, dtype_name
+from deepinfer.backend.communicator import COLLECTIVE_OPS, Communicator, SingleProcessCommunicator
+from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
+from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
+from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
+from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
+from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
+from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
+# last: the native ops import the modules above
+from deepinfer.backend.native import NativeOps
+from deepinfer.backend.native.host_memory import host_memory_info
+from deepinfer.backend.native.mla_attention import NativeMLAAttention
+from deepinfer.backend.native.moe import NativeMoE
+from deepinfer.backend.native.routing import validate_router
+from deepinfer.backend.native.v4_attention import NativeV4Attention
+from deepinfer.errors import BackendError, UnsupportedOpError
+
+__all__ = [
+    "Backend", "BackendCaps", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
+    "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
+    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLASpec", "MoEOp", "MoESpec", "NativeMLAAttention",
+    "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "RouterSpec", "SingleProcessCommunicator",
+    "StaticInputs", "UnsupportedOpError", "V4AttentionOp", "V4AttentionSpec", "default_buckets", "dtype_name",
+    "hookimpl", "host_memory_info", "token_slots", "validate_router",
+]

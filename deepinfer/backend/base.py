@@ -1,0 +1,156 @@
+"""The backend contract: what the runtime and the models may ask of a device.
+
+A backend is a `Backend` subclass plus a frozen `BackendCaps`. Every op below has a
+torch-native implementation in `deepinfer.backend.native` (the oracle of the conformance
+suite); the `cpu` backend uses those, other backends override the ops they accelerate. Op
+boundaries follow what vendors fuse: whole MLA attention, whole MoE (route -> experts ->
+combine), linear per quant scheme, small fused ops, collectives. The device-specific seams the
+runtime needs are here too: the KV cache layout, decode-graph capture, memory and streams.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from deepinfer.backend.caps import BackendCaps
+from deepinfer.backend.communicator import Communicator
+from deepinfer.backend.kv_caches import KVLayout
+from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
+from deepinfer.backend.op_support import OpSpec, contract_reasons
+from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
+
+if TYPE_CHECKING:
+    from deepinfer.backend.graph_runner import GraphRunner
+    from deepinfer.backend.kv_caches import KVCaches
+
+
+class Backend(ABC):
+    """A device. One instance per worker, resolved once at start-up.
+
+    Subclasses of `deepinfer.backend.native.NativeOps` get every op below in torch;
+    a backend overrides what it accelerates and reports it in `op_coverage` / `op_impl`.
+    """
+
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def caps(self) -> BackendCaps: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    # ------------------------------------------------------------ small fused ops
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm(x + residual), x + residual)."""
+
+    @abstractmethod
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, Hq, R]
+        k: torch.Tensor,  # [T, Hk, R]
+        cos_sin_cache: torch.Tensor,  # [max_pos, R] fp32: cos in [:R/2], sin in [R/2:]
+        interleaved: bool,  # True: pairs (2i, 2i+1) rotate (DeepSeek); False: halves
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]; with `limit` (V4's swiglu_limit) the gate is clamped
+        from above and the up half to [-limit, limit] first."""
+
+    @abstractmethod
+    def kv_cache_write(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        """cache.view(-1, *entry)[slot] = values[i] for slot >= 0; slot -1 is skipped."""
+
+    @abstractmethod
+    def route(
+        self,
+        router_logits: torch.Tensor,  # [T, E] fp32
+        spec: RouterSpec,
+        correction_bias: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        tid2eid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] fp32, final, scaling applied; topk_ids [T, k] int64)."""
+
+    @abstractmethod
+    def v4_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMSNorm as DeepSeek-V4 rounds it. With a weight: the statistic and the weight product in
+        fp32, one cast to x's dtype at the end. Without (the per-head q norm, the hyper-connection
+        norm): the statistic in fp32, the product x * rsqrt(...) in x's dtype."""
+
+    @abstractmethod
+    def v4_rotary_embedding(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] or [T, D] with its trailing 2 * R/2 channels rotated in interleaved pairs by
+        cos / sin [T, R/2] (pass -sin for the inverse rotation); computed in fp32, rounded to x's dtype."""
+
+    # ------------------------------------------------------------ layer ops
+
+    @abstractmethod
+    def linear_method(self, scheme: str) -> LinearMethod: ...
+
+    @abstractmethod
+    def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp: ...
+
+    @abstractmethod
+    def make_moe(self, spec: MoESpec) -> MoEOp: ...
+
+    @abstractmethod
+    def make_v4_attention(self, spec: V4AttentionSpec) -> V4AttentionOp: ...
+
+    # ------------------------------------------------------------ collectives
+
+    @abstractmethod
+    def communicator(self) -> Communicator:
+        """The collectives models call (backend/communicator.py); NativeOps: one process, the identity."""
+
+    # ------------------------------------------------------------ runtime seams
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        """How this backend stores a KV group's entries (its ops read what this says); by default
+        one tensor [num_blocks, block_size, *spec.entry_shape] per layer."""
+        return KVLayout.single(spec)
+
+    def make_graph_runner(self, model, caches: "KVCaches", block_size: int, max_model_len: int,
+                          max_num_seqs: int) -> "GraphRunner | None":
+        """Capture decode graphs for `model` over `caches`; called only when caps.graph_capture is
+        true and enforce_eager is off. A backend that declares graph_capture must override it."""
+        return None
+
+    # ------------------------------------------------------------ per-op support
+
+    def supports(self, op: OpSpec) -> list[str]:
+        """Reasons this backend cannot run `op` (empty: it can). The default checks the caps; a
+        backend adds what its kernels cannot take (a head dim, a router variant, ...)."""
+        return contract_reasons(self, op)
+
+    def op_impl(self, op: OpSpec) -> str:
+        """What runs `op` here ("native", "triton", "cuda", ...), for coverage reports."""
+        return self.op_coverage().get(op.op, "native")
+
+    def op_coverage(self) -> dict[str, str]:
+        """op name -> how this backend runs it, summarised over every spec."""
+        return {}
+
+    # ------------------------------------------------------------ device services
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device memory the KV cache may use."""
+        raise NotImplementedError(f"backend {self.name!r} does not report memory")
+
+    def synchronize(self) -> None:
+        return None
+

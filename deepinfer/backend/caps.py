@@ -1,0 +1,69 @@
+"""What a backend can do (`BackendCaps`) and what the engine is about to ask of it (`FeatureRequest`).
+
+The engine checks a `FeatureRequest` against the caps at start-up and refuses with every reason
+at once: a feature a backend lacks is never silently replaced by something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """What a backend can do. Defaults are the cautious answer.
+
+    quant_schemes: linear schemes it runs ("none"; "fp8_block": 128x128 e4m3 blocks + scale_inv).
+    model_types: config.json model_type values whose ops it implements (empty: no restriction).
+    batch_invariant: a row's results are bitwise the same whatever else is in its batch.
+    graph_capture: it supplies a graph runner (`Backend.make_graph_runner`) for decode steps.
+    max_tensor_parallel_size: the most devices its communicator spans.
+    """
+
+    device_type: str = "cpu"
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    kv_block_sizes: tuple[int, ...] = (16,)
+    quant_schemes: tuple[str, ...] = ("none",)
+    model_types: tuple[str, ...] = ()
+    batch_invariant: bool = False
+    graph_capture: bool = False
+    max_tensor_parallel_size: int = 1
+
+    def unsupported(self, req: "FeatureRequest") -> list[str]:
+        """Reasons this backend cannot serve `req`; empty means it can."""
+        reasons: list[str] = []
+        if req.dtype is not None and req.dtype not in self.dtypes:
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            reasons.append(f"dtype {dtype_name(req.dtype)} not supported (supported: {names})")
+        if req.quantization is not None and req.quantization not in self.quant_schemes:
+            reasons.append(f"quantization {req.quantization!r} not supported (supported: {', '.join(self.quant_schemes)})")
+        if req.model_type is not None and self.model_types and req.model_type not in self.model_types:
+            reasons.append(f"model_type {req.model_type!r} not supported (supported: {', '.join(self.model_types)})")
+        if req.tensor_parallel_size > self.max_tensor_parallel_size:
+            reasons.append(
+                f"tensor_parallel_size={req.tensor_parallel_size} exceeds this backend's maximum "
+                f"of {self.max_tensor_parallel_size}"
+            )
+        if req.batch_invariant and not self.batch_invariant:
+            reasons.append("batch-invariant inference (DEEPINFER_BATCH_INVARIANT=1) is not supported")
+        if req.kv_block_size is not None and req.kv_block_size not in self.kv_block_sizes:
+            reasons.append(f"KV block size {req.kv_block_size} not supported (supported: {self.kv_block_sizes})")
+        return reasons
+
+
+@dataclass(frozen=True)
+class FeatureRequest:
+    """What the engine is about to ask of a backend, checked at start-up."""
+
+    dtype: torch.dtype | None = None
+    quantization: str | None = None
+    model_type: str | None = None
+    tensor_parallel_size: int = 1
+    batch_invariant: bool = False
+    kv_block_size: int | None = None

@@ -1,0 +1,70 @@
+"""One model step's inputs, built by the model runner and read by models and backend ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one step: requests concatenated in batch order.
+
+    Request i owns rows query_start_loc[i] : query_start_loc[i+1] of every
+    [T]-shaped tensor. Its cache holds context_lens[i] tokens before the step
+    and seq_lens[i] = context_lens[i] + query_lens[i] after it.
+    KV-group keyed fields use KVCacheSpec.name as the key.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (absolute position of each token)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, unused entries -1
+    slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64: the slot each token writes (token_slots), -1 none
+    logits_indices: torch.Tensor  # [N] int64 rows of the hidden states that get logits
+    # host copies, so control flow never waits on the device
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    context_lens_cpu: list[int] = field(default_factory=list)
+    state_slots: torch.Tensor | None = None  # [B] int32 row of each request in per-sequence state pools
+    state_slots_cpu: list[int] = field(default_factory=list)
+    block_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+def token_slots(table: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor, tokens_per_entry: int,
+                block_size: int) -> torch.Tensor:
+    """int64 [T]: the KV slot (block * block_size + offset) each token writes in one group.
+
+    table: the group's block tables [B, W]; req_idx / positions: each token's request row and
+    absolute position. A compressed group (tokens_per_entry m > 1) writes one entry per m tokens:
+    the token completing entry e = (pos + 1) // m - 1 gets its slot, the others -1. A table entry
+    of -1 (a window block already returned) gives -1 too. The one definition of slot_mapping:
+    the runtime builds batches with it and ops read the result, never recomputing slots.
+    """
+    m = tokens_per_entry
+    entries = positions if m == 1 else torch.clamp((positions + 1) // m - 1, min=0)
+    blocks = table[req_idx, entries // block_size].to(torch.int64)
+    slots = blocks * block_size + entries % block_size
+    valid = blocks >= 0
+    if m > 1:
+        valid &= (positions + 1) % m == 0
+    return torch.where(valid, slots, torch.full_like(slots, -1))

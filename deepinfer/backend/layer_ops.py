@@ -1,0 +1,217 @@
+"""The contract's layer ops: the whole-layer objects a backend hands back for a spec (MLA
+attention, MoE, V4 attention) and the linear-method interface, one per quant scheme.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch
+
+from deepinfer.backend.specs import MLASpec, MoESpec, V4AttentionSpec
+from deepinfer.errors import BackendError
+
+if TYPE_CHECKING:
+    from deepinfer.backend.base import Backend
+    from deepinfer.backend.forward_batch import ForwardBatch
+    from deepinfer.backend.kv_caches import KVCaches
+
+
+class LinearMethod(ABC):
+    """Linear layers of one quant scheme.
+
+    `layer` is a module with `weight` ([out, in], as loaded), optional
+    `weight_scale_inv` (fp8 block scales, [ceil(out/128), ceil(in/128)]) and
+    optional `bias`. The method converts it after loading, then applies it.
+    """
+
+    scheme: ClassVar[str]
+
+    @abstractmethod
+    def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+        """Convert loaded weights in place into this backend's layout."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W^T (+ bias); x [T, in] in compute dtype, y [T, out]."""
+
+    @abstractmethod
+    def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor in compute dtype (for ops that fold it, e.g. MLA absorb)."""
+
+
+class MLAAttentionOp(ABC):
+    """One MLA attention layer from projected q / latent kv to the per-head output.
+
+    Owns the KV-cache write, prefill (naive MHA over the up-projected latent
+    context, causal, on top of any cached prefix) and decode (absorbed, over the
+    paged latent cache). The model does the projections and calls
+    `forward_from_latent`, whose default runs the latent norm and RoPE through
+    the backend's small ops and then `forward`; a backend may fuse them.
+    """
+
+    def __init__(self, spec: MLASpec):
+        self.spec = spec
+
+    @abstractmethod
+    def load_kv_b_proj(self, weight: torch.Tensor) -> None:
+        """kv_b_proj as dense [H * (qk_nope + v), kv_lora_rank]; split / absorb it here."""
+
+    def split_kv_b_proj(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check kv_b_proj's shape; (W_UK [H, qk_nope, L], W_UV [H, v, L]) as views of `weight`."""
+        s = self.spec
+        expect = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        if tuple(weight.shape) != expect:
+            raise BackendError(f"kv_b_proj weight has shape {tuple(weight.shape)}, expected {expect}")
+        w = weight.detach().view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]
+
+    def check_inputs(self, q: torch.Tensor, kv_cache, loaded: bool) -> None:
+        """Shape checks every implementation shares; raises BackendError naming the mismatch.
+        kv_cache: one tensor, or a tuple of parts (a split layout) whose widths add up to the entry."""
+        s = self.spec
+        if not loaded:
+            raise BackendError("MLA forward before load_kv_b_proj")
+        if tuple(q.shape[1:]) != (s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim):
+            raise BackendError(f"MLA q has shape {tuple(q.shape)}, expected [T, {s.num_heads}, "
+                               f"{s.qk_nope_head_dim + s.qk_rope_head_dim}]")
+        width = sum(p.shape[-1] for p in kv_cache) if isinstance(kv_cache, (tuple, list)) else kv_cache.shape[-1]
+        if width != s.cache_entry_dim:
+            raise BackendError(f"MLA cache entries are {width} wide, expected {s.cache_entry_dim}")
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, qk_nope + qk_rope], RoPE applied
+        kv_c: torch.Tensor,  # [T, kv_lora_rank], normed
+        k_pe: torch.Tensor,  # [T, qk_rope], RoPE applied
+        kv_cache,  # the layer's cache in the backend's layout (default: [num_blocks, block_size, L + R])
+        batch: "ForwardBatch",
+        group: str,  # this layer's KV group: its key in batch.block_tables / slot_mapping
+    ) -> torch.Tensor:  # [T, H * v_head_dim]
+        ...
+
+    def forward_from_latent(
+        self,
+        q: torch.Tensor,  # [T, H, qk_nope + qk_rope], RoPE NOT applied; an override may rotate it in place
+        kv_a: torch.Tensor,  # [T, kv_lora_rank + qk_rope]: kv_a_proj_with_mqa output, before norm / RoPE
+        kv_norm_weight: torch.Tensor,  # [kv_lora_rank] (kv_a_layernorm)
+        eps: float,
+        positions: torch.Tensor,  # [T] int64
+        rope_cache: torch.Tensor,  # [max_pos, qk_rope] fp32: cos in [:R/2], sin in [R/2:]
+        interleaved: bool,
+        kv_cache: torch.Tensor,
+        batch: "ForwardBatch",
+        group: str,
+        ops: "Backend",  # whose rms_norm / rotary_embedding this default composes
+    ) -> torch.Tensor:  # [T, H * v_head_dim]
+        """The layer from the projections: kv_a RMSNorm, RoPE on q_pe / k_pe, then `forward`.
+
+        This default composes the backend's small ops as the model always did. A backend
+        overrides it to fuse norm + RoPE + KV write into one kernel, keeping these rounding
+        points (norm and RoPE in fp32, each rounded to the input dtype).
+        """
+        s = self.spec
+        t = q.shape[0]
+        kv_c, k_pe = kv_a.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        kv_c = ops.rms_norm(kv_c.contiguous(), kv_norm_weight, eps)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = ops.rotary_embedding(
+            positions, q_pe.contiguous(), k_pe.contiguous().view(t, 1, s.qk_rope_head_dim), rope_cache, interleaved
+        )
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return self.forward(q, kv_c, k_pe.reshape(t, s.qk_rope_head_dim), kv_cache, batch, group)
+
+
+class MoEOp(ABC):
+    """Routed experts: route -> dispatch -> experts (SwiGLU) -> weighted combine."""
+
+    def __init__(self, spec: MoESpec):
+        self.spec = spec
+
+    @abstractmethod
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """w13 [E, 2*I, D] (gate rows then up rows), w2 [E, D, I], dense in compute dtype."""
+
+    def check_expert_shapes(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Raise BackendError unless w13 / w2 have the shapes load_experts documents."""
+        e, d, i = self.spec.router.num_experts, self.spec.hidden_size, self.spec.intermediate_size
+        if tuple(w13.shape) != (e, 2 * i, d):
+            raise BackendError(f"MoE w13 has shape {tuple(w13.shape)}, expected {(e, 2 * i, d)}")
+        if tuple(w2.shape) != (e, d, i):
+            raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
+
+    def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits [T, E] = x [T, D] (activation dtype) @ gate_weight [E, D] (fp32)^T, in fp32 as
+        the reference gate; an op may skip the fp32 copy of x (the default makes it)."""
+        return torch.nn.functional.linear(x.float(), gate_weight.float())
+
+    def forward_hidden(
+        self,
+        x: torch.Tensor,  # [T, D]
+        gate_weight: torch.Tensor,  # [E, D] fp32 router gate
+        correction_bias: torch.Tensor | None = None,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """forward() from the hidden states, so an op may fuse the router GEMV with the top-k; the
+        default computes router_logits, then forward."""
+        return self.forward(x, self.router_logits(x, gate_weight), correction_bias, shared_experts=shared_experts)
+
+    def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """Offer the dense weights of the shared-experts MLP that `forward`'s `shared_experts` computes:
+        gate_up [2*S*I, D] (S*I gate rows, then S*I up rows), down [D, S*I], S = n_shared_experts.
+
+        An op may then run that MLP as S more experts of width I (weight 1.0) inside its routed
+        GEMMs at small batches (sum of their outputs == the MLP). Returns whether it kept them;
+        the default keeps nothing and calls `shared_experts` instead.
+        """
+        return False
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        router_logits: torch.Tensor,  # [T, E] fp32
+        correction_bias: torch.Tensor | None = None,  # [E], used for selection only
+        token_ids: torch.Tensor | None = None,  # [T], for hash routing
+        tid2eid: torch.Tensor | None = None,  # [vocab, top_k], for hash routing
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,  # x -> [T, D], added (weight 1.0)
+    ) -> torch.Tensor:  # [T, D]: routed experts (scaled by routed_scaling_factor) + shared_experts(x) if given
+        ...
+
+
+class V4AttentionOp(ABC):
+    """One DeepSeek-V4 attention layer from projected, RoPE'd q / kv to the per-head output.
+
+    Owns the cache layout and writes (sliding-window keys, compressed entries,
+    indexer keys, per-sequence compressor state), the compressors, the indexer
+    top-k and the attention with per-head sinks. The model does the projections,
+    norms, RoPE on q / kv, the inverse RoPE on the output and the output projection.
+    """
+
+    def __init__(self, spec: V4AttentionSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """fp32 tensors: "sinks" [H]; with a compressor also "rope_inv_freq" [R/2],
+        "compressor.position_bias" [m, C*D], "compressor.norm_weight" [D]; CSA also
+        "indexer.position_bias" [m, 2*Di], "indexer.norm_weight" [Di]."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D], RoPE applied
+        kv: torch.Tensor,  # [T, D], normed, RoPE applied (shared key and value)
+        caches: "KVCaches",
+        layer_id: int,
+        batch: "ForwardBatch",
+        comp_kv: torch.Tensor | None = None,  # [T, C*D] compressor kv projection (C = 2 for CSA)
+        comp_gate: torch.Tensor | None = None,  # [T, C*D]
+        index_q: torch.Tensor | None = None,  # [T, Hi, Di], RoPE applied
+        index_weights: torch.Tensor | None = None,  # [T, Hi], scaled by Hi^-0.5
+        index_kv: torch.Tensor | None = None,  # [T, 2*Di]
+        index_gate: torch.Tensor | None = None,  # [T, 2*Di]
+    ) -> torch.Tensor:  # [T, H, D], before the inverse RoPE
+        ...

@@ -1,0 +1,123 @@
+"""Backend registry: discovers plugins once, probes them, and resolves `--device`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import pluggy
+
+from deepinfer.backend.base import Backend
+from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, BackendHookSpecs, BackendInfo
+from deepinfer.errors import BackendError
+
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+@dataclass
+class ProbedBackend:
+    info: BackendInfo
+    reasons: list[str]  # why it is unavailable here; empty = available
+
+    @property
+    def available(self) -> bool:
+        return not self.reasons
+
+
+class BackendRegistry:
+    """All registered backends. Built once; no pluggy call happens after start-up."""
+
+    def __init__(self, extra_plugins: list[object] | None = None, load_entry_points: bool = True):
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(BackendHookSpecs)
+        if load_entry_points:
+            self._pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for plugin in extra_plugins or []:
+            self._pm.register(plugin)
+        self._infos: dict[str, BackendInfo] = {}
+        self._pm.hook.deepinfer_register_backends(register=self._register)
+        self._probed: dict[str, ProbedBackend] = {}
+
+    def _register(self, info: BackendInfo) -> None:
+        if info.name in self._infos:
+            raise BackendError(f"backend {info.name!r} is registered twice")
+        if info.name in ("auto",):
+            raise BackendError("'auto' is reserved and cannot name a backend")
+        self._infos[info.name] = info
+
+    def names(self) -> list[str]:
+        return sorted(self._infos)
+
+    def probe(self, name: str) -> ProbedBackend:
+        if name not in self._probed:
+            info = self._infos[name]
+            try:
+                reasons = list(info.probe())
+            except Exception as exc:  # a broken probe makes its backend unavailable, not the engine
+                reasons = [f"probe failed: {type(exc).__name__}: {exc}"]
+            self._probed[name] = ProbedBackend(info, reasons)
+        return self._probed[name]
+
+    def probe_all(self) -> list[ProbedBackend]:
+        return [self.probe(n) for n in self.names()]
+
+    def _describe(self) -> str:
+        lines = []
+        for p in self.probe_all():
+            state = "available" if p.available else "unavailable: " + "; ".join(p.reasons)
+            lines.append(f"  {p.info.name} (device {p.info.device_type}): {state}")
+        return "\n".join(lines) or "  (no backends registered)"
+
+    def resolve(self, device: str) -> BackendInfo:
+        """Map auto | cpu | cuda | npu | <backend name> to one available backend, or explain why not."""
+        device = (device or "auto").strip().lower()
+        if device in self._infos:
+            candidates = [self._infos[device]]
+        elif device == "auto":
+            candidates = list(self._infos.values())
+        elif device in DEVICE_TYPES:
+            candidates = [i for i in self._infos.values() if i.device_type == device]
+        else:
+            raise BackendError(
+                f"unknown device {device!r}: choose auto, {', '.join(DEVICE_TYPES)} or a backend name.\n"
+                f"Registered backends:\n{self._describe()}"
+            )
+        available = [i for i in candidates if self.probe(i.name).available]
+        if not available:
+            raise BackendError(f"no available backend for device {device!r}.\nRegistered backends:\n{self._describe()}")
+        return max(available, key=lambda i: (i.priority, i.name))
+
+    def create(self, device: str, **kwargs) -> Backend:
+        info = self.resolve(device)
+        cls = load_backend_class(info)
+        return cls(**kwargs)
+
+
+def load_backend_class(info: BackendInfo) -> type[Backend]:
+    module_name, _, attr = info.backend_class.partition(":")
+    try:
+        module: ModuleType = importlib.import_module(module_name)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise BackendError(f"backend {info.name!r}: cannot load {info.backend_class}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendError(f"backend {info.name!r}: {info.backend_class} is not a deepinfer Backend subclass")
+    return cls
+
+
+_default: BackendRegistry | None = None
+
+
+def default_registry() -> BackendRegistry:
+    """The process-wide registry from installed entry points (built once)."""
+    global _default
+    if _default is None:
+        _default = BackendRegistry()
+    return _default
+
+
+def requested_device(explicit: str | None) -> str:
+    """EngineConfig.device / --device win over DEEPINFER_DEVICE; default auto."""
+    return explicit or os.environ.get("DEEPINFER_DEVICE") or "auto"

@@ -1,1 +1,0 @@
-"""Device-agnostic core: backend contract, KV cache, scheduler, sampler, runner, native ops."""

@@ -1,0 +1,378 @@
+"""DeepInferenceEngine (alias LLM): the public Python API, offline (generate / chat) and streaming
+(add_request / step / abort_request) for the server.
+
+Start-up order names problems early: config and env -> config.json and model_type -> backend
+and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.startup import (
+    check_backend,
+    checkpoint_quantization,
+    dtype_name,
+    freeze_startup_objects,
+    generation_eos_ids,
+    kv_budget_bytes,
+    resolve_dtype,
+    use_async_scheduling,
+)
+from deepinfer.engine.stats import EngineStats
+from deepinfer.text.inputs import params_list, prompt_list, prompt_token_ids
+from deepinfer.sample.penalties import params_need_penalties
+from deepinfer.sched.request import Request, Sequence
+from deepinfer.sched.step_pipeline import StepPipeline
+from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+
+def _effective(config: EngineConfig) -> EngineConfig:
+    """The settings an engine runs with: DEEPINFER_* applied, unbuilt features refused."""
+    cfg = config.with_env()
+    cfg.check_features_exist()
+    return cfg
+
+
+class DeepInferenceEngine:
+    """One model on one backend. `LLM(model=path, **config_fields)` works as well as from_config."""
+
+    def __init__(self, config: EngineConfig | str | None = None, *, model: str | None = None, **kwargs: Any):
+        if isinstance(config, EngineConfig):
+            if model is not None or kwargs:
+                raise ConfigError("pass either an EngineConfig or model=... with settings, not both")
+        else:
+            path = config if isinstance(config, str) else model
+            if path is None:
+                raise ConfigError("no model given: pass EngineConfig(model_name_or_path=...) or model=<path>")
+            try:
+                config = EngineConfig(model_name_or_path=path, **kwargs)
+            except TypeError as exc:
+                raise ConfigError(f"unknown engine setting: {exc}") from None
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "DeepInferenceEngine":
+        return cls(config)
+
+    # ------------------------------------------------------------ start-up
+
+    def _start(self, config: EngineConfig) -> None:
+        from deepinfer.backend.registry import default_registry, load_backend_class, requested_device
+        from deepinfer.text.tokenizer import Tokenizer
+        from deepinfer.models.registry import config_dtype, load_hf_config, load_model, model_class_for
+
+        cfg = _effective(config)
+        path = cfg.model_name_or_path
+
+        hf_config = load_hf_config(path)
+        model_class_for(hf_config)  # UnsupportedModelError before any device work
+        model_type = hf_config.get("model_type")
+        ckpt_quant = checkpoint_quantization(hf_config)
+        if cfg.linear_scheme() is not None and cfg.linear_scheme() != ckpt_quant:
+            raise ConfigError(
+                f"EngineConfig.quantization={cfg.quantization!r} but the checkpoint in {path} is "
+                f"{'not quantized' if ckpt_quant is None else 'quantized as ' + repr(ckpt_quant)}; "
+                "DeepInfer runs the checkpoint's own weights format: leave quantization=None"
+            )
+
+        registry = default_registry()
+        info = registry.resolve(requested_device(cfg.device))
+        backend = load_backend_class(info)()
+        dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
+        check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
+        model = load_model(path, backend, dtype, progress=cfg.load_progress)
+        self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
+
+    @classmethod
+    def from_components(cls, config: EngineConfig, model, tokenizer, backend) -> "DeepInferenceEngine":
+        """An engine around an already-built model and tokenizer (tests, embedding); same checks as from_config."""
+        self = cls.__new__(cls)
+        cfg = _effective(config)
+        check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
+        self._init_runtime(cfg, backend, model, tokenizer, set())
+        return self
+
+    def _init_runtime(self, cfg: EngineConfig, backend, model, tokenizer, eos_ids: set[int]) -> None:
+        """KV cache sizing and allocation, scheduler, runner, sampler, output processing."""
+        from deepinfer.kv.manager import KVCacheManager
+        from deepinfer.kv.planner import plan_kv_cache
+        from deepinfer.sample.sampler import Sampler
+        from deepinfer.sched.scheduler import Scheduler
+        from deepinfer.text.output_processor import OutputProcessor
+        from deepinfer.worker.model_runner import ModelRunner
+
+        self.config = cfg
+        self.backend = backend
+        self.model = model
+        block_size = cfg.block_size or backend.caps.kv_block_sizes[0]
+        max_pos = int(model.max_position_embeddings)
+        if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
+            raise ConfigError(
+                f"EngineConfig.max_model_len={cfg.max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+        self._max_model_len = cfg.max_model_len or max_pos
+        token_budget = cfg.token_budget(self._max_model_len)
+        if not cfg.enable_chunked_prefill and token_budget < self._max_model_len:
+            raise ConfigError(
+                f"EngineConfig.max_num_batched_tokens={token_budget} is below max_model_len={self._max_model_len} "
+                "with chunked prefill off: long prompts could never be scheduled"
+            )
+
+        specs = model.kv_cache_specs()
+        layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
+        plan = plan_kv_cache(
+            specs,
+            block_size,
+            cfg.max_num_seqs,
+            self._max_model_len,
+            token_budget,
+            budget_bytes=None if cfg.num_kv_blocks else kv_budget_bytes(
+                cfg, backend, model, block_size, token_budget, self._max_model_len, layouts),
+            num_kv_blocks=cfg.num_kv_blocks,
+            layouts=layouts,
+        )
+        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len)
+        too_small = kv.fits_alone(self._max_model_len, token_budget)
+        if too_small:
+            raise ConfigError(
+                f"the KV cache ({plan.capacity_tokens} tokens) cannot hold one sequence of max_model_len="
+                f"{self._max_model_len}: " + "; ".join(too_small)
+                + ". Raise kv_cache_memory_bytes / num_kv_blocks / gpu_memory_utilization or lower max_model_len"
+            )
+        self.kv = kv
+        self.kv_plan = plan
+
+        self._tokenizer = tokenizer
+        eos_ids = set(eos_ids)
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.vocab_size = int(model.vocab_size)
+        sampler = Sampler(self.vocab_size, eos_token_id=sorted(eos_ids))
+        self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler, layouts)
+        self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
+        self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
+        self.async_scheduling = use_async_scheduling(cfg, backend, kv)
+        self._pipeline = StepPipeline(self.scheduler, self.runner, self.output_processor, self.async_scheduling)
+
+        self._requests: dict[str, Request] = {}
+        self._counter = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._finished = 0
+        groups = ", ".join(f"{g}: {n} blocks" for g, n in plan.num_blocks.items())
+        quant = getattr(model, "quantization", None)
+        logger.info(
+            "DeepInfer: %s (%s%s) on backend %s in %s; KV cache %.1f MiB (%s, block size %d) holds %d tokens; "
+            "max_model_len %d, max_num_seqs %d, token budget %d, async scheduling %s",
+            cfg.model_name_or_path, getattr(model, "model_type", "?"), f", {quant}" if quant else "", backend.name,
+            dtype_name(model.dtype), plan.bytes_total / 2**20, groups, block_size, plan.capacity_tokens,
+            self._max_model_len, cfg.max_num_seqs, token_budget, "on" if self.async_scheduling else "off",
+        )
+        freeze_startup_objects()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name_or_path
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def dtype(self):
+        """The compute dtype the model runs in (what dtype="auto" resolved to)."""
+        return self.model.dtype
+
+    # ------------------------------------------------------------ streaming API
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return prompt_token_ids(prompt, self._tokenizer, self.vocab_size, self._max_model_len)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises InvalidRequestError / PromptTooLongError before anything is queued."""
+        from deepinfer.sample.rng import derive_seed
+
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}", param="request_id")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        params.validate()
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported yet: leave it unset", param="prompt_logprobs")
+        text, ids = self._prompt_ids(prompt)
+        self._counter += 1
+        base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
+        req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+                      needs_host_tokens=params_need_penalties(params))
+        for i in range(params.n):
+            seq = Sequence(seq_id=f"{request_id}#{i}", request=req, index=i, seed=derive_seed(base, i))
+            self.output_processor.init_seq(seq)
+            req.seqs.append(seq)
+        self._requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; an output for every request that got a token (cumulative)."""
+        return self._step(all_outputs=True)
+
+    def _step(self, all_outputs: bool) -> list[RequestOutput]:
+        """One batch. all_outputs=False builds outputs only for requests that finished (generate()
+        reads nothing else), so a long offline run does not copy every sequence's tokens each step.
+        With async scheduling the outputs are those of the step launched by the previous call
+        (sched/step_pipeline.py)."""
+        seqs = self._pipeline.step()
+        if not seqs:
+            return []
+        now = time.monotonic()
+        progressed: dict[str, Request] = {}
+        for seq in seqs:
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self._prompt_tokens += len(req.prompt_token_ids)
+            progressed[req.request_id] = req
+        self._gen_tokens += len(seqs)
+        outputs = []
+        make_output = self.output_processor.make_output
+        for rid, req in progressed.items():
+            finished = req.finished
+            if finished:
+                req.finished_time = now
+                del self._requests[rid]
+                self._finished += 1
+            if finished or all_outputs:
+                outputs.append(make_output(req))
+        return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks now; unknown or finished ids are ignored.
+
+        Returns the request's last state with finish_reason "abort" (None for unknown ids).
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.output_processor.abort(seq)
+            self.scheduler.remove(seq)
+        return self.output_processor.make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is unfinished or a step is still in flight (async scheduling:
+        the next step() resolves it)."""
+        return bool(self._requests) or self._pipeline.has_pending()
+
+    def stats(self) -> EngineStats:
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting}
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            kv_blocks_used=self.kv.num_blocks_used,
+            kv_blocks_total=self.kv.num_blocks_total,
+            kv_usage=self.kv.usage(),
+            kv_capacity_tokens=self.kv_plan.capacity_tokens,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._gen_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_finished=self._finished,
+            num_state_slots_used=self.kv.slots.num_used,
+            num_sync_fallbacks=self._pipeline.num_sync_fallbacks,
+            kv_blocks_by_group=self.kv.usage_by_group(),
+        )
+
+    # ------------------------------------------------------------ offline API
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        **sampling_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        prompts = prompt_list(prompts)
+        if self._requests:
+            raise DeepInferError(
+                f"generate() cannot run while {len(self._requests)} requests from add_request are unfinished: "
+                "their outputs come from step(); finish or abort them first"
+            )
+        all_params = params_list(sampling_params, sampling_kwargs, len(prompts))
+        prepared = [self._prompt_ids(p) for p in prompts]  # validate all before queuing any
+        ids = []
+        try:
+            for (text, tok), params in zip(prepared, all_params):
+                rid = f"gen-{self._counter + 1}"
+                while rid in self._requests:
+                    self._counter += 1
+                    rid = f"gen-{self._counter + 1}"
+                self.add_request(rid, tok, params)
+                self._requests[rid].prompt = text
+                ids.append(rid)
+            return self._run_to_completion(ids, use_tqdm)
+        finally:
+            for rid in ids:
+                self.abort_request(rid)  # no-op for finished ones; cleans up after an exception
+
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while pending:
+                for out in self._step(all_outputs=False):
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if pending and not self.scheduler.has_unfinished():
+                    raise DeepInferError(f"requests {sorted(pending)} vanished without finishing")
+        if not self._requests:
+            self._pipeline.drain()  # a step launched for sequences that finished meanwhile: nothing to output
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **sampling_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template, then generate."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self._tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **sampling_kwargs)
+
+
+LLM = DeepInferenceEngine

@@ -1,0 +1,149 @@
+"""Start-up decisions of the engine: dtype, backend capability check, KV budget, checkpoint facts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.errors import BackendError, ModelLoadError
+
+logger = logging.getLogger("deepinfer")
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def checkpoint_quantization(hf_config: dict) -> str | None:
+    """The linear scheme of the checkpoint's weights ("fp8_block"), another method's name, or None."""
+    q = hf_config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = q.get("quant_method")
+    return "fp8_block" if method == "fp8" else (str(method) if method is not None else None)
+
+
+def generation_eos_ids(path: str) -> set[int]:
+    """eos_token_id(s) of generation_config.json; the file is optional, a broken one is an error."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return set()
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file} cannot be read as JSON: {exc}") from exc
+    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    if eos is None:
+        return set()
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise ModelLoadError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return set(ids)
+
+
+def resolve_dtype(cfg: EngineConfig, ckpt_dtype: torch.dtype | None, backend) -> torch.dtype:
+    """dtype "auto": float32 on the CPU backend, else the checkpoint's dtype if supported, else the backend's first."""
+    explicit = cfg.torch_dtype()
+    if explicit is not None:
+        return explicit
+    caps = backend.caps
+    if caps.device_type == "cpu" and torch.float32 in caps.dtypes:
+        chosen, why = torch.float32, "the CPU backend computes in float32 by default"
+    elif ckpt_dtype is not None and ckpt_dtype in caps.dtypes:
+        chosen, why = ckpt_dtype, "the checkpoint's dtype"
+    else:
+        chosen, why = caps.dtypes[0], f"backend {backend.name!r}'s preferred dtype"
+    ckpt = dtype_name(ckpt_dtype) if ckpt_dtype is not None else "unstated"
+    logger.info("dtype auto -> %s (%s; checkpoint dtype %s)", dtype_name(chosen), why, ckpt)
+    return chosen
+
+
+def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -> None:
+    """BackendError listing every reason the backend cannot serve this configuration."""
+    from deepinfer.backend import FeatureRequest
+
+    reasons = backend.caps.unsupported(
+        FeatureRequest(
+            dtype=dtype,
+            quantization=quantization,
+            model_type=model_type,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            batch_invariant=cfg.batch_invariant,
+            kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
+        )
+    )
+    if reasons:
+        raise BackendError(f"backend {backend.name!r} cannot run this configuration:\n  - " + "\n  - ".join(reasons))
+
+
+def kv_budget_bytes(cfg: EngineConfig, backend, model, block_size: int, token_budget: int, max_model_len: int,
+                    layouts=None) -> int:
+    """Bytes the KV cache may take: explicit, the CPU default, or what the device has left.
+
+    On a device that reports memory, one profiling forward of the full token budget runs
+    first, so free memory already excludes weights and the activation peak; the cache gets
+    free - (1 - gpu_memory_utilization) * total.
+    """
+    if cfg.kv_cache_memory_bytes is not None:
+        return cfg.kv_cache_memory_bytes
+    if backend.caps.device_type == "cpu":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    from deepinfer.worker.profile_run import profile_forward
+
+    profile_forward(model, block_size, token_budget, max_model_len, cfg.max_num_seqs, backend.device, layouts)
+    backend.synchronize()
+    free, total = backend.memory_info()
+    budget = int(free - (1.0 - cfg.gpu_memory_utilization) * total)
+    if budget <= 0:
+        raise BackendError(
+            f"no device memory left for the KV cache: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB "
+            f"after loading the model and a profiling forward, gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        )
+    return budget
+
+
+def use_async_scheduling(cfg: EngineConfig, backend, kv) -> bool:
+    """Whether engine steps overlap the host's work with the device (sched/step_pipeline.py).
+
+    None (the default) = on where the device runs asynchronously to the host (an accelerator
+    with a stream), off on the CPU, where the forward runs inside the host's call and there is
+    nothing to overlap. Models with per-sequence state (V4's compressor rows) always run sync:
+    their state rows are reset and read on the host's schedule, and the pending-token path is
+    not proven for them. True on the CPU is allowed (tests check async == sync there).
+    """
+    want = cfg.async_scheduling
+    if want is None:
+        want = backend.device.type != "cpu"
+    if want and kv.uses_state:
+        if cfg.async_scheduling:
+            logger.info("async scheduling is off: this model keeps per-sequence state (V4); steps run sync")
+        return False
+    return bool(want)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (model, tokenizer, caches) out of the cyclic GC's view.
+
+    Python's generational GC otherwise re-scans these long-lived objects in its gen-2
+    collections, triggered by the many small objects each step allocates (vLLM does the same).
+    Objects are still freed by reference counting; only cycles among them are never collected.
+    At exit they are unfrozen, so the interpreter's final collection still sees them (nanobind
+    extensions such as Triton's report frozen objects as leaks otherwise).
+    """
+    import atexit
+    import gc
+
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False

@@ -1,0 +1,258 @@
+"""Paged KV cache bookkeeping across several KV groups (V3: one group; V4: a hybrid of several).
+
+Each KVCacheSpec group gets its own BlockPool and each sequence a block table
+per group. How many blocks a sequence needs follows from the spec alone:
+  - full groups: ceil(entries / block_size), entries = tokens // tokens_per_entry
+    (tokens_per_entry = 1 for ordinary attention, m for compressed groups);
+  - sliding-window groups: the same table, but blocks wholly older than
+    first_live_entry() go back to the pool and their table entries become -1;
+  - groups with state_shape: one row of a slot pool of max_num_seqs rows per
+    sequence (one row index shared by every such group).
+Admission needs every group to fit, so accounting never drifts between groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from deepinfer.backend import KVCacheSpec
+from deepinfer.kv.block_pool import BlockPool, SlotPool
+from deepinfer.kv.planner import window_blocks_per_seq
+from deepinfer.errors import DeepInferError
+
+
+class KVUser(Protocol):
+    """What the manager needs to know about a sequence."""
+
+    seq_id: str
+    num_computed_tokens: int
+
+
+@dataclass
+class SeqBlocks:
+    """What the manager holds for one sequence; its block ids live in the manager's block_tables."""
+
+    row: int  # its row in block_tables and in the per-sequence state pools
+    num_blocks: dict[str, int]  # table entries per group (freed window entries count: they are -1)
+    trimmed: dict[str, int]  # leading table entries already returned to the pool (sliding groups)
+    num_tokens: int = 0  # tokens the tables cover
+    room: int = 0  # most tokens the tables hold before any group needs another block
+
+
+class KVCacheManager:
+    """Block tables and pools for all KV groups of one model.
+
+    Each sequence holding blocks also holds a row (0..max_num_seqs-1): its index into the
+    per-sequence state pools and into `block_tables`, one [max_num_seqs, width] int32 host
+    tensor per group that is the only record of which blocks a sequence holds (-1: none / freed).
+    A step's tables are one gather of its rows; single entries are read and written through a
+    numpy view of the same memory (cheap scalar access, no second copy to keep in sync).
+    """
+
+    def __init__(
+        self,
+        specs: list[KVCacheSpec],
+        num_blocks: dict[str, int],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise DeepInferError(f"KV group names must be unique, got {names}")
+        self.specs = list(specs)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.pools = {s.name: BlockPool(num_blocks[s.name], s.name) for s in specs}
+        self.slots = SlotPool(max_num_seqs, "rows")
+        self.uses_state = any(s.state_shape for s in specs)
+        self._has_windows = any(s.sliding_window is not None for s in specs)
+        self.block_tables = {
+            s.name: torch.full((max_num_seqs, max(1, self.table_len(s, max_model_len))), -1, dtype=torch.int32)
+            for s in specs
+        }
+        self._np = {name: t.numpy() for name, t in self.block_tables.items()}
+        self._seqs: dict[str, SeqBlocks] = {}
+        # table entries written since the last take_table_changes(): group -> [(row, start, end)]
+        self._changes: dict[str, list[tuple[int, int, int]]] = {s.name: [] for s in specs}
+
+    # ------------------------------------------------------------ sizes
+
+    def table_len(self, spec: KVCacheSpec, num_tokens: int) -> int:
+        """Table entries needed once num_tokens tokens are cached."""
+        return -(-(num_tokens // spec.tokens_per_entry) // self.block_size)
+
+    def dead_blocks(self, spec: KVCacheSpec, num_tokens: int) -> int:
+        """Leading table entries no longer read when the next token is at position num_tokens."""
+        if spec.sliding_window is None:
+            return 0
+        return spec.first_live_entry(num_tokens) // self.block_size
+
+    def fits_alone(self, num_tokens: int, chunk_tokens: int) -> list[str]:
+        """Reasons a single sequence of num_tokens (computed in chunks of chunk_tokens) cannot fit."""
+        reasons = []
+        for s in self.specs:
+            if s.sliding_window is None:
+                need = self.table_len(s, num_tokens)
+            else:
+                need = min(self.table_len(s, num_tokens), window_blocks_per_seq(s, self.block_size, chunk_tokens))
+            if need > self.pools[s.name].num_blocks:
+                reasons.append(f"group {s.name!r} needs {need} blocks, has {self.pools[s.name].num_blocks}")
+        return reasons
+
+    # ------------------------------------------------------------ per sequence
+
+    def _new_blocks(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int]:
+        """Blocks each group must add (new minus window blocks freed first)."""
+        out = {}
+        for s in self.specs:
+            held = sb.num_blocks[s.name] if sb else 0
+            new = max(0, self.table_len(s, total) - held)
+            if s.sliding_window is not None and sb is not None:
+                dead = min(self.dead_blocks(s, ctx), held)
+                new -= int((self._np[s.name][sb.row, sb.trimmed[s.name] : dead] >= 0).sum())
+            out[s.name] = new
+        return out
+
+    def _needs(self, sb: SeqBlocks | None, ctx: int, total: int) -> dict[str, int] | None:
+        """Blocks each group must add; None if some pool (or the row pool) is short."""
+        out = self._new_blocks(sb, ctx, total)
+        if not self.fits(out) or (sb is None and self.slots.num_free < 1):
+            return None
+        return out
+
+    def fits(self, need: dict[str, int]) -> bool:
+        """Whether every group has `need[group]` free blocks."""
+        return all(n <= self.pools[g].num_free for g, n in need.items())
+
+    def blocks_needed(self, seq: KVUser, num_new_tokens: int) -> dict[str, int]:
+        """Blocks per group the next num_new_tokens of seq take (net of window blocks it frees);
+        {} on the decode fast path. The scheduler sums these to see whether a step must preempt."""
+        ctx = seq.num_computed_tokens
+        sb = self._seqs.get(seq.seq_id)
+        if sb is not None and not self._has_windows and ctx + num_new_tokens <= sb.room:
+            return {}
+        return self._new_blocks(sb, ctx, ctx + num_new_tokens)
+
+    def can_allocate(self, seq: KVUser, num_new_tokens: int) -> bool:
+        """Whether every group (and the row pool) can take this sequence's next tokens."""
+        ctx = seq.num_computed_tokens
+        return self._needs(self._seqs.get(seq.seq_id), ctx, ctx + num_new_tokens) is not None
+
+    def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
+        """The decode fast path: cover the next tokens when no group needs a block or frees one.
+
+        True when done (what allocate would do); False when allocate must run (new blocks, a
+        window to trim, or a sequence holding nothing yet). Costs O(1), not O(groups).
+        """
+        if self._has_windows:
+            return False
+        sb = self._seqs.get(seq.seq_id)
+        total = seq.num_computed_tokens + num_new_tokens
+        if sb is None or total > sb.room or total > self.max_model_len:
+            return False
+        if total > sb.num_tokens:
+            sb.num_tokens = total
+        return True
+
+    def allocate(self, seq: KVUser, num_new_tokens: int) -> None:
+        """Grow the tables to cover num_computed_tokens + num_new_tokens; frees dead window blocks first."""
+        ctx = seq.num_computed_tokens
+        total = ctx + num_new_tokens
+        sb = self._seqs.get(seq.seq_id)
+        if self._needs(sb, ctx, total) is None:
+            raise DeepInferError(f"KV cache cannot take {num_new_tokens} tokens of {seq.seq_id!r}: check can_allocate first")
+        if total > self.max_model_len:
+            raise DeepInferError(f"{seq.seq_id!r} would hold {total} tokens, beyond max_model_len={self.max_model_len}")
+        if sb is None:
+            sb = SeqBlocks(row=self.slots.allocate(1)[0], num_blocks={s.name: 0 for s in self.specs},
+                           trimmed={s.name: 0 for s in self.specs})
+            self._seqs[seq.seq_id] = sb
+        self._trim(sb, ctx)
+        for s in self.specs:
+            held = sb.num_blocks[s.name]
+            new = self.table_len(s, total) - held
+            if new > 0:
+                self._np[s.name][sb.row, held : held + new] = self.pools[s.name].allocate(new)
+                sb.num_blocks[s.name] = held + new
+                self._changes[s.name].append((sb.row, held, held + new))
+        sb.num_tokens = max(sb.num_tokens, total)
+        # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
+        sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)
+
+    def trim(self, seq: KVUser) -> None:
+        """Return sliding-window blocks no longer read once num_computed_tokens tokens are cached."""
+        if not self._has_windows:
+            return
+        sb = self._seqs.get(seq.seq_id)
+        if sb is not None:
+            self._trim(sb, seq.num_computed_tokens)
+
+    def _trim(self, sb: SeqBlocks, num_tokens: int) -> None:
+        for s in self.specs:
+            if s.sliding_window is None:
+                continue
+            first, dead = sb.trimmed[s.name], min(self.dead_blocks(s, num_tokens), sb.num_blocks[s.name])
+            if dead > first:
+                entries = self._np[s.name][sb.row, first:dead]
+                self.pools[s.name].free(entries[entries >= 0].tolist())
+                entries[:] = -1
+                sb.trimmed[s.name] = dead
+                self._changes[s.name].append((sb.row, first, dead))
+
+    def free(self, seq: KVUser | str) -> None:
+        """Return every block and the row of a sequence (finish, abort or preemption)."""
+        seq_id = seq if isinstance(seq, str) else seq.seq_id
+        sb = self._seqs.pop(seq_id, None)
+        if sb is None:
+            return
+        for s in self.specs:
+            n = sb.num_blocks[s.name]
+            entries = self._np[s.name][sb.row, :n]
+            self.pools[s.name].free(entries.tolist())
+            entries[:] = -1
+            if n:
+                self._changes[s.name].append((sb.row, 0, n))
+        self.slots.free([sb.row])
+
+    def take_table_changes(self) -> dict[str, list[tuple[int, int, int]]]:
+        """The (row, start, end) ranges of block_tables written since the last call, per group; a copy of
+        the tables elsewhere (the device mirror the batch builder keeps) applies them to stay equal."""
+        out = {g: c for g, c in self._changes.items() if c}
+        for g in out:
+            self._changes[g] = []
+        return out
+
+    def block_table(self, seq_id: str, group: str) -> list[int]:
+        """The sequence's block ids in `group`, in order (-1 where a window block was returned)."""
+        sb = self._seqs[seq_id]
+        return self._np[group][sb.row, : sb.num_blocks[group]].tolist()
+
+    def state_slot(self, seq_id: str) -> int:
+        """The sequence's row: in the state pools and in `block_tables`; -1 when it holds nothing."""
+        sb = self._seqs.get(seq_id)
+        return -1 if sb is None else sb.row
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    # ------------------------------------------------------------ accounting
+
+    @property
+    def num_blocks_total(self) -> int:
+        return sum(p.num_blocks for p in self.pools.values())
+
+    @property
+    def num_blocks_used(self) -> int:
+        return sum(p.num_used for p in self.pools.values())
+
+    def usage(self) -> float:
+        """Fraction used of the fullest group: the one that limits admission."""
+        fracs = [p.num_used / p.num_blocks for p in self.pools.values() if p.num_blocks]
+        return max(fracs, default=0.0)
+
+    def usage_by_group(self) -> dict[str, tuple[int, int]]:
+        return {name: (p.num_used, p.num_blocks) for name, p in self.pools.items()}

@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek V2/V3): the projections here; the backend's MLA op takes q and
+the kv_a projection from there (latent norm, RoPE, KV-cache write, prefill / decode attention over the
+paged latent cache), so a backend can fuse the small pre-attention ops into one kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLASpec
+from deepinfer.backend.native.rope import mla_softmax_scale
+from deepinfer.models.deepseek_v3.config import DeepseekConfig
+from deepinfer.models.layers.linear import Linear, Loader, MergedLinear
+from deepinfer.models.weights import tensor_loader
+
+MLA_GROUP = "mla"
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, backend: Backend, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        self.dtype = dtype
+        self.num_heads = H = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_nope = cfg.qk_nope_head_dim
+        self.qk_rope = cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.interleaved = cfg.rope_interleave
+        D, qk = cfg.hidden_size, cfg.qk_head_dim
+        quant = cfg.quantization == "fp8_block"
+        bias = cfg.attention_bias
+        kv_a_out = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is not None:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul
+            self.qkv_a_proj = MergedLinear(D, [cfg.q_lora_rank, kv_a_out], backend, dtype, biases=[bias, bias],
+                                           quantized=quant)
+            self.q_a_layernorm: torch.Tensor | None = None
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, backend, dtype, quantized=quant)
+        else:
+            # q_proj (no bias, as in HF) and kv_a_proj_with_mqa read the same input: one matmul
+            self.q_kv_a_proj = MergedLinear(D, [H * qk, kv_a_out], backend, dtype, biases=[False, bias],
+                                            quantized=quant)
+        self.kv_a_layernorm: torch.Tensor | None = None
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), backend, dtype,
+                                quantized=quant)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, backend, dtype, bias=bias, quantized=quant)
+        self.spec = MLASpec(
+            num_heads=H,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            kv_lora_rank=cfg.kv_lora_rank,
+            softmax_scale=mla_softmax_scale(qk, cfg.rope_scaling),
+        )
+        self.attn = backend.make_mla_attention(self.spec)
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        dev = self.backend.device
+        out: dict[str, Loader] = {}
+        if self.q_lora_rank is not None:
+            out.update(self.qkv_a_proj.loaders([f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]))
+            name = f"{prefix}.q_a_layernorm.weight"
+            out[name] = tensor_loader(self, "q_a_layernorm", name, (self.q_lora_rank,), self.dtype, dev)
+            out.update(self.q_b_proj.loaders(f"{prefix}.q_b_proj"))
+        else:
+            out.update(self.q_kv_a_proj.loaders([f"{prefix}.q_proj", f"{prefix}.kv_a_proj_with_mqa"]))
+        name = f"{prefix}.kv_a_layernorm.weight"
+        out[name] = tensor_loader(self, "kv_a_layernorm", name, (self.kv_lora_rank,), self.dtype, dev)
+        out.update(self.kv_b_proj.loaders(f"{prefix}.kv_b_proj"))
+        out.update(self.o_proj.loaders(f"{prefix}.o_proj"))
+        return out
+
+    def finalize(self) -> None:
+        if self.q_lora_rank is not None:
+            self.qkv_a_proj.finalize()
+            self.q_b_proj.finalize()
+        else:
+            self.q_kv_a_proj.finalize()
+        self.o_proj.finalize()
+        # the op splits / absorbs kv_b_proj itself; it only needs the dense weight once
+        self.attn.load_kv_b_proj(self.kv_b_proj.dense())
+        self.kv_b_proj = None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
+        caches: KVCaches,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        kv_a_out = self.kv_lora_rank + self.qk_rope
+        if self.q_lora_rank is not None:
+            q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, kv_a_out], dim=-1)
+            q_a = self.backend.rms_norm(q_a, self.q_a_layernorm, LORA_NORM_EPS)  # strided rows: no copy
+            q = self.q_b_proj(q_a)
+        else:
+            q, kv_a = self.q_kv_a_proj(x).split([self.num_heads * (self.qk_nope + self.qk_rope), kv_a_out], dim=-1)
+        q = q.view(T, self.num_heads, self.qk_nope + self.qk_rope)
+        # kv_a norm, RoPE on q_pe / k_pe and the KV write: one fused kernel where the backend has one
+        out = self.attn.forward_from_latent(
+            q, kv_a, self.kv_a_layernorm, LORA_NORM_EPS, positions, rope_cache, self.interleaved,
+            caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend,
+        )
+        return self.o_proj(out)

@@ -1,0 +1,58 @@
+"""SwiGLU MLP: the dense layers' MLP and the MoE layers' shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.backend import Backend
+from deepinfer.errors import ModelLoadError
+from deepinfer.models.layers.linear import Linear, Loader, MergedLinear
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up run as one matmul when they can be fused.
+
+    `swiglu_limit` (V4) clamps gate and up first; `names` are the checkpoint's
+    (gate, up, down) names (V4: w1, w3, w2).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, backend: Backend, dtype: torch.dtype,
+                 quantized: bool = False, swiglu_limit: float | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.backend = backend
+        self.swiglu_limit = swiglu_limit
+        self.names = names
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
+                                         quantized=quantized)
+        self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized)
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        gate, up, down = self.names
+        out = self.gate_up_proj.loaders([f"{prefix}.{gate}", f"{prefix}.{up}"])
+        out.update(self.down_proj.loaders(f"{prefix}.{down}"))
+        return out
+
+    def finalize(self) -> None:
+        self.gate_up_proj.finalize()
+        self.down_proj.finalize()
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, D]: gate rows then up rows, down [D, I]) dense in the compute dtype, after finalize.
+
+        For a MoE op that runs this MLP inside its expert GEMMs (MoEOp.fuse_shared_experts); the
+        tensors are the ones forward multiplies by (no copy) when gate and up are fused.
+        """
+        if self.swiglu_limit is not None:
+            raise ModelLoadError("dense_weights: a clamped (swiglu_limit) MLP cannot run as plain SwiGLU experts")
+        merged = self.gate_up_proj
+        if merged.fused is not None:
+            gate_up = merged.fused.dense()
+        else:
+            gate_up = torch.cat([p.dense() for p in merged.parts], dim=0)
+        return gate_up, self.down_proj.dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.backend.silu_and_mul(gate_up, self.swiglu_limit))

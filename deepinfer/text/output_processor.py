@@ -1,0 +1,119 @@
+"""Appends sampled tokens, detokenizes incrementally, applies stop conditions, builds RequestOutputs.
+
+Stop order per new token (as vLLM): EOS (unless ignore_eos) and stop_token_ids
+end the sequence with the token kept in token_ids but not in text (unless
+include_stop_str_in_output); otherwise the token's text goes through the stop
+string checker; then max_tokens and max_model_len end it with "length".
+min_tokens holds back every "stop" ending until that many tokens exist.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepinfer.sched.request import Request, Sequence, SeqStatus
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def init_seq(self, seq: Sequence) -> None:
+        from deepinfer.text.detokenizer import IncrementalDetokenizer
+        from deepinfer.text.stop_checker import StopChecker
+
+        p = seq.params
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=p.skip_special_tokens)
+        seq.stop_checker = StopChecker(list(p.stop), p.include_stop_str_in_output) if p.stop else None
+        seq.logprobs = [] if p.logprobs is not None else None
+
+    def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
+        """Add one sampled token to seq and finish it if a stop condition holds."""
+        p = seq.params
+        seq.output_token_ids.append(token_id)
+        if seq.logprobs is not None and logprobs is not None:
+            token_text = self.tokenizer.token_text
+            for lp in logprobs.values():
+                if not lp.decoded:
+                    lp.decoded = token_text(lp.token_id)
+            seq.logprobs.append(logprobs)
+        n_out = len(seq.output_token_ids)
+        can_stop = n_out >= p.min_tokens
+
+        if can_stop and not p.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(seq, "stop", None, stop_token=token_id)
+            return
+        if can_stop and token_id in p.stop_token_ids:
+            self._finish(seq, "stop", token_id, stop_token=token_id)
+            return
+
+        delta = seq.detokenizer.add(token_id)
+        if seq.stop_checker is not None and can_stop:
+            safe, matched = seq.stop_checker.feed(delta)
+            seq.text += safe
+            if matched is not None:
+                self._finish(seq, "stop", matched, flush=False)
+                return
+        else:  # before min_tokens a stop string is plain text
+            seq.text += delta
+
+        # prompt + output ids the host holds (num_tokens would count a next step still in flight)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, stop_token: int | None = None, flush: bool = True) -> None:
+        """Held-back text that never became a stop string is emitted; a matched stop string is not."""
+        if flush and seq.stop_checker is not None:
+            seq.text += seq.stop_checker.flush()
+        if stop_token is not None and seq.params.include_stop_str_in_output:
+            seq.text += seq.detokenizer.add(stop_token)
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.status = SeqStatus.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            if seq.stop_checker is not None:
+                seq.text += seq.stop_checker.flush()
+            seq.finish_reason = "abort"
+            seq.status = SeqStatus.FINISHED
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """A snapshot with cumulative text / token_ids / logprobs of every sequence.
+
+        token_ids and logprobs are copies (a consumer on another thread reads them after later
+        steps appended more); text is an immutable str; prompt_token_ids is one copy per request,
+        shared by its outputs (the engine never changes it), not a new copy every step.
+        """
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids[:],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=s.logprobs[:] if s.logprobs is not None else None,
+            )
+            for s in req.seqs
+        ]
+        finished = req.finished
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        if finished:
+            if req.finished_time is None:
+                req.finished_time = time.monotonic()
+            metrics["finished_time"] = req.finished_time
+        if req.output_prompt_token_ids is None:
+            req.output_prompt_token_ids = list(req.prompt_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.output_prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            metrics=metrics,
+        )
