@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.graph_timing import graph_ms as timed_by_graph
+from deepinfer import envs
 
 H, NOPE, ROPE, L, V, D, PAGE = 16, 128, 64, 512, 128, 2048, 64
 LAYERS = 4
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if envs.TRITON_INTERPRET.get() != "1":
             raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment")
         DEV, LAYERS = "cpu", 1
         attention_layers([1, 3], ctx=40)

@@ -30,6 +30,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from deepinfer import envs
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -196,7 +198,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint for the server started here (default: a tiny one)")
     p.add_argument("--served-model-name", default=None, help="model name to request (default: from /v1/models)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"))
+    p.add_argument("--api-key", default=envs.API_KEY.get())
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--max-tokens", type=int, default=48)

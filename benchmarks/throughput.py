@@ -29,10 +29,10 @@ import torch
 
 
 def _commit() -> str:
-    import os
+    from deepinfer import envs
 
-    if os.environ.get("DEEPINFER_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["DEEPINFER_COMMIT"]
+    if envs.COMMIT.is_set():  # the GPU machine gets a copy of the tree without .git
+        return envs.COMMIT.get()
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

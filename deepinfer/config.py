@@ -1,13 +1,16 @@
-"""EngineConfig: every engine setting, and the one place DEEPINFER_* environment variables map onto it."""
+"""EngineConfig: every engine setting, and the one place the engine's DEEPINFER_* environment variables
+(declared in deepinfer/envs.py) map onto it."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from deepinfer import envs
 from deepinfer.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -139,26 +142,24 @@ class EngineConfig:
 
     # ------------------------------------------------------------ environment
 
-    def with_env(self, environ: dict[str, str] | None = None) -> "EngineConfig":
-        """A copy with DEEPINFER_* variables applied. Explicit fields win over the environment:
-        device set here beats DEEPINFER_DEVICE; a flag turned on here stays on."""
-        env = os.environ if environ is None else environ
+    def with_env(self, environ: Mapping[str, str] | None = None) -> "EngineConfig":
+        """A copy with the engine's DEEPINFER_* variables (deepinfer/envs.py) applied, read from `environ`
+        (default os.environ). Explicit fields win over the environment: device set here beats
+        DEEPINFER_DEVICE; a flag turned on here stays on."""
         changes: dict = {}
-        device = env.get("DEEPINFER_DEVICE")
-        if device is not None:
-            if not device.strip():
-                raise ConfigError("DEEPINFER_DEVICE is empty: set auto, cpu, cuda, npu or a backend name")
-            if self.device is None:
-                changes["device"] = device.strip()
-        if _env_bool(env, "DEEPINFER_BATCH_INVARIANT"):
+        device = envs.DEVICE.get(environ)  # a blank value raises: "DEEPINFER_DEVICE is empty: ..."
+        if device is not None and self.device is None:
+            changes["device"] = device.strip()
+        if envs.BATCH_INVARIANT.get(environ):
             changes["batch_invariant"] = True
-        if _env_bool(env, "DEEPINFER_ENABLE_MTP_VARLEN"):
+        if envs.ENABLE_MTP_VARLEN.get(environ):
             changes["enable_mtp_varlen"] = True
-        raw = env.get("DEEPINFER_ASYNC_SCHEDULING")
-        if self.async_scheduling is None and raw is not None and raw.strip():
-            changes["async_scheduling"] = _env_bool(env, "DEEPINFER_ASYNC_SCHEDULING")
-        nextn = _env_int(env, "DEEPINFER_USE_NEXTN_DECODE")
-        if nextn is not None and self.use_nextn_decode == 0:
+        if self.async_scheduling is None:  # only read when the field leaves it to the environment
+            async_scheduling = envs.ASYNC_SCHEDULING.get(environ)
+            if async_scheduling is not None:
+                changes["async_scheduling"] = async_scheduling
+        nextn = envs.USE_NEXTN_DECODE.get(environ)
+        if nextn and self.use_nextn_decode == 0:
             changes["use_nextn_decode"] = nextn
         return dataclasses.replace(self, **changes) if changes else self
 
@@ -191,27 +192,3 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 4096 if self.enable_chunked_prefill else max_model_len
 
-
-def _env_bool(env, name: str) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return False
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean: use 0 or 1")
-
-
-def _env_int(env, name: str) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ConfigError(f"{name}={raw!r} must be >= 0")
-    return value

@@ -18,10 +18,12 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from deepinfer import envs  # noqa: E402
+
 # DEEPINFER_TEST_THREADS caps torch's intra-op threads (useful when several suites share a few
 # cores); unset, torch's default (one per physical core) stands.
-if os.environ.get("DEEPINFER_TEST_THREADS"):
-    torch.set_num_threads(max(1, int(os.environ["DEEPINFER_TEST_THREADS"])))
+if envs.TEST_THREADS.get() is not None:
+    torch.set_num_threads(max(1, envs.TEST_THREADS.get()))
 
 
 def pytest_collection_modifyitems(config, items):

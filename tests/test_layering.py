@@ -196,7 +196,11 @@ def model_violation(imp: Import) -> str | None:
     return None
 
 
-def backend_violation(name: str, own_backend: str) -> str | None:
+def backend_violation(name: str, own_backend: str, names: tuple[str, ...] = ()) -> str | None:
+    """names: what `from name import ...` takes (`from deepinfer import envs` is the module deepinfer.envs)."""
+    if name == "deepinfer" and names:
+        bad = [n for n in names if f"deepinfer.{n}" not in BACKEND_ALLOWED]
+        return f"deepinfer.{bad[0]} (a backend imports the contract's public face)" if bad else None
     if _under(name, "deepinfer.backends") and name.count(".") >= 2:
         other = name.split(".")[2]
         if other != own_backend:
@@ -272,13 +276,13 @@ def test_backends_never_import_each_other_and_use_the_public_face():
     files = _py_files("backends") + sorted((ROOT / "tests" / "plugins" / "toy_backend").rglob("*.py"))
     assert files
 
-    def check(path: Path, name: str):
+    def check(path: Path, imp: Import):
         if (PKG / "backends") in path.parents:
             rel = path.relative_to(PKG / "backends").parts
-            return backend_violation(name, rel[0]) if len(rel) > 1 else None
-        return backend_violation(name, "toy")  # the third-party example: the public face only
+            return backend_violation(imp.module, rel[0], imp.names) if len(rel) > 1 else None
+        return backend_violation(imp.module, "toy", imp.names)  # the third-party example: the public face only
 
-    assert _violations(files, check) == []
+    assert _violations(files, check, whole=True) == []
 
 
 def test_backends_are_reached_only_through_the_registry():
@@ -335,6 +339,8 @@ def test_checker_catches_violations():
     assert backend_violation("deepinfer.backend.native.ops", "nvidia")  # an internal path, not the face
     assert backend_violation("deepinfer.sched.request", "nvidia")
     assert backend_violation("deepinfer.backend", "nvidia") is None
+    assert backend_violation("deepinfer", "nvidia", ("envs", "errors")) is None
+    assert backend_violation("deepinfer", "nvidia", ("engine",))
     rel = [i.module for i in imports_of("from ..cpu import backend\n", "deepinfer.backends.nvidia.x")]
     assert any(backend_violation(n, "nvidia") for n in rel)
 

@@ -12,6 +12,7 @@ the three device calls: make a memory pool, capture one graph, replay one.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -159,7 +160,8 @@ class DecodeGraphRunner(GraphRunner):
         pool = self.new_pool()
         for b in sorted(self.buckets, reverse=True):  # largest first: the pool is sized once
             batch = self.static.batch(b, self.block_size)
-            self.graphs[b], self.outputs[b] = self.capture_one(lambda: self.model.forward(batch, self.caches), pool)
+            fn = functools.partial(self.model.forward, batch, self.caches)  # bound now: a graph API may call it later
+            self.graphs[b], self.outputs[b] = self.capture_one(fn, pool)
         self.finish_capture()
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 

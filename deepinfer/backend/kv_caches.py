@@ -53,6 +53,14 @@ class KVLayout:
             raise BackendError(f"KV group {spec.name!r}: cannot split a last dimension of {last} into {sizes}")
         return cls(tuple(KVPart(n, (*lead, k), spec.dtype) for n, k in zip(names, sizes)))
 
+    @classmethod
+    def split_components(cls, spec: KVCacheSpec) -> "KVLayout":
+        """One part per component the model declared for the entry (KVCacheSpec.components)."""
+        if not spec.components:
+            raise BackendError(f"KV group {spec.name!r} declares no components to split its entries into")
+        names, sizes = zip(*spec.components)
+        return cls.split_last(spec, tuple(sizes), tuple(names))
+
     def bytes_per_entry(self) -> int:
         """Bytes of one entry of one layer, over all parts."""
         return sum(p.bytes_per_entry() for p in self.parts)

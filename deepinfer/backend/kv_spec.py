@@ -19,6 +19,8 @@ class KVCacheSpec:
       tokens, paged and append-only; entry e covers tokens [e*m, (e+1)*m).
     `state_shape` is fixed-size per-sequence state per layer (V4 compressor
     buffers and overlap), held in a pool of max_num_seqs rows, not in blocks.
+    `components` names the parts of an entry's last dimension, in order (V3's MLA group:
+    ("latent", 512), ("rope", 64)), so a backend may store them apart (KVLayout.split_components).
     """
 
     name: str
@@ -29,6 +31,7 @@ class KVCacheSpec:
     sliding_window: int | None = None
     state_shape: tuple[int, ...] = ()
     state_dtype: torch.dtype = torch.float32
+    components: tuple[tuple[str, int], ...] = ()
 
     def num_entries(self, num_tokens: int) -> int:
         """Entries that exist once `num_tokens` tokens are in the cache."""

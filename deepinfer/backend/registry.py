@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import pluggy
 
+from deepinfer import envs
 from deepinfer.backend.base import Backend
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, BackendHookSpecs, BackendInfo
 from deepinfer.errors import BackendError
@@ -20,10 +20,20 @@ DEVICE_TYPES = ("cpu", "cuda", "npu")
 class ProbedBackend:
     info: BackendInfo
     reasons: list[str]  # why it is unavailable here; empty = available
+    emulation: str | None = None  # unavailable, but runs on this stand-in when named explicitly
 
     @property
     def available(self) -> bool:
         return not self.reasons
+
+    def state(self) -> str:
+        """"available", or "unavailable: <reasons>" plus the stand-in an explicit name would run on."""
+        if self.available:
+            return "available"
+        state = "unavailable: " + "; ".join(self.reasons)
+        if self.emulation:
+            state += f"; runs emulated when named: {self.emulation}"
+        return state
 
 
 class BackendRegistry:
@@ -57,7 +67,13 @@ class BackendRegistry:
                 reasons = list(info.probe())
             except Exception as exc:  # a broken probe makes its backend unavailable, not the engine
                 reasons = [f"probe failed: {type(exc).__name__}: {exc}"]
-            self._probed[name] = ProbedBackend(info, reasons)
+            emulation = None
+            if reasons and info.emulation is not None:
+                try:
+                    emulation = info.emulation() or None
+                except Exception as exc:  # a broken emulation hook means no stand-in
+                    reasons.append(f"emulation check failed: {type(exc).__name__}: {exc}")
+            self._probed[name] = ProbedBackend(info, reasons, emulation)
         return self._probed[name]
 
     def probe_all(self) -> list[ProbedBackend]:
@@ -66,15 +82,28 @@ class BackendRegistry:
     def _describe(self) -> str:
         lines = []
         for p in self.probe_all():
-            state = "available" if p.available else "unavailable: " + "; ".join(p.reasons)
-            lines.append(f"  {p.info.name} (device {p.info.device_type}): {state}")
+            lines.append(f"  {p.info.name} (device {p.info.device_type}): {p.state()}")
         return "\n".join(lines) or "  (no backends registered)"
 
     def resolve(self, device: str) -> BackendInfo:
-        """Map auto | cpu | cuda | npu | <backend name> to one available backend, or explain why not."""
+        """Map auto | cpu | cuda | npu | <backend name> to one available backend, or explain why not.
+
+        A backend named exactly that is unavailable but offers a stand-in (BackendInfo.emulation, e.g.
+        the nvidia kernels under the Triton interpreter) resolves to it, with a warning; `auto` and the
+        device types only ever pick backends that are really available.
+        """
         device = (device or "auto").strip().lower()
         if device in self._infos:
-            candidates = [self._infos[device]]
+            probed = self.probe(device)
+            if not probed.available and probed.emulation:
+                import logging
+
+                logging.getLogger("deepinfer").warning(
+                    "backend %r is unavailable here (%s); running it emulated: %s",
+                    device, "; ".join(probed.reasons), probed.emulation,
+                )
+                return probed.info
+            candidates = [probed.info]
         elif device == "auto":
             candidates = list(self._infos.values())
         elif device in DEVICE_TYPES:
@@ -120,4 +149,4 @@ def default_registry() -> BackendRegistry:
 
 def requested_device(explicit: str | None) -> str:
     """EngineConfig.device / --device win over DEEPINFER_DEVICE; default auto."""
-    return explicit or os.environ.get("DEEPINFER_DEVICE") or "auto"
+    return explicit or envs.DEVICE.get() or "auto"

@@ -175,8 +175,8 @@ def run_model_rows(
             prompts = [torch.randint(2, int(hf["vocab_size"]), (n,), generator=gen).tolist() for n in lens]
             start = time.perf_counter()
             try:
-                model = load_model(path, backend, MODEL_DTYPE, progress=False)
-                ref_model = load_model(path, reference, MODEL_DTYPE, progress=False)
+                model = load_model(path, backend, MODEL_DTYPE, progress=False, hf_config=hf)
+                ref_model = load_model(path, reference, MODEL_DTYPE, progress=False, hf_config=hf)
                 with torch.inference_mode():
                     outs, refs = _teacher_forced_logits(model, ref_model, backend, prompts)
                 backend.synchronize()

@@ -88,4 +88,3 @@ class ConformanceReport:
         )
         return "\n".join(out)
 
-    format = format_table  # the name the CLI calls

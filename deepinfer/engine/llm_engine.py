@@ -89,7 +89,7 @@ class DeepInferenceEngine:
         dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
         check_backend(backend, cfg, dtype, ckpt_quant, model_type)
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
-        model = load_model(path, backend, dtype, progress=cfg.load_progress)
+        model = load_model(path, backend, dtype, progress=cfg.load_progress, hf_config=hf_config)  # parsed once
         self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
 
     @classmethod

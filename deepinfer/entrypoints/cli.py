@@ -4,14 +4,17 @@ Each subcommand lives in its own module (cli_<name>.py) exposing
 `add_parser(subparsers)` and `run(args) -> int`. Here we only dispatch and turn
 the errors a user can cause (deepinfer.errors, missing files) into one
 `deepinfer: error: ...` message on stderr and exit code 2, without a traceback.
+A setting the engine names as `EngineConfig.<field>` is reported as the flag the user typed.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from deepinfer.entrypoints import cli_backends, cli_checkpoint, cli_generate, cli_serve
+from deepinfer.entrypoints.cli_args import user_message
 
 EXIT_USER_ERROR = 2
 _SUBCOMMANDS = (cli_generate, cli_serve, cli_backends, cli_checkpoint)
@@ -33,23 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     from deepinfer.errors import DeepInferError
 
     try:
         return int(args.run(args) or 0)
     except DeepInferError as exc:
-        return _user_error(exc)
+        return _user_error(exc, args, argv)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-        return _user_error(exc)
+        return _user_error(exc, args, argv)
     except KeyboardInterrupt:
         print("deepinfer: interrupted", file=sys.stderr)
         return 130
 
 
-def _user_error(exc: BaseException) -> int:
-    message = str(exc) or type(exc).__name__
-    print(f"deepinfer: error: {message}", file=sys.stderr)
+def _user_error(exc: BaseException, args: argparse.Namespace | None = None, argv: Sequence[str] = ()) -> int:
+    print(f"deepinfer: error: {user_message(exc, args, argv)}", file=sys.stderr)
     return EXIT_USER_ERROR
 
 

@@ -3,11 +3,18 @@
 Every flag defaults to None and only flags the user gave are passed on, so
 EngineConfig's defaults and its DEEPINFER_* environment variables apply
 otherwise (a flag wins over the environment).
+
+Errors name the flag, not the field: the engine says `EngineConfig.<field>` where a setting is
+wrong, and name_flags() rewrites that to the flag the user typed (cli.main does it for every
+error it reports), so a setting has one name in each interface and no second validator.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import re
+from collections.abc import Sequence
 
 # flag dest -> EngineConfig field (same name unless noted)
 ENGINE_FIELDS = (
@@ -59,11 +66,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the next step's scheduling with the device (default: on for accelerators)")
+    # read when an error is reported, not now: serve adds --max-waiting-requests after this
+    parser.set_defaults(engine_flags=functools.partial(engine_flags, parser))
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    """EngineConfig from the parsed flags (only those given)."""
+def engine_config_from_args(args: argparse.Namespace, **overrides):
+    """EngineConfig from the parsed flags (only those given), plus settings a subcommand derives from its
+    own flags (generate's --no-progress -> load_progress=False)."""
     from deepinfer.config import EngineConfig
 
     kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}
-    return EngineConfig(model_name_or_path=args.model, **kwargs)
+    return EngineConfig(model_name_or_path=args.model, **kwargs, **overrides)
+
+
+def engine_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:
+    """EngineConfig field -> the option strings of the flag that sets it, as `parser` defines them."""
+    return {a.dest: tuple(a.option_strings) for a in parser._actions if a.option_strings and a.dest in ENGINE_FIELDS}
+
+
+_FIELD_REF = re.compile(r"\bEngineConfig\.([A-Za-z_]\w*)")
+
+
+def name_flags(message: str, flags: dict[str, tuple[str, ...]], argv: Sequence[str]) -> str:
+    """`message` with every `EngineConfig.<field>` that a flag sets replaced by that flag: the spelling
+    the user typed (last one wins, as for the value: `-tp`, `--no-async-scheduling`), else its long name.
+    Fields without a flag keep their EngineConfig name."""
+    options_given = list(argv[: argv.index("--")] if "--" in argv else argv)
+
+    def flag(match: re.Match) -> str:
+        options = flags.get(match.group(1))
+        if not options:
+            return match.group(0)
+        for token in reversed(options_given):
+            for option in options:
+                if token == option or token.startswith(option + "="):
+                    return option
+        return next((o for o in options if o.startswith("--")), options[0])
+
+    return _FIELD_REF.sub(flag, message)
+
+
+def user_message(exc: BaseException, args: argparse.Namespace | None, argv: Sequence[str]) -> str:
+    """The text a CLI prints for an error: its message, in the flags' names where `args` has engine flags."""
+    message = str(exc) or type(exc).__name__
+    flags = getattr(args, "engine_flags", None)
+    return name_flags(message, flags(), argv) if flags is not None else message

@@ -40,6 +40,11 @@ def add_parser(subparsers) -> None:
     c.add_argument("--no-models", action="store_true", help="skip the end-to-end tiny-model rows")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", action="store_true", help="machine-readable report")
+    c.add_argument("--list-ops", action="store_true",
+                   help="print the ops matrix (what each backend runs for every op spec, or why not) and exit")
+    c.add_argument("--format", choices=["text", "md", "json"], default="text", help="--list-ops output format")
+    c.add_argument("--backends", default=None,
+                   help="--list-ops: comma-separated backend names (default: every registered backend)")
     c.set_defaults(run=run_check)
 
 
@@ -102,6 +107,7 @@ def describe(probed) -> dict:
         "backend_class": info.backend_class,
         "available": probed.available,
         "reasons": list(probed.reasons),
+        "emulation": probed.emulation,  # the stand-in `--device <name>` runs on while unavailable, or None
         "caps": None,
         "op_coverage": None,
     }
@@ -124,13 +130,13 @@ def describe(probed) -> dict:
 def run_backends(args: argparse.Namespace) -> int:
     from deepinfer.backend.registry import default_registry
 
-    entries = [describe(p) for p in default_registry().probe_all()]
+    probed = default_registry().probe_all()
+    entries = [describe(p) for p in probed]
     if args.json:
         print(json.dumps(entries, indent=2))
         return 0
-    for e in entries:
-        state = "available" if e["available"] else "unavailable: " + "; ".join(e["reasons"])
-        print(f"{e['name']}  (device {e['device_type']}, priority {e['priority']}): {state}")
+    for p, e in zip(probed, entries):
+        print(f"{e['name']}  (device {e['device_type']}, priority {e['priority']}): {p.state()}")
         if e["description"]:
             print(f"  {e['description']}")
         print(f"  class: {e['backend_class']}")
@@ -153,6 +159,16 @@ def _fmt(v) -> str:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.list_ops:
+        from deepinfer.conformance.ops_matrix import RENDERERS, build_matrix
+
+        names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
+        rows, columns = build_matrix(names)
+        sys.stdout.write(RENDERERS[args.format](rows, columns))
+        return 0
+    if args.backends or args.format != "text":
+        print("deepinfer: error: --backends and --format go with --list-ops", file=sys.stderr)
+        return 2
     from deepinfer.conformance import run_for_device
     from deepinfer.backend.registry import requested_device
 

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="system message prepended in --chat mode")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (weight loading and generation)")
     s = p.add_argument_group("sampling")
     s.add_argument("--n", type=int, default=None, help="completions per prompt")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args)
     params = sampling_params_from_args(args)  # validate before loading the model
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, load_progress=not args.no_progress)
     engine = DeepInferenceEngine.from_config(config)
     print(f"deepinfer: loaded {engine.model_name} on backend {engine.backend_name}", file=sys.stderr)
     use_tqdm = not args.no_progress

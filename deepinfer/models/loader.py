@@ -25,7 +25,6 @@ SINGLE_FILE = "model.safetensors"
 class CheckpointFiles:
     """The safetensors files of a checkpoint and which tensor lives where."""
 
-    directory: str
     files: list[str]  # absolute paths, in load order
     weight_map: dict[str, str] | None  # tensor name -> file name, when an index exists
 
@@ -47,13 +46,13 @@ def find_checkpoint_files(path: str) -> CheckpointFiles:
         missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
         if missing:
             raise ModelLoadError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
-        return CheckpointFiles(path, [os.path.join(path, n) for n in names], weight_map)
+        return CheckpointFiles([os.path.join(path, n) for n in names], weight_map)
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        return CheckpointFiles(path, [single], None)
+        return CheckpointFiles([single], None)
     found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if found:
-        return CheckpointFiles(path, [os.path.join(path, f) for f in found], None)
+        return CheckpointFiles([os.path.join(path, f) for f in found], None)
     raise ModelLoadError(f"no safetensors weights in {path!r} (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 

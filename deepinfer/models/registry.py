@@ -60,11 +60,16 @@ def config_dtype(hf_config: dict) -> torch.dtype | None:
     return _DTYPES.get(name) if isinstance(name, str) else None
 
 
-def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool = True) -> CausalLM:
-    """Build the model for `path`, load its weights (tqdm bar) and let the backend convert them."""
+def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool = True,
+               hf_config: dict | None = None) -> CausalLM:
+    """Build the model for `path`, load its weights (tqdm bar) and let the backend convert them.
+
+    `hf_config`: config.json of `path` when the caller has already parsed it (the engine's start-up
+    does, so the file is read once); None reads it here."""
     from deepinfer.models.loader import iter_checkpoint
 
-    hf_config = load_hf_config(path)
+    if hf_config is None:
+        hf_config = load_hf_config(path)
     cls = model_class_for(hf_config)
     with torch.device(backend.device):
         model = cls(hf_config, backend, dtype)

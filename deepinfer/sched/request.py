@@ -11,6 +11,13 @@ from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 
 
+def length_limit_reached(params: SamplingParams, num_prompt: int, num_output: int, max_model_len: int) -> bool:
+    """The length rule, in one place: a sequence with num_output output tokens ends ("length") once it has
+    max_tokens of them or prompt + output fills max_model_len."""
+    return (params.max_tokens is not None and num_output >= params.max_tokens) or \
+        num_prompt + num_output >= max_model_len
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,9 +73,8 @@ class Sequence:
     def ends_by_length(self, max_model_len: int) -> bool:
         """Whether the tokens drawn so far (pending ones included) already reach max_tokens or
         max_model_len, so the sequence finishes when they are read, whatever they are."""
-        n_out = len(self.output_token_ids) + self.num_pending
-        max_tokens = self.request.params.max_tokens
-        return (max_tokens is not None and n_out >= max_tokens) or self.num_tokens >= max_model_len
+        return length_limit_reached(self.request.params, len(self.request.prompt_token_ids),
+                                    len(self.output_token_ids) + self.num_pending, max_model_len)
 
     @property
     def num_uncomputed_tokens(self) -> int:

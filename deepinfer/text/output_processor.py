@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from deepinfer.sched.request import Request, Sequence, SeqStatus
+from deepinfer.sched.request import Request, Sequence, SeqStatus, length_limit_reached
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -60,8 +60,8 @@ class OutputProcessor:
         else:  # before min_tokens a stop string is plain text
             seq.text += delta
 
-        # prompt + output ids the host holds (num_tokens would count a next step still in flight)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
+        # the output ids the host holds (Sequence.ends_by_length also counts a step still in flight)
+        if length_limit_reached(p, len(seq.prompt_token_ids), n_out, self.max_model_len):
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, stop_token: int | None = None, flush: bool = True) -> None:

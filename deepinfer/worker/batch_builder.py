@@ -22,21 +22,22 @@ from deepinfer.worker.transfer import tensor_to, to_device
 class BatchBuilder:
     """Builds each step's ForwardBatch on the device from the scheduler's output and the KV manager."""
 
-    def __init__(self, kv: KVCacheManager, device: torch.device):
+    def __init__(self, kv: KVCacheManager, device: torch.device, separate_mirror: bool | None = None):
+        """separate_mirror: keep the device copy apart from the host tables (None: wherever the device is
+        not the CPU; on the CPU the forward runs inside the step, so the host tables serve directly)."""
         self.kv = kv
         self.device = device
         self.specs: dict[str, KVCacheSpec] = {s.name: s for s in kv.specs}
-        # the device's copy of kv.block_tables (on the CPU: the host tables themselves)
+        self.separate = device.type != "cpu" if separate_mirror is None else separate_mirror
         self.mirror: dict[str, torch.Tensor] = (
-            dict(kv.block_tables) if device.type == "cpu"
-            else {g: t.to(device) for g, t in kv.block_tables.items()}
+            {g: t.clone().to(device) for g, t in kv.block_tables.items()} if self.separate else dict(kv.block_tables)
         )
 
     def sync_tables(self) -> None:
         """Apply the KV manager's table changes to the device mirror (stream-ordered before this step's
         gathers and after every earlier step's, so a step in flight keeps the tables it launched with)."""
         changes = self.kv.take_table_changes()
-        if self.device.type == "cpu" or not changes:
+        if not self.separate or not changes:
             return
         for group, ranges in changes.items():
             host = self.kv.block_tables[group]

@@ -193,3 +193,40 @@ def test_dense_weight_with_a_block_scale_is_refused(tmp_path):
     rewrite(path, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight", torch.zeros(256, 128)))
     with pytest.raises(ModelLoadError, match=r"o_proj\.weight_scale_inv is given but .*o_proj\.weight is not fp8"):
         load(path)
+
+
+def test_engine_start_reads_config_json_once(monkeypatch):
+    """DeepInferenceEngine._start parses config.json once and hands the dict to load_model; load_model
+    without it (tests, benchmarks, conformance) still reads the file itself."""
+    import builtins
+
+    import deepinfer.models.registry as registry
+    from deepinfer import DeepInferenceEngine, EngineConfig
+
+    path = checkpoint("tiny-v2-lite")
+    config_file = os.path.realpath(os.path.join(path, "config.json"))
+    opens, parses = [], []
+    real_open, real_load_hf_config = builtins.open, registry.load_hf_config
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == config_file:
+            opens.append(file)
+        return real_open(file, *args, **kwargs)
+
+    def counting_load_hf_config(p):
+        parses.append(p)
+        return real_load_hf_config(p)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(registry, "load_hf_config", counting_load_hf_config)
+    DeepInferenceEngine.from_config(
+        EngineConfig(model_name_or_path=path, device="cpu", max_model_len=32, num_kv_blocks=8, load_progress=False)
+    )
+    assert (len(opens), len(parses)) == (1, 1), f"config.json opened {len(opens)}x, parsed {len(parses)}x at start-up"
+
+    load(path)  # no hf_config: reads it
+    assert (len(opens), len(parses)) == (2, 2)
+    hf_config = real_load_hf_config(path)
+    before = len(opens)
+    load_model(path, CPUBackend(), torch.float32, progress=False, hf_config=hf_config)
+    assert (len(opens), len(parses)) == (before, 2)  # given the dict, load_model does not read the file

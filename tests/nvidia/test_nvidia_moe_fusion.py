@@ -20,7 +20,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _tol(dtype: torch.dtype) -> float:
-    # bf16 under the interpreter: fp32 -> bf16 rounds toward zero (docs/performance.md), ~3 roundings deep
+    # bf16 under the interpreter: fp32 -> bf16 rounds toward zero (docs/performance.md, traps), ~3 roundings deep
     return 5 * tol(dtype)
 
 

@@ -69,12 +69,12 @@ def test_entry_point_discovery_from_a_dist_info(tmp_path, toy_on_path, monkeypat
 
 
 def test_unavailable_backend_error_lists_reasons(toy_on_path, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_TOY_UNAVAILABLE", "1")
+    monkeypatch.setenv("TOY_BACKEND_UNAVAILABLE", "1")
     registry = BackendRegistry(extra_plugins=[importlib.import_module("deepinfer_toy_backend.plugin")])
     with pytest.raises(BackendError) as err:
         registry.resolve("toy")
     msg = str(err.value)
-    assert "toy" in msg and "DEEPINFER_TOY_UNAVAILABLE is set" in msg and "cpu" in msg
+    assert "toy" in msg and "TOY_BACKEND_UNAVAILABLE is set" in msg and "cpu" in msg
 
 
 # ------------------------------------------------------- engine end to end (subprocess)
@@ -92,7 +92,7 @@ def plugin_env(tmp_path_factory):
     write_dist_info(site)
     env = dict(os.environ)
     env.pop("DEEPINFER_DEVICE", None)
-    env.pop("DEEPINFER_TOY_UNAVAILABLE", None)
+    env.pop("TOY_BACKEND_UNAVAILABLE", None)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(TOY_SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return ckpt, env
 
@@ -158,15 +158,15 @@ def test_cli_lists_and_selects_the_plugin(plugin_env):
     assert toy["op_coverage"]["rms_norm"] == "toy"  # reported by the backend
     assert toy["op_coverage"]["moe"] == "native"
 
-    off = dict(env, DEEPINFER_TOY_UNAVAILABLE="1")
+    off = dict(env, TOY_BACKEND_UNAVAILABLE="1")
     out = _cli(["backends"], off)
     assert out.returncode == 0
-    assert "toy" in out.stdout and "unavailable: DEEPINFER_TOY_UNAVAILABLE is set" in out.stdout
+    assert "toy" in out.stdout and "unavailable: TOY_BACKEND_UNAVAILABLE is set" in out.stdout
 
     out = _cli(["generate", str(ckpt), "Hi", "--device", "toy", "--max-tokens", "2"], off)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
-    assert "no available backend for device 'toy'" in out.stderr and "DEEPINFER_TOY_UNAVAILABLE" in out.stderr
+    assert "no available backend for device 'toy'" in out.stderr and "TOY_BACKEND_UNAVAILABLE" in out.stderr
 
 
 def test_check_catches_a_wrong_kernel(plugin_env):
@@ -176,7 +176,7 @@ def test_check_catches_a_wrong_kernel(plugin_env):
     good = _cli(args, env)
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
     assert json.loads(good.stdout)["backend"] == "toy"
-    bad = _cli(args, dict(env, DEEPINFER_TOY_BROKEN="1"))
+    bad = _cli(args, dict(env, TOY_BACKEND_BROKEN="1"))
     assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
     report = json.loads(bad.stdout)
     assert not report["ok"]

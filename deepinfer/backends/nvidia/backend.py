@@ -7,10 +7,9 @@ kernels through the interpreter at tiny shapes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from deepinfer import envs
 from deepinfer.backend import (Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, NativeOps, OpSpec,
                                RouterSpec, host_memory_info, validate_router)
 from deepinfer.errors import BackendError
@@ -19,7 +18,7 @@ KV_BLOCK_SIZES = (64, 16, 32, 128)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.TRITON_INTERPRET.get() == "1"
 
 
 class NvidiaBackend(NativeOps, Backend):
@@ -51,7 +50,6 @@ class NvidiaBackend(NativeOps, Backend):
         else:
             raise BackendError(f"NvidiaBackend cannot run on device {str(dev)!r}")
         on_gpu = self._device.type == "cuda"
-        self.compute_capability = cc
         self._caps = BackendCaps(
             device_type="cuda" if on_gpu else "cpu",
             dtypes=(torch.bfloat16, torch.float16, torch.float32),
@@ -65,11 +63,11 @@ class NvidiaBackend(NativeOps, Backend):
         self._cuda_ext = None
         if use_cuda_ext is None:
             # Default on where a CUDA compiler exists: measured faster than the Triton / torch twins
-            # (docs/performance.md). DEEPINFER_NVIDIA_CUDA_EXT=0 / =1 forces it; op_coverage says which runs.
+            # (docs/perf-log/2026-11-29-first-h200-baseline.md). DEEPINFER_NVIDIA_CUDA_EXT=0 / =1 forces it; op_coverage says which runs.
             from deepinfer.backends.nvidia import cuda_ext
 
-            flag = os.environ.get("DEEPINFER_NVIDIA_CUDA_EXT")
-            use_cuda_ext = on_gpu and (flag == "1" or (flag is None and cuda_ext.compiler_available()))
+            flag = envs.NVIDIA_CUDA_EXT.get()  # None: auto
+            use_cuda_ext = on_gpu and (flag is True or (flag is None and cuda_ext.compiler_available()))
         if use_cuda_ext:
             from deepinfer.backends.nvidia import cuda_ext
 
@@ -189,6 +187,8 @@ class NvidiaBackend(NativeOps, Backend):
         if name == "moe" and isinstance(spec, MoESpec):
             why = triton_moe_unsupported(spec)
             return "triton grouped GEMM" if not why else f"native ({', '.join(why)}: no fused kernel)"
+        if name == "linear:fp8_block":
+            return "native (dequantized to the compute dtype at load, cuBLAS)"
         if name.startswith("linear:"):
             return "native (cuBLAS)"
         return "native"

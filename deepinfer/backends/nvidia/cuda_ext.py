@@ -11,21 +11,43 @@ import functools
 import os
 import shutil
 import subprocess
+from importlib import resources
 from pathlib import Path
 
 import torch
 
+from deepinfer import envs
 from deepinfer.errors import BackendError
 
 _SOURCES = ("bindings.cpp", "moe_kernels.cu")
 
 
+def _packaged_csrc() -> Path | None:
+    """deepinfer/_csrc/cuda of a wheel install (setup.py maps the repo's csrc/ there), as a real directory."""
+    res = resources.files("deepinfer").joinpath("_csrc", "cuda")
+    return res if isinstance(res, Path) else None  # cpp_extension compiles files on disk, not in a zip
+
+
+def _checkout_csrc() -> Path:
+    """csrc/cuda of the source checkout the deepinfer package is imported from (editable install, PYTHONPATH)."""
+    package_dir = Path(__file__).resolve().parents[2]  # <checkout>/deepinfer/backends/nvidia/cuda_ext.py
+    return package_dir.parent / "csrc" / "cuda"
+
+
 def csrc_dir() -> Path:
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        if (parent / "csrc" / "cuda" / "moe_kernels.cu").exists():
-            return parent / "csrc" / "cuda"
-    raise BackendError("CUDA C++ sources (csrc/cuda) not found next to the deepinfer package")
+    """The directory holding the CUDA C++ sources: the packaged copy first, else the repo checkout."""
+    looked = []
+    for where in (_packaged_csrc(), _checkout_csrc()):
+        if where is None:
+            continue
+        if all((where / s).is_file() for s in _SOURCES):
+            return where
+        looked.append(str(where))
+    raise BackendError(
+        f"CUDA C++ sources ({', '.join(_SOURCES)}) not found; looked in: {', '.join(looked)}. A wheel ships them "
+        "as deepinfer/_csrc/cuda and a source checkout has them in csrc/cuda: reinstall deepinfer, or run "
+        "without them (DEEPINFER_NVIDIA_CUDA_EXT=0)"
+    )
 
 
 def compiler_available() -> bool:
@@ -71,7 +93,7 @@ def load():
     from torch.utils import cpp_extension
 
     src = csrc_dir()
-    cache = Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer")) / "torch_extensions"
+    cache = Path(envs.CACHE_DIR.get()).expanduser() / "torch_extensions"
     cache.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
@@ -81,7 +103,7 @@ def load():
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(nvcc)],
             build_directory=str(cache),
-            verbose=os.environ.get("DEEPINFER_VERBOSE_BUILD") == "1",
+            verbose=envs.VERBOSE_BUILD.get(),
         )
     except Exception as exc:  # compiler output is in the message
         raise BackendError(f"building the CUDA C++ kernels (csrc/cuda) failed: {exc}") from exc

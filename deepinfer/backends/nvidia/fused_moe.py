@@ -19,13 +19,13 @@ op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm, direct_gemm, interpreting
 from deepinfer.backends.nvidia.moe_routing import moe_align
 from deepinfer.errors import BackendError
@@ -46,19 +46,14 @@ def direct_max_pairs() -> int:
     benchmarks/kernels.py times the other schedule at 1, 4 and 16 tokens.
     Direct mode never takes more than 64 tokens (BLOCK_M >= T).
     """
-    env = os.environ.get("DEEPINFER_MOE_DIRECT_MAX_PAIRS")
-    if env is None:
-        return DIRECT_MAX_PAIRS
-    try:
-        return int(env)
-    except ValueError:
-        raise BackendError(f"DEEPINFER_MOE_DIRECT_MAX_PAIRS must be an integer, got {env!r}") from None
+    value = envs.MOE_DIRECT_MAX_PAIRS.get()  # BackendError on a non-integer
+    return DIRECT_MAX_PAIRS if value is None else value
 
 
 def fused_combine() -> bool:
     """Direct mode sums the slots in the down GEMM's last program per column (a self-resetting counter per
     column, no combine launch); DEEPINFER_MOE_FUSED_COMBINE=0 runs the combine kernel instead (A/B runs)."""
-    return os.environ.get("DEEPINFER_MOE_FUSED_COMBINE", "1") != "0"
+    return envs.MOE_FUSED_COMBINE.get()
 
 
 def counters_for(hidden_size: int, device) -> torch.Tensor:
@@ -109,11 +104,9 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     DEEPINFER_MOE_BLOCK_M (16, 32 or 64) overrides it for A/B runs on skewed routing."""
     if interpreting():
         return 16
-    env = os.environ.get("DEEPINFER_MOE_BLOCK_M")
-    if env:
-        if env not in ("16", "32", "64"):
-            raise BackendError(f"DEEPINFER_MOE_BLOCK_M must be 16, 32 or 64, got {env!r}")
-        return int(env)
+    block_m = envs.MOE_BLOCK_M.get()  # BackendError unless 16, 32 or 64
+    if block_m is not None:
+        return block_m
     per_expert = num_pairs / max(1, num_experts)
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 

@@ -24,12 +24,11 @@ the slots into the [T, D] output, so small batches need no combine launch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.errors import BackendError
 
 
@@ -195,11 +194,12 @@ def _direct_gemm_kernel(
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.TRITON_INTERPRET.get() == "1"
 
 
 def _tile_env(name: str) -> dict | None:
-    env = os.environ.get(name)
+    """DEEPINFER_MOE_TILE / DEEPINFER_MOE_DIRECT_TILE (`name`), parsed; None when unset."""
+    env = envs.BY_NAME[name].get()
     if not env:
         return None
     try:
@@ -219,7 +219,7 @@ def gemm_config(block_m: int, dual: bool = False) -> dict:
         return {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
     cfg = _tile_env("DEEPINFER_MOE_TILE")
     if cfg is None:
-        if block_m <= 32:  # decode: H200 sweep (docs/performance.md): all tiles within ~10%, this one best at 1 token
+        if block_m <= 32:  # decode: H200 sweep (docs/perf-log/2026-11-29-first-h200-baseline.md): all tiles within ~10%, this one best at 1 token
             cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
         else:
             cfg = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}

@@ -29,12 +29,11 @@ DEEPINFER_MLA_BLOCK_N / DEEPINFER_MLA_MIN_SPLIT override it for sweeps (benchmar
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.backends.nvidia.mla_decode_params import (  # noqa: F401  (re-exported for callers)
     BLOCK_H,
     DecodeParams,
@@ -251,9 +250,9 @@ FUSED_MERGE_MAX_SPLITS = 4
 def fused_merge_enabled(num_splits: int) -> bool:
     """Whether the split kernel's last program per row merges (no merge launch): up to
     FUSED_MERGE_MAX_SPLITS launched splits; DEEPINFER_MLA_FUSED_MERGE=1 / 0 forces it on / off (A/B runs)."""
-    env = os.environ.get("DEEPINFER_MLA_FUSED_MERGE", "")
-    if env:
-        return env != "0"
+    forced = envs.MLA_FUSED_MERGE.get()  # None: auto
+    if forced is not None:
+        return forced
     return num_splits <= FUSED_MERGE_MAX_SPLITS
 
 
@@ -312,7 +311,7 @@ def mla_decode(
     min_split = triton.cdiv(min_split or auto.min_split, block_n) * block_n
     if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise BackendError(f"mla_decode: {num_splits} splits / {block_n}-token tiles (need >= 1 / a power of two >= 16)")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = envs.TRITON_INTERPRET.get() == "1"
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     direct = num_splits == 1
     fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH

@@ -7,11 +7,12 @@ benchmarks/kernels_mla.py; environment overrides exist for such sweeps.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import triton
+
+from deepinfer import envs
 
 BLOCK_H = 16  # heads per program: tl.dot needs >= 16 rows
 
@@ -35,34 +36,15 @@ class DecodeParams:
     num_stages: int = 3
 
 
-def _env_int(name: str, low: int) -> int | None:
-    from deepinfer.errors import ConfigError
-
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < low:
-        raise ConfigError(f"{name}={value} must be >= {low}")
-    return value
-
-
 @lru_cache(maxsize=1)
 def env_overrides() -> tuple[int | None, int | None, int | None]:
-    """(splits, block_n, min_split) from DEEPINFER_MLA_SPLITS / _BLOCK_N / _MIN_SPLIT; read once."""
-    from deepinfer.errors import ConfigError
-
-    block_n = _env_int("DEEPINFER_MLA_BLOCK_N", 16)
-    if block_n is not None and block_n & (block_n - 1):
-        raise ConfigError(f"DEEPINFER_MLA_BLOCK_N={block_n} must be a power of two >= 16")
-    return _env_int("DEEPINFER_MLA_SPLITS", 1), block_n, _env_int("DEEPINFER_MLA_MIN_SPLIT", 1)
+    """(splits, block_n, min_split) from DEEPINFER_MLA_SPLITS / _BLOCK_N / _MIN_SPLIT (deepinfer/envs.py checks
+    them: splits / min_split >= 1, block_n a power of two >= 16); read once."""
+    return envs.MLA_SPLITS.get(), envs.MLA_BLOCK_N.get(), envs.MLA_MIN_SPLIT.get()
 
 
 # (largest batch, splits launched, min tokens per split, tile, warps, stages): from the H200 sweep of
-# benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/performance.md).
+# benchmarks/kernels_mla.py (V2-Lite, 16 heads, bf16, graph-sized tables; docs/perf-log/2026-11-29-*.md).
 # Best there: batch 1 -> 24-64 splits of 64-token tiles; 16 -> 8 splits of 64; 64 -> 4 splits of
 # 32-token tiles since the merge runs in the split kernel (1536: 52 us vs 60 with the merge kernel;
 # 2048: 63 vs 71; 4k: 116 us, 2.6 TB/s; end to end at batch 64: 6,262 tok/s vs 6,114 with 2-3 splits

@@ -17,11 +17,11 @@ RoPE in fp32 with the fp32 cos/sin table (YaRN factors included), rounded.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer import envs
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def mla_prep(
         block_c = min(128, triton.next_power_of_2(L))
         absorb = dict(ABSORB=True, BLOCK_K=max(16, triton.next_power_of_2(nope)), BLOCK_T=16, BLOCK_C=block_c,
                       NUM_C=triton.cdiv(L, block_c), PREC="ieee" if q.dtype == torch.float32 else None,
-                      UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16)
+                      UPCAST=envs.TRITON_INTERPRET.get() == "1" and q.dtype == torch.bfloat16)
         grid = t + triton.cdiv(t, 16) * h * absorb["NUM_C"]
     if t == 0:
         return q_lat

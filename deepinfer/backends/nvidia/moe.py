@@ -18,11 +18,11 @@ The fork and join are stream-event edges, so a captured CUDA graph keeps them.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
 from deepinfer.backends.nvidia.moe_routing import (
     GROUPING_CODES,
@@ -120,7 +120,7 @@ class TritonMoE(NativeMoE):
         or None: run inline by _experts (no CUDA stream, turned off) or folded into the direct GEMMs."""
         if shared_experts is None or use_direct(x.shape[0], self.spec.router.top_k):
             return None  # direct mode folds it in, or its fused combine reads it mid-GEMM: no overlap there
-        if self.side_stream is None or not x.is_cuda or os.environ.get("DEEPINFER_MOE_SHARED_STREAM") == "0":
+        if self.side_stream is None or not x.is_cuda or not envs.MOE_SHARED_STREAM.get():
             return None
         main, side = torch.cuda.current_stream(x.device), self.side_stream
         side.wait_stream(main)  # x is ready

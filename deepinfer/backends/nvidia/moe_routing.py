@@ -13,12 +13,11 @@ a CUDA graph. The CUDA C++ twin lives in csrc/cuda/moe_align.cu.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.backends.nvidia.router_gemv_tiles import (  # noqa: F401  (TILED_MIN_PROGRAMS: re-exported)
     TILED_MIN_PROGRAMS,
     _gemv_tile,
@@ -189,34 +188,16 @@ def fused_router_max_tokens() -> int:
     """Largest batch the MoE op routes with gate_route (GEMV + top-k, one launch); above it the GEMV /
     cuBLAS logits then the top-k kernel. DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS (<= 64) overrides it for
     A/B runs; DEEPINFER_MOE_FUSED_ROUTER=0 turns the fused router off."""
-    if os.environ.get("DEEPINFER_MOE_FUSED_ROUTER") == "0":
+    if not envs.MOE_FUSED_ROUTER.get():
         return 0
-    env = os.environ.get("DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS")
-    if not env:
-        return FUSED_ROUTER_MAX_TOKENS
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= ROUTER_GEMV_MAX_TOKENS:
-        from deepinfer.errors import BackendError
-
-        raise BackendError(f"DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS must be an integer in [0, "
-                           f"{ROUTER_GEMV_MAX_TOKENS}], got {env!r}")
-    return value
+    value = envs.MOE_FUSED_ROUTER_MAX_TOKENS.get()  # BackendError outside [0, ROUTER_GEMV_MAX_TOKENS]
+    return FUSED_ROUTER_MAX_TOKENS if value is None else value
 
 
 def _logits_gemv_max_tokens() -> int:
     """DEEPINFER_ROUTER_GEMV_MAX_TOKENS overrides (A/B runs); 0 sends every size to cuBLAS."""
-    env = os.environ.get("DEEPINFER_ROUTER_GEMV_MAX_TOKENS")
-    if not env:
-        return ROUTER_LOGITS_GEMV_MAX_TOKENS
-    try:
-        return int(env)
-    except ValueError:
-        from deepinfer.errors import BackendError
-
-        raise BackendError(f"DEEPINFER_ROUTER_GEMV_MAX_TOKENS must be an integer, got {env!r}") from None
+    value = envs.ROUTER_GEMV_MAX_TOKENS.get()  # BackendError on a non-integer
+    return ROUTER_LOGITS_GEMV_MAX_TOKENS if value is None else value
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
@@ -226,7 +207,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     (a BLOCK_T x BLOCK_E tile per program, so the fp32 gate, 512 KB at V2-Lite, is read T / BLOCK_T times
     instead of T times, by ~128 programs instead of 2048 short latency-bound ones). Above 64 tokens cuBLAS
     on x.float(). At 64 tokens on the H200 the cuBLAS path was a copy kernel plus a SIMT fp32 GEMM on the
-    MoE layer's critical path, and the per-token GEMV 13.7 us per layer (profiles in docs/performance.md).
+    MoE layer's critical path, and the per-token GEMV 13.7 us per layer (a profile of the session that wrote it; not kept in docs/perf-log).
     """
     T, D = x.shape
     E = gate_weight.shape[0]

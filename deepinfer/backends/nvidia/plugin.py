@@ -36,6 +36,16 @@ def probe() -> list[str]:
     return reasons
 
 
+def emulation() -> str | None:
+    """The stand-in `--device nvidia` runs on where probe() finds no GPU: the same Triton kernels under
+    Triton's interpreter on the CPU, when TRITON_INTERPRET=1 and triton is installed; else None."""
+    from deepinfer.envs import TRITON_INTERPRET
+
+    if TRITON_INTERPRET.get() != "1" or importlib.util.find_spec("triton") is None:
+        return None
+    return "Triton interpreter on the CPU (TRITON_INTERPRET=1)"
+
+
 @hookimpl
 def deepinfer_register_backends(register) -> None:
     register(
@@ -46,5 +56,6 @@ def deepinfer_register_backends(register) -> None:
             device_type="cuda",
             priority=10,
             description="Triton + CUDA C++ kernels for NVIDIA GPUs (SM90, SM100)",
+            emulation=emulation,
         )
     )

@@ -10,11 +10,11 @@ of two are split into a power-of-two part and a masked remainder (192 =
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer import envs
 
 _LOG2E = 1.4426950408889634
 
@@ -118,7 +118,7 @@ def prefill_attention(
     out = torch.empty((Tq, H, DV), dtype=q.dtype, device=q.device)
     if Tq == 0 or B == 0:
         return out
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = envs.TRITON_INTERPRET.get() == "1"
     da, db = _split_dim(D)
     if block_m is None:
         block_m = 16 if interpret else 64

@@ -5,9 +5,9 @@ Host-side only (sizes in, tile out), so it is kept apart from the kernels."""
 
 from __future__ import annotations
 
-import os
-
 import triton
+
+from deepinfer import envs
 
 ROUTER_GEMV_ENV_FORMATS = ("'BLOCK_E,BLOCK_D,num_warps' (the per-token GEMV, then used at every size) or "
                            "'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]' (the token-tiled GEMV, 2..64 tokens)")
@@ -20,7 +20,7 @@ def _router_gemv_env() -> tuple[int, ...] | None:
     per-token GEMV's tile (gate_route's too), and router_logits uses the per-token GEMV at every size, as
     before the tiled kernel. Four or five, 'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]': the token-tiled
     kernel's tile for 2..64 tokens; the per-token GEMV (one token, gate_route) keeps its default."""
-    env = os.environ.get("DEEPINFER_ROUTER_GEMV")
+    env = envs.ROUTER_GEMV.get()  # the raw string; checked here
     if not env:
         return None
     from deepinfer.errors import BackendError

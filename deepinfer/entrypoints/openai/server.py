@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import hmac
 import logging
-import os
 import signal
 import socket
 import sys
@@ -25,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import deepinfer
+from deepinfer import envs
 from deepinfer.errors import DeepInferError
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine
 from deepinfer.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -209,7 +209,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     log_level = getattr(args, "log_level", "info")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = getattr(args, "api_key", None) or os.environ.get("DEEPINFER_API_KEY") or None
+    api_key = getattr(args, "api_key", None) or envs.API_KEY.get() or None
     host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)
 
     engine = DeepInferenceEngine.from_config(engine_config_from_args(args))
@@ -271,11 +271,14 @@ def run_server(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_serve_arguments(argparse.ArgumentParser(prog="deepinfer-serve", description=__doc__.splitlines()[0]))
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
         return run_server(args)
     except DeepInferError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from deepinfer.entrypoints.cli_args import user_message
+
+        print(f"error: {user_message(exc, args, argv)}", file=sys.stderr)
         return 2
 
 

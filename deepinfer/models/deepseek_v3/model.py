@@ -159,6 +159,7 @@ class DeepseekV2ForCausalLM(CausalLM):
                 layer_ids=tuple(range(cfg.num_hidden_layers)),
                 entry_shape=(cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
                 dtype=self.dtype,
+                components=(("latent", cfg.kv_lora_rank), ("rope", cfg.qk_rope_head_dim)),
             )
         ]
 

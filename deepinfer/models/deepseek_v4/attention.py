@@ -54,6 +54,7 @@ class V4Attention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         self.backend = backend
+        self.comm = backend.communicator()
         self.dtype = dtype
         self.layer_type = cfg.layer_types[layer_id]
         H, D, Dm = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
@@ -171,4 +172,4 @@ class V4Attention(nn.Module):
         o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
         o = ops.v4_rotary_embedding(o, cos, -sin)
         o = grouped_linear(o.reshape(T, cfg.o_groups, -1), self.o_a_weight, cfg.o_groups)
-        return self.o_b_proj(o)
+        return self.comm.all_reduce(self.o_b_proj(o))  # row-parallel output projection

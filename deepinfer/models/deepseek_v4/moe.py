@@ -41,7 +41,8 @@ class V4MoE(nn.Module):
         self.tid2eid: torch.Tensor | None = None
         self.experts = ExpertWeights(E, D, inter, backend, dtype, q8, ("w1", "w3", "w2"))
         self.shared = GatedMLP(D, inter, backend, dtype, quantized=q8, swiglu_limit=cfg.swiglu_limit,
-                               names=("w1", "w3", "w2"))
+                               names=("w1", "w3", "w2"), reduce_output=False)
+        self.comm = backend.communicator()
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter,
                                            swiglu_limit=cfg.swiglu_limit))
 
@@ -77,4 +78,4 @@ class V4MoE(nn.Module):
             routed = self.op.forward(x, logits, token_ids=token_ids, tid2eid=self.tid2eid)
         else:
             routed = self.op.forward(x, logits, correction_bias=self.bias)
-        return routed + self.shared(x)
+        return self.comm.all_reduce(routed + self.shared(x))  # partial sums under tensor / expert parallelism

@@ -34,10 +34,12 @@ class LMHead(Linear):
 
     def __init__(self, vocab_size: int, hidden_size: int, backend: Backend, dtype: torch.dtype):
         super().__init__(hidden_size, vocab_size, backend, dtype)
+        self.comm = backend.communicator()
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """tie_word_embeddings: the head reuses the embedding matrix."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden).float()
+        # column-parallel over the vocabulary: each rank's slice of the logits, gathered in rank order
+        return self.comm.all_gather(super().forward(hidden), dim=-1).float()

@@ -22,6 +22,7 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
+        self.comm = backend.communicator()
         self.dtype = dtype
         self.num_heads = H = cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
@@ -103,4 +104,4 @@ class MLAAttention(nn.Module):
             q, kv_a, self.kv_a_layernorm, LORA_NORM_EPS, positions, rope_cache, self.interleaved,
             caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend,
         )
-        return self.o_proj(out)
+        return self.comm.all_reduce(self.o_proj(out))  # row-parallel o_proj: summed over the heads' ranks

@@ -14,14 +14,18 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up run as one matmul when they can be fused.
 
     `swiglu_limit` (V4) clamps gate and up first; `names` are the checkpoint's
-    (gate, up, down) names (V4: w1, w3, w2).
+    (gate, up, down) names (V4: w1, w3, w2). `reduce_output`: the down projection is row-parallel
+    under tensor parallelism, so its output is summed over the group (the communicator's all_reduce;
+    the identity in one process); a MoE layer's shared experts leave that to the MoE layer, which
+    reduces routed + shared once.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, backend: Backend, dtype: torch.dtype,
                  quantized: bool = False, swiglu_limit: float | None = None,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), reduce_output: bool = True):
         super().__init__()
         self.backend = backend
+        self.comm = backend.communicator() if reduce_output else None
         self.swiglu_limit = swiglu_limit
         self.names = names
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
@@ -55,4 +59,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(self.backend.silu_and_mul(gate_up, self.swiglu_limit))
+        out = self.down_proj(self.backend.silu_and_mul(gate_up, self.swiglu_limit))
+        return out if self.comm is None else self.comm.all_reduce(out)

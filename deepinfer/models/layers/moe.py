@@ -33,11 +33,11 @@ class MoELayer(nn.Module):
         self.e_score_correction_bias: torch.Tensor | None = None  # [E] fp32, selection only
         self.experts = ExpertWeights(cfg.n_routed_experts, D, inter, backend, dtype, quantized, _PROJS)
         self.shared_experts = (
-            GatedMLP(D, inter * cfg.n_shared_experts, backend, dtype, quantized=quantized)
+            GatedMLP(D, inter * cfg.n_shared_experts, backend, dtype, quantized=quantized, reduce_output=False)
             if cfg.n_shared_experts
             else None
         )
-        self.shared_fused = False  # set by finalize: the op runs the shared experts itself at small batches
+        self.comm = backend.communicator()
         self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter))
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
@@ -58,8 +58,9 @@ class MoELayer(nn.Module):
             self.shared_experts.finalize()
             # the op may run the shared MLP as extra experts at small batches; it still calls the
             # module (one dense GEMM per weight) where it does not
-            self.shared_fused = self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
+            self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 router gate as the reference; the op may fuse it with the top-k
-        return self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)
+        out = self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)
+        return self.comm.all_reduce(out)  # routed + shared: partial sums under tensor / expert parallelism

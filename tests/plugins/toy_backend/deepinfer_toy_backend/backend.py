@@ -1,7 +1,7 @@
 """ToyBackend: inherits every op from NativeOps, overrides three to count calls.
 
 The counts let a test prove that generation really went through this backend;
-DEEPINFER_TOY_BROKEN=1 makes rms_norm wrong by 1%, which `deepinfer check` must catch.
+TOY_BACKEND_BROKEN=1 makes rms_norm wrong by 1%, which `deepinfer check` must catch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from deepinfer.backend import Backend, BackendCaps, MLAAttentionOp, MLASpec, NativeOps
 
 CALLS: Counter = Counter()
-BROKEN_ENV = "DEEPINFER_TOY_BROKEN"
+BROKEN_ENV = "TOY_BACKEND_BROKEN"
 
 
 class ToyBackend(NativeOps, Backend):

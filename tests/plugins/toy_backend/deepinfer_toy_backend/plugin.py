@@ -6,7 +6,7 @@ import os
 
 from deepinfer.backend import BackendInfo, hookimpl
 
-UNAVAILABLE_ENV = "DEEPINFER_TOY_UNAVAILABLE"
+UNAVAILABLE_ENV = "TOY_BACKEND_UNAVAILABLE"
 
 
 def probe() -> list[str]:

@@ -1,0 +1,338 @@
+"""Every environment variable DeepInfer reads, declared once: name, type, default and meaning.
+
+    from deepinfer import envs
+    if envs.BATCH_INVARIANT.get(): ...
+
+`EnvVar.get()` reads the environment when it is called, never at import: benchmarks flip some
+variables between runs, and a value a caller wants fixed for the process it caches itself
+(mla_decode_params.env_overrides does). A bad value raises the variable's error class naming the
+variable and the values it accepts: ConfigError, or BackendError for the NVIDIA tuning integers
+(which always raised it). An empty or blank value counts as unset.
+
+Nothing else in deepinfer/ or benchmarks/ reads these from os.environ (tests/test_envs.py checks
+it), and the README's configuration tables are `python -m deepinfer.envs --markdown` (checked by the
+same test).
+
+Standard library and deepinfer.errors only, so it imports from anywhere, backends included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.errors import BackendError, ConfigError, DeepInferError
+
+KINDS = ("bool", "int", "str")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+# Table sections, in README order.
+GROUPS: dict[str, str] = {
+    "engine": "Engine settings (`EngineConfig.with_env`; an explicit `EngineConfig` field or CLI flag wins)",
+    "server": "Server",
+    "nvidia": "NVIDIA backend: build and tuning (A/B runs, sweeps)",
+    "dev": "Tests, CI and benchmarks",
+    "vendor": "Read from other projects",
+}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable. `default` is what get() gives when the variable is unset or blank
+    (None: "not given", the reader decides); `default_text` says in the table what that means."""
+
+    name: str
+    kind: str  # "bool" | "int" | "str"
+    default: Any
+    meaning: str
+    group: str
+    minimum: int | None = None  # int: smallest accepted value
+    maximum: int | None = None  # int: largest accepted value
+    choices: tuple[Any, ...] | None = None  # the only accepted values (parsed: ints for kind "int")
+    check: Callable[[Any], str | None] | None = None  # extra check of a parsed value: the problem, or None
+    accepts_text: str | None = None  # the accepted values in words (error messages), where no rule above says it
+    default_text: str | None = None  # the table's default column, where `default` alone does not say it
+    empty_is_error: bool = False  # a set but blank value is an error instead of "unset"
+    error: type[DeepInferError] = ConfigError
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.group not in GROUPS:
+            raise ValueError(f"{self.name}: group {self.group!r} is not one of {tuple(GROUPS)}")
+
+    # ------------------------------------------------------------ reading
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The value as set, unparsed (None when unset)."""
+        return (os.environ if environ is None else environ).get(self.name)
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        """Set to something other than blank."""
+        raw = self.raw(environ)
+        return raw is not None and raw.strip() != ""
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The parsed value, read now from `environ` (default os.environ); `default` when unset or blank."""
+        raw = self.raw(environ)
+        if raw is None or not raw.strip():
+            if raw is not None and self.empty_is_error:
+                raise self.error(f"{self.name} is empty: set {self.accepts()}")
+            return self.default
+        value = self._parse(raw)
+        if self.choices is not None and value not in self.choices:
+            raise self.error(f"{self.name}={raw!r} must be {self.accepts()}")
+        if self.kind == "int":
+            low, high = self.minimum, self.maximum
+            if (low is not None and value < low) or (high is not None and value > high):
+                if high is None:
+                    raise self.error(f"{self.name}={raw!r} must be >= {low}")
+                raise self.error(f"{self.name}={raw!r} must be {self._range()}")
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise self.error(f"{self.name}={raw!r} {problem}")
+        return value
+
+    def _parse(self, raw: str) -> Any:
+        if self.kind == "bool":
+            value = raw.strip().lower()
+            if value in _TRUE:
+                return True
+            if value in _FALSE:
+                return False
+            raise self.error(f"{self.name}={raw!r} is not a boolean: use {self.accepts()}")
+        if self.kind == "int":
+            try:
+                return int(raw.strip())
+            except ValueError:
+                raise self.error(f"{self.name}={raw!r} is not an integer: use {self.accepts()}") from None
+        return raw
+
+    def _range(self) -> str:
+        low, high = self.minimum, self.maximum
+        if low is not None and high is not None:
+            return f"an integer in [{low}, {high}]"
+        if low is not None:
+            return f"an integer >= {low}"
+        if high is not None:
+            return f"an integer <= {high}"
+        return "an integer"
+
+    def accepts(self) -> str:
+        """The accepted values, in words."""
+        if self.accepts_text:
+            return self.accepts_text
+        if self.choices is not None:
+            names = [str(c) for c in self.choices]
+            return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        if self.kind == "bool":
+            return "0 or 1 (also false/true, no/yes, off/on)"
+        if self.kind == "int":
+            return self._range()
+        return "any string"
+
+    # ------------------------------------------------------------ documentation
+
+    def default_cell(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "unset"
+        if self.kind == "bool":
+            return "`1`" if self.default else "`0`"
+        return f"`{self.default}`"
+
+
+def _power_of_two(value: int) -> str | None:
+    return "must be a power of two >= 16" if value & (value - 1) else None
+
+
+# ---------------------------------------------------------------- engine
+
+DEVICE = EnvVar(
+    "DEEPINFER_DEVICE", "str", None,
+    "backend / device when `EngineConfig.device` / `--device` is not given: `auto`, `cpu`, `cuda`, `npu` or a "
+    "backend name (blank is an error)",
+    "engine", default_text="`auto`", accepts_text="auto, cpu, cuda, npu or a backend name", empty_is_error=True,
+)
+BATCH_INVARIANT = EnvVar(
+    "DEEPINFER_BATCH_INVARIANT", "bool", False,
+    "`1`: ask for batch-invariant results; a backend that cannot give them refuses at start-up",
+    "engine",
+)
+ENABLE_MTP_VARLEN = EnvVar(
+    "DEEPINFER_ENABLE_MTP_VARLEN", "bool", False,
+    "`1`: variable-length MTP drafts; not built yet, so refused at start-up",
+    "engine",
+)
+USE_NEXTN_DECODE = EnvVar(
+    "DEEPINFER_USE_NEXTN_DECODE", "int", 0,
+    "`N` > 0: MTP / NextN speculative decoding; not built yet, so refused at start-up",
+    "engine", minimum=0,
+)
+ASYNC_SCHEDULING = EnvVar(
+    "DEEPINFER_ASYNC_SCHEDULING", "bool", None,
+    "`0` / `1`: schedule step N+1 while the device runs step N, when `EngineConfig.async_scheduling` is None",
+    "engine", default_text="auto: on with an accelerator, off on the CPU",
+)
+
+# ---------------------------------------------------------------- server
+
+API_KEY = EnvVar(
+    "DEEPINFER_API_KEY", "str", None,
+    "bearer token the server requires on `/v1/*` when `--api-key` is not given",
+    "server", default_text="unset: no auth",
+)
+
+# ---------------------------------------------------------------- NVIDIA backend
+# Where unset means "the backend's tuned default", `default` is None and the backend keeps the constant
+# (with its measurements); default_text shows it, and tests/test_envs.py checks the two agree.
+
+CACHE_DIR = EnvVar(
+    "DEEPINFER_CACHE_DIR", "str", "~/.cache/deepinfer",
+    "where the compiled CUDA C++ extension is cached (in `torch_extensions/` under it)",
+    "nvidia",
+)
+VERBOSE_BUILD = EnvVar(
+    "DEEPINFER_VERBOSE_BUILD", "bool", False,
+    "`1`: show the compiler output of the CUDA C++ extension's build",
+    "nvidia",
+)
+NVIDIA_CUDA_EXT = EnvVar(
+    "DEEPINFER_NVIDIA_CUDA_EXT", "bool", None,
+    "`0` / `1`: force the CUDA C++ routing / alignment kernels off / on",
+    "nvidia", default_text="auto: on where nvcc is found and the device is a GPU",
+)
+ROUTER_GEMV = EnvVar(
+    "DEEPINFER_ROUTER_GEMV", "str", None,
+    "router-logits GEMV tile: `BLOCK_E,BLOCK_D,num_warps` (the per-token GEMV, then at every size) or "
+    "`BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]` (the token-tiled GEMV, 2..64 tokens)",
+    "nvidia", default_text="per-size pick",
+)
+ROUTER_GEMV_MAX_TOKENS = EnvVar(
+    "DEEPINFER_ROUTER_GEMV_MAX_TOKENS", "int", None,
+    "most tokens whose router logits take the GEMV kernels; `0` sends every size to cuBLAS",
+    "nvidia", default_text="`64`", error=BackendError,
+)
+MOE_FUSED_ROUTER = EnvVar(
+    "DEEPINFER_MOE_FUSED_ROUTER", "bool", True,
+    "`0`: no fused router GEMV + top-k (`gate_route`); the GEMV, then the top-k kernel",
+    "nvidia",
+)
+MOE_FUSED_ROUTER_MAX_TOKENS = EnvVar(
+    "DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS", "int", None,
+    "largest batch routed by the fused router GEMV + top-k kernel",
+    "nvidia", minimum=0, maximum=64, default_text="`16`", error=BackendError,
+)
+MOE_DIRECT_MAX_PAIRS = EnvVar(
+    "DEEPINFER_MOE_DIRECT_MAX_PAIRS", "int", None,
+    "largest tokens x top_k run in the direct MoE schedule; `0` turns it off",
+    "nvidia", default_text="`64`", error=BackendError,
+)
+MOE_DIRECT_TILE = EnvVar(
+    "DEEPINFER_MOE_DIRECT_TILE", "str", None,
+    "direct-mode MoE GEMM tile `BLOCK_N,BLOCK_K,num_warps,num_stages` (BLOCK_N counts gate + up rows)",
+    "nvidia", default_text="`64,128,4,4`",
+)
+MOE_TILE = EnvVar(
+    "DEEPINFER_MOE_TILE", "str", None,
+    "aligned-mode MoE GEMM tile `BLOCK_N,BLOCK_K,num_warps,num_stages`",
+    "nvidia", default_text="per-BLOCK_M pick",
+)
+MOE_FUSED_COMBINE = EnvVar(
+    "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
+    "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",
+    "nvidia",
+)
+MOE_BLOCK_M = EnvVar(
+    "DEEPINFER_MOE_BLOCK_M", "int", None,
+    "rows per aligned MoE tile: `16`, `32` or `64`",
+    "nvidia", choices=(16, 32, 64), default_text="from routed pairs per expert", error=BackendError,
+)
+MOE_SHARED_STREAM = EnvVar(
+    "DEEPINFER_MOE_SHARED_STREAM", "bool", True,
+    "`0`: run the aligned mode's shared experts inline instead of on a second CUDA stream",
+    "nvidia",
+)
+MLA_FUSED_MERGE = EnvVar(
+    "DEEPINFER_MLA_FUSED_MERGE", "bool", None,
+    "`0` / `1`: force the MLA decode's in-kernel split merge off / on",
+    "nvidia", default_text="auto: on up to 4 splits",
+)
+MLA_SPLITS = EnvVar(
+    "DEEPINFER_MLA_SPLITS", "int", None,
+    "MLA decode: splits launched per sequence (read once per process)",
+    "nvidia", minimum=1, default_text="launch table",
+)
+MLA_BLOCK_N = EnvVar(
+    "DEEPINFER_MLA_BLOCK_N", "int", None,
+    "MLA decode: cache tokens per tile, a power of two >= 16 (read once per process)",
+    "nvidia", minimum=16, check=_power_of_two, default_text="launch table",
+)
+MLA_MIN_SPLIT = EnvVar(
+    "DEEPINFER_MLA_MIN_SPLIT", "int", None,
+    "MLA decode: fewest tokens a sequence gives one split (read once per process)",
+    "nvidia", minimum=1, default_text="launch table",
+)
+
+# ---------------------------------------------------------------- tests, CI, benchmarks
+
+TEST_THREADS = EnvVar(
+    "DEEPINFER_TEST_THREADS", "int", None,
+    "the test suite caps torch's intra-op threads at this (values < 1 count as 1)",
+    "dev", default_text="torch's default",
+)
+COMMIT = EnvVar(
+    "DEEPINFER_COMMIT", "str", None,
+    "commit that `benchmarks/throughput.py` records (a copy of the tree without .git; `scripts/gpu_run.sh` sets it)",
+    "dev", default_text="`git rev-parse --short HEAD`",
+)
+CI_VENV = EnvVar(
+    "DEEPINFER_CI_VENV", "str", None,
+    "where `.ci/run` creates its venv (read by that bash script, not by Python)",
+    "dev", default_text="a new temp dir",
+)
+
+# ---------------------------------------------------------------- other projects' variables
+
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", "str", None,
+    "Triton's: `1` runs kernels in Triton's interpreter (read when a kernel is defined); the NVIDIA backend "
+    "then runs on the CPU at tiny shapes",
+    "vendor", accepts_text="1 (Triton parses the value)",
+)
+
+ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
+BY_NAME: dict[str, EnvVar] = {v.name: v for v in ALL}
+assert len(BY_NAME) == len(ALL), "an environment variable is declared twice"
+
+
+def markdown_table() -> str:
+    """The README's configuration tables: one per group, `| variable | default | meaning |`."""
+    parts = []
+    for group, title in GROUPS.items():
+        rows = [v for v in ALL if v.group == group]
+        if not rows:
+            continue
+        lines = [f"{title}:", "", "| variable | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{v.name}` | {v.default_cell()} | {v.meaning} |" for v in rows]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["--markdown"]:
+        print("usage: python -m deepinfer.envs --markdown   (the README's configuration tables)", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
