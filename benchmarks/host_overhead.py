@@ -153,8 +153,8 @@ def _commit() -> str:
 def make_engine(tok_dir: str, max_batch: int, prompt_len: int, output_len: int, block_size: int,
                 async_scheduling: bool = False):
     from deepinfer import EngineConfig
-    from deepinfer.text.tokenizer import Tokenizer
     from deepinfer.engine import DeepInferenceEngine
+    from deepinfer.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tok_dir)
     max_len = prompt_len + output_len + 16

@@ -60,8 +60,8 @@ def paged(batch: int, ctx: int, dev: str | None = None):
 
 class Layer:
     def __init__(self, batch: int, ctx: int, backend, g: torch.Generator):
-        from deepinfer.backends.nvidia.mla_attention import TritonMLAAttention
         from deepinfer.backend import MLASpec
+        from deepinfer.backends.nvidia.mla_attention import TritonMLAAttention
 
         bf = dict(device=DEV, dtype=torch.bfloat16)
         self.wq = (torch.randn(H * (NOPE + ROPE), D, generator=g) * D**-0.5).to(**bf)
@@ -121,8 +121,8 @@ def new_attention(lay: Layer, x, pos, cs, fb):
 
 
 def attention_layers(batches: list[int], ctx: int = 1024) -> None:
-    from deepinfer.backends.nvidia.backend import NvidiaBackend
     from deepinfer.backend.native.rope import rope_cos_sin_cache
+    from deepinfer.backends.nvidia.backend import NvidiaBackend
 
     backend = NvidiaBackend(device=DEV, use_cuda_ext=False)
     cs = rope_cos_sin_cache(ROPE, 8192, 10000.0, None).to(DEV)

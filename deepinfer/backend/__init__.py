@@ -24,8 +24,7 @@ from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
-from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
-from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
+
 # last: the native ops import the modules above
 from deepinfer.backend.native import NativeOps
 from deepinfer.backend.native.host_memory import host_memory_info
@@ -33,6 +32,8 @@ from deepinfer.backend.native.mla_attention import NativeMLAAttention
 from deepinfer.backend.native.moe import NativeMoE
 from deepinfer.backend.native.routing import validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
+from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
+from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
 from deepinfer.errors import BackendError, UnsupportedOpError
 
 __all__ = [

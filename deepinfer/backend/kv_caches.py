@@ -17,6 +17,7 @@ import torch
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.errors import BackendError
 
+
 @dataclass(frozen=True)
 class KVPart:
     """One tensor per (group, layer): [num_blocks, block_size, *shape] of `dtype`."""

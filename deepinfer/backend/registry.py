@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -14,6 +15,7 @@ from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, BackendHookS
 from deepinfer.errors import BackendError
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
+logger = logging.getLogger("deepinfer")
 
 
 @dataclass
@@ -96,9 +98,7 @@ class BackendRegistry:
         if device in self._infos:
             probed = self.probe(device)
             if not probed.available and probed.emulation:
-                import logging
-
-                logging.getLogger("deepinfer").warning(
+                logger.warning(
                     "backend %r is unavailable here (%s); running it emulated: %s",
                     device, "; ".join(probed.reasons), probed.emulation,
                 )

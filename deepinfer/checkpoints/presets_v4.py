@@ -15,6 +15,7 @@ import torch
 from deepinfer.checkpoints.presets import Preset, register_preset
 from deepinfer.checkpoints.random_weights import TensorSpec
 
+
 def _v4_config(*, vocab, hidden, layers_ratios, mtp_ratios, hash_layers, heads, head_dim, rope_dim, q_lora,
                o_groups, o_lora, experts, top_k, moe_inter, window, csa, hca, index_heads, index_dim, index_topk,
                yarn_factor, yarn_original, max_pos) -> dict:

@@ -11,9 +11,15 @@ import torch
 from deepinfer.backend import MLASpec, RouterSpec
 from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
-from deepinfer.conformance.cases_base import FP32, Case, randn as _randn, router_inputs, router_specs
-from deepinfer.conformance.layer_cases import (mla_cases, mla_latent_cases, moe_cases, moe_shared_cases,
-                                               v4_attention_cases)
+from deepinfer.conformance.cases_base import FP32, Case, router_inputs, router_specs
+from deepinfer.conformance.cases_base import randn as _randn
+from deepinfer.conformance.layer_cases import (
+    mla_cases,
+    mla_latent_cases,
+    moe_cases,
+    moe_shared_cases,
+    v4_attention_cases,
+)
 
 __all__ = ["Case", "cases_for", "router_specs"]
 

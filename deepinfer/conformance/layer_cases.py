@@ -11,7 +11,9 @@ import torch
 
 from deepinfer.backend import ForwardBatch, KVCacheSpec, KVLayout, MLASpec, MoESpec, RouterSpec
 from deepinfer.backend.native.rope import rope_cos_sin_cache
-from deepinfer.conformance.cases_base import FP32, Case, randn as _randn, router_inputs as _router_inputs
+from deepinfer.conformance.cases_base import FP32, Case
+from deepinfer.conformance.cases_base import randn as _randn
+from deepinfer.conformance.cases_base import router_inputs as _router_inputs
 
 
 def mla_layout(o, spec: MLASpec, dtype: torch.dtype) -> KVLayout:

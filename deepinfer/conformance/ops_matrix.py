@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.backend import (OP_NAMES, Backend, MLASpec, MoESpec, OpSpec, RouterSpec, V4AttentionSpec,
-                               dtype_name)
+from deepinfer.backend import OP_NAMES, Backend, MLASpec, MoESpec, OpSpec, V4AttentionSpec, dtype_name
 from deepinfer.conformance.cases_base import router_specs
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -23,13 +23,13 @@ from deepinfer.engine.startup import (
     use_async_scheduling,
 )
 from deepinfer.engine.stats import EngineStats
-from deepinfer.text.inputs import params_list, prompt_list, prompt_token_ids
-from deepinfer.sample.penalties import params_need_penalties
-from deepinfer.sched.request import Request, Sequence
-from deepinfer.sched.step_pipeline import StepPipeline
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
+from deepinfer.sample.penalties import params_need_penalties
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sched.request import Request, Sequence
+from deepinfer.sched.step_pipeline import StepPipeline
+from deepinfer.text.inputs import params_list, prompt_list, prompt_token_ids
 
 logger = logging.getLogger("deepinfer")
 
@@ -66,8 +66,8 @@ class DeepInferenceEngine:
 
     def _start(self, config: EngineConfig) -> None:
         from deepinfer.backend.registry import default_registry, load_backend_class, requested_device
-        from deepinfer.text.tokenizer import Tokenizer
         from deepinfer.models.registry import config_dtype, load_hf_config, load_model, model_class_for
+        from deepinfer.text.tokenizer import Tokenizer
 
         cfg = _effective(config)
         path = cfg.model_name_or_path

@@ -169,10 +169,10 @@ def run_check(args: argparse.Namespace) -> int:
     if args.backends or args.format != "text":
         print("deepinfer: error: --backends and --format go with --list-ops", file=sys.stderr)
         return 2
-    from deepinfer.conformance import run_for_device
-    from deepinfer.backend.registry import requested_device
-
     import torch
+
+    from deepinfer.backend.registry import requested_device
+    from deepinfer.conformance import run_for_device
 
     dtypes = [getattr(torch, name) for name in args.dtype] if args.dtype else None
     report = run_for_device(

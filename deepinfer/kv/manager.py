@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 
 from deepinfer.backend import KVCacheSpec
+from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
 from deepinfer.kv.planner import window_blocks_per_seq
-from deepinfer.errors import DeepInferError
 
 
 class KVUser(Protocol):

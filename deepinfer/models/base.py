@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from deepinfer.backend import Backend, ForwardBatch, KVCacheSpec, KVCaches
+    from deepinfer.backend import Backend, ForwardBatch, KVCaches, KVCacheSpec
 
 
 class CausalLM(nn.Module, ABC):

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sample.penalties import apply_penalties
-from deepinfer.sample.rng import row_keys_tensor, uniform_tensor
-from deepinfer.worker.transfer import tensor_to, to_device
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
+from deepinfer.sample.penalties import apply_penalties
+from deepinfer.sample.rng import row_keys_tensor, uniform_tensor
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.transfer import tensor_to, to_device
 
 # Elements per chunk of the Gumbel draw: on CUDA the fp64 noise stays ~64 MiB whatever the
 # batch; on the CPU a chunk stays in cache (the draw is a dozen elementwise passes).

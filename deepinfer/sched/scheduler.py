@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.kv.manager import KVCacheManager
-from deepinfer.sched.request import Sequence, SeqStatus
+from deepinfer.sched.request import SeqStatus, Sequence
 
 
 @dataclass

@@ -38,11 +38,11 @@ picks the mode: EngineConfig.async_scheduling).
 
 from __future__ import annotations
 
-from deepinfer.worker.model_runner import ModelRunner, PendingStep
-from deepinfer.text.output_processor import OutputProcessor
+from deepinfer.errors import DeepInferError
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler
-from deepinfer.errors import DeepInferError
+from deepinfer.text.output_processor import OutputProcessor
+from deepinfer.worker.model_runner import ModelRunner, PendingStep
 
 
 class StepPipeline:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from deepinfer.sched.request import Request, Sequence, SeqStatus, length_limit_reached
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sched.request import Request, SeqStatus, Sequence, length_limit_reached
 
 
 class OutputProcessor:

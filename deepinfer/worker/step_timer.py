@@ -29,6 +29,7 @@ class StepTimer:
     steps: list[dict[str, torch.Event]] = field(default_factory=list)
     host_wait_s: list[float] = field(default_factory=list)  # per resolve: host blocked on the draw
     host_launch_s: list[float] = field(default_factory=list)  # per launch: host time from begin to "end"
+    skip_gaps: set[int] = field(default_factory=set)  # steps whose idle gap before them is not the engine's
     _t_begin: float = 0.0
 
     def __post_init__(self):
@@ -49,6 +50,11 @@ class StepTimer:
         if phase == "end":
             self.host_launch_s.append(time.perf_counter() - self._t_begin)
 
+    def exclude_next_gap(self) -> None:
+        """The device time before the next step is someone else's (a benchmark replaying a graph between
+        two steps, say): leave that gap out of the idle statistics."""
+        self.skip_gaps.add(len(self.steps))
+
     def wait(self, fn):
         """fn() (the host's wait for a draw), timed."""
         t = time.perf_counter()
@@ -60,6 +66,7 @@ class StepTimer:
         """Median ms per step of each phase, device idle before each step, and host wait;
         over the last `last` complete steps (all when None)."""
         torch.accelerator.synchronize(self.device)
+        index = {id(s): i for i, s in enumerate(self.steps)}
         done = [s for s in self.steps if all(p in s for p in PHASES)]
         if last is not None:
             done = done[-last:]
@@ -69,7 +76,8 @@ class StepTimer:
         for a, b in zip(PHASES, PHASES[1:]):
             out[f"{a}_to_{b}_ms"] = statistics.median(s[a].elapsed_time(s[b]) for s in done)
         out["device_ms"] = statistics.median(s["start"].elapsed_time(s["end"]) for s in done)
-        gaps = [max(0.0, prev["end"].elapsed_time(cur["start"])) for prev, cur in zip(done, done[1:])]
+        gaps = [max(0.0, prev["end"].elapsed_time(cur["start"])) for prev, cur in zip(done, done[1:])
+                if index[id(cur)] not in self.skip_gaps]
         if gaps:
             out["idle_ms_median"] = statistics.median(gaps)
             out["idle_ms_mean"] = sum(gaps) / len(gaps)

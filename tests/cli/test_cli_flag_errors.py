@@ -15,20 +15,12 @@ import pytest
 from deepinfer.entrypoints.cli import main
 from deepinfer.entrypoints.cli_args import name_flags
 
-
-@pytest.fixture(autouse=True)
-def _no_deepinfer_env(monkeypatch):
-    for name in [k for k in os.environ if k.startswith("DEEPINFER_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_deepinfer_env")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from deepinfer.checkpoints import make_checkpoint
-
-    path = tmp_path_factory.mktemp("flags") / "tiny-v2-lite"
-    make_checkpoint("tiny-v2-lite", str(path))
-    return str(path)
+@pytest.fixture
+def ckpt(tiny_cli_ckpt):
+    return tiny_cli_ckpt
 
 
 def _error(capsys, *argv: str) -> str:

@@ -6,26 +6,16 @@ The bar is tqdm on stderr with disable=not load_progress: tqdm draws it on a non
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from deepinfer.entrypoints.cli import main
 
-
-@pytest.fixture(autouse=True)
-def _no_deepinfer_env(monkeypatch):
-    for name in [k for k in os.environ if k.startswith("DEEPINFER_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_deepinfer_env")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from deepinfer.checkpoints import make_checkpoint
-
-    path = tmp_path_factory.mktemp("progress") / "tiny-v2-lite"
-    make_checkpoint("tiny-v2-lite", str(path))
-    return str(path)
+@pytest.fixture
+def ckpt(tiny_cli_ckpt):
+    return tiny_cli_ckpt
 
 
 def _generate(capsys, ckpt, *flags: str) -> str:

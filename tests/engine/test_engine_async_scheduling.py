@@ -12,11 +12,11 @@ tokens, dropped tokens, fallbacks), not the speed.
 from __future__ import annotations
 
 import pytest
+from engine_fakes import FakeBackend, FakeCausalLM, reference_next
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.engine import DeepInferenceEngine
-from engine_fakes import FakeBackend, FakeCausalLM, reference_next
+from deepinfer.text.tokenizer import Tokenizer
 
 BS = 4
 EOS = 1  # the fake tokenizer's eos id (tokenizer_factory: bos 0, eos 1)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from deepinfer.kv.manager import KVCacheManager
 from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.kv.manager import KVCacheManager
 
 
 @dataclass

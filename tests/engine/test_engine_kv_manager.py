@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.kv.planner import bytes_per_token, fixed_bytes_per_seq, plan_kv_cache
-from deepinfer.backend.kv_spec import KVCacheSpec
-from deepinfer.errors import DeepInferError
 
 BS = 4
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
-from deepinfer.text.output_processor import OutputProcessor
-from deepinfer.sched.request import Request, Sequence
-from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.outputs import Logprob
+from deepinfer.sched.request import Request, Sequence
+from deepinfer.text.output_processor import OutputProcessor
+from deepinfer.text.tokenizer import Tokenizer
 
 EOS = 1
 

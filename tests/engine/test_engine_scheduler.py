@@ -9,12 +9,12 @@ against transformers in test_engine_e2e_hf.py.
 from __future__ import annotations
 
 import pytest
+from engine_fakes import FakeBackend, FakeCausalLM, reference_next
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError, PromptTooLongError
-from engine_fakes import FakeBackend, FakeCausalLM, reference_next
+from deepinfer.text.tokenizer import Tokenizer
 
 BS = 4
 

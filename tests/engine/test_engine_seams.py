@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import (BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, SingleProcessCommunicator)
+from deepinfer.backend import BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, SingleProcessCommunicator
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.kv.manager import KVCacheManager

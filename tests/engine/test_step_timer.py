@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.worker.step_timer import StepTimer
 from deepinfer.errors import DeepInferError
+from deepinfer.worker.step_timer import StepTimer
 
 
 def test_step_timer_refuses_the_cpu():

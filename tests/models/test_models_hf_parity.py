@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_refs import TINY_PRESETS, hf_logits, hf_model, our_model, prompts
 from paged_batch_util import PagedKV
 
@@ -88,11 +87,11 @@ def test_bf16_model_tracks_fp32():
 )
 def test_config_variants_match_hf(preset, changes):
     import transformers
+    from model_refs import variant_checkpoint
     from transformers import AutoModelForCausalLM
 
     from deepinfer.backends.cpu.backend import CPUBackend
     from deepinfer.models.registry import load_model
-    from model_refs import variant_checkpoint
 
     name = "-".join(f"{k}={v}" for k, v in changes.items())
     path = variant_checkpoint(preset, name, **changes)

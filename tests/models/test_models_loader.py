@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 import torch
+from model_refs import checkpoint, dequantize_reference, our_model, prompts
+from paged_batch_util import PagedKV
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -16,8 +18,6 @@ from deepinfer.checkpoints import PRESETS, make_checkpoint
 from deepinfer.checkpoints.random_weights import deepseek_v3_tensor_plan, draw
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.registry import load_model
-from model_refs import checkpoint, dequantize_reference, our_model, prompts
-from paged_batch_util import PagedKV
 
 
 def copy_ckpt(preset: str, dst) -> str:

@@ -8,7 +8,6 @@ bf16 at real shapes.
 from __future__ import annotations
 
 import torch
-
 from nvidia_testutil import ON_GPU, backend  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.conformance import run_conformance

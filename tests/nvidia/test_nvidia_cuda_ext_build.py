@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from nvidia_testutil import ON_GPU  # noqa: I001
 
 from deepinfer.backends.nvidia import cuda_ext

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from nvidia_testutil import ON_GPU  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.backend.forward_batch import ForwardBatch
@@ -58,9 +57,9 @@ def test_bucket_and_eligibility_without_capture():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="graph capture needs a CUDA GPU")
 def test_graph_replay_matches_eager_decode(tmp_path):
+    from deepinfer.backend.kv_caches import KVCaches
     from deepinfer.backends.nvidia.backend import NvidiaBackend
     from deepinfer.checkpoints import make_checkpoint
-    from deepinfer.backend.kv_caches import KVCaches
     from deepinfer.models.registry import load_model
 
     make_checkpoint("tiny-v2-lite", str(tmp_path / "ckpt"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from nvidia_testutil import DEVICE, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.backend import MLASpec

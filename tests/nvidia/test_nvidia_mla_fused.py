@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from nvidia_testutil import DEVICE, ON_GPU, backend, mla_decode_ref, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
-from deepinfer.conformance.layer_cases import _mla_batch
 from deepinfer.backend import MLASpec
 from deepinfer.backend.native import NativeOps
 from deepinfer.backend.native.rope import rope_cos_sin_cache
+from deepinfer.conformance.layer_cases import _mla_batch
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from nvidia_testutil import DEVICE, ON_GPU, mla_decode_ref, rel_err  # noqa: I001  (sets TRITON_INTERPRET)
 
 PAGE = 4

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from nvidia_testutil import DEVICE, ON_GPU, backend, rel_err, tol  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.backend import MoESpec, RouterSpec

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from nvidia_testutil import ON_GPU, backend  # noqa: I001  (sets TRITON_INTERPRET)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from nvidia_testutil import DEVICE, ON_GPU, rel_err  # noqa: I001  (sets TRITON_INTERPRET)
 
 from deepinfer.errors import BackendError

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from deepinfer.backends.cpu.backend import CPUBackend
-from deepinfer.conformance import run_conformance, run_for_device
 from deepinfer.backend import BackendCaps
 from deepinfer.backend.native import OP_NAMES
+from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.conformance import run_conformance, run_for_device
 from deepinfer.errors import UnsupportedOpError
 
 

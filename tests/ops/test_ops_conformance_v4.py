@@ -12,11 +12,10 @@ import dataclasses
 import pytest
 import torch
 
+from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.conformance import run_conformance
 from deepinfer.conformance.v4_cases import v4_kv_specs, v4_setups
-from deepinfer.backend.native.v4_attention import NativeV4Attention
-
 
 ALL = {"swa", "hca", "csa-select", "csa"}
 

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from deepinfer.checkpoints.tokenizer_factory import EOS_TOKEN, USER_TOKEN, write_tokenizer
+from deepinfer.errors import InvalidRequestError
 from deepinfer.text.detokenizer import IncrementalDetokenizer
 from deepinfer.text.stop_checker import StopChecker
 from deepinfer.text.tokenizer import Tokenizer
-from deepinfer.errors import InvalidRequestError
 
 MULTIBYTE = [
     "龘靐齉 罕见汉字 𠜎𠜱 and 你好世界",

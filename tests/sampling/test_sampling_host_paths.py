@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepinfer.checkpoints.tokenizer_factory import write_tokenizer
-from deepinfer.text.detokenizer import _MAX_HELD, IncrementalDetokenizer
 from deepinfer.sample.sampler import filter_logits
+from deepinfer.text.detokenizer import _MAX_HELD, IncrementalDetokenizer
 from deepinfer.text.tokenizer import Tokenizer
 
 

@@ -13,9 +13,9 @@ import torch
 from scipy.stats import chisquare
 
 from deepinfer import SamplingParams
+from deepinfer.errors import DeepInferError
 from deepinfer.sample.penalties import apply_penalties
 from deepinfer.sample.sampler import Sampler, SamplingRow, filter_logits
-from deepinfer.errors import DeepInferError
 
 V = 64
 

@@ -17,8 +17,8 @@ from deepinfer.checkpoints.tokenizer_factory import (
     USER_TOKEN,
     write_tokenizer,
 )
-from deepinfer.text.tokenizer import Tokenizer
 from deepinfer.errors import ConfigError, InvalidRequestError, ModelLoadError
+from deepinfer.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world! The quick brown fox.",

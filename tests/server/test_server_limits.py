@@ -18,7 +18,6 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-
 from server_harness import make_engine, read_metric, start_server  # noqa: E402
 
 KEY = "test-key-123"

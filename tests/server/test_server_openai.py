@@ -12,7 +12,6 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-
 from server_harness import MAX_MODEL_LEN, make_engine, read_metric, start_server, wait_for
 
 MODEL = "tiny"

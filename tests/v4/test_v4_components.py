@@ -10,18 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.backends.cpu.backend import CPUBackend
-from deepinfer.checkpoints.presets_v4 import tiny_v4_config
 from deepinfer.backend import MoESpec, RouterSpec, V4AttentionSpec
 from deepinfer.backend.forward_batch import ForwardBatch
 from deepinfer.backend.kv_caches import KVCaches
 from deepinfer.backend.kv_spec import KVCacheSpec
+from deepinfer.backend.native.activation import silu_and_mul
 from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backend.native.v4_rope import apply_v4_rope, v4_cos_sin
+from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.checkpoints.presets_v4 import tiny_v4_config
 from deepinfer.models.deepseek_v4.attention import RopeTable, grouped_linear
 from deepinfer.models.deepseek_v4.config import parse_v4_config
 from deepinfer.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, sinkhorn
-from deepinfer.backend.native.activation import silu_and_mul
 
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 

@@ -7,10 +7,10 @@ import torch
 
 from deepinfer.checkpoints import PRESETS
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_flash_config
-from deepinfer.kv.planner import bytes_per_token, fixed_bytes_per_seq
 from deepinfer.errors import ModelLoadError, UnsupportedModelError
-from deepinfer.models.deepseek_v4.model import v4_kv_cache_specs
+from deepinfer.kv.planner import bytes_per_token, fixed_bytes_per_seq
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SWA, parse_v4_config
+from deepinfer.models.deepseek_v4.model import v4_kv_cache_specs
 from deepinfer.models.registry import model_class_for
 
 

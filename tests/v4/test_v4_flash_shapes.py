@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import torch
+from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
 
 from deepinfer.checkpoints.presets_v4 import _v4_config, v4_tensor_plan
 from deepinfer.checkpoints.random_weights import write_safetensors
-from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
 
 
 def test_flash_attention_shapes_prefill_and_chunks(tmp_path):

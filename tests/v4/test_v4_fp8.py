@@ -11,10 +11,10 @@ import os
 
 import torch
 from safetensors.torch import load_file, save_file
+from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
 
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
 from deepinfer.checkpoints.random_weights import write_safetensors
-from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
 
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 

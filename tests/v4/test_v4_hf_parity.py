@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from v4_helpers import PagedRunner, hf_logits
 
 ATOL = 2e-5  # logits are O(10); observed max error ~9e-6 (fp32 reorderings)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.checkpoints.presets_v4 import tiny_v4_config
 from deepinfer.backend.native.v4_compressor import compress_windows
 from deepinfer.backend.native.v4_indexer import causal_entry_mask, indexer_scores, select_topk
 from deepinfer.backend.native.v4_rope import apply_v4_rope
+from deepinfer.checkpoints.presets_v4 import tiny_v4_config
 from deepinfer.models.deepseek_v4.attention import RopeTable
 from deepinfer.models.deepseek_v4.config import parse_v4_config
 

@@ -12,11 +12,11 @@ import torch
 
 from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config
+from deepinfer.errors import DeepInferError
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.kv.planner import plan_kv_cache
-from deepinfer.errors import DeepInferError
-from deepinfer.models.deepseek_v4.model import v4_kv_cache_specs
 from deepinfer.models.deepseek_v4.config import parse_v4_config
+from deepinfer.models.deepseek_v4.model import v4_kv_cache_specs
 
 LENGTHS = [1, 3, 5, 8, 9, 16, 17, 33, 47]
 MAX_TOKENS = 12

@@ -14,11 +14,11 @@ import os
 
 import torch
 
+from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+from deepinfer.backend.kv_caches import KVCaches
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
 from deepinfer.checkpoints.random_weights import write_safetensors
-from deepinfer.backend.forward_batch import ForwardBatch, token_slots
-from deepinfer.backend.kv_caches import KVCaches
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.loader import iter_checkpoint
 

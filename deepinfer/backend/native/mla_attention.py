@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.backend.layer_ops import MLAAttentionOp
-from deepinfer.backend.specs import MLASpec
 from deepinfer.backend.native.kv_write import kv_cache_write
+from deepinfer.backend.specs import MLASpec
 from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:

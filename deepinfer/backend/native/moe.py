@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.backend.layer_ops import MoEOp
-from deepinfer.backend.specs import MoESpec
 from deepinfer.backend.native.activation import silu_and_mul
 from deepinfer.backend.native.routing import route as native_route
 from deepinfer.backend.native.routing import validate_router
+from deepinfer.backend.specs import MoESpec
 from deepinfer.errors import BackendError
 
 RouteFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.backend.layer_ops import V4AttentionOp
-from deepinfer.backend.specs import V4AttentionSpec
 from deepinfer.backend.native.v4_compressor import compress_windows, gather_projections, update_ring
 from deepinfer.backend.native.v4_indexer import causal_entry_mask, indexer_scores, select_topk
+from deepinfer.backend.specs import V4AttentionSpec
 from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:

@@ -10,8 +10,19 @@ from __future__ import annotations
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import (Backend, BackendCaps, MLAAttentionOp, MLASpec, MoEOp, MoESpec, NativeOps, OpSpec,
-                               RouterSpec, host_memory_info, validate_router)
+from deepinfer.backend import (
+    Backend,
+    BackendCaps,
+    MLAAttentionOp,
+    MLASpec,
+    MoEOp,
+    MoESpec,
+    NativeOps,
+    OpSpec,
+    RouterSpec,
+    host_memory_info,
+    validate_router,
+)
 from deepinfer.errors import BackendError
 
 KV_BLOCK_SIZES = (64, 16, 32, 128)

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_decode import mla_decode
 from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.backends.nvidia.prefill_attention import prefill_attention
-from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from deepinfer import envs
+from deepinfer.backend import MoESpec, NativeMoE
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
 from deepinfer.backends.nvidia.moe_routing import (
     GROUPING_CODES,
@@ -33,7 +34,6 @@ from deepinfer.backends.nvidia.moe_routing import (
     moe_align,
     router_logits,
 )
-from deepinfer.backend import MoESpec, NativeMoE
 from deepinfer.errors import BackendError
 
 TRITON_SCORING = tuple(SCORING_CODES)

@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response
 
 import deepinfer
 from deepinfer import envs
-from deepinfer.errors import DeepInferError
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine
 from deepinfer.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from deepinfer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -33,6 +32,7 @@ from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from deepinfer.entrypoints.openai.serving_chat import ChatHandler
 from deepinfer.entrypoints.openai.serving_common import ServerState
 from deepinfer.entrypoints.openai.serving_completions import CompletionsHandler
+from deepinfer.errors import DeepInferError
 
 logger = logging.getLogger("deepinfer.server")
 

@@ -20,7 +20,13 @@ from deepinfer.entrypoints.openai.async_engine import (
     QueueFullError,
     RequestHandle,
 )
-from deepinfer.entrypoints.openai.errors import OpenAIError, bad_request, from_invalid_request, internal_error, overloaded
+from deepinfer.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    from_invalid_request,
+    internal_error,
+    overloaded,
+)
 from deepinfer.entrypoints.openai.protocol import UsageInfo
 from deepinfer.errors import InvalidRequestError
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput

@@ -13,14 +13,14 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, ForwardBatch, KVCacheSpec, KVCaches
+from deepinfer.backend import Backend, ForwardBatch, KVCaches, KVCacheSpec
 from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.errors import ModelLoadError
-from deepinfer.models.layers.mla import MLA_GROUP, MLAAttention
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v3.config import DeepseekConfig, parse_deepseek_config
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Loader
+from deepinfer.models.layers.mla import MLA_GROUP, MLAAttention
 from deepinfer.models.layers.mlp import GatedMLP
 from deepinfer.models.layers.moe import MoELayer
 from deepinfer.models.weights import tensor_loader
