@@ -22,7 +22,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (an internal failure: RequestOutput.error says what) | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: chosen + top-k
 
@@ -33,7 +34,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; `outputs` holds its n sequences."""
+    """A request's state after a step; `outputs` holds its n sequences.
+
+    error: None, or, when an internal error in this request's own work failed it, a one-line
+    message naming the request id, the stage and the exception, e.g. "internal error in request
+    'r1' while sampling: ValueError: ..." (stages: "sampling", "processing its output"). Such a
+    request is finished and its failed sequences have finish_reason "error" (all its sequences
+    that had not finished yet when it failed); the traceback is in the log ("deepinfer" logger),
+    never in the message. Other requests in the same steps are unaffected.
+    """
 
     request_id: str
     prompt: str | None
@@ -41,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+    error: str | None = None  # set when an internal error failed this request (see above)
 
     # Single-sequence conveniences (o.text, o.token_ids, o.finish_reason), as the quickstart uses.
     @property

@@ -1,15 +1,73 @@
-"""Per-request sampling settings, validated on construction."""
+"""Per-request sampling settings, validated on construction (and again when a request is queued)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from deepinfer.errors import InvalidRequestError
 
+# Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS): logits / t with a smaller t
+# can overflow fp32 to inf (and the softmax of a row holding inf is NaN).
+GREEDY_TEMPERATURE = 1e-5
+# Above this the distribution is already near uniform for any realistic logits (a logit gap of
+# 10 becomes 0.1); larger values change nothing useful and only push logits / t toward 0. The
+# OpenAI API caps at 2 (recent vLLM too); 100 keeps every value those accept, and more.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0  # a penalty p and 1/p mirror each other; 100 already forces seen tokens out
+MAX_N = 128  # sequences per request (the server has its own, lower caps)
+MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs limit
+INT32_MAX = 2**31 - 1  # top_k, max_tokens, min_tokens, stop_token_ids: what an int32 tensor holds
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: what the counter-based RNG keys on (rng.py)
+
+
+def _as_list(value):
+    """None -> [], any other iterable (list, tuple, set, ...) -> a list; a non-iterable stays as it is."""
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return value
+    try:
+        return list(value)
+    except TypeError:
+        return value
+
 
 @dataclass
 class SamplingParams:
-    """How to draw tokens for one request (names follow vLLM / the OpenAI API)."""
+    """How to draw tokens for one request (names follow vLLM / the OpenAI API).
+
+    Every value is checked by `validate()` (at construction and again in the engine's
+    add_request) so that nothing the sampler cannot represent is ever queued: a bad value is an
+    InvalidRequestError whose `param` names the field. Accepted values:
+
+    - n: int in [1, MAX_N = 128].
+    - temperature: finite number in [0, MAX_TEMPERATURE = 100]; below GREEDY_TEMPERATURE = 1e-5
+      (vLLM's threshold) it is greedy (`greedy`), so logits / t never overflows.
+    - top_p: finite number in (0, 1].
+    - top_k: int, -1 or 0 (off) or in [1, 2**31 - 1]; a top_k >= the vocabulary size keeps every
+      token (the sampler clamps it to the vocabulary).
+    - min_p: finite number in [0, 1].
+    - repetition_penalty: finite number in (0, MAX_REPETITION_PENALTY = 100] (1 = off). Very small
+      penalties divide positive logits by a tiny number: the sampler clamps the result to a
+      finite value (sample/penalties.py), so no inf or NaN comes of it.
+    - presence_penalty, frequency_penalty: finite numbers in [-2, 2] (the OpenAI API's range).
+    - max_tokens: None (up to max_model_len) or int in [1, 2**31 - 1].
+    - min_tokens: int in [0, 2**31 - 1], and <= max_tokens.
+    - stop: a list of non-empty strings that are valid Unicode (no lone surrogates); a single
+      string is taken as a one-element list.
+    - stop_token_ids: a list of ints in [0, 2**31 - 1]; the engine's add_request also requires
+      each to be < the model's vocabulary size (as vLLM's _validate_stop_token_ids does: an id
+      outside the vocabulary can never be drawn, so it is refused rather than ignored).
+    - logprobs, prompt_logprobs: None or int in [0, MAX_LOGPROBS = 20] (prompt_logprobs is
+      refused by the engine: not built yet).
+    - seed: None or int in [-2**63, 2**63 - 1] (int64; the RNG reads a seed modulo 2**64, so a
+      wider value would silently alias another seed).
+    - ignore_eos, include_stop_str_in_output, skip_special_tokens: bool.
+
+    Numbers are Python ints / floats: bool is never a number, and a float is never an int
+    (n=1.5 and n=2.0 are both refused).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -33,53 +91,70 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.validate()
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
+        self.validate()  # what is still not a list (a number, ...) is refused there, naming the field
 
     def validate(self) -> None:
+        """Raise InvalidRequestError (param = the field) for any value outside the documented ranges."""
+
         def bad(param: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{param} {why} (got {getattr(self, param)!r})", param=param)
+            value = repr(getattr(self, param))
+            if len(value) > 200:
+                value = value[:200] + "..."
+            return InvalidRequestError(f"{param} {why} (got {value})", param=param)
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0")
+        def int_in(v, lo: int, hi: int) -> bool:
+            return is_int(v) and lo <= v <= hi
+
+        if not int_in(self.n, 1, MAX_N):
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}]")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+            raise bad("top_p", "must be a finite number in (0, 1]")
+        if not is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= INT32_MAX):
+            raise bad("top_k", f"must be -1 (off), 0 (off) or an integer in [1, {INT32_MAX}]")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+            raise bad("min_p", "must be a finite number in [0, 1]")
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be a finite number in (0, {MAX_REPETITION_PENALTY:g}]")
         if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
+            raise bad("presence_penalty", "must be a finite number in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+            raise bad("frequency_penalty", "must be a finite number in [-2, 2]")
+        if self.max_tokens is not None and not int_in(self.max_tokens, 1, INT32_MAX):
+            raise bad("max_tokens", f"must be an integer in [1, {INT32_MAX}]")
+        if not int_in(self.min_tokens, 0, INT32_MAX):
+            raise bad("min_tokens", f"must be an integer in [0, {INT32_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must not exceed max_tokens")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "must be an integer")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty strings")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("stop", "must be valid Unicode (it holds a lone surrogate)") from None
+        if not isinstance(self.stop_token_ids, list) or not all(int_in(t, 0, INT32_MAX) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
+        if self.logprobs is not None and not int_in(self.logprobs, 0, MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not int_in(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not int_in(self.seed, INT64_MIN, INT64_MAX):
+            raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax, no draw: temperature below GREEDY_TEMPERATURE (0 included) or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -210,7 +210,13 @@ class DeepInferenceEngine:
         return prompt_token_ids(prompt, self._tokenizer, self.vocab_size, self._max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raises InvalidRequestError / PromptTooLongError before anything is queued."""
+        """Queue a request; raises InvalidRequestError / PromptTooLongError before anything is queued.
+
+        Every value is checked here, so nothing reaches a step that the sampler cannot take:
+        SamplingParams.validate() (the ranges in its docstring) and what needs the model:
+        stop_token_ids inside the vocabulary, and a min_tokens ban (EOS + stop_token_ids) that
+        leaves at least one token drawable.
+        """
         from deepinfer.sample.rng import derive_seed
 
         if not isinstance(request_id, str) or not request_id:
@@ -223,6 +229,7 @@ class DeepInferenceEngine:
         params.validate()
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported yet: leave it unset", param="prompt_logprobs")
+        self._check_against_model(params)
         text, ids = self._prompt_ids(prompt)
         self._counter += 1
         base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
@@ -236,8 +243,34 @@ class DeepInferenceEngine:
         for seq in req.seqs:
             self.scheduler.add(seq)
 
+    def _check_against_model(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {outside[:8]}"
+                f"{' ...' if len(outside) > 8 else ''} (such a token can never be drawn)",
+                param="stop_token_ids",
+            )
+        if params.min_tokens > 0 and len(params.stop_token_ids) + len(self.runner.sampler.eos_token_ids) >= vocab:
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned |= {t for t in self.runner.sampler.eos_token_ids if 0 <= t < vocab}
+            if len(banned) >= vocab:
+                raise InvalidRequestError(
+                    "stop_token_ids (with EOS) cover the whole vocabulary, so no token could be drawn "
+                    f"before min_tokens={params.min_tokens}", param="stop_token_ids",
+                )
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; an output for every request that got a token (cumulative)."""
+        """Run one scheduled batch; an output for every request that got a token (cumulative).
+
+        A request whose own work raised in the step (its sampling row, its detokenizer or stop
+        checker) is finished with finish_reason "error" and RequestOutput.error set; the others
+        go on (sched/step_pipeline.py). An exception that is not one request's (the model
+        forward, the scheduler, a device fault) raises out of step(): then every request in
+        flight should be considered failed (the HTTP server fails them all).
+        """
         return self._step(all_outputs=True)
 
     def _step(self, all_outputs: bool) -> list[RequestOutput]:
@@ -252,11 +285,13 @@ class DeepInferenceEngine:
         progressed: dict[str, Request] = {}
         for seq in seqs:
             req = seq.request
+            progressed[req.request_id] = req
+            if seq.finish_reason == "error":  # failed in this call (sched/step_pipeline.py): maybe no token
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += len(req.prompt_token_ids)
-            progressed[req.request_id] = req
-        self._gen_tokens += len(seqs)
+            self._gen_tokens += 1
         outputs = []
         make_output = self.output_processor.make_output
         for rid, req in progressed.items():

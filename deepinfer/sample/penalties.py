@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from deepinfer.sample.sampler import SamplingRow
 
 
+# Ceiling of a logit divided by a repetition penalty < 1. Far above any real logit, and low enough
+# that dividing by the smallest sampled temperature (1e-5) stays finite in fp32 (max ~3.4e38).
+PENALIZED_LOGIT_MAX = 1e30
+
+
 def _token_matrix(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """fp32 [len(lists), vocab] counts of each id per row (ids outside [0, vocab) cannot be drawn; skipped)."""
     counts = torch.zeros(len(lists), vocab, dtype=torch.float32, device=device)
@@ -58,8 +63,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     rep = [float(r.params.repetition_penalty) for r in sub_rows]
     if any(x != 1.0 for x in rep):
         seen = (_token_matrix([r.prompt_token_ids for r in sub_rows], vocab, device) > 0) | (out_counts > 0)
-        rep_t = tensor_to(rep, logits.dtype, device).unsqueeze(1)
-        penalized = torch.where(sub > 0, sub / rep_t, sub * rep_t)
+        # A penalty below fp32's smallest normal would round to 0 (or a denormal), and -inf * 0 is
+        # NaN: it is raised to that smallest normal. A tiny penalty would still blow a positive logit
+        # up to inf, and a row holding inf has a NaN softmax: the quotient is clamped to a finite ceiling.
+        rep_t = tensor_to(rep, logits.dtype, device).clamp(min=torch.finfo(logits.dtype).tiny).unsqueeze(1)
+        penalized = torch.where(sub > 0, (sub / rep_t).clamp(max=PENALIZED_LOGIT_MAX), sub * rep_t)
         sub = torch.where(seen, penalized, sub)
 
     freq = tensor_to([float(r.params.frequency_penalty) for r in sub_rows], logits.dtype, device)

@@ -38,6 +38,10 @@ def derive_seed(base_seed: int, *keys: int) -> int:
 
     Used for the n > 1 sub-sequences of one request (keys = (index,)) and to give unseeded
     requests a reproducible seed from the engine seed and a request counter.
+
+    Any Python int works: it is read modulo 2**64 (two's complement), so a negative seed is
+    fine and every int64 seed gives a different stream; a seed outside int64 would alias one
+    inside it, which is why SamplingParams accepts seeds in [-2**63, 2**63 - 1] only.
     """
     h = mix64(int(base_seed) + GOLDEN_GAMMA)
     for k in keys:

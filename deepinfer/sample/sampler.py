@@ -6,6 +6,14 @@ the draw is Gumbel-max with uniforms from rng.py keyed by (seed, position, token
 which picks token i with probability exactly p_i, and uses no generator state, so a seeded row
 gets the same token whatever else is in its batch (and after preemption and recompute).
 
+Greedy rows: temperature 0, any temperature below GREEDY_TEMPERATURE (1e-5, where logits / t
+could overflow to inf) and top_k = 1 take the argmax (SamplingParams.greedy).
+
+No NaN for valid parameters: the logits after penalties are finite or -inf (penalties.py clamps
+what a tiny repetition penalty would blow up), a row always keeps at least one finite logit
+(top-k / top-p / min-p keep the best token; the engine refuses a min_tokens ban of the whole
+vocabulary), and t >= 1e-5 cannot overflow them; so logprobs are finite or -inf, never NaN.
+
 Logprobs: the log-softmax of the logits after penalties and temperature, before top-k / top-p /
 min-p (a truncated distribution would give -inf to most candidates). Greedy rows use
 temperature 1 for their logprobs. vLLM by default returns the raw model logprobs instead; we
@@ -194,7 +202,8 @@ class Sampler:
         else:
             vocab = logits.shape[1]
             srows = [rows[i] for i in sampled]
-            top_k_l = [r.params.top_k if r.params.top_k > 0 else vocab for r in srows]
+            # top_k >= vocab (validated <= 2**31 - 1) keeps every token: clamped, so the tensor holds it
+            top_k_l = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in srows]
             top_p_l = [float(r.params.top_p) for r in srows]
             min_p_l = [float(r.params.min_p) for r in srows]
             t = tensor_to([temps[i] for i in sampled], torch.float32, device)

@@ -34,15 +34,33 @@ token:
 Logprobs need no fallback (they are computed on the device and copied with the ids).
 Models with per-sequence state (V4) and backends without graph capture run sync (the engine
 picks the mode: EngineConfig.async_scheduling).
+
+Failure isolation: an exception in one request's own work fails that request only, in both modes:
+- sampling: the runner leaves the rows whose sampling raises out of the draw and reports them
+  (PendingStep.failed, worker/model_runner.py); right after the launch, before anything else is
+  scheduled, their requests are failed;
+- output processing: an exception from OutputProcessor.append_token (detokenizer, stop checker)
+  for one sequence fails that sequence's request.
+Failing a request (`_fail`) finishes every unfinished sequence of it with finish_reason "error"
+(OutputProcessor.fail, which records the message for RequestOutput.error) and frees its blocks at
+once, exactly as a stop does (a token of it still in flight is dropped when that step resolves);
+the traceback is logged with the request id. The failed sequence is returned with those that got
+a token, so the engine reports its request in the same call. Anything else raising in a step (the
+scheduler, the batch build, the model forward, a device fault) is not one request's failure: it
+raises out of step() as before, and the caller (the HTTP server) fails every request in flight.
 """
 
 from __future__ import annotations
+
+import logging
 
 from deepinfer.errors import DeepInferError
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler
 from deepinfer.text.output_processor import OutputProcessor
-from deepinfer.worker.model_runner import ModelRunner, PendingStep
+from deepinfer.worker.model_runner import ModelRunner, PendingStep, request_error
+
+logger = logging.getLogger("deepinfer")
 
 
 class StepPipeline:
@@ -60,7 +78,8 @@ class StepPipeline:
 
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token in the step resolved by this call
-        (batch order; a sequence finished by it has status FINISHED and holds no blocks)."""
+        (batch order; a sequence finished by it has status FINISHED and holds no blocks), and
+        those failed in this call (finish_reason "error", see the module docstring)."""
         prev, self.pending = self.pending, None
         done: list[Sequence] = []
         if prev is not None and self._must_resolve_first():
@@ -72,18 +91,23 @@ class StepPipeline:
         if not sched.empty:
             launched = self.runner.launch(sched)
             self.scheduler.advance(sched)  # its KV is written before any later step reads it (stream order)
+            for i, message in launched.failed.items():  # their rows drew nothing: fail them now
+                seq = launched.sched.scheduled[i].seq
+                if not seq.finished:
+                    self._fail(seq, message)
+                    done.append(seq)
         elif prev is None and not done and self.scheduler.has_unfinished():
             raise DeepInferError(
                 f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                 f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)"
             )
         if prev is not None:
-            done = self._process(prev)
+            done += self._process(prev)
         if launched is not None:
             if self.async_scheduling:
                 self.pending = launched
             else:
-                done = self._process(launched)
+                done += self._process(launched)
         return done
 
     def drain(self) -> list[Sequence]:
@@ -107,10 +131,24 @@ class StepPipeline:
             if token is None:
                 continue
             seq = item.seq
-            if seq.finished:  # finished or aborted after this step was launched: its token is dropped
+            if seq.finished:  # finished, aborted or failed after this step was launched: its token is dropped
                 continue
-            append_token(seq, token, logprobs)
+            try:
+                append_token(seq, token, logprobs)
+            except Exception as exc:  # this sequence's own failure fails its request only
+                rid = seq.request.request_id
+                logger.exception("request %r: processing its output raised; the request fails, the others go on", rid)
+                self._fail(seq, request_error(rid, "processing its output", exc))
+                got.append(seq)
+                continue
             if seq.finished:
                 remove(seq)
             got.append(seq)
         return got
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Fail seq's request: seq and every unfinished sibling finish with "error", blocks freed."""
+        for s in seq.request.seqs:
+            if s is seq or not s.finished:
+                self.output_processor.fail(s, message)
+                self.scheduler.remove(s)

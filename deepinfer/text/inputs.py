@@ -18,12 +18,27 @@ def is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """InvalidRequestError when text holds a lone surrogate (not valid Unicode: no UTF-8 form)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: lone surrogate {text[exc.start]!r} at character {exc.start}", param=param
+        ) from None
+
+
 def prompt_token_ids(prompt: str | list[int], tokenizer, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
     """(prompt text or None, its token ids): a string is tokenized, a list of ids is checked against the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        text, ids = prompt, tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except (TypeError, ValueError):  # the Rust tokenizer refuses a str with a lone surrogate (TypeError)
+            _check_unicode(prompt, "prompt")  # checked only then: no extra pass over a valid prompt
+            raise
+        text = prompt
     elif isinstance(prompt, (list, tuple)):
         text, ids = None, list(prompt)
         for i, t in enumerate(ids):

@@ -5,11 +5,16 @@ end the sequence with the token kept in token_ids but not in text (unless
 include_stop_str_in_output); otherwise the token's text goes through the stop
 string checker; then max_tokens and max_model_len end it with "length".
 min_tokens holds back every "stop" ending until that many tokens exist.
+
+An internal failure in one request's work (sampling its row, its detokenizer or stop checker)
+finishes its sequences with finish_reason "error" (`fail`); its RequestOutput.error holds the
+first such failure's one-line message (worker/model_runner.py: request_error).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sched.request import Request, SeqStatus, Sequence, length_limit_reached
@@ -20,6 +25,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        # request -> its error message (requests that failed); weak: it goes with the request
+        self._errors: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
 
     def init_seq(self, seq: Sequence) -> None:
         from deepinfer.text.detokenizer import IncrementalDetokenizer
@@ -74,6 +81,16 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
         seq.status = SeqStatus.FINISHED
 
+    def fail(self, seq: Sequence, message: str) -> None:
+        """Finish seq with finish_reason "error" (whatever state it was in: the failure may have
+        come half-way through appending a token); its request's error is `message` unless an
+        earlier failure already set one. Text held back by the stop checker is not flushed (the
+        checker may be what failed). The caller frees the sequence's blocks."""
+        seq.finish_reason = "error"
+        seq.stop_reason = None
+        seq.status = SeqStatus.FINISHED
+        self._errors.setdefault(seq.request, message)
+
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
             if seq.stop_checker is not None:
@@ -116,4 +133,5 @@ class OutputProcessor:
             outputs=outs,
             finished=finished,
             metrics=metrics,
+            error=self._errors.get(req),
         )

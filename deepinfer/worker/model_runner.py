@@ -1,11 +1,20 @@
 """Runs a scheduled step on the device: build the batch, forward (a captured graph where the
 backend's graph runner can), logits for the rows that sample, and the draw; the host reads the
 drawn ids later (`PendingStep.resolve`), so async scheduling can queue the next step first.
+
+One request's failure never fails the others (`ModelRunner._sample`): when the sampler raises for
+a batch, its rows are sampled one at a time to find those that raise on their own; they draw no
+token and are reported in `PendingStep.failed` (the step pipeline finishes their requests with
+finish_reason "error"), and the other rows are sampled again as one batch (the sampler is
+row-wise and its draw keyed by (seed, position), so they get the tokens the full batch would have
+given them). A failure that no single row reproduces, and any failure of the batch build or the
+model forward, is not one request's: it raises out of launch() as before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +27,21 @@ from deepinfer.sched.scheduler import SchedulerOutput
 from deepinfer.worker.batch_builder import BatchBuilder
 from deepinfer.worker.step_timer import StepTimer
 from deepinfer.worker.transfer import HostCopy, tensor_to
+
+logger = logging.getLogger("deepinfer")
+
+_MAX_ERROR_CHARS = 300  # of the exception's text in a request's error message
+
+
+def request_error(request_id: str, stage: str, exc: BaseException) -> str:
+    """The one-line error a request failed by an internal error carries (RequestOutput.error):
+    the request id, the stage and the exception's type and text, never a traceback (that is
+    logged, with the request id, where the exception is caught)."""
+    text = " ".join(str(exc).split())
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[:_MAX_ERROR_CHARS] + "..."
+    head = f"internal error in request {request_id!r} while {stage}: {type(exc).__name__}"
+    return f"{head}: {text}" if text else head
 
 
 @dataclass
@@ -38,8 +62,11 @@ class PendingStep:
     """
 
     sched: SchedulerOutput
-    sampling: list[int]  # indices into sched.scheduled of the sequences that sample
+    sampling: list[int]  # indices into sched.scheduled of the sequences that sample (row j of the draw)
     sample: DeviceSample | None = None
+    # indices into sched.scheduled of sequences whose sampling raised -> request_error(...): they
+    # drew no token (no pending placeholder); the pipeline fails their requests
+    failed: dict[int, str] = field(default_factory=dict)
     host: HostCopy | None = None
     resolved: bool = False
     timer: StepTimer | None = None  # times the host's wait for the draw (benchmarks)
@@ -150,13 +177,46 @@ class ModelRunner:
             n = seq.num_tokens  # the drawn token's position (pending tokens included)
             rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed, n,
                                     num_outputs=n - len(req.prompt_token_ids)))
-        step.sample = self.sampler.sample(logits, rows)
+        step.sample, step.sampling, step.failed = self._sample(logits, rows, sampling, items)
+        if step.sample is None:  # every sampling row failed
+            if timer is not None:
+                timer.mark("end")
+            return step
         step.host = HostCopy(step.sample.tensors, self.device)
         if timer is not None:
             timer.mark("end")
         self._last_tokens = step.sample.token_ids
+        sampling = step.sampling
         for j, i in enumerate(sampling):
             seq = items[i].seq
             seq.num_pending += 1
             seq.pending_row = j
         return step
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sampling: list[int], items
+                ) -> tuple[DeviceSample | None, list[int], dict[int, str]]:
+        """(draw, the sampling indices it covers, failed index -> error): the whole batch when the
+        sampler takes it; otherwise the rows that raise alone are left out (module docstring).
+
+        Only host-side exceptions can be isolated this way: the sampler queues device work without
+        waiting for it, so a device fault would surface later, at the host copy, for everyone."""
+        try:
+            return self.sampler.sample(logits, rows), sampling, {}
+        except Exception as exc:  # noqa: BLE001 - re-raised below unless a row alone reproduces it
+            batch_exc = exc
+        failed: dict[int, str] = {}
+        for j, row in enumerate(rows):
+            try:
+                self.sampler.sample(logits[j : j + 1], [row])
+            except Exception as exc:  # this row's own failure
+                rid = items[sampling[j]].seq.request.request_id
+                logger.exception("request %r: sampling its row raised; the request fails, the others go on", rid)
+                failed[sampling[j]] = request_error(rid, "sampling", exc)
+        if not failed:
+            raise batch_exc  # the batch fails but no row alone does: not one request's failure
+        keep = [j for j, i in enumerate(sampling) if i not in failed]
+        if not keep:
+            return None, [], failed
+        idx = tensor_to(keep, torch.int64, logits.device)
+        sample = self.sampler.sample(logits.index_select(0, idx), [rows[j] for j in keep])
+        return sample, [sampling[j] for j in keep], failed

@@ -224,6 +224,31 @@ def test_invalid_sampling_values(engine, kwargs, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(top_k=2**63), "top_k"),  # used to pass and raise inside the step, failing every request in flight
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1000.0), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
+        (dict(n=1.5), "n"),
+        (dict(n=10**6), "n"),
+        (dict(max_tokens=2**63), "max_tokens"),
+        (dict(seed=2**64), "seed"),
+        (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+        (dict(stop_token_ids=[10**6]), "stop_token_ids"),  # valid int32, outside this model's vocabulary
+    ],
+)
+def test_values_the_engine_cannot_represent(engine, kwargs, param):
+    with pytest.raises(InvalidRequestError, match=param) as info:
+        engine.generate(["hi"], use_tqdm=False, **kwargs)
+    assert info.value.param == param
+    assert not engine.has_unfinished_requests() and engine.stats().kv_blocks_used == 0
+
+
 def test_invalid_prompts(engine):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         engine.generate([""], use_tqdm=False)

@@ -315,3 +315,88 @@ def test_filter_rows_identical_alone_and_batched():
     for i in range(n):
         alone = filter_logits(x[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1])
         assert torch.equal(alone[0], batched[i]), i
+
+
+# ------------------------------------------------------------------ extreme values (issue 11)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-6, 5e-324])
+def test_tiny_temperatures_are_greedy_with_finite_logprobs(temperature):
+    """Below GREEDY_TEMPERATURE a row is greedy: logits / t (which would overflow to inf) never happens."""
+    from deepinfer.sampling_params import GREEDY_TEMPERATURE
+
+    assert temperature < GREEDY_TEMPERATURE and SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    logits = torch.randn(16, V, generator=torch.Generator().manual_seed(4)) * 30
+    tiny = [_row(SamplingParams(temperature=temperature, logprobs=5, top_p=0.3), seed=i) for i in range(16)]
+    zero = [_row(SamplingParams(temperature=0.0, logprobs=5), seed=i) for i in range(16)]
+    mixed = [tiny[i] if i % 2 else _row(SamplingParams(temperature=0.8, seed=i), seed=i) for i in range(16)]
+    a, b, m = Sampler(V)(logits, tiny), Sampler(V)(logits, zero), Sampler(V)(logits, mixed)
+    assert a.token_ids == b.token_ids == logits.argmax(-1).tolist()
+    assert m.token_ids[1::2] == a.token_ids[1::2]
+    for la, lb in zip(a.logprobs, b.logprobs):
+        assert all(math.isfinite(x.logprob) for x in la.values())
+        assert {t: x.logprob for t, x in la.items()} == {t: x.logprob for t, x in lb.items()}
+
+
+def test_top_k_beyond_the_vocabulary_is_clamped():
+    """top_k up to 2**31 - 1 (the validated cap) and even an unvalidated 2**63 build no out-of-range tensor."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
+
+    class Unchecked(SamplingParams):
+        def validate(self) -> None:
+            return None
+
+    ref = Sampler(V)(logits, [_row(SamplingParams(temperature=1.0, logprobs=2), seed=i) for i in range(4)])
+    for k in (V, V + 1, 2**31 - 1):
+        out = Sampler(V)(logits, [_row(SamplingParams(temperature=1.0, top_k=k, logprobs=2), seed=i) for i in range(4)])
+        assert out.token_ids == ref.token_ids
+    out = Sampler(V)(logits, [_row(Unchecked(temperature=1.0, top_k=2**63), seed=i) for i in range(4)])
+    assert out.token_ids == ref.token_ids
+
+
+BOUND_PARAMS = [
+    dict(temperature=1e-5), dict(temperature=100.0), dict(temperature=1e-5, top_k=2), dict(temperature=1.0, top_k=1),
+    dict(temperature=1.0, top_k=2**31 - 1, top_p=1e-12), dict(temperature=0.5, top_p=1.0, min_p=1.0),
+    dict(temperature=1e-5, top_p=1e-12, min_p=1.0, top_k=3),
+    dict(temperature=1.0, repetition_penalty=5e-324), dict(temperature=1e-5, repetition_penalty=1e-300),
+    dict(temperature=0.0, repetition_penalty=1e-45), dict(temperature=100.0, repetition_penalty=100.0),
+    dict(temperature=1e-5, repetition_penalty=100.0, frequency_penalty=2.0, presence_penalty=2.0),
+    dict(temperature=1e-5, repetition_penalty=1e-30, frequency_penalty=-2.0, presence_penalty=-2.0, min_p=0.9),
+    dict(temperature=2.0, min_tokens=5, stop_token_ids=list(range(1, V)), top_k=5),  # only token 0 drawable
+]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_no_nan_for_any_valid_params_at_their_bounds(scale):
+    """Logprobs are finite or -inf (never NaN), tokens in range and never a banned one, alone and batched."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(len(BOUND_PARAMS), V, generator=g) * scale
+    logits[:, ::7] = float("-inf")  # the model may give -inf too (masked columns)
+    logits[:, 0] = 0.5 * scale
+    sampler = Sampler(V, eos_token_id=1)
+    rows = [_row(SamplingParams(logprobs=20, seed=i, **kw), seed=i,
+                 output=[] if "min_tokens" in kw else list(range(0, V, 3)))  # min_tokens: not reached yet
+            for i, kw in enumerate(BOUND_PARAMS)]
+    batched = sampler(logits, rows)
+    for i, row in enumerate(rows):
+        alone = sampler(logits[i : i + 1], [row])
+        assert alone.token_ids == [batched.token_ids[i]]
+        tok = batched.token_ids[i]
+        assert 0 <= tok < V and math.isfinite(logits[i, tok])
+        if row.params.min_tokens:
+            assert tok == 0
+        assert not any(math.isnan(x.logprob) for x in batched.logprobs[i].values())
+        assert batched.logprobs[i][tok].logprob > float("-inf")
+
+
+def test_tiny_repetition_penalty_stays_finite():
+    from deepinfer.sample.penalties import PENALIZED_LOGIT_MAX
+
+    logits = torch.tensor([[3.0, -2.0, 1e4, 0.0]])
+    out = apply_penalties(logits, [_row(SamplingParams(repetition_penalty=5e-324), prompt=[0, 1, 2, 3])])
+    assert torch.isfinite(out).all() and out[0, 0] == out[0, 2] == PENALIZED_LOGIT_MAX
+    assert -1e-30 < out[0, 1] < 0 and out[0, 3] == 0.0  # a negative logit times ~0, zero stays zero
+    masked = apply_penalties(torch.tensor([[float("-inf"), 1.0]]),
+                             [_row(SamplingParams(repetition_penalty=1e-300), prompt=[0, 1])])
+    assert masked[0, 0] == float("-inf") and masked[0, 1] == PENALIZED_LOGIT_MAX  # -inf * (penalty -> 0) is not NaN
