@@ -7,9 +7,15 @@
 
 Passes (exit 0) when the server answered no 5xx (counted by its own /metrics), every
 malformed request got a 4xx, every stream that was not cut on purpose ended with a
-finish_reason and `data: [DONE]`, and after the load no KV block is still in use.
-Without --url it starts `python -m deepinfer.entrypoints.openai.server` on 127.0.0.1,
-stops it with SIGTERM at the end and requires a clean exit. Only loopback is allowed.
+finish_reason and `data: [DONE]` (and held no NaN / Infinity), and after the load no KV block
+is still in use. Without --url it starts `python -m deepinfer.entrypoints.openai.server` on
+127.0.0.1 with a random API key (so bad Authorization headers are exercised), stops it with
+SIGTERM at the end and requires a clean exit. Only loopback is allowed.
+
+The malformed mix (issue 11): bad JSON and types, out-of-range values, huge top_k, NaN /
+Infinity / 1e999 floats, lone UTF-16 surrogates in every string field, bad Authorization
+headers (non-ASCII, other schemes, wrong keys), requests over the per-request caps, fields
+naming features the server does not implement, a multi-megabyte prompt, an oversize body.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -40,6 +47,7 @@ class Tally:
     completed: int = 0
     disconnected: int = 0
     malformed_rejected: int = 0
+    kinds_covered: int = 0
     tokens: int = 0
     failures: list[str] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
@@ -51,10 +59,64 @@ class Tally:
             self.failures[-1] = f"... and more ({what})"
 
 
-def malformed_requests(model: str, max_model_len: int) -> list[tuple[str, bytes]]:
-    """(path, body) pairs the server must reject with a 4xx."""
-    j = lambda d: json.dumps(d).encode()  # noqa: E731
+def strict_loads(text: str):
+    """json.loads that refuses NaN / Infinity (a server must never write them)."""
+
+    def refuse(name):
+        raise ValueError(f"non-JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def malformed_requests(model: str, max_model_len: int, api_key: str | None) -> list[tuple[str, bytes, list | None]]:
+    """(path, body, headers to send instead of the client's Authorization, or None) the server must
+    reject with a 4xx."""
+    j = lambda d: json.dumps(d).encode()  # noqa: E731  (ensure_ascii: a lone surrogate is written as \ud800)
+    user = [{"role": "user", "content": "hi"}]
+    bodies = [(path, body, None) for path, body in _malformed_bodies(model, max_model_len, j, user)]
+    if api_key:
+        ok_body = j({"model": model, "prompt": "hi", "max_tokens": 2})
+        for value in (b"Bearer \xc3\xa9t\xc3\xa9", b"Bearer " + api_key.encode() + b"\xff", b"\xff\xfe",
+                      b"Basic " + api_key.encode(), api_key.encode(), b"Bearer wrong-key", b"Bearer"):
+            bodies.append(("/v1/completions", ok_body, [(b"authorization", value)]))
+    return bodies
+
+
+def _malformed_bodies(model: str, max_model_len: int, j, user) -> list[tuple[str, bytes]]:
+    big_prompt = j({"model": model, "prompt": "a multi megabyte prompt " * 250_000, "max_tokens": 4})  # 6 MB
     return [
+        # huge integers and non-finite floats
+        ("/v1/completions", j({"model": model, "prompt": "hi", "top_k": 2**63})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "seed": 2**80})),
+        ("/v1/completions", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % model.encode()),
+        ("/v1/completions", b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % model.encode()),
+        ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                                 b'"presence_penalty": -1e999}' % model.encode()),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "repetition_penalty": 1e308})),
+        # lone surrogates
+        ("/v1/completions", j({"model": model, "prompt": "bad \ud800 text"})),
+        ("/v1/completions", j({"model": model + "\udfff", "prompt": "hi"})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "stop": ["\ud83d"]})),
+        ("/v1/chat/completions", j({"model": model, "messages": [{"role": "user", "content": "x\udc00"}]})),
+        ("/v1/completions", b'{"model": "x", "prompt": "\xff\xfe invalid utf-8"}'),
+        # over the per-request caps
+        ("/v1/completions", j({"model": model, "prompt": ["a", "b", "c"], "n": 50})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "stop": [f"s{i}" for i in range(17)]})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "stop": ["x" * 1025]})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "logprobs": 21})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "logprobs": True, "top_logprobs": 21})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "max_completion_tokens": max_model_len})),
+        # features the server does not implement: refused, never ignored
+        ("/v1/completions", j({"model": model, "prompt": "hi", "guided_json": {"type": "object"}})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "guided_regex": "[a-z]+"})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "prompt_logprobs": 1})),
+        ("/v1/completions", j({"model": model, "prompt": "hi", "stream_options": {"include_usage": True}})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "tool_choice": "auto"})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "tools": [{"type": "function"}]})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "response_format": {"type": "json_object"}})),
+        ("/v1/chat/completions", j({"model": model, "messages": user, "structured_outputs": {"choice": ["a"]}})),
+        # a prompt of several megabytes (refused after tokenizing about max_model_len tokens of it)
+        ("/v1/completions", big_prompt),
         ("/v1/completions", b'{"model": "x", "prompt": '),
         ("/v1/completions", b"not json at all"),
         ("/v1/completions", j({"model": model, "prompt": "hi", "temperature": "hot"})),
@@ -81,16 +143,21 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, rng: rando
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "temperature": rng.choice([0.0, 0.7, 1.0, 1e-30]),  # 1e-30: greedy, never inf / NaN
         "seed": rng.randint(0, 1000),
         "n": rng.choice([1, 1, 1, 2]),
     }
+    with_logprobs = rng.random() < 0.25
     if chat:
         body["messages"] = [{"role": "user", "content": f"soak message {rng.randint(0, 10**6)} " * rng.randint(1, 6)}]
         path = "/v1/chat/completions"
+        if with_logprobs:
+            body.update(logprobs=True, top_logprobs=rng.choice([0, 5, 20]))
     else:
         body["prompt"] = f"soak prompt {rng.randint(0, 10**6)} " * rng.randint(1, 6)
         path = "/v1/completions"
+        if with_logprobs:
+            body["logprobs"] = rng.choice([0, 5, 20])
     cut_after = rng.randint(1, 6) if rng.random() < args.disconnect_prob else None
     start = time.monotonic()
     events, finishes, usage, done = 0, 0, None, False
@@ -107,7 +174,11 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, rng: rando
             if line == "data: [DONE]":
                 done = True
                 break
-            data = json.loads(line[6:])
+            try:
+                data = strict_loads(line[6:])
+            except ValueError as exc:
+                tally.fail(f"invalid JSON in a stream ({exc}): {line[:120]!r}")
+                return
             if "error" in data:
                 tally.fail(f"in-stream error {data['error']}")
                 return
@@ -129,22 +200,32 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, rng: rando
     tally.tokens += usage["completion_tokens"]
 
 
-async def one_malformed(client: httpx.AsyncClient, url: str, bodies, rng: random.Random, tally: Tally) -> None:
-    path, body = rng.choice(bodies)
-    r = await client.post(url + path, content=body, headers={"content-type": "application/json"})
-    if 400 <= r.status_code < 500 and "error" in r.json():
+async def one_malformed(client: httpx.AsyncClient, url: str, item, tally: Tally) -> None:
+    path, body, auth = item
+    headers = [(b"content-type", b"application/json"), *(auth or [])]
+    r = await client.post(url + path, content=body, headers=headers)
+    try:
+        ok = 400 <= r.status_code < 500 and "error" in strict_loads(r.text)
+    except ValueError:
+        ok = False
+    if ok:
         tally.malformed_rejected += 1
     else:
-        tally.fail(f"malformed {body[:60]!r} -> {r.status_code}")
+        tally.fail(f"malformed {body[:60]!r} (auth {auth!r}) -> {r.status_code}: {r.text[:160]!r}")
 
 
 async def worker(i: int, url: str, model: str, args, deadline: float, tally: Tally, bodies, headers) -> None:
     rng = random.Random(args.seed * 1000 + i)
+    sweep = list(bodies[i :: args.concurrency])  # every malformed kind once, spread over the workers
     async with httpx.AsyncClient(timeout=args.request_timeout, headers=headers) as client:
         while time.monotonic() < deadline:
             try:
-                if rng.random() < args.malformed_prob:
-                    await one_malformed(client, url, bodies, rng, tally)
+                if sweep:  # interleaved with this worker's streams, while the others stream
+                    await one_malformed(client, url, sweep.pop(0), tally)
+                    tally.kinds_covered += 1
+                    await one_stream(client, url, model, rng, args, tally)
+                elif rng.random() < args.malformed_prob:
+                    await one_malformed(client, url, rng.choice(bodies), tally)
                 else:
                     await one_stream(client, url, model, rng, args, tally)
             except httpx.HTTPError as exc:
@@ -178,7 +259,10 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
            "--device", args.device, "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     if args.device == "cpu":
         cmd += ["--dtype", "float32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ)
+    if args.api_key:
+        env[envs.API_KEY.name] = args.api_key
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -216,6 +300,8 @@ def main() -> int:
             raise SystemExit(f"--url must point at loopback ({', '.join(sorted(LOOPBACK))}), got {host!r}")
         url = args.url.rstrip("/")
     else:
+        if not args.api_key:  # its own server: with a key, so bad Authorization headers are part of the mix
+            args.api_key = "soak-" + secrets.token_hex(8)
         proc, url, _ = start_server(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -224,7 +310,7 @@ def main() -> int:
         max_model_len = models[0].get("max_model_len") or args.max_model_len
         before = scrape(url, headers)
         tally = Tally()
-        bodies = malformed_requests(model, max_model_len)
+        bodies = malformed_requests(model, max_model_len, args.api_key)
         t0 = time.monotonic()
         deadline = t0 + args.duration
 
@@ -260,6 +346,7 @@ def main() -> int:
         "streams_completed": tally.completed,
         "streams_disconnected": tally.disconnected,
         "malformed_rejected_4xx": tally.malformed_rejected,
+        "malformed_kinds_sent": f"{tally.kinds_covered}/{len(bodies)}",
         "client_failures": len(tally.failures),
         "server_5xx": int(server_5xx),
         "kv_blocks_leaked": leaked,
@@ -279,7 +366,7 @@ def main() -> int:
         print("  failure:", f)
     print("SOAK_JSON " + json.dumps(result))
     ok = (server_5xx == 0 and leaked == 0 and not tally.failures and tally.completed > 0
-          and exit_code in (None, 0))
+          and tally.kinds_covered == len(bodies) and exit_code in (None, 0))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -39,6 +39,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     h.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 8 MiB)")
     h.add_argument("--drain-timeout", type=float, default=None, help="seconds SIGTERM waits for in-flight requests")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument(
+        "--no-access-log", action="store_true",
+        help="no access-log line per request (method, path, status, tokens, TTFT, time; info level)",
+    )
+    c = parser.add_argument_group("per-request work caps (over a cap: 400 naming the field)")
+    c.add_argument("--max-choices-per-request", type=int, default=128,
+                   help="prompts x n in one request (default 128)")
+    c.add_argument("--max-stop-strings", type=int, default=16, help="stop strings in one request (default 16)")
+    c.add_argument("--max-stop-chars", type=int, default=1024,
+                   help="total characters of a request's stop strings (default 1024)")
+    c.add_argument("--max-logprobs", type=int, default=20,
+                   help="completions logprobs / chat top_logprobs, at most 20 (default 20)")
+    c.add_argument("--max-output-tokens", type=int, default=None,
+                   help="max_tokens / max_completion_tokens (default: max_model_len); also the default "
+                        "when a request leaves max_tokens unset")
     return parser
 
 

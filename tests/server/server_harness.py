@@ -63,7 +63,7 @@ def start_server(engine, **app_kwargs) -> LiveServer:
     from deepinfer.entrypoints.openai.server import build_app
 
     app = build_app(engine, **app_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from deepinfer.entrypoints.openai.request_context import RequestContext, current_request
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -35,6 +36,17 @@ class EngineStoppedError(Exception):
 
 class EngineStepError(Exception):
     """engine.step() raised; the requests in flight are failed, not hung."""
+
+
+class RequestFailedError(Exception):
+    """The engine failed this one request (RequestOutput.error is set; its other requests go on).
+
+    `error` is the engine's one-line description (logged, never sent to the client)."""
+
+    def __init__(self, request_id: str, error: str):
+        super().__init__(f"request {request_id} failed inside the engine")
+        self.request_id = request_id
+        self.error = error
 
 
 @dataclass
@@ -59,9 +71,13 @@ class RequestHandle:
     engine: "AsyncEngine"
     finished: bool = False
     last: RequestOutput | None = None
+    context: RequestContext | None = None  # the HTTP request's (access log: TTFT, completion tokens)
+    _counted: int = 0
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Yield the newest cumulative output each time the request progresses; abort if left early."""
+        """Yield the newest cumulative output each time the request progresses; abort if left early.
+
+        An output with `error` set (the engine failed this request alone) raises RequestFailedError."""
         try:
             while not self.finished:
                 item = await self.queue.get()
@@ -71,11 +87,24 @@ class RequestHandle:
                     self.finished = True
                     raise item
                 self.last = item
+                self._account(item)
+                if item.error is not None:
+                    self.finished = True  # the engine finished it and freed its blocks
+                    raise RequestFailedError(self.request_id, item.error)
                 self.finished = item.finished
                 yield item
         finally:
             if not self.finished:
                 self.abort()
+
+    def _account(self, item: RequestOutput) -> None:
+        if self.context is None:
+            return
+        total = sum(len(c.token_ids) for c in item.outputs)
+        if total > self._counted:
+            self.context.on_first_token()
+            self.context.completion_tokens += total - self._counted
+            self._counted = total
 
     def abort(self) -> None:
         if not self.finished:
@@ -143,7 +172,7 @@ class AsyncEngine:
         tracked = _Tracked(request_id, queue, loop, arrival=time.monotonic())
         self._commands.append(("add", tracked, prompt, params, accepted))
         self._wake.set()
-        handle = RequestHandle(request_id, queue, self)
+        handle = RequestHandle(request_id, queue, self, context=current_request())
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -212,6 +241,12 @@ class AsyncEngine:
             self.metrics.on_finished("abort", tracked, time.monotonic())
         self.snapshot = StatsSnapshot(self.engine.stats())
 
+    def _abort_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort_request(%s) failed", request_id)
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
@@ -240,10 +275,14 @@ class AsyncEngine:
                 tracked.first_token = tracked.first_token or now
                 tracked.last_token = now
                 tracked.num_tokens = num_tokens
-            if out.finished:
+            if out.error is not None:  # the engine failed this request alone (RequestOutput.error)
+                logger.error("engine request %s failed: %s", out.request_id, out.error)
+                if not out.finished:
+                    self._abort_engine(out.request_id)
+            if out.finished or out.error is not None:
                 del self._tracked[out.request_id]
                 if self.metrics is not None:
-                    reasons = {c.finish_reason for c in out.outputs}
+                    reasons = {"error"} if out.error is not None else {c.finish_reason for c in out.outputs}
                     self.metrics.on_finished(reasons.pop() if len(reasons) == 1 else "mixed", tracked, now)
             self._deliver(tracked, out)
         self.snapshot = StatsSnapshot(self.engine.stats())

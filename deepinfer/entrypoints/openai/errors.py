@@ -7,6 +7,7 @@ already handle, and no traceback ever reaches a client.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -43,7 +44,14 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """Error bodies are written with ASCII escapes: a message quoting client input can never fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
@@ -113,6 +121,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not parse the body (e.g. it is not UTF-8)
+            return bad_request(f"request body is not valid JSON text: {exc.detail}", "body", "invalid_json").response()
         codes = {404: "not_found", 405: "method_not_allowed"}
         err = OpenAIError(exc.status_code, str(exc.detail), "invalid_request_error", None, codes.get(exc.status_code))
         return err.response()

@@ -20,13 +20,16 @@ MAX_N = 128  # OpenAI's own limit; a huge n would otherwise let one request exha
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # so request_checks can refuse the options it does not implement
     include_usage: Bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
+    # Unknown fields are kept (model_extra) so request_checks.check_unsupported can refuse those that name
+    # a feature DeepInfer lacks (fail closed); the others are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1

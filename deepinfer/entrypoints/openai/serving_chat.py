@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deepinfer.entrypoints.openai.async_engine import EngineStepError
-from deepinfer.entrypoints.openai.errors import bad_request, internal_error
+from deepinfer.entrypoints.openai.async_engine import EngineStepError, RequestFailedError
+from deepinfer.entrypoints.openai.errors import bad_request
 from deepinfer.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,7 +21,10 @@ from deepinfer.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from deepinfer.entrypoints.openai.request_checks import check_caps, check_unicode, check_unsupported
+from deepinfer.entrypoints.openai.request_context import current_request
 from deepinfer.entrypoints.openai.serving_common import (
+    LOGPROB_FLOOR,
     ChoiceDeltas,
     ServerState,
     build_sampling_params,
@@ -29,9 +32,14 @@ from deepinfer.entrypoints.openai.serving_common import (
     chosen_logprob,
     chunk_event,
     collect,
+    encode_text,
+    finite_logprob,
     new_id,
+    off_loop,
+    request_failed,
     run_until_disconnect,
     sse,
+    step_failed,
     stream_error_event,
     submit_all,
     top_entries,
@@ -39,9 +47,9 @@ from deepinfer.entrypoints.openai.serving_common import (
 )
 
 
-def _token_logprob(state: ServerState, token_id: int, logprob: float | None) -> dict:
+def _token_logprob(state: ServerState, token_id: int, logprob: float) -> dict:
     text = state.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
@@ -50,7 +58,8 @@ def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
         entry = entry or {}
         top = [TopLogprob(**_token_logprob(state, e.token_id, e.logprob)) for e in top_entries(entry, k)]
         chosen = chosen_logprob(entry, tid)
-        content.append(ChatTokenLogprob(**_token_logprob(state, tid, chosen if chosen is not None else float("-inf")), top_logprobs=top))
+        chosen = chosen if chosen is not None else LOGPROB_FLOOR
+        content.append(ChatTokenLogprob(**_token_logprob(state, tid, chosen), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -58,7 +67,13 @@ class ChatHandler:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, req: ChatCompletionRequest, max_tokens: int | None, max_param: str) -> list[int]:
+        """Render the template and tokenize (worker thread); the context checks included."""
+        ids = self._render_and_encode(req)
+        check_prompt_ids(self.state, ids, max_tokens, "messages", max_param)
+        return ids
+
+    def _render_and_encode(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
             raise bad_request("messages must hold at least one message", "messages")
         messages = []
@@ -70,19 +85,13 @@ class ChatHandler:
             text = self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as exc:  # a template that raises (jinja2 `raise_exception`) rejects the conversation
             raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
-        return self.state.tokenizer.encode(text)  # BOS added once, as engine.chat does
+        return encode_text(self.state, text, "messages")  # BOS added once, as engine.chat does
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         state = self.state
+        await off_loop(state, check_unicode, req)  # before anything echoes a string back
         model = state.check_model(req.model)
-        if req.tools:
-            raise bad_request("tools are not supported by DeepInfer", "tools", "unsupported_parameter")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format {req.response_format.type!r} is not supported by DeepInfer (only 'text')",
-                "response_format",
-                "unsupported_parameter",
-            )
+        check_unsupported(req, "chat")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -90,10 +99,17 @@ class ChatHandler:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        check_caps(
+            state.limits, state.max_model_len, num_prompts=1, n=req.n, stop=req.stop, logprobs=logprobs,
+            logprobs_param="top_logprobs", max_tokens=max_tokens, max_param=max_param,
+        )
         rename = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = build_sampling_params(req, max_tokens, logprobs, rename)
-        prompt_ids = self._prompt_ids(req)
-        check_prompt_ids(state, prompt_ids, max_tokens, "messages", max_param)
+        effective_max = max_tokens if max_tokens is not None else state.limits.max_output_tokens
+        params = build_sampling_params(req, effective_max, logprobs, rename)
+        prompt_ids = await off_loop(state, self._prompt_ids, req, max_tokens, max_param)
+        ctx = current_request()
+        if ctx is not None:
+            ctx.prompt_tokens = len(prompt_ids)
         request_id = new_id("chatcmpl")
         handles = await submit_all(state, request_id, [prompt_ids], params, rename)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -102,8 +118,10 @@ class ChatHandler:
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             final = await run_until_disconnect(raw, collect(handles[0]))
-        except EngineStepError as exc:
-            raise internal_error(str(exc)) from None
+        except RequestFailedError as exc:
+            raise request_failed(exc, request_id) from None
+        except EngineStepError:
+            raise step_failed(request_id) from None
         return JSONResponse(self._response(request_id, model, final, logprobs).model_dump())
 
     def _response(self, request_id, model, out, logprobs: int | None) -> ChatCompletionResponse:
@@ -158,5 +176,5 @@ class ChatHandler:
             if include_usage:
                 yield chunk([], usage_info(prompt_tokens, deltas.completion_tokens))
         except Exception as exc:
-            yield stream_error_event(exc)
+            yield stream_error_event(exc, request_id)
         yield sse("[DONE]")

@@ -1,14 +1,23 @@
 """What the completions and chat handlers share: request -> SamplingParams,
 prompt checks, submitting to the engine loop, output deltas, logprobs, SSE.
+
+Per-request work that could take long (the Unicode walk, chat-template rendering, tokenization)
+runs on a small thread pool (`off_loop`), never on the event loop; JSON bodies never hold NaN
+or Infinity (a log-probability of -inf is written as LOGPROB_FLOOR, and serialization refuses
+NaN, so a bug is an error, not invalid JSON).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import json
 import logging
+import math
+import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -18,6 +27,7 @@ from deepinfer.entrypoints.openai.async_engine import (
     EngineStepError,
     EngineStoppedError,
     QueueFullError,
+    RequestFailedError,
     RequestHandle,
 )
 from deepinfer.entrypoints.openai.errors import (
@@ -28,6 +38,8 @@ from deepinfer.entrypoints.openai.errors import (
     overloaded,
 )
 from deepinfer.entrypoints.openai.protocol import UsageInfo
+from deepinfer.entrypoints.openai.request_checks import PromptTooLong, ServerLimits, encode_within
+from deepinfer.entrypoints.openai.request_context import current_request, new_request_id
 from deepinfer.errors import InvalidRequestError
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -44,6 +56,13 @@ class ServerState:
     served_model_names: list[str]
     max_model_len: int
     model_path: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # tokenization, chat templates, request walks: off the event loop, bounded
+    executor: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="deepinfer-prep"
+        )
+    )
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a name this server does not serve."""
@@ -64,7 +83,36 @@ class ServerState:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`<prefix>-<request id>`: the HTTP request's id (X-Request-Id, or one the server made)."""
+    ctx = current_request()
+    return f"{prefix}-{ctx.request_id if ctx is not None else new_request_id()}"
+
+
+async def off_loop(state: ServerState, fn, *args):
+    """fn(*args) on the server's worker threads (the request's context, so its logs carry its id)."""
+    loop = asyncio.get_running_loop()
+    ctx = contextvars.copy_context()
+    return await loop.run_in_executor(state.executor, ctx.run, fn, *args)
+
+
+def context_too_long(state: ServerState, prompt_param: str, num_tokens: int, at_least: bool = False) -> OpenAIError:
+    limit = state.max_model_len
+    has = f"at least {num_tokens}" if at_least else str(num_tokens)
+    return bad_request(
+        f"This model's maximum context length is {limit} tokens, but the prompt ({prompt_param}) has "
+        f"{has} tokens; reduce its length",
+        prompt_param,
+        "context_length_exceeded",
+    )
+
+
+def encode_text(state: ServerState, text: str, prompt_param: str) -> list[int]:
+    """Token ids of a text prompt (worker thread); a text that cannot fit max_model_len is refused
+    after tokenizing about max_model_len tokens of it (request_checks.encode_within)."""
+    try:
+        return encode_within(state.tokenizer, text, state.max_model_len)
+    except PromptTooLong as exc:
+        raise context_too_long(state, prompt_param, exc.at_least, at_least=True) from None
 
 
 def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
@@ -97,17 +145,12 @@ def check_prompt_ids(state: ServerState, ids: list[int], max_tokens: int | None,
     """400 when the prompt is empty, holds unknown ids, or prompt + max_tokens exceeds the context."""
     if not ids:
         raise bad_request(f"{prompt_param} must not be empty", prompt_param)
+    limit = state.max_model_len
+    if len(ids) >= limit:  # before the O(len) vocabulary scan
+        raise context_too_long(state, prompt_param, len(ids))
     vocab = getattr(state.tokenizer, "vocab_size", None)
     if vocab is not None and any(t < 0 or t >= vocab for t in ids):
         raise bad_request(f"{prompt_param} holds token ids outside [0, {vocab})", prompt_param)
-    limit = state.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens, but the prompt ({prompt_param}) has "
-            f"{len(ids)} tokens; reduce its length",
-            prompt_param,
-            "context_length_exceeded",
-        )
     if max_tokens is not None and len(ids) + max_tokens > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, but {len(ids) + max_tokens} were requested "
@@ -120,7 +163,15 @@ def check_prompt_ids(state: ServerState, ids: list[int], max_tokens: int | None,
 async def submit(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams, rename) -> RequestHandle:
     """add_request with its failures mapped to status codes."""
     try:
-        return await state.async_engine.add_request(request_id, prompt_ids, params)
+        try:
+            return await state.async_engine.add_request(request_id, prompt_ids, params)
+        except InvalidRequestError as exc:
+            if exc.param != "request_id":
+                raise
+            # A client reused an X-Request-Id still in flight: the engine needs unique ids.
+            unique = f"{request_id}~{uuid.uuid4().hex[:8]}"
+            logger.info("engine request id %s is in use; using %s", request_id, unique)
+            return await state.async_engine.add_request(unique, prompt_ids, params)
     except InvalidRequestError as exc:
         raise from_invalid_request(exc, rename) from None
     except QueueFullError as exc:
@@ -270,6 +321,15 @@ def chunk_event(chunk, include_usage: bool) -> str:
     return sse(data)
 
 
+LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is written as (vLLM's sentinel): JSON has no -inf
+
+
+def finite_logprob(value: float) -> float:
+    """-inf (a token the sampler masked out) -> LOGPROB_FLOOR. NaN is left as is: serialization
+    refuses it (allow_nan=False), so such a bug fails loudly instead of writing invalid JSON."""
+    return LOGPROB_FLOOR if value == -math.inf else value
+
+
 def top_entries(entry: dict[int, Logprob], k: int) -> list[Logprob]:
     """The k most likely candidates (the chosen token is added by the sampler when outside the top k)."""
     return sorted(entry.values(), key=lambda lp: -lp.logprob)[:k]
@@ -277,19 +337,47 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[Logprob]:
 
 def chosen_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
     lp = entry.get(token_id)
-    return None if lp is None else lp.logprob
+    return None if lp is None else finite_logprob(lp.logprob)
+
+
+def dumps(payload) -> str:
+    """Compact JSON that is valid JSON: NaN / Infinity raise ValueError instead of being written."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def sse(payload) -> str:
-    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    body = payload if isinstance(payload, str) else dumps(payload)
     return f"data: {body}\n\n"
 
 
-def stream_error_event(exc: BaseException) -> str:
-    """An error that happens after the stream started cannot change the status: send it as an event."""
+def request_failed(exc: RequestFailedError, response_id: str) -> OpenAIError:
+    """The 500 for a request the engine failed alone: names it an internal error and the request,
+    never the engine's exception text (that is in the server log)."""
+    return internal_error(
+        f"Internal error: the server failed while generating request {response_id} and stopped it "
+        "(other requests are not affected; the server log has the details)"
+    )
+
+
+def step_failed(response_id: str) -> OpenAIError:
+    """The 500 when a whole engine step failed (every request in flight was stopped); the exception
+    itself is in the server log, not in the body."""
+    return internal_error(
+        f"Internal error: an engine step failed while generating request {response_id}; the requests in "
+        "flight were stopped (the server log has the details)"
+    )
+
+
+def stream_error_event(exc: BaseException, response_id: str | None = None) -> str:
+    """An error that happens after the stream started cannot change the status: send it as an event
+    (`data: {"error": {...}}`; the caller then sends `data: [DONE]` and ends the stream)."""
     if isinstance(exc, OpenAIError):
         err = exc
-    elif isinstance(exc, (EngineStepError, EngineStoppedError)):
+    elif isinstance(exc, RequestFailedError):
+        err = request_failed(exc, response_id or exc.request_id)
+    elif isinstance(exc, EngineStepError):
+        err = step_failed(response_id or "-")
+    elif isinstance(exc, EngineStoppedError):
         err = internal_error(str(exc))
     else:
         logger.exception("error while streaming", exc_info=exc)

@@ -8,8 +8,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deepinfer.entrypoints.openai.async_engine import EngineStepError
-from deepinfer.entrypoints.openai.errors import bad_request, internal_error
+from deepinfer.entrypoints.openai.async_engine import EngineStepError, RequestFailedError
+from deepinfer.entrypoints.openai.errors import bad_request
 from deepinfer.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -17,6 +17,8 @@ from deepinfer.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from deepinfer.entrypoints.openai.request_checks import check_caps, check_unicode, check_unsupported
+from deepinfer.entrypoints.openai.request_context import current_request
 from deepinfer.entrypoints.openai.serving_common import (
     ChoiceDeltas,
     ServerState,
@@ -25,10 +27,15 @@ from deepinfer.entrypoints.openai.serving_common import (
     chosen_logprob,
     chunk_event,
     collect,
+    encode_text,
+    finite_logprob,
     merge,
     new_id,
+    off_loop,
+    request_failed,
     run_until_disconnect,
     sse,
+    step_failed,
     stream_error_event,
     submit_all,
     top_entries,
@@ -36,17 +43,31 @@ from deepinfer.entrypoints.openai.serving_common import (
 )
 
 
+def _num_prompts(prompt) -> int:
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
-    """Normalise the four prompt forms to token-id lists (tokenized as engine.generate does)."""
+    """Normalise the four prompt forms to token-id lists (tokenized as engine.generate does; a text
+    that cannot fit the context is refused before it is tokenized in full). Worker thread."""
     if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
+        return [encode_text(state, prompt, "prompt")]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt[0], str):
-        return [state.tokenizer.encode(p) for p in prompt]
+        return [encode_text(state, p, "prompt") for p in prompt]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]
+
+
+def _prepare_prompts(state: ServerState, prompt, max_tokens: int | None) -> list[list[int]]:
+    prompts = _prompt_ids(state, prompt)
+    for ids in prompts:
+        check_prompt_ids(state, ids, max_tokens, "prompt", "max_tokens")
+    return prompts
 
 
 def _logprobs(state: ServerState, token_ids, entries, k: int, offset: int) -> tuple[CompletionLogprobs, int]:
@@ -55,7 +76,9 @@ def _logprobs(state: ServerState, token_ids, entries, k: int, offset: int) -> tu
         text = state.token_text(tid)
         lp.tokens.append(text)
         lp.token_logprobs.append(chosen_logprob(entry, tid) if entry else None)
-        lp.top_logprobs.append({state.token_text(e.token_id): e.logprob for e in top_entries(entry, k)} if entry else None)
+        lp.top_logprobs.append(
+            {state.token_text(e.token_id): finite_logprob(e.logprob) for e in top_entries(entry, k)} if entry else None
+        )
         lp.text_offset.append(offset)
         offset += len(text)
     return lp, offset
@@ -67,17 +90,21 @@ class CompletionsHandler:
 
     async def create(self, req: CompletionRequest, raw: Request):
         state = self.state
+        await off_loop(state, check_unicode, req)  # before anything echoes a string back
         model = state.check_model(req.model)
-        if req.echo:
-            raise bad_request("echo is not supported by DeepInfer", "echo", "unsupported_parameter")
-        if req.suffix:
-            raise bad_request("suffix is not supported by DeepInfer", "suffix", "unsupported_parameter")
+        check_unsupported(req, "completions")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported by DeepInfer", "best_of", "unsupported_parameter")
-        params = build_sampling_params(req, req.max_tokens, req.logprobs, {})
-        prompts = _prompt_ids(state, req.prompt)
-        for ids in prompts:
-            check_prompt_ids(state, ids, req.max_tokens, "prompt", "max_tokens")
+        check_caps(
+            state.limits, state.max_model_len, num_prompts=_num_prompts(req.prompt), n=req.n, stop=req.stop,
+            logprobs=req.logprobs, logprobs_param="logprobs", max_tokens=req.max_tokens, max_param="max_tokens",
+        )
+        max_tokens = req.max_tokens if req.max_tokens is not None else state.limits.max_output_tokens
+        params = build_sampling_params(req, max_tokens, req.logprobs, {})
+        prompts = await off_loop(state, _prepare_prompts, state, req.prompt, req.max_tokens)
+        ctx = current_request()
+        if ctx is not None:
+            ctx.prompt_tokens = sum(len(ids) for ids in prompts)
         request_id = new_id("cmpl")
         handles = await submit_all(state, request_id, prompts, params, {})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -86,8 +113,10 @@ class CompletionsHandler:
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             finals = await run_until_disconnect(raw, self._collect_all(handles))
-        except EngineStepError as exc:
-            raise internal_error(str(exc)) from None
+        except RequestFailedError as exc:
+            raise request_failed(exc, request_id) from None
+        except EngineStepError:
+            raise step_failed(request_id) from None
         return JSONResponse(self._response(request_id, model, finals, req).model_dump())
 
     @staticmethod
@@ -153,5 +182,5 @@ class CompletionsHandler:
             if include_usage:
                 yield chunk([], usage_info(sum(len(ids) for ids in prompts), deltas.completion_tokens))
         except Exception as exc:  # after the 200 went out: report in-band, then end the stream
-            yield stream_error_event(exc)
+            yield stream_error_event(exc, request_id)
         yield sse("[DONE]")
