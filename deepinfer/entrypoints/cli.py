@@ -13,11 +13,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from deepinfer.entrypoints import cli_backends, cli_checkpoint, cli_generate, cli_serve
+from deepinfer.entrypoints import cli_backends, cli_bench, cli_checkpoint, cli_generate, cli_serve
 from deepinfer.entrypoints.cli_args import user_message
 
 EXIT_USER_ERROR = 2
-_SUBCOMMANDS = (cli_generate, cli_serve, cli_backends, cli_checkpoint)
+_SUBCOMMANDS = (cli_generate, cli_serve, cli_backends, cli_checkpoint, cli_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
