@@ -43,6 +43,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--no-access-log", action="store_true",
         help="no access-log line per request (method, path, status, tokens, TTFT, time; info level)",
     )
+    k = parser.add_argument_group("connections (docs/serving.md says what a client sees at each limit)")
+    k.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds a client has to send its request line and headers; then 408 and the connection "
+                        "closes (default 10; 0: no limit)")
+    k.add_argument("--body-timeout", type=float, default=None,
+                   help="seconds a client has to send the whole request body once its headers are in; then 408 "
+                        "(default 30; 0: no limit)")
+    k.add_argument("--keep-alive-timeout", type=float, default=None,
+                   help="seconds an idle kept-alive connection stays open (default 5)")
+    k.add_argument("--max-header-count", type=int, default=None,
+                   help="request headers per request; more: 431 (default 100)")
+    k.add_argument("--max-header-bytes", type=int, default=None,
+                   help="bytes of request headers (names and values); more: 431 (default 16384)")
+    k.add_argument("--max-connections", type=int, default=None,
+                   help="open connections; requests on one beyond it get 503 + Retry-After, /health excepted "
+                        "(default 1024; 0: no limit)")
     c = parser.add_argument_group("per-request work caps (over a cap: 400 naming the field)")
     c.add_argument("--max-choices-per-request", type=int, default=128,
                    help="prompts x n in one request (default 128)")

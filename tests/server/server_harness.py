@@ -96,3 +96,26 @@ def read_metric(text: str, name: str, labels: str | None = None) -> float | None
         if key == name or (labels is not None and key == f"{name}{{{labels}}}"):
             return float(value)
     return None
+
+
+def start_production_server(engine, connection_limits=None, drain_timeout=None, **app_kwargs) -> LiveServer:
+    """Like start_server, but with what `deepinfer serve` runs: server.uvicorn_config (its HTTP protocol
+    class: header timeout, 431, connection cap; uvicorn's keep-alive timeout) and DrainingServer."""
+    from deepinfer.entrypoints.openai.http_protocol import ConnectionLimits
+    from deepinfer.entrypoints.openai.server import DrainingServer, build_app, uvicorn_config
+
+    limits = connection_limits or ConnectionLimits()
+    app = build_app(engine, connection_limits=limits, **app_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = DrainingServer(uvicorn_config(app, limits, log_level="warning", drain_timeout=drain_timeout),
+                            app.state.deepinfer.async_engine, drain_timeout)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(app, server, thread, f"http://127.0.0.1:{port}")

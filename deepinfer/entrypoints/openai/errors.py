@@ -74,6 +74,17 @@ def overloaded(message: str, retry_after_s: int = 1) -> OpenAIError:
     )
 
 
+def request_timeout(message: str) -> OpenAIError:
+    """408: the client did not send its request (headers or body) in time; the connection closes."""
+    return OpenAIError(408, message, "invalid_request_error", None, "request_timeout", {"Connection": "close"})
+
+
+def headers_too_large(message: str) -> OpenAIError:
+    """431: too many request headers, or too many bytes of them; the connection closes."""
+    return OpenAIError(431, message, "invalid_request_error", "headers", "request_header_fields_too_large",
+                       {"Connection": "close"})
+
+
 def internal_error(message: str = "internal server error") -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
@@ -104,6 +115,18 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return bad_request(f"{field}: {msg}", param)
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    from starlette.routing import Match
+
+    allowed: set[str] = set()
+    for route in request.app.router.routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(request.scope)[0] is not Match.NONE:
+            allowed |= set(methods)
+    order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return sorted(allowed, key=lambda m: (order.index(m) if m in order else len(order), m))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception to an OpenAI error body; unexpected ones become a 500 without details."""
 
@@ -124,7 +147,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. it is not UTF-8)
             return bad_request(f"request body is not valid JSON text: {exc.detail}", "body", "invalid_json").response()
         codes = {404: "not_found", 405: "method_not_allowed"}
-        err = OpenAIError(exc.status_code, str(exc.detail), "invalid_request_error", None, codes.get(exc.status_code))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # RFC 9110: a 405 lists the methods the resource has. Starlette's names those of the first
+            # route of the path only (a GET route and its HEAD twin are two routes): ask all of them.
+            headers["Allow"] = ", ".join(_allowed_methods(request) or [headers.get("Allow", "")])
+        err = OpenAIError(exc.status_code, str(exc.detail), "invalid_request_error", None, codes.get(exc.status_code),
+                          headers)
         return err.response()
 
     @app.exception_handler(Exception)

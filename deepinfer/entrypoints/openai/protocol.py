@@ -1,8 +1,10 @@
 """Pydantic models of the OpenAI API subset DeepInfer serves.
 
 Numbers are strict (a string or a bool is not a number) so a bad type is a 400
-naming the field instead of a silent coercion. Range checks live in
-SamplingParams, the one place the engine and the server share.
+naming the field instead of a silent coercion. An integer field takes what JSON
+Schema calls an integer (the server's /openapi.json says `integer`): a number
+without a fractional part, so 2 and 2.0 are both 2, and 2.5 is refused. Range
+checks live in SamplingParams, the one place the engine and the server share.
 """
 
 from __future__ import annotations
@@ -10,9 +12,17 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-Int = Annotated[int, Field(strict=True)]
+
+def _integral(value):
+    """2.0 -> 2 (JSON Schema: an integer is a number with no fractional part); anything else unchanged."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral), Field(strict=True)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 
@@ -32,7 +42,7 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1
+    n: Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1, le=MAX_N)] = 1
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Int | None = None
@@ -210,3 +220,70 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize (vLLM's shapes)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a text prompt: the ids /v1/completions would feed the model."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with messages: the ids /v1/chat/completions would feed the model."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------- documented only (OpenAPI)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "draining", "unhealthy"]
+    reason: str | None = None
+
+
+class VersionInfo(BaseModel):
+    version: str

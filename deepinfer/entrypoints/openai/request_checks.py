@@ -199,9 +199,19 @@ _CHAT_UNSUPPORTED = {
     "add_special_tokens": (_NONE_FALSE, "only the default (false: the template writes BOS) is implemented"),
 }
 
+# /tokenize with messages: the fields that would change how the conversation is rendered
+_TOKENIZE_CHAT_UNSUPPORTED = {
+    name: _CHAT_UNSUPPORTED[name]
+    for name in ("tools", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
+                 "continue_final_message", "add_special_tokens")
+}
+
 UNSUPPORTED_FIELDS = {
     "completions": {**_COMMON_UNSUPPORTED, **_COMPLETION_UNSUPPORTED},
     "chat": {**_COMMON_UNSUPPORTED, **_CHAT_UNSUPPORTED},
+    "tokenize_chat": _TOKENIZE_CHAT_UNSUPPORTED,
+    "tokenize": {},
+    "detokenize": {},
 }
 
 
@@ -230,7 +240,7 @@ def check_unsupported(req, endpoint: str) -> None:
                 f"response_format {kind!r} is not supported by DeepInfer (only 'text')", "response_format",
                 "unsupported_parameter",
             )
-    options = req.stream_options
+    options = getattr(req, "stream_options", None)
     if options is not None:
         if req.stream is not True:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -273,8 +283,8 @@ def _cut(text: str, start: int, end: int) -> tuple[int, bool]:
     return end, False
 
 
-def encode_within(tokenizer, text: str, limit: int) -> list[int]:
-    """tokenizer.encode(text), unless the text certainly has >= `limit` tokens: then PromptTooLong,
+def encode_within(tokenizer, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
+    """tokenizer.encode(text, add_special_tokens), unless the text certainly has >= `limit` tokens: then PromptTooLong,
     after tokenizing only about `limit` tokens' worth of it. Runs on a worker thread.
 
     A text longer than DIRECT_CHARS is first counted chunk by chunk (CHUNK_CHARS each, cut at a
@@ -287,12 +297,12 @@ def encode_within(tokenizer, text: str, limit: int) -> list[int]:
     tokenized in one call, giving exactly the ids the engine itself would make; it holds fewer than
     `limit` + slack tokens, so that call is bounded too.
 
-    Each tokenizer call holds the GIL while it runs (the `tokenizers` library's encode does not
-    release it), so the event loop waits at most one call: one chunk while counting, or the final
-    call for a prompt that fits (about max_model_len tokens).
+    The `tokenizers` library's plain encode holds the GIL while it runs; DeepInfer's Tokenizer uses
+    its batch call (which releases it) for texts over 4096 characters, so the event loop waits at
+    most for one short call; the counting pass also bounds the work a prompt that cannot fit costs.
     """
     if len(text) <= DIRECT_CHARS:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     count, slack, pos, n = 0, 0, 0, len(text)
     while pos < n:
         end = min(pos + CHUNK_CHARS, n)
@@ -304,4 +314,4 @@ def encode_within(tokenizer, text: str, limit: int) -> list[int]:
         pos = end
         if count - slack >= limit:
             raise PromptTooLong(count - slack)
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

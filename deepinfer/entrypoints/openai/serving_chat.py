@@ -48,8 +48,10 @@ from deepinfer.entrypoints.openai.serving_common import (
 
 
 def _token_logprob(state: ServerState, token_id: int, logprob: float) -> dict:
-    text = state.token_text(token_id)
-    return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+    # bytes: the token's raw bytes (not the UTF-8 of its text, which is U+FFFD for part of a
+    # character), so a client can join them to rebuild multi-byte characters, as OpenAI's are
+    return {"token": state.token_text(token_id), "logprob": finite_logprob(logprob),
+            "bytes": list(state.token_bytes(token_id))}
 
 
 def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
@@ -63,6 +65,26 @@ def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def render_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True) -> str:
+    """The conversation rendered by the model's chat template (worker thread); 400 when it cannot be."""
+    if not chat_messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    messages = []
+    for i, m in enumerate(chat_messages):
+        if m.role in ("user", "system", "developer") and m.content is None:
+            raise bad_request(f"messages[{i}].content is required for role {m.role}", "messages")
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+    try:
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # a template that raises (jinja2 `raise_exception`) rejects the conversation
+        raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+
+
+def encode_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids of a conversation, as /v1/chat/completions feeds them (BOS once, as engine.chat does)."""
+    return encode_text(state, render_chat(state, chat_messages, add_generation_prompt), "messages")
+
+
 class ChatHandler:
     def __init__(self, state: ServerState):
         self.state = state
@@ -74,18 +96,7 @@ class ChatHandler:
         return ids
 
     def _render_and_encode(self, req: ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise bad_request("messages must hold at least one message", "messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.role in ("user", "system", "developer") and m.content is None:
-                raise bad_request(f"messages[{i}].content is required for role {m.role}", "messages")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        try:
-            text = self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # a template that raises (jinja2 `raise_exception`) rejects the conversation
-            raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
-        return encode_text(self.state, text, "messages")  # BOS added once, as engine.chat does
+        return encode_chat(self.state, req.messages)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         state = self.state

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -78,8 +79,54 @@ class ServerState:
             )
         return model
 
+    token_bytes_cache: dict[int, bytes] = field(default_factory=dict)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)  # memoized by the tokenizer, shared with the engine
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes (chat logprobs `bytes`): for a byte-level BPE piece, the bytes it stands
+        for, which may be part of a UTF-8 character (its decoded text is then U+FFFD); memoized."""
+        raw = self.token_bytes_cache.get(token_id)
+        if raw is None:
+            raw = raw_token_bytes(self.tokenizer, token_id, self.token_text(token_id))
+            self.token_bytes_cache[token_id] = raw
+        return raw
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, used by the `tokenizers` ByteLevel
+    pre-tokenizer and decoder): printable bytes stand for themselves, the others for chr(256 + i)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: b for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")  # SentencePiece byte-fallback pieces
+
+
+def raw_token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The bytes one token stands for. A byte-level BPE piece (every character in the GPT-2 byte
+    alphabet) maps back to its bytes, checked against the token's decoded `text` (the decoder's lossy
+    UTF-8 of those bytes), so a tokenizer of another kind never takes this path by accident; a
+    `<0xNN>` byte-fallback piece is that byte; anything else (added / special tokens, other
+    tokenizers) is the UTF-8 of its text."""
+    pieces = tokenizer.convert_ids_to_tokens([token_id]) if hasattr(tokenizer, "convert_ids_to_tokens") else [None]
+    piece = pieces[0] if pieces else None
+    if piece:
+        if all(c in _BYTE_DECODER for c in piece):
+            raw = bytes(_BYTE_DECODER[c] for c in piece)
+            if raw.decode("utf-8", "replace") == text:
+                return raw
+        m = _BYTE_FALLBACK.match(piece)
+        if m and "\ufffd" in text:
+            return bytes([int(m.group(1), 16)])
+    return text.encode("utf-8", "surrogatepass")
 
 
 def new_id(prefix: str) -> str:
@@ -106,11 +153,11 @@ def context_too_long(state: ServerState, prompt_param: str, num_tokens: int, at_
     )
 
 
-def encode_text(state: ServerState, text: str, prompt_param: str) -> list[int]:
+def encode_text(state: ServerState, text: str, prompt_param: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a text prompt (worker thread); a text that cannot fit max_model_len is refused
     after tokenizing about max_model_len tokens of it (request_checks.encode_within)."""
     try:
-        return encode_within(state.tokenizer, text, state.max_model_len)
+        return encode_within(state.tokenizer, text, state.max_model_len, add_special_tokens)
     except PromptTooLong as exc:
         raise context_too_long(state, prompt_param, exc.at_least, at_least=True) from None
 

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.entrypoints.openai.async_engine import EngineStepError, RequestFailedError
+from deepinfer.entrypoints.openai.contract import completion_default_max_tokens
 from deepinfer.entrypoints.openai.errors import bad_request
 from deepinfer.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -95,6 +96,8 @@ class CompletionsHandler:
         check_unsupported(req, "completions")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported by DeepInfer", "best_of", "unsupported_parameter")
+        if "max_tokens" not in req.model_fields_set:  # OpenAI's default of 16, within --max-output-tokens
+            req.max_tokens = completion_default_max_tokens(state.limits)
         check_caps(
             state.limits, state.max_model_len, num_prompts=_num_prompts(req.prompt), n=req.n, stop=req.stop,
             logprobs=req.logprobs, logprobs_param="logprobs", max_tokens=req.max_tokens, max_param="max_tokens",
