@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import cached_property
 from typing import Any
 
@@ -72,6 +73,7 @@ class Tokenizer:
             self.add_bos_token = self.bos_token_id is not None and self.bos_token_id in tokenizer.encode("").ids
         self.chat_template = chat_template
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     def _special_id(self, token: str | None, field: str, cfg_path: str) -> int | None:
         if token is None:
@@ -160,6 +162,14 @@ class Tokenizer:
             text = self._token_text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE piece may hold part of a UTF-8 character,
+        whose decoded text is then U+FFFD): what the chat API's logprobs `bytes` report; memoized."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = raw_token_bytes(self, token_id, self.token_text(token_id))
+        return raw
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(int(i)) for i in ids]
 
@@ -212,3 +222,38 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from e
         except TypeError as e:  # e.g. None content concatenated to a string inside the template
             raise InvalidRequestError(f"chat template cannot render these messages: {e}", param="messages") from e
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, used by the `tokenizers` ByteLevel
+    pre-tokenizer and decoder): printable bytes stand for themselves, the others for chr(256 + i)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: b for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")  # SentencePiece byte-fallback pieces
+
+
+def raw_token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The bytes one token stands for. A byte-level BPE piece (every character in the GPT-2 byte
+    alphabet) maps back to its bytes, checked against the token's decoded `text` (the decoder's lossy
+    UTF-8 of those bytes), so a tokenizer of another kind never takes this path by accident; a
+    `<0xNN>` byte-fallback piece is that byte; anything else (added / special tokens, other
+    tokenizers) is the UTF-8 of its text."""
+    pieces = tokenizer.convert_ids_to_tokens([token_id]) if hasattr(tokenizer, "convert_ids_to_tokens") else [None]
+    piece = pieces[0] if pieces else None
+    if piece:
+        if all(c in _BYTE_DECODER for c in piece):
+            raw = bytes(_BYTE_DECODER[c] for c in piece)
+            if raw.decode("utf-8", "replace") == text:
+                return raw
+        m = _BYTE_FALLBACK.match(piece)
+        if m and "\ufffd" in text:
+            return bytes([int(m.group(1), 16)])
+    return text.encode("utf-8", "surrogatepass")

@@ -60,7 +60,7 @@ class LiveServer:
 def start_server(engine, **app_kwargs) -> LiveServer:
     import uvicorn
 
-    from deepinfer.entrypoints.openai.server import build_app
+    from deepinfer.entrypoints.openai.app import build_app
 
     app = build_app(engine, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
@@ -101,8 +101,9 @@ def read_metric(text: str, name: str, labels: str | None = None) -> float | None
 def start_production_server(engine, connection_limits=None, drain_timeout=None, **app_kwargs) -> LiveServer:
     """Like start_server, but with what `deepinfer serve` runs: server.uvicorn_config (its HTTP protocol
     class: header timeout, 431, connection cap; uvicorn's keep-alive timeout) and DrainingServer."""
+    from deepinfer.entrypoints.openai.app import build_app
     from deepinfer.entrypoints.openai.http_protocol import ConnectionLimits
-    from deepinfer.entrypoints.openai.server import DrainingServer, build_app, uvicorn_config
+    from deepinfer.entrypoints.openai.server import DrainingServer, uvicorn_config
 
     limits = connection_limits or ConnectionLimits()
     app = build_app(engine, connection_limits=limits, **app_kwargs)

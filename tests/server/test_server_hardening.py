@@ -204,7 +204,7 @@ def test_two_authorization_headers_are_401_and_good_key_still_works(served, clie
 
 
 def test_non_ascii_api_key_is_refused_at_start_up(tiny_checkpoint):
-    from deepinfer.entrypoints.openai.server import build_app
+    from deepinfer.entrypoints.openai.app import build_app
     from deepinfer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ASCII"):
@@ -405,7 +405,7 @@ def _sse_events(r) -> list[str]:
 
 
 def test_minus_inf_logprobs_are_written_as_the_finite_sentinel(served):
-    from deepinfer.entrypoints.openai.serving_common import LOGPROB_FLOOR
+    from deepinfer.entrypoints.openai.serving_output import LOGPROB_FLOOR
 
     assert LOGPROB_FLOOR == -9999.0
     body = _masking_body(served, prompt="hi", logprobs=20)
@@ -435,7 +435,7 @@ def test_minus_inf_logprobs_are_written_as_the_finite_sentinel(served):
 def test_nan_never_reaches_json_it_is_an_error(served):
     """A NaN log-probability is a bug: serialization refuses it (a 500 / an in-band error event),
     never an invalid `NaN` in a body; the other requests are unaffected."""
-    from deepinfer.entrypoints.openai.serving_common import dumps, sse
+    from deepinfer.entrypoints.openai.serving_output import dumps, sse
 
     with pytest.raises(ValueError):
         dumps({"x": float("nan")})

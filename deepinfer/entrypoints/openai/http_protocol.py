@@ -14,7 +14,7 @@ uvicorn.Config) that
 - answers 431 (instead of uvicorn's 400) when h11 refused an incomplete request head for being
   longer than `max_head_bytes`;
 - marks each request of a connection opened beyond `max_connections` (scope key
-  OVER_CAPACITY), so the ASGI guard (server.py) answers it 503 + Retry-After with the OpenAI body
+  OVER_CAPACITY), so the ASGI guard (guard.py) answers it 503 + Retry-After with the OpenAI body
   and closes the connection (/health is still answered: probes of a saturated server succeed).
 
 The request-body read timeout, the header count / size caps of a complete head, and the 503 body

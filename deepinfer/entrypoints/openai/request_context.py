@@ -1,6 +1,6 @@
 """Per-request context: the request id (X-Request-Id), log records tagged with it, the access log.
 
-The ASGI guard (server.py) makes one `RequestContext` per HTTP request and sets it in the
+The ASGI guard (guard.py) makes one `RequestContext` per HTTP request and sets it in the
 `current` context variable for everything that runs on the request's behalf: the handler, the
 streaming body, and the tokenizer thread (serving_common.off_loop copies the context). Handlers
 fill in the token counts; RequestHandle.outputs (async_engine.py) records the first token; the

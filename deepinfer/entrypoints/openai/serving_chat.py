@@ -24,24 +24,26 @@ from deepinfer.entrypoints.openai.protocol import (
 from deepinfer.entrypoints.openai.request_checks import check_caps, check_unicode, check_unsupported
 from deepinfer.entrypoints.openai.request_context import current_request
 from deepinfer.entrypoints.openai.serving_common import (
-    LOGPROB_FLOOR,
-    ChoiceDeltas,
     ServerState,
     build_sampling_params,
     check_prompt_ids,
-    chosen_logprob,
-    chunk_event,
     collect,
     encode_text,
-    finite_logprob,
     new_id,
     off_loop,
-    request_failed,
     run_until_disconnect,
+    submit_all,
+)
+from deepinfer.entrypoints.openai.serving_output import (
+    LOGPROB_FLOOR,
+    ChoiceDeltas,
+    chosen_logprob,
+    chunk_event,
+    finite_logprob,
+    request_failed,
     sse,
     step_failed,
     stream_error_event,
-    submit_all,
     top_entries,
     usage_info,
 )

@@ -12,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import json
 import logging
-import math
 import os
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -25,24 +22,20 @@ from fastapi import Request
 
 from deepinfer.entrypoints.openai.async_engine import (
     AsyncEngine,
-    EngineStepError,
     EngineStoppedError,
     QueueFullError,
-    RequestFailedError,
     RequestHandle,
 )
 from deepinfer.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
     from_invalid_request,
-    internal_error,
     overloaded,
 )
-from deepinfer.entrypoints.openai.protocol import UsageInfo
 from deepinfer.entrypoints.openai.request_checks import PromptTooLong, ServerLimits, encode_within
 from deepinfer.entrypoints.openai.request_context import current_request, new_request_id
 from deepinfer.errors import InvalidRequestError
-from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.server")
@@ -79,54 +72,12 @@ class ServerState:
             )
         return model
 
-    token_bytes_cache: dict[int, bytes] = field(default_factory=dict)
-
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)  # memoized by the tokenizer, shared with the engine
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The token's raw bytes (chat logprobs `bytes`): for a byte-level BPE piece, the bytes it stands
-        for, which may be part of a UTF-8 character (its decoded text is then U+FFFD); memoized."""
-        raw = self.token_bytes_cache.get(token_id)
-        if raw is None:
-            raw = raw_token_bytes(self.tokenizer, token_id, self.token_text(token_id))
-            self.token_bytes_cache[token_id] = raw
-        return raw
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, used by the `tokenizers` ByteLevel
-    pre-tokenizer and decoder): printable bytes stand for themselves, the others for chr(256 + i)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: b for b in printable}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")  # SentencePiece byte-fallback pieces
-
-
-def raw_token_bytes(tokenizer, token_id: int, text: str) -> bytes:
-    """The bytes one token stands for. A byte-level BPE piece (every character in the GPT-2 byte
-    alphabet) maps back to its bytes, checked against the token's decoded `text` (the decoder's lossy
-    UTF-8 of those bytes), so a tokenizer of another kind never takes this path by accident; a
-    `<0xNN>` byte-fallback piece is that byte; anything else (added / special tokens, other
-    tokenizers) is the UTF-8 of its text."""
-    pieces = tokenizer.convert_ids_to_tokens([token_id]) if hasattr(tokenizer, "convert_ids_to_tokens") else [None]
-    piece = pieces[0] if pieces else None
-    if piece:
-        if all(c in _BYTE_DECODER for c in piece):
-            raw = bytes(_BYTE_DECODER[c] for c in piece)
-            if raw.decode("utf-8", "replace") == text:
-                return raw
-        m = _BYTE_FALLBACK.match(piece)
-        if m and "\ufffd" in text:
-            return bytes([int(m.group(1), 16)])
-    return text.encode("utf-8", "surrogatepass")
+        """The token's raw bytes (chat logprobs `bytes`; text/tokenizer.py, memoized there)."""
+        return self.tokenizer.token_bytes(token_id)
 
 
 def new_id(prefix: str) -> str:
@@ -306,128 +257,3 @@ async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Reques
             t.cancel()
         for h in handles:
             h.abort()
-
-
-@dataclass
-class DeltaTracker:
-    """Turns cumulative CompletionOutputs into deltas (text, new token ids, new logprobs)."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    num_logprobs: int = 0
-    finished: bool = False
-
-    def delta(self, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]]:
-        text = out.text[self.text_len :]
-        self.text_len = len(out.text)
-        tokens = out.token_ids[self.num_tokens :]
-        self.num_tokens = len(out.token_ids)
-        logprobs = []
-        if out.logprobs is not None:
-            logprobs = out.logprobs[self.num_logprobs :]
-            self.num_logprobs = len(out.logprobs)
-        return text, tokens, logprobs
-
-
-class ChoiceDeltas:
-    """Delta tracking for every choice of one stream (shared by chat and completions).
-
-    `delta` returns None when the choice has nothing a client can see yet (e.g. half a UTF-8
-    character) or already finished; it counts completion tokens as choices finish.
-    """
-
-    def __init__(self, logprobs: bool):
-        self.logprobs = logprobs
-        self.trackers: dict[int, DeltaTracker] = {}
-        self.completion_tokens = 0
-
-    def delta(self, index: int, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]] | None:
-        tracker = self.trackers.setdefault(index, DeltaTracker())
-        if tracker.finished:
-            return None
-        text, tokens, entries = tracker.delta(out)
-        if not out.finished and not text and (not tokens or not self.logprobs):
-            return None
-        tracker.finished = out.finished
-        if out.finished:
-            self.completion_tokens += len(out.token_ids)
-        return text, tokens, entries
-
-
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
-    )
-
-
-def chunk_event(chunk, include_usage: bool) -> str:
-    """One SSE event for a streamed chunk; `usage` is in the payload only when the client asked for it."""
-    data = chunk.model_dump()
-    if not include_usage:
-        data.pop("usage")
-    return sse(data)
-
-
-LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is written as (vLLM's sentinel): JSON has no -inf
-
-
-def finite_logprob(value: float) -> float:
-    """-inf (a token the sampler masked out) -> LOGPROB_FLOOR. NaN is left as is: serialization
-    refuses it (allow_nan=False), so such a bug fails loudly instead of writing invalid JSON."""
-    return LOGPROB_FLOOR if value == -math.inf else value
-
-
-def top_entries(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The k most likely candidates (the chosen token is added by the sampler when outside the top k)."""
-    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:k]
-
-
-def chosen_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
-    lp = entry.get(token_id)
-    return None if lp is None else finite_logprob(lp.logprob)
-
-
-def dumps(payload) -> str:
-    """Compact JSON that is valid JSON: NaN / Infinity raise ValueError instead of being written."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def sse(payload) -> str:
-    body = payload if isinstance(payload, str) else dumps(payload)
-    return f"data: {body}\n\n"
-
-
-def request_failed(exc: RequestFailedError, response_id: str) -> OpenAIError:
-    """The 500 for a request the engine failed alone: names it an internal error and the request,
-    never the engine's exception text (that is in the server log)."""
-    return internal_error(
-        f"Internal error: the server failed while generating request {response_id} and stopped it "
-        "(other requests are not affected; the server log has the details)"
-    )
-
-
-def step_failed(response_id: str) -> OpenAIError:
-    """The 500 when a whole engine step failed (every request in flight was stopped); the exception
-    itself is in the server log, not in the body."""
-    return internal_error(
-        f"Internal error: an engine step failed while generating request {response_id}; the requests in "
-        "flight were stopped (the server log has the details)"
-    )
-
-
-def stream_error_event(exc: BaseException, response_id: str | None = None) -> str:
-    """An error that happens after the stream started cannot change the status: send it as an event
-    (`data: {"error": {...}}`; the caller then sends `data: [DONE]` and ends the stream)."""
-    if isinstance(exc, OpenAIError):
-        err = exc
-    elif isinstance(exc, RequestFailedError):
-        err = request_failed(exc, response_id or exc.request_id)
-    elif isinstance(exc, EngineStepError):
-        err = step_failed(response_id or "-")
-    elif isinstance(exc, EngineStoppedError):
-        err = internal_error(str(exc))
-    else:
-        logger.exception("error while streaming", exc_info=exc)
-        err = internal_error()
-    return sse(err.body())
-
