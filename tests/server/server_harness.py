@@ -63,10 +63,14 @@ def start_server(engine, **app_kwargs) -> LiveServer:
     from deepinfer.entrypoints.openai.app import build_app
 
     app = build_app(engine, **app_kwargs)
+    return _run_in_thread(app, uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on")))
+
+
+def _run_in_thread(app, server) -> LiveServer:
+    """Serve `app` with the uvicorn `server` on a loopback port in a daemon thread; wait until it listens."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -107,16 +111,53 @@ def start_production_server(engine, connection_limits=None, drain_timeout=None, 
 
     limits = connection_limits or ConnectionLimits()
     app = build_app(engine, connection_limits=limits, **app_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     server = DrainingServer(uvicorn_config(app, limits, log_level="warning", drain_timeout=drain_timeout),
                             app.state.deepinfer.async_engine, drain_timeout)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    return LiveServer(app, server, thread, f"http://127.0.0.1:{port}")
+    return _run_in_thread(app, server)
+
+
+def start_server_process(model_path: str, served_model_name: str, *flags: str):
+    """`python -m deepinfer.entrypoints.openai.server` on a free loopback port (the real process: flags,
+    signals, logging); (the Popen, its base URL) once it prints that it serves."""
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "deepinfer.entrypoints.openai.server", model_path, "--device", "cpu",
+           "--dtype", "float32", "--port", "0", "--max-model-len", "512", "--served-model-name", served_model_name,
+           *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+async def health_latencies(client, base_url: str, stop) -> list[float]:
+    """GET /health every 5 ms until `stop` (an asyncio.Event) is set; each answer must be 200; the latencies."""
+    import asyncio
+
+    latencies = []
+    while not stop.is_set():
+        t = time.monotonic()
+        r = await client.get(base_url + "/health")
+        latencies.append(time.monotonic() - t)
+        assert r.status_code == 200
+        await asyncio.sleep(0.005)
+    return latencies
+
+
+def assert_responsive(latencies: list[float]) -> None:
+    """/health kept answering while something heavy ran: 95% of the polls under 100 ms and none over 500 ms.
+    A blocked event loop stalls every poll for seconds (a 2 MB prompt used to stall it 4 s); a busy 2-core
+    test machine alone gives an occasional single poll just over 100 ms, which is not what this guards."""
+    assert latencies, "no /health poll completed"
+    ordered = sorted(latencies)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+    assert p95 < 0.1 and ordered[-1] < 0.5, (f"p95 {p95:.3f} s, max {ordered[-1]:.3f} s over {len(ordered)} polls")

@@ -22,7 +22,13 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from server_harness import make_engine, read_metric, start_production_server, wait_for  # noqa: E402
+from server_harness import (  # noqa: E402
+    assert_responsive,
+    make_engine,
+    read_metric,
+    start_production_server,
+    wait_for,
+)
 
 MODEL = "tiny"
 HEADER_TIMEOUT = 1.0
@@ -74,7 +80,10 @@ def _read_response(sock: socket.socket) -> tuple[int | None, dict[str, str], byt
     closed = False
     if headers.get("connection", "").lower() == "close":
         sock.settimeout(5)
-        closed = sock.recv(1) == b""
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed too (the server lingers after an early error to avoid this)
+            closed = True
     return status, headers, body, closed
 
 
@@ -160,7 +169,7 @@ def test_slowloris_is_cut_after_the_header_timeout_while_health_stays_fast(limit
         assert b"connection: close" in head.lower()
         assert _error(body)["code"] == "request_timeout"
     assert not poller.failures
-    assert poller.latencies and max(poller.latencies) < 0.1, max(poller.latencies)
+    assert_responsive(poller.latencies)
     # The connection that sent nothing is closed quietly (there is no request to answer).
     silent.settimeout(HEADER_TIMEOUT + 5)
     assert silent.recv(1) == b""

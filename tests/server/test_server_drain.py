@@ -6,10 +6,7 @@ the stream in flight finishes normally, then the process exits 0; --drain-timeou
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,25 +17,13 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+from server_harness import start_server_process  # noqa: E402
 
 MODEL = "tiny"
 
 
 def _start(tiny_checkpoint, *flags):
-    cmd = [sys.executable, "-m", "deepinfer.entrypoints.openai.server", tiny_checkpoint, "--device", "cpu",
-           "--dtype", "float32", "--port", "0", "--max-model-len", "512", "--served-model-name", MODEL,
-           "--log-level", "warning", "--no-access-log", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise AssertionError("the server did not start")
+    return start_server_process(tiny_checkpoint, MODEL, "--log-level", "warning", "--no-access-log", *flags)
 
 
 class Stream(threading.Thread):

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 
 import pytest
 
@@ -22,7 +21,7 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
     pytest.importorskip(_mod)
 
 import httpx  # noqa: E402
-from server_harness import make_engine, start_production_server  # noqa: E402
+from server_harness import assert_responsive, health_latencies, make_engine, start_production_server  # noqa: E402
 
 MODEL = "tiny"
 LONG_LEN = 65536
@@ -79,15 +78,8 @@ def test_health_stays_fast_while_a_long_fitting_prompt_is_tokenized(served):
         async with httpx.AsyncClient(timeout=120) as c:
             stop = asyncio.Event()
 
-            async def health() -> list[float]:
-                latencies = []
-                while not stop.is_set():
-                    t = time.monotonic()
-                    r = await c.get(served.base_url + "/health")
-                    latencies.append(time.monotonic() - t)
-                    assert r.status_code == 200
-                    await asyncio.sleep(0.005)
-                return latencies
+            def health():
+                return health_latencies(c, served.base_url, stop)
 
             poll = asyncio.ensure_future(health())
             await asyncio.sleep(0.05)
@@ -111,4 +103,5 @@ def test_health_stays_fast_while_a_long_fitting_prompt_is_tokenized(served):
             err = r.json()["error"]
             assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
             assert f"{len(expected)} in the prompt" in err["message"]
-    assert len(latencies) >= 5 and max(latencies) < 0.1, (max(latencies), len(latencies))
+    assert len(latencies) >= 5
+    assert_responsive(latencies)

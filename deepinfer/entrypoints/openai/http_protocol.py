@@ -40,6 +40,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 logger = logging.getLogger("deepinfer.server")
 
 OVER_CAPACITY = "deepinfer.over_capacity"  # ASGI scope key: the connection is beyond max_connections
+# After a 408 / 431 written here, the rest of what the client is still sending is read and dropped for
+# at most this long before the socket closes: closing with unread bytes makes the kernel send a RST,
+# which can destroy the error response in the client's receive buffer before it is read.
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ def protocol_class(limits: ConnectionLimits, on_reject: Callable[[int], None] | 
 
     class DeepInferH11Protocol(H11Protocol):
         _header_timer = None
+        _lingering = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -100,6 +105,8 @@ def protocol_class(limits: ConnectionLimits, on_reject: Callable[[int], None] | 
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:  # answered and closing: what the client still sends is dropped
+                return
             super().data_received(data)
             # In the header phase (h11 is still waiting for a complete request head, and part of it is
             # here): the timer runs from the first byte; once the head is complete it stops.
@@ -153,8 +160,25 @@ def protocol_class(limits: ConnectionLimits, on_reject: Callable[[int], None] | 
             client = "%s:%d" % self.client if self.client else "-"
             logger.info("%s: %d %s", client, status, message)
             self.transport.write(raw_error(status, reason, message, code, param))
-            self.transport.close()
+            self._close_lingering()
             if on_reject is not None:
                 on_reject(status)
+
+        def _close_lingering(self) -> None:
+            """Send FIN after the response (half-close), drop what still arrives, close when the client
+            does or after LINGER_S: the client reads the error instead of a connection reset."""
+            self._disarm_header_timer()
+            self._lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+        def eof_received(self) -> bool | None:
+            if self._lingering:
+                self.transport.close()
+                return None
+            return super().eof_received()
 
     return DeepInferH11Protocol
