@@ -161,3 +161,14 @@ def assert_responsive(latencies: list[float]) -> None:
     ordered = sorted(latencies)
     p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
     assert p95 < 0.1 and ordered[-1] < 0.5, (f"p95 {p95:.3f} s, max {ordered[-1]:.3f} s over {len(ordered)} polls")
+
+
+async def collect_stream(stream) -> tuple[str, list[str]]:
+    """(the text, the finish reasons) of an `openai` completions stream, choices concatenated."""
+    text, reasons = "", []
+    async for ch in stream:
+        for c in ch.choices:
+            text += c.text
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return text, reasons

@@ -29,6 +29,7 @@ import openai  # noqa: E402
 from server_harness import (  # noqa: E402
     MAX_MODEL_LEN,
     assert_responsive,
+    collect_stream,
     health_latencies,
     make_engine,
     read_metric,
@@ -78,13 +79,7 @@ def kv_free(live) -> bool:
 async def good_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int = 16) -> tuple[str, list[str]]:
     stream = await client.completions.create(model=MODEL, prompt=f"A good stream number {i}", stream=True,
                                              temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True})
-    text, reasons = "", []
-    async for ch in stream:
-        for c in ch.choices:
-            text += c.text
-            if c.finish_reason:
-                reasons.append(c.finish_reason)
-    return text, reasons
+    return await collect_stream(stream)
 
 
 def greedy_refs(live, n: int, max_tokens: int = 16) -> list[str]:

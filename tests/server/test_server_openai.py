@@ -12,7 +12,7 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from server_harness import MAX_MODEL_LEN, make_engine, read_metric, start_server, wait_for
+from server_harness import MAX_MODEL_LEN, collect_stream, make_engine, read_metric, start_server, wait_for
 
 MODEL = "tiny"
 PROMPTS = [f"Prompt number {i}: the quick brown fox" + " jumps" * (i % 5) for i in range(16)]
@@ -201,13 +201,7 @@ def test_sixteen_concurrent_streams_are_complete_and_correct(served):
     async def one(client, prompt):
         stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, temperature=0, max_tokens=12,
                                                  extra_body={"ignore_eos": True})
-        text, reasons = "", []
-        async for ch in stream:
-            for c in ch.choices:
-                text += c.text
-                if c.finish_reason:
-                    reasons.append(c.finish_reason)
-        return text, reasons
+        return await collect_stream(stream)
 
     async def run_all():
         async with openai.AsyncOpenAI(base_url=served.v1, api_key="unused", max_retries=0, timeout=120) as client:
