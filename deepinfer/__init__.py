@@ -14,12 +14,14 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from deepinfer.config import EngineConfig
+    from deepinfer.data import embedded_model_path
     from deepinfer.engine import LLM, DeepInferenceEngine
 
 _LAZY = {
     "EngineConfig": "deepinfer.config",
     "DeepInferenceEngine": "deepinfer.engine",
     "LLM": "deepinfer.engine",
+    "embedded_model_path": "deepinfer.data",
 }
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "__version__",
+    "embedded_model_path",
 ]
 
 

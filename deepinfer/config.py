@@ -39,6 +39,7 @@ def _is_int(v) -> bool:
 class EngineConfig:
     """All engine settings. Field names follow vLLM where one exists.
 
+    model_name_or_path: a checkpoint directory; None = the embedded stdlib-coder model (docs/models.md).
     max_model_len: None = the model's max_position_embeddings.
     dtype: "auto" = the checkpoint's dtype when the backend supports it, else the
         backend's best; on the CPU backend "auto" computes in float32.
@@ -57,7 +58,7 @@ class EngineConfig:
         (V4) always run sync. DEEPINFER_ASYNC_SCHEDULING=0/1 sets it when left None.
     """
 
-    model_name_or_path: str
+    model_name_or_path: str | None = None
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -86,6 +87,10 @@ class EngineConfig:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"EngineConfig.{name} {why} (got {getattr(self, name)!r})")
 
+        if self.model_name_or_path is None:
+            from deepinfer.data import embedded_model_path
+
+            self.model_name_or_path = embedded_model_path()
         if not isinstance(self.model_name_or_path, (str, os.PathLike)) or not str(self.model_name_or_path):
             raise bad("model_name_or_path", "must be a non-empty path to a model directory")
         self.model_name_or_path = str(self.model_name_or_path)

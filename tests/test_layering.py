@@ -53,6 +53,7 @@ ENTRYPOINT_ALLOWED_TREES = ("deepinfer.conformance", "deepinfer.checkpoints", "d
 ENTRYPOINT_ALLOWED = (
     "deepinfer",  # the package itself: `from deepinfer import LLM, SamplingParams, ...`
     "deepinfer.config",
+    "deepinfer.data",  # the embedded default model's location
     "deepinfer.envs",
     "deepinfer.engine",
     "deepinfer.sampling_params",

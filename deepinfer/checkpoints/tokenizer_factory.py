@@ -93,6 +93,12 @@ def _corpus() -> list[str]:
 
 
 def _train(vocab_size: int):
+    return train_byte_level_bpe(_corpus(), vocab_size)
+
+
+def train_byte_level_bpe(texts, vocab_size: int, min_frequency: int = 2):
+    """DeepSeek-style byte-level BPE over `texts` (an iterable of str): the special tokens first (bos 0,
+    eos 1), the 256-byte alphabet, merges up to `vocab_size`, BOS prepended by the post-processor."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -100,12 +106,12 @@ def _train(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=min_frequency,
         show_progress=False,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     # BOS is prepended by the post-processor (as in DeepSeek's tokenizer.json), so Hugging Face
     # loads the same behaviour from the file alone.
     tok.post_processor = processors.TemplateProcessing(
@@ -154,6 +160,11 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     assert ids[BOS_TOKEN] == 0 and ids[EOS_TOKEN] == 1, ids
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tok_json, f, ensure_ascii=False)
+    write_tokenizer_config(out_dir)
+
+
+def write_tokenizer_config(out_dir: str, model_max_length: int = 16384) -> None:
+    """tokenizer_config.json as DeepSeek ships it: fast tokenizer, BOS added, EOS as pad, the chat template."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,
@@ -166,7 +177,7 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
                       "rstrip": False, "single_word": False},
         "clean_up_tokenization_spaces": False,
         "legacy": True,
-        "model_max_length": 16384,
+        "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -8,6 +8,7 @@ and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -49,9 +50,7 @@ class DeepInferenceEngine:
             if model is not None or kwargs:
                 raise ConfigError("pass either an EngineConfig or model=... with settings, not both")
         else:
-            path = config if isinstance(config, str) else model
-            if path is None:
-                raise ConfigError("no model given: pass EngineConfig(model_name_or_path=...) or model=<path>")
+            path = config if isinstance(config, str) else model  # None: the embedded model
             try:
                 config = EngineConfig(model_name_or_path=path, **kwargs)
             except TypeError as exc:
@@ -193,7 +192,11 @@ class DeepInferenceEngine:
 
     @property
     def model_name(self) -> str:
-        return self.config.model_name_or_path
+        """The model path, or the embedded model's name when it runs."""
+        from deepinfer.data import EMBEDDED_MODEL_NAME, embedded_model_path
+
+        path = self.config.model_name_or_path
+        return EMBEDDED_MODEL_NAME if os.path.abspath(path) == embedded_model_path() else path
 
     @property
     def backend_name(self) -> str:

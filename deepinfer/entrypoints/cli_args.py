@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 from collections.abc import Sequence
 
@@ -38,7 +39,10 @@ ENGINE_FIELDS = (
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL_PATH", help="local Hugging Face checkpoint directory")
+    parser.add_argument("model", metavar="MODEL_PATH", nargs="?", default=None,
+                        help="local Hugging Face checkpoint directory (default: the embedded stdlib-coder model)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL_PATH", default=None,
+                        help="the checkpoint directory, as a flag (then every positional argument is a prompt)")
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--device",
@@ -70,13 +74,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(engine_flags=functools.partial(engine_flags, parser))
 
 
+def resolve_model(args: argparse.Namespace, prompts: list[str] | None = None) -> str | None:
+    """The model directory the command line names, or None for the embedded model.
+
+    `--model` wins. Without it, the positional MODEL_PATH is the model; for `generate` (prompts given) it
+    is the model only when it is a directory, and otherwise the first prompt, so that
+    `deepinfer generate "def fib(n):"` runs the embedded model. A first argument that looks like a path
+    (no spaces, a '/' in it) but is no directory is an error, never silently sent as a prompt."""
+    from deepinfer.errors import ConfigError
+
+    if args.model_flag is not None:
+        if args.model is not None:
+            if prompts is None:
+                raise ConfigError(f"the model is given twice: MODEL_PATH {args.model!r} and --model {args.model_flag!r}")
+            prompts.insert(0, args.model)
+            args.model = None
+        return args.model_flag
+    if args.model is None or prompts is None or os.path.isdir(args.model):
+        return args.model
+    if "/" in args.model and not any(c.isspace() for c in args.model):
+        from deepinfer.data import embedded_model_path
+
+        raise ConfigError(f"MODEL_PATH {args.model!r} is not a directory (to send it as a prompt to the embedded "
+                          f"model, name that model: --model {embedded_model_path()})")
+    prompts.insert(0, args.model)
+    args.model = None
+    return None
+
+
 def engine_config_from_args(args: argparse.Namespace, **overrides):
     """EngineConfig from the parsed flags (only those given), plus settings a subcommand derives from its
-    own flags (generate's --no-progress -> load_progress=False)."""
+    own flags (generate's --no-progress -> load_progress=False). Call resolve_model first where prompts
+    follow the model."""
     from deepinfer.config import EngineConfig
 
     kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}
-    return EngineConfig(model_name_or_path=args.model, **kwargs, **overrides)
+    model = args.model_flag if args.model_flag is not None else args.model
+    if args.model_flag is not None and args.model is not None:
+        resolve_model(args)  # raises: the model given twice
+    return EngineConfig(model_name_or_path=model, **kwargs, **overrides)
 
 
 def engine_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

@@ -1,4 +1,6 @@
-"""`deepinfer generate MODEL_PATH PROMPT... [--prompt-file F] [--chat] [sampling flags]`.
+"""`deepinfer generate [MODEL_PATH] PROMPT... [--prompt-file F] [--chat] [sampling flags]`.
+
+Without a model directory (or --model) the embedded stdlib-coder model runs (see cli_args.resolve_model).
 
 Generated text goes to stdout (or one JSON object per prompt with --json);
 start-up lines and progress bars go to stderr, so the output can be piped.
@@ -10,7 +12,7 @@ import argparse
 import json
 import sys
 
-from deepinfer.entrypoints.cli_args import add_engine_args, engine_config_from_args
+from deepinfer.entrypoints.cli_args import add_engine_args, engine_config_from_args, resolve_model
 
 # flag dest -> SamplingParams field; only flags the user gave are passed on
 SAMPLING_FIELDS = (
@@ -91,6 +93,9 @@ def sampling_params_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from deepinfer import DeepInferenceEngine
 
+    positional = list(args.prompts)
+    resolve_model(args, positional)
+    args.prompts = positional
     prompts = read_prompts(args)
     params = sampling_params_from_args(args)  # validate before loading the model
     config = engine_config_from_args(args, load_progress=not args.no_progress)

@@ -61,8 +61,10 @@ def config_dtype(hf_config: dict) -> torch.dtype | None:
 
 
 def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool = True,
-               hf_config: dict | None = None) -> CausalLM:
+               hf_config: dict | None = None, load_mtp: bool = False) -> CausalLM:
     """Build the model for `path`, load its weights (tqdm bar) and let the backend convert them.
+
+    load_mtp: also build and load the checkpoint's MTP modules (model families that support it).
 
     `hf_config`: config.json of `path` when the caller has already parsed it (the engine's start-up
     does, so the file is read once); None reads it here."""
@@ -71,8 +73,13 @@ def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool =
     if hf_config is None:
         hf_config = load_hf_config(path)
     cls = model_class_for(hf_config)
+    extra = {}
+    if load_mtp:
+        if not getattr(cls, "loads_mtp", False):
+            raise ModelLoadError(f"{cls.__name__} cannot load MTP modules yet (load_mtp=True)")
+        extra["load_mtp"] = True
     with torch.device(backend.device):
-        model = cls(hf_config, backend, dtype)
+        model = cls(hf_config, backend, dtype, **extra)
     model.load_weights(iter_checkpoint(path, progress=progress))
     model.finalize()
     model.eval()

@@ -36,7 +36,7 @@ def test_weight_loading_bar_shows_by_default(capsys, ckpt):
     assert "Loading weights" in err, err
 
 
-def test_no_progress_reaches_the_engine_config(monkeypatch, capsys):
+def test_no_progress_reaches_the_engine_config(monkeypatch, capsys, tmp_path):
     from deepinfer.engine import DeepInferenceEngine
     from deepinfer.errors import ConfigError
 
@@ -47,7 +47,7 @@ def test_no_progress_reaches_the_engine_config(monkeypatch, capsys):
         raise ConfigError("stop here")
 
     monkeypatch.setattr(DeepInferenceEngine, "from_config", staticmethod(from_config))
-    assert main(["generate", "/nonexistent", "hi", "--no-progress"]) == 2
-    assert main(["generate", "/nonexistent", "hi"]) == 2
+    assert main(["generate", str(tmp_path), "hi", "--no-progress"]) == 2
+    assert main(["generate", "--model", "/nonexistent", "hi"]) == 2
     capsys.readouterr()
     assert [c.load_progress for c in seen] == [False, True]

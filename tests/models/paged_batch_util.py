@@ -15,10 +15,11 @@ from deepinfer.backend.kv_caches import KVCaches
 
 
 class PagedKV:
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16, seed: int = 0,
+                 specs=None):
         self.model = model
         self.block_size = block_size
-        self.specs = model.kv_cache_specs()
+        self.specs = model.kv_cache_specs() if specs is None else specs
         self.caches = KVCaches.allocate(
             self.specs, {s.name: num_blocks for s in self.specs}, block_size, max_num_seqs, torch.device("cpu")
         )
@@ -29,6 +30,13 @@ class PagedKV:
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Run one forward over [(seq_id, new token ids)]; returns fp32 logits for every new token, in order."""
+        batch = self.batch(chunks)
+        with torch.no_grad():
+            hidden = self.model.forward(batch, self.caches)
+            return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def batch(self, chunks: list[tuple[int, list[int]]]) -> ForwardBatch:
+        """The ForwardBatch for [(seq_id, new token ids)], with blocks taken for the new tokens."""
         bs = self.block_size
         ids, pos, slots, qsl = [], [], [], [0]
         ctx_lens, seq_lens, qlens, tables = [], [], [], []
@@ -54,7 +62,7 @@ class PagedKV:
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         names = [s.name for s in self.specs]
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
@@ -68,6 +76,3 @@ class PagedKV:
             context_lens_cpu=ctx_lens,
             block_size=bs,
         )
-        with torch.no_grad():
-            hidden = self.model.forward(batch, self.caches)
-            return self.model.compute_logits(hidden[batch.logits_indices])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.backends.nvidia import cuda_ext
+from deepinfer.data import EMBEDDED_MODEL_FILES, EMBEDDED_MODEL_NAME
 from deepinfer.errors import BackendError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,12 +39,17 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_lists_the_cuda_sources_and_the_license(wheel):
+def test_wheel_lists_the_cuda_sources_the_embedded_model_and_the_license(wheel):
     assert {"bindings.cpp", "moe_kernels.cu", "moe_kernels.h"} <= set(CSRC_FILES)
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         packaged = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("deepinfer/_csrc/cuda/"))
         assert packaged == CSRC_FILES, names
+        embedded = {n.rsplit("/", 1)[1]: zf.getinfo(n).file_size for n in names
+                    if n.startswith(f"deepinfer/data/{EMBEDDED_MODEL_NAME}/")}
+        assert set(embedded) == set(EMBEDDED_MODEL_FILES), names
+        here = REPO / "deepinfer" / "data" / EMBEDDED_MODEL_NAME
+        assert embedded == {f: (here / f).stat().st_size for f in EMBEDDED_MODEL_FILES}
         licenses = [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[1] == "LICENSE"]
         assert licenses, names
         assert zf.read(licenses[0]) == (REPO / "LICENSE").read_bytes()
@@ -59,15 +65,18 @@ def test_wheel_install_finds_the_packaged_sources(wheel, tmp_path):
     code = (
         "import deepinfer\n"
         "from deepinfer.backends.nvidia import cuda_ext\n"
+        "from deepinfer.data import embedded_model_path\n"
         "print(deepinfer.__file__)\n"
         "print(cuda_ext.csrc_dir())\n"
+        "print(embedded_model_path())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     # cwd outside the checkout: `python -c` puts the cwd first on sys.path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    package_file, src = (Path(line) for line in out.stdout.split())
+    package_file, src, model = (Path(line) for line in out.stdout.split())
+    assert model == site / "deepinfer" / "data" / EMBEDDED_MODEL_NAME and (model / "model.safetensors").is_file()
     assert package_file.is_relative_to(site), package_file
     assert src.is_relative_to(site) and src == site / "deepinfer" / "_csrc" / "cuda", src
     assert sorted(p.name for p in src.iterdir()) == CSRC_FILES

@@ -192,7 +192,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
         max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
-        model_path=args.model,
+        model_path=engine.config.model_name_or_path,
         limits=limits,
         access_log=not getattr(args, "no_access_log", False),
         connection_limits=connection_limits,
@@ -210,7 +210,8 @@ def run_server(args: argparse.Namespace) -> int:
     url = f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
     stats = engine.stats()
     print(
-        f"DeepInfer {deepinfer.__version__}: loaded {args.model} as {state.served_model_names[0]!r}\n"
+        f"DeepInfer {deepinfer.__version__}: loaded {engine.config.model_name_or_path} as "
+        f"{state.served_model_names[0]!r}\n"
         f"  backend: {engine.backend_name}   max_model_len: {engine.max_model_len}\n"
         f"  KV cache: {stats.kv_capacity_tokens} tokens ({stats.kv_blocks_total} blocks)\n"
         f"  API key: {'required' if api_key else 'none'}\n"

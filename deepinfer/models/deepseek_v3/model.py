@@ -18,70 +18,29 @@ from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v3.config import DeepseekConfig, parse_deepseek_config
+from deepinfer.models.deepseek_v3.decoder_layer import DecoderLayer
+from deepinfer.models.deepseek_v3.mtp import DeepseekMTP
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Loader
-from deepinfer.models.layers.mla import MLA_GROUP, MLAAttention
-from deepinfer.models.layers.mlp import GatedMLP
-from deepinfer.models.layers.moe import MoELayer
+from deepinfer.models.layers.mla import MLA_GROUP
 from deepinfer.models.weights import tensor_loader
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LISTED = 20
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer_id: int, backend: Backend, dtype: torch.dtype):
-        super().__init__()
-        self.backend = backend
-        self.dtype = dtype
-        self.eps = cfg.rms_norm_eps
-        self.hidden_size = cfg.hidden_size
-        self.self_attn = MLAAttention(cfg, layer_id, backend, dtype)
-        quant = cfg.quantization == "fp8_block"
-        self.mlp: nn.Module = (
-            MoELayer(cfg, backend, dtype)
-            if cfg.is_moe_layer(layer_id)
-            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, backend, dtype, quantized=quant)
-        )
-        self.input_layernorm: torch.Tensor | None = None
-        self.post_attention_layernorm: torch.Tensor | None = None
-
-    def loaders(self, prefix: str) -> dict[str, Loader]:
-        dev, D = self.backend.device, self.hidden_size
-        out = self.self_attn.loaders(f"{prefix}.self_attn")
-        out.update(self.mlp.loaders(f"{prefix}.mlp"))
-        for attr in ("input_layernorm", "post_attention_layernorm"):
-            name = f"{prefix}.{attr}.weight"
-            out[name] = tensor_loader(self, attr, name, (D,), self.dtype, dev)
-        return out
-
-    def finalize(self) -> None:
-        self.self_attn.finalize()
-        self.mlp.finalize()
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope_cache: torch.Tensor,
-        batch: ForwardBatch,
-        caches: KVCaches,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.backend.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            x, residual = self.backend.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        x = self.self_attn(x, positions, rope_cache, batch, caches)
-        x, residual = self.backend.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
-
-
 class DeepseekV2ForCausalLM(CausalLM):
-    """Serves model_type deepseek_v2 and deepseek_v3. `config` is the config.json dict (or a parsed config)."""
+    """Serves model_type deepseek_v2 and deepseek_v3. `config` is the config.json dict (or a parsed config).
 
-    def __init__(self, config: dict | DeepseekConfig, backend: Backend, dtype: torch.dtype):
+    load_mtp: build the checkpoint's MTP modules (`self.mtp`, see mtp.py) and load their tensors; an MTP
+    checkpoint must then hold every module the config declares. Off (the default while nothing drafts
+    with them), MTP tensors are skipped unread and counted in `skipped_mtp_tensors`.
+    """
+
+    loads_mtp = True
+
+    def __init__(self, config: dict | DeepseekConfig, backend: Backend, dtype: torch.dtype,
+                 load_mtp: bool = False):
         cfg = config if isinstance(config, DeepseekConfig) else parse_deepseek_config(config)
         super().__init__(cfg, backend, dtype)
         self.vocab_size = cfg.vocab_size
@@ -89,11 +48,15 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model_type = cfg.model_type
         self.quantization = cfg.quantization
         self.num_layers = cfg.num_hidden_layers
-        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.skipped_mtp_tensors = 0
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, backend, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm: torch.Tensor | None = None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, backend, dtype)
+        if load_mtp and not cfg.num_nextn_predict_layers:
+            raise ModelLoadError("load_mtp=True but config.json declares no MTP module (num_nextn_predict_layers 0)")
+        n_mtp = cfg.num_nextn_predict_layers if load_mtp else 0
+        self.mtp = nn.ModuleList(DeepseekMTP(cfg, cfg.num_hidden_layers + k, backend, dtype) for k in range(n_mtp))
         self.rope_cache = rope_cos_sin_cache(
             cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         ).to(backend.device)
@@ -120,13 +83,17 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         expected = self.weight_loaders()
+        optional: dict[str, Loader] = {}
+        for m in self.mtp:
+            expected.update(m.loaders())
+            optional.update(m.optional_loaders())
         unexpected: list[str] = []
         for name, tensor in weights:
-            loader = expected.pop(name, None)
+            loader = expected.pop(name, None) or optional.pop(name, None)
             if loader is not None:
                 loader(tensor)
-            elif self.is_mtp_weight(name):
-                self.mtp_weights[name] = tensor
+            elif self.is_mtp_weight(name) and not self.mtp:
+                self.skipped_mtp_tensors += 1
             elif cfg_tied_head(self.config, name):
                 continue  # some tied checkpoints still store lm_head.weight; the embedding is used
             else:
@@ -147,16 +114,20 @@ class DeepseekV2ForCausalLM(CausalLM):
         if self.config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
         self.lm_head.finalize()
+        for m in self.mtp:
+            m.finalize(self.embed_tokens, self.lm_head)
         self._finalized = True
 
     # ------------------------------------------------------------ run
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
+    def kv_cache_specs(self, include_mtp: bool = False) -> list[KVCacheSpec]:
+        """include_mtp: also cache for the MTP modules' attention (layer ids num_hidden_layers + k)."""
         cfg = self.config
+        n_layers = cfg.num_hidden_layers + (len(self.mtp) if include_mtp else 0)
         return [
             KVCacheSpec(
                 name=MLA_GROUP,
-                layer_ids=tuple(range(cfg.num_hidden_layers)),
+                layer_ids=tuple(range(n_layers)),
                 entry_shape=(cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
                 dtype=self.dtype,
                 components=(("latent", cfg.kv_lora_rank), ("rope", cfg.qk_rope_head_dim)),
@@ -173,6 +144,18 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def mtp_forward(self, hidden: torch.Tensor, next_input_ids: torch.Tensor, batch: ForwardBatch,
+                    caches: KVCaches, k: int = 0) -> torch.Tensor:
+        """MTP module k over the batch's tokens: `hidden` from `forward`, `next_input_ids` the token after
+        each (see mtp.py); caches must come from kv_cache_specs(include_mtp=True)."""
+        if k >= len(self.mtp):
+            raise ModelLoadError(f"MTP module {k} is not loaded (built with load_mtp={bool(self.mtp)}, "
+                                 f"{len(self.mtp)} modules)")
+        return self.mtp[k](hidden, next_input_ids, batch.positions, self.rope_cache, batch, caches)
+
+    def mtp_logits(self, hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
+        return self.mtp[k].compute_logits(hidden)
 
 
 def cfg_tied_head(cfg: DeepseekConfig, name: str) -> bool:

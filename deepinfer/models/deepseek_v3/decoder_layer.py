@@ -1,0 +1,63 @@
+"""One DeepSeek V2/V3 decoder layer: MLA, then a dense MLP or the MoE, each behind a pre-norm residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.backend import Backend, ForwardBatch, KVCaches
+from deepinfer.models.deepseek_v3.config import DeepseekConfig
+from deepinfer.models.layers.linear import Loader
+from deepinfer.models.layers.mla import MLAAttention
+from deepinfer.models.layers.mlp import GatedMLP
+from deepinfer.models.layers.moe import MoELayer
+from deepinfer.models.weights import tensor_loader
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, backend: Backend, dtype: torch.dtype):
+        super().__init__()
+        self.backend = backend
+        self.dtype = dtype
+        self.eps = cfg.rms_norm_eps
+        self.hidden_size = cfg.hidden_size
+        self.self_attn = MLAAttention(cfg, layer_id, backend, dtype)
+        quant = cfg.quantization == "fp8_block"
+        self.mlp: nn.Module = (
+            MoELayer(cfg, backend, dtype)
+            if cfg.is_moe_layer(layer_id)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, backend, dtype, quantized=quant)
+        )
+        self.input_layernorm: torch.Tensor | None = None
+        self.post_attention_layernorm: torch.Tensor | None = None
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        dev, D = self.backend.device, self.hidden_size
+        out = self.self_attn.loaders(f"{prefix}.self_attn")
+        out.update(self.mlp.loaders(f"{prefix}.mlp"))
+        for attr in ("input_layernorm", "post_attention_layernorm"):
+            name = f"{prefix}.{attr}.weight"
+            out[name] = tensor_loader(self, attr, name, (D,), self.dtype, dev)
+        return out
+
+    def finalize(self) -> None:
+        self.self_attn.finalize()
+        self.mlp.finalize()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        batch: ForwardBatch,
+        caches: KVCaches,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.backend.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            x, residual = self.backend.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x = self.self_attn(x, positions, rope_cache, batch, caches)
+        x, residual = self.backend.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(x), residual
