@@ -33,8 +33,10 @@ def _row(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), output=()) -> 
 # ------------------------------------------------------------------ batch invariance / seeds
 
 
-def _run_request(params: SamplingParams, seed: int, steps: int, batch_others: int) -> tuple[list[int], list]:
-    """Generate `steps` tokens for one request; other rows (different params, lengths) share its batches."""
+def _run_request(params: SamplingParams, seed: int, steps: int, batch_others: int,
+                 mate_seed: int = 77) -> tuple[list[int], list]:
+    """Generate `steps` tokens for one request; other rows (different params, lengths, seeds mate_seed + j)
+    share its batches."""
     sampler = Sampler(V)
     others = [
         SamplingParams(temperature=0),
@@ -53,7 +55,8 @@ def _run_request(params: SamplingParams, seed: int, steps: int, batch_others: in
         place = step % (batch_others + 1)  # the target moves around the batch
         for j in range(batch_others):
             o_prompt = list(range(3 + 5 * j))
-            rows.append(SamplingRow(others[j % len(others)], o_prompt, other_outs[j], 77 + j, len(o_prompt) + step))
+            rows.append(SamplingRow(others[j % len(others)], o_prompt, other_outs[j], mate_seed + j,
+                                    len(o_prompt) + step))
             logits.append(_logits(500 + 31 * step + j))
         rows.insert(place, target)
         logits.insert(place, _logits(step))
@@ -84,6 +87,16 @@ def test_seeded_row_same_alone_and_in_batches(params):
                 assert list(a) == list(b)
                 for t in a:
                     assert a[t].rank == b[t].rank and math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5)
+
+
+def test_seeded_row_independent_of_its_batch_mates_seeds():
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=3, logprobs=2)
+    alone, lp_alone = _run_request(p, seed=42, steps=24, batch_others=0)
+    for mate_seed in (0, 42, 2**40 + 7):  # including mates with the target's own seed
+        got, lp = _run_request(p, seed=42, steps=24, batch_others=5, mate_seed=mate_seed)
+        assert got == alone, mate_seed
+        assert [{t: (x.logprob, x.rank) for t, x in a.items()} for a in lp] == \
+               [{t: (x.logprob, x.rank) for t, x in a.items()} for a in lp_alone]
 
 
 def test_different_seeds_differ_and_same_seed_repeats():
@@ -129,7 +142,7 @@ DIST_CONFIGS = [
 
 @pytest.mark.parametrize("cfg", DIST_CONFIGS)
 def test_empirical_distribution_matches_reference(cfg):
-    vocab, draws = 12, 12_000
+    vocab, draws = 12, 100_000
     base = torch.tensor([[1.0, 0.5, 2.0, -1.0, 0.0, 1.5, 0.3, -0.5, 2.2, 0.8, -2.0, 1.1]])
     params = SamplingParams(**cfg)
     ref = _hf_filtered(base, cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0), cfg.get("min_p", 0.0))
