@@ -35,6 +35,7 @@ GROUPS: dict[str, str] = {
     "engine": "Engine settings (`EngineConfig.with_env`; an explicit `EngineConfig` field or CLI flag wins)",
     "server": "Server",
     "nvidia": "NVIDIA backend: build and tuning (A/B runs, sweeps)",
+    "cpu": "CPU backend: threads and fast paths (docs/performance.md, \"CPU threads\")",
     "dev": "Tests, CI and benchmarks",
     "vendor": "Read from other projects",
 }
@@ -280,6 +281,26 @@ MLA_MIN_SPLIT = EnvVar(
     "nvidia", minimum=1, default_text="launch table",
 )
 
+# ---------------------------------------------------------------- CPU backend
+
+CPU_THREADS = EnvVar(
+    "DEEPINFER_CPU_THREADS", "int", None,
+    "torch intra-op threads the `cpu` backend sets when it starts (`torch.set_num_threads`); `0` leaves "
+    "torch's own setting (OMP_NUM_THREADS or one per core) alone",
+    "cpu", minimum=0, default_text="`1` (torch's own when `OMP_NUM_THREADS` is set)",
+)
+CPU_FAST_OPS = EnvVar(
+    "DEEPINFER_CPU_FAST_OPS", "bool", True,
+    "`0`: the `cpu` backend runs the native reference MLA / MoE ops instead of its batched CPU paths (A/B runs)",
+    "cpu",
+)
+CPU_MOE_DENSE_MAX_WORK = EnvVar(
+    "DEEPINFER_CPU_MOE_DENSE_MAX_WORK", "int", None,
+    "largest tokens x (experts + shared) x moe_intermediate x hidden the `cpu` MoE runs as two dense GEMMs over "
+    "every expert; above it the per-expert loop; `0` turns the dense path off",
+    "cpu", minimum=0, default_text="`16777216`",
+)
+
 # ---------------------------------------------------------------- tests, CI, benchmarks
 
 TEST_THREADS = EnvVar(
@@ -305,6 +326,13 @@ TRITON_INTERPRET = EnvVar(
     "Triton's: `1` runs kernels in Triton's interpreter (read when a kernel is defined); the NVIDIA backend "
     "then runs on the CPU at tiny shapes",
     "vendor", accepts_text="1 (Triton parses the value)",
+)
+
+OMP_NUM_THREADS = EnvVar(
+    "OMP_NUM_THREADS", "str", None,
+    "OpenMP's (torch follows it at start-up); when set and `DEEPINFER_CPU_THREADS` is not, the `cpu` backend "
+    "keeps torch's thread count",
+    "vendor", accepts_text="a positive integer (OpenMP parses the value)",
 )
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))

@@ -28,9 +28,9 @@ from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4A
 # last: the native ops import the modules above
 from deepinfer.backend.native import NativeOps
 from deepinfer.backend.native.host_memory import host_memory_info
-from deepinfer.backend.native.mla_attention import NativeMLAAttention
+from deepinfer.backend.native.mla_attention import NativeMLAAttention, gather_context, write_latent
 from deepinfer.backend.native.moe import NativeMoE
-from deepinfer.backend.native.routing import validate_router
+from deepinfer.backend.native.routing import route, validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
 from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
@@ -42,5 +42,5 @@ __all__ = [
     "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLASpec", "MoEOp", "MoESpec", "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "RouterSpec", "SingleProcessCommunicator",
     "StaticInputs", "UnsupportedOpError", "V4AttentionOp", "V4AttentionSpec", "default_buckets", "dtype_name",
-    "hookimpl", "host_memory_info", "token_slots", "validate_router",
+    "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
 ]

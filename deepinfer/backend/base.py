@@ -36,6 +36,7 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    batch_invariance_enabled: bool = False  # set by enable_batch_invariance
 
     @property
     @abstractmethod
@@ -44,6 +45,13 @@ class Backend(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
+
+    def enable_batch_invariance(self) -> None:
+        """Switch to batch-invariant ops. The engine calls it at start-up, before the model is built, when
+        EngineConfig.batch_invariant is set and `caps` allow it; from then on the ops `make_*`,
+        `linear_method` and the small ops hand out give a row the same bits whatever its batch. Default:
+        nothing to switch, for a backend whose ops are invariant as they stand. An override calls super()."""
+        self.batch_invariance_enabled = True
 
     # ------------------------------------------------------------ small fused ops
 

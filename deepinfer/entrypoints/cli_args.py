@@ -35,6 +35,7 @@ ENGINE_FIELDS = (
     "enable_chunked_prefill",
     "max_waiting_requests",  # serve only
     "async_scheduling",
+    "batch_invariant",
 )
 
 
@@ -68,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule each prompt's prefill in one step",
     )
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="bitwise the same tokens and logprobs whatever the batch (docs/determinism.md; "
+                        "or DEEPINFER_BATCH_INVARIANT=1)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the next step's scheduling with the device (default: on for accelerators)")
     # read when an error is reported, not now: serve adds --max-waiting-requests after this

@@ -86,14 +86,18 @@ def route(
     correction_bias: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     tid2eid: torch.Tensor | None = None,
+    score_fn=score,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] fp32, scaling applied; topk_ids [T, k] int64)."""
+    """(topk_weights [T, k] fp32, scaling applied; topk_ids [T, k] int64).
+
+    score_fn(router_logits, scoring_func): the scores; a backend may pass its own (e.g. the cpu
+    backend's batch-invariant one) and keep this selection logic."""
     validate_router(spec)
     if router_logits.dim() != 2 or router_logits.shape[1] != spec.num_experts:
         raise BackendError(
             f"route: router_logits {tuple(router_logits.shape)} is not [T, num_experts={spec.num_experts}]"
         )
-    scores = score(router_logits, spec.scoring_func)
+    scores = score_fn(router_logits, spec.scoring_func)
     method = spec.topk_method
     if method == "hash":
         if token_ids is None or tid2eid is None:

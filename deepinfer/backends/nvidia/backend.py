@@ -68,6 +68,8 @@ class NvidiaBackend(NativeOps, Backend):
             quant_schemes=("none", "fp8_block"),
             model_types=("deepseek_v2", "deepseek_v3"),
             batch_invariant=False,
+            batch_invariant_note="its MLA, GEMM and MoE kernels pick tiles and splits from the batch; fixed-order "
+                                 "kernels are not written yet (the cpu backend has invariant ops)",
             graph_capture=on_gpu,
             max_tensor_parallel_size=1,
         )
