@@ -88,6 +88,17 @@ def test_async_scheduling_on_equals_off(path, engine):
     assert got == want
 
 
+def test_negative_control_flag_off_differs_somewhere(path):
+    """Without the flag the same crowd changes the needle's logprobs (not its greedy tokens, here): the needle
+    test above is strong enough to see what batch invariance removes. Measured on the CI CPU (AVX2, MKL):
+    every crowd run differed, by up to ~7e-6 in a logprob."""
+    e = _engine(path, batch_invariant=False)
+    alone = _trace(e.generate([TARGET], PARAMS["greedy"], use_tqdm=False)[0])
+    crowd = _others(12, seed=5)
+    outs = e.generate(crowd[:4] + [TARGET] + crowd[4:], PARAMS["greedy"], use_tqdm=False)
+    assert _trace(outs[4]) != alone
+
+
 def test_v4_is_refused_with_its_reason(checkpoint):
     with pytest.raises(BackendError, match="batch-invariant inference covers model_type"):
         _engine(checkpoint("tiny-v4"))
