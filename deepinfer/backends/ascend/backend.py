@@ -1,0 +1,173 @@
+"""`AscendBackend`: NativeOps with the hot path on torch_npu's fused operators.
+
+Built on an NPU normally (torch_npu imported here, lazily, only when the backend is selected). Over the
+test-only CPU fake of torch_npu (tests/ascend/fake_torch_npu) it runs on CPU tensors: that is how CI
+checks the op wiring; nothing here has run on Ascend hardware (docs/ascend.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import envs
+from deepinfer.backend import (
+    Backend,
+    BackendCaps,
+    Communicator,
+    KVCacheSpec,
+    KVLayout,
+    MLAAttentionOp,
+    MLASpec,
+    MoEOp,
+    MoESpec,
+    NativeOps,
+    OpSpec,
+    RouterSpec,
+    host_memory_info,
+)
+from deepinfer.backends.ascend import routing, small_ops
+from deepinfer.backends.ascend.caps import ascend_caps
+from deepinfer.backends.ascend.mla_attention import AscendMLAAttention, fia_mla_reasons
+from deepinfer.backends.ascend.moe import AscendMoE
+from deepinfer.backends.ascend.runtime import load_runtime
+
+FUSED = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "silu_and_mul": "npu_swiglu"}
+MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill); latent norm npu_rms_norm, "
+            "RoPE + cache write in torch")
+MOE_IMPL = "npu_moe_init_routing_v2 + npu_grouped_matmul + npu_swiglu + npu_moe_finalize_routing"
+
+
+class AscendBackend(NativeOps, Backend):
+    name = "ascend"
+
+    def __init__(self, device_index: int | None = None) -> None:
+        self.runtime = load_runtime(device_index)
+        self.npu = self.runtime.module
+        self._caps = ascend_caps(self.runtime.chip, on_cpu=self.runtime.fake)
+        # the Triton router runs on an NPU (triton-ascend) or, on the fake, under the interpreter
+        self._kernels = not self.runtime.fake or envs.TRITON_INTERPRET.get() == "1"
+        self._communicator: Communicator | None = None
+
+    @property
+    def caps(self) -> BackendCaps:
+        return self._caps
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    # ------------------------------------------------------------ device services
+
+    def memory_info(self) -> tuple[int, int]:
+        if self.runtime.fake:
+            return host_memory_info()
+        return self.npu.npu.mem_get_info(self.device)
+
+    def synchronize(self) -> None:
+        self.npu.npu.synchronize(self.device if not self.runtime.fake else None)
+
+    def manual_seed(self, seed: int) -> None:
+        self.npu.npu.manual_seed(seed)
+
+    def communicator(self) -> Communicator:
+        """HCCL over torch.distributed when a process group of several ranks exists; else one process."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self._communicator is None:
+                from deepinfer.backends.ascend.communicator import HCCLCommunicator
+
+                self._communicator = HCCLCommunicator()
+            return self._communicator
+        return super().communicator()
+
+    # ------------------------------------------------------------ small fused ops
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return super().rms_norm(x, weight, eps)
+        return small_ops.rms_norm(self.npu, x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return super().add_rms_norm(x, residual, weight, eps)
+        return small_ops.add_rms_norm(self.npu, x, residual, weight, eps)
+
+    def silu_and_mul(self, x, limit=None):
+        if limit is not None:  # V4's clamped SwiGLU: native (op_impl says so)
+            return super().silu_and_mul(x, limit)
+        return small_ops.silu_and_mul(self.npu, x)
+
+    def route(self, router_logits: torch.Tensor, spec: RouterSpec, correction_bias=None, token_ids=None,
+              tid2eid=None):
+        def native():
+            return super(AscendBackend, self).route(router_logits, spec, correction_bias, token_ids, tid2eid)
+
+        return routing.route(self.npu, self.runtime.version, self._kernels, router_logits, spec, correction_bias,
+                             native)
+
+    # ------------------------------------------------------------ layer ops and layouts
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        """MLA entries the fused ops take (latent 512 | rope 64): two tensors, what they read; else one."""
+        comps = dict(spec.components)
+        if tuple(spec.entry_shape) == (576,) and comps in ({}, {"latent": 512, "rope": 64}):
+            return KVLayout.split_last(spec, (512, 64), ("latent", "rope"))
+        return KVLayout.single(spec)
+
+    def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
+        if fia_mla_reasons(spec):
+            return super().make_mla_attention(spec)
+        return AscendMLAAttention(spec, self.npu)
+
+    def make_moe(self, spec: MoESpec) -> MoEOp:
+        if spec.swiglu_limit is not None:
+            return super().make_moe(spec)
+        return AscendMoE(spec, self.npu, route_fn=self.route)
+
+    def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
+        from deepinfer.backends.ascend.graph_runner import NPUGraphRunner
+
+        return NPUGraphRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device)
+
+    # ------------------------------------------------------------ per-op support
+
+    def supports(self, op: OpSpec) -> list[str]:
+        """The caps, except that router logits are fp32 by contract (every router takes them)."""
+        reasons = super().supports(op)
+        if op.op == "route":
+            reasons = [r for r in reasons if not r.startswith("dtype")]
+        return reasons
+
+    def op_impl(self, op: OpSpec) -> str:
+        name, spec = op.op, op.spec
+        low = op.dtype in (torch.float16, torch.bfloat16, None)
+        if name in ("rms_norm", "add_rms_norm") and low:
+            return FUSED[name]
+        if name == "silu_and_mul":
+            return "native (no torch_npu op for the clamped SwiGLU)" if op.option("limit") is not None \
+                else FUSED[name]
+        if name == "route" and isinstance(spec, RouterSpec):
+            how = routing.route_impl(spec, self.runtime.version, self._kernels)
+            return {"gating_top_k": "npu_moe_gating_top_k", "triton": "triton (softmax greedy top-k)"}.get(how, how)
+        if name == "mla_attention" and isinstance(spec, MLASpec):
+            why = fia_mla_reasons(spec)
+            return f"native ({'; '.join(why)})" if why else MLA_IMPL
+        if name == "moe" and isinstance(spec, MoESpec):
+            if spec.swiglu_limit is not None:
+                return "native (swiglu_limit: no torch_npu op)"
+            return f"{MOE_IMPL}; route: {self.op_impl(OpSpec('route', None, spec.router))}"
+        if name == "linear:fp8_block":
+            return "native (dequantized to the compute dtype at load, torch matmul)"
+        if name.startswith("linear:"):
+            return "native (torch matmul on the NPU)"
+        return "native"
+
+    def op_coverage(self) -> dict[str, str]:
+        cov = super().op_coverage()
+        cov.update({"rms_norm": FUSED["rms_norm"], "add_rms_norm": FUSED["add_rms_norm"],
+                    "silu_and_mul": FUSED["silu_and_mul"] + "; native for swiglu_limit",
+                    "route": "npu_moe_gating_top_k where its limits allow, triton softmax greedy, else native",
+                    "mla_attention": MLA_IMPL + "; native for other shapes",
+                    "moe": MOE_IMPL + "; native for swiglu_limit"})
+        return cov

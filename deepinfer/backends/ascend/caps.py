@@ -1,0 +1,42 @@
+"""What the ascend backend can do, per chip: the caps the engine checks at start-up.
+
+- dtypes: bf16 and fp16. fp32 is refused: npu_fused_infer_attention_score, npu_interleave_rope and
+  npu_kv_rmsnorm_rope_cache take only fp16 / bf16 (their docs). 310P has no bf16 and no MLA path.
+- KV block sizes: 128 first (the paged attention docs recommend it), then 16 / 64 (MLA paged decode takes
+  multiples of 16 up to 1024).
+- quant schemes: "none"; "fp8_block" is dequantized to the compute dtype at load on every chip (910B / A3
+  have no fp8 matmul; the 950's native fp8 path is not wired). Int8 W8A8 (npu_quant_matmul) is not a
+  scheme of the contract yet.
+- batch_invariant: refused (no kernel here has a fixed reduction order across batch shapes).
+- graph_capture: refused for now: npu_fused_infer_attention_score takes actual_seq_lengths_kv as host
+  integers, which a captured ACL graph would freeze; updating them per replay (graph_task_update_begin /
+  _end) is not wired. backends/ascend/graph_runner.py exists for when it is.
+- max tensor parallel size 1: the HCCL communicator exists, the engine does not launch one process per NPU yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend import BackendCaps
+from deepinfer.errors import BackendError
+
+SUPPORTED_CHIPS = ("a2", "a3", "950")
+KV_BLOCK_SIZES = (128, 16, 64)
+BATCH_INVARIANT_REASON = "no ascend kernel here has a batch-independent reduction order (nothing proves one)"
+
+
+def ascend_caps(chip: str, on_cpu: bool) -> BackendCaps:
+    if chip not in SUPPORTED_CHIPS:
+        raise BackendError(f"Ascend chip family {chip!r} is not supported (supported: {', '.join(SUPPORTED_CHIPS)}; "
+                           "310P lacks bf16 and the MLA attention modes)")
+    return BackendCaps(
+        device_type="cpu" if on_cpu else "npu",
+        dtypes=(torch.bfloat16, torch.float16),
+        kv_block_sizes=KV_BLOCK_SIZES,
+        quant_schemes=("none", "fp8_block"),
+        model_types=("deepseek_v2", "deepseek_v3"),
+        batch_invariant=False,
+        graph_capture=False,
+        max_tensor_parallel_size=1,
+    )

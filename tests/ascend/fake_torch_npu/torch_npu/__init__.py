@@ -1,0 +1,36 @@
+"""A TEST-ONLY CPU emulation of torch_npu (Ascend Extension for PyTorch). Not the real thing.
+
+Each operator the DeepInfer ascend backend calls is emulated in plain torch on CPU tensors from its
+documented semantics (Ascend/op-plugin docs/zh/custom_APIs/torch_npu, master @517f2e7, 2026-08):
+the signature, the layouts, the dtypes it accepts, what it returns. Arguments the backend does not
+use raise NotImplementedError naming them, and documented limits raise ValueError, so the fake
+fails where the real operator would refuse. tests/ascend/test_ascend_fake_ops.py checks every
+emulation against torch-native code.
+
+`__deepinfer_fake__` tells the backend it runs on CPU tensors (there is no NPU device here).
+"""
+
+from __future__ import annotations
+
+from torch_npu import npu
+from torch_npu._attention_ops import (
+    npu_fused_infer_attention_score,
+    npu_interleave_rope,
+    npu_kv_rmsnorm_rope_cache,
+)
+from torch_npu._moe_ops import (
+    npu_grouped_matmul,
+    npu_moe_finalize_routing,
+    npu_moe_gating_top_k,
+    npu_moe_init_routing_v2,
+)
+from torch_npu._norm_ops import npu_add_rms_norm, npu_rms_norm, npu_swiglu
+
+__deepinfer_fake__ = True
+__version__ = "2.13.0"  # what requirements-ascend.txt pins
+
+__all__ = [
+    "npu", "npu_add_rms_norm", "npu_fused_infer_attention_score", "npu_grouped_matmul", "npu_interleave_rope",
+    "npu_kv_rmsnorm_rope_cache", "npu_moe_finalize_routing", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
+    "npu_rms_norm", "npu_swiglu",
+]
