@@ -21,8 +21,11 @@ class BackendInfo:
 
     probe() returns the reasons the backend cannot run here ([] = available). emulation(), when
     given, returns a description of a stand-in it can run on instead (the nvidia backend's
-    kernels under the Triton interpreter on the CPU) or None; a stand-in is used only when the
-    backend is named explicitly (`--device nvidia`), never for `auto` or a device type.
+    kernels under the Triton interpreter on the CPU) or None; a stand-in is used when the
+    backend is named explicitly (`--device nvidia`), never for `auto`, and for its device type
+    (`--device npu`) only when `emulates_device_type` says so and nothing real is available:
+    the ascend backend's stand-in is a test-only fake that exists only on a test's path, so
+    asking for `npu` there means asking for it.
     """
 
     name: str
@@ -32,6 +35,7 @@ class BackendInfo:
     priority: int = 0  # `auto` takes the available backend with the highest priority
     description: str = ""
     emulation: Callable[[], str | None] | None = None
+    emulates_device_type: bool = False
     plugin: str = field(default="", compare=False)
 
 

@@ -91,8 +91,9 @@ class BackendRegistry:
         """Map auto | cpu | cuda | npu | <backend name> to one available backend, or explain why not.
 
         A backend named exactly that is unavailable but offers a stand-in (BackendInfo.emulation, e.g.
-        the nvidia kernels under the Triton interpreter) resolves to it, with a warning; `auto` and the
-        device types only ever pick backends that are really available.
+        the nvidia kernels under the Triton interpreter) resolves to it, with a warning; `auto` only ever
+        picks backends that are really available, and a device type too unless none is and a backend
+        of that type declares `emulates_device_type` and offers its stand-in.
         """
         device = (device or "auto").strip().lower()
         if device in self._infos:
@@ -114,6 +115,14 @@ class BackendRegistry:
                 f"Registered backends:\n{self._describe()}"
             )
         available = [i for i in candidates if self.probe(i.name).available]
+        if not available and device in DEVICE_TYPES:
+            stand_ins = [i for i in candidates if i.emulates_device_type and self.probe(i.name).emulation]
+            if stand_ins:
+                chosen = max(stand_ins, key=lambda i: (i.priority, i.name))
+                probed = self.probe(chosen.name)
+                logger.warning("no %s backend is available here; running %r emulated: %s", device, chosen.name,
+                               probed.emulation)
+                return chosen
         if not available:
             raise BackendError(f"no available backend for device {device!r}.\nRegistered backends:\n{self._describe()}")
         return max(available, key=lambda i: (i.priority, i.name))

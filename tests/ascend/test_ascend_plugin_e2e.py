@@ -41,9 +41,9 @@ def test_backends_listing_says_unavailable_and_why(capsys):
     assert "unavailable: torch_npu not importable" in line and "no /dev/davinci device" in line
 
 
-def test_check_device_ascend_passes_over_the_fake():
+def test_check_device_npu_passes_over_the_fake():
     ops = ["--op", "rms_norm", "--op", "route", "--op", "moe", "--op", "silu_and_mul"]
-    out = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "check", "--device", "ascend",
+    out = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "check", "--device", "npu",
                           "--no-models", *ops], env=fake_env(), capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 failed, 0 errors" in out.stdout and "npu_moe_gating_top_k" in out.stdout

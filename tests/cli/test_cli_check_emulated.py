@@ -66,6 +66,28 @@ def test_registry_uses_a_stand_in_only_when_named(caplog):
     assert probed["fakecpu"].emulation is None and probed["fakecpu"].state() == "available"
 
 
+class _NpuPlugin:
+    """An unavailable npu backend whose stand-in may answer for its device type."""
+
+    @hookimpl
+    def deepinfer_register_backends(self, register):
+        register(BackendInfo(name="fakenpu", backend_class="x:Y", probe=lambda: ["no npu"], device_type="npu",
+                             emulation=lambda: "test fake", emulates_device_type=True))
+        register(BackendInfo(name="fakecpu", backend_class="x:Y", probe=lambda: [], device_type="cpu"))
+
+
+def test_a_device_type_takes_a_stand_in_only_when_the_backend_says_so(caplog):
+    reg = BackendRegistry(extra_plugins=[_NpuPlugin()], load_entry_points=False)
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        assert reg.resolve("npu").name == "fakenpu"
+    assert "running 'fakenpu' emulated: test fake" in caplog.text
+    assert reg.resolve("auto").name == "fakecpu"  # auto never takes a stand-in
+    # without the flag (the cuda one above) the device type still refuses
+    reg2 = BackendRegistry(extra_plugins=[_FakePlugin()], load_entry_points=False)
+    with pytest.raises(BackendError, match="no available backend for device 'cuda'"):
+        reg2.resolve("cuda")
+
+
 def test_nvidia_emulation_needs_the_interpreter_and_triton(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert nvidia_plugin.emulation() is None

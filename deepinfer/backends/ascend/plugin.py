@@ -3,7 +3,7 @@
 It reads what the driver publishes (/dev/davinci<N>), ASCEND_RT_VISIBLE_DEVICES, and whether a
 torch_npu package can be found (importlib.util.find_spec locates it without running it). The
 test-only CPU fake of torch_npu (tests/ascend/fake_torch_npu) carries a marker file next to its
-package; only then does `emulation()` offer a stand-in, and only for `--device ascend` by name.
+package; only then does `emulation()` offer a stand-in, for `--device ascend` and `--device npu`.
 """
 
 from __future__ import annotations
@@ -62,5 +62,6 @@ def deepinfer_register_backends(register) -> None:
             priority=10,
             description="torch_npu fused operators for Ascend NPUs (910B / A2, A3; written, never run on hardware)",
             emulation=emulation,
+            emulates_device_type=True,  # `--device npu` over the fake too: it is only ever on a test's path
         )
     )
