@@ -52,6 +52,9 @@ class EngineConfig:
         prefill, else max_model_len.
     use_nextn_decode / enable_mtp_varlen: MTP (NextN) speculative decoding, not
         implemented yet: asking for it is an error at start-up, never ignored.
+    enable_prefix_caching: reuse the KV of cached prompt prefixes (kv/prefix_cache.py). None = on where
+        every KV group is full attention (V2 / V3), off for V4 (sliding-window and compressed groups need
+        bounded replay, not built yet); True on such a model is an error naming the groups.
     async_scheduling: schedule and launch step N+1 while the device runs step N
         (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
@@ -79,6 +82,7 @@ class EngineConfig:
     use_nextn_decode: int = 0
     load_progress: bool = True
     async_scheduling: bool | None = None
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +136,8 @@ class EngineConfig:
             raise ConfigError("EngineConfig.kv_cache_memory_bytes and EngineConfig.num_kv_blocks are exclusive: set one")
         if not _is_int(self.seed):
             raise bad("seed", "must be an integer")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise bad("enable_prefix_caching", "must be a bool or None (on where the model's KV groups allow it)")
         if not isinstance(self.batch_invariant, bool):
             raise bad("batch_invariant", "must be a bool")
         if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:

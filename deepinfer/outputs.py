@@ -51,6 +51,7 @@ class RequestOutput:
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
     error: str | None = None  # set when an internal error failed this request (see above)
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: not admitted yet)
 
     # Single-sequence conveniences (o.text, o.token_ids, o.finish_reason), as the quickstart uses.
     @property

@@ -14,6 +14,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.startup import (
+    cache_salt,
     check_backend,
     checkpoint_quantization,
     dtype_name,
@@ -22,6 +23,7 @@ from deepinfer.engine.startup import (
     kv_budget_bytes,
     resolve_dtype,
     use_async_scheduling,
+    use_prefix_caching,
 )
 from deepinfer.engine.stats import EngineStats
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
@@ -145,7 +147,10 @@ class DeepInferenceEngine:
             num_kv_blocks=cfg.num_kv_blocks,
             layouts=layouts,
         )
-        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len)
+        prefix_caching = use_prefix_caching(cfg, specs)
+        kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len,
+                            prefix_caching=prefix_caching,
+                            cache_salt=cache_salt(model, block_size) if prefix_caching else b"")
         too_small = kv.fits_alone(self._max_model_len, token_budget)
         if too_small:
             raise ConfigError(
@@ -347,6 +352,9 @@ class DeepInferenceEngine:
             num_state_slots_used=self.kv.slots.num_used,
             num_sync_fallbacks=self._pipeline.num_sync_fallbacks,
             kv_blocks_by_group=self.kv.usage_by_group(),
+            prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            prefix_cache_blocks=self.kv.num_cached_blocks,
         )
 
     # ------------------------------------------------------------ offline API

@@ -147,3 +147,28 @@ def freeze_startup_objects() -> None:
 
 
 _unfreeze_registered = False
+
+
+def use_prefix_caching(cfg: EngineConfig, specs) -> bool:
+    """EngineConfig.enable_prefix_caching resolved: None = on where every KV group allows it."""
+    from deepinfer.errors import ConfigError
+    from deepinfer.kv.manager import prefix_caching_refusals
+
+    reasons = prefix_caching_refusals(specs)
+    if cfg.enable_prefix_caching and reasons:
+        raise ConfigError("EngineConfig.enable_prefix_caching=True (--enable-prefix-caching) cannot run on this "
+                          "model: " + "; ".join(reasons))
+    if cfg.enable_prefix_caching is None and reasons:
+        logger.info("prefix caching off for this model: %s", "; ".join(reasons))
+        return False
+    return cfg.enable_prefix_caching is not False
+
+
+def cache_salt(model, block_size: int) -> bytes:
+    """What besides the tokens fixes a KV block: the parsed model config (shapes, rope scaling, routing,
+    quantization), the compute dtype and the block size. Part of every prefix-cache key."""
+    import hashlib
+
+    h = hashlib.sha256(repr(model.config).encode())
+    h.update(f"|{model.dtype}|{getattr(model, 'quantization', None)}|{block_size}".encode())
+    return h.digest()

@@ -20,3 +20,6 @@ class EngineStats:
     num_state_slots_used: int = 0  # rows held by sequences with KV (their per-sequence state rows)
     num_sync_fallbacks: int = 0  # async-scheduling steps that resolved the step in flight first
     kv_blocks_by_group: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (used, total)
+    prefix_cache_queried_tokens: int = 0  # tokens of sequences looked up in the prefix cache at admission
+    prefix_cache_hit_tokens: int = 0  # of which served from it
+    prefix_cache_blocks: int = 0  # keyed blocks (held or evictable)

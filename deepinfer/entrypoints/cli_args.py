@@ -36,6 +36,7 @@ ENGINE_FIELDS = (
     "max_waiting_requests",  # serve only
     "async_scheduling",
     "batch_invariant",
+    "enable_prefix_caching",
 )
 
 
@@ -69,6 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule each prompt's prefill in one step",
     )
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of cached prompt prefixes (default: on for V2 / V3, off for V4)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="bitwise the same tokens and logprobs whatever the batch (docs/determinism.md; "
                         "or DEEPINFER_BATCH_INVARIANT=1)")

@@ -9,6 +9,10 @@ per group. How many blocks a sequence needs follows from the spec alone:
   - groups with state_shape: one row of a slot pool of max_num_seqs rows per
     sequence (one row index shared by every such group).
 Admission needs every group to fit, so accounting never drifts between groups.
+
+With prefix caching (prefix_cache.py; full-attention groups only) a new or preempted sequence first
+attaches the cached blocks of its longest keyed prefix and computes only the rest; its full, computed
+blocks are keyed as they fill (`register_computed`), and freed keyed blocks stay findable until evicted.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from deepinfer.backend import KVCacheSpec
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
 from deepinfer.kv.planner import window_blocks_per_seq
+from deepinfer.kv.prefix_cache import CachingBlockPool, block_key
 
 
 class KVUser(Protocol):
@@ -29,6 +35,14 @@ class KVUser(Protocol):
 
     seq_id: str
     num_computed_tokens: int
+
+
+@dataclass
+class PrefixHit:
+    """The cached prefix a sequence can attach: num_tokens tokens, in these blocks per group."""
+
+    num_tokens: int
+    blocks: dict[str, list[int]]
 
 
 @dataclass
@@ -40,6 +54,7 @@ class SeqBlocks:
     trimmed: dict[str, int]  # leading table entries already returned to the pool (sliding groups)
     num_tokens: int = 0  # tokens the tables cover
     room: int = 0  # most tokens the tables hold before any group needs another block
+    num_keyed: int = 0  # leading full blocks already keyed in the prefix cache
 
 
 class KVCacheManager:
@@ -59,6 +74,8 @@ class KVCacheManager:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
+        prefix_caching: bool = False,
+        cache_salt: bytes = b"",
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -66,7 +83,15 @@ class KVCacheManager:
         self.specs = list(specs)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.pools = {s.name: BlockPool(num_blocks[s.name], s.name) for s in specs}
+        reasons = prefix_caching_refusals(specs) if prefix_caching else []
+        if reasons:
+            raise DeepInferError("prefix caching cannot run on this model: " + "; ".join(reasons))
+        self.prefix_caching = prefix_caching
+        self.cache_salt = cache_salt
+        pool_cls = CachingBlockPool if prefix_caching else BlockPool
+        self.pools = {s.name: pool_cls(num_blocks[s.name], s.name) for s in specs}
+        self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
+        self.prefix_hit_tokens = 0  # of which served from the cache
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
         self._has_windows = any(s.sliding_window is not None for s in specs)
@@ -137,10 +162,83 @@ class KVCacheManager:
             return {}
         return self._new_blocks(sb, ctx, ctx + num_new_tokens)
 
-    def can_allocate(self, seq: KVUser, num_new_tokens: int) -> bool:
-        """Whether every group (and the row pool) can take this sequence's next tokens."""
+    def can_allocate(self, seq: KVUser, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Whether every group (and the row pool) can take this sequence's next tokens (after attaching
+        `prefix`, whose blocks leave the evictable set and so stop counting as free)."""
         ctx = seq.num_computed_tokens
-        return self._needs(self._seqs.get(seq.seq_id), ctx, ctx + num_new_tokens) is not None
+        if prefix is None or not prefix.num_tokens:
+            return self._needs(self._seqs.get(seq.seq_id), ctx, ctx + num_new_tokens) is not None
+        if self.slots.num_free < 1:
+            return False
+        total = ctx + num_new_tokens
+        for s in self.specs:
+            hit = prefix.blocks[s.name]
+            need = max(0, self.table_len(s, total) - len(hit))
+            if need > self.pools[s.name].num_free - self.pools[s.name].num_reclaimed_by(hit):
+                return False
+        return True
+
+    # ------------------------------------------------------------ prefix cache
+
+    def block_keys(self, seq, num_blocks: int) -> list[bytes]:
+        """The chained keys of the first num_blocks full blocks of seq's tokens, cached on the sequence
+        (its tokens only grow, so a key once made stays right)."""
+        keys = seq.block_keys
+        if len(keys) < num_blocks:
+            bs, start = self.block_size, len(keys)
+            buf = np.asarray(seq.token_ids_slice(start * bs, num_blocks * bs), dtype=np.int64)
+            for i in range(num_blocks - start):
+                keys.append(block_key(keys[-1] if keys else b"", buf[i * bs: (i + 1) * bs], self.cache_salt))
+        return keys[:num_blocks]
+
+    def match_prefix(self, seq) -> PrefixHit | None:
+        """The longest cached prefix of a sequence that holds no blocks, leaving at least one token to
+        compute (so the step that follows has logits). None without prefix caching. Keys are made only
+        as far as the cache hits (one past it), so a long new prompt costs one key here."""
+        if not self.prefix_caching or seq.seq_id in self._seqs:
+            return None
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens have no ids yet
+        n = max((min(seq.num_tokens, known) - 1) // self.block_size, 0)
+        hits: dict[str, list[int]] = {s.name: [] for s in self.specs}
+        depth = 0
+        while depth < n:
+            key = seq.block_keys[depth] if depth < len(seq.block_keys) else self.block_keys(seq, depth + 1)[depth]
+            found = [self.pools[s.name].block_of.get(key) for s in self.specs]
+            if any(b is None for b in found):
+                break
+            for s, b in zip(self.specs, found):
+                hits[s.name].append(b)
+            depth += 1
+        return PrefixHit(depth * self.block_size, hits)
+
+    def register_computed(self, seq) -> None:
+        """Key the sequence's full blocks whose tokens are all computed and known on the host."""
+        if not self.prefix_caching:
+            return
+        sb = self._seqs.get(seq.seq_id)
+        if sb is None:
+            return
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        full = min(seq.num_computed_tokens, known) // self.block_size
+        if full <= sb.num_keyed:
+            return
+        keys = self.block_keys(seq, full)
+        for s in self.specs:
+            row = self._np[s.name][sb.row]
+            pool = self.pools[s.name]
+            for i in range(sb.num_keyed, full):
+                pool.register(int(row[i]), keys[i])
+        sb.num_keyed = full
+
+    def _attach(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
+        for s in self.specs:
+            hit = prefix.blocks[s.name]
+            if hit:
+                self.pools[s.name].take(hit)
+                self._np[s.name][sb.row, : len(hit)] = hit
+                sb.num_blocks[s.name] = len(hit)
+                self._changes[s.name].append((sb.row, 0, len(hit)))
+        sb.num_keyed = prefix.num_tokens // self.block_size
 
     def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
         """The decode fast path: cover the next tokens when no group needs a block or frees one.
@@ -158,12 +256,22 @@ class KVCacheManager:
             sb.num_tokens = total
         return True
 
-    def allocate(self, seq: KVUser, num_new_tokens: int) -> None:
-        """Grow the tables to cover num_computed_tokens + num_new_tokens; frees dead window blocks first."""
+    def allocate(self, seq: KVUser, num_new_tokens: int, prefix: PrefixHit | None = None) -> None:
+        """Grow the tables to cover num_computed_tokens + num_new_tokens; frees dead window blocks first.
+        `prefix` (from match_prefix, for a sequence holding nothing): its cached blocks are attached first;
+        the caller has set num_computed_tokens to prefix.num_tokens."""
         ctx = seq.num_computed_tokens
         total = ctx + num_new_tokens
         sb = self._seqs.get(seq.seq_id)
-        if self._needs(sb, ctx, total) is None:
+        attach = prefix is not None and prefix.num_tokens > 0
+        if attach:
+            if sb is not None or ctx != prefix.num_tokens:
+                raise DeepInferError(f"{seq.seq_id!r}: a prefix attaches only to a new sequence whose "
+                                     "num_computed_tokens is the prefix's length")
+            if not self.can_allocate(seq, num_new_tokens, prefix):
+                raise DeepInferError(f"KV cache cannot take {num_new_tokens} tokens of {seq.seq_id!r}: "
+                                     "check can_allocate first")
+        elif self._needs(sb, ctx, total) is None:
             raise DeepInferError(f"KV cache cannot take {num_new_tokens} tokens of {seq.seq_id!r}: check can_allocate first")
         if total > self.max_model_len:
             raise DeepInferError(f"{seq.seq_id!r} would hold {total} tokens, beyond max_model_len={self.max_model_len}")
@@ -171,6 +279,8 @@ class KVCacheManager:
             sb = SeqBlocks(row=self.slots.allocate(1)[0], num_blocks={s.name: 0 for s in self.specs},
                            trimmed={s.name: 0 for s in self.specs})
             self._seqs[seq.seq_id] = sb
+            if attach:
+                self._attach(sb, prefix)
         self._trim(sb, ctx)
         for s in self.specs:
             held = sb.num_blocks[s.name]
@@ -256,3 +366,20 @@ class KVCacheManager:
 
     def usage_by_group(self) -> dict[str, tuple[int, int]]:
         return {name: (p.num_used, p.num_blocks) for name, p in self.pools.items()}
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(p.num_cached for p in self.pools.values() if isinstance(p, CachingBlockPool))
+
+
+def prefix_caching_refusals(specs: list[KVCacheSpec]) -> list[str]:
+    """Why prefix caching cannot serve these KV groups (empty: it can)."""
+    out = []
+    for s in specs:
+        if s.sliding_window is not None:
+            out.append(f"group {s.name!r} is a sliding window (bounded replay is not implemented yet)")
+        elif s.state_shape:
+            out.append(f"group {s.name!r} carries per-sequence state (compressor state is not cached yet)")
+        elif s.tokens_per_entry != 1:
+            out.append(f"group {s.name!r} is compressed ({s.tokens_per_entry} tokens per entry)")
+    return out

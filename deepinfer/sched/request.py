@@ -53,6 +53,10 @@ class Sequence:
     num_preemptions: int = 0
     num_pending: int = 0
     pending_row: int = -1
+    # prefix cache: chained keys of this sequence's full blocks (kv/prefix_cache.py), grown as needed; and
+    # the prompt tokens its first admission found cached (None until admitted)
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     # text state, owned by the output processor
     detokenizer: Any = None
     stop_checker: Any = None

@@ -7,6 +7,10 @@ chunked prefill on). When KV blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes to the front of the
 waiting queue, to recompute prompt + generated tokens later.
 
+With prefix caching a sequence being admitted (new, or preempted) first attaches the cached blocks
+of its longest keyed prefix and is scheduled from there; its full blocks are keyed as they are
+computed, so a preempted sequence finds its own blocks again unless they were evicted meanwhile.
+
 At most min(max_num_seqs, max_num_batched_tokens) sequences run at once, so every
 running sequence can decode every step (none starves behind a full budget).
 """
@@ -121,15 +125,28 @@ class Scheduler:
         # Admit waiting sequences (preempted ones are at the front) unless memory was short this step.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            prefix = self.kv.match_prefix(seq)
+            if prefix is not None:
+                seq.num_computed_tokens = prefix.num_tokens
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
+                    seq.num_computed_tokens = 0
                     break
                 n = budget
-            if not self.kv.can_allocate(seq, n):
+            if not self.kv.can_allocate(seq, n, prefix):
+                seq.num_computed_tokens = 0  # it holds nothing: nothing was attached
                 break
             self.waiting.popleft()
-            self.kv.allocate(seq, n)
+            self.kv.allocate(seq, n, prefix)
+            if prefix is None:
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = 0
+            else:
+                self.kv.prefix_queried_tokens += seq.num_tokens
+                self.kv.prefix_hit_tokens += prefix.num_tokens
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = min(prefix.num_tokens, len(seq.prompt_token_ids))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled[id(seq)] = ScheduledSeq(seq, n, seq.num_computed_tokens)
@@ -186,3 +203,4 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens = item.context_len + item.num_tokens
             self.kv.trim(item.seq)
+            self.kv.register_computed(item.seq)

@@ -134,4 +134,5 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             error=self._errors.get(req),
+            num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else None,
         )

@@ -132,9 +132,12 @@ def test_backend_refuses_what_it_cannot_honour(clean_env, checkpoint):
         DeepInferenceEngine.from_config(
             EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu", tensor_parallel_size=2)
         )
-    clean_env.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    with pytest.raises(BackendError, match="batch-invariant"):
-        DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu"))
+    clean_env.setenv("DEEPINFER_BATCH_INVARIANT", "1")  # the env var reaches the backend: honoured for V2 / V3
+    engine = DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu"))
+    assert engine.config.batch_invariant and engine.backend.batch_invariance_enabled
+    with pytest.raises(BackendError, match="batch-invariant inference covers model_type .* not 'deepseek_v4'"):
+        DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=checkpoint("tiny-v4"), device="cpu",
+                                                     max_num_batched_tokens=256))
 
 
 def test_quantization_must_match_checkpoint(clean_env, checkpoint):

@@ -36,6 +36,11 @@ class _EngineCollector:
             ("deepinfer_kv_blocks_total", "KV blocks in the pool", stats.kv_blocks_total),
             ("deepinfer_kv_capacity_tokens", "tokens the KV pool holds", stats.kv_capacity_tokens),
             ("deepinfer_requests_in_flight", "requests the server is streaming", aengine.num_in_flight),
+            ("deepinfer_prefix_cache_blocks", "KV blocks keyed in the prefix cache (held or evictable)",
+             stats.prefix_cache_blocks),
+            ("deepinfer_prefix_cache_hit_rate", "prefix cache hit tokens / queried tokens, since start (0-1)",
+             stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens
+             if stats.prefix_cache_queried_tokens else 0.0),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -45,6 +50,10 @@ class _EngineCollector:
             ("deepinfer_prompt_tokens", "prompt tokens processed", stats.prompt_tokens_total),
             ("deepinfer_generation_tokens", "tokens generated", stats.generation_tokens_total),
             ("deepinfer_num_preemptions", "requests preempted for KV space", stats.num_preemptions),
+            ("deepinfer_prefix_cache_queries", "tokens looked up in the prefix cache at admission",
+             stats.prefix_cache_queried_tokens),
+            ("deepinfer_prefix_cache_hits", "tokens served from the prefix cache at admission",
+             stats.prefix_cache_hit_tokens),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc)

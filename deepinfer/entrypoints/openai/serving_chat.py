@@ -151,7 +151,7 @@ class ChatHandler:
                     stop_reason=c.stop_reason,
                 )
             )
-        usage = usage_info(len(out.prompt_token_ids), completion_tokens)
+        usage = usage_info(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens or 0)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request_id, model, handle, prompt_tokens: int, logprobs: int | None, include_usage: bool):
@@ -164,8 +164,10 @@ class ChatHandler:
                 include_usage,
             )
 
+        cached = 0
         try:
             async for out in handle.outputs():
+                cached = out.num_cached_tokens or 0
                 choices = []
                 for c in out.outputs:
                     if c.index not in deltas.trackers:  # first chunk of a choice carries the role, as OpenAI does
@@ -187,7 +189,7 @@ class ChatHandler:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                yield chunk([], usage_info(prompt_tokens, deltas.completion_tokens))
+                yield chunk([], usage_info(prompt_tokens, deltas.completion_tokens, cached))
         except Exception as exc:
             yield stream_error_event(exc, request_id)
         yield sse("[DONE]")

@@ -133,9 +133,10 @@ class CompletionsHandler:
                 h.abort()
 
     def _response(self, request_id, model, finals, req: CompletionRequest) -> CompletionResponse:
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for p, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens or 0
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = None
@@ -152,7 +153,7 @@ class CompletionsHandler:
                 )
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_info(prompt_tokens, completion_tokens)
+            id=request_id, model=model, choices=choices, usage=usage_info(prompt_tokens, completion_tokens, cached)
         )
 
     async def _stream(self, request_id, model, handles, prompts, req: CompletionRequest, include_usage: bool):
@@ -165,8 +166,10 @@ class CompletionsHandler:
                 CompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage), include_usage
             )
 
+        cached: dict[int, int] = {}  # prompt index -> its cached tokens (known once it is admitted)
         try:
             async for p, out in merge(handles):
+                cached[p] = out.num_cached_tokens or 0
                 choices = []
                 for c in out.outputs:
                     index = p * req.n + c.index
@@ -185,7 +188,8 @@ class CompletionsHandler:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                yield chunk([], usage_info(sum(len(ids) for ids in prompts), deltas.completion_tokens))
+                yield chunk([], usage_info(sum(len(ids) for ids in prompts), deltas.completion_tokens,
+                                           sum(cached.values())))
         except Exception as exc:  # after the 200 went out: report in-band, then end the stream
             yield stream_error_event(exc, request_id)
         yield sse("[DONE]")

@@ -20,7 +20,7 @@ from deepinfer.entrypoints.openai.errors import (
     OpenAIError,
     internal_error,
 )
-from deepinfer.entrypoints.openai.protocol import UsageInfo
+from deepinfer.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from deepinfer.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("deepinfer.server")
@@ -72,9 +72,11 @@ class ChoiceDeltas:
         return text, tokens, entries
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    """OpenAI's usage block; prompt_tokens_details.cached_tokens counts prompt tokens the prefix cache served."""
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
