@@ -20,11 +20,23 @@ from deepinfer.errors import BackendError
 
 @dataclass(frozen=True)
 class KVPart:
-    """One tensor per (group, layer): [num_blocks, block_size, *shape] of `dtype`."""
+    """One tensor per (group, layer): [num_blocks, block_size, *shape] of `dtype`.
+
+    `order`: None (the default), or a permutation of the last dimension that the part stores, declared
+    because a fused operator writes it that way (Ascend's npu_kv_rmsnorm_rope_cache stores MLA's rope
+    values de-interleaved): stored[..., j] = entry[..., order[j]]. Only the ops of the backend that
+    declared it read the part; `KVLayout.split` / `join` apply and undo it, so a comparison with the
+    contract's content (the conformance suite) still checks every value.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    order: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is not None and sorted(self.order) != list(range(self.shape[-1])):
+            raise BackendError(f"KV part {self.name!r}: order must permute its last dimension of {self.shape[-1]}")
 
     def bytes_per_entry(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
@@ -47,12 +59,15 @@ class KVLayout:
         return cls((KVPart("kv", tuple(spec.entry_shape), spec.dtype),))
 
     @classmethod
-    def split_last(cls, spec: KVCacheSpec, sizes: tuple[int, ...], names: tuple[str, ...]) -> "KVLayout":
-        """The entry's last dimension cut into parts of `sizes` (e.g. MLA latent 512 | rope 64)."""
+    def split_last(cls, spec: KVCacheSpec, sizes: tuple[int, ...], names: tuple[str, ...],
+                   orders: tuple[tuple[int, ...] | None, ...] | None = None) -> "KVLayout":
+        """The entry's last dimension cut into parts of `sizes` (e.g. MLA latent 512 | rope 64); `orders`:
+        per part, None or the permutation it stores (KVPart.order)."""
         *lead, last = spec.entry_shape
-        if sum(sizes) != last or len(sizes) != len(names):
+        orders = orders or (None,) * len(sizes)
+        if sum(sizes) != last or len(sizes) != len(names) or len(orders) != len(sizes):
             raise BackendError(f"KV group {spec.name!r}: cannot split a last dimension of {last} into {sizes}")
-        return cls(tuple(KVPart(n, (*lead, k), spec.dtype) for n, k in zip(names, sizes)))
+        return cls(tuple(KVPart(n, (*lead, k), spec.dtype, o) for n, k, o in zip(names, sizes, orders)))
 
     @classmethod
     def split_components(cls, spec: KVCacheSpec) -> "KVLayout":
@@ -70,18 +85,28 @@ class KVLayout:
         """A single-tensor cache [num_blocks, block_size, *entry] in this layout (its parts cut along the
         last dimension, as split_last makes them); for tests and the conformance suite."""
         if len(self.parts) == 1:
-            return cache
+            return cache if self.parts[0].order is None else cache[..., list(self.parts[0].order)].contiguous()
         sizes = [p.shape[-1] for p in self.parts]
-        return tuple(t.contiguous() for t in cache.split(sizes, dim=-1))
+        return tuple((t if p.order is None else t[..., list(p.order)]).contiguous()
+                     for p, t in zip(self.parts, cache.split(sizes, dim=-1)))
 
     def join(self, cache) -> torch.Tensor:
-        """The inverse of split: one tensor [num_blocks, block_size, *entry]."""
-        return cache if len(self.parts) == 1 else torch.cat(list(cache), dim=-1)
+        """The inverse of split: one tensor [num_blocks, block_size, *entry] in the contract's order."""
+        tensors = [cache] if len(self.parts) == 1 else list(cache)
+        back = [t if p.order is None else t[..., _inverse(p.order)] for p, t in zip(self.parts, tensors)]
+        return back[0] if len(back) == 1 else torch.cat(back, dim=-1)
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device):
         tensors = tuple(torch.zeros((num_blocks, block_size, *p.shape), dtype=p.dtype, device=device)
                         for p in self.parts)
         return tensors[0] if len(tensors) == 1 else tensors
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inv = [0] * len(order)
+    for j, i in enumerate(order):
+        inv[i] = j
+    return inv
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Run as a subprocess with the fake torch_npu on PYTHONPATH: greedy generation of tiny V3-family presets
-on the ascend backend and on the cpu backend; prints {preset: [ascend tokens, cpu tokens]} as JSON.
+on the ascend backend (eager, then with decode graphs: enforce_eager off, buckets up to max_num_seqs 4)
+and on the cpu backend; prints {preset: [ascend eager, ascend graphs, cpu, graph replays]} as JSON.
 
 "tiny-v3-ascend-mla" is tiny-v3 with MLA at DeepSeek's real head widths (kv_lora_rank 512, rope 64,
 nope / v 128, 2 heads), the only shapes npu_fused_infer_attention_score's MLA modes take, so the fused
@@ -12,6 +13,8 @@ import dataclasses
 import json
 import sys
 import tempfile
+
+import torch_npu  # the test-only fake (this script runs with it on PYTHONPATH): its graph replay count
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoints import PRESETS, make_checkpoint
@@ -30,12 +33,14 @@ def main(presets: list[str]) -> None:
         for preset in presets:
             path = f"{tmp}/{preset}"
             make_checkpoint(preset, path, seed=0, progress=False)
-            tokens = []
-            for device in ("ascend", "cpu"):
+            tokens, replays = [], 0
+            for device, eager in (("ascend", True), ("ascend", False), ("cpu", True)):
                 llm = LLM(model=path, device=device, dtype="float16", max_model_len=64, num_kv_blocks=8,
-                          block_size=16, load_progress=False, enforce_eager=True)
+                          block_size=16, load_progress=False, enforce_eager=eager, max_num_seqs=4)
+                before = torch_npu.npu.EVENTS.count("replay")
                 tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            result[preset] = tokens
+                replays += torch_npu.npu.EVENTS.count("replay") - before
+            result[preset] = tokens + [replays]
     print("RESULT " + json.dumps(result))
 
 

@@ -72,7 +72,10 @@ def test_triton_softmax_router_matches_native(fake_npu):
 
 def test_caps_tell_the_truth(ascend):
     caps = ascend.caps
-    assert caps.kv_block_sizes[0] == 128 and not caps.batch_invariant and not caps.graph_capture
+    assert caps.kv_block_sizes[0] == 128 and not caps.batch_invariant and caps.graph_capture  # 910B3, 2.13.0
+    from deepinfer.backends.ascend.caps import ascend_caps
+
+    assert not ascend_caps("950", True, (2, 13, 0)).graph_capture and not ascend_caps("a2", True, (2, 6, 0)).graph_capture
     why = caps.unsupported(FeatureRequest(dtype=torch.float32, batch_invariant=True, model_type="deepseek_v4"))
     assert any("float32" in r for r in why) and any("batch-invariant" in r for r in why)
     assert any("deepseek_v4" in r for r in why)
@@ -113,4 +116,4 @@ def test_npu_graph_runner_captures_and_replays_through_torch_npu(fake_npu):
     caches = KVCaches.allocate([spec], {"mla": 4}, 16, 4, torch.device("cpu"))
     runner = NPUGraphRunner.capture(_CountingModel(), caches, 16, 64, 4, torch.device("cpu"), buckets=[1, 4])
     assert events.count("capture_begin") == 2 and events.count("capture_end") == 2 and events[-1] == "synchronize"
-    assert runner.graphs[4].captured and runner.bucket_for(3) == 4
+    assert runner.graphs[4][0].captured and runner.bucket_for(3) == 4

@@ -7,6 +7,8 @@ checks the op wiring; nothing here has run on Ascend hardware (docs/ascend.md).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from deepinfer import envs
@@ -27,13 +29,19 @@ from deepinfer.backend import (
 )
 from deepinfer.backends.ascend import routing, small_ops
 from deepinfer.backends.ascend.caps import ascend_caps
-from deepinfer.backends.ascend.mla_attention import AscendMLAAttention, fia_mla_reasons
+from deepinfer.backends.ascend.mla_attention import (
+    ROPE_ORDER,
+    AscendMLAAttention,
+    PermutedRopeNativeMLA,
+    fia_mla_reasons,
+)
 from deepinfer.backends.ascend.moe import AscendMoE
 from deepinfer.backends.ascend.runtime import load_runtime
 
+log = logging.getLogger(__name__)
 FUSED = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "silu_and_mul": "npu_swiglu"}
-MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill); latent norm npu_rms_norm, "
-            "RoPE + cache write in torch")
+MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill); latent norm + RoPE + cache "
+            "write npu_kv_rmsnorm_rope_cache, q RoPE npu_interleave_rope (interleaved RoPE; else npu_rms_norm + torch)")
 MOE_IMPL = "npu_moe_init_routing_v2 + npu_grouped_matmul + npu_swiglu + npu_moe_finalize_routing"
 
 
@@ -43,10 +51,13 @@ class AscendBackend(NativeOps, Backend):
     def __init__(self, device_index: int | None = None) -> None:
         self.runtime = load_runtime(device_index)
         self.npu = self.runtime.module
-        self._caps = ascend_caps(self.runtime.chip, on_cpu=self.runtime.fake)
+        self._caps = ascend_caps(self.runtime.chip, on_cpu=self.runtime.fake, version=self.runtime.version)
         # the Triton router runs on an NPU (triton-ascend) or, on the fake, under the interpreter
         self._kernels = not self.runtime.fake or envs.TRITON_INTERPRET.get() == "1"
         self._communicator: Communicator | None = None
+        # why decode graphs cannot be captured for the models built here (ops whose host-side inputs a
+        # capture would freeze, or that were never checked under capture); filled by make_mla / make_moe
+        self._graph_blockers: dict[str, None] = {}
 
     @property
     def caps(self) -> BackendCaps:
@@ -112,22 +123,35 @@ class AscendBackend(NativeOps, Backend):
         """MLA entries the fused ops take (latent 512 | rope 64): two tensors, what they read; else one."""
         comps = dict(spec.components)
         if tuple(spec.entry_shape) == (576,) and comps in ({}, {"latent": 512, "rope": 64}):
-            return KVLayout.split_last(spec, (512, 64), ("latent", "rope"))
+            # the rope part as npu_kv_rmsnorm_rope_cache stores it (declared, so join() restores the contract's)
+            return KVLayout.split_last(spec, (512, 64), ("latent", "rope"), (None, ROPE_ORDER))
         return KVLayout.single(spec)
 
     def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
         if fia_mla_reasons(spec):
+            self._graph_blockers["native MLA attention reads host-side sequence lengths"] = None
+            if spec.cache_entry_dim == 576 and spec.qk_rope_head_dim == 64:  # on the permuted split layout
+                return PermutedRopeNativeMLA(spec)
             return super().make_mla_attention(spec)
         return AscendMLAAttention(spec, self.npu)
 
     def make_moe(self, spec: MoESpec) -> MoEOp:
         if spec.swiglu_limit is not None:
+            self._graph_blockers["native MoE (swiglu_limit) was not checked under capture"] = None
             return super().make_moe(spec)
+        if routing.route_impl(spec.router, self.runtime.version, self._kernels) != "gating_top_k":
+            self._graph_blockers["only npu_moe_gating_top_k routing was checked under capture"] = None
         return AscendMoE(spec, self.npu, route_fn=self.route)
 
     def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
+        """Bucketed ACL graphs with per-replay sequence-length updates; a runner that refuses every batch
+        (eager, with the reason logged) when an op of this backend's models cannot be captured."""
         from deepinfer.backends.ascend.graph_runner import NPUGraphRunner
 
+        if self._graph_blockers:
+            reason = "; ".join(self._graph_blockers)
+            log.warning("ascend decode graphs are off for this model: %s", reason)
+            return NPUGraphRunner.refusing(model, caches, block_size, reason)
         return NPUGraphRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device)
 
     # ------------------------------------------------------------ per-op support

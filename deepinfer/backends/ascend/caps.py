@@ -8,9 +8,12 @@
   have no fp8 matmul; the 950's native fp8 path is not wired). Int8 W8A8 (npu_quant_matmul) is not a
   scheme of the contract yet.
 - batch_invariant: refused (no kernel here has a fixed reduction order across batch shapes).
-- graph_capture: refused for now: npu_fused_infer_attention_score takes actual_seq_lengths_kv as host
-  integers, which a captured ACL graph would freeze; updating them per replay (graph_task_update_begin /
-  _end) is not wired. backends/ascend/graph_runner.py exists for when it is.
+- graph_capture: decode-only ACL graphs per batch bucket on A2 / A3 (graph_runner.py): the fused attention's
+  host actual_seq_lengths_kv are updated before each replay (graph_task_group_begin / _end at capture,
+  graph_task_update_begin / _end per step, graph_tasks.py), which the docs list for A2 / A3 only, from the
+  torch_npu releases our docs describe (>= 2.7.1). Off on the 950 (not in those docs' product tables).
+  Models whose layers fall back to native MLA / MoE or to a non-gating router run eagerly (the runner
+  refuses every batch and logs why).
 - max tensor parallel size 1: the HCCL communicator exists, the engine does not launch one process per NPU yet.
 """
 
@@ -22,11 +25,13 @@ from deepinfer.backend import BackendCaps
 from deepinfer.errors import BackendError
 
 SUPPORTED_CHIPS = ("a2", "a3", "950")
+GRAPH_CHIPS = ("a2", "a3")  # graph_task_update_begin / _end docs: Atlas A2 / A3 products
+GRAPH_TASK_UPDATE_SINCE = (2, 7, 1)  # the op-plugin docs we wrote against document it; older: not checked
 KV_BLOCK_SIZES = (128, 16, 64)
 BATCH_INVARIANT_REASON = "no ascend kernel here has a batch-independent reduction order (nothing proves one)"
 
 
-def ascend_caps(chip: str, on_cpu: bool) -> BackendCaps:
+def ascend_caps(chip: str, on_cpu: bool, version: tuple[int, int, int] = (0, 0, 0)) -> BackendCaps:
     if chip not in SUPPORTED_CHIPS:
         raise BackendError(f"Ascend chip family {chip!r} is not supported (supported: {', '.join(SUPPORTED_CHIPS)}; "
                            "310P lacks bf16 and the MLA attention modes)")
@@ -37,6 +42,6 @@ def ascend_caps(chip: str, on_cpu: bool) -> BackendCaps:
         quant_schemes=("none", "fp8_block"),
         model_types=("deepseek_v2", "deepseek_v3"),
         batch_invariant=False,
-        graph_capture=False,
+        graph_capture=chip in GRAPH_CHIPS and version >= GRAPH_TASK_UPDATE_SINCE,
         max_tensor_parallel_size=1,
     )

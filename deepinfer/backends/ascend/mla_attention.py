@@ -1,20 +1,25 @@
 """MLA attention on torch_npu, the way vllm-ascend runs DeepSeek: a split cache (latent [nb, bs, 512] |
 rope [nb, bs, 64]), the fused norm + RoPE + cache write, and npu_fused_infer_attention_score.
 
-- the latent norm and RoPE: the contract's default composition (npu_rms_norm, then RoPE in torch), then a
-  plain index_copy_ of latent / rope into their parts. npu_kv_rmsnorm_rope_cache (+ npu_interleave_rope for
-  q_pe) would fuse the three, but it stores k_pe de-interleaved ([evens | odds]): attention would not
-  change (one permutation on q and k), the cache's content would, and the conformance suite compares that
-  content with the reference (so would prefix-cache tiers). Not used until the contract lets an op keep
-  its cache content private (docs/ascend.md).
+- the cache's rope part is stored de-interleaved ([evens | odds], KVPart.order = ROPE_ORDER), because
+  npu_kv_rmsnorm_rope_cache writes it that way. Attention is unchanged (q_pe gets the same permutation:
+  npu_interleave_rope emits it), and the layout declares the permutation, so KVLayout.join gives the
+  contract's content back and the conformance suite still compares every cached value.
+- forward_from_latent (interleaved RoPE, every slot real, not capturing): npu_kv_rmsnorm_rope_cache
+  (RMSNorm of the latent, RoPE of k_pe, both written to the cache at the slots) + npu_interleave_rope for
+  q_pe. Otherwise (the contract's default composition, or inside a graph capture, where padded rows carry
+  slot -1 that the fused op does not document and repeated indices are undefined): npu_rms_norm, torch
+  RoPE, then a graph-safe index_copy_ (padded rows rewrite row 0's slot with row 0's values).
 - decode rows (query_len 1): absorbed. q_nope @ W_UK (a batched matmul) gives 512-wide latent queries;
   the fused op runs paged attention over the latent cache (BSND, block_table, actual_seq_lengths_kv, the rope
-  split as query_rope / key_rope); the latent output @ W_UV^T (batched matmul) gives the heads.
+  split as query_rope / key_rope); the latent output @ W_UV^T (batched matmul) gives the heads. Inside a
+  capture the call is an updatable graph task (graph_tasks.py).
 - prefill rows: each request's context latent is gathered and up-projected to k_nope / v per head; the
   fused op runs TND attention with the 64-wide rope split, sparse_mode 3 (causal aligned bottom-right, so a
   chunk attends to its cached prefix).
 The fused op's MLA modes need kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128 and 1..128 heads (a
-power of two): `fia_mla_reasons`; other shapes get the native op (the backend says so in op_impl).
+power of two): `fia_mla_reasons`; other shapes get the native op (the backend says so in op_impl), wrapped
+in `PermutedRopeNativeMLA` when their cache uses the same split, permuted layout.
 """
 
 from __future__ import annotations
@@ -23,11 +28,28 @@ from types import ModuleType
 
 import torch
 
-from deepinfer.backend import ForwardBatch, MLAAttentionOp, MLASpec
+from deepinfer.backend import ForwardBatch, MLAAttentionOp, MLASpec, NativeMLAAttention
+from deepinfer.backends.ascend import graph_tasks
 from deepinfer.errors import BackendError
 
 MASK_SIZE = 2048  # sparse_mode 3 takes this optimised causal mask
 Q_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROPE_ORDER = tuple(range(0, 64, 2)) + tuple(range(1, 64, 2))  # how npu_kv_rmsnorm_rope_cache stores k_pe
+
+
+def _permute_rope(x: torch.Tensor) -> torch.Tensor:
+    """[..., 64] in the contract's (interleaved-pair) order -> the stored [evens | odds] order."""
+    return x.unflatten(-1, (32, 2)).transpose(-1, -2).flatten(-2)
+
+
+class PermutedRopeNativeMLA(NativeMLAAttention):
+    """The native op on the ascend layout: q_pe and k_pe get the stored permutation; q_pe . k_pe and so the
+    attention are unchanged (for shapes the fused op refuses, e.g. a head count that is not a power of two)."""
+
+    def forward(self, q, kv_c, k_pe, kv_cache, batch, group):
+        s = self.spec
+        q = torch.cat([q[..., : s.qk_nope_head_dim], _permute_rope(q[..., s.qk_nope_head_dim:])], dim=-1)
+        return super().forward(q, kv_c, _permute_rope(k_pe), kv_cache, batch, group)
 
 
 def fia_mla_reasons(spec: MLASpec) -> list[str]:
@@ -74,20 +96,52 @@ class AscendMLAAttention(MLAAttentionOp):
     @staticmethod
     def _write(latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, kv_c: torch.Tensor,
                k_pe: torch.Tensor) -> None:
-        keep = slots >= 0  # -1: a padding row writes nothing
-        idx = slots[keep]
-        latent.view(-1, latent.shape[-1]).index_copy_(0, idx, kv_c[keep].to(latent.dtype))
-        rope.view(-1, rope.shape[-1]).index_copy_(0, idx, k_pe[keep].to(rope.dtype))
+        """slot -1 (a padding row) writes nothing. Eagerly: drop those rows. Inside a capture (no host
+        sync, static shapes): padded rows rewrite row 0's slot with row 0's values (always a real row:
+        padding is at the tail; at capture time every static row is -1, hence the clamp), so the repeated
+        indices carry equal values."""
+        if not graph_tasks.capturing():
+            keep = slots >= 0
+            slots, kv_c, k_pe = slots[keep], kv_c[keep], k_pe[keep]
+        elif slots.numel():
+            keep = (slots >= 0)[:, None]
+            kv_c, k_pe = torch.where(keep, kv_c, kv_c[:1]), torch.where(keep, k_pe, k_pe[:1])
+            slots = torch.where(keep[:, 0], slots, slots[:1]).clamp(min=0)
+        latent.view(-1, latent.shape[-1]).index_copy_(0, slots, kv_c.to(latent.dtype))
+        rope.view(-1, rope.shape[-1]).index_copy_(0, slots, k_pe.to(rope.dtype))
 
     # ------------------------------------------------------------ the layer
 
     def forward(self, q, kv_c, k_pe, kv_cache, batch: ForwardBatch, group: str) -> torch.Tensor:
+        """q_pe / k_pe in the contract's order: permuted here to the stored order, then written and attended."""
         self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
         latent, rope = self._parts(kv_cache)
-        self._write(latent, rope, batch.slot_mapping[group], kv_c, k_pe)
+        self._write(latent, rope, batch.slot_mapping[group], kv_c, _permute_rope(k_pe))
         s = self.spec
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
-        return self._attend(q_nope, q_pe.contiguous(), latent, rope, batch, group)
+        return self._attend(q_nope, _permute_rope(q_pe).contiguous(), latent, rope, batch, group)
+
+    def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                            batch, group, ops):
+        """npu_kv_rmsnorm_rope_cache + npu_interleave_rope where they compute the contract's layer (module
+        docstring); the default composition otherwise."""
+        slots = batch.slot_mapping[group]
+        if not interleaved or graph_tasks.capturing() or not bool((slots >= 0).all()):
+            return super().forward_from_latent(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved,
+                                               kv_cache, batch, group, ops)
+        self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
+        s, t, dt = self.spec, q.shape[0], kv_a.dtype
+        latent, rope = self._parts(kv_cache)
+        nb, bs = latent.shape[:2]
+        cs = rope_cache.index_select(0, positions.to(torch.long))  # [T, 64] fp32: cos 32 | sin 32
+        cos = cs[:, :32].repeat(1, 2).to(dt).view(t, 1, 1, 64)  # the [evens | odds] halves share angles
+        sin = cs[:, 32:].repeat(1, 2).to(dt).view(t, 1, 1, 64)
+        self.npu.npu_kv_rmsnorm_rope_cache(
+            kv_a.contiguous().view(t, 1, 1, s.cache_entry_dim), kv_norm_weight.to(dt), cos, sin, slots.to(torch.long),
+            rope.view(nb, bs, 1, 64), latent.view(nb, bs, 1, 512), epsilon=eps, cache_mode="PA")
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        q_pe = self.npu.npu_interleave_rope(q_pe.contiguous().view(t, s.num_heads, 1, 64), cos, sin)
+        return self._attend(q_nope, q_pe.view(t, s.num_heads, 64), latent, rope, batch, group)
 
     def _attend(self, q_nope, q_pe, latent, rope, batch: ForwardBatch, group: str) -> torch.Tensor:
         s, t = self.spec, q_nope.shape[0]
@@ -102,6 +156,9 @@ class AscendMLAAttention(MLAAttentionOp):
         for i in dec + pre:
             if batch.seq_lens_cpu[i] != batch.context_lens_cpu[i] + batch.query_lens_cpu[i]:
                 raise BackendError(f"MLA: request {i} has seq_len != context_len + query_len")
+        if len(dec) == len(batch.query_lens_cpu):  # all decode (every captured graph): no row gathers
+            out = self._decode(q_nope, q_pe, latent, rope, batch, group, None)
+            return out.reshape(t, s.num_heads * s.v_head_dim)
         out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q_nope.dtype, device=q_nope.device)
         if dec:
             rows = torch.tensor([starts[i] for i in dec], device=q_nope.device)
@@ -112,16 +169,19 @@ class AscendMLAAttention(MLAAttentionOp):
             out[rows] = self._prefill(q_nope[rows], q_pe[rows], latent, rope, batch, group, pre)
         return out.reshape(t, s.num_heads * s.v_head_dim)
 
-    def _decode(self, q_nope, q_pe, latent, rope, batch, group, reqs: list[int]) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, latent, rope, batch, group, reqs: list[int] | None) -> torch.Tensor:
+        """reqs None: every request of the batch, in order."""
         s, b = self.spec, q_nope.shape[0]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]: W_UK absorbed
-        table = batch.block_tables[group][torch.tensor(reqs, device=latent.device)].to(torch.int32)
-        out, _ = self.npu.npu_fused_infer_attention_score(
-            q_lat.contiguous().view(b, 1, s.num_heads, -1), latent, latent,
+        table = batch.block_tables[group]
+        if reqs is not None:
+            table = table[torch.tensor(reqs, device=latent.device)]
+        lens = list(batch.seq_lens_cpu) if reqs is None else [batch.seq_lens_cpu[i] for i in reqs]
+        out = graph_tasks.fused_attention(
+            self.npu, q_lat.contiguous().view(b, 1, s.num_heads, -1), latent, latent, lens,
             query_rope=q_pe.contiguous().view(b, 1, s.num_heads, -1), key_rope=rope,
             num_heads=s.num_heads, num_key_value_heads=1, input_layout="BSND", scale=s.softmax_scale,
-            block_table=table, block_size=latent.shape[1], sparse_mode=0,
-            actual_seq_lengths_kv=[batch.seq_lens_cpu[i] for i in reqs])
+            block_table=table.to(torch.int32), block_size=latent.shape[1], sparse_mode=0)
         return torch.bmm(out.view(b, s.num_heads, -1).transpose(0, 1), self.w_uv_t).transpose(0, 1)  # W_UV
 
     def _prefill(self, q_nope, q_pe, latent, rope, batch, group, reqs: list[int]) -> torch.Tensor:

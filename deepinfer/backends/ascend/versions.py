@@ -28,6 +28,13 @@ OPERATORS: dict[str, tuple[str, str]] = {
         "input_layout='BSND'|'TND', scale=, block_table=, block_size=, actual_seq_lengths=, "
         "actual_seq_lengths_kv=, sparse_mode=0|3, atten_mask=) -> (out, lse)",
         "torch_npu-npu_fused_infer_attention_score.md"),
+    "npu_fused_infer_attention_score.out": (
+        "npu_fused_infer_attention_score.out(q, k, v, workspace=, out=[out, lse], <as above>) (with "
+        "_npu_fused_infer_attention_score_get_max_workspace(q, k, v, <as above>))",
+        "torch_npu-npu-graph_task_group_begin.md (its example)"),
+    "torch_npu.npu.graph_task_*": ("graph_task_group_begin(stream); graph_task_group_end(stream) -> handle; "
+                                   "graph_task_update_begin(stream, handle); graph_task_update_end(stream)",
+                                   "torch_npu-npu-graph_task_group_begin.md (+ _end, update_begin, update_end)"),
     "npu_moe_gating_top_k": ("npu_moe_gating_top_k(x, k, bias=, k_group=, group_count=, group_select_mode=, "
                              "renorm=0, norm_type=0|1, routed_scaling_factor=, eps=) -> (y, idx, norm_out)",
                              "torch_npu-npu_moe_gating_top_k.md"),

@@ -12,19 +12,23 @@ emulation against torch-native code.
 
 from __future__ import annotations
 
-from torch_npu import npu
-from torch_npu._attention_ops import (
-    npu_fused_infer_attention_score,
-    npu_interleave_rope,
-    npu_kv_rmsnorm_rope_cache,
-)
-from torch_npu._moe_ops import (
-    npu_grouped_matmul,
-    npu_moe_finalize_routing,
-    npu_moe_gating_top_k,
-    npu_moe_init_routing_v2,
-)
-from torch_npu._norm_ops import npu_add_rms_norm, npu_rms_norm, npu_swiglu
+from torch_npu import _attention_ops, _moe_ops, _norm_ops, npu
+from torch_npu._capture import recorded
+
+# every operator goes through `recorded`: one node of a graph capture, an argument update, or a plain call
+npu_fused_infer_attention_score = recorded(_attention_ops.npu_fused_infer_attention_score)
+npu_fused_infer_attention_score.out = recorded(_attention_ops.npu_fused_infer_attention_score_out)
+_npu_fused_infer_attention_score_get_max_workspace = recorded(
+    _attention_ops.npu_fused_infer_attention_score_get_max_workspace)
+npu_interleave_rope = recorded(_attention_ops.npu_interleave_rope)
+npu_kv_rmsnorm_rope_cache = recorded(_attention_ops.npu_kv_rmsnorm_rope_cache)
+npu_grouped_matmul = recorded(_moe_ops.npu_grouped_matmul)
+npu_moe_finalize_routing = recorded(_moe_ops.npu_moe_finalize_routing)
+npu_moe_gating_top_k = recorded(_moe_ops.npu_moe_gating_top_k)
+npu_moe_init_routing_v2 = recorded(_moe_ops.npu_moe_init_routing_v2)
+npu_add_rms_norm = recorded(_norm_ops.npu_add_rms_norm)
+npu_rms_norm = recorded(_norm_ops.npu_rms_norm)
+npu_swiglu = recorded(_norm_ops.npu_swiglu)
 
 __deepinfer_fake__ = True
 __version__ = "2.13.0"  # what requirements-ascend.txt pins

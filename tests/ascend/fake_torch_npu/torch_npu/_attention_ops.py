@@ -193,3 +193,20 @@ def _tnd_prefill(query, key, value, query_rope, key_rope, atten_mask, seq_q, seq
             out[q0:q1] = _attend(q, k, value[k0:k1].float(), scale, offset=lk - lq)
         q0, k0 = q1, k1
     return out.to(query.dtype)
+
+
+def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, out=None, **kwargs):
+    """The `.out` overload graph capture uses: the same computation written into out=[attention_out, lse]
+    (the documented pair), with the workspace _npu_fused_infer_attention_score_get_max_workspace sized."""
+    if workspace is None or out is None or len(out) != 2:
+        raise ValueError("npu_fused_infer_attention_score.out needs workspace= and out=[attention_out, softmax_lse]")
+    res, _ = npu_fused_infer_attention_score(query, key, value, **kwargs)
+    if out[0].shape != res.shape or out[0].dtype != res.dtype:
+        raise ValueError(f"out[0] must be {tuple(res.shape)} {res.dtype}, got {tuple(out[0].shape)} {out[0].dtype}")
+    out[0].copy_(res)
+    return out
+
+
+def npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs) -> torch.Tensor:
+    """A workspace for the largest case of these arguments (its size is the real op's business: a token here)."""
+    return torch.empty(1, dtype=torch.uint8)
