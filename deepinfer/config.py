@@ -55,6 +55,9 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV of cached prompt prefixes (kv/prefix_cache.py). None = on where
         every KV group is full attention (V2 / V3), off for V4 (sliding-window and compressed groups need
         bounded replay, not built yet); True on such a model is an error naming the groups.
+    kv_disk_cache_dir / kv_disk_cache_gib / kv_retention_hours: the prefix cache's disk tier
+        (kv/disk_tier.py): evicted blocks go to files there, at most that many GiB, kept that many hours
+        (default 72); a restarted engine on the same model finds them. None = no disk tier.
     async_scheduling: schedule and launch step N+1 while the device runs step N
         (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
@@ -83,6 +86,9 @@ class EngineConfig:
     load_progress: bool = True
     async_scheduling: bool | None = None
     enable_prefix_caching: bool | None = None
+    kv_disk_cache_dir: str | None = None
+    kv_disk_cache_gib: float = 10.0
+    kv_retention_hours: float = 72.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +144,15 @@ class EngineConfig:
             raise bad("seed", "must be an integer")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise bad("enable_prefix_caching", "must be a bool or None (on where the model's KV groups allow it)")
+        if self.kv_disk_cache_dir is not None and (not isinstance(self.kv_disk_cache_dir, (str, os.PathLike))
+                                                   or not str(self.kv_disk_cache_dir)):
+            raise bad("kv_disk_cache_dir", "must be a directory path or None (no disk tier)")
+        for name in ("kv_disk_cache_gib", "kv_retention_hours"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise bad(name, "must be a positive number")
+        if self.kv_disk_cache_dir is not None and self.enable_prefix_caching is False:
+            raise bad("kv_disk_cache_dir", "needs prefix caching (enable_prefix_caching is False)")
         if not isinstance(self.batch_invariant, bool):
             raise bad("batch_invariant", "must be a bool")
         if not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1:

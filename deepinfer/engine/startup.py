@@ -172,3 +172,20 @@ def cache_salt(model, block_size: int) -> bytes:
     h = hashlib.sha256(repr(model.config).encode())
     h.update(f"|{model.dtype}|{getattr(model, 'quantization', None)}|{block_size}".encode())
     return h.digest()
+
+
+def attach_disk_tier(cfg: EngineConfig, kv, caches) -> None:
+    """The prefix cache's disk tier (EngineConfig.kv_disk_cache_dir), keyed by the same salt as the cache."""
+    from deepinfer.errors import ConfigError
+    from deepinfer.kv.disk_tier import DiskTier
+    from deepinfer.worker.kv_block_io import KVBlockIO
+
+    if not kv.prefix_caching:
+        raise ConfigError("EngineConfig.kv_disk_cache_dir needs prefix caching, which is off for this model")
+    if len(kv.specs) != 1:
+        raise ConfigError("EngineConfig.kv_disk_cache_dir: the disk tier serves models with one KV group (V2 / V3)")
+    tier = DiskTier(cfg.kv_disk_cache_dir, int(cfg.kv_disk_cache_gib * 1024**3), cfg.kv_retention_hours,
+                    kv.cache_salt)
+    kv.attach_disk_tier(tier, KVBlockIO(caches, kv.specs[0].name))
+    logger.info("kv disk cache at %s (%.1f GiB, %g h retention)", tier.root, cfg.kv_disk_cache_gib,
+                cfg.kv_retention_hours)

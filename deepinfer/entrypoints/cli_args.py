@@ -37,6 +37,9 @@ ENGINE_FIELDS = (
     "async_scheduling",
     "batch_invariant",
     "enable_prefix_caching",
+    "kv_disk_cache_dir",
+    "kv_disk_cache_gib",
+    "kv_retention_hours",
 )
 
 
@@ -72,6 +75,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of cached prompt prefixes (default: on for V2 / V3, off for V4)")
+    g.add_argument("--kv-disk-cache-dir", default=None,
+                   help="prefix cache disk tier: evicted KV blocks go to files here and survive restarts")
+    g.add_argument("--kv-disk-cache-gib", type=float, default=None, help="size limit of the disk tier (default 10)")
+    g.add_argument("--kv-retention-hours", type=float, default=None,
+                   help="hours a disk-tier block is kept (default 72)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="bitwise the same tokens and logprobs whatever the batch (docs/determinism.md; "
                         "or DEEPINFER_BATCH_INVARIANT=1)")

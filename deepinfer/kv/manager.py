@@ -17,7 +17,7 @@ blocks are keyed as they fill (`register_computed`), and freed keyed blocks stay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -39,10 +39,13 @@ class KVUser(Protocol):
 
 @dataclass
 class PrefixHit:
-    """The cached prefix a sequence can attach: num_tokens tokens, in these blocks per group."""
+    """The cached prefix a sequence can attach: num_tokens tokens, in these device blocks per group, then
+    (disk tier) blocks read back from files: their keys and payloads, written into new blocks at allocate."""
 
     num_tokens: int
     blocks: dict[str, list[int]]
+    disk_keys: list[bytes] = field(default_factory=list)
+    disk_parts: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +95,9 @@ class KVCacheManager:
         self.pools = {s.name: pool_cls(num_blocks[s.name], s.name) for s in specs}
         self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
         self.prefix_hit_tokens = 0  # of which served from the cache
+        self.prefix_disk_hit_tokens = 0  # of which read back from the disk tier
+        self.disk_tier = None
+        self.block_io = None
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
         self._has_windows = any(s.sliding_window is not None for s in specs)
@@ -209,7 +215,40 @@ class KVCacheManager:
             for s, b in zip(self.specs, found):
                 hits[s.name].append(b)
             depth += 1
-        return PrefixHit(depth * self.block_size, hits)
+        hit = PrefixHit(depth * self.block_size, hits)
+        if self.disk_tier is not None:
+            self._extend_from_disk(seq, hit, n)
+        return hit
+
+    def attach_disk_tier(self, tier, block_io) -> None:
+        """Evicted keyed blocks go to `tier` (disk_tier.DiskTier); hits continue into it. block_io reads and
+        writes one block's KV across the group's layers (worker/kv_block_io.py). One KV group only."""
+        if not self.prefix_caching or len(self.specs) != 1:
+            raise DeepInferError("the disk tier needs prefix caching on a model with one KV group")
+        self.disk_tier, self.block_io = tier, block_io
+        group = self.specs[0].name
+        pool = self.pools[group]
+
+        def evicted(block: int, key: bytes) -> None:
+            if not tier.contains(key):
+                tier.put(key, block_io.read(block))
+
+        pool.on_evict = evicted
+
+    def _extend_from_disk(self, seq, hit: PrefixHit, n: int) -> None:
+        """Past the device hit, the blocks the disk tier holds, read now (schedule time), before the step
+        that needs them; a file that fails its checks ends the hit there."""
+        depth = hit.num_tokens // self.block_size
+        like = self.block_io.like()
+        while depth < n:
+            key = self.block_keys(seq, depth + 1)[depth]
+            parts = self.disk_tier.get(key, like)
+            if parts is None:
+                break
+            hit.disk_keys.append(key)
+            hit.disk_parts.append(parts)
+            depth += 1
+        hit.num_tokens = depth * self.block_size
 
     def register_computed(self, seq) -> None:
         """Key the sequence's full blocks whose tokens are all computed and known on the host."""
@@ -230,6 +269,17 @@ class KVCacheManager:
                 pool.register(int(row[i]), keys[i])
         sb.num_keyed = full
 
+    def _load_disk_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
+        group = self.specs[0].name
+        pool = self.pools[group]
+        first = len(prefix.blocks[group])
+        for i, (key, parts) in enumerate(zip(prefix.disk_keys, prefix.disk_parts)):
+            block = int(self._np[group][sb.row, first + i])
+            self.block_io.write(block, parts)
+            pool.register(block, key)
+        sb.num_keyed = first + len(prefix.disk_keys)
+        self.prefix_disk_hit_tokens += len(prefix.disk_keys) * self.block_size
+
     def _attach(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
         for s in self.specs:
             hit = prefix.blocks[s.name]
@@ -238,7 +288,7 @@ class KVCacheManager:
                 self._np[s.name][sb.row, : len(hit)] = hit
                 sb.num_blocks[s.name] = len(hit)
                 self._changes[s.name].append((sb.row, 0, len(hit)))
-        sb.num_keyed = prefix.num_tokens // self.block_size
+        sb.num_keyed = len(next(iter(prefix.blocks.values()), []))
 
     def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
         """The decode fast path: cover the next tokens when no group needs a block or frees one.
@@ -289,6 +339,8 @@ class KVCacheManager:
                 self._np[s.name][sb.row, held : held + new] = self.pools[s.name].allocate(new)
                 sb.num_blocks[s.name] = held + new
                 self._changes[s.name].append((sb.row, held, held + new))
+        if attach and prefix.disk_keys:
+            self._load_disk_blocks(sb, prefix)
         sb.num_tokens = max(sb.num_tokens, total)
         # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)

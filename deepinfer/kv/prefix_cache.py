@@ -47,6 +47,7 @@ class CachingBlockPool(BlockPool):
         self.block_of: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
         self.num_evictions = 0
+        self.on_evict = None  # (block, key) -> None, called before an evicted block is reused (lower tiers)
 
     @property
     def num_free(self) -> int:
@@ -70,8 +71,11 @@ class CachingBlockPool(BlockPool):
                 b = self._free.popleft()
             else:
                 b, _ = self.evictable.popitem(last=False)
-                del self.block_of[self.key_of.pop(b)]
+                key = self.key_of.pop(b)
+                del self.block_of[key]
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b, key)
             self.ref[b] = 1
             out.append(b)
         return out

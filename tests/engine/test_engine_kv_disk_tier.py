@@ -1,0 +1,91 @@
+"""The prefix cache's disk tier: evicted blocks go to files, a new engine on the same directory hits them and
+answers as without caching; a corrupted file is a miss with a warning and correct output; another fingerprint
+(model, dtype or block size: here the dtype) never reads them; the size limit holds."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+
+import pytest
+
+from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
+from deepinfer.errors import ConfigError
+
+SYSTEM = [0] + [(11 * i + 5) % 900 + 2 for i in range(63)]  # 64 tokens: four blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+
+
+def _engine(path: str, disk: str | None, **kw) -> DeepInferenceEngine:
+    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64,
+                    kv_disk_cache_dir=disk, load_progress=False)
+    settings.update(kw)
+    return DeepInferenceEngine(EngineConfig(path, **settings))
+
+
+def _trace(out):
+    c = out.outputs[0]
+    return list(c.token_ids), [[(t, lp.logprob) for t, lp in step.items()] for step in c.logprobs]
+
+
+def _close(a, b) -> bool:
+    return a[0] == b[0] and all(t1 == t2 and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
+                                for s1, s2 in zip(a[1], b[1]) for (t1, x), (t2, y) in zip(s1, s2))
+
+
+def _fill(engine: DeepInferenceEngine) -> None:
+    """Cache SYSTEM's blocks, then push them out of the 12-block device cache with other prompts."""
+    engine.generate([SYSTEM + [7, 8, 9]], GREEDY, use_tqdm=False)
+    for i in range(4):
+        engine.generate([[0] + [(97 * i + 13 * j) % 900 + 2 for j in range(90)]], GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint):
+    return checkpoint("tiny-v3")
+
+
+def test_restart_hits_the_disk_then_a_corrupt_file_is_a_miss(path, tmp_path, caplog):
+    disk = str(tmp_path / "kv")
+    _fill(_engine(path, disk))
+    files = glob.glob(os.path.join(disk, "*", "*", "*.kvb"))
+    assert files, "nothing was evicted to disk"
+    prompt = SYSTEM + [41, 42, 43, 44, 45]
+    want = _trace(_engine(path, None, enable_prefix_caching=False).generate([prompt], GREEDY, use_tqdm=False)[0])
+
+    fresh = _engine(path, disk)  # a restart: an empty device cache, yesterday's directory
+    out = fresh.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and fresh.kv.prefix_disk_hit_tokens == 64
+    assert _close(_trace(out), want)
+
+    for f in glob.glob(os.path.join(disk, "*", "*", "*.kvb")):  # flip a byte in every payload
+        data = bytearray(open(f, "rb").read())
+        data[-3] ^= 0xFF
+        open(f, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        again = _engine(path, disk)
+        out = again.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and "failed its checks" in caplog.text
+    assert _close(_trace(out), want)
+
+
+def test_another_dtype_never_reads_them(path, tmp_path):
+    disk = str(tmp_path / "kv")
+    _fill(_engine(path, disk))
+    other = _engine(path, disk, dtype="bfloat16")  # another fingerprint (the salt holds the dtype)
+    assert other.generate([SYSTEM + [41]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert len(os.listdir(disk)) == 2  # one subdirectory per fingerprint
+
+
+def test_size_limit_and_config_errors(path, tmp_path):
+    disk = str(tmp_path / "kv")
+    e = _engine(path, disk, kv_disk_cache_gib=2e-6)  # ~2 KiB: about one block file
+    _fill(e)
+    e.kv.disk_tier.sweep()
+    assert e.kv.disk_tier.size_bytes() <= 2e-6 * 1024**3
+    with pytest.raises(ConfigError, match="kv_disk_cache_dir"):
+        EngineConfig(path, kv_disk_cache_dir=disk, enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="kv_retention_hours"):
+        EngineConfig(path, kv_retention_hours=0)
