@@ -18,7 +18,8 @@ TARGET = [0] + [(37 * i + 11) % 1000 + 2 for i in range(45)]  # 46 tokens: a chu
 
 
 def _engine(path: str, **kw) -> DeepInferenceEngine:
-    settings = dict(dtype="float32", batch_invariant=True, max_num_batched_tokens=32, num_kv_blocks=24, max_model_len=256,
+    settings = dict(device="cpu", dtype="float32", batch_invariant=True, max_num_batched_tokens=32, num_kv_blocks=24,
+                    max_model_len=256,
                     max_num_seqs=16, load_progress=False)
     settings.update(kw)
     return DeepInferenceEngine(EngineConfig(path, **settings))

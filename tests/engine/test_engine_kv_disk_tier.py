@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=Tr
 
 
 def _engine(path: str, disk: str | None, **kw) -> DeepInferenceEngine:
-    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64,
+    settings = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64,
                     kv_disk_cache_dir=disk, load_progress=False)
     settings.update(kw)
     return DeepInferenceEngine(EngineConfig(path, **settings))

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=Tr
 
 
 def _engine(path: str, caching: bool, **kw) -> DeepInferenceEngine:
-    settings = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=40,
+    settings = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=40,
                     enable_prefix_caching=caching, load_progress=False)
     settings.update(kw)
     return DeepInferenceEngine(EngineConfig(path, **settings))

@@ -117,7 +117,7 @@ def test_greedy_equals_transformers_fp32(hf_root):
     from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
 
     hf, _, _ = _hf("main", hf_root)
-    engine = DeepInferenceEngine(EngineConfig(dtype="float32", load_progress=False))
+    engine = DeepInferenceEngine(EngineConfig(device="cpu", dtype="float32", load_progress=False))
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for out in outs:
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
