@@ -152,7 +152,7 @@ _unfreeze_registered = False
 def use_prefix_caching(cfg: EngineConfig, specs) -> bool:
     """EngineConfig.enable_prefix_caching resolved: None = on where every KV group allows it."""
     from deepinfer.errors import ConfigError
-    from deepinfer.kv.manager import prefix_caching_refusals
+    from deepinfer.kv.prefix_cache import prefix_caching_refusals
 
     reasons = prefix_caching_refusals(specs)
     if cfg.enable_prefix_caching and reasons:

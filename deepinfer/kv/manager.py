@@ -27,7 +27,8 @@ from deepinfer.backend import KVCacheSpec
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
 from deepinfer.kv.planner import window_blocks_per_seq
-from deepinfer.kv.prefix_cache import CachingBlockPool, block_key
+from deepinfer.kv.prefix_cache import CachingBlockPool, block_key, prefix_caching_refusals
+from deepinfer.kv.tier_link import DiskTierLink
 
 
 class KVUser(Protocol):
@@ -97,7 +98,7 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0  # of which served from the cache
         self.prefix_disk_hit_tokens = 0  # of which read back from the disk tier
         self.disk_tier = None
-        self.block_io = None
+        self._tier: DiskTierLink | None = None
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
         self._has_windows = any(s.sliding_window is not None for s in specs)
@@ -216,39 +217,18 @@ class KVCacheManager:
                 hits[s.name].append(b)
             depth += 1
         hit = PrefixHit(depth * self.block_size, hits)
-        if self.disk_tier is not None:
-            self._extend_from_disk(seq, hit, n)
+        if self._tier is not None:
+            depth = self._tier.extend(hit.num_tokens // self.block_size, n, lambda d: self.block_keys(seq, d + 1)[d],
+                                      hit.disk_keys, hit.disk_parts)
+            hit.num_tokens = depth * self.block_size
         return hit
 
     def attach_disk_tier(self, tier, block_io) -> None:
-        """Evicted keyed blocks go to `tier` (disk_tier.DiskTier); hits continue into it. block_io reads and
-        writes one block's KV across the group's layers (worker/kv_block_io.py). One KV group only."""
+        """Evicted keyed blocks go to `tier` (disk_tier.DiskTier); hits continue into it (tier_link.py)."""
         if not self.prefix_caching or len(self.specs) != 1:
             raise DeepInferError("the disk tier needs prefix caching on a model with one KV group")
-        self.disk_tier, self.block_io = tier, block_io
-        group = self.specs[0].name
-        pool = self.pools[group]
-
-        def evicted(block: int, key: bytes) -> None:
-            if not tier.contains(key):
-                tier.put(key, block_io.read(block))
-
-        pool.on_evict = evicted
-
-    def _extend_from_disk(self, seq, hit: PrefixHit, n: int) -> None:
-        """Past the device hit, the blocks the disk tier holds, read now (schedule time), before the step
-        that needs them; a file that fails its checks ends the hit there."""
-        depth = hit.num_tokens // self.block_size
-        like = self.block_io.like()
-        while depth < n:
-            key = self.block_keys(seq, depth + 1)[depth]
-            parts = self.disk_tier.get(key, like)
-            if parts is None:
-                break
-            hit.disk_keys.append(key)
-            hit.disk_parts.append(parts)
-            depth += 1
-        hit.num_tokens = depth * self.block_size
+        self.disk_tier = tier
+        self._tier = DiskTierLink(tier, block_io, self.pools[self.specs[0].name])
 
     def register_computed(self, seq) -> None:
         """Key the sequence's full blocks whose tokens are all computed and known on the host."""
@@ -271,12 +251,9 @@ class KVCacheManager:
 
     def _load_disk_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
         group = self.specs[0].name
-        pool = self.pools[group]
         first = len(prefix.blocks[group])
-        for i, (key, parts) in enumerate(zip(prefix.disk_keys, prefix.disk_parts)):
-            block = int(self._np[group][sb.row, first + i])
-            self.block_io.write(block, parts)
-            pool.register(block, key)
+        self._tier.load(self._np[group][sb.row, first: first + len(prefix.disk_keys)], prefix.disk_keys,
+                        prefix.disk_parts)
         sb.num_keyed = first + len(prefix.disk_keys)
         self.prefix_disk_hit_tokens += len(prefix.disk_keys) * self.block_size
 
@@ -422,16 +399,3 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         return sum(p.num_cached for p in self.pools.values() if isinstance(p, CachingBlockPool))
-
-
-def prefix_caching_refusals(specs: list[KVCacheSpec]) -> list[str]:
-    """Why prefix caching cannot serve these KV groups (empty: it can)."""
-    out = []
-    for s in specs:
-        if s.sliding_window is not None:
-            out.append(f"group {s.name!r} is a sliding window (bounded replay is not implemented yet)")
-        elif s.state_shape:
-            out.append(f"group {s.name!r} carries per-sequence state (compressor state is not cached yet)")
-        elif s.tokens_per_entry != 1:
-            out.append(f"group {s.name!r} is compressed ({s.tokens_per_entry} tokens per entry)")
-    return out

@@ -25,6 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from deepinfer.backend import KVCacheSpec
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool
 
@@ -136,3 +137,16 @@ class CachingBlockPool(BlockPool):
             raise DeepInferError(f"KV group {self.name!r}: a free block is listed twice or a cached one has no key")
         if any(self.block_of[k] != b for b, k in self.key_of.items()) or len(self.block_of) != len(self.key_of):
             raise DeepInferError(f"KV group {self.name!r}: key maps disagree")
+
+
+def prefix_caching_refusals(specs: list[KVCacheSpec]) -> list[str]:
+    """Why prefix caching cannot serve these KV groups (empty: it can)."""
+    out = []
+    for s in specs:
+        if s.sliding_window is not None:
+            out.append(f"group {s.name!r} is a sliding window (bounded replay is not implemented yet)")
+        elif s.state_shape:
+            out.append(f"group {s.name!r} carries per-sequence state (compressor state is not cached yet)")
+        elif s.tokens_per_entry != 1:
+            out.append(f"group {s.name!r} is compressed ({s.tokens_per_entry} tokens per entry)")
+    return out
