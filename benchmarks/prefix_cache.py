@@ -73,7 +73,11 @@ def main() -> None:
             filler = _engine(args.checkpoint, args, True, args.disk, num_kv_blocks=-(-(ctx + 64) // 16) + 8,
                              max_model_len=ctx + 64)
             _ttft(filler, prompt(-2))
-            for j in range(3):  # push the prefix's blocks out to the directory
+            # push the prefix's blocks out to the directory: they are the least recently used, so they go first
+            tier, need = filler.kv.disk_tier, ctx // filler.kv.block_size
+            for _ in range(100):
+                if tier.puts >= need:
+                    break
                 _ttft(filler, [0] + [rng.randrange(2, vocab_hi) for _ in range(ctx)])
             disk = []
             for i in range(args.reps):

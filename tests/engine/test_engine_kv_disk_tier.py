@@ -89,3 +89,17 @@ def test_size_limit_and_config_errors(path, tmp_path):
         EngineConfig(path, kv_disk_cache_dir=disk, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="kv_retention_hours"):
         EngineConfig(path, kv_retention_hours=0)
+
+
+def test_the_ttft_benchmark_runs(path, tmp_path, monkeypatch, capsys):
+    """benchmarks/prefix_cache.py end to end at a tiny context (what it measures is in the perf log)."""
+    import json
+    import sys
+
+    from benchmarks import prefix_cache
+
+    monkeypatch.setattr(sys, "argv", ["prefix_cache", path, "--context", "40", "--device", "cpu", "--reps", "1",
+                                      "--disk", str(tmp_path / "kv")])
+    prefix_cache.main()
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["cached_tokens"] == 32 and row["disk_cached_tokens"] == 32 and row["miss_ms"] > 0
