@@ -24,6 +24,26 @@ def deepinfer(*args: str, env: dict | None = None, stdin: str | None = None) -> 
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, input=stdin, timeout=300)
 
 
+def start_serve(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`deepinfer serve ARGS` as a subprocess, read up to its "serving on URL" line: (process, URL, the banner
+    so far). DEEPINFER_* of this process are dropped, `env` added."""
+    import re
+
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    full_env.update(env or {})
+    proc = subprocess.Popen([*cmd, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env)
+    seen = []
+    for line in proc.stdout:  # start-up banner: what was loaded, where, and the URL
+        seen.append(line)
+        m = re.search(r"serving on (http://\S+)", line)
+        if m:
+            return proc, m.group(1), "".join(seen)
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "".join(seen))
+
+
 def assert_user_error(out: subprocess.CompletedProcess, *needles: str) -> None:
     assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
     assert "Traceback" not in out.stderr, out.stderr
@@ -156,24 +176,10 @@ def test_serve_starts_answers_and_drains_on_sigterm(ckpt):
     import signal
     import urllib.request
 
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    env["DEEPINFER_API_KEY"] = "sekret"  # the documented env default of --api-key
-    proc = subprocess.Popen(
-        [*cmd, "serve", str(ckpt), "--device", "cpu", "--port", "0", "--served-model-name", "tiny",
-         "--max-model-len", "256", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    proc, url, banner = start_serve(str(ckpt), "--device", "cpu", "--port", "0", "--served-model-name", "tiny",
+                                    "--max-model-len", "256", "--log-level", "warning",
+                                    env={"DEEPINFER_API_KEY": "sekret"})  # the documented env default of --api-key
     try:
-        url, seen = None, []
-        for line in proc.stdout:  # start-up banner: what was loaded, where, and the URL
-            seen.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "".join(seen)
-        banner = "".join(seen)
         assert "backend: cpu" in banner and "max_model_len: 256" in banner and "API key: required" in banner
         assert re.search(r"KV cache: \d+ tokens", banner), banner
 

@@ -6,12 +6,9 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 
-from test_cli_commands import SCRIPT, assert_user_error, deepinfer
+from test_cli_commands import assert_user_error, deepinfer, start_serve
 
 from deepinfer import EngineConfig, embedded_model_path
 
@@ -64,20 +61,9 @@ def test_a_named_model_wins_and_a_missing_one_is_an_error(tmp_path):
 def test_serve_without_a_model_answers_the_openai_client_with_python():
     import openai
 
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    proc = subprocess.Popen([*cmd, "serve", "--port", "0", "--log-level", "warning"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc, url, banner = start_serve("--port", "0", "--log-level", "warning")
     try:
-        url, seen = None, []
-        for line in proc.stdout:
-            seen.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "".join(seen)
-        assert "as 'stdlib-coder'" in "".join(seen)
+        assert "as 'stdlib-coder'" in banner
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["stdlib-coder"]
         resp = client.completions.create(model="stdlib-coder", prompt=PROMPT, max_tokens=40, temperature=0)
