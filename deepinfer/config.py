@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV of cached prompt prefixes (kv/prefix_cache.py). None = on where
         every KV group is full attention (V2 / V3), off for V4 (sliding-window and compressed groups need
         bounded replay, not built yet); True on such a model is an error naming the groups.
+    kv_host_cache_gib: the prefix cache's host tier (kv/host_tier.py): evicted device blocks are kept in
+        that many GiB of host memory (pinned on a GPU), and pushed on to the disk tier from there. None = off.
     kv_disk_cache_dir / kv_disk_cache_gib / kv_retention_hours: the prefix cache's disk tier
         (kv/disk_tier.py): evicted blocks go to files there, at most that many GiB, kept that many hours
         (default 72); a restarted engine on the same model finds them. None = no disk tier.
@@ -86,6 +88,7 @@ class EngineConfig:
     load_progress: bool = True
     async_scheduling: bool | None = None
     enable_prefix_caching: bool | None = None
+    kv_host_cache_gib: float | None = None
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gib: float = 10.0
     kv_retention_hours: float = 72.0
@@ -147,6 +150,11 @@ class EngineConfig:
         if self.kv_disk_cache_dir is not None and (not isinstance(self.kv_disk_cache_dir, (str, os.PathLike))
                                                    or not str(self.kv_disk_cache_dir)):
             raise bad("kv_disk_cache_dir", "must be a directory path or None (no disk tier)")
+        if self.kv_host_cache_gib is not None and (isinstance(self.kv_host_cache_gib, bool) or not isinstance(
+                self.kv_host_cache_gib, (int, float)) or not self.kv_host_cache_gib > 0):
+            raise bad("kv_host_cache_gib", "must be a positive number or None (no host tier)")
+        if self.kv_host_cache_gib is not None and self.enable_prefix_caching is False:
+            raise bad("kv_host_cache_gib", "needs prefix caching (enable_prefix_caching is False)")
         for name in ("kv_disk_cache_gib", "kv_retention_hours"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -14,7 +14,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.startup import (
-    attach_disk_tier,
+    attach_lower_tiers,
     cache_salt,
     check_backend,
     checkpoint_quantization,
@@ -169,8 +169,8 @@ class DeepInferenceEngine:
         self.vocab_size = int(model.vocab_size)
         sampler = Sampler(self.vocab_size, eos_token_id=sorted(eos_ids))
         self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler, layouts)
-        if cfg.kv_disk_cache_dir is not None:
-            attach_disk_tier(cfg, kv, self.runner.caches)
+        if cfg.kv_disk_cache_dir is not None or cfg.kv_host_cache_gib is not None:
+            attach_lower_tiers(cfg, kv, self.runner.caches)
         self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)

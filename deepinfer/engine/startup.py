@@ -174,18 +174,28 @@ def cache_salt(model, block_size: int) -> bytes:
     return h.digest()
 
 
-def attach_disk_tier(cfg: EngineConfig, kv, caches) -> None:
-    """The prefix cache's disk tier (EngineConfig.kv_disk_cache_dir), keyed by the same salt as the cache."""
+def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
+    """The prefix cache's host tier (EngineConfig.kv_host_cache_gib) and disk tier (kv_disk_cache_dir),
+    keyed by the same salt as the cache."""
     from deepinfer.errors import ConfigError
     from deepinfer.kv.disk_tier import DiskTier
+    from deepinfer.kv.host_tier import HostTier
     from deepinfer.worker.kv_block_io import KVBlockIO
 
     if not kv.prefix_caching:
-        raise ConfigError("EngineConfig.kv_disk_cache_dir needs prefix caching, which is off for this model")
+        raise ConfigError("EngineConfig.kv_host_cache_gib / kv_disk_cache_dir need prefix caching, which is off "
+                          "for this model")
     if len(kv.specs) != 1:
-        raise ConfigError("EngineConfig.kv_disk_cache_dir: the disk tier serves models with one KV group (V2 / V3)")
-    tier = DiskTier(cfg.kv_disk_cache_dir, int(cfg.kv_disk_cache_gib * 1024**3), cfg.kv_retention_hours,
-                    kv.cache_salt)
-    kv.attach_disk_tier(tier, KVBlockIO(caches, kv.specs[0].name))
-    logger.info("kv disk cache at %s (%.1f GiB, %g h retention)", tier.root, cfg.kv_disk_cache_gib,
-                cfg.kv_retention_hours)
+        raise ConfigError("EngineConfig.kv_host_cache_gib / kv_disk_cache_dir: the lower tiers serve models with "
+                          "one KV group (V2 / V3)")
+    io = KVBlockIO(caches, kv.specs[0].name)
+    host = disk = None
+    if cfg.kv_host_cache_gib is not None:
+        host = HostTier(int(cfg.kv_host_cache_gib * 1024**3), pin=io.device.type == "cuda")
+        logger.info("kv host cache: %.2f GiB%s", cfg.kv_host_cache_gib, " (pinned)" if host.pin else "")
+    if cfg.kv_disk_cache_dir is not None:
+        disk = DiskTier(cfg.kv_disk_cache_dir, int(cfg.kv_disk_cache_gib * 1024**3), cfg.kv_retention_hours,
+                        kv.cache_salt)
+        logger.info("kv disk cache at %s (%.1f GiB, %g h retention)", disk.root, cfg.kv_disk_cache_gib,
+                    cfg.kv_retention_hours)
+    kv.attach_tiers(host, disk, io)

@@ -37,6 +37,7 @@ ENGINE_FIELDS = (
     "async_scheduling",
     "batch_invariant",
     "enable_prefix_caching",
+    "kv_host_cache_gib",
     "kv_disk_cache_dir",
     "kv_disk_cache_gib",
     "kv_retention_hours",
@@ -75,6 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of cached prompt prefixes (default: on for V2 / V3, off for V4)")
+    g.add_argument("--kv-host-cache-gib", type=float, default=None,
+                   help="prefix cache host tier: GiB of host memory for blocks evicted from the device (default off)")
     g.add_argument("--kv-disk-cache-dir", default=None,
                    help="prefix cache disk tier: evicted KV blocks go to files here and survive restarts")
     g.add_argument("--kv-disk-cache-gib", type=float, default=None, help="size limit of the disk tier (default 10)")

@@ -28,7 +28,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
 from deepinfer.kv.planner import window_blocks_per_seq
 from deepinfer.kv.prefix_cache import CachingBlockPool, block_key, prefix_caching_refusals
-from deepinfer.kv.tier_link import DiskTierLink
+from deepinfer.kv.tier_link import TierLink
 
 
 class KVUser(Protocol):
@@ -41,12 +41,12 @@ class KVUser(Protocol):
 @dataclass
 class PrefixHit:
     """The cached prefix a sequence can attach: num_tokens tokens, in these device blocks per group, then
-    (disk tier) blocks read back from files: their keys and payloads, written into new blocks at allocate."""
+    (lower tiers) blocks read back from host memory or files: their keys and payloads, written into new blocks at allocate."""
 
     num_tokens: int
     blocks: dict[str, list[int]]
-    disk_keys: list[bytes] = field(default_factory=list)
-    disk_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    tier_keys: list[bytes] = field(default_factory=list)
+    tier_parts: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -96,9 +96,10 @@ class KVCacheManager:
         self.pools = {s.name: pool_cls(num_blocks[s.name], s.name) for s in specs}
         self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
         self.prefix_hit_tokens = 0  # of which served from the cache
-        self.prefix_disk_hit_tokens = 0  # of which read back from the disk tier
+        self.prefix_tier_hit_tokens = 0  # of which read back from a lower tier (host memory or disk)
+        self.host_tier = None
         self.disk_tier = None
-        self._tier: DiskTierLink | None = None
+        self._tier: TierLink | None = None
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
         self._has_windows = any(s.sliding_window is not None for s in specs)
@@ -219,16 +220,17 @@ class KVCacheManager:
         hit = PrefixHit(depth * self.block_size, hits)
         if self._tier is not None:
             depth = self._tier.extend(hit.num_tokens // self.block_size, n, lambda d: self.block_keys(seq, d + 1)[d],
-                                      hit.disk_keys, hit.disk_parts)
+                                      hit.tier_keys, hit.tier_parts)
             hit.num_tokens = depth * self.block_size
         return hit
 
-    def attach_disk_tier(self, tier, block_io) -> None:
-        """Evicted keyed blocks go to `tier` (disk_tier.DiskTier); hits continue into it (tier_link.py)."""
+    def attach_tiers(self, host, disk, block_io) -> None:
+        """Evicted keyed blocks go to the host tier (host_tier.HostTier), from there to disk
+        (disk_tier.DiskTier); hits continue into them (tier_link.py). Either may be None."""
         if not self.prefix_caching or len(self.specs) != 1:
-            raise DeepInferError("the disk tier needs prefix caching on a model with one KV group")
-        self.disk_tier = tier
-        self._tier = DiskTierLink(tier, block_io, self.pools[self.specs[0].name])
+            raise DeepInferError("the host / disk tiers need prefix caching on a model with one KV group")
+        self.host_tier, self.disk_tier = host, disk
+        self._tier = TierLink(host, disk, block_io, self.pools[self.specs[0].name])
 
     def register_computed(self, seq) -> None:
         """Key the sequence's full blocks whose tokens are all computed and known on the host."""
@@ -249,13 +251,13 @@ class KVCacheManager:
                 pool.register(int(row[i]), keys[i])
         sb.num_keyed = full
 
-    def _load_disk_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
+    def _load_tier_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
         group = self.specs[0].name
         first = len(prefix.blocks[group])
-        self._tier.load(self._np[group][sb.row, first: first + len(prefix.disk_keys)], prefix.disk_keys,
-                        prefix.disk_parts)
-        sb.num_keyed = first + len(prefix.disk_keys)
-        self.prefix_disk_hit_tokens += len(prefix.disk_keys) * self.block_size
+        self._tier.load(self._np[group][sb.row, first: first + len(prefix.tier_keys)], prefix.tier_keys,
+                        prefix.tier_parts)
+        sb.num_keyed = first + len(prefix.tier_keys)
+        self.prefix_tier_hit_tokens += len(prefix.tier_keys) * self.block_size
 
     def _attach(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
         for s in self.specs:
@@ -316,8 +318,8 @@ class KVCacheManager:
                 self._np[s.name][sb.row, held : held + new] = self.pools[s.name].allocate(new)
                 sb.num_blocks[s.name] = held + new
                 self._changes[s.name].append((sb.row, held, held + new))
-        if attach and prefix.disk_keys:
-            self._load_disk_blocks(sb, prefix)
+        if attach and prefix.tier_keys:
+            self._load_tier_blocks(sb, prefix)
         sb.num_tokens = max(sb.num_tokens, total)
         # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)

@@ -22,6 +22,10 @@ class KVBlockIO:
             kv = caches.get(group, layer)
             self._parts.extend(kv if isinstance(kv, (tuple, list)) else (kv,))
 
+    @property
+    def device(self) -> torch.device:
+        return self._parts[0].device
+
     def like(self) -> list[torch.Tensor]:
         """Empty host tensors shaped and typed like one block's parts (the tiers check files against them)."""
         return [torch.empty(p.shape[1:], dtype=p.dtype) for p in self._parts]

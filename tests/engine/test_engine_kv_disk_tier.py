@@ -57,7 +57,7 @@ def test_restart_hits_the_disk_then_a_corrupt_file_is_a_miss(path, tmp_path, cap
 
     fresh = _engine(path, disk)  # a restart: an empty device cache, yesterday's directory
     out = fresh.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert out.num_cached_tokens == 64 and fresh.kv.prefix_disk_hit_tokens == 64
+    assert out.num_cached_tokens == 64 and fresh.kv.prefix_tier_hit_tokens == 64
     assert _close(_trace(out), want)
 
     for f in glob.glob(os.path.join(disk, "*", "*", "*.kvb")):  # flip a byte in every payload
@@ -103,3 +103,24 @@ def test_the_ttft_benchmark_runs(path, tmp_path, monkeypatch, capsys):
     prefix_cache.main()
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["cached_tokens"] == 32 and row["disk_cached_tokens"] == 32 and row["miss_ms"] > 0
+
+
+def test_host_tier_hits_and_spills_to_disk(path, tmp_path):
+    prompt = SYSTEM + [41, 42, 43, 44, 45]
+    want = _trace(_engine(path, None, enable_prefix_caching=False).generate([prompt], GREEDY, use_tqdm=False)[0])
+    host_only = _engine(path, None, kv_host_cache_gib=0.01)
+    _fill(host_only)
+    assert len(host_only.kv.host_tier) > 0
+    out = host_only.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and host_only.kv.prefix_tier_hit_tokens == 64
+    assert _close(_trace(out), want)
+    # a host tier of ~3 blocks: what it pushes out lands on disk, where a restarted engine finds it
+    disk = str(tmp_path / "kv")
+    small = _engine(path, disk, kv_host_cache_gib=4e-5)
+    _fill(small)
+    assert small.kv.host_tier.size_bytes <= 4e-5 * 1024**3 and small.kv.disk_tier.puts > 0
+    fresh = _engine(path, disk)
+    out = fresh.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and _close(_trace(out), want)
+    with pytest.raises(ConfigError, match="kv_host_cache_gib"):
+        EngineConfig(path, kv_host_cache_gib=-1)
