@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from model_refs import dequantize_reference
 from paged_batch_util import PagedKV
 from safetensors.torch import load_file, save_file
 
@@ -33,9 +34,7 @@ def _hf_weights() -> dict[str, torch.Tensor]:
         if name.endswith("weight_scale_inv"):
             continue
         if w.dtype == torch.float8_e4m3fn:
-            s = t[name[: -len("weight")] + "weight_scale_inv"]
-            full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-            w = w.float() * full
+            w = dequantize_reference(w, t[name[: -len("weight")] + "weight_scale_inv"])
         out[name] = w.float().contiguous()
     return out
 

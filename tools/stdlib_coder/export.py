@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from deepinfer.backend.native.linear import dequant_fp8_block
 from deepinfer.checkpoints.random_weights import quantize_fp8_block
 from tools.stdlib_coder.model import GatedMLP, MoE, TrainingV3, V3Shape
 
@@ -161,10 +162,7 @@ def load_into(model: TrainingV3, ckpt_dir: str) -> None:
     def w(name: str) -> torch.Tensor:
         q = t[f"{name}.weight"]
         s = t.get(f"{name}.weight_scale_inv")
-        if s is None:
-            return q.float()
-        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: q.shape[0], : q.shape[1]]
-        return q.float() * full
+        return q.float() if s is None else dequant_fp8_block(q, s)  # the engine's own dequantization
 
     def layer(p: str, lyr) -> None:
         sd = {"input_layernorm.weight": w(f"{p}.input_layernorm"),
