@@ -102,9 +102,11 @@ def test_sigterm_health_draining_new_requests_503_stream_finishes_exit_0(tiny_ch
 
 
 def test_drain_timeout_bounds_the_wait(tiny_checkpoint):
-    proc, url = _start(tiny_checkpoint, "--drain-timeout", "1")
+    # a stream far longer than the 1 s drain (the cpu backend decodes the tiny model at hundreds of tokens
+    # per second, so 480 tokens could finish inside the drain and the test would see its end)
+    proc, url = _start(tiny_checkpoint, "--drain-timeout", "1", "--max-model-len", "4096")
     try:
-        stream = Stream(url, max_tokens=480)
+        stream = Stream(url, max_tokens=4000)
         stream.start()
         assert stream.first.wait(60)
         t0 = time.monotonic()
