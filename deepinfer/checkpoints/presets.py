@@ -115,6 +115,17 @@ def _bench_v3_11m() -> dict:
     }
 
 
+def _acc_v3_1k() -> dict:
+    """The V3-shaped model of the bf16 accuracy check (benchmarks/accuracy_bf16.py): hidden 1024, kv_lora 512,
+    32 experts top-4 in 4 groups, 5 layers, YaRN; small enough for fp32 transformers on a CPU."""
+    return {
+        **_tiny_v3(hidden=1024, inter=2816, moe_inter=512),
+        "vocab_size": 16384, "num_hidden_layers": 5, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": 512, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 32, "num_experts_per_tok": 4, "n_shared_experts": 1,
+    }
+
+
 def _v2_lite() -> dict:
     return {
         **_common("deepseek_v2", "DeepseekV2ForCausalLM"),
@@ -141,6 +152,8 @@ PRESETS: dict[str, Preset] = {
                _tiny_v3(hidden=256, inter=384, moe_inter=128), fp8=True),
         Preset("bench-v3-11m", "small DeepSeek-V3 (~11M params, 16 experts top-2, vocab 8192), fp32, CPU benchmarks",
                _bench_v3_11m(), dtype="float32"),
+        Preset("acc-v3-1k", "V3-shaped (hidden 1024, kv_lora 512, 32 experts, 5 layers, YaRN), fp32 storage, for the "
+               "bf16 accuracy check", _acc_v3_1k(), dtype="float32"),
         Preset("v2-lite", "DeepSeek-V2-Lite real shapes (15.7B params, 27 layers, 64 experts), random bf16, ~31 GB",
                _v2_lite(), max_shard_bytes=5 * 1024**3),
     ]
