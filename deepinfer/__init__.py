@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "embedded_model_path",
 ]

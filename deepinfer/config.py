@@ -30,6 +30,11 @@ QUANTIZATIONS: dict[str, str] = {"fp8": "fp8_block", "fp8_block": "fp8_block"}
 # Without a device memory query (the CPU), the KV cache gets this many bytes unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 
+# Speculative decoding (docs/speculative.md): the methods, the default and the largest draft length.
+SPECULATIVE_METHODS = ("mtp", "ngram")
+DEFAULT_SPECULATIVE_TOKENS = 5
+MAX_SPECULATIVE_TOKENS = 16
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -50,11 +55,17 @@ class EngineConfig:
         CPU uses DEFAULT_CPU_KV_CACHE_BYTES.
     max_num_batched_tokens: the per-step token budget; None = 4096 with chunked
         prefill, else max_model_len.
-    use_nextn_decode / enable_mtp_varlen: MTP (NextN) speculative decoding, not
-        implemented yet: asking for it is an error at start-up, never ignored.
+    speculative_method: "mtp" (draft with the checkpoint's MTP module, docs/speculative.md), "ngram" (prompt
+        lookup: drafts copied from earlier in the sequence, any model) or None (off).
+    num_speculative_tokens: the most drafted tokens verified per step (k); None = 5 when speculation is on.
+    speculative_adaptive: the confidence scheduler picks each request's k per step (spec/scheduler.py);
+        off = every decoding request verifies the static k (capped by max_tokens / max_model_len).
+    enable_mtp_varlen / use_nextn_decode: the environment's aliases (DEEPINFER_ENABLE_MTP_VARLEN=1 means
+        speculative_method="mtp"; DEEPINFER_USE_NEXTN_DECODE=N > 0 means "mtp" with num_speculative_tokens=N).
     enable_prefix_caching: reuse the KV of cached prompt prefixes (kv/prefix_cache.py). None = on where
-        every KV group is full attention (V2 / V3), off for V4 (sliding-window and compressed groups need
-        bounded replay, not built yet); True on such a model is an error naming the groups.
+        the KV groups allow it: V2 / V3, and V4 (hybrid cache: window blocks, compressed blocks and compressor
+        state snapshots, docs/kv-cache.md "V4"); off, with an info line, for a layout prefix_caching_refusals
+        names; True on such a model is an error naming the groups.
     kv_host_cache_gib: the prefix cache's host tier (kv/host_tier.py): evicted device blocks are kept in
         that many GiB of host memory (pinned on a GPU), and pushed on to the disk tier from there. None = off.
     kv_disk_cache_dir / kv_disk_cache_gib / kv_retention_hours: the prefix cache's disk tier
@@ -64,6 +75,11 @@ class EngineConfig:
         (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
         (V4) always run sync. DEEPINFER_ASYNC_SCHEDULING=0/1 sets it when left None.
+    structured_output_backend: the grammar engine of SamplingParams.structured_outputs
+        (docs/structured-output.md): "llguidance" (default) or "xgrammar" (optional package).
+    structured_output_compile_timeout_s / structured_output_max_bytes: a structured-output spec
+        (schema, regex, grammar, choices) larger than max_bytes, or whose compile takes longer than
+        the timeout, is refused at add_request (StructuredOutputError).
     """
 
     model_name_or_path: str | None = None
@@ -72,6 +88,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     quantization: str | None = None
+    quantization_config: str | dict | None = None  # a quant.yaml path or its mapping (deepinfer/quant_config.py)
     device: str | None = None
     dtype: str | torch.dtype = "auto"
     max_num_seqs: int = 256
@@ -92,6 +109,12 @@ class EngineConfig:
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gib: float = 10.0
     kv_retention_hours: float = 72.0
+    structured_output_backend: str = "llguidance"
+    structured_output_compile_timeout_s: float = 10.0
+    structured_output_max_bytes: int = 256 * 1024
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +141,10 @@ class EngineConfig:
             raise bad("enforce_eager", "must be a bool")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be None (use the checkpoint's) or one of {sorted(QUANTIZATIONS)}")
+        if self.quantization_config is not None:
+            from deepinfer.quant_config import parse_quant_config
+
+            parse_quant_config(self.quantization_config)  # ConfigError naming the file's key
         if self.device is not None and (not isinstance(self.device, str) or not self.device.strip()):
             raise bad("device", "must be auto, cpu, cuda, npu or a backend name")
         if isinstance(self.dtype, torch.dtype):
@@ -173,6 +200,47 @@ class EngineConfig:
             raise bad("load_progress", "must be a bool")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None (auto)")
+        if self.structured_output_backend not in ("llguidance", "xgrammar"):
+            raise bad("structured_output_backend", "must be 'llguidance' or 'xgrammar'")
+        v = self.structured_output_compile_timeout_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+            raise bad("structured_output_compile_timeout_s", "must be a number of seconds in (0, 3600]")
+        if not _is_int(self.structured_output_max_bytes) or self.structured_output_max_bytes < 1:
+            raise bad("structured_output_max_bytes", "must be a positive integer")
+        self._validate_speculation(bad)
+
+    def _validate_speculation(self, bad) -> None:
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise bad("speculative_method", f"must be None (off) or one of {list(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens is not None and (
+                not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise bad("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or None (5)")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise bad("speculative_adaptive", "must be a bool")
+        if self.use_nextn_decode > MAX_SPECULATIVE_TOKENS:
+            raise bad("use_nextn_decode", f"must be at most {MAX_SPECULATIVE_TOKENS} drafted tokens")
+        if self.use_nextn_decode and self.num_speculative_tokens not in (None, self.use_nextn_decode):
+            raise ConfigError(f"EngineConfig.use_nextn_decode={self.use_nextn_decode} (DEEPINFER_USE_NEXTN_DECODE) "
+                              f"and num_speculative_tokens={self.num_speculative_tokens} disagree: set one")
+        if (self.enable_mtp_varlen or self.use_nextn_decode) and self.speculative_method not in (None, "mtp"):
+            raise ConfigError("EngineConfig.enable_mtp_varlen / use_nextn_decode (DEEPINFER_ENABLE_MTP_VARLEN / "
+                              f"DEEPINFER_USE_NEXTN_DECODE) ask for MTP drafts but speculative_method="
+                              f"{self.speculative_method!r}")
+        if self.spec_method() is None and (self.num_speculative_tokens is not None or self.speculative_adaptive):
+            which = "num_speculative_tokens" if self.num_speculative_tokens is not None else "speculative_adaptive"
+            raise bad(which, "needs speculative_method (--speculative-method mtp or DEEPINFER_ENABLE_MTP_VARLEN=1)")
+
+    def spec_method(self) -> str | None:
+        """The speculation method in effect, the environment's aliases folded in (None: off)."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "mtp" if self.enable_mtp_varlen or self.use_nextn_decode else None
+
+    def spec_num_tokens(self) -> int:
+        """k: the most drafted tokens verified per step (0 when speculation is off)."""
+        if self.spec_method() is None:
+            return 0
+        return self.num_speculative_tokens or self.use_nextn_decode or DEFAULT_SPECULATIVE_TOKENS
 
     # ------------------------------------------------------------ environment
 
@@ -198,17 +266,8 @@ class EngineConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
     def check_features_exist(self) -> None:
-        """Features that are named in the flags but not built yet fail here, at start-up."""
-        if self.use_nextn_decode:
-            raise ConfigError(
-                f"use_nextn_decode={self.use_nextn_decode} (DEEPINFER_USE_NEXTN_DECODE) asks for MTP/NextN "
-                "speculative decoding, which DeepInfer does not implement yet; unset it or set 0"
-            )
-        if self.enable_mtp_varlen:
-            raise ConfigError(
-                "enable_mtp_varlen (DEEPINFER_ENABLE_MTP_VARLEN=1) asks for variable-length MTP drafts, "
-                "which DeepInfer does not implement yet; unset it or set 0"
-            )
+        """Features that are named in the flags but not built yet fail here, at start-up. Speculation's
+        combinations that cannot run are refused in engine/startup.py: check_speculation."""
 
     # ------------------------------------------------------------ derived values
 

@@ -168,12 +168,14 @@ BATCH_INVARIANT = EnvVar(
 )
 ENABLE_MTP_VARLEN = EnvVar(
     "DEEPINFER_ENABLE_MTP_VARLEN", "bool", False,
-    "`1`: variable-length MTP drafts; not built yet, so refused at start-up",
+    "`1`: speculative decoding with the checkpoint's MTP module (`EngineConfig.speculative_method=\"mtp\"`, "
+    "docs/speculative.md)",
     "engine",
 )
 USE_NEXTN_DECODE = EnvVar(
     "DEEPINFER_USE_NEXTN_DECODE", "int", 0,
-    "`N` > 0: MTP / NextN speculative decoding; not built yet, so refused at start-up",
+    "`N` > 0: MTP speculative decoding verifying at most N drafted tokens per step "
+    "(`EngineConfig.num_speculative_tokens`; default 5 when speculation is on)",
     "engine", minimum=0,
 )
 ASYNC_SCHEDULING = EnvVar(

@@ -29,6 +29,24 @@ class InvalidRequestError(DeepInferError, ValueError):
         self.param = param
 
 
+class StructuredOutputError(InvalidRequestError):
+    """A structured-output constraint (SamplingParams.structured_outputs) cannot be enforced as asked.
+
+    `field` names the StructuredOutputsParams field ("json", "regex", "grammar", "choice",
+    "json_object", "whitespace"); `param` is "structured_outputs.<field>" (what a 400 names).
+    `keyword` is the JSON Schema keyword the engine would not enforce (None for other problems:
+    a syntax error, the compile timeout, the size limit), `path` where it sits in the schema
+    (a JSON pointer such as "#/properties/tags"). Raised by StructuredOutputsParams' own checks
+    and by the engine's add_request, before anything is queued: never a silently dropped keyword.
+    """
+
+    def __init__(self, field: str, message: str, keyword: str | None = None, path: str | None = None):
+        super().__init__(message, param=f"structured_outputs.{field}")
+        self.field = field
+        self.keyword = keyword
+        self.path = path
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus requested tokens) does not fit in max_model_len."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from deepinfer.errors import InvalidRequestError
+from deepinfer.errors import InvalidRequestError, StructuredOutputError
 
 # Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS): logits / t with a smaller t
 # can overflow fp32 to inf (and the softmax of a row holding inf is NaN).
@@ -19,6 +19,96 @@ MAX_N = 128  # sequences per request (the server has its own, lower caps)
 MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs limit
 INT32_MAX = 2**31 - 1  # top_k, max_tokens, min_tokens, stop_token_ids: what an int32 tensor holds
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: what the counter-based RNG keys on (rng.py)
+
+
+STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+WHITESPACE_MODES = ("flexible", "compact")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint compiled into the sampler (docs/structured-output.md): exactly one kind is set.
+
+    - json: a JSON Schema (a dict, or its JSON text) the output must validate against. Every
+      keyword must be one the chosen engine enforces; any other (uniqueItems, not, if/then/else,
+      an unknown keyword, ...) is a StructuredOutputError naming it, never silently dropped.
+    - regex: the output must fullmatch this regular expression (Rust `regex` syntax under
+      llguidance, XGrammar's ECMAScript-like syntax under xgrammar).
+    - grammar: a context-free grammar in the engine's own syntax: llguidance's Lark-like syntax
+      (`start: ...`, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md) under the
+      default llguidance engine; XGrammar's EBNF (GBNF style, `root ::= ...`) under xgrammar.
+    - choice: a non-empty list of non-empty strings; the output is exactly one of them.
+    - json_object: True = any JSON object (OpenAI's response_format {"type": "json_object"}).
+    - whitespace: "flexible" (default: any JSON whitespace between tokens) or "compact" (none:
+      `{"a":1}`); enforced by both engines, meaningful for json / json_object only.
+
+    Validated on construction (types, exactly one kind); what needs the engine (keywords, syntax,
+    compile time and size limits) is checked by the engine's add_request.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+    whitespace: str = "flexible"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one kind that is set ("json", "regex", "grammar", "choice" or "json_object")."""
+        for name in STRUCTURED_KINDS[:-1]:
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def validate(self) -> None:
+        """Raise StructuredOutputError (field = the StructuredOutputsParams field) for a bad value."""
+        import json as _json
+
+        if not isinstance(self.json_object, bool):
+            raise StructuredOutputError("json_object", f"json_object must be a boolean (got {self.json_object!r})")
+        given = [n for n in STRUCTURED_KINDS[:-1] if getattr(self, n) is not None] + (
+            ["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            field_name = given[1] if len(given) > 1 else "json"
+            raise StructuredOutputError(
+                field_name, "structured_outputs needs exactly one of json, regex, grammar, choice, json_object "
+                f"(got {', '.join(given) if given else 'none'})")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as exc:
+                    raise StructuredOutputError("json", f"json is not valid JSON text: {exc}") from None
+            if not isinstance(schema, dict):
+                raise StructuredOutputError(
+                    "json", f"json must be a JSON Schema object (a dict or its JSON text; got {type(schema).__name__})")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise StructuredOutputError(name, f"{name} must be a non-empty string (got {v!r:.200})")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise StructuredOutputError("choice", f"choice must be a non-empty list of non-empty strings "
+                                        f"(got {self.choice!r:.200})")
+        if self.whitespace not in WHITESPACE_MODES:
+            raise StructuredOutputError("whitespace", f"whitespace must be one of {list(WHITESPACE_MODES)} "
+                                        f"(got {self.whitespace!r:.100})")
+        if self.whitespace != "flexible" and given[0] not in ("json", "json_object"):
+            raise StructuredOutputError("whitespace", f"whitespace applies to json / json_object only, "
+                                        f"not to {given[0]}")
+
+    def schema(self) -> dict | None:
+        """The JSON Schema as a Python value (json parsed when given as text); None for other kinds."""
+        import json as _json
+
+        return _json.loads(self.json) if isinstance(self.json, str) else self.json
 
 
 def _as_list(value):
@@ -64,6 +154,9 @@ class SamplingParams:
     - seed: None or int in [-2**63, 2**63 - 1] (int64; the RNG reads a seed modulo 2**64, so a
       wider value would silently alias another seed).
     - ignore_eos, include_stop_str_in_output, skip_special_tokens: bool.
+    - structured_outputs: None or a StructuredOutputsParams (a JSON Schema, regex, grammar,
+      choice list or json_object compiled into the sampler's token mask); the engine refuses it
+      together with ignore_eos or min_tokens > 0 (the grammar decides where the output ends).
 
     Numbers are Python ints / floats: bool is never a number, and a float is never an int
     (n=1.5 and n=2.0 are both refused).
@@ -87,6 +180,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     seed: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +247,15 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not int_in(self.seed, INT64_MIN, INT64_MAX):
             raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
+            self.structured_outputs.validate()
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with structured_outputs (the grammar ends the output)")
+            if self.min_tokens:
+                raise bad("min_tokens", "must be 0 with structured_outputs (the grammar decides where the output "
+                          "ends; banning EOS could leave no allowed token)")
 
     @property
     def greedy(self) -> bool:

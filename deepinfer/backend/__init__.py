@@ -23,13 +23,16 @@ from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, Stati
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
-from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
+from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MLAPrologWeights, MoEOp, V4AttentionOp
 
 # last: the native ops import the modules above
 from deepinfer.backend.native import NativeOps
 from deepinfer.backend.native.host_memory import host_memory_info
+from deepinfer.backend.native.linear import dequant_fp8_block
 from deepinfer.backend.native.mla_attention import NativeMLAAttention, gather_context, write_latent
 from deepinfer.backend.native.moe import NativeMoE
+from deepinfer.backend.native.quant_fp8 import quantize_act_fp8, quantize_weight_fp8_block, w8a8_block_linear_ref
+from deepinfer.backend.native.quant_int4 import Int4Weight, dequant_int4, int4_values
 from deepinfer.backend.native.routing import route, validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
@@ -39,8 +42,12 @@ from deepinfer.errors import BackendError, UnsupportedOpError
 __all__ = [
     "Backend", "BackendCaps", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
     "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
-    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLASpec", "MoEOp", "MoESpec", "NativeMLAAttention",
+    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MoEOp", "MoESpec",
+    "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "RouterSpec", "SingleProcessCommunicator",
     "StaticInputs", "UnsupportedOpError", "V4AttentionOp", "V4AttentionSpec", "default_buckets", "dtype_name",
     "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
+    # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
+    "Int4Weight", "dequant_fp8_block", "dequant_int4", "int4_values", "quantize_act_fp8", "quantize_weight_fp8_block",
+    "w8a8_block_linear_ref",
 ]

@@ -105,6 +105,18 @@ class Backend(ABC):
         """x [T, H, D] or [T, D] with its trailing 2 * R/2 channels rotated in interleaved pairs by
         cos / sin [T, R/2] (pass -sin for the inverse rotation); computed in fp32, rounded to x's dtype."""
 
+    # ------------------------------------------------------------ sampling ops
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Structured output's grammar mask, in place (returns logits): logits[rows[i], t] = -inf where
+        bit t % 32 of bitmask[i, t // 32] is clear, or t >= 32 * bitmask.shape[1]. logits float [N, V],
+        bitmask int32 [M, W] on the device, rows int64 [M] (None: M == N). Default: the torch-native
+        op (backend/native/grammar.py); a backend overrides it with one fused kernel."""
+        from deepinfer.backend.native.grammar import apply_token_bitmask
+
+        return apply_token_bitmask(logits, bitmask, rows)
+
     # ------------------------------------------------------------ layer ops
 
     @abstractmethod
@@ -160,5 +172,37 @@ class Backend(ABC):
         raise NotImplementedError(f"backend {self.name!r} does not report memory")
 
     def synchronize(self) -> None:
+        return None
+
+    # The KV tiers' device <-> host copies (kv/tier_copies.py). The native default runs them synchronously in
+    # program order, which is right where the device is host memory (cpu); a backend with a device queue runs
+    # them on a side stream, so the host never waits and the compute stream waits only where it must.
+
+    def copy_stream(self) -> object | None:
+        """The stream the KV tiers' copies run on, beside the compute stream; None: copies are synchronous."""
+        return None
+
+    def host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory a copy to or from the device can run asynchronously with (pinned where it matters)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def copy_async(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: object | None) -> object | None:
+        """Copy srcs[i] into dsts[i] on `stream` (from copy_stream()), ordered after the work queued so far on the
+        compute stream, without the host waiting. Returns an event that completes with the copies (None: they
+        are done already, as in this native default)."""
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+        return None
+
+    def wait_event(self, event: object | None) -> None:
+        """Make the compute stream's later work wait for `event` (from copy_async); the host does not wait."""
+        return None
+
+    def event_done(self, event: object | None) -> bool:
+        """Whether the copies behind `event` have finished (never blocks)."""
+        return True
+
+    def event_synchronize(self, event: object | None) -> None:
+        """Block the calling host thread until the copies behind `event` have finished."""
         return None
 

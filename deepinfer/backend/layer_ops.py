@@ -5,6 +5,7 @@ attention, MoE, V4 attention) and the linear-method interface, one per quant sch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
@@ -39,6 +40,20 @@ class LinearMethod(ABC):
     @abstractmethod
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """The weight as a dense [out, in] tensor in compute dtype (for ops that fold it, e.g. MLA absorb)."""
+
+
+@dataclass(frozen=True)
+class MLAPrologWeights:
+    """The dense weights of an MLA layer's projections before the attention (layers with q_lora_rank and no
+    attention bias: DeepSeek V2 / V3 / R1), [out, in] in compute dtype as the model loaded them (this rank's
+    shard under tensor parallelism), for an op that fuses the prolog (`MLAAttentionOp.load_prolog`)."""
+
+    q_a: torch.Tensor  # [q_lora_rank, hidden] (q_a_proj)
+    q_a_norm: torch.Tensor  # [q_lora_rank] (q_a_layernorm)
+    q_b: torch.Tensor  # [H * (qk_nope + qk_rope), q_lora_rank] (q_b_proj: per head nope rows, then rope rows)
+    kv_a: torch.Tensor  # [kv_lora_rank + qk_rope, hidden] (kv_a_proj_with_mqa)
+    kv_a_norm: torch.Tensor  # [kv_lora_rank] (kv_a_layernorm)
+    eps: float  # of both lora norms
 
 
 class MLAAttentionOp(ABC):
@@ -122,6 +137,44 @@ class MLAAttentionOp(ABC):
         )
         q = torch.cat([q_nope, q_pe], dim=-1)
         return self.forward(q, kv_c, k_pe.reshape(t, s.qk_rope_head_dim), kv_cache, batch, group)
+
+    # ------------------------------------------------------------ optional: the prolog from the hidden states
+
+    prolog: MLAPrologWeights | None = None  # set by an override of load_prolog that keeps the weights
+
+    def prolog_reasons(self, hidden_size: int, q_lora_rank: int, dtype: torch.dtype) -> list[str]:
+        """Why this op cannot take the layer from the hidden states (empty: it can, and load_prolog keeps the
+        weights). The model asks before it builds MLAPrologWeights; this default fuses no prolog."""
+        return [f"{type(self).__name__} does not fuse the MLA prolog"]
+
+    def load_prolog(self, weights: MLAPrologWeights) -> None:
+        """Keep the projection weights (only called when prolog_reasons is empty). The model then drops its own
+        projections and calls forward_from_hidden for every batch."""
+        raise BackendError(f"{type(self).__name__} does not fuse the MLA prolog (prolog_reasons says why)")
+
+    def forward_from_hidden(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the attention input (after the input layernorm)
+        positions: torch.Tensor,  # [T] int64
+        rope_cache: torch.Tensor,  # [max_pos, qk_rope] fp32: cos in [:R/2], sin in [R/2:]
+        interleaved: bool,
+        kv_cache,
+        batch: "ForwardBatch",
+        group: str,
+        ops: "Backend",
+    ) -> torch.Tensor:  # [T, H * v_head_dim]
+        """The layer from the hidden states, for an op that kept the prolog weights. This default is the model's
+        own composition (q_a / kv_a projections, q_a RMSNorm, q_b projection, then forward_from_latent); an op
+        runs a fused prolog for the batches it takes and this for the others."""
+        w = self.prolog
+        if w is None:
+            raise BackendError("forward_from_hidden before load_prolog")
+        s = self.spec
+        q_a = ops.rms_norm(torch.nn.functional.linear(x, w.q_a), w.q_a_norm, w.eps)
+        q = torch.nn.functional.linear(q_a, w.q_b).view(x.shape[0], s.num_heads, -1)
+        kv_a = torch.nn.functional.linear(x, w.kv_a)
+        return self.forward_from_latent(q, kv_a, w.kv_a_norm, w.eps, positions, rope_cache, interleaved, kv_cache,
+                                        batch, group, ops)
 
 
 class MoEOp(ABC):

@@ -20,9 +20,12 @@ from deepinfer.backend.communicator import COLLECTIVE_OPS
 if TYPE_CHECKING:
     from deepinfer.backend.base import Backend
 
-# Linear methods of the contract: "none" (dense in the compute dtype) and "fp8_block" (e4m3
-# weights with 128x128 block scales, DeepSeek's release format). Every one has a native method.
-LINEAR_SCHEMES: tuple[str, ...] = ("none", "fp8_block")
+# Linear methods of the contract (docs/quantization.md); every one has a native method (native/linear.py):
+# "none" (dense in the compute dtype); "fp8_block" (W8A16: e4m3 weights with 128x128 block scales,
+# DeepSeek's release format, activations unquantized); "fp8_w8a8" (the same weights, activations quantized
+# per token per 128 channels: DeepSeek / DeepGEMM's recipe); "int4_awq" / "int4_gptq" (weight-only int4,
+# group 128, the checkpoints' own packing).
+LINEAR_SCHEMES: tuple[str, ...] = ("none", "fp8_block", "fp8_w8a8", "int4_awq", "int4_gptq")
 
 SMALL_OPS: tuple[str, ...] = (
     "rms_norm",

@@ -153,6 +153,39 @@ def _linear_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
                           lambda o, i: run(o, i, "none"), kind="layer"))
         cases.append(Case("linear:fp8_block", f"T={t} {in_f}->{out_f} e4m3 128x128", make_fp8,
                           lambda o, i: run(o, i, "fp8_block"), kind="layer"))
+        # W8A8: the reference quantizes x per token per 128 channels as the kernel does (like with like)
+        cases.append(Case("linear:fp8_w8a8", f"T={t} {in_f}->{out_f} e4m3 128x128, x per token per 128", make_fp8,
+                          lambda o, i: run(o, i, "fp8_w8a8"), kind="layer"))
+    return cases
+
+
+def _int4_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
+    """int4 weight-only, AWQ and GPTQ packing, random packed words (K % 128 == 0, N % 8 == 0)."""
+    from deepinfer.backend import Int4Weight
+
+    cases = []
+    for out_f, in_f in shapes:
+        def make(g, dt, o_=out_f, i_=in_f):
+            words = lambda r, c: torch.randint(-2**31, 2**31 - 1, (r, c), generator=g, dtype=torch.int64  # noqa: E731
+                                               ).to(torch.int32)
+            scales = (torch.rand(i_ // 128, o_, generator=g) * 0.02 / (i_ ** 0.5) + 1e-4).half()
+            return {"x": _randn(g, t, i_, dtype=dt), "awq": (words(i_, o_ // 8), words(i_ // 128, o_ // 8), scales),
+                    "gptq": (words(i_ // 8, o_), words(i_ // 128, o_ // 8), scales,
+                             torch.randperm(i_, generator=g).div(128, rounding_mode="floor").to(torch.int32))}
+
+        def run(o, i, method):
+            layer = torch.nn.Module()
+            parts = [p.clone() for p in i[method]]
+            layer.int4 = Int4Weight(method, *parts[:3], parts[3] if method == "gptq" else None,
+                                    zero_offset=1 if method == "gptq" else 0)
+            layer.weight = layer.bias = None
+            m = o.linear_method(f"int4_{method}")
+            m.process_weights(layer, i["x"].dtype)
+            return (m.apply(layer, i["x"]),)
+
+        for method in ("awq", "gptq"):
+            cases.append(Case(f"linear:int4_{method}", f"T={t} {in_f}->{out_f} group 128", make,
+                              lambda o, i, m_=method: run(o, i, m_), kind="layer"))
     return cases
 
 # ------------------------------------------------------------------ collectives
@@ -204,6 +237,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_kv_write_cases(6, 16, 40, 11),
             *_route_cases(9, real=False),
             *_linear_cases(5, [(48, 64), (200, 136)]),
+            *_int4_cases(5, [(48, 256)]),
             *mla_cases(mla, 16, {
                 "prefill": ([7], [0]),
                 "decode": ([1, 1, 1], [9, 20, 1]),
@@ -236,6 +270,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_kv_write_cases(64, 16, 576, 200),
             *_route_cases(128, real=True),
             *_linear_cases(32, [(3072, 2048), (2112, 7168), (576, 2048)]),
+            *_int4_cases(32, [(3072, 2048), (2048, 2048)]),
             *mla_cases(mla, 16, {
                 "prefill": ([256], [0]),
                 "decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1000, 16)]),

@@ -1,5 +1,5 @@
 """Conformance cases of the whole-layer ops: MLA attention (paged latent cache, prefill / decode /
-mixed, from projections or from the latent), MoE (every router, shared experts, from hidden
+mixed, from projections, from the latent or from the hidden states), MoE (every router, shared experts, from hidden
 states) and DeepSeek-V4 attention. The cache is built in the default layout and handed to the op
 in the layout its backend declares (`Backend.kv_cache_layout`), so a backend that splits the
 latent and rope parts is checked on its own layout.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backend import ForwardBatch, KVCacheSpec, KVLayout, MLASpec, MoESpec, RouterSpec
+from deepinfer.backend import ForwardBatch, KVCacheSpec, KVLayout, MLAPrologWeights, MLASpec, MoESpec, RouterSpec
 from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.conformance.cases_base import FP32, Case
 from deepinfer.conformance.cases_base import randn as _randn
@@ -131,6 +131,56 @@ def mla_latent_cases(spec: MLASpec, block_size: int, batches: dict[str, tuple[li
             desc = (f"from latent ({'interleaved' if interleaved else 'halves'}) {label} q={_lens(qlens)} "
                     f"ctx={_lens(ctxs)} H={spec.num_heads} L={spec.kv_lora_rank}")
             cases.append(Case("mla_attention", desc, make, run, kind="layer", spec=spec))
+    return cases
+
+
+def mla_prolog_cases(spec: MLASpec, hidden: int, q_lora_rank: int, block_size: int,
+                     batches: dict[str, tuple[list[int], list[int], bool]]) -> list[Case]:
+    """The layer from the hidden states (q_a / kv_a projections, q_a norm, q_b, then forward_from_latent): an op
+    whose prolog_reasons are empty runs forward_from_hidden (Ascend: npu_mla_prolog_v3 on decode batches), any
+    other runs the model's own composition; the oracle always composes. batches: label -> (qlens, ctxs,
+    interleaved RoPE)."""
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    cases = []
+    for label, (qlens, ctxs, interleaved) in batches.items():
+        def make(g, dt, qlens=qlens, ctxs=ctxs):
+            t, blocks, common = _mla_inputs(spec, block_size, qlens, ctxs, g, dt)
+            del common["q"]
+            return {
+                **common,
+                "x": _randn(g, t, hidden, dtype=dt),
+                "q_a": _randn(g, q_lora_rank, hidden, dtype=dt, scale=hidden**-0.5),
+                "q_a_norm": _randn(g, q_lora_rank, dtype=dt, scale=0.5) + 1,
+                "q_b": _randn(g, spec.num_heads * qk, q_lora_rank, dtype=dt, scale=q_lora_rank**-0.5),
+                "kv_a": _randn(g, spec.cache_entry_dim, hidden, dtype=dt, scale=2 * hidden**-0.5),
+                "w": _randn(g, spec.kv_lora_rank, dtype=dt, scale=0.5) + 1,
+                "rope": rope_cos_sin_cache(spec.qk_rope_head_dim, 2048, 10000.0, yarn),
+                "cache": _randn(g, blocks, block_size, spec.cache_entry_dim, dtype=dt),
+            }
+
+        def run(o, i, inter=interleaved):
+            op = o.make_mla_attention(spec)
+            op.load_kv_b_proj(i["kv_b"])
+            layout = mla_layout(o, spec, i["cache"].dtype)
+            cache = layout.split(i["cache"].clone())
+            b, x, eps = i["batch"], i["x"], 1e-6
+            w = MLAPrologWeights(q_a=i["q_a"], q_a_norm=i["q_a_norm"], q_b=i["q_b"], kv_a=i["kv_a"],
+                                 kv_a_norm=i["w"], eps=eps)
+            if not op.prolog_reasons(hidden, q_lora_rank, x.dtype):
+                op.load_prolog(w)
+                out = op.forward_from_hidden(x, b.positions, i["rope"], inter, cache, b, "mla", o)
+            else:  # the model's own path (models/layers/mla.py)
+                q_a = o.rms_norm(torch.nn.functional.linear(x, w.q_a), w.q_a_norm, eps)
+                q = torch.nn.functional.linear(q_a, w.q_b).view(x.shape[0], spec.num_heads, qk)
+                out = op.forward_from_latent(q, torch.nn.functional.linear(x, w.kv_a), w.kv_a_norm, eps,
+                                             b.positions, i["rope"], inter, cache, b, "mla", o)
+            return out, layout.join(cache)
+
+        desc = (f"from hidden ({'interleaved' if interleaved else 'halves'}) {label} q={_lens(qlens)} "
+                f"ctx={_lens(ctxs)} D={hidden} q_lora={q_lora_rank} H={spec.num_heads} L={spec.kv_lora_rank}")
+        cases.append(Case("mla_attention", desc, make, run, kind="layer", spec=spec))
     return cases
 
 

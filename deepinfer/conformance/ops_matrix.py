@@ -52,6 +52,9 @@ def matrix_rows() -> list[MatrixRow]:
         MatrixRow("v4_rotary_embedding", "trailing 64 channels"),
         MatrixRow("linear:none", "dense"),
         MatrixRow("linear:fp8_block", "e4m3, 128x128 block scales"),
+        MatrixRow("linear:fp8_w8a8", "e4m3 128x128 weights, activations per token per 128"),
+        MatrixRow("linear:int4_awq", "AWQ int4, group 128"),
+        MatrixRow("linear:int4_gptq", "GPTQ int4, group 128, g_idx"),
         MatrixRow("mla_attention", "V3 (128 heads, L=512, R=64)", v3_mla),
         *(MatrixRow("moe", f"{name} (V3 widths)", MoESpec(routers[name], 7168, 2048))
           for name in ("v2-lite softmax greedy", "v3 sigmoid noaux_tc")),

@@ -15,14 +15,16 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.engine.startup import (
     attach_lower_tiers,
+    attach_state_snapshots,
     cache_salt,
     check_backend,
-    checkpoint_quantization,
+    check_speculation,
     dtype_name,
     freeze_startup_objects,
     generation_eos_ids,
     kv_budget_bytes,
     resolve_dtype,
+    snapshot_bytes,
     use_async_scheduling,
     use_prefix_caching,
 )
@@ -77,23 +79,25 @@ class DeepInferenceEngine:
         hf_config = load_hf_config(path)
         model_class_for(hf_config)  # UnsupportedModelError before any device work
         model_type = hf_config.get("model_type")
-        ckpt_quant = checkpoint_quantization(hf_config)
-        if cfg.linear_scheme() is not None and cfg.linear_scheme() != ckpt_quant:
-            raise ConfigError(
-                f"EngineConfig.quantization={cfg.quantization!r} but the checkpoint in {path} is "
-                f"{'not quantized' if ckpt_quant is None else 'quantized as ' + repr(ckpt_quant)}; "
-                "DeepInfer runs the checkpoint's own weights format: leave quantization=None"
-            )
+        from deepinfer.models.layers.quant import use_linear_quant
+        from deepinfer.quant_config import parse_quant_config, resolve_linear_quant
+
+        qfile = None if cfg.quantization_config is None else parse_quant_config(cfg.quantization_config)
+        # flag + file + checkpoint format -> the load's settings and the scheme the backend must run (quant_config.py)
+        quant_settings, ckpt_quant = resolve_linear_quant(cfg.quantization, qfile, hf_config)
 
         registry = default_registry()
         info = registry.resolve(requested_device(cfg.device))
         backend = load_backend_class(info)()
         dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
         check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        check_speculation(cfg, backend, model_type, int(hf_config.get("num_nextn_predict_layers") or 0))
         if cfg.batch_invariant:
             backend.enable_batch_invariance()  # before the model asks the backend for its ops
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
-        model = load_model(path, backend, dtype, progress=cfg.load_progress, hf_config=hf_config)  # parsed once
+        with use_linear_quant(quant_settings):
+            model = load_model(path, backend, dtype, progress=cfg.load_progress, hf_config=hf_config,  # parsed once
+                               load_mtp=cfg.spec_method() == "mtp")
         self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
 
     @classmethod
@@ -102,6 +106,7 @@ class DeepInferenceEngine:
         self = cls.__new__(cls)
         cfg = _effective(config)
         check_backend(backend, cfg, model.dtype, getattr(model, "quantization", None), getattr(model, "model_type", None))
+        check_speculation(cfg, backend, getattr(model, "model_type", None), len(getattr(model, "mtp", ()) or ()))
         if cfg.batch_invariant and not backend.batch_invariance_enabled:
             raise ConfigError("EngineConfig.batch_invariant: this model's ops were made before "
                               "backend.enable_batch_invariance() was called; call it, then build the model")
@@ -135,8 +140,9 @@ class DeepInferenceEngine:
                 "with chunked prefill off: long prompts could never be scheduled"
             )
 
-        specs = model.kv_cache_specs()
+        specs = model.kv_cache_specs(include_mtp=True) if cfg.spec_method() == "mtp" else model.kv_cache_specs()
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
+        prefix_caching = use_prefix_caching(cfg, specs, model)
         plan = plan_kv_cache(
             specs,
             block_size,
@@ -147,11 +153,11 @@ class DeepInferenceEngine:
                 cfg, backend, model, block_size, token_budget, self._max_model_len, layouts),
             num_kv_blocks=cfg.num_kv_blocks,
             layouts=layouts,
+            snapshot_bytes_per_block=snapshot_bytes(specs, block_size, layouts) if prefix_caching else 0,
         )
-        prefix_caching = use_prefix_caching(cfg, specs)
         kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len,
                             prefix_caching=prefix_caching,
-                            cache_salt=cache_salt(model, block_size) if prefix_caching else b"")
+                            cache_salt=cache_salt(model, block_size, backend) if prefix_caching else b"")
         too_small = kv.fits_alone(self._max_model_len, token_budget)
         if too_small:
             raise ConfigError(
@@ -167,15 +173,29 @@ class DeepInferenceEngine:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.vocab_size = int(model.vocab_size)
-        sampler = Sampler(self.vocab_size, eos_token_id=sorted(eos_ids))
+        sampler = Sampler(self.vocab_size, eos_token_id=sorted(eos_ids), backend=backend)
+        from deepinfer.sample.grammar.compiler import check_backend_available
+
+        if cfg.structured_output_backend != "llguidance":  # an engine asked for by name must be there now
+            check_backend_available(cfg.structured_output_backend)
+        self._grammar_compiler = None  # built at the first structured request (sample/grammar/compiler.py)
+        self._eos_ids = sorted(eos_ids)
         self.runner = ModelRunner(model, kv, plan.num_blocks, cfg.max_num_seqs, backend.device, sampler, layouts)
         if cfg.kv_disk_cache_dir is not None or cfg.kv_host_cache_gib is not None:
             attach_lower_tiers(cfg, kv, self.runner.caches)
+        if kv.hybrid and kv.uses_state:
+            attach_state_snapshots(kv, model, self.runner.caches, plan.num_blocks[kv.window_group])
         self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
-        self.async_scheduling = use_async_scheduling(cfg, backend, kv)
+        self.async_scheduling = use_async_scheduling(cfg, backend, kv) and not cfg.spec_method()
         self._pipeline = StepPipeline(self.scheduler, self.runner, self.output_processor, self.async_scheduling)
+        self._spec = None  # speculative decoding's pipeline (spec/pipeline.py), when it is on
+        if cfg.spec_method():
+            from deepinfer.spec.setup import build_spec_pipeline
+
+            self._spec = self._pipeline = build_spec_pipeline(cfg, model, backend, self.scheduler, self.runner,
+                                                              self.output_processor, layouts, self._max_model_len)
 
         self._requests: dict[str, Request] = {}
         self._counter = 0
@@ -210,6 +230,26 @@ class DeepInferenceEngine:
 
         path = self.config.model_name_or_path
         return EMBEDDED_MODEL_NAME if os.path.abspath(path) == embedded_model_path() else path
+
+    @property
+    def structured_output_backend(self) -> str:
+        """The grammar engine of structured output ("llguidance" or "xgrammar"): it decides the grammar syntax."""
+        return self.config.structured_output_backend
+
+    def grammar_compiler(self):
+        """The structured-output compiler (engine + cache), built on first use."""
+        if self._grammar_compiler is None:
+            from deepinfer.sample.grammar.backend import TokenizerFacts
+            from deepinfer.sample.grammar.compiler import GrammarCompiler
+
+            cfg = self.config
+            facts = TokenizerFacts.from_tokenizer(self._tokenizer, self.vocab_size, self._eos_ids)
+            self._grammar_compiler = GrammarCompiler(cfg.structured_output_backend, facts,
+                                                     cfg.structured_output_compile_timeout_s,
+                                                     cfg.structured_output_max_bytes)
+            self.runner.grammar_facts = facts
+            self.runner.grammar_forbidden = facts.forbidden_mask()
+        return self._grammar_compiler
 
     @property
     def backend_name(self) -> str:
@@ -247,12 +287,31 @@ class DeepInferenceEngine:
             raise InvalidRequestError("prompt_logprobs is not supported yet: leave it unset", param="prompt_logprobs")
         self._check_against_model(params)
         text, ids = self._prompt_ids(prompt)
+        compiled = None
+        if params.structured_outputs is not None and self._spec is not None:
+            raise InvalidRequestError("structured_outputs cannot be used while speculative decoding is on "
+                                      "(EngineConfig.speculative_method): drafts would need a grammar mask per "
+                                      "drafted position and a matcher rollback, not built yet",
+                                      param="structured_outputs")
+        if params.structured_outputs is not None:  # StructuredOutputError before anything is queued
+            from deepinfer.errors import StructuredOutputError
+
+            try:
+                compiler = self.grammar_compiler()
+            except ConfigError as exc:  # the default engine's package missing (a deployment without llguidance)
+                raise StructuredOutputError(params.structured_outputs.kind, f"structured output is unavailable: {exc}"
+                                            ) from None
+            compiled = compiler.compile(params.structured_outputs)
         self._counter += 1
         base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
         req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
                       needs_host_tokens=params_need_penalties(params))
         for i in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{i}", request=req, index=i, seed=derive_seed(base, i))
+            if compiled is not None:
+                from deepinfer.sample.grammar.matcher_state import SeqGrammar
+
+                seq.grammar = SeqGrammar(compiler.matcher(compiled))
             self.output_processor.init_seq(seq)
             req.seqs.append(seq)
         self._requests[request_id] = req
@@ -295,6 +354,8 @@ class DeepInferenceEngine:
         With async scheduling the outputs are those of the step launched by the previous call
         (sched/step_pipeline.py)."""
         seqs = self._pipeline.step()
+        if self._spec is not None:
+            self._gen_tokens += self._spec.take_extra_tokens()  # several tokens per sequence per step
         if not seqs:
             return []
         now = time.monotonic()
@@ -358,6 +419,7 @@ class DeepInferenceEngine:
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_cache_blocks=self.kv.num_cached_blocks,
+            **(self._spec.stats_fields() if self._spec is not None else {}),
         )
 
     # ------------------------------------------------------------ offline API

@@ -149,12 +149,16 @@ def freeze_startup_objects() -> None:
 _unfreeze_registered = False
 
 
-def use_prefix_caching(cfg: EngineConfig, specs) -> bool:
-    """EngineConfig.enable_prefix_caching resolved: None = on where every KV group allows it."""
+def use_prefix_caching(cfg: EngineConfig, specs, model=None) -> bool:
+    """EngineConfig.enable_prefix_caching resolved: None = on where every KV group allows it (and, for
+    per-sequence state, where the model saves that state at block boundaries: `use_state_snapshots`)."""
     from deepinfer.errors import ConfigError
     from deepinfer.kv.prefix_cache import prefix_caching_refusals
 
     reasons = prefix_caching_refusals(specs)
+    if model is not None and any(s.state_shape for s in specs) and not hasattr(model, "use_state_snapshots"):
+        reasons.append(f"{type(model).__name__} keeps per-sequence state but cannot snapshot it at block "
+                       "boundaries (it has no use_state_snapshots)")
     if cfg.enable_prefix_caching and reasons:
         raise ConfigError("EngineConfig.enable_prefix_caching=True (--enable-prefix-caching) cannot run on this "
                           "model: " + "; ".join(reasons))
@@ -164,14 +168,45 @@ def use_prefix_caching(cfg: EngineConfig, specs) -> bool:
     return cfg.enable_prefix_caching is not False
 
 
-def cache_salt(model, block_size: int) -> bytes:
+def cache_salt(model, block_size: int, backend=None) -> bytes:
     """What besides the tokens fixes a KV block: the parsed model config (shapes, rope scaling, routing,
-    quantization), the compute dtype and the block size. Part of every prefix-cache key."""
+    quantization), the compute dtype, the block size, how the linears run (W8A16 or W8A8, online quantization:
+    the same fp8 checkpoint gives other KV bits either way), and the backend with its batch-invariance mode
+    (other kernels, other bits: a disk tier shared by differently configured servers must not mix them, or a
+    batch-invariant run could read a block a default run wrote). Part of every prefix-cache key."""
     import hashlib
 
     h = hashlib.sha256(repr(model.config).encode())
     h.update(f"|{model.dtype}|{getattr(model, 'quantization', None)}|{block_size}".encode())
+    modules = getattr(model, "modules", None)
+    if modules is not None:  # the linear methods the layers run (e.g. fp8 as W8A16 or as W8A8)
+        methods = sorted({type(m.method).__name__ for m in modules() if getattr(m, "method", None) is not None})
+        h.update(f"|{','.join(methods)}".encode())
+    if backend is not None:
+        h.update(f"|{type(backend).__name__}|invariant={getattr(backend, 'batch_invariance_enabled', False)}".encode())
+    n_mtp = len(getattr(model, "mtp", ()) or ())
+    if n_mtp:  # the blocks also hold the MTP layers' KV (speculative decoding): another layout
+        h.update(f"|mtp{n_mtp}".encode())
     return h.digest()
+
+
+def snapshot_bytes(specs, block_size: int, layouts) -> int:
+    """Bytes of V4's compressor-state snapshot kept beside each sliding-window block (0 without state)."""
+    from deepinfer.kv.state_snapshots import snapshot_bytes_per_block
+
+    return snapshot_bytes_per_block(specs, block_size, layouts)
+
+
+def attach_state_snapshots(kv, model, caches, num_slots: int) -> None:
+    """Prefix caching on V4: the store of compressor state at block boundaries, one slot per window block,
+    filled by the model's compressor ops (model.use_state_snapshots) and read back on a hit."""
+    from deepinfer.kv.state_snapshots import StateSnapshots
+
+    store = StateSnapshots(caches, num_slots)
+    kv.attach_state_snapshots(store)
+    model.use_state_snapshots(store)
+    logger.info("prefix caching: compressor state snapshots for %d window blocks, %.2f MiB", num_slots,
+                store.nbytes / 2**20)
 
 
 def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
@@ -199,3 +234,34 @@ def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
         logger.info("kv disk cache at %s (%.1f GiB, %g h retention)", disk.root, cfg.kv_disk_cache_gib,
                     cfg.kv_retention_hours)
     kv.attach_tiers(host, disk, io)
+
+
+def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mtp_layers: int) -> None:
+    """What speculative decoding cannot run with yet: a ConfigError naming the flag, never a fallback.
+
+    num_mtp_layers: the checkpoint's MTP modules (config.json num_nextn_predict_layers)."""
+    from deepinfer.errors import ConfigError
+
+    if cfg.spec_method() is None:
+        return
+    head = (f"speculative decoding (speculative_method={cfg.spec_method()!r}, --speculative-method / "
+            "DEEPINFER_ENABLE_MTP_VARLEN / DEEPINFER_USE_NEXTN_DECODE)")
+    reasons = []
+    if model_type == "deepseek_v4":
+        reasons.append("V4 models keep their MTP tensors aside (no drafting, no rollback of the sliding-window and "
+                       "compressor state yet)")
+    elif cfg.spec_method() == "mtp" and not num_mtp_layers:
+        reasons.append(f"the model ({model_type}) has no MTP module (config.json num_nextn_predict_layers is 0)")
+    if cfg.async_scheduling:
+        reasons.append("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): speculative "
+                       "steps run sync only; leave it unset or off")
+    if backend.caps.device_type != "cpu":
+        reasons.append(f"backend {backend.name!r}: verification steps are built and tested on the cpu backend only")
+    if cfg.tensor_parallel_size != 1:
+        reasons.append("tensor_parallel_size > 1")
+    if reasons:
+        raise ConfigError(f"{head} cannot run: " + "; ".join(reasons))
+    if cfg.async_scheduling is None and backend.device.type != "cpu":
+        logger.info("speculative decoding: steps run sync (async scheduling off)")
+    if not cfg.enforce_eager and backend.caps.graph_capture:
+        logger.info("speculative decoding: verification steps run eagerly (no graph replay)")

@@ -23,3 +23,13 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0  # tokens of sequences looked up in the prefix cache at admission
     prefix_cache_hit_tokens: int = 0  # of which served from it
     prefix_cache_blocks: int = 0  # keyed blocks (held or evictable)
+    # speculative decoding (docs/speculative.md; all 0 / NaN / () when it is off)
+    spec_method: str | None = None
+    spec_steps: int = 0  # steps that verified drafted tokens or decoded
+    spec_request_steps: int = 0  # (decoding sequence, step) pairs: the denominator of spec_tau
+    spec_drafted_tokens: int = 0  # drafted tokens put up for verification
+    spec_accepted_tokens: int = 0  # of which accepted
+    spec_tau: float = float("nan")  # mean tokens emitted per decoding sequence-step (1 + accepted)
+    spec_acceptance_rate: float = float("nan")  # accepted / verified drafted tokens
+    spec_conditional_acceptance: tuple[float, ...] = ()  # per draft slot j: P(accepted | slots < j accepted)
+    spec_mean_budget: float = float("nan")  # drafted tokens verified per step (last 1024 steps)

@@ -28,6 +28,7 @@ ENGINE_FIELDS = (
     "gpu_memory_utilization",
     "enforce_eager",
     "quantization",
+    "quantization_config",
     "seed",
     "block_size",
     "num_kv_blocks",
@@ -41,6 +42,10 @@ ENGINE_FIELDS = (
     "kv_disk_cache_dir",
     "kv_disk_cache_gib",
     "kv_retention_hours",
+    "structured_output_backend",
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_adaptive",
 )
 
 
@@ -63,6 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of device memory to use")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="never capture graphs")
     g.add_argument("--quantization", default=None, help="weight quantization scheme (default: from the checkpoint)")
+    g.add_argument("--quantization-config", default=None, metavar="QUANT.YAML",
+                   help="quantization config file: method, weight_bits, activation_bits, ... (docs/quantization.md)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     g.add_argument("--block-size", type=int, default=None, help="KV cache block size in tokens")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (default: from memory)")
@@ -88,6 +95,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "or DEEPINFER_BATCH_INVARIANT=1)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the next step's scheduling with the device (default: on for accelerators)")
+    g.add_argument("--structured-output-backend", default=None, choices=["llguidance", "xgrammar"],
+                   help="grammar engine of structured output (json schema / regex / grammar / choice; "
+                        "default llguidance; docs/structured-output.md)")
+    g.add_argument("--speculative-method", default=None, choices=["mtp", "ngram"],
+                   help="speculative decoding: draft with the checkpoint's MTP module (mtp; or "
+                        "DEEPINFER_ENABLE_MTP_VARLEN=1) or by prompt lookup (ngram); docs/speculative.md")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most drafted tokens verified per step (default 5; or DEEPINFER_USE_NEXTN_DECODE=N)")
+    g.add_argument("--speculative-adaptive", action="store_true", default=None,
+                   help="the confidence scheduler picks each request's draft length per step")
     # read when an error is reported, not now: serve adds --max-waiting-requests after this
     parser.set_defaults(engine_flags=functools.partial(engine_flags, parser))
 

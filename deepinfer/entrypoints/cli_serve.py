@@ -32,6 +32,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     h.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     h.add_argument("--served-model-name", default=None, help="model name clients use (default: the model path)")
+    h.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"],
+                   help="split <think>...</think> into reasoning_content (chat); constraints apply after it")
+    h.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
+                   help="whitespace a JSON constraint allows when the request does not say (compact: none extra)")
     h.add_argument("--api-key", default=None, help="require this bearer token (default: $DEEPINFER_API_KEY; none = no auth)")
     h.add_argument(
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 503"

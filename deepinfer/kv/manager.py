@@ -10,9 +10,11 @@ per group. How many blocks a sequence needs follows from the spec alone:
     sequence (one row index shared by every such group).
 Admission needs every group to fit, so accounting never drifts between groups.
 
-With prefix caching (prefix_cache.py; full-attention groups only) a new or preempted sequence first
-attaches the cached blocks of its longest keyed prefix and computes only the rest; its full, computed
-blocks are keyed as they fill (`register_computed`), and freed keyed blocks stay findable until evicted.
+With prefix caching (prefix_cache.py) a new or preempted sequence first attaches the cached blocks of its
+longest keyed prefix and computes only the rest; its full, computed blocks are keyed as they fill
+(`register_computed`), and freed keyed blocks stay findable until evicted. On V4's hybrid cache
+(hybrid_prefix.py) a hit attaches the window's blocks and the compressed groups' complete blocks, and
+restores the compressor state and the partly filled compressed blocks from state_snapshots.py.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import torch
 from deepinfer.backend import KVCacheSpec
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
+from deepinfer.kv.hybrid_prefix import is_hybrid, match_hybrid, register_hybrid, window_group
 from deepinfer.kv.planner import window_blocks_per_seq
 from deepinfer.kv.prefix_cache import CachingBlockPool, block_key, prefix_caching_refusals
+from deepinfer.kv.tier_copies import TierCopies
 from deepinfer.kv.tier_link import TierLink
 
 
@@ -47,6 +51,8 @@ class PrefixHit:
     blocks: dict[str, list[int]]
     tier_keys: list[bytes] = field(default_factory=list)
     tier_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    snapshot: int = -1  # hybrid caches: the state snapshot's slot (the window block ending at num_tokens)
+    ready: bool = True  # False: disk reads for it are still running (match_prefix(wait=False)); admit it later
 
 
 @dataclass
@@ -100,6 +106,10 @@ class KVCacheManager:
         self.host_tier = None
         self.disk_tier = None
         self._tier: TierLink | None = None
+        self.hybrid = prefix_caching and is_hybrid(specs)
+        self.window_group = window_group(specs)
+        self.snapshots = None  # state_snapshots.StateSnapshots, attached once the caches exist (stateful groups)
+        self.backend = None  # whose copy services the lower tiers use (use_backend: the model runner's)
         self.slots = SlotPool(max_num_seqs, "rows")
         self.uses_state = any(s.state_shape for s in specs)
         self._has_windows = any(s.sliding_window is not None for s in specs)
@@ -199,14 +209,17 @@ class KVCacheManager:
                 keys.append(block_key(keys[-1] if keys else b"", buf[i * bs: (i + 1) * bs], self.cache_salt))
         return keys[:num_blocks]
 
-    def match_prefix(self, seq) -> PrefixHit | None:
+    def match_prefix(self, seq, wait: bool = True) -> PrefixHit | None:
         """The longest cached prefix of a sequence that holds no blocks, leaving at least one token to
         compute (so the step that follows has logits). None without prefix caching. Keys are made only
-        as far as the cache hits (one past it), so a long new prompt costs one key here."""
+        as far as the cache hits (one past it), so a long new prompt costs one key here. wait=False: disk reads
+        still running leave the hit not `ready` instead of waiting for them (tier_link.py)."""
         if not self.prefix_caching or seq.seq_id in self._seqs:
             return None
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens have no ids yet
         n = max((min(seq.num_tokens, known) - 1) // self.block_size, 0)
+        if self.hybrid:
+            return self._match_hybrid(seq, n)
         hits: dict[str, list[int]] = {s.name: [] for s in self.specs}
         depth = 0
         while depth < n:
@@ -219,18 +232,63 @@ class KVCacheManager:
             depth += 1
         hit = PrefixHit(depth * self.block_size, hits)
         if self._tier is not None:
-            depth = self._tier.extend(hit.num_tokens // self.block_size, n, lambda d: self.block_keys(seq, d + 1)[d],
-                                      hit.tier_keys, hit.tier_parts)
+            depth, hit.ready = self._tier.extend(hit.num_tokens // self.block_size, n,
+                                                 lambda d: self.block_keys(seq, d + 1)[d], hit.tier_keys,
+                                                 hit.tier_parts, wait)
             hit.num_tokens = depth * self.block_size
         return hit
 
+    def use_backend(self, backend) -> None:
+        """The backend whose caches these tables index (the model runner's): the lower tiers copy with it."""
+        self.backend = backend
+
+    def _match_hybrid(self, seq, n: int) -> PrefixHit:
+        if self.uses_state and self.snapshots is None:
+            raise DeepInferError("prefix caching on a model with per-sequence state needs its state snapshots: "
+                                 "call attach_state_snapshots first")
+        depth, blocks = match_hybrid(self.specs, self.pools, self.block_size, n,
+                                     lambda d: self.block_keys(seq, d + 1)[d], self.dead_blocks)
+        if not depth:
+            return PrefixHit(0, {s.name: [] for s in self.specs})
+        return PrefixHit(depth * self.block_size, blocks, snapshot=blocks[self.window_group][depth - 1])
+
+    def attach_state_snapshots(self, snapshots) -> None:
+        """The store of compressor state at block boundaries (state_snapshots.StateSnapshots), one slot per
+        block of the window group: a hit restores from it, registration fills its partial entries."""
+        if not (self.hybrid and self.uses_state):
+            raise DeepInferError("state snapshots serve prefix caching on a model with per-sequence state")
+        self.snapshots = snapshots
+
+    def snapshot_plan(self, scheduled) -> list[list[tuple[int, int]]] | None:
+        """Per scheduled item (seq, context_len, num_tokens): [(B, slot)] for each block boundary
+        context_len < B <= context_len + num_tokens, slot = the window block ending at B. None without
+        snapshots or when no item crosses a boundary."""
+        if self.snapshots is None:
+            return None
+        bs, table, out, any_ = self.block_size, self._np[self.window_group], [], False
+        for it in scheduled:
+            row = self._seqs[it.seq.seq_id].row
+            ks = range(it.context_len // bs + 1, (it.context_len + it.num_tokens) // bs + 1)
+            out.append([(k * bs, int(table[row, k - 1])) for k in ks])
+            any_ = any_ or bool(out[-1])
+        return out if any_ else None
+
     def attach_tiers(self, host, disk, block_io) -> None:
         """Evicted keyed blocks go to the host tier (host_tier.HostTier), from there to disk
-        (disk_tier.DiskTier); hits continue into them (tier_link.py). Either may be None."""
+        (disk_tier.DiskTier); hits continue into them (tier_link.py). Either may be None. The copies run on
+        the backend's copy stream (tier_copies.py), so use_backend must have been called."""
         if not self.prefix_caching or len(self.specs) != 1:
             raise DeepInferError("the host / disk tiers need prefix caching on a model with one KV group")
+        if self.backend is None:
+            raise DeepInferError("the host / disk tiers copy through the backend: call use_backend first "
+                                 "(the model runner does, for a model that holds its backend)")
         self.host_tier, self.disk_tier = host, disk
-        self._tier = TierLink(host, disk, block_io, self.pools[self.specs[0].name])
+        self._tier = TierLink(host, disk, block_io, self.pools[self.specs[0].name], TierCopies(self.backend))
+
+    def fence_tier_copies(self) -> None:
+        """Before a step is launched: its compute waits (on the device) for the tiers' copies queued so far."""
+        if self._tier is not None:
+            self._tier.fence()
 
     def register_computed(self, seq) -> None:
         """Key the sequence's full blocks whose tokens are all computed and known on the host."""
@@ -244,12 +302,33 @@ class KVCacheManager:
         if full <= sb.num_keyed:
             return
         keys = self.block_keys(seq, full)
+        if self.hybrid:
+            register_hybrid(self.specs, self.pools, self._np, sb.row, sb.num_keyed, full, keys)
+            if self.snapshots is not None:
+                self._capture_partials(sb, keys, full)
+            sb.num_keyed = full
+            return
         for s in self.specs:
             row = self._np[s.name][sb.row]
             pool = self.pools[s.name]
             for i in range(sb.num_keyed, full):
                 pool.register(int(row[i]), keys[i])
         sb.num_keyed = full
+
+    def _capture_partials(self, sb: SeqBlocks, keys: list[bytes], full: int) -> None:
+        """For each newly keyed window block: its slot gets the partly filled compressed blocks at its end."""
+        table, pool = self._np[self.window_group][sb.row], self.pools[self.window_group]
+        for i in range(sb.num_keyed, full):
+            slot = int(table[i])
+            if slot < 0 or pool.block_of.get(keys[i]) != slot:  # another block holds this key (and its snapshot)
+                continue
+            parts = self.snapshots.partial_entries((i + 1) * self.block_size)
+            self.snapshots.capture_entries(slot, {g: (int(self._np[g][sb.row, j]), n) for g, (j, n) in parts.items()})
+
+    def _restore_snapshot(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
+        parts = self.snapshots.partial_entries(prefix.num_tokens)
+        self.snapshots.restore(prefix.snapshot, sb.row,
+                               {g: (int(self._np[g][sb.row, j]), n) for g, (j, n) in parts.items()})
 
     def _load_tier_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
         group = self.specs[0].name
@@ -266,8 +345,9 @@ class KVCacheManager:
                 self.pools[s.name].take(hit)
                 self._np[s.name][sb.row, : len(hit)] = hit
                 sb.num_blocks[s.name] = len(hit)
+                sb.trimmed[s.name] = sum(1 for b in hit if b < 0)  # window entries below the window: -1
                 self._changes[s.name].append((sb.row, 0, len(hit)))
-        sb.num_keyed = len(next(iter(prefix.blocks.values()), []))
+        sb.num_keyed = prefix.num_tokens // self.block_size
 
     def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
         """The decode fast path: cover the next tokens when no group needs a block or frees one.
@@ -320,6 +400,8 @@ class KVCacheManager:
                 self._changes[s.name].append((sb.row, held, held + new))
         if attach and prefix.tier_keys:
             self._load_tier_blocks(sb, prefix)
+        if attach and prefix.snapshot >= 0 and self.snapshots is not None:
+            self._restore_snapshot(sb, prefix)
         sb.num_tokens = max(sb.num_tokens, total)
         # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)
@@ -344,6 +426,30 @@ class KVCacheManager:
                 sb.trimmed[s.name] = dead
                 self._changes[s.name].append((sb.row, first, dead))
 
+    def rollback(self, seq: KVUser, num_tokens: int) -> None:
+        """Speculative decoding: the tables cover only the first num_tokens tokens again; blocks wholly past
+        them (they held rejected drafts' KV) go back to the pool. Blocks keyed in the prefix cache are never
+        taken back (they hold only verified tokens: the caller keys after verification). Full-attention
+        groups only: sliding windows and per-sequence state are V4's, where speculation is refused."""
+        sb = self._seqs.get(seq.seq_id)
+        if sb is None:
+            return
+        if self._has_windows or self.uses_state:
+            raise DeepInferError("KVCacheManager.rollback: sliding-window / stateful KV groups cannot roll back")
+        if num_tokens < sb.num_keyed * self.block_size:
+            raise DeepInferError(f"{seq.seq_id!r}: rollback to {num_tokens} tokens would drop blocks keyed in the "
+                                 f"prefix cache ({sb.num_keyed} blocks)")
+        for s in self.specs:
+            held, keep = sb.num_blocks[s.name], self.table_len(s, num_tokens)
+            if held > keep:
+                entries = self._np[s.name][sb.row, keep:held]
+                self.pools[s.name].free(entries.tolist())
+                entries[:] = -1
+                sb.num_blocks[s.name] = keep
+                self._changes[s.name].append((sb.row, keep, held))
+        sb.num_tokens = min(sb.num_tokens, num_tokens)
+        sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)
+
     def free(self, seq: KVUser | str) -> None:
         """Return every block and the row of a sequence (finish, abort or preemption)."""
         seq_id = seq if isinstance(seq, str) else seq.seq_id
@@ -358,6 +464,8 @@ class KVCacheManager:
             if n:
                 self._changes[s.name].append((sb.row, 0, n))
         self.slots.free([sb.row])
+        if self._tier is not None and not self._seqs:
+            self._tier.idle()  # nothing running: queued disk writes may finish now
 
     def take_table_changes(self) -> dict[str, list[tuple[int, int, int]]]:
         """The (row, start, end) ranges of block_tables written since the last call, per group; a copy of

@@ -75,6 +75,7 @@ def plan_kv_cache(
     budget_bytes: int | None = None,
     num_kv_blocks: int | None = None,
     layouts: dict[str, KVLayout] | None = None,
+    snapshot_bytes_per_block: int = 0,
 ) -> KVPlan:
     """Size every group's pool for a common token capacity C.
 
@@ -91,6 +92,8 @@ def plan_kv_cache(
       so this costs little and the compressed groups never limit admission before the
       token capacity does.
     layouts: the backend's layout per group (bytes per entry); None: the single-tensor default.
+    snapshot_bytes_per_block: prefix caching on V4 keeps a compressor-state snapshot beside every block of
+    the sliding-window group (kv/state_snapshots.py); it is counted as part of that group's block.
     A budget that cannot hold the state rows plus one block per sequence in every
     compressed group (max_num_seqs minimal sequences) is refused with a DeepInferError.
     """
@@ -101,6 +104,9 @@ def plan_kv_cache(
     state_bytes = max_num_seqs * sum(s.state_bytes_per_seq() for s in specs)
     layouts = layouts or {s.name: KVLayout.single(s) for s in specs}
     block_bytes = {s.name: block_size * layouts[s.name].bytes_per_entry() * len(s.layer_ids) for s in specs}
+    if snapshot_bytes_per_block:
+        window = next(s.name for s in specs if s.sliding_window is not None)
+        block_bytes[window] += snapshot_bytes_per_block
     max_tokens = max_num_seqs * max_model_len
 
     def blocks(spec: KVCacheSpec, capacity: int) -> int:

@@ -14,8 +14,9 @@ Allocation takes free blocks first and then evicts cached ones, least recently f
 frees its blocks last block first, so within a prefix the leaf goes before its parents, and a parent
 outlives every block that needs it.
 
-This covers full-attention groups. A model with sliding-window or per-sequence-state groups (V4) needs
-bounded replay, which is not built yet: the manager refuses prefix caching for it (see manager.py).
+Full-attention groups (V2 / V3) share a block per key. V4's hybrid cache (sliding window, compressed groups,
+compressor state) keys its blocks with the same token keys; hybrid_prefix.py says which block of which group
+a key names, and state_snapshots.py keeps the compressor state at block boundaries (docs/kv-cache.md, "V4").
 """
 
 from __future__ import annotations
@@ -108,13 +109,15 @@ class CachingBlockPool(BlockPool):
     def take(self, blocks: list[int]) -> None:
         """Add a reference to each (a sequence attaches a cached prefix)."""
         for b in blocks:
+            if b < 0:  # a sliding-window entry below the window: nothing attached
+                continue
             if self.ref[b] == 0:
                 self.evictable.pop(b)
             self.ref[b] += 1
 
     def num_reclaimed_by(self, blocks: list[int]) -> int:
         """How many of `blocks` an attach would take out of the evictable set (they stop counting as free)."""
-        return sum(1 for b in blocks if self.ref[b] == 0)
+        return sum(1 for b in blocks if b >= 0 and self.ref[b] == 0)
 
     def register(self, block: int, key: bytes) -> None:
         """Key a full, computed block. A key already cached under another block keeps that one (two
@@ -140,13 +143,25 @@ class CachingBlockPool(BlockPool):
 
 
 def prefix_caching_refusals(specs: list[KVCacheSpec]) -> list[str]:
-    """Why prefix caching cannot serve these KV groups (empty: it can)."""
+    """Why prefix caching cannot serve these KV groups (empty: it can).
+
+    Full groups are always served. A hybrid cache (V4) is served when its compressed and stateful groups
+    hang off exactly one sliding-window group of one token per entry: that group's blocks carry the
+    compressor-state snapshots (state_snapshots.py), so every hit needs its window blocks anyway."""
     out = []
+    windows = [s for s in specs if s.sliding_window is not None]
+    for s in windows:
+        if s.tokens_per_entry != 1:
+            out.append(f"group {s.name!r} is a compressed sliding window ({s.tokens_per_entry} tokens per entry): "
+                       "its blocks do not follow the token blocks")
+        elif s.sliding_window < 2:
+            out.append(f"group {s.name!r} has a sliding window of {s.sliding_window} token (it must be >= 2, so a "
+                       "hit's last block is in the window and carries the state snapshot)")
     for s in specs:
-        if s.sliding_window is not None:
-            out.append(f"group {s.name!r} is a sliding window (bounded replay is not implemented yet)")
-        elif s.state_shape:
-            out.append(f"group {s.name!r} carries per-sequence state (compressor state is not cached yet)")
-        elif s.tokens_per_entry != 1:
-            out.append(f"group {s.name!r} is compressed ({s.tokens_per_entry} tokens per entry)")
+        if s.state_shape and s.tokens_per_entry == 1:
+            out.append(f"group {s.name!r} carries per-sequence state without compression: only compressor rings "
+                       "are snapshotted at block boundaries")
+    if any(s.state_shape or s.tokens_per_entry != 1 for s in specs if s.sliding_window is None) and len(windows) != 1:
+        out.append(f"compressed / stateful groups need exactly one sliding-window group to hold their state "
+                   f"snapshots, this model has {len(windows)}")
     return out

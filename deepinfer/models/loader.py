@@ -4,10 +4,16 @@ Single `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 Tensors are yielded as stored (bf16 / fp16 / fp32 / fp8 e4m3 + fp32
 `weight_scale_inv`); the model's setters convert them to the compute dtype on
 the device, so at most one tensor is in flight here.
+
+AWQ / GPTQ checkpoints (config.json `quantization_config.quant_method` awq / gptq) store a linear as
+`<prefix>.qweight`, `.qzeros`, `.scales` (+ `.g_idx` for GPTQ). The loader gathers those of one
+prefix and yields them as one `Int4Weight` record named `<prefix>.weight`, so every model's name
+map stays the same whatever the format (a linear the checkpoint left dense keeps its `.weight`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -15,7 +21,9 @@ from typing import Iterator
 
 import torch
 
+from deepinfer.backend import Int4Weight
 from deepinfer.errors import ModelLoadError
+from deepinfer.quant_config import Int4CheckpointFormat, int4_checkpoint_format
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,8 +64,59 @@ def find_checkpoint_files(path: str) -> CheckpointFiles:
     raise ModelLoadError(f"no safetensors weights in {path!r} (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
-def iter_checkpoint(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, with a tqdm bar over tensors."""
+def iter_checkpoint(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """Yield (name, tensor) for every tensor of the checkpoint (int4 linears as one record, see above)."""
+    stream = _iter_tensors(path, progress)
+    for name, t in stream:
+        if name.endswith((".qweight", ".qzeros", ".g_idx")):  # int4: config.json says which packing (read only then)
+            fmt = int4_checkpoint_format(_read_config(path))
+            if fmt is None:
+                raise ModelLoadError(f"{name}: a packed int4 tensor, but config.json declares no awq / gptq "
+                                     "quantization_config")
+            yield from group_int4(itertools.chain([(name, t)], stream), fmt)
+            return
+        yield name, t
+
+
+def _read_config(path: str) -> dict:
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{file}: cannot read: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+_INT4_PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
+
+
+def group_int4(stream: Iterator[tuple[str, torch.Tensor]], fmt: Int4CheckpointFormat
+               ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """Pass tensors through; gather each linear's packed int4 parts and yield them as `<prefix>.weight`."""
+    parts = _INT4_PARTS[fmt.method]
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in stream:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in parts:
+            yield name, t
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = t
+        if len(got) == len(parts):
+            del pending[prefix]
+            yield f"{prefix}.weight", Int4Weight(fmt.method, got["qweight"], got["qzeros"], got["scales"],
+                                                 got.get("g_idx"), fmt.group_size, fmt.zero_offset)
+    if pending:
+        prefix, got = sorted(pending.items())[0]
+        missing = [p for p in parts if p not in got]
+        raise ModelLoadError(f"{fmt.method} checkpoint: {prefix} lacks {', '.join(prefix + '.' + m for m in missing)}"
+                             f" ({len(pending)} linear(s) incomplete)")
+
+
+def _iter_tensors(path: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     ckpt = find_checkpoint_files(path)

@@ -1,4 +1,9 @@
-"""The sampler: penalties -> temperature -> top-k -> top-p -> min-p -> a counter-based draw.
+"""The sampler: penalties -> grammar mask -> temperature -> top-k -> top-p -> min-p -> a counter-based draw.
+
+Grammar mask (structured output, sample/grammar/): the rows a GrammarMask names get the tokens their
+grammar forbids set to -inf by the backend op `apply_token_bitmask` (one fused op per batch), after
+the min-tokens mask and the penalties and before temperature, so every later step (truncation, the
+draw, the argmax of greedy rows) sees only allowed tokens.
 
 Batch invariance: every step is row-wise (per-row parameters broadcast as [N, 1] tensors), and
 the draw is Gumbel-max with uniforms from rng.py keyed by (seed, position, token id):
@@ -14,7 +19,8 @@ what a tiny repetition penalty would blow up), a row always keeps at least one f
 (top-k / top-p / min-p keep the best token; the engine refuses a min_tokens ban of the whole
 vocabulary), and t >= 1e-5 cannot overflow them; so logprobs are finite or -inf, never NaN.
 
-Logprobs: the log-softmax of the logits after penalties and temperature, before top-k / top-p /
+Logprobs: the log-softmax of the logits after penalties, the grammar mask and temperature (for a
+structured request: the MASKED distribution, forbidden tokens at -inf), before top-k / top-p /
 min-p (a truncated distribution would give -inf to most candidates). Greedy rows use
 temperature 1 for their logprobs. vLLM by default returns the raw model logprobs instead; we
 return the distribution the request actually sampled from (modulo truncation), which is what
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +40,10 @@ from deepinfer.outputs import Logprob
 from deepinfer.sample.penalties import apply_penalties
 from deepinfer.sample.rng import row_keys_tensor, uniform_tensor
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.backend import Backend
+    from deepinfer.sample.grammar.bitmask import GrammarMask
 from deepinfer.worker.transfer import tensor_to, to_device
 
 # Elements per chunk of the Gumbel draw: on CUDA the fp64 noise stays ~64 MiB whatever the
@@ -165,8 +176,10 @@ def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) 
 class Sampler:
     """Draws one token per row of logits [N, V>=vocab_size]; ids >= vocab_size are never drawn."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int | Iterable[int] | None = None):
+    def __init__(self, vocab_size: int, eos_token_id: int | Iterable[int] | None = None,
+                 backend: Backend | None = None):
         self.vocab_size = vocab_size
+        self.backend = backend  # runs the grammar bitmask op; None: the torch-native op
         # EOS id(s), masked with stop_token_ids while a row has fewer than min_tokens outputs
         if eos_token_id is None:
             self.eos_token_ids: frozenset[int] = frozenset()
@@ -175,14 +188,18 @@ class Sampler:
         else:
             self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None
+                 ) -> SamplerOutput:
         """Draw and read the tokens back (waits for the device)."""
-        sample = self.sample(logits, rows)
+        sample = self.sample(logits, rows, grammar)
         return sample.output([t.cpu() for t in sample.tensors])
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None
+               ) -> DeviceSample:
         """Draw on the device without waiting for it: every host value goes up without a stream
-        sync (transfer.py), so the host can queue this while earlier steps still run."""
+        sync (transfer.py), so the host can queue this while earlier steps still run.
+
+        grammar: the constrained rows and their host bitmask (sample/grammar/bitmask.py), or None."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise DeepInferError(
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows and vocab_size "
@@ -194,6 +211,8 @@ class Sampler:
         logits = self._mask_min_tokens(logits, rows)
         logits = apply_penalties(logits, rows)
         device = logits.device
+        if grammar is not None and grammar.rows:
+            logits = self._apply_grammar(logits, grammar)
 
         temps = [0.0 if r.params.greedy else float(r.params.temperature) for r in rows]
         sampled = [i for i, t in enumerate(temps) if t > 0]
@@ -227,6 +246,18 @@ class Sampler:
                 chosen.index_copy_(0, idx, drawn)
 
         return self._logprobs(logits, rows, temps, chosen)
+
+    def _apply_grammar(self, logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+        """The grammar bitmask on the device (a copy of logits: the caller's tensor is left as it is)."""
+        device = logits.device
+        bitmask = to_device(grammar.bitmask, device)
+        rows = None if grammar.rows == list(range(logits.shape[0])) else tensor_to(grammar.rows, torch.int64, device)
+        logits = logits.clone()
+        if self.backend is None:
+            from deepinfer.backend.native.grammar import apply_token_bitmask
+
+            return apply_token_bitmask(logits, bitmask, rows)
+        return self.backend.apply_token_bitmask(logits, bitmask, rows)
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Before min_tokens outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be drawn."""

@@ -60,6 +60,8 @@ class Sequence:
     # text state, owned by the output processor
     detokenizer: Any = None
     stop_checker: Any = None
+    # structured output: the sequence's grammar state (sample/grammar/matcher_state.py: SeqGrammar), or None
+    grammar: Any = None
 
     @property
     def params(self) -> SamplingParams:

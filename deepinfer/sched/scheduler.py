@@ -9,7 +9,9 @@ waiting queue, to recompute prompt + generated tokens later.
 
 With prefix caching a sequence being admitted (new, or preempted) first attaches the cached blocks
 of its longest keyed prefix and is scheduled from there; its full blocks are keyed as they are
-computed, so a preempted sequence finds its own blocks again unless they were evicted meanwhile.
+computed, so a preempted sequence finds its own blocks again unless they were evicted meanwhile. A prefix
+whose blocks are on disk is read on a thread pool while the step runs the others; the sequence is admitted
+once its reads are done (kv/tier_link.py).
 
 At most min(max_num_seqs, max_num_batched_tokens) sequences run at once, so every
 running sequence can decode every step (none starves behind a full budget).
@@ -27,13 +29,16 @@ from deepinfer.sched.request import SeqStatus, Sequence
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafted ones included)
     context_len: int  # seq.num_computed_tokens when scheduled
+    # speculative decoding (spec/): drafted tokens verified after the sequence's last token; they are the
+    # last len(draft) of num_tokens and never part of seq until accepted
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so it draws the next one."""
-        return self.context_len + self.num_tokens == self.seq.num_tokens
+        return self.context_len + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -125,7 +130,10 @@ class Scheduler:
         # Admit waiting sequences (preempted ones are at the front) unless memory was short this step.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            prefix = self.kv.match_prefix(seq)
+            # disk-tier reads of its prefix run on a thread pool: wait for them only if nothing else can run
+            prefix = self.kv.match_prefix(seq, wait=not scheduled)
+            if prefix is not None and not prefix.ready:
+                break  # admitted in a later step, once its blocks are read (FIFO order kept)
             if prefix is not None:
                 seq.num_computed_tokens = prefix.num_tokens
             n = seq.num_uncomputed_tokens
@@ -199,8 +207,9 @@ class Scheduler:
         return not self.kv.fits(need)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens are in the cache; drop window blocks no longer read."""
+        """After the forward: the scheduled tokens are in the cache; key the full blocks, then drop window
+        blocks no longer read (keyed first, so a trimmed window block stays cached for later hits)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens = item.context_len + item.num_tokens
-            self.kv.trim(item.seq)
             self.kv.register_computed(item.seq)
+            self.kv.trim(item.seq)

@@ -31,7 +31,10 @@ token:
   the output ids on the host);
 - the scheduler would have to preempt (Scheduler.would_preempt): sync mode would have freed
   the blocks of sequences finishing in step N first, so preemption is decided after that.
-Logprobs need no fallback (they are computed on the device and copied with the ids).
+Logprobs need no fallback (they are computed on the device and copied with the ids). Grammar
+masks (structured output) need none either: their step's forward is launched, the draw waits
+(PendingStep.deferred) until the step in flight is resolved and its tokens feed the matchers,
+then `ModelRunner.finish_sampling` fills the masks and queues the draw, while the forward runs.
 Models with per-sequence state (V4) and backends without graph capture run sync (the engine
 picks the mode: EngineConfig.async_scheduling).
 
@@ -91,11 +94,8 @@ class StepPipeline:
         if not sched.empty:
             launched = self.runner.launch(sched)
             self.scheduler.advance(sched)  # its KV is written before any later step reads it (stream order)
-            for i, message in launched.failed.items():  # their rows drew nothing: fail them now
-                seq = launched.sched.scheduled[i].seq
-                if not seq.finished:
-                    self._fail(seq, message)
-                    done.append(seq)
+            if launched.deferred is None:
+                self._fail_rows(launched, done)
         elif prev is None and not done and self.scheduler.has_unfinished():
             raise DeepInferError(
                 f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
@@ -103,12 +103,23 @@ class StepPipeline:
             )
         if prev is not None:
             done += self._process(prev)
+        if launched is not None and launched.deferred is not None:  # grammar masks need prev's tokens
+            self.runner.finish_sampling(launched)
+            self._fail_rows(launched, done)
         if launched is not None:
             if self.async_scheduling:
                 self.pending = launched
             else:
                 done += self._process(launched)
         return done
+
+    def _fail_rows(self, launched: PendingStep, done: list[Sequence]) -> None:
+        """Rows whose sampling (or grammar mask) failed drew nothing: fail their requests now."""
+        for i, message in launched.failed.items():
+            seq = launched.sched.scheduled[i].seq
+            if not seq.finished:
+                self._fail(seq, message)
+                done.append(seq)
 
     def drain(self) -> list[Sequence]:
         """Resolve the step in flight, if any."""

@@ -41,14 +41,19 @@ def prompt_token_ids(prompt: str | list[int], tokenizer, vocab_size: int, max_mo
         text = prompt
     elif isinstance(prompt, (list, tuple)):
         text, ids = None, list(prompt)
-        for i, t in enumerate(ids):
-            if not is_token_id(t):
-                raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
-            ids[i] = int(t)
-            if not 0 <= t < vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token {i} has id {t}, outside the vocabulary [0, {vocab_size})", param="prompt"
-                )
+        # Fast path for plain ints (what tokenizers and the server give): two C-level passes instead of a
+        # Python loop of isinstance checks, which cost ~12 ms per 2k tokens, a visible share of a prefix
+        # hit's TTFT at long contexts. Anything else (numpy ints, a bad entry, an id out of range) takes the
+        # loop, which names the first offending position.
+        if not (ids and all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab_size):
+            for i, t in enumerate(ids):
+                if not is_token_id(t):
+                    raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
+                ids[i] = int(t)
+                if not 0 <= t < vocab_size:
+                    raise InvalidRequestError(
+                        f"prompt token {i} has id {t}, outside the vocabulary [0, {vocab_size})", param="prompt"
+                    )
     else:
         raise InvalidRequestError(
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"

@@ -66,11 +66,11 @@ class BatchBuilder:
         fill_src: list[int] = []  # ... and its row in last_tokens
         total = 0
         for i, it in enumerate(items):  # one pass; a decode's input is its last output token (no slice)
-            seq, c, q = it.seq, it.context_len, it.num_tokens
+            seq, c, q = it.seq, it.context_len, it.num_tokens - len(it.draft)  # drafts go after (spec/)
             n = seq.num_tokens
-            query_lens.append(q)
+            query_lens.append(q + len(it.draft))
             ctx_lens.append(c)
-            seq_lens.append(c + q)
+            seq_lens.append(c + q + len(it.draft))
             if seq.num_pending:
                 if seq.num_pending != 1 or c + q != n or last_tokens is None:
                     raise DeepInferError(
@@ -87,9 +87,14 @@ class BatchBuilder:
             else:
                 input_ids.extend(seq.token_ids_slice(c, c + q))
             total += q
+            if it.draft:  # verified in one forward: logits for the last real token and every drafted one
+                input_ids.extend(it.draft)
+                logits_idx.extend(range(total - 1, total + len(it.draft)))
+                total += len(it.draft)
+            elif it.samples:
+                logits_idx.append(total - 1)
             qsl.append(total)
             if it.samples:
-                logits_idx.append(total - 1)
                 sampling.append(i)
 
         ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)

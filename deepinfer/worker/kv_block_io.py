@@ -1,9 +1,9 @@
 """One KV block across a group's layers, as host tensors: what the prefix cache's lower tiers store.
 
 The caches' layouts are the backend's (one tensor or several parts per layer, [num_blocks, block_size, ...]
-each), so a block's payload is every part of every layer of the group, in layer order. Reads copy to the
-host (a sync on a GPU: the tiers run at schedule time, on blocks no step in flight writes); writes copy back
-into the block before the step that reads it is launched.
+each), so a block's payload is every part of every layer of the group, in layer order. The tiers copy through
+`views(block)` with kv/tier_copies.py (the backend's copy stream, no host sync); read / write are the
+synchronous forms (tests and tools).
 """
 
 from __future__ import annotations
@@ -30,11 +30,18 @@ class KVBlockIO:
         """Empty host tensors shaped and typed like one block's parts (the tiers check files against them)."""
         return [torch.empty(p.shape[1:], dtype=p.dtype) for p in self._parts]
 
+    def views(self, block: int) -> list[torch.Tensor]:
+        """The block's device parts (views into the caches), what the tiers' asynchronous copies read or fill."""
+        return [p[block] for p in self._parts]
+
     def read(self, block: int) -> list[torch.Tensor]:
         return [p[block].to("cpu", copy=True) for p in self._parts]
 
-    def write(self, block: int, parts: list[torch.Tensor]) -> None:
+    def check(self, parts: list[torch.Tensor]) -> None:
         if len(parts) != len(self._parts):
             raise ValueError(f"a block of group {self.group!r} has {len(self._parts)} parts, got {len(parts)}")
+
+    def write(self, block: int, parts: list[torch.Tensor]) -> None:
+        self.check(parts)
         for dst, src in zip(self._parts, parts):
             dst[block].copy_(src, non_blocking=False)

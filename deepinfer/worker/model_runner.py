@@ -9,6 +9,15 @@ finish_reason "error"), and the other rows are sampled again as one batch (the s
 row-wise and its draw keyed by (seed, position), so they get the tokens the full batch would have
 given them). A failure that no single row reproduces, and any failure of the batch build or the
 model forward, is not one request's: it raises out of launch() as before.
+
+Structured output (sample/grammar/): rows of sequences with a grammar get a bitmask filled on the
+host by their matchers and applied on the device before the draw. The mask for a row needs the
+sequence's previous token on the host. When that token is still pending (async scheduling: it is
+drawn by the step in flight), launch() queues the forward and stops there (`PendingStep.deferred`);
+the pipeline resolves the step in flight (its tokens feed the matchers) while the device runs this
+forward, then calls `finish_sampling`, which fills the masks and queues the draw. So a constrained
+row is never sampled without its mask, and the host's mask work overlaps the forward. A row whose
+grammar state is in error or allows nothing is failed like a row whose sampling raises.
 """
 
 from __future__ import annotations
@@ -69,11 +78,15 @@ class PendingStep:
     failed: dict[int, str] = field(default_factory=dict)
     host: HostCopy | None = None
     resolved: bool = False
+    # (logits, rows) of a draw that waits for grammar masks (finish_sampling queues it), else None
+    deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
     timer: StepTimer | None = None  # times the host's wait for the draw (benchmarks)
 
     def resolve(self) -> StepResult:
         if self.resolved:
             raise DeepInferError("a pending step was resolved twice")
+        if self.deferred is not None:
+            raise DeepInferError("a step whose draw waits for grammar masks was resolved before finish_sampling")
         self.resolved = True
         n = len(self.sched.scheduled)
         token_ids: list[int | None] = [None] * n
@@ -106,11 +119,16 @@ class ModelRunner:
         self.device = device
         self.caches = KVCaches.allocate(kv.specs, num_blocks, kv.block_size, max_num_seqs, device, layouts)
         self.builder = BatchBuilder(kv, device)
+        kv.use_backend(getattr(model, "backend", None))  # the KV tiers copy blocks through it (kv/tier_copies.py)
         self.sampler = sampler
         self.graph_runner: GraphRunner | None = None  # decode-graph replay, from the backend
         # ids drawn by the last launched step, on the device: a pending token's input id (async)
         self._last_tokens: torch.Tensor | None = None
         self.timer: StepTimer | None = None  # per-phase device timing of launched steps (benchmarks)
+        # structured output: the tokenizer facts and the ids no grammar may allow (set by the engine)
+        self.grammar_facts = None
+        self.grammar_forbidden: torch.Tensor | None = None
+        self.num_deferred_draws = 0  # draws that waited for grammar masks after the step in flight resolved
 
     def capture_decode_graphs(self, backend: Backend, max_model_len: int, max_num_seqs: int,
                               enforce_eager: bool) -> None:
@@ -158,7 +176,10 @@ class ModelRunner:
         timer = self.timer
         if timer is not None:
             timer.begin()
+        self.kv.fence_tier_copies()  # the KV tiers' copies of this step's blocks: a device-side wait, no host sync
         batch, sampling = self.builder.build(sched, self._last_tokens)
+        if self.kv.snapshots is not None:  # prefix caching on V4: where the compressors save their rings
+            self.kv.snapshots.plan = self.kv.snapshot_plan(sched.scheduled)
         if timer is not None:
             timer.mark("inputs")
         logits = self._forward_logits(batch, timer)
@@ -177,11 +198,56 @@ class ModelRunner:
             n = seq.num_tokens  # the drawn token's position (pending tokens included)
             rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed, n,
                                     num_outputs=n - len(req.prompt_token_ids)))
-        step.sample, step.sampling, step.failed = self._sample(logits, rows, sampling, items)
+        if any(items[i].seq.grammar is not None and items[i].seq.num_pending for i in sampling):
+            step.deferred = (logits, rows)  # masks need the step in flight's tokens: finish_sampling
+            return step
+        self._launch_draw(step, logits, rows)
+        return step
+
+    @torch.inference_mode()
+    def finish_sampling(self, step: PendingStep) -> None:
+        """Fill the grammar masks of a deferred step (the step before it is resolved) and queue its draw."""
+        if step.deferred is None:
+            return
+        logits, rows = step.deferred
+        step.deferred = None
+        self.num_deferred_draws += 1
+        self._launch_draw(step, logits, rows)
+
+    def _grammar_mask(self, step: PendingStep):
+        """(GrammarMask or None, {index into sched.scheduled: error}) for the step's constrained rows."""
+        from deepinfer.sample.grammar.bitmask import fill_grammar_mask
+
+        items = step.sched.scheduled
+        states = [(j, items[i].seq.grammar, items[i].seq.output_token_ids, items[i].seq.finished)
+                  for j, i in enumerate(step.sampling) if items[i].seq.grammar is not None]
+        if not states:
+            return None, {}
+        mask, failed = fill_grammar_mask(states, self.grammar_facts, self.grammar_forbidden)
+        return mask, {step.sampling[j]: message for j, message in failed.items()}
+
+    def _launch_draw(self, step: PendingStep, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Grammar masks, the draw, the copy of the ids to the host; each drawn sequence gets a pending token."""
+        timer = step.timer
+        items = step.sched.scheduled
+        sampling = step.sampling
+        grammar, grammar_failed = self._grammar_mask(step)
+        if grammar_failed:  # these rows cannot be sampled: failed, left out of the draw
+            for i, message in grammar_failed.items():
+                logger.error("request %r: %s", items[i].seq.request.request_id, message)
+            keep = [j for j, i in enumerate(sampling) if i not in grammar_failed]
+            grammar = grammar.select(keep) if grammar is not None else None
+            idx = tensor_to(keep, torch.int64, logits.device)
+            logits, rows, sampling = logits.index_select(0, idx), [rows[j] for j in keep], [sampling[j] for j in keep]
+        if rows:
+            step.sample, step.sampling, step.failed = self._sample(logits, rows, sampling, items, grammar)
+        else:
+            step.sample, step.sampling = None, []
+        step.failed.update(grammar_failed)
         if step.sample is None:  # every sampling row failed
             if timer is not None:
                 timer.mark("end")
-            return step
+            return
         step.host = HostCopy(step.sample.tensors, self.device)
         if timer is not None:
             timer.mark("end")
@@ -191,9 +257,15 @@ class ModelRunner:
             seq = items[i].seq
             seq.num_pending += 1
             seq.pending_row = j
-        return step
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sampling: list[int], items
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], grammar) -> DeviceSample:
+        """The sampler's draw; the grammar mask is passed only when there is one (a sampler without
+        structured output support, such as a test double, keeps its two-argument sample())."""
+        if grammar is None:
+            return self.sampler.sample(logits, rows)
+        return self.sampler.sample(logits, rows, grammar)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sampling: list[int], items, grammar=None
                 ) -> tuple[DeviceSample | None, list[int], dict[int, str]]:
         """(draw, the sampling indices it covers, failed index -> error): the whole batch when the
         sampler takes it; otherwise the rows that raise alone are left out (module docstring).
@@ -201,13 +273,13 @@ class ModelRunner:
         Only host-side exceptions can be isolated this way: the sampler queues device work without
         waiting for it, so a device fault would surface later, at the host copy, for everyone."""
         try:
-            return self.sampler.sample(logits, rows), sampling, {}
+            return self._draw(logits, rows, grammar), sampling, {}
         except Exception as exc:  # noqa: BLE001 - re-raised below unless a row alone reproduces it
             batch_exc = exc
         failed: dict[int, str] = {}
         for j, row in enumerate(rows):
             try:
-                self.sampler.sample(logits[j : j + 1], [row])
+                self._draw(logits[j : j + 1], [row], grammar.select([j]) if grammar is not None else None)
             except Exception as exc:  # this row's own failure
                 rid = items[sampling[j]].seq.request.request_id
                 logger.exception("request %r: sampling its row raised; the request fails, the others go on", rid)
@@ -218,5 +290,6 @@ class ModelRunner:
         if not keep:
             return None, [], failed
         idx = tensor_to(keep, torch.int64, logits.device)
-        sample = self.sampler.sample(logits.index_select(0, idx), [rows[j] for j in keep])
+        sample = self._draw(logits.index_select(0, idx), [rows[j] for j in keep],
+                            grammar.select(keep) if grammar is not None else None)
         return sample, [sampling[j] for j in keep], failed

@@ -55,9 +55,12 @@ def test_startup_errors_name_the_flag(capsys, ckpt):
     # above the model's max_position_embeddings: known only once the model is loaded
     err = _error(capsys, "generate", ckpt, "hi", "--device", "cpu", "--max-model-len", "1000000", "--no-progress")
     assert "--max-model-len=1000000" in err and "max_position_embeddings" in err
-    # the checkpoint is not quantized
-    err = _error(capsys, "generate", ckpt, "hi", "--device", "cpu", "--quantization", "fp8")
-    assert "--quantization='fp8'" in err and "not quantized" in err
+    # int4 needs an AWQ / GPTQ checkpoint (fp8 on a bf16 checkpoint is online quantization: no error)
+    qfile = os.path.join(os.path.dirname(ckpt), "awq-on-bf16.yaml")
+    with open(qfile, "w") as f:
+        f.write("method: awq\n")
+    err = _error(capsys, "generate", ckpt, "hi", "--device", "cpu", "--quantization-config", qfile)
+    assert "--quantization-config" in err and "not quantized" in err
     err = _error(capsys, "generate", ckpt, "hi", "--device", "cpu", "--no-chunked-prefill",
                  "--max-num-batched-tokens", "8", "--no-progress")
     assert "--max-num-batched-tokens=8" in err

@@ -77,6 +77,10 @@ def test_another_dtype_never_reads_them(path, tmp_path):
     other = _engine(path, disk, dtype="bfloat16")  # another fingerprint (the salt holds the dtype)
     assert other.generate([SYSTEM + [41]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     assert len(os.listdir(disk)) == 2  # one subdirectory per fingerprint
+    # batch-invariant kernels write other bits: their runs must never read a default run's blocks (or the reverse)
+    inv = _engine(path, disk, batch_invariant=True)
+    assert inv.generate([SYSTEM + [41]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert len(os.listdir(disk)) == 3
 
 
 def test_size_limit_and_config_errors(path, tmp_path):

@@ -1,6 +1,6 @@
 """Prefix caching end to end (cpu backend, fp32): a request served from cached blocks gives the tokens it gets
 without caching, logprobs within 1e-6 (bitwise with batch_invariant), across block and chunk boundaries,
-partial last blocks, preemption and aborts; hit counts reach RequestOutput; V4 is refused with its reason."""
+partial last blocks, preemption and aborts; hit counts reach RequestOutput; V4 is on by default."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import random
 import pytest
 
 from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
-from deepinfer.errors import ConfigError
 
 BS = 16
 SYSTEM = [0] + [(13 * i + 7) % 900 + 2 for i in range(47)]  # 48 tokens: three full blocks
@@ -118,11 +117,10 @@ def test_bitwise_with_batch_invariance(path):
     assert _trace(got) == _trace(plain.generate([prompt], params, use_tqdm=False)[0])
 
 
-def test_v4_defaults_off_and_refuses_when_asked(checkpoint):
+def test_v4_defaults_on(checkpoint):
+    """V4's hybrid cache is served since bounded replay landed (tests/engine/test_engine_prefix_cache_v4*.py)."""
     e = _engine(checkpoint("tiny-v4"), None, max_num_batched_tokens=256)
-    assert not e.kv.prefix_caching
-    with pytest.raises(ConfigError, match="enable_prefix_caching=True .* sliding window"):
-        _engine(checkpoint("tiny-v4"), True, max_num_batched_tokens=256)
+    assert e.kv.prefix_caching and e.kv.hybrid and e.kv.snapshots is not None
 
 
 def test_v3_defaults_on(path):

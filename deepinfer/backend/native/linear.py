@@ -1,8 +1,14 @@
-"""Linear layers: unquantized, and fp8 e4m3 with 128x128 block scales.
+"""Linear methods in torch, one per quant scheme: the oracle every backend's kernels are compared with.
 
-The native fp8 method dequantizes once at load (W = q * scale_inv per block)
-and then runs a dense matmul in the compute dtype; it is the oracle that
-fused fp8 GEMM kernels are compared with.
+- "none": dense in the compute dtype.
+- "fp8_block" (W8A16): e4m3 weights with 128x128 block scales, dequantized once at load (W = q *
+  scale_inv per block), then a dense matmul on unquantized activations. What fp8 checkpoints run by
+  default (and what the cpu backend runs for them).
+- "fp8_w8a8" (W8A8, DeepSeek / DeepGEMM's recipe): the same weights, and the activations quantized per
+  token per 128-channel group on the fly (quant_fp8.py); the reference dequantizes both and multiplies
+  in fp32. A dense weight given to it is quantized at load (online fp8, 128x128 blocks).
+- "int4_awq" / "int4_gptq" (weight-only, group 128): the checkpoint's packed tensors (quant_int4.py),
+  dequantized once at load, then a dense matmul.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.backend.layer_ops import LinearMethod
+from deepinfer.backend.native.quant_fp8 import quantize_weight_fp8_block, w8a8_block_linear_ref
+from deepinfer.backend.native.quant_int4 import Int4Weight, dequant_int4
 from deepinfer.errors import BackendError, ModelLoadError
 
 FP8_BLOCK = 128
@@ -100,7 +108,70 @@ class Fp8BlockLinear(UnquantizedLinear):
         _drop_scale(layer)
 
 
-LINEAR_METHODS: dict[str, type[LinearMethod]] = {"none": UnquantizedLinear, "fp8_block": Fp8BlockLinear}
+class Fp8W8A8Linear(UnquantizedLinear):
+    """W8A8 reference: the fp8 weight dequantized at load (a dense weight is first quantized online to
+    128x128 e4m3 blocks), the activations quantized per token per 128 channels at every call."""
+
+    scheme = "fp8_w8a8"
+
+    def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+        weight = layer.weight.detach()
+        scale_inv = getattr(layer, "weight_scale_inv", None)
+        if weight.dtype in FP8_DTYPES:
+            if scale_inv is None:
+                raise ModelLoadError("fp8 weight has no weight_scale_inv (128x128 block scales)")
+        elif scale_inv is not None:
+            raise ModelLoadError(f"weight_scale_inv given for a {weight.dtype} weight; expected float8_e4m3fn")
+        else:
+            weight, scale_inv = quantize_weight_fp8_block(weight)  # online quantization
+        _replace_weight(layer, dequant_fp8_block(weight, scale_inv.detach()).to(compute_dtype))
+        _cast_bias(layer, compute_dtype)
+        _drop_scale(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_block_linear_ref(x, layer.weight, getattr(layer, "bias", None))
+
+
+def int4_weight(layer: torch.nn.Module, method: str) -> Int4Weight:
+    """The layer's packed int4 record (`layer.int4`, an Int4Weight of `method`), checked."""
+    w = getattr(layer, "int4", None)
+    if not isinstance(w, Int4Weight):
+        raise ModelLoadError(f"the int4_{method} linear method needs the layer's packed tensors (layer.int4), "
+                             f"got {type(w).__name__}")
+    if w.method != method:
+        raise ModelLoadError(f"an int4 {w.method} weight was given to the int4_{method} linear method")
+    return w
+
+
+class Int4Linear(UnquantizedLinear):
+    """int4 weight-only reference: the packed AWQ / GPTQ tensors dequantized once at load."""
+
+    method = "awq"
+
+    def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+        w = int4_weight(layer, self.method)
+        _replace_weight(layer, dequant_int4(w).to(compute_dtype))
+        layer.int4 = None  # the dense copy replaces the packed one
+        _cast_bias(layer, compute_dtype)
+
+
+class Int4AwqLinear(Int4Linear):
+    scheme = "int4_awq"
+    method = "awq"
+
+
+class Int4GptqLinear(Int4Linear):
+    scheme = "int4_gptq"
+    method = "gptq"
+
+
+LINEAR_METHODS: dict[str, type[LinearMethod]] = {
+    "none": UnquantizedLinear,
+    "fp8_block": Fp8BlockLinear,
+    "fp8_w8a8": Fp8W8A8Linear,
+    "int4_awq": Int4AwqLinear,
+    "int4_gptq": Int4GptqLinear,
+}
 
 
 def native_linear_method(scheme: str) -> LinearMethod:

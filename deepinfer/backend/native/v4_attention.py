@@ -12,6 +12,10 @@ Per request of the batch (query rows at positions context_len .. seq_len-1):
    and picks, per query, the top-k causal entries (ties: lowest index);
    HCA: every causal entry (e < (t + 1) // m) is visible;
 4. softmax over [window keys, visible entries, per-head sink] with K = V.
+
+Prefix caching (kv/state_snapshots.py) passes `state_snapshots`: its `plan[i]` lists (B, slot) for the
+block boundaries B inside request i's step; the ring a sequence would hold with B tokens computed is
+written to `state_snapshots.rings[(group, layer)][slot]` before the step's own ring update.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class NativeV4Attention(V4AttentionOp):
         past = read_entries(cache, batch.block_tables[s.swa_group][i], lo, ctx, "sliding-window keys")
         return torch.cat([past.to(kv_new.dtype), kv_new], dim=0), lo
 
-    def _compress(self, group, prefix, kv, gate, caches, layer_id, slot, ctx, seq, block_row, overlap, new_slots):
+    def _compress(self, group, prefix, kv, gate, caches, layer_id, slot, ctx, seq, block_row, overlap, new_slots,
+                  snaps=None, snap_rings=None):
         """New entries of this step appended to `group` at their slots (new_slots: the request's rows of
         batch.slot_mapping[group], -1 for tokens that complete no entry); returns all entries [0, seq // m)."""
         s = self.spec
@@ -89,6 +94,10 @@ class NativeV4Attention(V4AttentionOp):
             self.w[f"{prefix}.position_bias"], self.w[f"{prefix}.norm_weight"], s.norm_eps,
             self.w["rope_inv_freq"], s.rope_attention_factor,
         )
+        for boundary, dst in snaps or ():  # the ring at each block boundary inside the step (prefix caching)
+            image = ring.clone()
+            update_ring(image, ctx, kv[: boundary - ctx], gate[: boundary - ctx])
+            snap_rings[(group, layer_id)][dst] = image
         update_ring(ring, ctx, kv, gate)
         cache = caches.get(group, layer_id)
         targets = new_slots[new_slots >= 0]
@@ -114,6 +123,7 @@ class NativeV4Attention(V4AttentionOp):
         index_weights: torch.Tensor | None = None,
         index_kv: torch.Tensor | None = None,
         index_gate: torch.Tensor | None = None,
+        state_snapshots=None,
     ) -> torch.Tensor:
         s = self.spec
         if s.compress_rate and (comp_kv is None or comp_gate is None):
@@ -125,6 +135,8 @@ class NativeV4Attention(V4AttentionOp):
         slots = batch.state_slots_cpu
         swa_slots = batch.slot_mapping[s.swa_group]
         swa_cache = caches.get(s.swa_group, layer_id)
+        plan = state_snapshots.plan if state_snapshots is not None else None
+        rings = state_snapshots.rings if plan is not None else None
         for i, ctx in enumerate(batch.context_lens_cpu):
             a, b = qsl[i], qsl[i + 1]
             if a == b:
@@ -138,15 +150,16 @@ class NativeV4Attention(V4AttentionOp):
                 if not slots:
                     raise BackendError("V4 compressed attention needs batch.state_slots (per-sequence state rows)")
                 row = batch.block_tables[s.comp_group][i]
+                snaps = plan[i] if plan is not None else None
                 entries = self._compress(s.comp_group, "compressor", comp_kv[a:b], comp_gate[a:b], caches,
                                          layer_id, slots[i], ctx, seq, row, s.overlap,
-                                         batch.slot_mapping[s.comp_group][a:b])
+                                         batch.slot_mapping[s.comp_group][a:b], snaps, rings)
                 visible = causal_entry_mask(tpos, entries.shape[0], s.compress_rate)
                 if s.overlap:
                     irow = batch.block_tables[s.index_group][i]
                     ikeys = self._compress(s.index_group, "indexer", index_kv[a:b], index_gate[a:b], caches,
                                            layer_id, slots[i], ctx, seq, irow, True,
-                                           batch.slot_mapping[s.index_group][a:b])
+                                           batch.slot_mapping[s.index_group][a:b], snaps, rings)
                     scores = indexer_scores(index_q[a:b], ikeys, index_weights[a:b], s.index_head_dim**-0.5)
                     visible = select_topk(scores, visible, s.index_topk)
                 keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)

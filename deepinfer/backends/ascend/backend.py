@@ -41,7 +41,9 @@ from deepinfer.backends.ascend.runtime import load_runtime
 log = logging.getLogger(__name__)
 FUSED = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "silu_and_mul": "npu_swiglu"}
 MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill); latent norm + RoPE + cache "
-            "write npu_kv_rmsnorm_rope_cache, q RoPE npu_interleave_rope (interleaved RoPE; else npu_rms_norm + torch)")
+            "write npu_kv_rmsnorm_rope_cache, q RoPE npu_interleave_rope (interleaved RoPE; else npu_rms_norm + torch "
+            "+ npu_scatter_pa_kv_cache); from the hidden states npu_mla_prolog_v3 on decode batches (bf16, "
+            "hidden 7168 / 7680, q_lora_rank 1536)")
 MOE_IMPL = "npu_moe_init_routing_v2 + npu_grouped_matmul + npu_swiglu + npu_moe_finalize_routing"
 
 

@@ -5,8 +5,8 @@
 - KV block sizes: 128 first (the paged attention docs recommend it), then 16 / 64 (MLA paged decode takes
   multiples of 16 up to 1024).
 - quant schemes: "none"; "fp8_block" is dequantized to the compute dtype at load on every chip (910B / A3
-  have no fp8 matmul; the 950's native fp8 path is not wired). Int8 W8A8 (npu_quant_matmul) is not a
-  scheme of the contract yet.
+  have no fp8 matmul; no torch_npu doc we read gives the 950's npu_quant_matmul call for fp8 inputs with
+  128x128 block scales, docs/ascend.md). Int8 / int4 schemes are not claimed.
 - batch_invariant: refused (no kernel here has a fixed reduction order across batch shapes).
 - graph_capture: decode-only ACL graphs per batch bucket on A2 / A3 (graph_runner.py): the fused attention's
   host actual_seq_lengths_kv are updated before each replay (graph_task_group_begin / _end at capture,

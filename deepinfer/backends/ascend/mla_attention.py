@@ -17,6 +17,11 @@ rope [nb, bs, 64]), the fused norm + RoPE + cache write, and npu_fused_infer_att
 - prefill rows: each request's context latent is gathered and up-projected to k_nope / v per head; the
   fused op runs TND attention with the 64-wide rope split, sparse_mode 3 (causal aligned bottom-right, so a
   chunk attends to its cached prefix).
+- from the hidden states (forward_from_hidden, an optional capability of the contract the model asks for with
+  prolog_reasons): npu_mla_prolog_v3 (mla_prolog.py) on all-decode batches, the projections + the path above
+  otherwise (prefill rows need the un-absorbed q_nope, which the prolog does not return).
+- the cache write: npu_scatter_pa_kv_cache (ND "Norm" mode, key = latent [T, 1, 512], value = rope [T, 1, 64])
+  eagerly, after dropping padded rows; inside a capture the graph-safe index_copy_ below.
 The fused op's MLA modes need kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128 and 1..128 heads (a
 power of two): `fia_mla_reasons`; other shapes get the native op (the backend says so in op_impl), wrapped
 in `PermutedRopeNativeMLA` when their cache uses the same split, permuted layout.
@@ -28,8 +33,8 @@ from types import ModuleType
 
 import torch
 
-from deepinfer.backend import ForwardBatch, MLAAttentionOp, MLASpec, NativeMLAAttention
-from deepinfer.backends.ascend import graph_tasks
+from deepinfer.backend import ForwardBatch, MLAAttentionOp, MLAPrologWeights, MLASpec, NativeMLAAttention
+from deepinfer.backends.ascend import graph_tasks, mla_prolog
 from deepinfer.errors import BackendError
 
 MASK_SIZE = 2048  # sparse_mode 3 takes this optimised causal mask
@@ -73,6 +78,7 @@ class AscendMLAAttention(MLAAttentionOp):
         self.w_uk: torch.Tensor | None = None  # [H, nope, L]
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
         self._mask: torch.Tensor | None = None
+        self._prolog: mla_prolog.PrologTensors | None = None
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         w_uk, w_uv = self.split_kv_b_proj(weight)
@@ -94,16 +100,27 @@ class AscendMLAAttention(MLAAttentionOp):
         return self._mask
 
     @staticmethod
-    def _write(latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, kv_c: torch.Tensor,
+    def _cos_sin(rope_cache: torch.Tensor, positions: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [T, 64] in dt: the 32 angles twice (the [evens | odds] halves share them)."""
+        cs = rope_cache.index_select(0, positions.to(torch.long))  # [T, 64] fp32: cos 32 | sin 32
+        return cs[:, :32].repeat(1, 2).to(dt), cs[:, 32:].repeat(1, 2).to(dt)
+
+    def _write(self, latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, kv_c: torch.Tensor,
                k_pe: torch.Tensor) -> None:
-        """slot -1 (a padding row) writes nothing. Eagerly: drop those rows. Inside a capture (no host
-        sync, static shapes): padded rows rewrite row 0's slot with row 0's values (always a real row:
-        padding is at the tail; at capture time every static row is -1, hence the clamp), so the repeated
-        indices carry equal values."""
+        """slot -1 (a padding row) writes nothing. Eagerly: drop those rows, then npu_scatter_pa_kv_cache
+        (its slots must lie in the cache and not repeat). Inside a capture (no host sync, static shapes):
+        padded rows rewrite row 0's slot with row 0's values (always a real row: padding is at the tail; at
+        capture time every static row is -1, hence the clamp), so the repeated indices carry equal values;
+        the scatter op does not guarantee repeated slots, so index_copy_ does this write."""
         if not graph_tasks.capturing():
             keep = slots >= 0
             slots, kv_c, k_pe = slots[keep], kv_c[keep], k_pe[keep]
-        elif slots.numel():
+            nb, bs = latent.shape[:2]
+            self.npu.npu_scatter_pa_kv_cache(
+                kv_c.to(latent.dtype).contiguous().view(-1, 1, 512), k_pe.to(rope.dtype).contiguous().view(-1, 1, 64),
+                latent.view(nb, bs, 1, 512), rope.view(nb, bs, 1, 64), slots.contiguous(), cache_mode="Norm")
+            return
+        if slots.numel():
             keep = (slots >= 0)[:, None]
             kv_c, k_pe = torch.where(keep, kv_c, kv_c[:1]), torch.where(keep, k_pe, k_pe[:1])
             slots = torch.where(keep[:, 0], slots, slots[:1]).clamp(min=0)
@@ -133,15 +150,55 @@ class AscendMLAAttention(MLAAttentionOp):
         s, t, dt = self.spec, q.shape[0], kv_a.dtype
         latent, rope = self._parts(kv_cache)
         nb, bs = latent.shape[:2]
-        cs = rope_cache.index_select(0, positions.to(torch.long))  # [T, 64] fp32: cos 32 | sin 32
-        cos = cs[:, :32].repeat(1, 2).to(dt).view(t, 1, 1, 64)  # the [evens | odds] halves share angles
-        sin = cs[:, 32:].repeat(1, 2).to(dt).view(t, 1, 1, 64)
+        cos, sin = (c.view(t, 1, 1, 64) for c in self._cos_sin(rope_cache, positions, dt))
         self.npu.npu_kv_rmsnorm_rope_cache(
             kv_a.contiguous().view(t, 1, 1, s.cache_entry_dim), kv_norm_weight.to(dt), cos, sin, slots.to(torch.long),
             rope.view(nb, bs, 1, 64), latent.view(nb, bs, 1, 512), epsilon=eps, cache_mode="PA")
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         q_pe = self.npu.npu_interleave_rope(q_pe.contiguous().view(t, s.num_heads, 1, 64), cos, sin)
         return self._attend(q_nope, q_pe.view(t, s.num_heads, 64), latent, rope, batch, group)
+
+    # ------------------------------------------------------------ from the hidden states
+
+    def prolog_reasons(self, hidden_size: int, q_lora_rank: int, dtype: torch.dtype) -> list[str]:
+        return mla_prolog.prolog_reasons(self.spec, hidden_size, q_lora_rank, dtype, self.npu)
+
+    def load_prolog(self, weights: MLAPrologWeights) -> None:
+        """Keeps the dense weights (the projections of batches the prolog does not take) and their NZ copies."""
+        self.prolog = weights
+        self._prolog = mla_prolog.prepare(self.npu, weights)
+
+    def forward_from_hidden(self, x, positions, rope_cache, interleaved, kv_cache, batch, group, ops):
+        """npu_mla_prolog_v3 + the paged decode on all-decode bf16 batches with interleaved RoPE (PA_BSND when
+        every slot is real and nothing is captured, else TND + the graph-safe write); the contract's
+        composition (projections, then forward_from_latent) otherwise."""
+        if self._prolog is None or not interleaved or x.dtype != torch.bfloat16 or \
+                any(n != 1 for n in batch.query_lens_cpu):
+            return super().forward_from_hidden(x, positions, rope_cache, interleaved, kv_cache, batch, group, ops)
+        s, t = self.spec, x.shape[0]
+        if sum(batch.query_lens_cpu) != t:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, x has {t} rows")
+        if self.w_uk is None:
+            raise BackendError("MLA forward before load_kv_b_proj")
+        hidden = self.prolog.q_a.shape[1]
+        if tuple(x.shape) != (t, hidden):
+            raise BackendError(f"MLA hidden states have shape {tuple(x.shape)}, expected [T, {hidden}]")
+        latent, rope = self._parts(kv_cache)
+        if (latent.shape[-1], rope.shape[-1]) != (512, 64):
+            raise BackendError(f"MLA cache parts are {latent.shape[-1]} / {rope.shape[-1]} wide, expected 512 / 64")
+        if any(sl != c + 1 for sl, c in zip(batch.seq_lens_cpu, batch.context_lens_cpu)):
+            raise BackendError("MLA: a decode request has seq_len != context_len + 1")
+        slots = batch.slot_mapping[group]
+        paged = not graph_tasks.capturing() and bool((slots >= 0).all())
+        cos, sin = self._cos_sin(rope_cache, positions, x.dtype)
+        q_lat, q_pe, kv_c, k_pe = mla_prolog.run_prolog(self.npu, self._prolog, self.w_uk, x, cos, sin, latent, rope,
+                                                        slots if paged else None)
+        if not paged:
+            self._write(latent, rope, slots, kv_c, k_pe)
+        out = self._decode_latent(q_lat, q_pe, latent, rope, batch, group, None)
+        return out.reshape(t, s.num_heads * s.v_head_dim)
+
+    # ------------------------------------------------------------ attention
 
     def _attend(self, q_nope, q_pe, latent, rope, batch: ForwardBatch, group: str) -> torch.Tensor:
         s, t = self.spec, q_nope.shape[0]
@@ -171,8 +228,12 @@ class AscendMLAAttention(MLAAttentionOp):
 
     def _decode(self, q_nope, q_pe, latent, rope, batch, group, reqs: list[int] | None) -> torch.Tensor:
         """reqs None: every request of the batch, in order."""
-        s, b = self.spec, q_nope.shape[0]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]: W_UK absorbed
+        return self._decode_latent(q_lat, q_pe, latent, rope, batch, group, reqs)
+
+    def _decode_latent(self, q_lat, q_pe, latent, rope, batch, group, reqs: list[int] | None) -> torch.Tensor:
+        """Paged attention of absorbed queries [B, H, L] over the latent cache, then W_UV: [B, H, v]."""
+        s, b = self.spec, q_lat.shape[0]
         table = batch.block_tables[group]
         if reqs is not None:
             table = table[torch.tensor(reqs, device=latent.device)]

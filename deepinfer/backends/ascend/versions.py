@@ -35,6 +35,14 @@ OPERATORS: dict[str, tuple[str, str]] = {
     "torch_npu.npu.graph_task_*": ("graph_task_group_begin(stream); graph_task_group_end(stream) -> handle; "
                                    "graph_task_update_begin(stream, handle); graph_task_update_end(stream)",
                                    "torch_npu-npu-graph_task_group_begin.md (+ _end, update_begin, update_end)"),
+    "npu_mla_prolog_v3": ("npu_mla_prolog_v3(x [T,He], w_dq NZ [He,Hcq], w_uq_qr NZ [Hcq,N*192], w_uk [N,128,512], "
+                          "w_dkv_kr NZ [He,576], gamma_cq, gamma_ckv, sin, cos [T,64], kv_cache, kr_cache, "
+                          "cache_index=, rmsnorm_epsilon_cq=, rmsnorm_epsilon_ckv=, cache_mode='PA_BSND'|'TND') "
+                          "-> (q_n, q_r, _, _, _)", "torch_npu-npu_mla_prolog_v3.md (26.0.0 limits; 7.3.0: beta)"),
+    "npu_format_cast": ("npu_format_cast(w, 29) (FRACTAL_NZ, the prolog's weights)", "npu_mla_prolog_v3's example"),
+    "npu_scatter_pa_kv_cache": ("npu_scatter_pa_kv_cache(latent [T,1,512], rope [T,1,64], latent_cache [nb,bs,1,512], "
+                                "rope_cache [nb,bs,1,64], slots, cache_mode='Norm')",
+                                "docs/context/torch_npu-npu_scatter_pa_kv_cache.md, 7.2.0 (its ND scenario 2)"),
     "npu_moe_gating_top_k": ("npu_moe_gating_top_k(x, k, bias=, k_group=, group_count=, group_select_mode=, "
                              "renorm=0, norm_type=0|1, routed_scaling_factor=, eps=) -> (y, idx, norm_out)",
                              "torch_npu-npu_moe_gating_top_k.md"),

@@ -50,7 +50,9 @@ class CPUBackend(NativeOps, Backend):
             device_type="cpu",
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
             kv_block_sizes=(16,),
-            quant_schemes=("none", "fp8_block"),  # fp8 weights are dequantized at load, computed in the dtype
+            # every scheme as the reference: weights dequantized at load, computed in the dtype (fp8_w8a8 also
+            # quantizes the activations per token per 128 channels first); docs/quantization.md
+            quant_schemes=LINEAR_SCHEMES,
             model_types=("deepseek_v2", "deepseek_v3", "deepseek_v4"),
             batch_invariant=True,  # with enable_batch_invariance: invariant.py
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),  # V4's ops have no invariant forms yet

@@ -26,6 +26,7 @@ from deepinfer.backend import (
 from deepinfer.errors import BackendError
 
 KV_BLOCK_SIZES = (64, 16, 32, 128)
+QUANT_KERNEL_SCHEMES = ("fp8_w8a8", "int4_awq", "int4_gptq")  # linear schemes run by quant/'s Triton kernels
 
 
 def _interpreting() -> bool:
@@ -65,15 +66,16 @@ class NvidiaBackend(NativeOps, Backend):
             device_type="cuda" if on_gpu else "cpu",
             dtypes=(torch.bfloat16, torch.float16, torch.float32),
             kv_block_sizes=KV_BLOCK_SIZES,
-            quant_schemes=("none", "fp8_block"),
+            # fp8_w8a8 / int4_*: Triton kernels on quantized weights (quant/); fp8_block: dequantized at load
+            quant_schemes=("none", "fp8_block", "fp8_w8a8", "int4_awq", "int4_gptq"),
             model_types=("deepseek_v2", "deepseek_v3"),
-            batch_invariant=False,
-            batch_invariant_note="its MLA, GEMM and MoE kernels pick tiles and splits from the batch; fixed-order "
-                                 "kernels are not written yet (the cpu backend has invariant ops)",
+            batch_invariant=True,  # with enable_batch_invariance: the kernels of invariant/
+            batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),
             graph_capture=on_gpu,
             max_tensor_parallel_size=1,
         )
         self._cuda_ext = None
+        self._copy_stream = None  # the KV tiers' copy stream, made on first use (copy_stream)
         if use_cuda_ext is None:
             # Default on where a CUDA compiler exists: measured faster than the Triton / torch twins
             # (docs/perf-log/2026-11-29-first-h200-baseline.md). DEEPINFER_NVIDIA_CUDA_EXT=0 / =1 forces it; op_coverage says which runs.
@@ -90,6 +92,23 @@ class NvidiaBackend(NativeOps, Backend):
     def caps(self) -> BackendCaps:
         return self._caps
 
+    # enable_batch_invariance: the base class sets the flag; from then on linear_method, make_mla_attention
+    # and make_moe hand out invariant/'s fixed-configuration kernels (docs/determinism.md). RMSNorm, RoPE,
+    # SiLU-and-mul and the KV write are row-invariant as they stand; the invariant MoE never takes the fused
+    # router (CUDA C++ or GEMV + top-k).
+
+    def linear_method(self, scheme: str):
+        if not self.batch_invariance_enabled and scheme in QUANT_KERNEL_SCHEMES:
+            from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear, TritonInt4Linear
+
+            return TritonFp8W8A8Linear() if scheme == "fp8_w8a8" else TritonInt4Linear(scheme.removeprefix("int4_"))
+        method = super().linear_method(scheme)
+        if self.batch_invariance_enabled:
+            from deepinfer.backends.nvidia.invariant.linear import InvariantLinear
+
+            return InvariantLinear(method)
+        return method
+
     @property
     def device(self) -> torch.device:
         return self._device
@@ -102,6 +121,42 @@ class NvidiaBackend(NativeOps, Backend):
     def synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+    # ------------------------------------------------------------ KV tier copies (a side stream, pinned memory)
+
+    def copy_stream(self):
+        """One CUDA stream for the KV tiers' copies (made on first use); None under the interpreter (host memory)."""
+        if self._device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self._device)
+        return self._copy_stream
+
+    def host_buffer(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=self._device.type == "cuda")
+
+    def copy_async(self, dsts, srcs, stream):
+        if stream is None:
+            return super().copy_async(dsts, srcs, stream)
+        # after what the compute stream has queued (a block handed out may still be written by the step in flight)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait_event(self, event):
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    def event_done(self, event):
+        return event is None or event.query()
+
+    def event_synchronize(self, event):
+        if event is not None:
+            event.synchronize()
 
     # ------------------------------------------------------------ small fused ops
 
@@ -126,6 +181,11 @@ class NvidiaBackend(NativeOps, Backend):
         from deepinfer.backends.nvidia.activation import silu_and_mul
 
         return silu_and_mul(x)
+
+    def apply_token_bitmask(self, logits, bitmask, rows=None):
+        from deepinfer.backends.nvidia.grammar_bitmask import apply_token_bitmask
+
+        return apply_token_bitmask(logits, bitmask, rows)
 
     def kv_cache_write(self, cache, slot_mapping, values):
         from deepinfer.backends.nvidia.kv_write import kv_cache_write
@@ -157,6 +217,10 @@ class NvidiaBackend(NativeOps, Backend):
     # ------------------------------------------------------------ layer ops
 
     def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
+        if self.batch_invariance_enabled:
+            from deepinfer.backends.nvidia.invariant.mla import InvariantMLAAttention
+
+            return InvariantMLAAttention(spec)
         from deepinfer.backends.nvidia.mla_attention import TritonMLAAttention
 
         return TritonMLAAttention(spec)
@@ -165,7 +229,13 @@ class NvidiaBackend(NativeOps, Backend):
         from deepinfer.backends.nvidia.moe import TritonMoE, triton_moe_unsupported
 
         if triton_moe_unsupported(spec):  # V4 routers / clamped SwiGLU: reported in op_coverage
+            if self.batch_invariance_enabled:
+                raise BackendError("batch-invariant MoE: no invariant kernel for " + ", ".join(triton_moe_unsupported(spec)))
             return super().make_moe(spec)
+        if self.batch_invariance_enabled:
+            from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+
+            return InvariantMoE(spec)
         align = None
         if self._cuda_ext is not None:
             from deepinfer.backends.nvidia import cuda_ext
@@ -202,12 +272,18 @@ class NvidiaBackend(NativeOps, Backend):
             return "triton grouped GEMM" if not why else f"native ({', '.join(why)}: no fused kernel)"
         if name == "linear:fp8_block":
             return "native (dequantized to the compute dtype at load, cuBLAS)"
+        if name == "linear:fp8_w8a8":
+            return "triton fp8 W8A8 block GEMM (per-token-128 activation quant kernel)"
+        if name in ("linear:int4_awq", "linear:int4_gptq"):
+            return "triton int4 weight-only GEMM (dequantized in the inner loop)"
         if name.startswith("linear:"):
             return "native (cuBLAS)"
         return "native"
 
     def op_coverage(self) -> dict[str, str]:
         cov = super().op_coverage()
+        if self.batch_invariance_enabled:
+            return self._invariant_coverage(cov)
         for op in ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "kv_cache_write",
                    "mla_attention"):
             cov[op] = "triton"
@@ -220,4 +296,17 @@ class NvidiaBackend(NativeOps, Backend):
         for k in list(cov):
             if k.startswith("linear:"):
                 cov[k] = "native (cuBLAS on GPU)"
+        cov["linear:fp8_w8a8"] = "triton fp8 W8A8 block GEMM"
+        cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM"
+        return cov
+
+    def _invariant_coverage(self, cov: dict[str, str]) -> dict[str, str]:
+        for op in ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "kv_cache_write"):
+            cov[op] = "triton (row-invariant as it stands)"
+        cov["mla_attention"] = "triton: batch-invariant (absorbed, fixed split size, invariant GEMMs)"
+        cov["route"] = "triton (one program per token)"
+        cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, fixed BLOCK_M / tile)"
+        for k in list(cov):
+            if k.startswith("linear:"):
+                cov[k] = "triton: batch-invariant GEMM (one tile for every M)"
         return cov

@@ -211,9 +211,10 @@ def _mla_decode_merge_uv_kernel(
     min_split, num_splits, block_n, V,
     L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_LC: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Small batches: one program per (row, head, BLOCK_V output columns) merges the splits (as the merge kernel, then rounded to the
-    output dtype as mla_decode's result is) and multiplies by W_UV^T [L, V] (fp32 accumulation, one
-    rounding: as the batched GEMM it replaces), so the merge and the W_UV product are one launch."""
+    """Small batches: one program per (row, head, BLOCK_V output columns) merges the splits (as the merge kernel)
+    and multiplies by W_UV^T [L, V] (fp32 accumulation), so the merge and the W_UV product are one launch.
+    The merged latent stays fp32 into the product (one rounding, at the end): rounding it to bf16 first, as
+    the unfused path's merge output must be, added ~40% to the op's error vs fp32 (docs/determinism.md)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     w, total, offs_s, smask = _split_weights(part_lse_ptr, seq_lens_ptr, b, h, stride_lb, stride_lh, min_split,
@@ -225,7 +226,7 @@ def _mla_decode_merge_uv_kernel(
         offs_l = c + tl.arange(0, BLOCK_LC)
         o = tl.load(part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_l[None, :],
                     mask=smask[:, None], other=0.0)
-        lat = (tl.sum(w[:, None] * o, 0) / total).to(out_ptr.dtype.element_ty).to(tl.float32)
+        lat = tl.sum(w[:, None] * o, 0) / total  # fp32: no rounding before W_UV
         wt = tl.load(wuv_ptr + h * stride_wh + offs_l[:, None] * stride_wl + offs_v[None, :], mask=vmask[None, :],
                      other=0.0)
         acc += tl.sum(lat[:, None] * wt.to(tl.float32), 0)

@@ -36,6 +36,7 @@ from deepinfer.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionInfo,
 )
+from deepinfer.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from deepinfer.entrypoints.openai.request_checks import ServerLimits
 from deepinfer.entrypoints.openai.request_context import (
     install_log_record_factory,
@@ -44,6 +45,7 @@ from deepinfer.entrypoints.openai.serving_chat import ChatHandler
 from deepinfer.entrypoints.openai.serving_common import ServerState
 from deepinfer.entrypoints.openai.serving_completions import CompletionsHandler
 from deepinfer.entrypoints.openai.serving_tokenize import TokenizeHandler
+from deepinfer.errors import ConfigError
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -58,13 +60,22 @@ def build_app(
     limits: ServerLimits | None = None,
     access_log: bool = True,
     connection_limits: ConnectionLimits | None = None,
+    reasoning_parser: str | None = None,
+    json_whitespace: str = "flexible",
 ) -> FastAPI:
     """A FastAPI app serving `engine` (a DeepInferenceEngine); the engine loop runs during the app's lifespan.
 
     `limits`: the per-request work caps (default ServerLimits()); `access_log`: one info line per
     request on the "deepinfer.access" logger; `connection_limits`: the header caps and body timeout
     the app enforces itself (the header timeout and the connection cap need `uvicorn_config`'s
-    protocol class too)."""
+    protocol class too); `reasoning_parser`: "deepseek_r1" splits `<think>...</think>` into
+    `reasoning_content` on /v1/chat/completions (a constraint then applies after the reasoning);
+    `json_whitespace`: "flexible" (any JSON whitespace) or "compact" for JSON constraints whose request
+    does not choose (structured_outputs.disable_any_whitespace)."""
+    if json_whitespace not in ("flexible", "compact"):
+        raise ConfigError(f"json_whitespace must be 'flexible' or 'compact' (got {json_whitespace!r})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"reasoning_parser must be one of {list(REASONING_PARSERS)} (got {reasoning_parser!r})")
     install_log_record_factory()
     check_api_key(api_key)
     connection_limits = connection_limits or ConnectionLimits()
@@ -81,6 +92,9 @@ def build_app(
         max_model_len=engine.max_model_len,
         model_path=model_path or getattr(getattr(engine, "config", None), "model_name_or_path", None),
         limits=limits or ServerLimits(),
+        reasoning_parser=reasoning_parser,
+        json_whitespace=json_whitespace,
+        structured_backend=getattr(getattr(engine, "config", None), "structured_output_backend", "llguidance"),
     )
     completions, chat, tokenize = CompletionsHandler(state), ChatHandler(state), TokenizeHandler(state)
 

@@ -36,6 +36,8 @@ from deepinfer.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from deepinfer.entrypoints.openai.structured import JSON_SCHEMA_KEYWORDS
+from deepinfer.entrypoints.openai.tools import has_tool_tokens
 from deepinfer.sampling_params import (
     INT32_MAX,
     INT64_MAX,
@@ -192,6 +194,48 @@ def _patch_completion(s: dict, state, vocab, engine_vocab, limits) -> None:
     s.setdefault("allOf", []).extend(rules)
 
 
+_TEXT = {"type": "string", "minLength": 1}
+_CHOICE = {"type": "array", "minItems": 1, "items": _TEXT}
+# identifiers, references and regexes are taken too, but a document cannot say which values compile
+_UNSTATED = {"$ref", "$defs", "definitions", "$id", "$schema", "format", "pattern", "patternProperties"}
+
+
+def _schema_doc() -> dict:
+    return {"type": "object", "propertyNames": {"enum": sorted(JSON_SCHEMA_KEYWORDS - _UNSTATED)},
+            "description": "a JSON Schema using keywords the engine enforces (docs/structured-output.md; $ref / "
+                           "$defs, format, pattern and patternProperties are taken too)"}
+
+
+def _structured(props: dict) -> None:
+    """The structured-output fields of a generation request. Not said here (docs/serving.md says it): a regex,
+    grammar or schema the engine cannot compile, a constraint with ignore_eos / min_tokens > 0: 400."""
+    _set(props, "guided_json", _nullable(_schema_doc()), "a JSON Schema; keywords the engine does not enforce: 400")
+    _set(props, "guided_regex", _nullable(_TEXT), "must compile (400 otherwise)")
+    _set(props, "guided_grammar", _nullable(_TEXT), "a Lark grammar (llguidance's syntax); must compile")
+    _set(props, "guided_choice", _nullable(_CHOICE))
+
+
+def _patch_structured_components(components: dict) -> None:
+    so = components["StructuredOutputsRequest"]
+    so["properties"]["json"] = _nullable(_schema_doc())
+    so["properties"]["regex"] = _nullable(_TEXT)
+    so["properties"]["grammar"] = _nullable(_TEXT)
+    so["properties"]["choice"] = _nullable(_CHOICE)
+    for key, values in (("disable_fallback", [False, None]), ("disable_additional_properties", [False, None]),
+                        ("whitespace_pattern", [None]), ("structural_tag", [None]), ("backend", [None])):
+        so["properties"][key] = {"enum": values, "description": "not implemented: only the neutral value"}
+    so["additionalProperties"] = False
+    so["description"] = "exactly one of json, regex, grammar, choice, json_object (true)"
+    so.setdefault("allOf", []).append({"oneOf": [
+        {"required": [k], "properties": {k: {"not": {"type": "null"}}}} for k in ("json", "regex", "grammar",
+                                                                                 "choice")] + [
+        {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]})
+    js = components["JsonSchemaFormat"]
+    js["properties"]["schema"] = _schema_doc()
+    js["required"] = sorted(set(js.get("required", [])) | {"schema"})
+    js["additionalProperties"] = {"type": "null"}
+
+
 def _patch_chat(s: dict, state, vocab, engine_vocab, limits) -> None:
     props = s["properties"]
     _sampling(props, state, vocab, engine_vocab, limits)
@@ -200,9 +244,16 @@ def _patch_chat(s: dict, state, vocab, engine_vocab, limits) -> None:
         _set(props, name, _nullable(_max_tokens(state, limits)), _max_tokens_doc(limits) + " (give one of the two)")
     _set(props, "top_logprobs", _nullable({"type": "integer", "minimum": 0, "maximum": limits.max_logprobs}),
          "needs logprobs: true")
-    _set(props, "tools", _nullable({"type": "array", "maxItems": 0}), "not implemented: only [] or null")
-    _set(props, "tool_choice", {"type": "null"}, "not implemented: only null")
-    _set(props, "response_format", _nullable({"$ref": REF + "ResponseFormat"}), "only {\"type\": \"text\"}")
+    if has_tool_tokens(state.tokenizer):
+        props["tools"]["description"] = "functions the model may call (DeepSeek's tool-call format)"
+        props["tool_choice"]["description"] = ("none | auto (default with tools) | required | a named function; "
+                                               "required and named calls are enforced by a grammar")
+    else:  # the tokenizer lacks the tool-call tokens: refused (400)
+        _set(props, "tools", _nullable({"type": "array", "maxItems": 0}),
+             "this model's tokenizer has no tool-call tokens: only [] or null")
+        _set(props, "tool_choice", {"type": "null"}, "this model's tokenizer has no tool-call tokens: only null")
+    props["response_format"]["description"] = ("text | json_object | json_schema (enforced by the sampler's "
+                                               "grammar; an unenforceable keyword is a 400)")
     s["allOf"] = [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
@@ -237,8 +288,10 @@ def renderable_roles(tokenizer) -> list[str]:
 def _patch_message(s: dict, roles: list[str]) -> None:
     s["properties"]["role"] = {"type": "string", "enum": roles, "title": "Role",
                                "description": "the roles the model's chat template renders"}
-    s["allOf"] = [{"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}},
-                   "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}]
+    s["allOf"] = [{"if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
+                   "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
+                  {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+                   "then": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}}}]
     s["properties"]["content"]["description"] = "required (not null) for system, developer and user messages"
 
 
@@ -278,7 +331,13 @@ def openapi_schema(app, state, limits, api_key: bool, vocab: int | None, engine_
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _stream_rule(components[name])
     _patch_message(components["ChatMessage"], renderable_roles(state.tokenizer))
-    components["ResponseFormat"]["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        _structured(components[name]["properties"])
+    _patch_structured_components(components)
+    components["ResponseFormat"]["allOf"] = [
+        {"if": {"properties": {"type": {"const": "json_schema"}}},
+         "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+         "else": {"properties": {"json_schema": {"type": "null"}}}}]
     _patch_tokenize(components, state, vocab, limits)
 
     bodies = {

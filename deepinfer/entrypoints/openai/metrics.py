@@ -42,6 +42,13 @@ class _EngineCollector:
              stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens
              if stats.prefix_cache_queried_tokens else 0.0),
         ]
+        if stats.spec_method is not None and stats.spec_steps:  # speculative decoding (docs/speculative.md)
+            gauges += [
+                ("deepinfer_spec_mean_accepted_length", "tau: tokens emitted per decoding sequence-step, since start",
+                 stats.spec_tau),
+                ("deepinfer_spec_acceptance_rate", "accepted / verified drafted tokens, since start (0-1)",
+                 stats.spec_acceptance_rate if stats.spec_drafted_tokens else 0.0),
+            ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))

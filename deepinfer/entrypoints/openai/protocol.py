@@ -34,6 +34,36 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of json / regex / grammar / choice / json_object."""
+
+    model_config = ConfigDict(extra="allow")  # so structured.py can refuse the options it does not implement
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool | None = None  # True: no whitespace beyond what JSON needs (json / json_object)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: `text`, `json_object` or `json_schema` (with `json_schema`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -61,6 +91,13 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Float] | None = None
     user: str | None = None
+    # structured output (structured.py turns these into SamplingParams.structured_outputs; at most one)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -78,11 +115,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's earlier tool call (rendered back by the chat template)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
         if self.content is None:
@@ -92,9 +146,31 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: that function must be called."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -103,9 +179,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: Bool = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -160,9 +236,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # R1-style reasoning (--reasoning-parser)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -182,9 +271,25 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first has id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -155,15 +155,11 @@ _NONE_TRUE = _neutral(None, True)
 
 # field -> (does the value change nothing?, why it is refused). A field that is neither here nor declared in
 # protocol.py is ignored (logged at debug): e.g. user, metadata, store, service_tier, parallel_tool_calls.
-_GUIDED = "guided decoding is not implemented"
+# guided_json / guided_regex / guided_grammar / guided_choice, structured_outputs and response_format are
+# declared in protocol.py and handled by structured.py; these options of theirs are not implemented:
 _COMMON_UNSUPPORTED = {
-    "guided_json": (_NONE, _GUIDED),
-    "guided_regex": (_NONE, _GUIDED),
-    "guided_grammar": (_NONE, _GUIDED),
-    "guided_choice": (_NONE, _GUIDED),
-    "guided_decoding_backend": (_NONE, _GUIDED),
-    "guided_whitespace_pattern": (_NONE, _GUIDED),
-    "structured_outputs": (_NONE, "structured outputs are not implemented"),
+    "guided_decoding_backend": (_NONE, "the engine's grammar engine is chosen at start-up (--structured-output-backend)"),
+    "guided_whitespace_pattern": (_NONE, "a custom whitespace pattern is not implemented"),
     "prompt_logprobs": (_NONE, "prompt logprobs are not implemented"),
     "logit_bias": (_NONE_EMPTY, ""),
     "allowed_token_ids": (_NONE, ""),
@@ -181,10 +177,8 @@ _COMPLETION_UNSUPPORTED = {
     "max_completion_tokens": (_NONE, "on /v1/completions the field is max_tokens"),
 }
 _CHAT_UNSUPPORTED = {
-    "tools": (_NONE_EMPTY, "tool calling is not implemented"),
-    "tool_choice": (_NONE, "tool calling is not implemented (and tool_choice needs tools)"),
-    "functions": (_NONE_EMPTY, "function calling is not implemented"),
-    "function_call": (_NONE, "function calling is not implemented"),
+    "functions": (_NONE_EMPTY, "the legacy function calling is not implemented (use tools)"),
+    "function_call": (_NONE, "the legacy function calling is not implemented (use tool_choice)"),
     "audio": (_NONE, "audio output is not implemented"),
     "modalities": (lambda v: v is None or v == ["text"], "only ['text'] is implemented"),
     "web_search_options": (_NONE, "web search is not implemented"),
@@ -201,8 +195,10 @@ _CHAT_UNSUPPORTED = {
 
 # /tokenize with messages: the fields that would change how the conversation is rendered
 _TOKENIZE_CHAT_UNSUPPORTED = {
+    "tools": (_NONE_EMPTY, "/tokenize renders messages without tools"),
+} | {
     name: _CHAT_UNSUPPORTED[name]
-    for name in ("tools", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
+    for name in ("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
                  "continue_final_message", "add_special_tokens")
 }
 
@@ -230,16 +226,6 @@ def check_unsupported(req, endpoint: str) -> None:
         value = getattr(req, name, None) if name in type(req).model_fields else extra.get(name)
         if not is_neutral(value):
             raise _unsupported(name, why)
-    fmt = getattr(req, "response_format", None)
-    if fmt is None:
-        fmt = extra.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else getattr(fmt, "type", None)
-        if kind != "text":
-            raise bad_request(
-                f"response_format {kind!r} is not supported by DeepInfer (only 'text')", "response_format",
-                "unsupported_parameter",
-            )
     options = getattr(req, "stream_options", None)
     if options is not None:
         if req.stream is not True:

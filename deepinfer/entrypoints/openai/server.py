@@ -196,6 +196,8 @@ def run_server(args: argparse.Namespace) -> int:
         limits=limits,
         access_log=not getattr(args, "no_access_log", False),
         connection_limits=connection_limits,
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        json_whitespace=getattr(args, "json_whitespace", None) or "flexible",
     )
     state: ServerState = app.state.deepinfer
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.entrypoints.openai.async_engine import EngineStepError, RequestFailedError
+from deepinfer.entrypoints.openai.chat_output import ChoiceParser, delta_message, whole_message
 from deepinfer.entrypoints.openai.errors import bad_request
 from deepinfer.entrypoints.openai.protocol import (
     ChatChoice,
@@ -16,11 +17,11 @@ from deepinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
 )
+from deepinfer.entrypoints.openai.reasoning_parser import REASONING_PREFIX, THINK_TOKENS
 from deepinfer.entrypoints.openai.request_checks import check_caps, check_unicode, check_unsupported
 from deepinfer.entrypoints.openai.request_context import current_request
 from deepinfer.entrypoints.openai.serving_common import (
@@ -47,6 +48,10 @@ from deepinfer.entrypoints.openai.serving_output import (
     top_entries,
     usage_info,
 )
+from deepinfer.entrypoints.openai.structured import StructuredRequest, after_prefix, structured_request
+from deepinfer.entrypoints.openai.tool_parser import TOOL_TOKENS
+from deepinfer.entrypoints.openai.tools import ToolPlan, plan_tools
+from deepinfer.sampling_params import StructuredOutputsParams
 
 
 def _token_logprob(state: ServerState, token_id: int, logprob: float) -> dict:
@@ -67,38 +72,92 @@ def _logprobs(state: ServerState, token_ids, entries, k: int) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def render_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True) -> str:
-    """The conversation rendered by the model's chat template (worker thread); 400 when it cannot be."""
+def _message_dict(i: int, m) -> dict:
+    if m.role in ("user", "system", "developer", "tool") and m.content is None:
+        raise bad_request(f"messages[{i}].content is required for role {m.role}", "messages")
+    if m.tool_calls and m.role != "assistant":
+        raise bad_request(f"messages[{i}].tool_calls is only allowed on assistant messages", "messages")
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.role == "assistant" and m.content is None:
+        out["content"] = None
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def render_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """The conversation rendered by the model's chat template (worker thread); 400 when it cannot be.
+    `tools` (OpenAI's tool dicts) are given to the template, which describes them to the model."""
     if not chat_messages:
         raise bad_request("messages must hold at least one message", "messages")
-    messages = []
-    for i, m in enumerate(chat_messages):
-        if m.role in ("user", "system", "developer") and m.content is None:
-            raise bad_request(f"messages[{i}].content is required for role {m.role}", "messages")
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+    messages = [_message_dict(i, m) for i, m in enumerate(chat_messages)]
+    extra = {"tools": tools} if tools else {}
     try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:  # a template that raises (jinja2 `raise_exception`) rejects the conversation
         raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
 
 
-def encode_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(state: ServerState, chat_messages, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of a conversation, as /v1/chat/completions feeds them (BOS once, as engine.chat does)."""
-    return encode_text(state, render_chat(state, chat_messages, add_generation_prompt), "messages")
+    return encode_text(state, render_chat(state, chat_messages, add_generation_prompt, tools), "messages")
+
+
+def plan_output(state: ServerState, req) -> tuple[ToolPlan | None, StructuredRequest | None]:
+    """The request's tools and its one constraint (tool grammar, response_format, ...), with the
+    reasoning section in front when the server parses reasoning; 400 for a combination it cannot honour."""
+    plan = plan_tools(req, state.tokenizer, REASONING_PREFIX if state.reasoning_parser else "")
+    structured = structured_request(req, state.json_whitespace)
+    if plan is not None and plan.choice != "none" and structured is not None:
+        raise bad_request(f"{structured.field} cannot be combined with tools (tool_choice {plan.choice!r}): the "
+                          "output is either tool calls or the structured answer", structured.field,
+                          "conflicting_parameters")
+    tool_grammar = plan is not None and plan.grammar is not None
+    if state.reasoning_parser and (structured is not None or tool_grammar):
+        if any(state.tokenizer.token_to_id(t) is None for t in THINK_TOKENS):
+            field = structured.field if structured is not None else "tools"
+            raise bad_request(f"{field} is not supported with --reasoning-parser on this model: its tokenizer lacks "
+                              "<think> / </think>, so the constraint cannot start after the reasoning", field,
+                              "unsupported_parameter")
+        if structured is not None:
+            structured = after_prefix(structured, REASONING_PREFIX)
+    if tool_grammar:
+        structured = StructuredRequest("tools", StructuredOutputsParams(grammar=plan.grammar))
+    server_built = tool_grammar or (state.reasoning_parser and structured)
+    if server_built and state.structured_backend != "llguidance":
+        field = structured.field
+        raise bad_request(f"{field}: this needs a grammar the server writes in llguidance's Lark syntax, but the "
+                          f"engine runs {state.structured_backend} (start it with --structured-output-backend "
+                          "llguidance)", field, "unsupported_parameter")
+    return plan, structured
+
+
+def _keep_special(state: ServerState, plan: ToolPlan | None) -> bool | None:
+    """skip_special_tokens=False when a token the parsers look for is special in this tokenizer (it
+    would be dropped from the text); None: the request's own value."""
+    wanted = (TOOL_TOKENS if plan is not None and plan.parse else []) + (THINK_TOKENS if state.reasoning_parser else [])
+    ids = {state.tokenizer.token_to_id(t) for t in wanted} - {None}
+    special = getattr(state.tokenizer, "special_token_ids", frozenset())
+    return False if ids & special else None
 
 
 class ChatHandler:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def _prompt_ids(self, req: ChatCompletionRequest, max_tokens: int | None, max_param: str) -> list[int]:
+    def _prompt_ids(self, req: ChatCompletionRequest, max_tokens: int | None, max_param: str,
+                    plan: ToolPlan | None = None) -> list[int]:
         """Render the template and tokenize (worker thread); the context checks included."""
-        ids = self._render_and_encode(req)
+        ids = self._render_and_encode(req, plan)
         check_prompt_ids(self.state, ids, max_tokens, "messages", max_param)
         return ids
 
-    def _render_and_encode(self, req: ChatCompletionRequest) -> list[int]:
-        return encode_chat(self.state, req.messages)
+    def _render_and_encode(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+        return encode_chat(self.state, req.messages, tools=plan.tools if plan is not None else None)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         state = self.state
@@ -118,16 +177,19 @@ class ChatHandler:
         )
         rename = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         effective_max = max_tokens if max_tokens is not None else state.limits.max_output_tokens
-        params = build_sampling_params(req, effective_max, logprobs, rename)
-        prompt_ids = await off_loop(state, self._prompt_ids, req, max_tokens, max_param)
+        plan, structured = plan_output(state, req)
+        params = build_sampling_params(req, effective_max, logprobs, rename, structured, _keep_special(state, plan))
+        prompt_ids = await off_loop(state, self._prompt_ids, req, max_tokens, max_param, plan)
         ctx = current_request()
         if ctx is not None:
             ctx.prompt_tokens = len(prompt_ids)
         request_id = new_id("chatcmpl")
-        handles = await submit_all(state, request_id, [prompt_ids], params, rename)
+        handles = await submit_all(state, request_id, [prompt_ids], params, rename,
+                                   structured.field if structured else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        parse = (bool(state.reasoning_parser), plan is not None and plan.parse)
         if req.stream:
-            body = self._stream(request_id, model, handles[0], len(prompt_ids), logprobs, include_usage)
+            body = self._stream(request_id, model, handles[0], len(prompt_ids), logprobs, include_usage, parse)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             final = await run_until_disconnect(raw, collect(handles[0]))
@@ -135,28 +197,31 @@ class ChatHandler:
             raise request_failed(exc, request_id) from None
         except EngineStepError:
             raise step_failed(request_id) from None
-        return JSONResponse(self._response(request_id, model, final, logprobs).model_dump())
+        return JSONResponse(self._response(request_id, model, final, logprobs, parse).model_dump())
 
-    def _response(self, request_id, model, out, logprobs: int | None) -> ChatCompletionResponse:
+    def _response(self, request_id, model, out, logprobs: int | None, parse=(False, False)) -> ChatCompletionResponse:
         choices, completion_tokens = [], 0
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             lp = _logprobs(self.state, c.token_ids, c.logprobs or [], logprobs) if logprobs is not None else None
+            message, finish_reason = whole_message(ChoiceParser.make(*parse), c.text, c.finish_reason)
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=c.text),
+                    message=message,
                     logprobs=lp,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
         usage = usage_info(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens or 0)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    async def _stream(self, request_id, model, handle, prompt_tokens: int, logprobs: int | None, include_usage: bool):
+    async def _stream(self, request_id, model, handle, prompt_tokens: int, logprobs: int | None, include_usage: bool,
+                      parse=(False, False)):
         created = int(time.time())
         deltas = ChoiceDeltas(logprobs is not None)
+        parsers: dict[int, ChoiceParser | None] = {}
 
         def chunk(choices, usage=None) -> str:
             return chunk_event(
@@ -172,17 +237,23 @@ class ChatHandler:
                 for c in out.outputs:
                     if c.index not in deltas.trackers:  # first chunk of a choice carries the role, as OpenAI does
                         yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+                        parsers[c.index] = ChoiceParser.make(*parse)
                     delta = deltas.delta(c.index, c)
                     if delta is None:
                         continue
                     text, tokens, entries = delta
+                    parser = parsers[c.index]
+                    message = delta_message(parser, text, c.finished)
+                    if message is None and not c.finished and not (logprobs is not None and tokens):
+                        continue  # held back by a parser (a marker may be starting)
                     lp = _logprobs(self.state, tokens, entries, logprobs) if logprobs is not None else None
+                    reason = parser.finish_reason(c.finish_reason) if parser is not None else c.finish_reason
                     choices.append(
                         ChatChunkChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=text) if text or not c.finished else DeltaMessage(),
+                            delta=message or DeltaMessage(),
                             logprobs=lp,
-                            finish_reason=c.finish_reason,
+                            finish_reason=reason,
                             stop_reason=c.stop_reason,
                         )
                     )

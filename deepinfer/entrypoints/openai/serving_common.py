@@ -34,6 +34,7 @@ from deepinfer.entrypoints.openai.errors import (
 )
 from deepinfer.entrypoints.openai.request_checks import PromptTooLong, ServerLimits, encode_within
 from deepinfer.entrypoints.openai.request_context import current_request, new_request_id
+from deepinfer.entrypoints.openai.structured import StructuredRequest, rename_structured
 from deepinfer.errors import InvalidRequestError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -51,6 +52,9 @@ class ServerState:
     max_model_len: int
     model_path: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    reasoning_parser: str | None = None  # "deepseek_r1": <think>...</think> -> reasoning_content (chat)
+    structured_backend: str = "llguidance"  # the engine's grammar engine (the Lark grammars the server builds)
+    json_whitespace: str = "flexible"  # JSON constraints' whitespace unless a request says (--json-whitespace)
     # tokenization, chat templates, request walks: off the event loop, bounded
     executor: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
@@ -113,7 +117,9 @@ def encode_text(state: ServerState, text: str, prompt_param: str, add_special_to
         raise context_too_long(state, prompt_param, exc.at_least, at_least=True) from None
 
 
-def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict[str, str],
+                          structured: StructuredRequest | None = None,
+                          skip_special_tokens: bool | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; its validation errors become 400s naming the request's field."""
     kwargs = dict(
         n=req.n,
@@ -124,9 +130,11 @@ def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, ren
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         logprobs=logprobs,
     )
+    if structured is not None:
+        kwargs["structured_outputs"] = structured.params
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -136,7 +144,8 @@ def build_sampling_params(req, max_tokens: int | None, logprobs: int | None, ren
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:
-        raise from_invalid_request(exc, rename) from None
+        mapped = rename_structured(exc, structured.field if structured else None)
+        raise (mapped or from_invalid_request(exc, rename)) from None
 
 
 def check_prompt_ids(state: ServerState, ids: list[int], max_tokens: int | None, prompt_param: str, max_param: str) -> None:
@@ -158,8 +167,10 @@ def check_prompt_ids(state: ServerState, ids: list[int], max_tokens: int | None,
         )
 
 
-async def submit(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams, rename) -> RequestHandle:
-    """add_request with its failures mapped to status codes."""
+async def submit(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams, rename,
+                 structured_field: str | None = None) -> RequestHandle:
+    """add_request with its failures mapped to status codes (a StructuredOutputError: a 400 naming
+    `structured_field`, the request field the constraint came from, and the keyword)."""
     try:
         try:
             return await state.async_engine.add_request(request_id, prompt_ids, params)
@@ -171,20 +182,21 @@ async def submit(state: ServerState, request_id: str, prompt_ids: list[int], par
             logger.info("engine request id %s is in use; using %s", request_id, unique)
             return await state.async_engine.add_request(unique, prompt_ids, params)
     except InvalidRequestError as exc:
-        raise from_invalid_request(exc, rename) from None
+        raise (rename_structured(exc, structured_field) or from_invalid_request(exc, rename)) from None
     except QueueFullError as exc:
         raise overloaded(str(exc)) from None
     except EngineStoppedError as exc:
         raise overloaded(str(exc), retry_after_s=5) from None
 
 
-async def submit_all(state: ServerState, base_id: str, prompts: list[list[int]], params, rename) -> list[RequestHandle]:
+async def submit_all(state: ServerState, base_id: str, prompts: list[list[int]], params, rename,
+                     structured_field: str | None = None) -> list[RequestHandle]:
     """Submit every prompt; if one is refused, abort the ones already queued."""
     handles: list[RequestHandle] = []
     try:
         for i, ids in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            handles.append(await submit(state, rid, ids, params, rename))
+            handles.append(await submit(state, rid, ids, params, rename, structured_field))
     except BaseException:
         for h in handles:
             h.abort()

@@ -44,6 +44,7 @@ from deepinfer.entrypoints.openai.serving_output import (
     top_entries,
     usage_info,
 )
+from deepinfer.entrypoints.openai.structured import structured_request
 
 
 def _num_prompts(prompt) -> int:
@@ -105,13 +106,14 @@ class CompletionsHandler:
             logprobs=req.logprobs, logprobs_param="logprobs", max_tokens=req.max_tokens, max_param="max_tokens",
         )
         max_tokens = req.max_tokens if req.max_tokens is not None else state.limits.max_output_tokens
-        params = build_sampling_params(req, max_tokens, req.logprobs, {})
+        structured = structured_request(req, state.json_whitespace)
+        params = build_sampling_params(req, max_tokens, req.logprobs, {}, structured)
         prompts = await off_loop(state, _prepare_prompts, state, req.prompt, req.max_tokens)
         ctx = current_request()
         if ctx is not None:
             ctx.prompt_tokens = sum(len(ids) for ids in prompts)
         request_id = new_id("cmpl")
-        handles = await submit_all(state, request_id, prompts, params, {})
+        handles = await submit_all(state, request_id, prompts, params, {}, structured.field if structured else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             body = self._stream(request_id, model, handles, prompts, req, include_usage)

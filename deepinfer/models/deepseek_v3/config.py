@@ -207,6 +207,10 @@ def _parse_quant(cfg: dict) -> tuple[str | None, tuple[int, int] | None]:
     if not isinstance(q, dict):
         raise ModelLoadError(f"config.json: 'quantization_config' must be an object, got {q!r}")
     method = q.get("quant_method")
+    if method in ("awq", "gptq"):  # int4 linears: format checked and read by deepinfer/quant_config.py + the loader
+        from deepinfer.quant_config import checkpoint_scheme
+
+        return checkpoint_scheme(cfg), None
     if method != "fp8":
         raise UnsupportedModelError(
             f"config.json: quantization_config.quant_method {method!r} is not supported (supported: 'fp8')"

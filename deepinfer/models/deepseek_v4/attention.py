@@ -146,8 +146,11 @@ class V4Attention(nn.Module):
             out += [self.i_kv, self.i_gate, self.i_q, self.i_w]
         return out
 
-    def forward(self, x: torch.Tensor, batch, caches, rope_memo: dict | None = None) -> torch.Tensor:
-        """`rope_memo`: one forward's cos/sin per rotary branch, shared by the layers (else computed here)."""
+    def forward(self, x: torch.Tensor, batch, caches, rope_memo: dict | None = None,
+                state_snapshots=None) -> torch.Tensor:
+        """`rope_memo`: one forward's cos/sin per rotary branch, shared by the layers (else computed here).
+        `state_snapshots`: prefix caching's ring snapshots for this step (kv/state_snapshots.py), handed to
+        the op of a compressed layer; None when the step crosses no block boundary."""
         cfg, T = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
         if rope_memo is None:
@@ -164,6 +167,8 @@ class V4Attention(nn.Module):
         extra = {}
         if self.m:
             extra.update(comp_kv=self.c_kv(x), comp_gate=self.c_gate(x))
+            if state_snapshots is not None:
+                extra["state_snapshots"] = state_snapshots
         if self.csa:
             Hi, Di = cfg.index_n_heads, cfg.index_head_dim
             iq = ops.v4_rotary_embedding(self.i_q(q_res).view(T, Hi, Di), cos, sin)

@@ -96,11 +96,11 @@ class V4Block(nn.Module):
         self.attn.finalize()
         self.ffn.finalize()
 
-    def forward(self, streams, token_ids, batch, caches, rope_memo: dict | None = None):
+    def forward(self, streams, token_ids, batch, caches, rope_memo: dict | None = None, state_snapshots=None):
         eps = self.cfg.rms_norm_eps
         post, comb, x = self.attn_hc(streams)
-        streams = hc_merge(streams, self.attn(self.backend.v4_rms_norm(x, self.attn_norm, eps), batch, caches, rope_memo),
-                           post, comb)
+        attn = self.attn(self.backend.v4_rms_norm(x, self.attn_norm, eps), batch, caches, rope_memo, state_snapshots)
+        streams = hc_merge(streams, attn, post, comb)
         post, comb, x = self.ffn_hc(streams)
         return hc_merge(streams, self.ffn(self.backend.v4_rms_norm(x, self.ffn_norm, eps), token_ids), post, comb)
 
@@ -131,6 +131,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.head = LMHead(cfg.vocab_size, D, backend, dtype)
         self._loaders = self._all_loaders()
         self._loaded: set[str] = set()
+        # prefix caching: kv/state_snapshots.StateSnapshots, whose per-step plan names the block boundaries
+        # at which the compressor ops save their rings (use_state_snapshots)
+        self.state_snapshots = None
+
+    def use_state_snapshots(self, snapshots) -> None:
+        """Have the compressors save their rings at the block boundaries of each step's plan (prefix caching)."""
+        self.state_snapshots = snapshots
 
     # ------------------------------------------------------------ cache layout
 
@@ -190,8 +197,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         x = self.embed(ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         rope_memo: dict = {}  # cos/sin of this step's positions, once per rotary branch, not once per layer
+        snaps = self.state_snapshots
+        if snaps is not None and snaps.plan is None:
+            snaps = None  # no block boundary in this step
         for layer in self.layers:
-            streams = layer(streams, ids, batch, caches, rope_memo)
+            streams = layer(streams, ids, batch, caches, rope_memo, snaps)
         return self.backend.v4_rms_norm(self.hc_head(streams), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ Checkpoints store one tensor per expert and projection (V2/V3:
 `experts.E.{gate,up,down}_proj`, V4: `experts.E.{w1,w3,w2}`). They are held
 as plain tensors while loading (V3 has 44k of them, too many to make modules
 of), then densified through the backend's linear method (so fp8 experts are
-dequantized by the backend, not here) and stacked.
+dequantized by the backend, not here) and stacked. An int4 (AWQ / GPTQ) expert arrives as an
+`Int4Weight` record and is densified the same way. The MoE op takes dense stacked weights: no
+backend runs quantized routed experts yet (docs/quantization.md, "not done").
 """
 
 from __future__ import annotations

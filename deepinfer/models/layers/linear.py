@@ -1,8 +1,12 @@
 """Linear layers whose weights arrive from a checkpoint and run through the backend's linear method.
 
-The scheme is chosen from what was loaded: an fp8 e4m3 weight with its
-`weight_scale_inv` runs as "fp8_block", anything else as "none". The backend's
-LinearMethod converts the loaded tensors (`process_weights`) and applies them.
+The scheme is chosen from what was loaded and the load's `LinearQuantSettings` (quant/settings.py):
+an fp8 e4m3 weight with its `weight_scale_inv` runs as "fp8_block" (W8A16) or, when the settings ask
+for fp8 activations, "fp8_w8a8"; an int4 record (`Int4Weight`, which the loader hands over under
+`<prefix>.weight` for AWQ / GPTQ checkpoints) as "int4_awq" / "int4_gptq"; a dense weight as "none",
+or "fp8_w8a8" (quantized at load) under online fp8. The backend's LinearMethod converts the loaded
+tensors (`process_weights`) and applies them; a backend whose method runs the quantized format keeps
+it quantized in memory.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, LinearMethod
+from deepinfer.backend import Backend, Int4Weight, LinearMethod
 from deepinfer.errors import ModelLoadError
+from deepinfer.models.layers.quant.settings import active_linear_quant
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
@@ -28,7 +33,12 @@ def _cdiv(a: int, b: int) -> int:
 def prepare_weight(
     name: str, t: torch.Tensor, shape: tuple[int, int], quantized: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Check a loaded `<name>.weight` and move it to the device: fp8 stays fp8, dense becomes the compute dtype."""
+    """Check a loaded `<name>.weight` and move it to the device: fp8 stays fp8, an int4 record stays packed,
+    dense becomes the compute dtype."""
+    if isinstance(t, Int4Weight):
+        t.check(name, shape[0], shape[1])
+        return Int4Weight(t.method, t.qweight.to(device), t.qzeros.to(device), t.scales.to(device),
+                          None if t.g_idx is None else t.g_idx.to(device), t.group_size, t.zero_offset)
     if tuple(t.shape) != shape:
         raise ModelLoadError(f"{name}.weight has shape {tuple(t.shape)}, expected {shape}")
     if t.dtype == FP8_DTYPE:
@@ -69,7 +79,8 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.has_bias = bias
         self.quantized = quantized  # the checkpoint stores this layer as fp8 + weight_scale_inv
-        self.weight: torch.Tensor | None = None
+        self.weight: torch.Tensor | Int4Weight | None = None
+        self.int4: Int4Weight | None = None  # the packed record handed to an int4 method
         self.weight_scale_inv: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.method: LinearMethod | None = None
@@ -104,17 +115,23 @@ class Linear(nn.Module):
     def scheme(self) -> str:
         if self.weight is None:
             raise ModelLoadError(f"{self.name}.weight was never loaded")
+        if isinstance(self.weight, Int4Weight):
+            return self.weight.scheme
+        settings = active_linear_quant()
         if self.weight.dtype == FP8_DTYPE:
             if self.weight_scale_inv is None:
                 raise ModelLoadError(f"{self.name}.weight is fp8 but {self.name}.weight_scale_inv is missing")
-            return "fp8_block"
+            return settings.fp8_scheme()
         if self.weight_scale_inv is not None:
             raise ModelLoadError(f"{self.name}.weight_scale_inv is given but {self.name}.weight is not fp8 "
                                  f"(it is {self.weight.dtype})")
-        return "none"
+        return "fp8_w8a8" if settings.online == "fp8" else "none"
 
     def finalize(self) -> None:
-        self.method = self.backend.linear_method(self.scheme())
+        scheme = self.scheme()
+        if isinstance(self.weight, Int4Weight):
+            self.int4, self.weight = self.weight, None
+        self.method = self.backend.linear_method(scheme)
         self.method.process_weights(self, self.dtype)
 
     def dense(self) -> torch.Tensor:
@@ -162,11 +179,11 @@ class MergedLinear(nn.Module):
         return out
 
     def _can_fuse(self, schemes: list[str]) -> bool:
-        if len(set(schemes)) != 1:
-            return False
-        if schemes[0] == "fp8_block":
+        if len(set(schemes)) != 1 or schemes[0].startswith("int4_"):
+            return False  # int4 parts run one by one (their packed tensors are not concatenated)
+        if schemes[0] in ("fp8_block", "fp8_w8a8") and any(p.weight.dtype == FP8_DTYPE for p in self.parts):
             return all(n % FP8_BLOCK == 0 for n in self.out_sizes[:-1])
-        return True
+        return True  # dense parts (online fp8 quantizes the fused matrix)
 
     def finalize(self) -> None:
         schemes = [p.scheme() for p in self.parts]
@@ -175,11 +192,12 @@ class MergedLinear(nn.Module):
                 p.finalize()
             return
         has_bias = any(p.bias is not None for p in self.parts)
+        stored_fp8 = self.parts[0].weight.dtype == FP8_DTYPE
         fused = Linear(self.in_features, sum(self.out_sizes), self.backend, self.dtype, bias=has_bias,
-                       quantized=schemes[0] == "fp8_block")
+                       quantized=stored_fp8)
         fused.name = "+".join(p.name for p in self.parts)
         fused.weight = torch.cat([p.weight for p in self.parts], dim=0)
-        if schemes[0] == "fp8_block":
+        if stored_fp8:
             fused.weight_scale_inv = torch.cat([p.weight_scale_inv for p in self.parts], dim=0)
         if has_bias:
             fused.bias = torch.cat(

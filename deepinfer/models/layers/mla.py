@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLASpec
+from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLAPrologWeights, MLASpec
 from deepinfer.backend.native.rope import mla_softmax_scale
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear
@@ -58,6 +58,9 @@ class MLAAttention(nn.Module):
             softmax_scale=mla_softmax_scale(qk, cfg.rope_scaling),
         )
         self.attn = backend.make_mla_attention(self.spec)
+        self.hidden_size = D
+        self.attention_bias = bias
+        self.fused_prolog = False  # set in finalize when the op takes the layer from the hidden states
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         dev = self.backend.device
@@ -85,11 +88,25 @@ class MLAAttention(nn.Module):
         # the op splits / absorbs kv_b_proj itself; it only needs the dense weight once
         self.attn.load_kv_b_proj(self.kv_b_proj.dense())
         self.kv_b_proj = None
+        # an op that fuses the prolog (projections, norms, RoPE, cache write: Ascend's npu_mla_prolog_v3) keeps
+        # the projection weights; the op then owns the layer from the hidden states and ours are dropped
+        if self.q_lora_rank is not None and not self.attention_bias and \
+                not self.attn.prolog_reasons(self.hidden_size, self.q_lora_rank, self.dtype):
+            qkv_a = _merged_dense(self.qkv_a_proj)
+            self.attn.load_prolog(MLAPrologWeights(
+                q_a=qkv_a[: self.q_lora_rank], q_a_norm=self.q_a_layernorm, q_b=self.q_b_proj.dense(),
+                kv_a=qkv_a[self.q_lora_rank :], kv_a_norm=self.kv_a_layernorm, eps=LORA_NORM_EPS))
+            self.fused_prolog = True
+            self.qkv_a_proj = self.q_b_proj = None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
         caches: KVCaches,
     ) -> torch.Tensor:
+        if self.fused_prolog:
+            out = self.attn.forward_from_hidden(x, positions, rope_cache, self.interleaved,
+                                                caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend)
+            return self.comm.all_reduce(self.o_proj(out))
         T = x.shape[0]
         kv_a_out = self.kv_lora_rank + self.qk_rope
         if self.q_lora_rank is not None:
@@ -105,3 +122,10 @@ class MLAAttention(nn.Module):
             caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend,
         )
         return self.comm.all_reduce(self.o_proj(out))  # row-parallel o_proj: summed over the heads' ranks
+
+
+def _merged_dense(merged: MergedLinear) -> torch.Tensor:
+    """A MergedLinear's weight as one dense [sum(out_sizes), in] tensor in compute dtype."""
+    if merged.fused is not None:
+        return merged.fused.dense()
+    return torch.cat([p.dense() for p in merged.parts], dim=0)

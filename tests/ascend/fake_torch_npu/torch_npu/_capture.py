@@ -17,6 +17,7 @@ Like the real capture, it refuses what a graph cannot hold: reading a device val
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 
@@ -117,6 +118,7 @@ class _State:
 
 
 STATE = _State()
+CALLS: collections.Counter[str] = collections.Counter()  # operator name -> calls (eager or captured): for tests
 
 
 def recorded(fn):
@@ -132,6 +134,7 @@ def recorded(fn):
             node.args, node.kwargs = args, kwargs
             STATE.update_index += 1
             return node.out
+        CALLS[fn.__name__] += 1
         if STATE.recorder is None:
             return fn(*args, **kwargs)
         with _disable_current_modes():  # the operator is one kernel: its body is not recorded

@@ -1,0 +1,101 @@
+"""The cost of batch invariance on a GPU: decode tok/s at each batch size and prefill tok/s, flag off vs on.
+
+One engine per setting, one after the other in the same process (flag off first; each engine is freed
+before the next is built), the same random prompts (seeded), greedy, ignore_eos; the timing loops are
+benchmarks/throughput.py's (run_batch, run_prefill). Prints JSON lines, then a table with the overhead
+(1 - on / off) per row; --json-out writes every row.
+
+  python -m benchmarks.batch_invariance /tmp/ckpt-v2-lite --batch-sizes 1,64,256 --prompt-len 512 --output-len 128
+
+(make the V2-Lite random checkpoint first: python -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite
+--workers 8 /tmp/ckpt-v2-lite; scripts/gpu_run.sh does it in its bench stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from benchmarks.throughput import _commit, run_batch, run_prefill
+
+
+def _engine(args, invariant: bool, batches: list[int]):
+    from deepinfer import LLM
+
+    return LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
+               max_model_len=args.prompt_len + args.output_len + 16, enforce_eager=args.enforce_eager,
+               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=invariant,
+               gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def _measure(args, invariant: bool, batches: list[int], vocab: int) -> list[dict]:
+    t = time.perf_counter()
+    engine = _engine(args, invariant, batches)
+    meta = {"bench": "batch_invariance_meta", "batch_invariant": invariant, "load_s": time.perf_counter() - t,
+            "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+            "async_scheduling": engine.async_scheduling, "coverage": engine.backend.op_coverage()}
+    print(json.dumps(meta), flush=True)
+    rows = []
+    run_batch(engine, batches[0], 64, 8, vocab, args.seed)  # warm-up: Triton compiles outside the timings
+    for b in batches:
+        r = run_batch(engine, b, args.prompt_len, args.output_len, vocab, args.seed)
+        r.update(bench="decode", batch_invariant=invariant)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    if args.prefill_prompts:
+        r = run_prefill(engine, args.prefill_prompts, args.prompt_len, vocab, args.seed)
+        r.update(batch_invariant=invariant)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefill-prompts", type=int, default=32, help="prompts in the prefill-only run (0: skip)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=["off", "on"], default=None, help="measure one setting only")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    with open(f"{args.model}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(json.dumps({"bench": "batch_invariance", "gpu": gpu, "commit": _commit(),
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}), flush=True)
+    settings = [False, True] if args.only is None else [args.only == "on"]
+    rows = [r for inv in settings for r in _measure(args, inv, batches, vocab)]
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    by = {(r["bench"], r.get("batch"), r["batch_invariant"]): r for r in rows}
+    print(f"\n{'row':<18}{'flag off':>14}{'flag on':>14}{'overhead':>10}")
+    keys = [("decode", b) for b in batches] + ([("prefill", None)] if args.prefill_prompts else [])
+    for bench, b in keys:
+        field = "output_tok_s" if bench == "decode" else "prefill_tok_s"
+        off, on = by.get((bench, b, False)), by.get((bench, b, True))
+        name = f"decode b={b} tok/s" if bench == "decode" else "prefill tok/s"
+        fmt = lambda r: f"{r[field]:>14.1f}" if r else f"{'-':>14}"  # noqa: E731
+        over = f"{100 * (1 - on[field] / off[field]):>9.1f}%" if on and off else f"{'-':>10}"
+        print(f"{name:<18}{fmt(off)}{fmt(on)}{over}")
+
+
+if __name__ == "__main__":
+    main()

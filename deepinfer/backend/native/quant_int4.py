@@ -1,0 +1,121 @@
+"""int4 weight-only checkpoints (AWQ, GPTQ) in their exact packing, and the torch reference that dequantizes them.
+
+Both store 4-bit unsigned values q in int32 words (8 per word), a zero point z and an fp16 scale s
+per (group of 128 input channels, output channel); the weight is W[n, k] = (q - z) * s.
+
+- AWQ (AutoAWQ's GEMM layout, `version: gemm`): qweight int32 [K, N/8] and qzeros int32 [K/G, N/8]
+  packed along the OUTPUT dim with AWQ's interleaved order: nibble slot i (bits 4i..4i+3) of word c
+  holds column 8c + AWQ_ORDER[i], AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7); scales fp16 [K/G, N]. The
+  group of input row k is k // G.
+- GPTQ (AutoGPTQ's layout): qweight int32 [K/8, N] packed along the INPUT dim in order (row 8i + j
+  in slot j of word i); qzeros int32 [K/G, N/8] packed along the output dim in order; scales fp16
+  [K/G, N]; g_idx int32 [K], the group of each input row (act-order checkpoints permute it). The
+  original GPTQ format (`checkpoint_format: gptq`, "v1") stores z - 1, so the zero point is the
+  stored value + 1; `gptq_v2` stores z itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.errors import ModelLoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# column j of a word sits in nibble slot AWQ_SLOT[j] (the inverse permutation of AWQ_ORDER)
+AWQ_SLOT = tuple(AWQ_ORDER.index(j) for j in range(8))
+INT4_GROUP = 128
+PACK = 8
+
+
+@dataclass
+class Int4Weight:
+    """The packed tensors of one int4 linear, as the checkpoint stores them (see the module docstring).
+
+    method: "awq" | "gptq". zero_offset: added to the stored zero point (1 for GPTQ v1, else 0).
+    in_features / out_features: the layer's K / N (checked against the tensors by `check`)."""
+
+    method: str
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor | None = None
+    group_size: int = INT4_GROUP
+    zero_offset: int = 0
+
+    @property
+    def scheme(self) -> str:
+        return f"int4_{self.method}"
+
+    def check(self, name: str, out_features: int, in_features: int) -> None:
+        """Every tensor's shape and dtype against the layer's [out, in]; ModelLoadError naming the tensor."""
+        k, n, g = in_features, out_features, self.group_size
+        if k % g or n % PACK or (self.method == "gptq" and k % PACK):
+            raise ModelLoadError(f"{name}: int4 {self.method} needs in_features % {g} == 0 and out_features % 8 == 0"
+                                 f" (got [{n}, {k}])")
+        groups = k // g
+        want = {"awq": {"qweight": (k, n // PACK), "qzeros": (groups, n // PACK), "scales": (groups, n)},
+                "gptq": {"qweight": (k // PACK, n), "qzeros": (groups, n // PACK), "scales": (groups, n)}}
+        if self.method not in want:
+            raise ModelLoadError(f"{name}: unknown int4 method {self.method!r} (known: awq, gptq)")
+        for field, shape in want[self.method].items():
+            t = getattr(self, field)
+            if tuple(t.shape) != shape:
+                raise ModelLoadError(f"{name}.{field} has shape {tuple(t.shape)}, expected {shape}")
+        for field in ("qweight", "qzeros"):
+            if getattr(self, field).dtype != torch.int32:
+                raise ModelLoadError(f"{name}.{field} must be int32, got {getattr(self, field).dtype}")
+        if self.method == "gptq":
+            if self.g_idx is None:
+                raise ModelLoadError(f"{name}.g_idx is missing (GPTQ checkpoints store it)")
+            if tuple(self.g_idx.shape) != (k,):
+                raise ModelLoadError(f"{name}.g_idx has shape {tuple(self.g_idx.shape)}, expected ({k},)")
+            if int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= groups:
+                raise ModelLoadError(f"{name}.g_idx holds groups outside [0, {groups})")
+
+    def groups_of_rows(self) -> torch.Tensor:
+        """int32 [K]: the group of each input row (g_idx for GPTQ, k // G for AWQ)."""
+        if self.g_idx is not None:
+            return self.g_idx.to(torch.int32)
+        k = self.qweight.shape[0]
+        return (torch.arange(k, device=self.qweight.device) // self.group_size).to(torch.int32)
+
+
+def _nibbles(words: torch.Tensor, slots: tuple[int, ...]) -> torch.Tensor:
+    """int32 [..., W] -> int32 [..., W * 8]: output position 8w + j is nibble slots[j] of word w."""
+    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int32, device=words.device)
+    vals = (words.unsqueeze(-1) >> shifts) & 0xF
+    return vals.reshape(*words.shape[:-1], words.shape[-1] * PACK)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ qweight / qzeros int32 [R, N/8] -> int32 [R, N] in natural column order."""
+    return _nibbles(packed, AWQ_SLOT)
+
+
+def unpack_gptq_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight int32 [K/8, N] -> int32 [K, N] (row 8i + j = nibble j of row i)."""
+    vals = _nibbles(qweight.t().contiguous(), tuple(range(PACK)))  # [N, K]
+    return vals.t().contiguous()
+
+
+def unpack_gptq_cols(qzeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ qzeros int32 [G, N/8] -> int32 [G, N] (column 8c + j = nibble j of word c)."""
+    return _nibbles(qzeros, tuple(range(PACK)))
+
+
+def int4_values(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int32 [K, N], zeros fp32 [G, N] with the offset applied, scales fp32 [G, N])."""
+    if w.method == "awq":
+        q, z = unpack_awq(w.qweight), unpack_awq(w.qzeros)
+    else:
+        q, z = unpack_gptq_rows(w.qweight), unpack_gptq_cols(w.qzeros)
+    return q, z.float() + w.zero_offset, w.scales.float()
+
+
+def dequant_int4(w: Int4Weight) -> torch.Tensor:
+    """fp32 [out, in] = (q[k, n] - z[g(k), n]) * s[g(k), n], transposed to the [out, in] of a linear."""
+    q, z, s = int4_values(w)
+    g = w.groups_of_rows().long()
+    return ((q.float() - z[g]) * s[g]).t().contiguous()

@@ -1,0 +1,165 @@
+"""`InvariantMLAAttention`: absorbed MLA for every token (prefill, chunked prefill, decode) on NVIDIA.
+
+q_nope is absorbed through W_UK and the latent output projected through W_UV with the invariant
+batched GEMM (gemm.bmm); in between, mla_kernels' attention over the paged latent cache with a
+FIXED split size (SPLIT entries, not a fixed number of splits), folded in split order. Each token's
+reduction depends only on its position, so its bits are the same alone or in a batch, in one prefill
+chunk or many, or as a decode step. Prefill uses the absorbed form too (more FLOPs than the default
+path's up-projected MHA, but one reduction order shared with decode).
+
+The schedule (one-stage: a program folds its splits in turn; two-stage: a program per split, then a
+fold launch) gives the same bits either way, so it is picked from host-known sizes for speed: two
+stages where a small decode batch leaves the GPU idle, one otherwise. A decode-only batch builds its
+q-block tables on the device (no host sync), so it is captured in CUDA graphs; a padded graph row
+(sequence length 0) attends nothing and gets zeros.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from deepinfer.backend import MLAAttentionOp, MLASpec
+from deepinfer.backends.nvidia.invariant.gemm import bmm, interpreting
+from deepinfer.backends.nvidia.invariant.mla_kernels import (
+    _mla_fold_kernel,
+    _mla_onestage_kernel,
+    _mla_split_kernel,
+)
+from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
+from deepinfer.errors import BackendError
+
+if TYPE_CHECKING:
+    from deepinfer.backend import ForwardBatch
+
+_LOG2E = 1.4426950408889634
+SPLIT = 256  # cache entries per split, for every token and batch (the fixed split size)
+BLOCK_N = 32  # entries per tile inside a split (SPLIT is a multiple)
+BLOCK_Q = 2  # query tokens per program tile (decode uses one of them)
+BLOCK_H = 16  # heads per program tile
+NUM_WARPS = 8
+TWO_STAGE_MAX_PROGRAMS = 132  # below one program per SM the split-parallel schedule pays
+PARTIAL_BYTES_MAX = 256 << 20  # the two-stage schedule's fp32 split states stay under this
+
+
+def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
+    """(SPLIT, BLOCK_N, BLOCK_Q, BLOCK_H, num_warps): fixed per model, never from the batch."""
+    if interpreting():
+        return 16, 8, 2, min(16, triton.next_power_of_2(num_heads)), 4
+    return SPLIT, BLOCK_N, BLOCK_Q, BLOCK_H, NUM_WARPS
+
+
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, qb_tok: torch.Tensor, qb_len: torch.Tensor, qb_req: torch.Tensor,
+                  qb_pos: torch.Tensor, scale: float, two_stage: bool | None = None) -> torch.Tensor:
+    """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
+
+    The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
+    rows of one request, the first at position qb_pos. Returns [T, H, L] in q_lat's dtype.
+    two_stage: None picks the faster schedule; True / False force one (the tests check both agree).
+    """
+    T, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    split, block_n, block_q, block_h, warps = _tiles(H)
+    if L & (L - 1) or L < 16:
+        raise BackendError(f"invariant MLA: kv_lora_rank {L} must be a power of two >= 16")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+        raise BackendError("invariant MLA: q_lat / q_pe need contiguous rows and the cache [blocks, page, L + R]")
+    out = torch.empty((T, H, L), dtype=q_lat.dtype, device=q_lat.device)
+    nqb = qb_tok.shape[0]
+    if T == 0 or nqb == 0:
+        return out
+    hb = triton.cdiv(H, block_h)
+    page = kv_cache.shape[1]
+    num_splits = triton.cdiv(block_table.shape[1] * page, split)  # host-known: graph-safe
+    bm = block_q * block_h
+    if two_stage is None:
+        two_stage = (num_splits > 1 and nqb * hb < TWO_STAGE_MAX_PROGRAMS
+                     and nqb * hb * num_splits * bm * (L + 2) * 4 <= PARTIAL_BYTES_MAX)
+    upcast = interpreting()  # gemm.mma's INTERP: fp64 products under the interpreter
+    prec = "ieee" if q_lat.dtype == torch.float32 else None
+    meta = dict(L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)),  # tl.dot: K >= 16
+                PAGE=page, SPLIT=split, BLOCK_Q=block_q,
+                BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=prec, num_warps=warps,
+                enable_fp_fusion=False)  # the two schedules must round every multiply-add alike
+    scale_log2 = scale * _LOG2E
+    qargs = (q_lat, q_pe, kv_cache, block_table, qb_tok, qb_len, qb_req, qb_pos, seq_lens)
+    strides = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0))
+    if not two_stage:
+        _mla_onestage_kernel[(nqb, hb)](*qargs, out, H, *strides, out.stride(0), out.stride(1), scale_log2,
+                                        num_stages=2 if not interpreting() else 1, **meta)
+        return out
+    part_m = torch.empty((nqb, hb, num_splits, bm), dtype=torch.float32, device=q_lat.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((nqb, hb, num_splits, bm, L), dtype=torch.float32, device=q_lat.device)
+    _mla_split_kernel[(nqb, hb, num_splits)](*qargs, part_m, part_l, part_acc, H, *strides, scale_log2,
+                                             num_stages=2 if not interpreting() else 1, **meta)
+    _mla_fold_kernel[(nqb, hb)](part_m, part_l, part_acc, qb_tok, qb_len, qb_req, qb_pos, seq_lens, out,
+                                H, num_splits, out.stride(0), out.stride(1), L=L, SPLIT=split, BLOCK_Q=block_q,
+                                BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def qblocks_host(query_lens: list[int], context_lens: list[int], device: torch.device,
+                 block_q: int) -> tuple[torch.Tensor, ...]:
+    """(qb_tok, qb_len, qb_req, qb_pos) int32 for these requests, BLOCK_Q query tokens per block."""
+    tok, lens, req, pos = [], [], [], []
+    start = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        for j in range(0, n, block_q):
+            tok.append(start + j)
+            lens.append(min(block_q, n - j))
+            req.append(i)
+            pos.append(ctx + j)
+        start += n
+    t = torch.tensor([tok, lens, req, pos], dtype=torch.int32).to(device, non_blocking=True)
+    return t[0], t[1], t[2], t[3]
+
+
+def qblocks_decode(seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Decode-only: q-block b is token b of request b at position seq_len - 1; built on the device from
+    seq_lens (graph-capturable, no host sync; a padded row's seq_len 0 makes it empty)."""
+    ar = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
+    return ar, torch.ones_like(ar), ar, (seq_lens - 1).to(torch.int32)
+
+
+class InvariantMLAAttention(MLAAttentionOp):
+    """The nvidia backend's MLA under batch invariance (see the module docstring)."""
+
+    two_stage: bool | None = None  # None: the faster schedule; tests force each (same bits)
+
+    def __init__(self, spec: MLASpec):
+        super().__init__(spec)
+        self.w_uk: torch.Tensor | None = None  # [H, nope, L]
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, v] (a transposed view of W_UV [H, v, L])
+
+    def load_kv_b_proj(self, weight: torch.Tensor) -> None:
+        w_uk, w_uv = self.split_kv_b_proj(weight)
+        self.w_uk = w_uk.contiguous()
+        self.w_uv_t = w_uv.contiguous().transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                batch: "ForwardBatch", group: str) -> torch.Tensor:
+        s = self.spec
+        self.check_inputs(q, kv_cache, self.w_uk is not None)
+        T, H = q.shape[0], s.num_heads
+        if sum(batch.query_lens_cpu) != T:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {T} rows")
+        kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c.contiguous(), k_pe.contiguous())
+        w_uk, w_uv_t = self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype)  # no-ops in the load dtype
+        q_lat = torch.empty((T, H, s.kv_lora_rank), dtype=q.dtype, device=q.device)
+        bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+        if batch.is_decode_only:
+            qb = qblocks_decode(batch.seq_lens)
+        else:
+            for i, (n, ctx, sl) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu, batch.seq_lens_cpu)):
+                if sl != ctx + n:
+                    raise BackendError(f"MLA: request {i} has seq_len {sl} != context_len {ctx} + query_len {n}")
+            qb = qblocks_host(batch.query_lens_cpu, batch.context_lens_cpu, q.device, _tiles(H)[2])
+        lat = mla_attention(q_lat, q[..., s.qk_nope_head_dim:], kv_cache, batch.block_tables[group],
+                            batch.seq_lens, *qb, s.softmax_scale, two_stage=self.two_stage)
+        out = torch.empty((T, H, s.v_head_dim), dtype=q.dtype, device=q.device)
+        bmm(lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
+        return out.view(T, H * s.v_head_dim)

@@ -1,0 +1,194 @@
+"""The quantization config file (`--quantization-config quant.yaml`, `EngineConfig(quantization_config=...)`)
+and the checkpoint formats' quantization_config, mapped onto one `LinearQuantSettings`.
+
+File keys (docs/quantization.md):
+
+    method: fp8 | int4 | awq | gptq | fp4
+    weight_bits: 8 for fp8, 4 for int4 / awq / gptq
+    activation_bits: fp8: 8 (W8A8, the default) or 16 (W8A16); int4: 16
+    group_size: 128 (fp8: 128x128 weight blocks and 1x128 activation groups; int4: 128 input channels)
+    fuse_quant_dequant: false (true asks for the activation quant fused into the preceding norm: not built)
+
+An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 is refused
+with its reason until fp4 experts exist. `resolve_linear_quant` puts the file, the `--quantization` flag
+and the checkpoint's own format together: fp8 on a bf16 checkpoint quantizes it at load (online); on an
+fp8 checkpoint it picks W8A8 / W8A16; int4 needs an AWQ / GPTQ checkpoint (no online int4).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from deepinfer.models.layers.quant.settings import LinearQuantSettings
+
+FILE_KEYS = ("method", "weight_bits", "activation_bits", "group_size", "fuse_quant_dequant")
+METHODS = ("fp8", "int4", "awq", "gptq", "fp4")
+FP4_REASON = ("fp4 (V4's e2m1 routed experts) has no linear method or MoE variant in this engine yet: "
+              "no backend declares it; run the checkpoint as stored")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checked quantization config file."""
+
+    method: str
+    weight_bits: int
+    activation_bits: int
+    group_size: int = 128
+    fuse_quant_dequant: bool = False
+    source: str = "quantization_config"  # where it came from, for error messages
+
+    @property
+    def int4(self) -> bool:
+        return self.method in ("int4", "awq", "gptq")
+
+
+def _int(where: str, key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{where}: {key} must be an integer, got {v!r}")
+    return v
+
+
+def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
+    """A YAML file path or an already-parsed mapping -> QuantConfig (ConfigError naming the key)."""
+    if isinstance(value, (str, os.PathLike)):
+        where = str(value)
+        try:
+            import yaml
+
+            with open(value, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as exc:
+            raise ConfigError(f"quantization_config: cannot read {where}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"quantization_config: {where} is not valid YAML: {exc}") from exc
+    elif isinstance(value, dict):
+        where, data = "quantization_config", value
+    else:
+        raise ConfigError(f"quantization_config must be a YAML file path or a mapping, got {type(value).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must hold a mapping of keys ({', '.join(FILE_KEYS)})")
+    unknown = sorted(str(k) for k in data if k not in FILE_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(FILE_KEYS)})")
+    method = data.get("method")
+    if method not in METHODS:
+        raise ConfigError(f"{where}: method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "fp4":
+        raise ConfigError(f"{where}: method fp4: {FP4_REASON}")
+    int4 = method != "fp8"
+    wb = _int(where, "weight_bits", data.get("weight_bits", 4 if int4 else 8))
+    ab = _int(where, "activation_bits", data.get("activation_bits", 16 if int4 else 8))
+    gs = _int(where, "group_size", data.get("group_size", 128))
+    fuse = data.get("fuse_quant_dequant", False)
+    if not isinstance(fuse, bool):
+        raise ConfigError(f"{where}: fuse_quant_dequant must be true or false, got {fuse!r}")
+    if wb != (4 if int4 else 8):
+        raise ConfigError(f"{where}: method {method} with weight_bits {wb}: {method} weights are "
+                          f"{4 if int4 else 8}-bit")
+    if int4 and ab != 16:
+        raise ConfigError(f"{where}: method {method} with activation_bits {ab}: int4 is weight-only "
+                          "(activation_bits 16)")
+    if not int4 and ab not in (8, 16):
+        raise ConfigError(f"{where}: method fp8 with activation_bits {ab}: 8 (W8A8) or 16 (W8A16)")
+    if gs != 128:
+        raise ConfigError(f"{where}: group_size {gs}: only 128 is supported (128x128 fp8 blocks, int4 groups of 128)")
+    if fuse:
+        raise ConfigError(f"{where}: fuse_quant_dequant true: the activation quant fused into the preceding "
+                          "norm / activation is not built; the W8A8 path quantizes in its own kernel (false)")
+    return QuantConfig(method, wb, ab, gs, fuse, where)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@dataclass(frozen=True)
+class Int4CheckpointFormat:
+    method: str  # awq | gptq
+    group_size: int
+    zero_offset: int  # added to the stored zero point (GPTQ v1 stores z - 1)
+
+
+def _qc(hf_config: dict) -> dict | None:
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelLoadError(f"config.json: 'quantization_config' must be an object, got {q!r}")
+    return q
+
+
+def int4_checkpoint_format(hf_config: dict) -> Int4CheckpointFormat | None:
+    """The int4 format of an AWQ / GPTQ checkpoint's config.json, None for any other; refuses what it cannot read."""
+    q = _qc(hf_config)
+    method = None if q is None else q.get("quant_method")
+    if method not in ("awq", "gptq"):
+        return None
+    where = f"config.json: quantization_config (quant_method {method!r})"
+    bits = q.get("bits", q.get("w_bit"))
+    group = q.get("group_size", q.get("q_group_size"))
+    if bits != 4:
+        raise UnsupportedModelError(f"{where}: bits {bits!r} is not supported (supported: 4)")
+    if group != 128:
+        raise UnsupportedModelError(f"{where}: group_size {group!r} is not supported (supported: 128)")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise UnsupportedModelError(f"{where}: version {version!r} is not supported (supported: 'gemm', AutoAWQ's layout)")
+        if q.get("zero_point", True) is not True:
+            raise UnsupportedModelError(f"{where}: zero_point {q.get('zero_point')!r} is not supported (supported: true)")
+        return Int4CheckpointFormat("awq", 128, 0)
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedModelError(f"{where}: checkpoint_format {fmt!r} is not supported (supported: gptq, gptq_v2)")
+    return Int4CheckpointFormat("gptq", 128, 1 if fmt == "gptq" else 0)
+
+
+def checkpoint_scheme(hf_config: dict) -> str | None:
+    """The linear scheme the checkpoint's weights are stored in: "fp8_block", "int4_awq", "int4_gptq" or None.
+    (fp8 checkpoints' own fields are checked by the model's config parser.)"""
+    q = _qc(hf_config)
+    if q is None:
+        return None
+    fmt = int4_checkpoint_format(hf_config)
+    if fmt is not None:
+        return f"int4_{fmt.method}"
+    if q.get("quant_method") == "fp8":
+        return "fp8_block"
+    raise ModelLoadError(f"config.json: quantization_config.quant_method {q.get('quant_method')!r} is not supported "
+                         "(supported: fp8, awq, gptq)")
+
+
+def resolve_linear_quant(quantization: str | None, quant_config: QuantConfig | None, hf_config: dict
+                         ) -> tuple[LinearQuantSettings, str | None]:
+    """(settings for the load, the scheme the backend must run) from the flag, the file and the checkpoint."""
+    ckpt = checkpoint_scheme(hf_config)
+    flag = None if quantization is None else ("fp8" if quantization in ("fp8", "fp8_block") else quantization)
+    if flag not in (None, "fp8"):
+        raise ConfigError(f"EngineConfig.quantization={quantization!r} is not supported (supported: fp8; int4 comes from the "
+                          "checkpoint or method awq / gptq in EngineConfig.quantization_config)")
+    if quant_config is not None and flag is not None and quant_config.method != flag:
+        raise ConfigError(f"EngineConfig.quantization={quantization!r} and {quant_config.source}'s method "
+                          f"{quant_config.method!r} disagree")
+    method = quant_config.method if quant_config is not None else flag
+    if method is None:
+        return LinearQuantSettings(), ckpt
+    if method == "fp8":
+        w8a8 = quant_config is None or quant_config.activation_bits == 8
+        if ckpt is None:
+            if not w8a8:
+                raise ConfigError("EngineConfig.quantization_config: activation_bits 16 on a bf16 checkpoint: online fp8 "
+                                  "quantization runs W8A8 (activation_bits 8)")
+            return LinearQuantSettings(online="fp8"), "fp8_w8a8"
+        if ckpt != "fp8_block":
+            raise ConfigError(f"EngineConfig.quantization: fp8 asked for, but the checkpoint is {ckpt} (re-quantizing int4 "
+                              "weights to fp8 is not supported)")
+        return LinearQuantSettings(fp8_activations=w8a8), "fp8_w8a8" if w8a8 else "fp8_block"
+    want = {"int4": ("int4_awq", "int4_gptq"), "awq": ("int4_awq",), "gptq": ("int4_gptq",)}[method]
+    if ckpt not in want:
+        raise ConfigError(f"EngineConfig.quantization_config: method {method}, but the checkpoint is "
+                          f"{ckpt or 'not quantized'}; int4 needs an AWQ / GPTQ checkpoint (no online int4)")
+    return LinearQuantSettings(), ckpt

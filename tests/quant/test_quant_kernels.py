@@ -1,0 +1,112 @@
+"""The nvidia backend's quantized linear kernels against the torch references (interpreter at tiny shapes,
+`gpu` at V2-Lite shapes). Tolerances: fp8 W8A8 GEMM vs the fp32 reference on the same quantized operands
+rel 1e-5 (fp32 accumulation, order only) under the interpreter, 2e-2 in bf16 on the GPU (output rounding);
+int4 rel 1e-5 (fp32 upcast) / 2e-2 (bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backend import NativeOps, dequant_fp8_block, quantize_act_fp8, quantize_weight_fp8_block
+from deepinfer.backend.native.quant_fp8 import w8a8_block_linear_ref
+
+triton = pytest.importorskip("triton")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (7, 300)])
+def test_act_quant_kernel_matches_reference(m, k):
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as kq
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    q, s = kq(x.to(DEV))
+    rq, rs = quantize_act_fp8(x)
+    assert torch.equal(s.cpu(), rs)
+    v = (x / rs.repeat_interleave(128, 1)[:, :k]).abs()
+    normal = v >= 2**-6  # e4m3 normals: exact; subnormals within one subnormal step (2^-9)
+    assert torch.equal(q.cpu().float()[normal], rq.float()[normal])
+    assert ((q.cpu().float() - rq.float()).abs() <= 2**-9).all()
+
+
+def _layer(w, s=None, bias=None):
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.weight_scale_inv = None if s is None else torch.nn.Parameter(s, requires_grad=False)
+    layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 136, 200), (5, 64, 256), (19, 200, 136)])
+def test_fp8_w8a8_method_matches_native(m, n, k):
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
+
+    g = torch.Generator().manual_seed(n)
+    wq, ws = quantize_weight_fp8_block(torch.randn(n, k, generator=g) * k**-0.5)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    ours = TritonFp8W8A8Linear()
+    lay = _layer(wq.clone().to(DEV), ws.clone().to(DEV), bias.clone().to(DEV))
+    ours.process_weights(lay, torch.float32)
+    assert lay.weight.dtype == torch.float8_e4m3fn  # kept quantized
+    y = ours.apply(lay, x.to(DEV))
+    ref = NativeOps().linear_method("fp8_w8a8")
+    rl = _layer(wq.clone(), ws.clone(), bias.clone())
+    ref.process_weights(rl, torch.float32)
+    r = ref.apply(rl, x)
+    assert not y.isnan().any()
+    assert _rel(y.cpu(), r) < 1e-5
+    torch.testing.assert_close(ours.dense_weight(lay).cpu(), dequant_fp8_block(wq, ws))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("m", [1, 21])
+def test_int4_method_matches_native(method, m):
+    from deepinfer.backend import Int4Weight
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+    from deepinfer.checkpoints.awq_writer import pack_awq_cols, pack_gptq, quantize_int4
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 48, 256
+    q, z, s = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    if method == "awq":
+        rec = lambda: Int4Weight("awq", pack_awq_cols(q), pack_awq_cols(z), s)  # noqa: E731
+    else:
+        qw, qz = pack_gptq(q, z)
+        perm = torch.randperm(k, generator=g)  # an act-order g_idx: rows of every group scattered
+        gidx = (perm // 128).to(torch.int32)
+        rec = lambda: Int4Weight("gptq", qw, qz, s, gidx, zero_offset=1)  # noqa: E731
+    x = torch.randn(m, k, generator=g)
+    lay = torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = rec(), None, None
+    ours = TritonInt4Linear(method)
+    ours.process_weights(lay, torch.float32)
+    y = ours.apply(lay, x.to(DEV))
+    rl = torch.nn.Module()
+    rl.int4, rl.bias, rl.weight = rec(), None, None
+    ref = NativeOps().linear_method(f"int4_{method}")
+    ref.process_weights(rl, torch.float32)
+    assert _rel(y.cpu(), ref.apply(rl, x)) < 1e-5
+    torch.testing.assert_close(ours.dense_weight(lay).cpu(), rl.weight, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 1024, 777])
+@pytest.mark.parametrize("n,k", [(2048, 10944), (21888, 2048), (3072, 2048)])
+def test_fp8_gemm_real_shapes(m, n, k):
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
+
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_weight_fp8_block(torch.randn(n, k, generator=g) * k**-0.5)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lay = _layer(wq.cuda(), ws.cuda())
+    meth = TritonFp8W8A8Linear()
+    meth.process_weights(lay, torch.bfloat16)
+    y = meth.apply(lay, x.cuda())
+    ref = w8a8_block_linear_ref(x.float(), dequant_fp8_block(wq, ws))
+    assert _rel(y.cpu(), ref) < 2e-2
