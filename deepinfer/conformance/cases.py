@@ -16,6 +16,7 @@ from deepinfer.conformance.cases_base import randn as _randn
 from deepinfer.conformance.layer_cases import (
     mla_cases,
     mla_latent_cases,
+    mla_prolog_cases,
     moe_cases,
     moe_shared_cases,
     v4_attention_cases,
@@ -278,6 +279,10 @@ def cases_for(shapes: str) -> list[Case]:
             }),
             *mla_latent_cases(mla, 64, {"decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1500, 16)]),
                                          "mixed": ([64, 1, 1], [0, 300, 1000])}),
+            # the layer from the hidden states at DeepSeek-V3's widths (hidden 7168, q_lora 1536): where Ascend's
+            # npu_mla_prolog_v3 runs (decode, interleaved RoPE); every other backend composes the projections
+            *mla_prolog_cases(mla, 7168, 1536, 16, {"decode": ([1] * 4, [5, 40, 100, 7], True),
+                                                     "mixed": ([16, 1], [0, 30], True)}),
             *moe_cases(32, 2048, 1408, routers, limit=10.0),
             # small decode batches (NVIDIA: direct mode; shared experts folded in at T=1, dense at T=32);
             # 16 experts of V2-Lite width keep the random weights quick to draw

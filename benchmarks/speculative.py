@@ -1,0 +1,131 @@
+"""Speculative decoding on the embedded stdlib-coder model: per-user and total tok/s, speculation off vs static
+draft lengths vs the confidence scheduler, at several concurrencies (issue 17's benchmark, CPU part).
+
+    python -m benchmarks.speculative                       # concurrency 1 4 16 64, off / k=1,3,5 / adaptive
+    python -m benchmarks.speculative --concurrency 1 4 --max-tokens 32
+
+Each (mode, concurrency) cell submits `concurrency` greedy code prompts at once (ignore_eos, max_tokens
+fixed, so every mode does the same work and emits the same tokens: the benchmark checks they are equal to
+the off run's) and measures per-user tok/s (the mean over requests of output tokens / time from submission
+to the request's last token) and total tok/s (all output tokens / wall time). The modes run one after the
+other per concurrency, in alternating order over `--repeats`, and the best repeat is kept (the machine's
+other load only slows a run down). One JSON line per cell, then a table. Results go to docs/speculative.md
+with date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_files(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def parse_args(argv):\n    parser = ",
+    "def merge_sort(items):\n",
+    "import json\n\n\ndef load_config(path):\n",
+    "class Node:\n    def __init__(self, value, next=None):\n",
+    "def read_lines(filename):\n    with open(",
+]
+
+MODES = {
+    "off": {},
+    "k1": dict(speculative_method="mtp", num_speculative_tokens=1),
+    "k3": dict(speculative_method="mtp", num_speculative_tokens=3),
+    "k5": dict(speculative_method="mtp", num_speculative_tokens=5),
+    "adaptive": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    "ngram3": dict(speculative_method="ngram", num_speculative_tokens=3),
+}
+
+
+def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
+    s0 = engine.stats()
+    t0 = time.monotonic()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.monotonic() - t0
+    s1 = engine.stats()
+    acc = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    drafted = s1.spec_drafted_tokens - s0.spec_drafted_tokens
+    steps = s1.spec_request_steps - s0.spec_request_steps
+    spec = {"tau": 1 + acc / steps if steps else float("nan"),
+            "acceptance": acc / drafted if drafted else float("nan"),
+            "verified_per_step": drafted / max(1, s1.spec_steps - s0.spec_steps)}
+    tokens = [len(o.outputs[0].token_ids) for o in outs]
+    per_user = [n / (o.metrics["finished_time"] - o.metrics["arrival_time"]) for n, o in zip(tokens, outs)]
+    return {"total_tok_s": sum(tokens) / wall, "per_user_tok_s": sum(per_user) / len(per_user), "wall_s": wall,
+            "tokens": sum(tokens), **spec}, [o.outputs[0].token_ids for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import deepinfer
+    from deepinfer import EngineConfig
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.engine import DeepInferenceEngine
+    from deepinfer.models.registry import load_model
+    from deepinfer.text.tokenizer import Tokenizer
+
+    path = deepinfer.embedded_model_path()
+    backend = CPUBackend()
+    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
+    tok = Tokenizer.from_pretrained(path)
+    engines = {}
+    for mode in args.modes:
+        cfg = EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=512,
+                           max_num_seqs=max(args.concurrency), load_progress=False, **MODES[mode])
+        engines[mode] = DeepInferenceEngine.from_components(cfg, model, tok, backend)
+    for engine in engines.values():  # warm-up: first-call costs are not a mode's
+        run_cell(engine, 4, 8)
+    results = []
+    for c in args.concurrency:
+        best: dict[str, dict] = {}
+        ref = None
+        for r in range(args.repeats):
+            order = args.modes if r % 2 == 0 else args.modes[::-1]
+            for mode in order:
+                cell, toks = run_cell(engines[mode], c, args.max_tokens)
+                if mode == "off":
+                    ref = toks
+                elif ref is not None and toks != ref:
+                    raise SystemExit(f"mode {mode} at concurrency {c} changed the greedy output")
+                if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
+                    best[mode] = cell
+        for mode in args.modes:
+            row = {"concurrency": c, "mode": mode, **{k: round(v, 3) for k, v in best[mode].items()}}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'conc':>5} {'mode':>9} {'per-user tok/s':>15} {'total tok/s':>12} {'vs off':>7} {'tau':>5} "
+          f"{'accept':>6} {'verified/step':>13}  (machine: "
+          f"{os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    for row in results:
+        base = next(x for x in results if x["concurrency"] == row["concurrency"] and x["mode"] == "off") \
+            if "off" in args.modes else row
+        print(f"{row['concurrency']:>5} {row['mode']:>9} {row['per_user_tok_s']:>15.1f} {row['total_tok_s']:>12.1f} "
+              f"{row['total_tok_s'] / base['total_tok_s']:>6.2f}x {row['tau']:>5.2f} {row['acceptance']:>6.3f} "
+              f"{row['verified_per_step']:>13.2f}")
+    for mode in args.modes:
+        st = engines[mode].stats()
+        if st.spec_method:
+            print(f"{mode}, over the whole run: tau {st.spec_tau:.2f}, acceptance {st.spec_acceptance_rate:.3f}, "
+                  "per-slot conditional acceptance "
+                  + ", ".join(f"{a:.2f}" for a in st.spec_conditional_acceptance))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Speculation counters: per-slot conditional acceptance, mean accepted length tau, verification budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecMetrics:
+    """Cumulative over an engine's life. tau = emitted tokens per verifying request-step (1 + accepted)."""
+
+    max_slots: int
+    steps: int = 0  # verification steps
+    request_steps: int = 0  # (request, step) pairs that verified >= 0 drafted slots
+    drafted_slots: int = 0
+    verified_slots: int = 0
+    accepted_slots: int = 0
+    reached: list[int] = field(default_factory=list)  # per slot j: verified and every earlier slot accepted
+    accepted: list[int] = field(default_factory=list)  # of those, accepted
+    budgets: list[int] = field(default_factory=list)  # slots verified per step (last 1024 steps)
+
+    def __post_init__(self) -> None:
+        self.reached = [0] * self.max_slots
+        self.accepted = [0] * self.max_slots
+
+    def record(self, verified: torch.Tensor, num_accepted: torch.Tensor, drafted: int) -> None:
+        """verified [B]: slots verified per request this step; num_accepted [B] of them accepted."""
+        v, a = verified.tolist(), num_accepted.tolist()
+        self.steps += 1
+        self.request_steps += len(v)
+        self.drafted_slots += drafted
+        self.verified_slots += sum(v)
+        self.accepted_slots += sum(a)
+        for vi, ai in zip(v, a):
+            for j in range(min(vi, ai + 1)):
+                self.reached[j] += 1
+                self.accepted[j] += 1 if j < ai else 0
+        self.budgets.append(sum(v))
+        del self.budgets[:-1024]
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted_slots / self.request_steps if self.request_steps else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_slots / self.verified_slots if self.verified_slots else float("nan")
+
+    def conditional_acceptance(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def mean_budget(self) -> float:
+        return sum(self.budgets) / len(self.budgets) if self.budgets else float("nan")

@@ -1,0 +1,303 @@
+"""One engine step with speculative decoding (sync scheduling): schedule -> draft slots -> one target
+forward over every sequence's tokens and drafts -> the sampler at every verified position -> accept
+the drafts that match -> the MTP pass and chain (next step's drafts) -> KV of rejected tokens rolled
+back -> output processing of several tokens per sequence.
+
+Verification. The target's token at each verified position is drawn by the ordinary sampler
+(penalties, min-tokens mask, temperature, top-k / top-p / min-p, the draw keyed by (seed, position)),
+with the drafts before it as context; a draft is accepted while it equals the target's token there,
+and the first differing target token (or the bonus one after the last draft) is emitted after the
+accepted run (spec/rejection.py: greedy_verify). At T = 0 that is the greedy rule. At T > 0, for the
+deterministic drafts MTP gives, it is the rejection rule with a one-hot q: a draft d is accepted with
+probability p(d) and otherwise the emitted token is a draw from p restricted to tokens != d; the
+emitted token at every position is exactly the draw the sampler makes there without speculation. So
+seeded requests give the tokens they give with speculation off, alone or in any batch (up to the
+floating-point difference between a verify forward and a decode forward).
+
+Rollback. The target forward wrote KV for every drafted position; a sequence's num_computed_tokens
+moves only past its accepted tokens, blocks wholly past them go back to the pool
+(KVCacheManager.rollback), and full blocks are keyed in the prefix cache only after that (so no
+cached block ever holds a rejected token's KV). A preempted sequence's draft is dropped and it
+recomputes as usual (the recompute's MTP pass rebuilds its MTP KV).
+
+Drafters: the MTP module (spec/mtp_drafter.py: its pass and chain run right after verification, on the
+step's hidden states) or prompt lookup (spec/ngram.py: proposed after output processing, from the tokens
+then known; no model work).
+
+With batch invariance on (the cpu backend's invariant ops compute a token the same way in a prefill
+chunk and in a decode), speculation on gives bitwise the tokens and logprobs of speculation off
+(tests/spec/test_engine_spec.py).
+
+Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, graph replay
+for verification steps (they run eagerly), structured output (refused per request), V4, backends
+other than cpu, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deepinfer.errors import DeepInferError
+from deepinfer.sample.sampler import SamplingRow
+from deepinfer.sched.request import Sequence
+from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
+from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots
+from deepinfer.spec.metrics import SpecMetrics
+from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows
+from deepinfer.spec.ngram import NgramDrafter
+from deepinfer.spec.rejection import greedy_verify
+from deepinfer.text.output_processor import OutputProcessor
+from deepinfer.worker.model_runner import ModelRunner, request_error
+
+logger = logging.getLogger("deepinfer")
+
+
+class SpecStepPipeline:
+    """The StepPipeline interface (step / drain / has_pending) for speculative decoding, sync only."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, output_processor: OutputProcessor,
+                 drafter: MTPDrafter | NgramDrafter, policy: SlotPolicy, metrics: SpecMetrics, method: str = "mtp"):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.output_processor = output_processor
+        self.drafter = drafter
+        self.method = method
+        self.policy = policy
+        self.metrics = metrics
+        self.book = DraftBook()
+        self.async_scheduling = False
+        self.num_sync_fallbacks = 0
+        self._extra_tokens = 0  # tokens appended beyond one per sequence-step (the engine counts them)
+        self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
+        self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
+
+    def has_pending(self) -> bool:
+        return False
+
+    def drain(self) -> list[Sequence]:
+        return []
+
+    def stats_fields(self) -> dict:
+        """The EngineStats spec_* fields."""
+        m = self.metrics
+        return dict(spec_method=self.method, spec_steps=m.steps, spec_request_steps=m.request_steps,
+                    spec_drafted_tokens=m.verified_slots, spec_accepted_tokens=m.accepted_slots, spec_tau=m.tau,
+                    spec_acceptance_rate=m.acceptance_rate,
+                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget)
+
+    def take_extra_tokens(self) -> int:
+        n, self._extra_tokens = self._extra_tokens, 0
+        return n
+
+    def step(self) -> list[Sequence]:
+        self.book.prune()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if self.scheduler.has_unfinished():
+                raise DeepInferError(
+                    f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)")
+            return []
+        conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
+                               self.scheduler.max_num_batched_tokens)
+        emitted, logprobs = self._launch(sched, conf)
+        return self._process(sched, emitted, logprobs)
+
+    # ------------------------------------------------------------ device work
+
+    @torch.inference_mode()
+    def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]]):
+        runner = self.runner
+        batch, sampling = runner.builder.build(sched, None)
+        runner.reset_state_rows(batch)
+        hidden = runner.model.forward(batch, runner.caches)  # eager: verification steps replay no graph
+        items = sched.scheduled
+        emitted: list[list[int]] = [[] for _ in items]
+        logprobs: list[list | None] = [None for _ in items]
+        if sampling:
+            logits = runner.model.compute_logits(hidden[batch.logits_indices]).float()
+            rows: list[SamplingRow] = []
+            for i in sampling:
+                seq, draft = items[i].seq, items[i].draft
+                req = seq.request
+                n = seq.num_tokens
+                for j in range(len(draft) + 1):  # the target's token at position n + j, drafts 0..j-1 before it
+                    out = seq.output_token_ids + draft[:j] if (j and req.needs_host_tokens) else seq.output_token_ids
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.seed, n + j,
+                                            num_outputs=n - len(req.prompt_token_ids) + j))
+            sample = runner.sampler.sample(logits, rows)
+            out = sample.output([t.cpu() for t in sample.tensors])
+            k = max(len(items[i].draft) for i in sampling)
+            if k == 0:  # no drafts this step (adaptive pause, first steps): one token each, nothing to verify
+                for b, i in enumerate(sampling):
+                    emitted[i] = [out.token_ids[b]]
+                    logprobs[i] = None if out.logprobs[b] is None else [out.logprobs[b]]
+                n_dec = sum(1 for i in sampling if items[i].num_tokens == 1)  # decodes, as _observe counts
+                if n_dec:
+                    zeros = torch.zeros(n_dec, dtype=torch.int64)
+                    self.metrics.record(zeros, zeros, 0)
+                self._advance(sched, emitted)
+                self._draft_next(sched, hidden, emitted, batch)
+                return emitted, logprobs
+            target = torch.zeros(len(sampling), k + 1, dtype=torch.int64)
+            drafts = torch.zeros(len(sampling), k, dtype=torch.int64)
+            lens = torch.tensor([len(items[i].draft) for i in sampling], dtype=torch.int64)
+            r = 0
+            for b, i in enumerate(sampling):
+                d = items[i].draft
+                target[b, : len(d) + 1] = torch.tensor(out.token_ids[r : r + len(d) + 1])
+                drafts[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+                r += len(d) + 1
+            verdict = greedy_verify(target, drafts, lens)
+            num_acc = verdict.num_accepted.tolist()
+            toks = verdict.tokens.tolist()
+            r = 0
+            for b, i in enumerate(sampling):
+                a = num_acc[b]
+                emitted[i] = toks[b][: a + 1]
+                lp = out.logprobs[r : r + a + 1]
+                logprobs[i] = lp if any(x is not None for x in lp) else None
+                r += len(items[i].draft) + 1
+            decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
+            if decodes:
+                self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
+        self._advance(sched, emitted)
+        self._draft_next(sched, hidden, emitted, batch)
+        return emitted, logprobs
+
+    def _observe(self, idx: list[int], items, num_acc: list[int], conf: dict[int, list[float]]) -> None:
+        """Metrics, and the calibrator's outcomes: slot j counts when slots < j were all accepted."""
+        verified = torch.tensor([len(items[i].draft) for i in idx], dtype=torch.int64)
+        self.metrics.record(verified, torch.tensor(num_acc, dtype=torch.int64), int(verified.sum()))
+        cal = self.policy.calibrator
+        if cal is None:
+            return
+        slots, confs, acc = [], [], []
+        for i, a in zip(idx, num_acc):
+            held = conf.get(i)
+            if held is None:
+                continue
+            for j in range(min(len(items[i].draft), a + 1)):
+                slots.append(j)
+                confs.append(held[j])
+                acc.append(1.0 if j < a else 0.0)
+        if slots:
+            cal.observe(torch.tensor(slots), torch.tensor(confs, dtype=torch.float64), torch.tensor(acc))
+
+    def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
+        """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the
+        rollback and once the emitted tokens are on the sequence)."""
+        for item, toks in zip(sched.scheduled, emitted):
+            accepted = max(len(toks) - 1, 0) if item.draft else 0
+            item.seq.num_computed_tokens = item.context_len + item.num_tokens - len(item.draft) + accepted
+
+    def _draft_next(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
+        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book."""
+        self._next_drafts = []
+        self._drafting = self.policy.paused == 0
+        if self.policy.paused > 0:  # adaptive, speculation does not pay now: no drafts (spec/draft_slots.py)
+            self.policy.paused -= 1
+            self.policy.probe = self.policy.paused == 0
+            return
+        if not isinstance(self.drafter, MTPDrafter):
+            return  # n-gram drafts are proposed after output processing, from the tokens then known
+        t0 = time.perf_counter()
+        kv = self.scheduler.kv
+        rows: list[MTPRows] = []
+        chain: list[int] = []
+        drafting: list[Sequence] = []
+        start = 0
+        for item, toks in zip(sched.scheduled, emitted):
+            seq, c = item.seq, item.context_len
+            q0 = item.num_tokens - len(item.draft)
+            if item.samples and toks:
+                count = q0 + len(toks) - 1
+                next_ids = seq.token_ids_slice(c + 1, c + q0) + toks
+            else:
+                count = q0
+                next_ids = seq.token_ids_slice(c + 1, c + q0 + 1)
+            draws = bool(item.samples and toks)
+            rows.append(MTPRows(start, count, next_ids, c, draws, kv.state_slot(seq.seq_id)))
+            if draws:
+                chain.append(self._chain_room(seq))
+                drafting.append(seq)
+            start += item.num_tokens
+        self.runner.builder.sync_tables()
+        drafts = self.drafter.run(hidden, rows, chain, self.runner.builder.mirror)
+        self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
+        self._time_drafting(time.perf_counter() - t0)
+
+    def _time_drafting(self, dt: float) -> None:
+        """The admission's drafting cost: a moving average of the measured drafting time per step."""
+        self.policy.draft_seconds = dt if self.policy.draft_seconds == 0 else 0.8 * self.policy.draft_seconds + 0.2 * dt
+
+    def _chain_room(self, seq: Sequence) -> int:
+        """Drafts the sequence can make: the chain writes MTP KV at positions up to num_computed + n - 2,
+        which must be allocated (without preempting anyone) and inside max_model_len."""
+        kv = self.scheduler.kv
+        n = min(self.policy.k, kv.max_model_len - seq.num_computed_tokens + 1)
+        while n > 1 and not _cover(kv, seq, n - 1):
+            n -= 1
+        return max(n, 0)
+
+    # ------------------------------------------------------------ host work
+
+    def _process(self, sched: SchedulerOutput, emitted: list[list[int]], logprobs) -> list[Sequence]:
+        append_token = self.output_processor.append_token
+        kv = self.scheduler.kv
+        got: list[Sequence] = []
+        for item, toks, lps in zip(sched.scheduled, emitted, logprobs):
+            seq = item.seq
+            if not toks or seq.finished:
+                continue
+            try:
+                for j, t in enumerate(toks):
+                    append_token(seq, t, lps[j] if lps is not None else None)
+                    if seq.finished:  # EOS, a stop string or max_tokens mid-draft: the rest is dropped
+                        break
+                self._extra_tokens += j
+            except Exception as exc:  # this sequence's own failure fails its request only
+                rid = seq.request.request_id
+                logger.exception("request %r: processing its output raised; the request fails, the others go on", rid)
+                for s in seq.request.seqs:
+                    if s is seq or not s.finished:
+                        self.output_processor.fail(s, request_error(rid, "processing its output", exc))
+                        self.scheduler.remove(s)
+                got.append(seq)
+                continue
+            if seq.finished:
+                self.book.discard(seq)
+                self.scheduler.remove(seq)
+            got.append(seq)
+        for item in sched.scheduled:  # rejected KV back to the pool; keyed only now, verified tokens only
+            seq = item.seq
+            if seq.finished:
+                continue
+            kv.rollback(seq, seq.num_computed_tokens)
+            kv.register_computed(seq)
+            kv.trim(seq)
+        if isinstance(self.drafter, NgramDrafter) and self._drafting:
+            t0 = time.perf_counter()
+            for seq in got:
+                if not seq.finished:
+                    p = self.drafter.propose(seq.prompt_token_ids + seq.output_token_ids, self.policy.k)
+                    self._next_drafts.append((seq, p.tokens, p.confidence))
+            self._time_drafting(time.perf_counter() - t0)
+        for seq, toks, conf in self._next_drafts:
+            self.book.put(seq, toks, conf)
+        self._next_drafts = []
+        return got
+
+
+def _cover(kv, seq: Sequence, n: int) -> bool:
+    """Cover the sequence's next n tokens (the MTP chain's lookahead) without preempting anyone."""
+    if kv.try_extend(seq, n):
+        return True
+    if kv.can_allocate(seq, n):
+        kv.allocate(seq, n)
+        return True
+    return False
+

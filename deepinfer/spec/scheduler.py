@@ -1,0 +1,91 @@
+"""The confidence scheduler: how many drafted tokens of each request to verify this step.
+
+Each candidate slot (request i, slot j) has a survival estimate s_ij (confidence.py); its expected
+contribution is the probability that it is reached and accepted, S_ij = s_i1 * ... * s_ij. A step
+that verifies n slots on top of its base tokens (one per decoding request, plus prefill chunks)
+yields E(n) = B + sum of the admitted S_ij tokens and takes cost(base + n) seconds (a step-cost table
+profiled at start-up, `StepCostTable`), so its expected throughput is E(n) / (draft + cost(base + n)).
+Slots are admitted greedily by S (never a slot before its predecessor: S is non-increasing along a
+request) and the prefix with the best expected throughput is kept: with spare compute (low load) that
+verifies deep drafts, under load it shrinks the budget towards zero, so speculation never costs
+throughput by the model of the cost.
+
+Non-anticipating: the admission reads confidences and calibration counts only, never the draw that
+decides acceptance, so whatever is admitted, every emitted token keeps the target distribution
+(tests/spec/test_scheduler_lossless.py shows a rule that peeks biasing (0.7, 0.3) to (0.85, 0.15)).
+For random (non-greedy) drafts the confidence must not depend on the token drawn, only on q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepCostTable:
+    """Seconds per step at a batch token count: piecewise linear between profiled points, linear beyond."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) < 2 or sorted(self.tokens) != list(self.tokens) or len(set(self.tokens)) != len(self.tokens):
+            raise ValueError(f"StepCostTable needs >= 2 increasing token counts, got {self.tokens}")
+        if len(self.seconds) != len(self.tokens) or any(s <= 0 for s in self.seconds):
+            raise ValueError("StepCostTable needs one positive time per token count")
+        # a cost that falls with more tokens is timing noise: make it non-decreasing
+        secs, best = [], 0.0
+        for s in self.seconds:
+            best = max(best, s)
+            secs.append(best)
+        self.seconds = secs
+
+    def cost(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """fp64 seconds for each token count in num_tokens (any shape)."""
+        x = torch.tensor(self.tokens, dtype=torch.float64)
+        y = torch.tensor(self.seconds, dtype=torch.float64)
+        t = num_tokens.to(torch.float64)
+        i = torch.searchsorted(x, t.clamp(x[0], x[-1])).clamp(1, len(x) - 1)
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
+
+
+@dataclass
+class Admission:
+    """Slots admitted per request, and the model's view of the step (for metrics)."""
+
+    num_slots: torch.Tensor  # int64 [B]
+    expected_tokens: float
+    expected_seconds: float
+
+
+def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable, base_tokens: int,
+          base_yield: float, draft_seconds: float = 0.0, speculation_seconds: float = 0.0) -> Admission:
+    """survival [B, K] conditional survival per slot (entries past draft_lens ignored); base_tokens:
+    tokens the step runs anyway; base_yield: tokens it yields anyway (one per decoding request);
+    draft_seconds: drafting time every choice pays; speculation_seconds: time paid only when some slot is
+    admitted (drafting that stops when speculation does not pay: the engine's adaptive mode)."""
+    b, k = survival.shape
+    if b == 0 or k == 0:
+        secs = float(cost.cost(torch.tensor(float(base_tokens)))) + draft_seconds
+        return Admission(torch.zeros(b, dtype=torch.int64), base_yield, secs)
+    valid = torch.arange(k).unsqueeze(0) < draft_lens.cpu().unsqueeze(1)
+    s = torch.where(valid, survival.cpu().to(torch.float64).clamp(0, 1), torch.zeros((), dtype=torch.float64))
+    reach = s.cumprod(dim=1)  # [B, K], non-increasing along a row
+    flat = reach.reshape(-1)
+    slot = torch.arange(k).repeat(b)
+    # order by reach descending, ties by slot index (keeps every request's admitted slots a prefix)
+    by_slot = torch.sort(slot, stable=True).indices
+    order = by_slot[torch.sort(-flat[by_slot], stable=True).indices]
+    order = order[valid.reshape(-1)[order]]
+    gains = flat[order]
+    n = torch.arange(order.numel() + 1, dtype=torch.float64)
+    expected = base_yield + torch.cat([torch.zeros(1, dtype=torch.float64), gains.cumsum(0)])
+    seconds = cost.cost(base_tokens + n) + draft_seconds + speculation_seconds * (n > 0).to(torch.float64)
+    rate = expected / seconds
+    best = int(torch.argmax(rate))  # first maximum: the fewest slots for the best rate
+    counts = torch.zeros(b * k, dtype=torch.int64)
+    counts[order[:best]] = 1
+    return Admission(counts.view(b, k).sum(dim=1), float(expected[best]), float(seconds[best]))
