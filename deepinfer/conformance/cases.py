@@ -172,11 +172,15 @@ def _int4_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
             scales = (torch.rand(i_ // 128, o_, generator=g) * 0.02 / (i_ ** 0.5) + 1e-4).half()
             return {"x": _randn(g, t, i_, dtype=dt), "awq": (words(i_, o_ // 8), words(i_ // 128, o_ // 8), scales),
                     "gptq": (words(i_ // 8, o_), words(i_ // 128, o_ // 8), scales,
-                             torch.randperm(i_, generator=g).div(128, rounding_mode="floor").to(torch.int32))}
+                             torch.arange(i_).div(128, rounding_mode="floor").to(torch.int32)),
+                    # act-order: rows of a group scattered over K (a permuted g_idx)
+                    "gptq_act_order": (words(i_ // 8, o_), words(i_ // 128, o_ // 8), scales,
+                                       torch.randperm(i_, generator=g).div(128, rounding_mode="floor").to(torch.int32))}
 
-        def run(o, i, method):
+        def run(o, i, key):
+            method = "gptq" if key.startswith("gptq") else key
             layer = torch.nn.Module()
-            parts = [p.clone() for p in i[method]]
+            parts = [p.clone() for p in i[key]]
             layer.int4 = Int4Weight(method, *parts[:3], parts[3] if method == "gptq" else None,
                                     zero_offset=1 if method == "gptq" else 0)
             layer.weight = layer.bias = None
@@ -184,9 +188,10 @@ def _int4_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
             m.process_weights(layer, i["x"].dtype)
             return (m.apply(layer, i["x"]),)
 
-        for method in ("awq", "gptq"):
-            cases.append(Case(f"linear:int4_{method}", f"T={t} {in_f}->{out_f} group 128", make,
-                              lambda o, i, m_=method: run(o, i, m_), kind="layer"))
+        for key, label in (("awq", "awq"), ("gptq", "gptq"), ("gptq_act_order", "gptq")):
+            extra = " act-order g_idx" if key == "gptq_act_order" else ""
+            cases.append(Case(f"linear:int4_{label}", f"T={t} {in_f}->{out_f} group 128{extra}", make,
+                              lambda o, i, k_=key: run(o, i, k_), kind="layer"))
     return cases
 
 # ------------------------------------------------------------------ collectives

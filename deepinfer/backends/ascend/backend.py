@@ -18,6 +18,7 @@ from deepinfer.backend import (
     Communicator,
     KVCacheSpec,
     KVLayout,
+    LinearMethod,
     MLAAttentionOp,
     MLASpec,
     MoEOp,
@@ -28,7 +29,7 @@ from deepinfer.backend import (
     host_memory_info,
 )
 from deepinfer.backends.ascend import routing, small_ops
-from deepinfer.backends.ascend.caps import ascend_caps
+from deepinfer.backends.ascend.caps import INT4_CHIPS, INT4_SCHEMES, ascend_caps
 from deepinfer.backends.ascend.mla_attention import (
     ROPE_ORDER,
     AscendMLAAttention,
@@ -37,6 +38,7 @@ from deepinfer.backends.ascend.mla_attention import (
 )
 from deepinfer.backends.ascend.moe import AscendMoE
 from deepinfer.backends.ascend.runtime import load_runtime
+from deepinfer.errors import BackendError
 
 log = logging.getLogger(__name__)
 FUSED = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "silu_and_mul": "npu_swiglu"}
@@ -44,6 +46,8 @@ MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill
             "write npu_kv_rmsnorm_rope_cache, q RoPE npu_interleave_rope (interleaved RoPE; else npu_rms_norm + torch "
             "+ npu_scatter_pa_kv_cache); from the hidden states npu_mla_prolog_v3 on decode batches (bf16, "
             "hidden 7168 / 7680, q_lora_rank 1536)")
+INT4_IMPL = ("npu_weight_quant_batchmatmul (W4A16: npu_convert_weight_to_int4pack weights, per-group 128 antiquant "
+             "scale / offset; GPTQ act-order refused at load)")
 MOE_IMPL = "npu_moe_init_routing_v2 + npu_grouped_matmul + npu_swiglu + npu_moe_finalize_routing"
 
 
@@ -129,6 +133,16 @@ class AscendBackend(NativeOps, Backend):
             return KVLayout.split_last(spec, (512, 64), ("latent", "rope"), (None, ROPE_ORDER))
         return KVLayout.single(spec)
 
+    def linear_method(self, scheme: str) -> LinearMethod:
+        if scheme in INT4_SCHEMES:
+            if self.runtime.chip not in INT4_CHIPS:
+                raise BackendError(f"{scheme} on ascend chip {self.runtime.chip!r}: npu_weight_quant_batchmatmul's "
+                                   f"int4 weights are documented for {', '.join(INT4_CHIPS)} only")
+            from deepinfer.backends.ascend.int4_linear import NPUInt4Linear
+
+            return NPUInt4Linear(self.npu, scheme.removeprefix("int4_"), self.device)
+        return super().linear_method(scheme)
+
     def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
         if fia_mla_reasons(spec):
             self._graph_blockers["native MLA attention reads host-side sequence lengths"] = None
@@ -185,6 +199,8 @@ class AscendBackend(NativeOps, Backend):
             return f"{MOE_IMPL}; route: {self.op_impl(OpSpec('route', None, spec.router))}"
         if name == "linear:fp8_block":
             return "native (dequantized to the compute dtype at load, torch matmul)"
+        if name.removeprefix("linear:") in INT4_SCHEMES and self.runtime.chip in INT4_CHIPS:
+            return INT4_IMPL
         if name.startswith("linear:"):
             return "native (torch matmul on the NPU)"
         return "native"
@@ -196,4 +212,6 @@ class AscendBackend(NativeOps, Backend):
                     "route": "npu_moe_gating_top_k where its limits allow, triton softmax greedy, else native",
                     "mla_attention": MLA_IMPL + "; native for other shapes",
                     "moe": MOE_IMPL + "; native for swiglu_limit"})
+        if self.runtime.chip in INT4_CHIPS:
+            cov.update({f"linear:{s}": INT4_IMPL for s in INT4_SCHEMES})
         return cov

@@ -6,7 +6,10 @@
   multiples of 16 up to 1024).
 - quant schemes: "none"; "fp8_block" is dequantized to the compute dtype at load on every chip (910B / A3
   have no fp8 matmul; no torch_npu doc we read gives the 950's npu_quant_matmul call for fp8 inputs with
-  128x128 block scales, docs/ascend.md). Int8 / int4 schemes are not claimed.
+  128x128 block scales, docs/ascend.md). "int4_awq" / "int4_gptq" on A2 / A3 only: npu_weight_quant_batchmatmul
+  takes int32-carried int4 weights with per-group antiquant there (its docs' product table; the 950 is not in
+  the torch_npu docs we read for it). GPTQ act-order checkpoints are refused at load (int4_linear.py).
+  fp8_w8a8 / int8 schemes are not claimed.
 - batch_invariant: refused (no kernel here has a fixed reduction order across batch shapes).
 - graph_capture: decode-only ACL graphs per batch bucket on A2 / A3 (graph_runner.py): the fused attention's
   host actual_seq_lengths_kv are updated before each replay (graph_task_group_begin / _end at capture,
@@ -28,6 +31,8 @@ SUPPORTED_CHIPS = ("a2", "a3", "950")
 GRAPH_CHIPS = ("a2", "a3")  # graph_task_update_begin / _end docs: Atlas A2 / A3 products
 GRAPH_TASK_UPDATE_SINCE = (2, 7, 1)  # the op-plugin docs we wrote against document it; older: not checked
 KV_BLOCK_SIZES = (128, 16, 64)
+INT4_CHIPS = ("a2", "a3")  # npu_weight_quant_batchmatmul docs: int32-carried int4, per-group, Atlas A2 / A3
+INT4_SCHEMES = ("int4_awq", "int4_gptq")
 BATCH_INVARIANT_REASON = "no ascend kernel here has a batch-independent reduction order (nothing proves one)"
 
 
@@ -39,7 +44,7 @@ def ascend_caps(chip: str, on_cpu: bool, version: tuple[int, int, int] = (0, 0, 
         device_type="cpu" if on_cpu else "npu",
         dtypes=(torch.bfloat16, torch.float16),
         kv_block_sizes=KV_BLOCK_SIZES,
-        quant_schemes=("none", "fp8_block"),
+        quant_schemes=("none", "fp8_block", *(INT4_SCHEMES if chip in INT4_CHIPS else ())),
         model_types=("deepseek_v2", "deepseek_v3"),
         batch_invariant=False,
         graph_capture=chip in GRAPH_CHIPS and version >= GRAPH_TASK_UPDATE_SINCE,

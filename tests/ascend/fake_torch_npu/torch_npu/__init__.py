@@ -12,7 +12,7 @@ emulation against torch-native code.
 
 from __future__ import annotations
 
-from torch_npu import _attention_ops, _moe_ops, _norm_ops, _prolog_ops, npu
+from torch_npu import _attention_ops, _moe_ops, _norm_ops, _prolog_ops, _quant_ops, npu
 from torch_npu._capture import CALLS, recorded
 
 # every operator goes through `recorded`: one node of a graph capture, an argument update, or a plain call
@@ -31,6 +31,8 @@ npu_rms_norm = recorded(_norm_ops.npu_rms_norm)
 npu_swiglu = recorded(_norm_ops.npu_swiglu)
 npu_mla_prolog_v3 = recorded(_prolog_ops.npu_mla_prolog_v3)
 npu_scatter_pa_kv_cache = recorded(_prolog_ops.npu_scatter_pa_kv_cache)
+npu_weight_quant_batchmatmul = recorded(_quant_ops.npu_weight_quant_batchmatmul)
+npu_convert_weight_to_int4pack = _quant_ops.npu_convert_weight_to_int4pack  # at load time only
 npu_format_cast = _prolog_ops.npu_format_cast  # at load time only, never inside a capture
 
 __deepinfer_fake__ = True
@@ -40,4 +42,5 @@ __all__ = [
     "CALLS", "npu", "npu_add_rms_norm", "npu_format_cast", "npu_fused_infer_attention_score", "npu_grouped_matmul",
     "npu_interleave_rope", "npu_kv_rmsnorm_rope_cache", "npu_mla_prolog_v3", "npu_moe_finalize_routing",
     "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_rms_norm", "npu_scatter_pa_kv_cache", "npu_swiglu",
+    "npu_convert_weight_to_int4pack", "npu_weight_quant_batchmatmul",
 ]
