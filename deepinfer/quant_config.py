@@ -12,11 +12,14 @@ File keys (docs/quantization.md):
 An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 is refused
 with its reason until fp4 experts exist. `resolve_linear_quant` puts the file, the `--quantization` flag
 and the checkpoint's own format together: fp8 on a bf16 checkpoint quantizes it at load (online); on an
-fp8 checkpoint it picks W8A8 / W8A16; int4 needs an AWQ / GPTQ checkpoint (no online int4).
+fp8 checkpoint it picks W8A8 / W8A16; int4 needs an AWQ / GPTQ checkpoint (no online int4). An msModelSlim
+W8A8 dynamic checkpoint (config.json `quantize: w8a8_dynamic`) runs "int8_w8a8" as stored (no flag or file
+selects it; fp8 / int4 asked for on it are refused).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -147,9 +150,66 @@ def int4_checkpoint_format(hf_config: dict) -> Int4CheckpointFormat | None:
     return Int4CheckpointFormat("gptq", 128, 1 if fmt == "gptq" else 0)
 
 
+# msModelSlim W8A8 dynamic checkpoints (what vllm-ascend / MindIE load): config.json carries
+# `"quantize": "w8a8_dynamic"` and the directory a `quant_model_description.json` mapping every tensor name to
+# its type ("W8A8_DYNAMIC" for an int8 linear's `.weight`, "FLOAT" for a tensor left as it was), plus
+# `"model_quant_type": "W8A8_DYNAMIC"`. Each quantized linear stores `.weight` int8 [out, in], `.weight_scale`
+# [out, 1] and `.weight_offset` [out, 1] (zero: symmetric per channel); activations are quantized per token.
+MODELSLIM_DESCRIPTION = "quant_model_description.json"
+MODELSLIM_QUANTIZE = {"w8a8_dynamic": "int8_w8a8"}
+MODELSLIM_TYPES = ("W8A8_DYNAMIC", "FLOAT")
+# a quantization_config written next to `quantize` may only be compressed-tensors' description of the same recipe
+MODELSLIM_COMPANION_METHODS = (None, "compressed-tensors")
+
+
+def modelslim_scheme(hf_config: dict) -> str | None:
+    """The scheme of an msModelSlim checkpoint's config.json (`quantize`), None without that key; refuses others."""
+    if "quantize" not in hf_config:
+        return None
+    value = hf_config["quantize"]
+    if value not in MODELSLIM_QUANTIZE:
+        raise UnsupportedModelError(f"config.json: quantize {value!r} is not supported (supported: "
+                                    f"{', '.join(MODELSLIM_QUANTIZE)}, msModelSlim's W8A8 dynamic)")
+    q = _qc(hf_config)
+    if q is not None and q.get("quant_method") not in MODELSLIM_COMPANION_METHODS:
+        raise ModelLoadError(f"config.json: quantize {value!r} and quantization_config.quant_method "
+                             f"{q.get('quant_method')!r} disagree about how the weights are stored")
+    return MODELSLIM_QUANTIZE[value]
+
+
+def read_modelslim_description(path: str) -> dict[str, str]:
+    """`quant_model_description.json` of a checkpoint directory: tensor name -> "W8A8_DYNAMIC" | "FLOAT", checked."""
+    file = os.path.join(path, MODELSLIM_DESCRIPTION)
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"config.json declares quantize w8a8_dynamic but {file} does not exist "
+                             "(msModelSlim writes it beside the weights)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{file}: cannot read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: must hold a JSON object of tensor name -> quant type")
+    kind = data.get("model_quant_type")
+    if kind != "W8A8_DYNAMIC":
+        raise UnsupportedModelError(f"{file}: model_quant_type {kind!r} is not supported (supported: W8A8_DYNAMIC)")
+    out = {}
+    for name, t in data.items():
+        if not name.endswith((".weight", ".bias", ".weight_scale", ".weight_offset")) or name.count(".") == 0:
+            continue  # metadata keys (model_quant_type, version, ...), not tensors
+        if t not in MODELSLIM_TYPES:
+            raise UnsupportedModelError(f"{file}: {name} has quant type {t!r} (supported: {', '.join(MODELSLIM_TYPES)})")
+        out[name] = t
+    return out
+
+
 def checkpoint_scheme(hf_config: dict) -> str | None:
-    """The linear scheme the checkpoint's weights are stored in: "fp8_block", "int4_awq", "int4_gptq" or None.
-    (fp8 checkpoints' own fields are checked by the model's config parser.)"""
+    """The linear scheme the checkpoint's weights are stored in: "fp8_block", "int4_awq", "int4_gptq",
+    "int8_w8a8" (msModelSlim W8A8 dynamic) or None. (fp8 checkpoints' own fields are checked by the model's
+    config parser.)"""
+    ms = modelslim_scheme(hf_config)
+    if ms is not None:
+        return ms
     q = _qc(hf_config)
     if q is None:
         return None
@@ -187,7 +247,7 @@ def resolve_linear_quant(quantization: str | None, quant_config: QuantConfig | N
             raise ConfigError(f"EngineConfig.quantization: fp8 asked for, but the checkpoint is {ckpt} (re-quantizing int4 "
                               "weights to fp8 is not supported)")
         return LinearQuantSettings(fp8_activations=w8a8), "fp8_w8a8" if w8a8 else "fp8_block"
-    want = {"int4": ("int4_awq", "int4_gptq"), "awq": ("int4_awq",), "gptq": ("int4_gptq",)}[method]
+    want = {"int4": ("int4_awq", "int4_gptq"), "awq": ("int4_awq",), "gptq": ("int4_gptq",)}[method]  # int8: no flag
     if ckpt not in want:
         raise ConfigError(f"EngineConfig.quantization_config: method {method}, but the checkpoint is "
                           f"{ckpt or 'not quantized'}; int4 needs an AWQ / GPTQ checkpoint (no online int4)")

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 # "none" (dense in the compute dtype); "fp8_block" (W8A16: e4m3 weights with 128x128 block scales,
 # DeepSeek's release format, activations unquantized); "fp8_w8a8" (the same weights, activations quantized
 # per token per 128 channels: DeepSeek / DeepGEMM's recipe); "int4_awq" / "int4_gptq" (weight-only int4,
-# group 128, the checkpoints' own packing).
-LINEAR_SCHEMES: tuple[str, ...] = ("none", "fp8_block", "fp8_w8a8", "int4_awq", "int4_gptq")
+# group 128, the checkpoints' own packing); "int8_w8a8" (msModelSlim's W8A8_DYNAMIC: int8 weights with
+# per-output-channel scales, activations quantized per token to symmetric int8).
+LINEAR_SCHEMES: tuple[str, ...] = ("none", "fp8_block", "fp8_w8a8", "int4_awq", "int4_gptq", "int8_w8a8")
 
 SMALL_OPS: tuple[str, ...] = (
     "rms_norm",

@@ -194,6 +194,31 @@ def _int4_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
                               lambda o, i, k_=key: run(o, i, k_), kind="layer"))
     return cases
 
+def _int8_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
+    """int8 W8A8 dynamic (msModelSlim W8A8_DYNAMIC): random int8 weights, per-channel scales [out, 1], a zero
+    weight_offset, x quantized per token by the op under test (the reference does the same: like with like)."""
+    cases = []
+    for out_f, in_f in shapes:
+        def make(g, dt, o_=out_f, i_=in_f):
+            w = torch.randint(-127, 128, (o_, i_), generator=g, dtype=torch.int32).to(torch.int8)
+            s = torch.rand(o_, 1, generator=g) * 0.02 / (i_ ** 0.5) + 1e-4
+            b = _randn(g, o_, dtype=dt) * 0.1
+            return {"x": _randn(g, t, i_, dtype=dt), "w": w, "s": s, "b": b}
+
+        def run(o, i):
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(i["w"].clone(), requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(i["s"].clone(), requires_grad=False)
+            layer.weight_offset = torch.nn.Parameter(torch.zeros_like(i["s"]), requires_grad=False)
+            layer.bias = torch.nn.Parameter(i["b"].clone(), requires_grad=False)
+            m = o.linear_method("int8_w8a8")
+            m.process_weights(layer, i["x"].dtype)
+            return (m.apply(layer, i["x"]),)
+
+        cases.append(Case("linear:int8_w8a8", f"T={t} {in_f}->{out_f} int8 per-channel, x int8 per token, bias",
+                          make, run, kind="layer"))
+    return cases
+
 # ------------------------------------------------------------------ collectives
 
 
@@ -244,6 +269,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_route_cases(9, real=False),
             *_linear_cases(5, [(48, 64), (200, 136)]),
             *_int4_cases(5, [(48, 256)]),
+            *_int8_cases(5, [(48, 64), (200, 136)]),
             *mla_cases(mla, 16, {
                 "prefill": ([7], [0]),
                 "decode": ([1, 1, 1], [9, 20, 1]),
@@ -277,6 +303,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_route_cases(128, real=True),
             *_linear_cases(32, [(3072, 2048), (2112, 7168), (576, 2048)]),
             *_int4_cases(32, [(3072, 2048), (2048, 2048)]),
+            *_int8_cases(32, [(3072, 2048), (2112, 7168)]),
             *mla_cases(mla, 16, {
                 "prefill": ([256], [0]),
                 "decode": ([1] * 16, [int(x) for x in torch.linspace(1, 1000, 16)]),

@@ -55,6 +55,7 @@ def matrix_rows() -> list[MatrixRow]:
         MatrixRow("linear:fp8_w8a8", "e4m3 128x128 weights, activations per token per 128"),
         MatrixRow("linear:int4_awq", "AWQ int4, group 128"),
         MatrixRow("linear:int4_gptq", "GPTQ int4, group 128, g_idx"),
+        MatrixRow("linear:int8_w8a8", "int8 per-channel weights, activations int8 per token (msModelSlim W8A8_DYNAMIC)"),
         MatrixRow("mla_attention", "V3 (128 heads, L=512, R=64)", v3_mla),
         *(MatrixRow("moe", f"{name} (V3 widths)", MoESpec(routers[name], 7168, 2048))
           for name in ("v2-lite softmax greedy", "v3 sigmoid noaux_tc")),

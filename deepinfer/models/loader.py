@@ -9,6 +9,12 @@ AWQ / GPTQ checkpoints (config.json `quantization_config.quant_method` awq / gpt
 `<prefix>.qweight`, `.qzeros`, `.scales` (+ `.g_idx` for GPTQ). The loader gathers those of one
 prefix and yields them as one `Int4Weight` record named `<prefix>.weight`, so every model's name
 map stays the same whatever the format (a linear the checkpoint left dense keeps its `.weight`).
+
+msModelSlim W8A8 dynamic checkpoints (config.json `quantize: w8a8_dynamic`, deepinfer/quant_config.py) store a
+linear as `<prefix>.weight` int8 [out, in] + `.weight_scale` [out, 1] + `.weight_offset` [out, 1]; the loader
+gathers the three into one `Int8Weight` record under `<prefix>.weight` the same way, and checks the set of
+int8 linears against the checkpoint's `quant_model_description.json` (every "W8A8_DYNAMIC" weight arrived as
+int8 with its scales, no int8 weight it does not list).
 """
 
 from __future__ import annotations
@@ -23,10 +29,40 @@ import torch
 
 from deepinfer.backend import Int4Weight
 from deepinfer.errors import ModelLoadError
-from deepinfer.quant_config import Int4CheckpointFormat, int4_checkpoint_format
+from deepinfer.quant_config import (
+    Int4CheckpointFormat,
+    int4_checkpoint_format,
+    modelslim_scheme,
+    read_modelslim_description,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class Int8Weight:
+    """One msModelSlim W8A8 dynamic linear as stored: int8 weight [out, in], weight_scale / weight_offset [out, 1]."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_offset: torch.Tensor
+
+    scheme = "int8_w8a8"
+
+    def check(self, name: str, out_features: int, in_features: int) -> None:
+        if self.weight.dtype != torch.int8 or tuple(self.weight.shape) != (out_features, in_features):
+            raise ModelLoadError(f"{name}.weight is {self.weight.dtype} {tuple(self.weight.shape)}, expected int8 "
+                                 f"{(out_features, in_features)}")
+        for part in ("weight_scale", "weight_offset"):
+            t = getattr(self, part)
+            if tuple(t.shape) not in ((out_features, 1), (out_features,)) or not t.is_floating_point():
+                raise ModelLoadError(f"{name}.{part} is {t.dtype} {tuple(t.shape)}, expected a float "
+                                     f"({out_features}, 1) (one per output channel)")
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.weight.to(device), self.weight_scale.to(device, torch.float32),
+                          self.weight_offset.to(device, torch.float32))
 
 
 @dataclass
@@ -64,10 +100,16 @@ def find_checkpoint_files(path: str) -> CheckpointFiles:
     raise ModelLoadError(f"no safetensors weights in {path!r} (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
-def iter_checkpoint(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-    """Yield (name, tensor) for every tensor of the checkpoint (int4 linears as one record, see above)."""
+def iter_checkpoint(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+    """Yield (name, tensor) for every tensor of the checkpoint (int4 / int8 linears as one record, see above)."""
     stream = _iter_tensors(path, progress)
+    int8_ckpt: bool | None = None  # config.json read only when an int8 tensor or a per-channel scale shows up
     for name, t in stream:
+        if int8_ckpt is None and (t.dtype == torch.int8 or name.endswith((".weight_scale", ".weight_offset"))):
+            int8_ckpt = modelslim_scheme(_read_config(path)) == "int8_w8a8"
+            if int8_ckpt:  # msModelSlim W8A8 dynamic: every tensor from here on through the gatherer
+                yield from group_int8(itertools.chain([(name, t)], stream), read_modelslim_description(path))
+                return
         if name.endswith((".qweight", ".qzeros", ".g_idx")):  # int4: config.json says which packing (read only then)
             fmt = int4_checkpoint_format(_read_config(path))
             if fmt is None:
@@ -114,6 +156,38 @@ def group_int4(stream: Iterator[tuple[str, torch.Tensor]], fmt: Int4CheckpointFo
         missing = [p for p in parts if p not in got]
         raise ModelLoadError(f"{fmt.method} checkpoint: {prefix} lacks {', '.join(prefix + '.' + m for m in missing)}"
                              f" ({len(pending)} linear(s) incomplete)")
+
+
+_INT8_PARTS = ("weight", "weight_scale", "weight_offset")
+
+
+def group_int8(stream: Iterator[tuple[str, torch.Tensor]], description: dict[str, str]
+               ) -> Iterator[tuple[str, torch.Tensor | Int8Weight]]:
+    """Pass tensors through; gather each W8A8_DYNAMIC linear's three parts and yield them as `<prefix>.weight`."""
+    quantized = {n[: -len(".weight")] for n, kind in description.items()
+                 if kind == "W8A8_DYNAMIC" and n.endswith(".weight")}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    for name, t in stream:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in _INT8_PARTS or prefix not in quantized:
+            if t.dtype == torch.int8 or leaf in _INT8_PARTS[1:]:
+                raise ModelLoadError(f"{name}: an int8 linear's tensor, but {prefix}.weight is not listed as "
+                                     "W8A8_DYNAMIC in quant_model_description.json")
+            yield name, t
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = t
+        if len(got) == len(_INT8_PARTS):
+            del pending[prefix]
+            done.add(prefix)
+            yield f"{prefix}.weight", Int8Weight(got["weight"], got["weight_scale"], got["weight_offset"])
+    missing = sorted(quantized - done)
+    if missing:
+        prefix = missing[0]
+        lacks = [p for p in _INT8_PARTS if p not in pending.get(prefix, {})]
+        raise ModelLoadError(f"W8A8_DYNAMIC checkpoint: {prefix} lacks {', '.join(prefix + '.' + p for p in lacks)} "
+                             f"({len(missing)} linear(s) listed in quant_model_description.json incomplete)")
 
 
 def _iter_tensors(path: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

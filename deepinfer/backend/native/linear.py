@@ -9,6 +9,9 @@
   in fp32. A dense weight given to it is quantized at load (online fp8, 128x128 blocks).
 - "int4_awq" / "int4_gptq" (weight-only, group 128): the checkpoint's packed tensors (quant_int4.py),
   dequantized once at load, then a dense matmul.
+- "int8_w8a8" (msModelSlim's W8A8_DYNAMIC): int8 weights with a per-output-channel `weight_scale` (and a
+  zero `weight_offset`), dequantized at load; the activations quantized per token to symmetric int8 at
+  every call (quant_int8.py), both dequantized and multiplied in fp32, as the int8 kernel computes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from deepinfer.backend.layer_ops import LinearMethod
 from deepinfer.backend.native.quant_fp8 import quantize_weight_fp8_block, w8a8_block_linear_ref
 from deepinfer.backend.native.quant_int4 import Int4Weight, dequant_int4
+from deepinfer.backend.native.quant_int8 import check_int8_weight, dequant_int8_per_channel, w8a8_int8_linear_ref
 from deepinfer.errors import BackendError, ModelLoadError
 
 FP8_BLOCK = 128
@@ -165,12 +169,38 @@ class Int4GptqLinear(Int4Linear):
     method = "gptq"
 
 
+class Int8W8A8Linear(UnquantizedLinear):
+    """int8 W8A8 reference: `layer.weight` int8 [out, in] with `layer.weight_scale` [out, 1] (and an optional
+    all-zero `layer.weight_offset`) dequantized at load; x quantized per token to int8 at every call.
+
+    The dequantized weight is kept in fp32 (q * scale exactly, what the int8 kernel's int32 accumulation
+    times the scales computes), not rounded to a bf16 / fp16 compute dtype: the oracle must not add a
+    rounding the kernel does not make. dense_weight gives it in the compute dtype."""
+
+    scheme = "int8_w8a8"
+
+    def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+        weight = layer.weight.detach()
+        scale = check_int8_weight(weight, getattr(layer, "weight_scale", None), getattr(layer, "weight_offset", None))
+        _replace_weight(layer, dequant_int8_per_channel(weight, scale))
+        layer.weight_scale = layer.weight_offset = None  # folded into the dense copy
+        layer.compute_dtype = compute_dtype
+        _cast_bias(layer, compute_dtype)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_int8_linear_ref(x, layer.weight, getattr(layer, "bias", None))
+
+    def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        return layer.weight.to(layer.compute_dtype)
+
+
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {
     "none": UnquantizedLinear,
     "fp8_block": Fp8BlockLinear,
     "fp8_w8a8": Fp8W8A8Linear,
     "int4_awq": Int4AwqLinear,
     "int4_gptq": Int4GptqLinear,
+    "int8_w8a8": Int8W8A8Linear,
 }
 
 

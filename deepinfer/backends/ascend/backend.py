@@ -29,7 +29,7 @@ from deepinfer.backend import (
     host_memory_info,
 )
 from deepinfer.backends.ascend import routing, small_ops
-from deepinfer.backends.ascend.caps import INT4_CHIPS, INT4_SCHEMES, ascend_caps
+from deepinfer.backends.ascend.caps import INT4_CHIPS, INT4_SCHEMES, INT8_CHIPS, INT8_SCHEMES, ascend_caps
 from deepinfer.backends.ascend.mla_attention import (
     ROPE_ORDER,
     AscendMLAAttention,
@@ -48,6 +48,8 @@ MLA_IMPL = ("npu_fused_infer_attention_score (paged absorbed decode, TND prefill
             "hidden 7168 / 7680, q_lora_rank 1536)")
 INT4_IMPL = ("npu_weight_quant_batchmatmul (W4A16: npu_convert_weight_to_int4pack weights, per-group 128 antiquant "
              "scale / offset; GPTQ act-order refused at load)")
+INT8_IMPL = ("npu_dynamic_quant (x per token, symmetric int8) + npu_quant_matmul (int8 x int8, per-channel "
+             "weight_scale, pertoken_scale, fp16 / bf16 out)")
 MOE_IMPL = "npu_moe_init_routing_v2 + npu_grouped_matmul + npu_swiglu + npu_moe_finalize_routing"
 
 
@@ -141,6 +143,13 @@ class AscendBackend(NativeOps, Backend):
             from deepinfer.backends.ascend.int4_linear import NPUInt4Linear
 
             return NPUInt4Linear(self.npu, scheme.removeprefix("int4_"), self.device)
+        if scheme in INT8_SCHEMES:
+            if self.runtime.chip not in INT8_CHIPS:
+                raise BackendError(f"{scheme} on ascend chip {self.runtime.chip!r}: npu_quant_matmul's int8 x int8 "
+                                   f"with pertoken_scale is documented for {', '.join(INT8_CHIPS)} only")
+            from deepinfer.backends.ascend.int8_linear import NPUInt8W8A8Linear
+
+            return NPUInt8W8A8Linear(self.npu, self.device)
         return super().linear_method(scheme)
 
     def make_mla_attention(self, spec: MLASpec) -> MLAAttentionOp:
@@ -201,6 +210,8 @@ class AscendBackend(NativeOps, Backend):
             return "native (dequantized to the compute dtype at load, torch matmul)"
         if name.removeprefix("linear:") in INT4_SCHEMES and self.runtime.chip in INT4_CHIPS:
             return INT4_IMPL
+        if name.removeprefix("linear:") in INT8_SCHEMES and self.runtime.chip in INT8_CHIPS:
+            return INT8_IMPL
         if name.startswith("linear:"):
             return "native (torch matmul on the NPU)"
         return "native"
@@ -214,4 +225,6 @@ class AscendBackend(NativeOps, Backend):
                     "moe": MOE_IMPL + "; native for swiglu_limit"})
         if self.runtime.chip in INT4_CHIPS:
             cov.update({f"linear:{s}": INT4_IMPL for s in INT4_SCHEMES})
+        if self.runtime.chip in INT8_CHIPS:
+            cov.update({f"linear:{s}": INT8_IMPL for s in INT8_SCHEMES})
         return cov

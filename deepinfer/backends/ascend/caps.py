@@ -9,7 +9,9 @@
   128x128 block scales, docs/ascend.md). "int4_awq" / "int4_gptq" on A2 / A3 only: npu_weight_quant_batchmatmul
   takes int32-carried int4 weights with per-group antiquant there (its docs' product table; the 950 is not in
   the torch_npu docs we read for it). GPTQ act-order checkpoints are refused at load (int4_linear.py).
-  fp8_w8a8 / int8 schemes are not claimed.
+  "int8_w8a8" (msModelSlim W8A8_DYNAMIC) on A2 / A3 only: npu_dynamic_quant (per-token int8) + npu_quant_matmul
+  (int8 x int8, per-channel weight scale, per-token scale, fp16 / bf16 out) are documented there (int8_linear.py).
+  fp8_w8a8 is not claimed.
 - batch_invariant: refused (no kernel here has a fixed reduction order across batch shapes).
 - graph_capture: decode-only ACL graphs per batch bucket on A2 / A3 (graph_runner.py): the fused attention's
   host actual_seq_lengths_kv are updated before each replay (graph_task_group_begin / _end at capture,
@@ -33,6 +35,8 @@ GRAPH_TASK_UPDATE_SINCE = (2, 7, 1)  # the op-plugin docs we wrote against docum
 KV_BLOCK_SIZES = (128, 16, 64)
 INT4_CHIPS = ("a2", "a3")  # npu_weight_quant_batchmatmul docs: int32-carried int4, per-group, Atlas A2 / A3
 INT4_SCHEMES = ("int4_awq", "int4_gptq")
+INT8_CHIPS = ("a2", "a3")  # npu_quant_matmul docs: int8 x int8 with pertoken_scale, Atlas A2 / A3
+INT8_SCHEMES = ("int8_w8a8",)
 BATCH_INVARIANT_REASON = "no ascend kernel here has a batch-independent reduction order (nothing proves one)"
 
 
@@ -44,7 +48,8 @@ def ascend_caps(chip: str, on_cpu: bool, version: tuple[int, int, int] = (0, 0, 
         device_type="cpu" if on_cpu else "npu",
         dtypes=(torch.bfloat16, torch.float16),
         kv_block_sizes=KV_BLOCK_SIZES,
-        quant_schemes=("none", "fp8_block", *(INT4_SCHEMES if chip in INT4_CHIPS else ())),
+        quant_schemes=("none", "fp8_block", *(INT4_SCHEMES if chip in INT4_CHIPS else ()),
+                       *(INT8_SCHEMES if chip in INT8_CHIPS else ())),
         model_types=("deepseek_v2", "deepseek_v3"),
         batch_invariant=False,
         graph_capture=chip in GRAPH_CHIPS and version >= GRAPH_TASK_UPDATE_SINCE,

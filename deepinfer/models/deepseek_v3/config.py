@@ -83,7 +83,7 @@ class DeepseekConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    quantization: str | None  # "fp8_block" or None
+    quantization: str | None  # "fp8_block", "int4_awq" / "int4_gptq", "int8_w8a8" (msModelSlim) or None
     weight_block_size: tuple[int, int] | None
     num_nextn_predict_layers: int
     torch_dtype: str | None
@@ -201,6 +201,10 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
 
 
 def _parse_quant(cfg: dict) -> tuple[str | None, tuple[int, int] | None]:
+    if "quantize" in cfg:  # msModelSlim W8A8 dynamic (int8 linears): checked by deepinfer/quant_config.py
+        from deepinfer.quant_config import modelslim_scheme
+
+        return modelslim_scheme(cfg), None
     q = cfg.get("quantization_config")
     if q is None:
         return None, None

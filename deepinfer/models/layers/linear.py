@@ -4,9 +4,10 @@ The scheme is chosen from what was loaded and the load's `LinearQuantSettings` (
 an fp8 e4m3 weight with its `weight_scale_inv` runs as "fp8_block" (W8A16) or, when the settings ask
 for fp8 activations, "fp8_w8a8"; an int4 record (`Int4Weight`, which the loader hands over under
 `<prefix>.weight` for AWQ / GPTQ checkpoints) as "int4_awq" / "int4_gptq"; a dense weight as "none",
-or "fp8_w8a8" (quantized at load) under online fp8. The backend's LinearMethod converts the loaded
-tensors (`process_weights`) and applies them; a backend whose method runs the quantized format keeps
-it quantized in memory.
+or "fp8_w8a8" (quantized at load) under online fp8; an msModelSlim int8 record (`Int8Weight`, int8 weight +
+per-channel weight_scale / weight_offset, gathered by the loader the same way) as "int8_w8a8". The
+backend's LinearMethod converts the loaded tensors (`process_weights`) and applies them; a backend whose
+method runs the quantized format keeps it quantized in memory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from deepinfer.backend import Backend, Int4Weight, LinearMethod
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.quant.settings import active_linear_quant
+from deepinfer.models.loader import Int8Weight
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
@@ -39,6 +41,9 @@ def prepare_weight(
         t.check(name, shape[0], shape[1])
         return Int4Weight(t.method, t.qweight.to(device), t.qzeros.to(device), t.scales.to(device),
                           None if t.g_idx is None else t.g_idx.to(device), t.group_size, t.zero_offset)
+    if isinstance(t, Int8Weight):
+        t.check(name, shape[0], shape[1])
+        return t.to(device)
     if tuple(t.shape) != shape:
         raise ModelLoadError(f"{name}.weight has shape {tuple(t.shape)}, expected {shape}")
     if t.dtype == FP8_DTYPE:
@@ -79,9 +84,11 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.has_bias = bias
         self.quantized = quantized  # the checkpoint stores this layer as fp8 + weight_scale_inv
-        self.weight: torch.Tensor | Int4Weight | None = None
+        self.weight: torch.Tensor | Int4Weight | Int8Weight | None = None
         self.int4: Int4Weight | None = None  # the packed record handed to an int4 method
         self.weight_scale_inv: torch.Tensor | None = None
+        self.weight_scale: torch.Tensor | None = None  # int8_w8a8: per output channel [out, 1]
+        self.weight_offset: torch.Tensor | None = None  # int8_w8a8: zero (symmetric), checked by the method
         self.bias: torch.Tensor | None = None
         self.method: LinearMethod | None = None
         self.name = ""
@@ -115,7 +122,9 @@ class Linear(nn.Module):
     def scheme(self) -> str:
         if self.weight is None:
             raise ModelLoadError(f"{self.name}.weight was never loaded")
-        if isinstance(self.weight, Int4Weight):
+        if isinstance(self.weight, (Int4Weight, Int8Weight)):
+            if self.weight_scale_inv is not None:
+                raise ModelLoadError(f"{self.name}.weight_scale_inv is given for a {self.weight.scheme} weight")
             return self.weight.scheme
         settings = active_linear_quant()
         if self.weight.dtype == FP8_DTYPE:
@@ -131,6 +140,9 @@ class Linear(nn.Module):
         scheme = self.scheme()
         if isinstance(self.weight, Int4Weight):
             self.int4, self.weight = self.weight, None
+        elif isinstance(self.weight, Int8Weight):  # the method reads weight / weight_scale / weight_offset
+            rec = self.weight
+            self.weight, self.weight_scale, self.weight_offset = rec.weight, rec.weight_scale, rec.weight_offset
         self.method = self.backend.linear_method(scheme)
         self.method.process_weights(self, self.dtype)
 
@@ -179,8 +191,8 @@ class MergedLinear(nn.Module):
         return out
 
     def _can_fuse(self, schemes: list[str]) -> bool:
-        if len(set(schemes)) != 1 or schemes[0].startswith("int4_"):
-            return False  # int4 parts run one by one (their packed tensors are not concatenated)
+        if len(set(schemes)) != 1 or schemes[0].startswith(("int4_", "int8_")):
+            return False  # int4 / int8 parts run one by one (their quantized records are not concatenated)
         if schemes[0] in ("fp8_block", "fp8_w8a8") and any(p.weight.dtype == FP8_DTYPE for p in self.parts):
             return all(n % FP8_BLOCK == 0 for n in self.out_sizes[:-1])
         return True  # dense parts (online fp8 quantizes the fused matrix)

@@ -12,7 +12,7 @@ emulation against torch-native code.
 
 from __future__ import annotations
 
-from torch_npu import _attention_ops, _moe_ops, _norm_ops, _prolog_ops, _quant_ops, npu
+from torch_npu import _attention_ops, _int8_ops, _moe_ops, _norm_ops, _prolog_ops, _quant_ops, npu
 from torch_npu._capture import CALLS, recorded
 
 # every operator goes through `recorded`: one node of a graph capture, an argument update, or a plain call
@@ -33,6 +33,8 @@ npu_mla_prolog_v3 = recorded(_prolog_ops.npu_mla_prolog_v3)
 npu_scatter_pa_kv_cache = recorded(_prolog_ops.npu_scatter_pa_kv_cache)
 npu_weight_quant_batchmatmul = recorded(_quant_ops.npu_weight_quant_batchmatmul)
 npu_convert_weight_to_int4pack = _quant_ops.npu_convert_weight_to_int4pack  # at load time only
+npu_dynamic_quant = recorded(_int8_ops.npu_dynamic_quant)
+npu_quant_matmul = recorded(_int8_ops.npu_quant_matmul)
 npu_format_cast = _prolog_ops.npu_format_cast  # at load time only, never inside a capture
 
 __deepinfer_fake__ = True
