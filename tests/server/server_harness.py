@@ -154,13 +154,14 @@ async def health_latencies(client, base_url: str, stop) -> list[float]:
 
 
 def assert_responsive(latencies: list[float]) -> None:
-    """/health kept answering while something heavy ran: 95% of the polls under 100 ms and none over 500 ms.
-    A blocked event loop stalls every poll for seconds (a 2 MB prompt used to stall it 4 s); a busy 2-core
-    test machine alone gives an occasional single poll just over 100 ms, which is not what this guards."""
+    """/health kept answering while something heavy ran: 95% of the polls under 500 ms and none over 2 s.
+    A blocked event loop stalls every poll for seconds (a 2 MB prompt used to stall it 4 s), which is what this
+    guards: a liveness bound, not a latency claim (those live in benchmarks/). A 2-core CI machine under load
+    gave a p95 of 0.28 s with nothing blocked, so the bounds sit well above that and well below a stall."""
     assert latencies, "no /health poll completed"
     ordered = sorted(latencies)
     p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-    assert p95 < 0.1 and ordered[-1] < 0.5, (f"p95 {p95:.3f} s, max {ordered[-1]:.3f} s over {len(ordered)} polls")
+    assert p95 < 0.5 and ordered[-1] < 2.0, (f"p95 {p95:.3f} s, max {ordered[-1]:.3f} s over {len(ordered)} polls")
 
 
 async def collect_stream(stream) -> tuple[str, list[str]]:

@@ -122,6 +122,13 @@ class GrammarMatcher(ABC):
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Write the allowed next tokens into row (int32 [words], contiguous, on the host)."""
 
+    @classmethod
+    def fill_bitmask_batch(cls, items: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill row j of bitmask (int32 [rows, words], contiguous, on the host) for each (matcher, j), all
+        matchers of this class. The default fills row by row; an engine with a parallel fill overrides it."""
+        for matcher, j in items:
+            matcher.fill_bitmask(bitmask[j])
+
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (speculation, stop handling)."""

@@ -44,18 +44,28 @@ def fill_grammar_mask(states: list[tuple[int, SeqGrammar, list[int], bool]], fac
     words = bitmask_words(facts.vocab_size)
     bitmask = torch.full((len(states), words), -1, dtype=torch.int32)
     failed: dict[int, str] = {}
-    keep = ~forbidden
+    by_engine: dict[type, list] = {}  # matcher class -> [(matcher, row of bitmask)]: one batched fill per engine
+    live = []
     for j, (row, state, output_ids, dropped) in enumerate(states):
         if dropped:
             continue
         state.sync(output_ids)
-        if state.error is None and state.matcher.error() is None:
-            state.matcher.fill_bitmask(bitmask[j])
         error = state.error or state.matcher.error()
-        if error is None:
-            bitmask[j] &= keep
-            if not bool(bitmask[j].any()):
-                error = "the grammar allows no next token (it has ended and EOS is not allowed)"
+        if error is not None:
+            failed[row] = f"structured output: {error}"
+            continue
+        by_engine.setdefault(type(state.matcher), []).append((state.matcher, j))
+        live.append((j, row, state))
+    for cls, items in by_engine.items():
+        cls.fill_bitmask_batch(items, bitmask)
+    if live:  # ids no grammar may allow, cleared in the live rows (a dropped row stays all-allowed)
+        idx = torch.tensor([j for j, _, _ in live])
+        bitmask[idx] = bitmask[idx] & ~forbidden
+    empty = ~bitmask.any(dim=1)
+    for j, row, state in live:
+        error = state.matcher.error()
+        if error is None and bool(empty[j]):
+            error = "the grammar allows no next token (it has ended and EOS is not allowed)"
         if error is not None:
             failed[row] = f"structured output: {error}"
     return GrammarMask([s[0] for s in states], bitmask), failed

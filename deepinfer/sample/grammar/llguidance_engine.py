@@ -23,6 +23,19 @@ _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 _MAX_GRAMMAR_SIZE = 500_000  # llguidance's symbols-in-productions limit (its default), stated explicitly
 
 
+_EXECUTOR = None
+
+
+def _executor():
+    """llguidance's thread pool for batched mask fills, made on first use (one per process)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: Any):
         self._m = matcher
@@ -32,6 +45,16 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    @classmethod
+    def fill_bitmask_batch(cls, items: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """All rows in one call of llguidance's LLExecutor: the masks are computed on its thread pool, in
+        Rust, without the GIL and without a Python call per row (measured on the CPU machine: the per-row
+        loop was most of structured output's cost per step at batch 64)."""
+        if not (bitmask.is_contiguous() and bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"):
+            raise ValueError("the grammar bitmask must be a contiguous int32 host tensor")
+        _executor().unsafe_compute_mask_ptr([(m._m, j) for m, j in items], bitmask.data_ptr(),
+                                            bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and not self._m.rollback(num_tokens):
