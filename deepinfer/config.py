@@ -46,6 +46,18 @@ class EngineConfig:
 
     model_name_or_path: a checkpoint directory; None = the embedded stdlib-coder model (docs/models.md).
     max_model_len: None = the model's max_position_embeddings.
+    tensor_parallel_size / data_parallel_size / enable_expert_parallel: many devices (docs/parallelism.md):
+        tensor_parallel_size x data_parallel_size processes, one per device; attention heads, dense MLPs and
+        the vocabulary split over tensor_parallel_size; each data-parallel replica schedules its own requests;
+        with enable_expert_parallel the routed experts are spread (whole) over every rank.
+    enable_eplb / eplb_num_redundant_experts / eplb_step_interval: the expert load balancer (parallel/eplb.py):
+        per-expert load counted online, that many redundant copies of hot experts placed over the ranks, and
+        the placement recomputed every eplb_step_interval engine steps, between steps.
+    nnodes / node_rank / master_addr / master_port: the env-style rendezvous of torch.distributed for several
+        nodes (torchrun-compatible; RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment win).
+        master_port None on one node = a free port.
+    dist_timeout_s: the longest a collective (or the start-up rendezvous) may wait for a rank before every
+        rank stops with an error naming it.
     dtype: "auto" = the checkpoint's dtype when the backend supports it, else the
         backend's best; on the CPU backend "auto" computes in float32.
     block_size: tokens per KV block; None = the backend's preferred size.
@@ -84,6 +96,16 @@ class EngineConfig:
 
     model_name_or_path: str | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    eplb_num_redundant_experts: int = 0
+    eplb_step_interval: int = 1000
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    dist_timeout_s: float = 300.0
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -119,6 +141,40 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def parallel_layout(self):
+        """The rank layout these settings describe (deepinfer/parallel/layout.py)."""
+        from deepinfer.parallel.layout import ParallelLayout
+
+        return ParallelLayout(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel)
+
+    def _validate_parallel(self, bad) -> None:
+        for name in ("data_parallel_size", "nnodes"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "must be an integer >= 1")
+        for name in ("enable_expert_parallel", "enable_eplb"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+        if not _is_int(self.eplb_num_redundant_experts) or self.eplb_num_redundant_experts < 0:
+            raise bad("eplb_num_redundant_experts", "must be an integer >= 0")
+        if not _is_int(self.eplb_step_interval) or self.eplb_step_interval < 1:
+            raise bad("eplb_step_interval", "must be an integer >= 1 (engine steps between re-balancings)")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise bad("enable_eplb", "needs enable_expert_parallel=True (the balancer places experts over ranks)")
+        if self.eplb_num_redundant_experts and not self.enable_eplb:
+            raise bad("eplb_num_redundant_experts", "needs enable_eplb=True")
+        if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be an integer in [0, nnodes={self.nnodes})")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise bad("master_addr", "must be a host name or address")
+        if self.master_port is not None and (not _is_int(self.master_port) or not 0 < self.master_port < 65536):
+            raise bad("master_port", "must be a TCP port in [1, 65535] or None (a free port on one node)")
+        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
+                or not self.dist_timeout_s > 0:
+            raise bad("dist_timeout_s", "must be a positive number of seconds")
+        world = self.tensor_parallel_size * self.data_parallel_size if _is_int(self.tensor_parallel_size) else 1
+        if self.nnodes > 1 and world % self.nnodes:
+            raise bad("nnodes", f"must divide the world size tensor_parallel_size x data_parallel_size = {world}")
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"EngineConfig.{name} {why} (got {getattr(self, name)!r})")
@@ -132,6 +188,7 @@ class EngineConfig:
         self.model_name_or_path = str(self.model_name_or_path)
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an integer >= 1")
+        self._validate_parallel(bad)
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise bad("max_model_len", "must be an integer >= 2 or None")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \

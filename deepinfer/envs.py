@@ -337,6 +337,31 @@ OMP_NUM_THREADS = EnvVar(
     "vendor", accepts_text="a positive integer (OpenMP parses the value)",
 )
 
+DIST_RANK = EnvVar(
+    "RANK", "int", None,
+    "torchrun's (torch.distributed env rendezvous): this process's global rank; with `WORLD_SIZE` set, the "
+    "engine joins that job as that rank and spawns no process (docs/parallelism.md)",
+    "vendor", minimum=0,
+)
+
+DIST_WORLD_SIZE = EnvVar(
+    "WORLD_SIZE", "int", None,
+    "torchrun's: the number of processes of the job; must equal tensor_parallel_size x data_parallel_size",
+    "vendor", minimum=1,
+)
+
+DIST_MASTER_ADDR = EnvVar(
+    "MASTER_ADDR", "str", None,
+    "torchrun's: the rendezvous host (wins over `--master-addr` when `RANK` / `WORLD_SIZE` are set)",
+    "vendor",
+)
+
+DIST_MASTER_PORT = EnvVar(
+    "MASTER_PORT", "int", None,
+    "torchrun's: the rendezvous port (wins over `--master-port` when `RANK` / `WORLD_SIZE` are set)",
+    "vendor", minimum=1, maximum=65535,
+)
+
 ALL: tuple[EnvVar, ...] = tuple(v for v in globals().values() if isinstance(v, EnvVar))
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ALL}
 assert len(BY_NAME) == len(ALL), "an environment variable is declared twice"

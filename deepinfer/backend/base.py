@@ -11,12 +11,12 @@ runtime needs are here too: the KV cache layout, decode-graph capture, memory an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import torch
 
 from deepinfer.backend.caps import BackendCaps
-from deepinfer.backend.communicator import Communicator
+from deepinfer.backend.communicator import PROCESS_GROUP_NAMES, SINGLE_PROCESS, Communicator
 from deepinfer.backend.kv_caches import KVLayout
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
@@ -133,9 +133,34 @@ class Backend(ABC):
 
     # ------------------------------------------------------------ collectives
 
-    @abstractmethod
-    def communicator(self) -> Communicator:
-        """The collectives models call (backend/communicator.py); NativeOps: one process, the identity."""
+    def communicator(self, group: str = "tp") -> Communicator:
+        """The collectives models call over one of this process's groups (backend/communicator.py):
+        "tp" (the tensor-parallel group: attention heads, dense layers, the vocabulary), "dp" (the
+        data-parallel attention ranks that hold the same tensor-parallel rank), "ep" (the ranks the routed
+        experts are spread over). One process, or a group never installed: the identity (a group of one)."""
+        if group not in PROCESS_GROUP_NAMES:
+            raise ValueError(f"communicator group must be one of {PROCESS_GROUP_NAMES}, got {group!r}")
+        comms = self.__dict__.get("_communicators")
+        return comms[group] if comms and group in comms else SINGLE_PROCESS
+
+    def make_communicator(self, group, name: str) -> Communicator:
+        """A communicator over `group`, a torch.distributed ProcessGroup of this job that holds this process
+        (its transport chosen when the job's default group was initialized: gloo, NCCL, HCCL). Default: the
+        torch.distributed collectives as they are (backend/dist_communicator.py)."""
+        from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator(group, name)
+
+    def install_communicators(self, comms: "Mapping[str, Communicator]") -> None:
+        """Called by the engine (deepinfer/parallel/) after torch.distributed is up and before the model is
+        built: the communicators `communicator(group)` hands out from then on."""
+        unknown = sorted(set(comms) - set(PROCESS_GROUP_NAMES))
+        if unknown:
+            raise ValueError(f"unknown communicator groups {unknown} (known: {PROCESS_GROUP_NAMES})")
+        wrong = sorted(g for g, c in comms.items() if not isinstance(c, Communicator))
+        if wrong:
+            raise TypeError(f"communicators for groups {wrong} are not Communicator instances")
+        self._communicators = dict(comms)
 
     # ------------------------------------------------------------ runtime seams
 

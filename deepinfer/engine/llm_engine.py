@@ -28,6 +28,7 @@ from deepinfer.engine.startup import (
     use_async_scheduling,
     use_prefix_caching,
 )
+from deepinfer.engine.parallel_setup import agree_kv_budget, join_parallel_job, start_parallel_role
 from deepinfer.engine.stats import EngineStats
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
@@ -92,13 +93,16 @@ class DeepInferenceEngine:
         dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
         check_backend(backend, cfg, dtype, ckpt_quant, model_type)
         check_speculation(cfg, backend, model_type, int(hf_config.get("num_nextn_predict_layers") or 0))
+        job = join_parallel_job(cfg, backend, hf_config)  # None in one process; spawns / joins the other ranks
         if cfg.batch_invariant:
             backend.enable_batch_invariance()  # before the model asks the backend for its ops
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
         with use_linear_quant(quant_settings):
             model = load_model(path, backend, dtype, progress=cfg.load_progress, hf_config=hf_config,  # parsed once
                                load_mtp=cfg.spec_method() == "mtp")
-        self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path))
+        self._init_runtime(cfg, backend, model, tokenizer, generation_eos_ids(path), job)
+        if job is not None:
+            start_parallel_role(self, job)  # a follower rank serves the leader here, then exits
 
     @classmethod
     def from_components(cls, config: EngineConfig, model, tokenizer, backend) -> "DeepInferenceEngine":
@@ -113,7 +117,7 @@ class DeepInferenceEngine:
         self._init_runtime(cfg, backend, model, tokenizer, set())
         return self
 
-    def _init_runtime(self, cfg: EngineConfig, backend, model, tokenizer, eos_ids: set[int]) -> None:
+    def _init_runtime(self, cfg: EngineConfig, backend, model, tokenizer, eos_ids: set[int], job=None) -> None:
         """KV cache sizing and allocation, scheduler, runner, sampler, output processing."""
         from deepinfer.kv.manager import KVCacheManager
         from deepinfer.kv.planner import plan_kv_cache
@@ -142,6 +146,7 @@ class DeepInferenceEngine:
 
         specs = model.kv_cache_specs(include_mtp=True) if cfg.spec_method() == "mtp" else model.kv_cache_specs()
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
+        self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
         plan = plan_kv_cache(
             specs,
@@ -149,8 +154,8 @@ class DeepInferenceEngine:
             cfg.max_num_seqs,
             self._max_model_len,
             token_budget,
-            budget_bytes=None if cfg.num_kv_blocks else kv_budget_bytes(
-                cfg, backend, model, block_size, token_budget, self._max_model_len, layouts),
+            budget_bytes=None if cfg.num_kv_blocks else agree_kv_budget(job, kv_budget_bytes(
+                cfg, backend, model, block_size, token_budget, self._max_model_len, layouts)),
             num_kv_blocks=cfg.num_kv_blocks,
             layouts=layouts,
             snapshot_bytes_per_block=snapshot_bytes(specs, block_size, layouts) if prefix_caching else 0,
@@ -197,6 +202,9 @@ class DeepInferenceEngine:
             self._spec = self._pipeline = build_spec_pipeline(cfg, model, backend, self.scheduler, self.runner,
                                                               self.output_processor, layouts, self._max_model_len)
 
+        self._job = job  # this rank's place in a parallel engine (deepinfer/parallel/), None in one process
+        self._leader = None  # rank 0's LeaderDriver (deepinfer/parallel/driver.py)
+        self._balancer = None  # EPLB (deepinfer/parallel/eplb.py), with enable_eplb
         self._requests: dict[str, Request] = {}
         self._counter = 0
         self._prompt_tokens = 0
@@ -273,11 +281,22 @@ class DeepInferenceEngine:
         stop_token_ids inside the vocabulary, and a min_tokens ban (EOS + stop_token_ids) that
         leaves at least one token drawable.
         """
+        self._submit(self._prepare_request(request_id, prompt, params))
+
+    def _submit(self, add) -> None:
+        if self._leader is not None:
+            self._leader.add(add)  # routed to a replica; every rank of it enqueues it at the next step
+        else:
+            self._enqueue_prepared(add)
+
+    def _prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None):
+        """Every check of add_request, the prompt's ids and the request's base seed; nothing queued yet."""
+        from deepinfer.parallel.commands import AddCommand
         from deepinfer.sample.rng import derive_seed
 
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}", param="request_id")
-        if request_id in self._requests:
+        if request_id in self._requests or (self._leader is not None and request_id in self._leader.remote):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -287,34 +306,40 @@ class DeepInferenceEngine:
             raise InvalidRequestError("prompt_logprobs is not supported yet: leave it unset", param="prompt_logprobs")
         self._check_against_model(params)
         text, ids = self._prompt_ids(prompt)
-        compiled = None
-        if params.structured_outputs is not None and self._spec is not None:
-            raise InvalidRequestError("structured_outputs cannot be used while speculative decoding is on "
-                                      "(EngineConfig.speculative_method): drafts would need a grammar mask per "
-                                      "drafted position and a matcher rollback, not built yet",
-                                      param="structured_outputs")
-        if params.structured_outputs is not None:  # StructuredOutputError before anything is queued
-            from deepinfer.errors import StructuredOutputError
-
-            try:
-                compiler = self.grammar_compiler()
-            except ConfigError as exc:  # the default engine's package missing (a deployment without llguidance)
-                raise StructuredOutputError(params.structured_outputs.kind, f"structured output is unavailable: {exc}"
-                                            ) from None
-            compiled = compiler.compile(params.structured_outputs)
+        if params.structured_outputs is not None:
+            self._compile(params)  # StructuredOutputError before anything is queued (then cached)
         self._counter += 1
         base = params.seed if params.seed is not None else derive_seed(self.config.seed, self._counter)
-        req = Request(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-                      needs_host_tokens=params_need_penalties(params))
+        return AddCommand(request_id, text, ids, params, base, 0)
+
+    def _compile(self, params: SamplingParams):
+        from deepinfer.errors import StructuredOutputError
+
+        try:
+            compiler = self.grammar_compiler()
+        except ConfigError as exc:  # the default engine's package missing (a deployment without llguidance)
+            raise StructuredOutputError(params.structured_outputs.kind, f"structured output is unavailable: {exc}"
+                                        ) from None
+        return compiler, compiler.compile(params.structured_outputs)
+
+    def _enqueue_prepared(self, add) -> None:
+        """Queue a prepared request (on a parallel engine: on every rank of its replica, in the leader's order)."""
+        from deepinfer.sample.rng import derive_seed
+
+        params, compiled = add.params, None
+        if params.structured_outputs is not None:
+            compiler, compiled = self._compile(params)
+        req = Request(request_id=add.request_id, prompt=add.prompt_text, prompt_token_ids=add.prompt_token_ids,
+                      params=params, needs_host_tokens=params_need_penalties(params))
         for i in range(params.n):
-            seq = Sequence(seq_id=f"{request_id}#{i}", request=req, index=i, seed=derive_seed(base, i))
+            seq = Sequence(seq_id=f"{add.request_id}#{i}", request=req, index=i, seed=derive_seed(add.base_seed, i))
             if compiled is not None:
                 from deepinfer.sample.grammar.matcher_state import SeqGrammar
 
                 seq.grammar = SeqGrammar(compiler.matcher(compiled))
             self.output_processor.init_seq(seq)
             req.seqs.append(seq)
-        self._requests[request_id] = req
+        self._requests[add.request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
 
@@ -349,6 +374,11 @@ class DeepInferenceEngine:
         return self._step(all_outputs=True)
 
     def _step(self, all_outputs: bool) -> list[RequestOutput]:
+        if self._leader is not None:  # every rank steps with the leader (deepinfer/parallel/driver.py)
+            return self._leader.step(all_outputs)
+        return self._local_step(all_outputs)
+
+    def _local_step(self, all_outputs: bool) -> list[RequestOutput]:
         """One batch. all_outputs=False builds outputs only for requests that finished (generate()
         reads nothing else), so a long offline run does not copy every sequence's tokens each step.
         With async scheduling the outputs are those of the step launched by the previous call
@@ -386,6 +416,11 @@ class DeepInferenceEngine:
 
         Returns the request's last state with finish_reason "abort" (None for unknown ids).
         """
+        if self._leader is not None and self._leader.abort(request_id):
+            return None  # it lived on another replica: aborted there at the next step
+        return self._local_abort(request_id)
+
+    def _local_abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -397,7 +432,26 @@ class DeepInferenceEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a step is still in flight (async scheduling:
         the next step() resolves it)."""
+        if self._leader is not None:
+            return self._leader.has_unfinished()
+        return self._local_has_unfinished()
+
+    def _local_has_unfinished(self) -> bool:
         return bool(self._requests) or self._pipeline.has_pending()
+
+    # ------------------------------------------------------------ many devices
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel engine and leave its process group (also at interpreter exit);
+        a no-op in one process."""
+        if self._leader is not None:
+            self._leader.shutdown()
+
+    def _eplb_due(self, step: int) -> bool:
+        return self._balancer is not None and step % self.config.eplb_step_interval == 0
+
+    def _rebalance_experts(self) -> None:
+        self._balancer.rebalance()
 
     def stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}
@@ -445,11 +499,12 @@ class DeepInferenceEngine:
         try:
             for (text, tok), params in zip(prepared, all_params):
                 rid = f"gen-{self._counter + 1}"
-                while rid in self._requests:
+                while rid in self._requests or (self._leader is not None and rid in self._leader.remote):
                     self._counter += 1
                     rid = f"gen-{self._counter + 1}"
-                self.add_request(rid, tok, params)
-                self._requests[rid].prompt = text
+                add = self._prepare_request(rid, tok, params)
+                add.prompt_text = text
+                self._submit(add)
                 ids.append(rid)
             return self._run_to_completion(ids, use_tqdm)
         finally:
@@ -468,7 +523,7 @@ class DeepInferenceEngine:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
-                if pending and not self.scheduler.has_unfinished():
+                if pending and not self.has_unfinished_requests():
                     raise DeepInferError(f"requests {sorted(pending)} vanished without finishing")
         if not self._requests:
             self._pipeline.drain()  # a step launched for sequences that finished meanwhile: nothing to output

@@ -56,6 +56,7 @@ raises out of step() as before, and the caller (the HTTP server) fails every req
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from deepinfer.errors import DeepInferError
 from deepinfer.sched.request import Sequence
@@ -75,6 +76,11 @@ class StepPipeline:
         self.async_scheduling = async_scheduling
         self.pending: PendingStep | None = None
         self.num_sync_fallbacks = 0  # async steps that had to resolve before scheduling
+        # data-parallel replicas under expert parallelism (deepinfer/parallel/forward_sync.py): (has work ->
+        # does any replica have work?) and the dummy forward run when only the others do
+        self.forward_sync: Callable[[bool], bool] | None = None
+        self.dummy_forward: Callable[[], None] | None = None
+        self.num_dummy_forwards = 0
 
     def has_pending(self) -> bool:
         return self.pending is not None
@@ -91,6 +97,9 @@ class StepPipeline:
             prev = None
         sched = self.scheduler.schedule()
         launched = None
+        if self.forward_sync is not None and self.forward_sync(not sched.empty) and sched.empty:
+            self.dummy_forward()  # another replica runs a forward: meet its collectives
+            self.num_dummy_forwards += 1
         if not sched.empty:
             launched = self.runner.launch(sched)
             self.scheduler.advance(sched)  # its KV is written before any later step reads it (stream order)

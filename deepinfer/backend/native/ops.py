@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backend.communicator import Communicator, SingleProcessCommunicator
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
 from deepinfer.backend.native import activation, kv_write, norm, rope, routing, v4_norm, v4_rope
 from deepinfer.backend.native.linear import LINEAR_METHODS, native_linear_method
@@ -77,11 +76,6 @@ class NativeOps:
     def make_v4_attention(self, spec: V4AttentionSpec) -> V4AttentionOp:
         return NativeV4Attention(spec)
 
-    def communicator(self) -> Communicator:
-        return _SINGLE_PROCESS
-
     def op_coverage(self) -> dict[str, str]:
         return {name: "native" for name in OP_NAMES}
 
-
-_SINGLE_PROCESS = SingleProcessCommunicator()

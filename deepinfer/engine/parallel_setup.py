@@ -1,0 +1,96 @@
+"""The engine's side of many devices: join the job, agree on the KV budget, take the leader's or a
+follower's role (deepinfer/parallel/, docs/parallelism.md). Nothing here runs in one process."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+from deepinfer.config import EngineConfig
+from deepinfer.errors import ConfigError
+
+logger = logging.getLogger("deepinfer")
+
+
+def parallel_refusals(cfg: EngineConfig) -> list[str]:
+    """What cannot run with several ranks yet, each with its reason (checked on every rank alike)."""
+    reasons = []
+    if cfg.spec_method():
+        reasons.append("speculative decoding (speculative_method / DEEPINFER_ENABLE_MTP_VARLEN) runs in one "
+                       "process only: the verification step is not wired through the leader's step commands")
+    if cfg.kv_disk_cache_dir is not None:
+        reasons.append("kv_disk_cache_dir: the disk tier's files are per process; several ranks would share "
+                       "one directory")
+    if cfg.kv_host_cache_gib is not None:
+        reasons.append("kv_host_cache_gib: the host tier is not proven with several ranks (each would keep "
+                       "its own copy of the replicated latent cache)")
+    return reasons
+
+
+def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
+    """None in one process; else this rank's ParallelJob with the backend's communicators installed.
+
+    A launcher of another node's ranks (node_rank > 0, spawned mode) never returns: it waits for its
+    ranks and exits with their status."""
+    from deepinfer.parallel.launch import join_job, wait_for_children, wants_parallel
+
+    if not wants_parallel(cfg):
+        return None
+    reasons = parallel_refusals(cfg)
+    if reasons:
+        layout = cfg.parallel_layout()
+        raise ConfigError(f"{layout.describe()} cannot run this configuration:\n  - " + "\n  - ".join(reasons))
+    job = join_job(cfg, backend.caps.device_type)
+    if job.launcher_only:
+        raise SystemExit(wait_for_children(job))
+    from deepinfer.parallel.groups import build_communicators
+
+    import datetime
+
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    backend.install_communicators(build_communicators(job.layout, job.rank, backend, timeout))
+    logger.info("rank %d of %s (tp rank %d, dp rank %d)", job.rank, job.layout.describe(), job.coords.tp_rank,
+                job.coords.dp_rank)
+    return job
+
+
+def agree_kv_budget(job, budget: int) -> int:
+    """Every rank sizes its KV cache alike (the schedulers of a replica must admit the same sequences):
+    the smallest budget of all ranks."""
+    if job is None:
+        return budget
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([budget], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=job.startup_group)
+    return int(t.item())
+
+
+def start_parallel_role(engine, job) -> None:
+    """Wire the replica sync and EPLB, then be the leader (return) or a follower (serve, then exit)."""
+    from deepinfer.parallel.driver import LeaderDriver, run_follower
+
+    layout = job.layout
+    if layout.enable_expert_parallel and layout.data_parallel_size > 1:
+        from deepinfer.parallel.forward_sync import ReplicaForwardSync
+        from deepinfer.worker.dummy_forward import DummyForward
+
+        sync = ReplicaForwardSync(engine.backend.communicator("dp"), engine.backend.device)
+        block_size = engine.kv.block_size
+        dummy = DummyForward(engine.model, block_size, engine.backend.device, engine._kv_layouts)
+        engine._pipeline.forward_sync = sync.any_replica_has_work
+        engine._pipeline.dummy_forward = dummy.run
+    if engine.config.enable_eplb:
+        from deepinfer.parallel.eplb import build_balancer
+
+        engine._balancer = build_balancer(engine.model, engine.backend, engine.config)
+    import torch.distributed as dist
+
+    dist.barrier(group=job.startup_group)  # every rank built its engine: from here on steps time out fast
+    if job.is_leader:
+        engine._leader = LeaderDriver(engine, job)
+        atexit.register(engine.shutdown)
+        return
+    run_follower(engine, job)
+    raise SystemExit(0)

@@ -1,0 +1,66 @@
+"""A parallel engine run in its own process, for tests/parallel/test_parallel_engine.py (the test process
+itself never joins a process group). Prints one JSON line `RESULT {...}` with what the test checks.
+
+python engine_script.py MODE CHECKPOINT JSON_SETTINGS
+  MODE generate: greedy + seeded generation of fixed prompts.
+  MODE kill / hang: generation while a spawned rank is SIGKILLed / SIGSTOPped; reports the error and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+PROMPTS = [[1, 2, 3, 4 + i] for i in range(6)] + [[7, 8, 9] * 6]
+
+
+def run(mode: str, path: str, settings: dict) -> dict:
+    from deepinfer import LLM, SamplingParams
+
+    kw = dict(device="cpu", load_progress=False, max_model_len=128, dist_timeout_s=20.0)
+    kw.update(settings)
+    t0 = time.monotonic()
+    llm = LLM(path, **kw)
+    out: dict = {"start_s": time.monotonic() - t0}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
+    if mode == "generate":
+        out["greedy"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        out["seeded"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
+        # one request alone: it lands on the leader's replica, the others step with it (dummy forwards under EP)
+        out["alone"] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        llm.shutdown()
+        return out
+    child = llm._job.children[0][1]
+    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+    threading.Timer(0.5, lambda: os.kill(child.pid, sig)).start()
+    t1 = time.monotonic()
+    try:
+        for _ in range(200):
+            llm.generate(PROMPTS, greedy, use_tqdm=False)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["error_after_s"] = time.monotonic() - t1
+    if mode == "hang":
+        try:
+            os.kill(child.pid, signal.SIGCONT)
+        except ProcessLookupError:  # already killed by the leader's stop
+            pass
+    time.sleep(0.5)
+    out["children_alive"] = [p.is_alive() for _, p in llm._job.children]
+    try:
+        llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
+        out["later_call"] = "ran"
+    except Exception as exc:  # noqa: BLE001
+        out["later_call"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+if __name__ == "__main__":
+    result = run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    print("RESULT " + json.dumps(result), flush=True)
