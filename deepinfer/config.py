@@ -83,6 +83,10 @@ class EngineConfig:
     kv_disk_cache_dir / kv_disk_cache_gib / kv_retention_hours: the prefix cache's disk tier
         (kv/disk_tier.py): evicted blocks go to files there, at most that many GiB, kept that many hours
         (default 72); a restarted engine on the same model finds them. None = no disk tier.
+    kv_window_rollback_tokens: tokens a sliding-window group keeps behind its window (V4), so a rollback that
+        far (speculative decoding's rejected drafts) finds its keys and a prefix hit replays the window plus
+        this margin (docs/kv-cache.md). None = 140 when speculative decoding runs on a sliding-window model,
+        else 0 (nothing rolls a window back).
     async_scheduling: schedule and launch step N+1 while the device runs step N
         (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
@@ -131,6 +135,7 @@ class EngineConfig:
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gib: float = 10.0
     kv_retention_hours: float = 72.0
+    kv_window_rollback_tokens: int | None = None
     structured_output_backend: str = "llguidance"
     structured_output_compile_timeout_s: float = 10.0
     structured_output_max_bytes: int = 256 * 1024
@@ -140,6 +145,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def window_rollback_tokens(self, has_window: bool) -> int:
+        """kv_window_rollback_tokens resolved (see the field)."""
+        if self.kv_window_rollback_tokens is not None:
+            return self.kv_window_rollback_tokens
+        return 140 if has_window and self.spec_method() else 0
 
     def parallel_layout(self):
         """The rank layout these settings describe (deepinfer/parallel/layout.py)."""
@@ -239,6 +250,9 @@ class EngineConfig:
             raise bad("kv_host_cache_gib", "must be a positive number or None (no host tier)")
         if self.kv_host_cache_gib is not None and self.enable_prefix_caching is False:
             raise bad("kv_host_cache_gib", "needs prefix caching (enable_prefix_caching is False)")
+        if self.kv_window_rollback_tokens is not None and (not _is_int(self.kv_window_rollback_tokens)
+                                                           or self.kv_window_rollback_tokens < 0):
+            raise bad("kv_window_rollback_tokens", "must be an integer >= 0 or None")
         for name in ("kv_disk_cache_gib", "kv_retention_hours"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from deepinfer.engine.startup import (
     use_async_scheduling,
     use_prefix_caching,
 )
-from deepinfer.engine.parallel_setup import agree_kv_budget, join_parallel_job, start_parallel_role
+from deepinfer.engine.parallel_setup import abandon_job, agree_kv_budget, join_parallel_job, start_parallel_role
 from deepinfer.engine.stats import EngineStats
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
@@ -71,8 +72,7 @@ class DeepInferenceEngine:
 
     def _start(self, config: EngineConfig) -> None:
         from deepinfer.backend.registry import default_registry, load_backend_class, requested_device
-        from deepinfer.models.registry import config_dtype, load_hf_config, load_model, model_class_for
-        from deepinfer.text.tokenizer import Tokenizer
+        from deepinfer.models.registry import config_dtype, load_hf_config, model_class_for
 
         cfg = _effective(config)
         path = cfg.model_name_or_path
@@ -80,7 +80,6 @@ class DeepInferenceEngine:
         hf_config = load_hf_config(path)
         model_class_for(hf_config)  # UnsupportedModelError before any device work
         model_type = hf_config.get("model_type")
-        from deepinfer.models.layers.quant import use_linear_quant
         from deepinfer.quant_config import parse_quant_config, resolve_linear_quant
 
         qfile = None if cfg.quantization_config is None else parse_quant_config(cfg.quantization_config)
@@ -94,6 +93,18 @@ class DeepInferenceEngine:
         check_backend(backend, cfg, dtype, ckpt_quant, model_type)
         check_speculation(cfg, backend, model_type, int(hf_config.get("num_nextn_predict_layers") or 0))
         job = join_parallel_job(cfg, backend, hf_config)  # None in one process; spawns / joins the other ranks
+        try:
+            self._build(cfg, path, hf_config, backend, dtype, quant_settings, job)
+        except BaseException:
+            if job is not None and not isinstance(sys.exc_info()[1], SystemExit):
+                abandon_job(job)  # the spawned ranks fail the same way; do not leave them waiting
+            raise
+
+    def _build(self, cfg: EngineConfig, path: str, hf_config: dict, backend, dtype, quant_settings, job) -> None:
+        from deepinfer.models.layers.quant import use_linear_quant
+        from deepinfer.models.registry import load_model
+        from deepinfer.text.tokenizer import Tokenizer
+
         if cfg.batch_invariant:
             backend.enable_batch_invariance()  # before the model asks the backend for its ops
         tokenizer = Tokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
@@ -148,6 +159,7 @@ class DeepInferenceEngine:
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
         self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
+        rollback = cfg.window_rollback_tokens(any(s.sliding_window for s in specs))
         plan = plan_kv_cache(
             specs,
             block_size,
@@ -159,9 +171,10 @@ class DeepInferenceEngine:
             num_kv_blocks=cfg.num_kv_blocks,
             layouts=layouts,
             snapshot_bytes_per_block=snapshot_bytes(specs, block_size, layouts) if prefix_caching else 0,
+            window_rollback_tokens=rollback,
         )
         kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len,
-                            prefix_caching=prefix_caching,
+                            prefix_caching=prefix_caching, window_rollback_tokens=rollback,
                             cache_salt=cache_salt(model, block_size, backend) if prefix_caching else b"")
         too_small = kv.fits_alone(self._max_model_len, token_budget)
         if too_small:

@@ -27,6 +27,22 @@ def parallel_refusals(cfg: EngineConfig) -> list[str]:
     return reasons
 
 
+def shape_refusals(cfg: EngineConfig, hf_config: dict) -> list[str]:
+    """Splits the checkpoint's shapes do not allow, found before any process is spawned."""
+    layout = cfg.parallel_layout()
+    tp, reasons = layout.tensor_parallel_size, []
+    heads = hf_config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        reasons.append(f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
+    experts = hf_config.get("n_routed_experts")
+    if layout.enable_expert_parallel and isinstance(experts, int):
+        slots = experts + cfg.eplb_num_redundant_experts
+        if slots % layout.world_size:
+            reasons.append(f"enable_expert_parallel: {experts} routed experts + eplb_num_redundant_experts="
+                           f"{cfg.eplb_num_redundant_experts} do not split evenly over {layout.world_size} ranks")
+    return reasons
+
+
 def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
     """None in one process; else this rank's ParallelJob with the backend's communicators installed.
 
@@ -36,7 +52,7 @@ def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
 
     if not wants_parallel(cfg):
         return None
-    reasons = parallel_refusals(cfg)
+    reasons = parallel_refusals(cfg) + shape_refusals(cfg, hf_config)
     if reasons:
         layout = cfg.parallel_layout()
         raise ConfigError(f"{layout.describe()} cannot run this configuration:\n  - " + "\n  - ".join(reasons))
@@ -94,3 +110,11 @@ def start_parallel_role(engine, job) -> None:
         return
     run_follower(engine, job)
     raise SystemExit(0)
+
+
+def abandon_job(job) -> None:
+    """Start-up failed on this rank after the job formed: stop the ranks it spawned and leave the group."""
+    from deepinfer.parallel.launch import leave_job
+
+    job.stop_children(grace_s=5.0)
+    leave_job(job)

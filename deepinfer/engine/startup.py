@@ -220,10 +220,9 @@ def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
     if not kv.prefix_caching:
         raise ConfigError("EngineConfig.kv_host_cache_gib / kv_disk_cache_dir need prefix caching, which is off "
                           "for this model")
-    if len(kv.specs) != 1:
-        raise ConfigError("EngineConfig.kv_host_cache_gib / kv_disk_cache_dir: the lower tiers serve models with "
-                          "one KV group (V2 / V3)")
-    io = KVBlockIO(caches, kv.specs[0].name)
+    # V4: one block io per group; the window group's carries the state snapshots too (kv/tier_traffic.py)
+    ios = {s.name: KVBlockIO(caches, s.name) for s in kv.specs}
+    io = ios[kv.specs[0].name]
     host = disk = None
     if cfg.kv_host_cache_gib is not None:
         host = HostTier(int(cfg.kv_host_cache_gib * 1024**3), pin=io.device.type == "cuda")
@@ -233,7 +232,7 @@ def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
                         kv.cache_salt)
         logger.info("kv disk cache at %s (%.1f GiB, %g h retention)", disk.root, cfg.kv_disk_cache_gib,
                     cfg.kv_retention_hours)
-    kv.attach_tiers(host, disk, io)
+    kv.attach_tiers(host, disk, ios if len(ios) > 1 else io)
 
 
 def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mtp_layers: int) -> None:

@@ -25,6 +25,16 @@ ENGINE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "tensor_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "enable_eplb",
+    "eplb_num_redundant_experts",
+    "eplb_step_interval",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "dist_timeout_s",
     "gpu_memory_utilization",
     "enforce_eager",
     "quantization",
@@ -42,6 +52,7 @@ ENGINE_FIELDS = (
     "kv_disk_cache_dir",
     "kv_disk_cache_gib",
     "kv_retention_hours",
+    "kv_window_rollback_tokens",
     "structured_output_backend",
     "speculative_method",
     "num_speculative_tokens",
@@ -64,7 +75,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="devices the attention heads, dense layers and vocabulary are split over (docs/parallelism.md)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="data-parallel replicas, each scheduling its own requests (world = tp x dp processes)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="spread the routed experts (whole) over every rank instead of splitting each one over tp")
+    g.add_argument("--enable-eplb", action="store_true", default=None,
+                   help="the expert load balancer: count expert load, re-place experts between steps")
+    g.add_argument("--eplb-num-redundant-experts", type=int, default=None,
+                   help="extra copies of hot experts the balancer may place")
+    g.add_argument("--eplb-step-interval", type=int, default=None, help="engine steps between re-balancings")
+    g.add_argument("--nnodes", type=int, default=None, help="nodes of the job (torchrun-compatible rendezvous)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank among --nnodes")
+    g.add_argument("--master-addr", default=None, help="the rendezvous host (node 0)")
+    g.add_argument("--master-port", type=int, default=None, help="the rendezvous port")
+    g.add_argument("--dist-timeout-s", type=float, default=None,
+                   help="longest a collective waits for a rank before every rank stops with an error")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of device memory to use")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="never capture graphs")
     g.add_argument("--quantization", default=None, help="weight quantization scheme (default: from the checkpoint)")
@@ -90,6 +117,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-cache-gib", type=float, default=None, help="size limit of the disk tier (default 10)")
     g.add_argument("--kv-retention-hours", type=float, default=None,
                    help="hours a disk-tier block is kept (default 72)")
+    g.add_argument("--kv-window-rollback-tokens", type=int, default=None,
+                   help="tokens a sliding-window KV group keeps behind its window for rollback (V4; default: 140 "
+                        "with speculative decoding, else 0)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="bitwise the same tokens and logprobs whatever the batch (docs/determinism.md; "
                         "or DEEPINFER_BATCH_INVARIANT=1)")

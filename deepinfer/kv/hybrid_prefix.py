@@ -31,10 +31,14 @@ def window_group(specs: list[KVCacheSpec]) -> str | None:
     return next((s.name for s in specs if s.sliding_window is not None), None)
 
 
-def match_hybrid(specs: list[KVCacheSpec], pools: dict, block_size: int, limit: int,
+TIER = -2  # a table entry of a hit whose block is in a lower tier (host memory, disk): a fresh block reads it back
+
+
+def match_hybrid(specs: list[KVCacheSpec], find: Callable[[str, bytes], int | None], block_size: int, limit: int,
                  key_at: Callable[[int], bytes], dead_blocks: Callable[[KVCacheSpec, int], int]
                  ) -> tuple[int, dict[str, list[int]]]:
     """(d, per-group blocks): the deepest d <= limit whose needed blocks are all cached, or (0, {}).
+    find(group, key): the device block keyed so, TIER where only a lower tier holds it, or None.
 
     The compressed groups' condition shrinks with d (their blocks chain from block 0), so it bounds d
     first; the window's blocks are checked from that bound down, since an older window may have been
@@ -46,7 +50,7 @@ def match_hybrid(specs: list[KVCacheSpec], pools: dict, block_size: int, limit: 
             continue
         got: list[int] = []
         while (len(got) + 1) * m <= limit:
-            b = pools[s.name].block_of.get(key_at((len(got) + 1) * m - 1))
+            b = find(s.name, key_at((len(got) + 1) * m - 1))
             if b is None:
                 break
             got.append(b)
@@ -59,7 +63,7 @@ def match_hybrid(specs: list[KVCacheSpec], pools: dict, block_size: int, limit: 
                 found[s.name] = comp[s.name][: d // s.tokens_per_entry]
                 continue
             lo = dead_blocks(s, d * block_size)
-            ids = [pools[s.name].block_of.get(key_at(i)) for i in range(lo, d)]
+            ids = [find(s.name, key_at(i)) for i in range(lo, d)]
             if any(b is None for b in ids):
                 break
             found[s.name] = [-1] * lo + ids

@@ -15,24 +15,33 @@ longest keyed prefix and computes only the rest; its full, computed blocks are k
 (`register_computed`), and freed keyed blocks stay findable until evicted. On V4's hybrid cache
 (hybrid_prefix.py) a hit attaches the window's blocks and the compressed groups' complete blocks, and
 restores the compressor state and the partly filled compressed blocks from state_snapshots.py.
+
+This file keeps the tables and their growth, trim, rollback and free; the prefix-cache admission is in
+prefix_admission.py and the lower tiers' traffic in tier_traffic.py (mixins of KVCacheManager).
+
+Sliding windows keep `window_rollback_tokens` tokens beyond the window (default 0): what a sequence may be
+rolled back by (speculative decoding rejecting drafts) and still hold the window of the position it returns
+to. A V4 hit then asks for the same blocks (`dead_blocks` serves both).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from deepinfer.backend import KVCacheSpec
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.block_pool import BlockPool, SlotPool
-from deepinfer.kv.hybrid_prefix import is_hybrid, match_hybrid, register_hybrid, window_group
+from deepinfer.kv.hybrid_prefix import TIER, is_hybrid, window_group
 from deepinfer.kv.planner import window_blocks_per_seq
-from deepinfer.kv.prefix_cache import CachingBlockPool, block_key, prefix_caching_refusals
-from deepinfer.kv.tier_copies import TierCopies
+from deepinfer.kv.prefix_admission import PrefixAdmission, PrefixHit
+from deepinfer.kv.prefix_cache import CachingBlockPool, prefix_caching_refusals
 from deepinfer.kv.tier_link import TierLink
+from deepinfer.kv.tier_traffic import TierTraffic
+
+__all__ = ["KVCacheManager", "KVUser", "PrefixHit", "SeqBlocks"]
 
 
 class KVUser(Protocol):
@@ -40,19 +49,6 @@ class KVUser(Protocol):
 
     seq_id: str
     num_computed_tokens: int
-
-
-@dataclass
-class PrefixHit:
-    """The cached prefix a sequence can attach: num_tokens tokens, in these device blocks per group, then
-    (lower tiers) blocks read back from host memory or files: their keys and payloads, written into new blocks at allocate."""
-
-    num_tokens: int
-    blocks: dict[str, list[int]]
-    tier_keys: list[bytes] = field(default_factory=list)
-    tier_parts: list[list[torch.Tensor]] = field(default_factory=list)
-    snapshot: int = -1  # hybrid caches: the state snapshot's slot (the window block ending at num_tokens)
-    ready: bool = True  # False: disk reads for it are still running (match_prefix(wait=False)); admit it later
 
 
 @dataclass
@@ -67,7 +63,7 @@ class SeqBlocks:
     num_keyed: int = 0  # leading full blocks already keyed in the prefix cache
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixAdmission, TierTraffic):
     """Block tables and pools for all KV groups of one model.
 
     Each sequence holding blocks also holds a row (0..max_num_seqs-1): its index into the
@@ -86,12 +82,17 @@ class KVCacheManager:
         max_model_len: int,
         prefix_caching: bool = False,
         cache_salt: bytes = b"",
+        window_rollback_tokens: int = 0,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise DeepInferError(f"KV group names must be unique, got {names}")
+        if isinstance(window_rollback_tokens, bool) or not isinstance(window_rollback_tokens, int) \
+                or window_rollback_tokens < 0:
+            raise DeepInferError(f"window_rollback_tokens must be an int >= 0, got {window_rollback_tokens!r}")
         self.specs = list(specs)
         self.block_size = block_size
+        self.window_rollback_tokens = window_rollback_tokens
         self.max_model_len = max_model_len
         reasons = prefix_caching_refusals(specs) if prefix_caching else []
         if reasons:
@@ -129,10 +130,11 @@ class KVCacheManager:
         return -(-(num_tokens // spec.tokens_per_entry) // self.block_size)
 
     def dead_blocks(self, spec: KVCacheSpec, num_tokens: int) -> int:
-        """Leading table entries no longer read when the next token is at position num_tokens."""
+        """Leading table entries no longer needed when the next token is at position num_tokens: not read there,
+        nor at any position a rollback of up to window_rollback_tokens tokens could return to."""
         if spec.sliding_window is None:
             return 0
-        return spec.first_live_entry(num_tokens) // self.block_size
+        return spec.first_live_entry(max(0, num_tokens - self.window_rollback_tokens)) // self.block_size
 
     def fits_alone(self, num_tokens: int, chunk_tokens: int) -> list[str]:
         """Reasons a single sequence of num_tokens (computed in chunks of chunk_tokens) cannot fit."""
@@ -141,7 +143,8 @@ class KVCacheManager:
             if s.sliding_window is None:
                 need = self.table_len(s, num_tokens)
             else:
-                need = min(self.table_len(s, num_tokens), window_blocks_per_seq(s, self.block_size, chunk_tokens))
+                need = min(self.table_len(s, num_tokens), window_blocks_per_seq(s, self.block_size, chunk_tokens,
+                                                                                 self.window_rollback_tokens))
             if need > self.pools[s.name].num_blocks:
                 reasons.append(f"group {s.name!r} needs {need} blocks, has {self.pools[s.name].num_blocks}")
         return reasons
@@ -190,164 +193,15 @@ class KVCacheManager:
             return False
         total = ctx + num_new_tokens
         for s in self.specs:
-            hit = prefix.blocks[s.name]
-            need = max(0, self.table_len(s, total) - len(hit))
+            hit = prefix.blocks[s.name]  # TIER entries (read back from a lower tier) need a fresh block each
+            need = max(0, self.table_len(s, total) - len(hit)) + sum(1 for b in hit if b == TIER)
             if need > self.pools[s.name].num_free - self.pools[s.name].num_reclaimed_by(hit):
                 return False
         return True
 
-    # ------------------------------------------------------------ prefix cache
-
-    def block_keys(self, seq, num_blocks: int) -> list[bytes]:
-        """The chained keys of the first num_blocks full blocks of seq's tokens, cached on the sequence
-        (its tokens only grow, so a key once made stays right)."""
-        keys = seq.block_keys
-        if len(keys) < num_blocks:
-            bs, start = self.block_size, len(keys)
-            buf = np.asarray(seq.token_ids_slice(start * bs, num_blocks * bs), dtype=np.int64)
-            for i in range(num_blocks - start):
-                keys.append(block_key(keys[-1] if keys else b"", buf[i * bs: (i + 1) * bs], self.cache_salt))
-        return keys[:num_blocks]
-
-    def match_prefix(self, seq, wait: bool = True) -> PrefixHit | None:
-        """The longest cached prefix of a sequence that holds no blocks, leaving at least one token to
-        compute (so the step that follows has logits). None without prefix caching. Keys are made only
-        as far as the cache hits (one past it), so a long new prompt costs one key here. wait=False: disk reads
-        still running leave the hit not `ready` instead of waiting for them (tier_link.py)."""
-        if not self.prefix_caching or seq.seq_id in self._seqs:
-            return None
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens have no ids yet
-        n = max((min(seq.num_tokens, known) - 1) // self.block_size, 0)
-        if self.hybrid:
-            return self._match_hybrid(seq, n)
-        hits: dict[str, list[int]] = {s.name: [] for s in self.specs}
-        depth = 0
-        while depth < n:
-            key = seq.block_keys[depth] if depth < len(seq.block_keys) else self.block_keys(seq, depth + 1)[depth]
-            found = [self.pools[s.name].block_of.get(key) for s in self.specs]
-            if any(b is None for b in found):
-                break
-            for s, b in zip(self.specs, found):
-                hits[s.name].append(b)
-            depth += 1
-        hit = PrefixHit(depth * self.block_size, hits)
-        if self._tier is not None:
-            depth, hit.ready = self._tier.extend(hit.num_tokens // self.block_size, n,
-                                                 lambda d: self.block_keys(seq, d + 1)[d], hit.tier_keys,
-                                                 hit.tier_parts, wait)
-            hit.num_tokens = depth * self.block_size
-        return hit
-
     def use_backend(self, backend) -> None:
         """The backend whose caches these tables index (the model runner's): the lower tiers copy with it."""
         self.backend = backend
-
-    def _match_hybrid(self, seq, n: int) -> PrefixHit:
-        if self.uses_state and self.snapshots is None:
-            raise DeepInferError("prefix caching on a model with per-sequence state needs its state snapshots: "
-                                 "call attach_state_snapshots first")
-        depth, blocks = match_hybrid(self.specs, self.pools, self.block_size, n,
-                                     lambda d: self.block_keys(seq, d + 1)[d], self.dead_blocks)
-        if not depth:
-            return PrefixHit(0, {s.name: [] for s in self.specs})
-        return PrefixHit(depth * self.block_size, blocks, snapshot=blocks[self.window_group][depth - 1])
-
-    def attach_state_snapshots(self, snapshots) -> None:
-        """The store of compressor state at block boundaries (state_snapshots.StateSnapshots), one slot per
-        block of the window group: a hit restores from it, registration fills its partial entries."""
-        if not (self.hybrid and self.uses_state):
-            raise DeepInferError("state snapshots serve prefix caching on a model with per-sequence state")
-        self.snapshots = snapshots
-
-    def snapshot_plan(self, scheduled) -> list[list[tuple[int, int]]] | None:
-        """Per scheduled item (seq, context_len, num_tokens): [(B, slot)] for each block boundary
-        context_len < B <= context_len + num_tokens, slot = the window block ending at B. None without
-        snapshots or when no item crosses a boundary."""
-        if self.snapshots is None:
-            return None
-        bs, table, out, any_ = self.block_size, self._np[self.window_group], [], False
-        for it in scheduled:
-            row = self._seqs[it.seq.seq_id].row
-            ks = range(it.context_len // bs + 1, (it.context_len + it.num_tokens) // bs + 1)
-            out.append([(k * bs, int(table[row, k - 1])) for k in ks])
-            any_ = any_ or bool(out[-1])
-        return out if any_ else None
-
-    def attach_tiers(self, host, disk, block_io) -> None:
-        """Evicted keyed blocks go to the host tier (host_tier.HostTier), from there to disk
-        (disk_tier.DiskTier); hits continue into them (tier_link.py). Either may be None. The copies run on
-        the backend's copy stream (tier_copies.py), so use_backend must have been called."""
-        if not self.prefix_caching or len(self.specs) != 1:
-            raise DeepInferError("the host / disk tiers need prefix caching on a model with one KV group")
-        if self.backend is None:
-            raise DeepInferError("the host / disk tiers copy through the backend: call use_backend first "
-                                 "(the model runner does, for a model that holds its backend)")
-        self.host_tier, self.disk_tier = host, disk
-        self._tier = TierLink(host, disk, block_io, self.pools[self.specs[0].name], TierCopies(self.backend))
-
-    def fence_tier_copies(self) -> None:
-        """Before a step is launched: its compute waits (on the device) for the tiers' copies queued so far."""
-        if self._tier is not None:
-            self._tier.fence()
-
-    def register_computed(self, seq) -> None:
-        """Key the sequence's full blocks whose tokens are all computed and known on the host."""
-        if not self.prefix_caching:
-            return
-        sb = self._seqs.get(seq.seq_id)
-        if sb is None:
-            return
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        full = min(seq.num_computed_tokens, known) // self.block_size
-        if full <= sb.num_keyed:
-            return
-        keys = self.block_keys(seq, full)
-        if self.hybrid:
-            register_hybrid(self.specs, self.pools, self._np, sb.row, sb.num_keyed, full, keys)
-            if self.snapshots is not None:
-                self._capture_partials(sb, keys, full)
-            sb.num_keyed = full
-            return
-        for s in self.specs:
-            row = self._np[s.name][sb.row]
-            pool = self.pools[s.name]
-            for i in range(sb.num_keyed, full):
-                pool.register(int(row[i]), keys[i])
-        sb.num_keyed = full
-
-    def _capture_partials(self, sb: SeqBlocks, keys: list[bytes], full: int) -> None:
-        """For each newly keyed window block: its slot gets the partly filled compressed blocks at its end."""
-        table, pool = self._np[self.window_group][sb.row], self.pools[self.window_group]
-        for i in range(sb.num_keyed, full):
-            slot = int(table[i])
-            if slot < 0 or pool.block_of.get(keys[i]) != slot:  # another block holds this key (and its snapshot)
-                continue
-            parts = self.snapshots.partial_entries((i + 1) * self.block_size)
-            self.snapshots.capture_entries(slot, {g: (int(self._np[g][sb.row, j]), n) for g, (j, n) in parts.items()})
-
-    def _restore_snapshot(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
-        parts = self.snapshots.partial_entries(prefix.num_tokens)
-        self.snapshots.restore(prefix.snapshot, sb.row,
-                               {g: (int(self._np[g][sb.row, j]), n) for g, (j, n) in parts.items()})
-
-    def _load_tier_blocks(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
-        group = self.specs[0].name
-        first = len(prefix.blocks[group])
-        self._tier.load(self._np[group][sb.row, first: first + len(prefix.tier_keys)], prefix.tier_keys,
-                        prefix.tier_parts)
-        sb.num_keyed = first + len(prefix.tier_keys)
-        self.prefix_tier_hit_tokens += len(prefix.tier_keys) * self.block_size
-
-    def _attach(self, sb: SeqBlocks, prefix: PrefixHit) -> None:
-        for s in self.specs:
-            hit = prefix.blocks[s.name]
-            if hit:
-                self.pools[s.name].take(hit)
-                self._np[s.name][sb.row, : len(hit)] = hit
-                sb.num_blocks[s.name] = len(hit)
-                sb.trimmed[s.name] = sum(1 for b in hit if b < 0)  # window entries below the window: -1
-                self._changes[s.name].append((sb.row, 0, len(hit)))
-        sb.num_keyed = prefix.num_tokens // self.block_size
 
     def try_extend(self, seq: KVUser, num_new_tokens: int) -> bool:
         """The decode fast path: cover the next tokens when no group needs a block or frees one.
@@ -400,8 +254,10 @@ class KVCacheManager:
                 self._changes[s.name].append((sb.row, held, held + new))
         if attach and prefix.tier_keys:
             self._load_tier_blocks(sb, prefix)
-        if attach and prefix.snapshot >= 0 and self.snapshots is not None:
+        if attach and prefix.snapshot != -1 and self.snapshots is not None:
             self._restore_snapshot(sb, prefix)
+        if attach and self._tier is not None:
+            self._tier.copies.flush()  # the hit's copies up (and its snapshot restore): one copy_async call
         sb.num_tokens = max(sb.num_tokens, total)
         # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)
@@ -429,16 +285,24 @@ class KVCacheManager:
     def rollback(self, seq: KVUser, num_tokens: int) -> None:
         """Speculative decoding: the tables cover only the first num_tokens tokens again; blocks wholly past
         them (they held rejected drafts' KV) go back to the pool. Blocks keyed in the prefix cache are never
-        taken back (they hold only verified tokens: the caller keys after verification). Full-attention
-        groups only: sliding windows and per-sequence state are V4's, where speculation is refused."""
+        taken back (they hold only verified tokens: the caller keys after verification). A sliding window can
+        go back as far as it still holds the window of num_tokens: window_rollback_tokens behind the furthest
+        position it was trimmed for. Per-sequence state (V4's compressor rings) cannot roll back: a ring has
+        forgotten the positions a rollback would need again, so such groups are refused."""
         sb = self._seqs.get(seq.seq_id)
         if sb is None:
             return
-        if self._has_windows or self.uses_state:
-            raise DeepInferError("KVCacheManager.rollback: sliding-window / stateful KV groups cannot roll back")
+        if self.uses_state:
+            raise DeepInferError("KVCacheManager.rollback: groups with per-sequence state (compressor rings) "
+                                 "cannot roll back")
         if num_tokens < sb.num_keyed * self.block_size:
             raise DeepInferError(f"{seq.seq_id!r}: rollback to {num_tokens} tokens would drop blocks keyed in the "
                                  f"prefix cache ({sb.num_keyed} blocks)")
+        for s in self.specs:
+            if s.sliding_window is not None and s.first_live_entry(num_tokens) // self.block_size < sb.trimmed[s.name]:
+                raise DeepInferError(
+                    f"{seq.seq_id!r}: rollback to {num_tokens} tokens needs window blocks of group {s.name!r} already "
+                    f"returned (window_rollback_tokens={self.window_rollback_tokens} kept behind the window)")
         for s in self.specs:
             held, keep = sb.num_blocks[s.name], self.table_len(s, num_tokens)
             if held > keep:
@@ -446,6 +310,7 @@ class KVCacheManager:
                 self.pools[s.name].free(entries.tolist())
                 entries[:] = -1
                 sb.num_blocks[s.name] = keep
+                sb.trimmed[s.name] = min(sb.trimmed[s.name], keep)
                 self._changes[s.name].append((sb.row, keep, held))
         sb.num_tokens = min(sb.num_tokens, num_tokens)
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)

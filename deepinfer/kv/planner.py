@@ -40,9 +40,10 @@ def fixed_bytes_per_seq(specs: list[KVCacheSpec]) -> int:
     return total
 
 
-def window_blocks_per_seq(spec: KVCacheSpec, block_size: int, chunk_tokens: int) -> int:
-    """Worst-case live blocks of one sequence in a sliding group while a chunk of chunk_tokens runs."""
-    live_entries = math.ceil((spec.sliding_window - 1 + chunk_tokens) / spec.tokens_per_entry) + 1
+def window_blocks_per_seq(spec: KVCacheSpec, block_size: int, chunk_tokens: int, rollback_tokens: int = 0) -> int:
+    """Worst-case live blocks of one sequence in a sliding group while a chunk of chunk_tokens runs, keeping
+    rollback_tokens more behind the window (KVCacheManager.window_rollback_tokens)."""
+    live_entries = math.ceil((spec.sliding_window - 1 + rollback_tokens + chunk_tokens) / spec.tokens_per_entry) + 1
     return math.ceil(live_entries / block_size) + 1
 
 
@@ -76,6 +77,7 @@ def plan_kv_cache(
     num_kv_blocks: int | None = None,
     layouts: dict[str, KVLayout] | None = None,
     snapshot_bytes_per_block: int = 0,
+    window_rollback_tokens: int = 0,
 ) -> KVPlan:
     """Size every group's pool for a common token capacity C.
 
@@ -94,6 +96,7 @@ def plan_kv_cache(
     layouts: the backend's layout per group (bytes per entry); None: the single-tensor default.
     snapshot_bytes_per_block: prefix caching on V4 keeps a compressor-state snapshot beside every block of
     the sliding-window group (kv/state_snapshots.py); it is counted as part of that group's block.
+    window_rollback_tokens: what each sequence keeps behind its sliding window (KVCacheManager's, the same value).
     A budget that cannot hold the state rows plus one block per sequence in every
     compressed group (max_num_seqs minimal sequences) is refused with a DeepInferError.
     """
@@ -114,8 +117,8 @@ def plan_kv_cache(
             return _compressed_blocks(spec, block_size, max_num_seqs, max_model_len, capacity)
         n = math.ceil(math.ceil(capacity / spec.tokens_per_entry) / block_size)
         if spec.sliding_window is not None:
-            cap = max_num_seqs * window_blocks_per_seq(spec, block_size, 1)
-            cap += window_blocks_per_seq(spec, block_size, max_num_batched_tokens)
+            cap = max_num_seqs * window_blocks_per_seq(spec, block_size, 1, window_rollback_tokens)
+            cap += window_blocks_per_seq(spec, block_size, max_num_batched_tokens, window_rollback_tokens)
             n = min(n, cap)
         return max(n, 1)
 

@@ -79,6 +79,11 @@ class StateSnapshots:
         rings = sum(t.numel() * t.element_size() for t in self.rings.values())
         return rings + sum(p.numel() * p.element_size() for ps in self.entries.values() for p in ps)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the store, [num_slots, ...] each, in a fixed order: what a window block carries to the
+        host / disk tiers with it (worker/kv_block_io.KVBlockIO.add_parts)."""
+        return [*self.rings.values(), *(p for ps in self.entries.values() for p in ps)]
+
     def partial_entries(self, num_tokens: int) -> dict[str, tuple[int, int]]:
         return partial_entries(self.groups, self.block_size, num_tokens)
 
@@ -89,13 +94,22 @@ class StateSnapshots:
                 for dst, src in zip(self.entries[(group, layer)], _parts(self.caches.get(group, layer))):
                     dst[slot, :n].copy_(src[block, :n])
 
-    def restore(self, slot: int, row: int, blocks: dict[str, tuple[int, int]]) -> None:
+    def restore(self, slot: int, row: int, blocks: dict[str, tuple[int, int]], copies=None) -> None:
         """The slot's rings into state row `row` of every stateful group, and its partial entries into the
-        sequence's fresh blocks ({group: (block, n)})."""
+        sequence's fresh blocks ({group: (block, n)}). copies: a tier_copies.TierCopies to queue them on (with the
+        lower tiers, whose copy up may be what fills the slot: the same stream keeps them in order); None: now."""
+        dsts, srcs = [], []
         for (group, layer), ring in self.rings.items():
-            self.caches.get_state(group, layer)[row].copy_(ring[slot])
+            dsts.append(self.caches.get_state(group, layer)[row])
+            srcs.append(ring[slot])
         for group, (block, n) in blocks.items():
             for layer in self.caches.specs[group].layer_ids:
                 for src, dst in zip(self.entries[(group, layer)], _parts(self.caches.get(group, layer))):
-                    dst[block, :n].copy_(src[slot, :n])
+                    dsts.append(dst[block, :n])
+                    srcs.append(src[slot, :n])
+        if copies is not None:
+            copies.queue_to_device(dsts, srcs)
+            return
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
 

@@ -12,6 +12,13 @@ written by the step in flight) and leaves an event. Two rules make it safe:
   disk tier's writer thread); host -> device copies from it run on the same stream, so stream order covers them.
 
 With the native services (the cpu backend) copy_async runs at once and returns no event: there is no queue.
+
+Copies up (a hit's blocks, V4's snapshot restores) are not issued one block at a time: `queue_to_device` collects
+them and `flush` sends everything collected in ONE copy_async call (one event, one wait for the compute stream).
+The link merges a hit's blocks that land in consecutive device blocks into one copy per cache part (staged in one
+host buffer), so a hit of k blocks into a run of k blocks is `parts` transfers, not k * parts. `flush` runs at
+`fence` (the launch of the step that reads them) and before any copy down (which may read a block just loaded),
+so the copies keep program order.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class TierCopies:
     fences: list = field(default_factory=list)
     num_to_host: int = 0  # blocks copied down (evictions)
     num_to_device: int = 0  # blocks copied up (prefetches)
+    num_calls: int = 0  # copy_async calls issued (both directions)
+    num_transfers: int = 0  # (dst, src) tensor pairs in those calls
+    pending: list = field(default_factory=list)  # copies up collected for the next flush: (dst, src)
 
     def __post_init__(self) -> None:
         self.stream = self.backend.copy_stream()
@@ -59,8 +69,9 @@ class TierCopies:
     def to_host(self, srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         """Queue a copy of one block's device parts into new host buffers; returns (host parts, ready), where
         ready() blocks until the parts hold the data (None: they do already)."""
+        self.flush()  # a block loaded this step may be the one copied down now: its copy up goes first
         host = [self.alloc(tuple(t.shape), t.dtype) for t in srcs]
-        event = self.backend.copy_async(host, srcs, self.stream)
+        event = self._copy(host, srcs)
         self.num_to_host += 1
         if event is None:
             return host, None
@@ -68,15 +79,35 @@ class TierCopies:
         backend = self.backend
         return host, lambda: backend.event_synchronize(event)
 
+    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        self.num_calls += 1
+        self.num_transfers += len(dsts)
+        return self.backend.copy_async(dsts, srcs, self.stream)
+
     def to_device(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """Queue a copy of one block's host parts into its device parts (read by the next step, after `fence`)."""
-        event = self.backend.copy_async(dsts, srcs, self.stream)
-        self.num_to_device += 1
+        self.queue_to_device(dsts, srcs, blocks=1)
+
+    def queue_to_device(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], blocks: int = 0) -> None:
+        """Collect copies up (into device blocks, or V4's state rows) for the next `flush`; `blocks`: how many KV
+        blocks they carry (counted in num_to_device)."""
+        self.pending.extend(zip(dsts, srcs))
+        self.num_to_device += blocks
+
+    def flush(self) -> None:
+        """Issue every collected copy up in one copy_async call."""
+        if not self.pending:
+            return
+        dsts, srcs = [d for d, _ in self.pending], [s for _, s in self.pending]
+        self.pending = []
+        event = self._copy(dsts, srcs)
         if event is not None:
             self.fences.append(event)
 
     def fence(self) -> int:
-        """Make the compute stream wait for every copy queued since the last fence; returns how many events."""
+        """Make the compute stream wait for every copy queued since the last fence (the collected copies up are
+        issued first); returns how many events."""
+        self.flush()
         n = len(self.fences)
         for event in self.fences:
             self.backend.wait_event(event)

@@ -10,10 +10,17 @@ launch makes the compute stream wait for them, `fence`). So at schedule time:
 - a hit on disk starts the file reads on the disk tier's thread pool; until they are done the sequence is not
   admitted (the scheduler serves the others meanwhile, `extend(..., wait=False)`), unless nothing else can
   run, when the host waits for them (it has nothing else to do).
+
+Several groups (V4's hybrid cache): every group's pool evicts into the same tiers, under a key tagged with the
+group's name (`tier_key`: a compressed block and a window block can carry the same token key). The window
+group's block io also carries the block's compressor-state snapshot (state_snapshots.py), so a window block and
+the snapshot beside it travel together. One group (V2 / V3) keeps the untagged key (files already on disk stay
+valid).
 """
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import Future
 from typing import Callable
 
@@ -26,26 +33,48 @@ _READS_KEPT = 4096  # disk reads started for sequences not admitted yet (older o
 
 
 class TierLink:
-    """host: host_tier.HostTier or None; disk: disk_tier.DiskTier or None (at least one); block_io:
-    worker/kv_block_io.KVBlockIO (one block's KV across the group's layers); pool: the group's
-    CachingBlockPool, whose evictions now go to the host tier (whose own evictions go to disk), or
-    straight to disk without a host tier; copies: the backend's copy services (tier_copies.TierCopies)."""
+    """host: host_tier.HostTier or None; disk: disk_tier.DiskTier or None (at least one); ios: per group, a
+    worker/kv_block_io.KVBlockIO (one block's KV across the group's layers); pools: the groups' CachingBlockPools,
+    whose evictions now go to the host tier (whose own evictions go to disk), or straight to disk without a host
+    tier; copies: the backend's copy services (tier_copies.TierCopies)."""
 
-    def __init__(self, host, disk, block_io, pool: CachingBlockPool, copies: TierCopies):
+    def __init__(self, host, disk, ios: dict, pools: dict[str, CachingBlockPool], copies: TierCopies):
         if host is None and disk is None:
             raise ValueError("a tier link needs a host or a disk tier")
-        self.host, self.disk, self.block_io, self.pool, self.copies = host, disk, block_io, pool, copies
+        if set(ios) != set(pools):
+            raise ValueError(f"a tier link needs one block io per group: {sorted(ios)} vs {sorted(pools)}")
+        self.host, self.disk, self.ios, self.pools, self.copies = host, disk, ios, pools, copies
+        self.tagged = len(pools) > 1
         self.tiers = [t for t in (host, disk) if t is not None]
         self._reads: dict[bytes, Future] = {}  # disk reads in flight or done, not yet consumed
         self.num_deferred = 0  # admissions put off until their disk reads finish
         if disk is not None:
             disk.use_allocator(copies.alloc)
-        pool.on_evict = self._evicted
+        for group, pool in pools.items():
+            pool.on_evict = self._evictor(group)
 
-    def _evicted(self, block: int, key: bytes) -> None:
+    @property
+    def block_io(self):
+        """The one group's block io (V2 / V3)."""
+        (io,) = self.ios.values()
+        return io
+
+    @property
+    def pool(self) -> CachingBlockPool:
+        (pool,) = self.pools.values()
+        return pool
+
+    def tier_key(self, group: str, key: bytes) -> bytes:
+        return hashlib.sha256(key + b"|" + group.encode()).digest() if self.tagged else key
+
+    def _evictor(self, group: str) -> Callable[[int, bytes], None]:
+        return lambda block, key: self._evicted(group, block, key)
+
+    def _evicted(self, group: str, block: int, key: bytes) -> None:
+        key = self.tier_key(group, key)
         if any(t.contains(key) for t in self.tiers):
             return
-        parts, ready = self.copies.to_host(self.block_io.views(block))
+        parts, ready = self.copies.to_host(self.ios[group].views(block))
         if self.host is None:
             self.disk.put(key, parts, ready)
             return
@@ -53,10 +82,30 @@ class TierLink:
             if self.disk is not None and not self.disk.contains(old_key):
                 self.disk.put(old_key, old, old_ready)
 
+    def contains(self, group: str, key: bytes) -> bool:
+        key = self.tier_key(group, key)
+        return any(t.contains(key) for t in self.tiers)
+
+    def fetch(self, group: str, key: bytes, wait: bool = True) -> tuple[list[torch.Tensor] | None, bool]:
+        """One block's payload from the host tier, else from disk: (payload or None on a miss / a bad file,
+        ready). ready is False when wait is False and the disk read is still running (ask again later)."""
+        key, like = self.tier_key(group, key), self.ios[group].like()
+        got = self.host.get(key, like) if self.host is not None else None
+        if got is not None or self.disk is None:
+            return got, True
+        read = self._reads.get(key)
+        if read is None:
+            if not self.disk.contains(key):
+                return None, True
+            read = self._reads[key] = self.disk.read_async(key, like)
+        if not wait and not read.done():
+            return None, False
+        return self._reads.pop(key).result(), True
+
     def extend(self, depth: int, limit: int, key_at: Callable[[int], bytes], keys: list[bytes],
                parts: list[list[torch.Tensor]], wait: bool = True) -> tuple[int, bool]:
-        """Past a device hit of `depth` blocks, up to `limit`: the blocks the tiers hold, into keys / parts.
-        Host blocks are taken at once; blocks on disk are read on the disk tier's pool. Returns (new depth,
+        """One group: past a device hit of `depth` blocks, up to `limit`: the blocks the tiers hold, into keys /
+        parts. Host blocks are taken at once; blocks on disk are read on the disk tier's pool. Returns (new depth,
         ready): ready is False when wait is False and a read is still running (keys / parts then stop before
         it; ask again later). A file failing its checks ends the hit there."""
         like = self.block_io.like()
@@ -79,6 +128,18 @@ class TierLink:
             depth += 1
         return depth, True
 
+    def start_reads(self, group: str, keys: list[bytes]) -> None:
+        """Start the disk reads of these blocks of `group` (those on disk, not in host memory), in parallel."""
+        if self.disk is None:
+            return
+        like = self.ios[group].like()
+        for key in keys:
+            key = self.tier_key(group, key)
+            if key in self._reads or (self.host is not None and self.host.contains(key)):
+                continue
+            if self.disk.contains(key):
+                self._reads[key] = self.disk.read_async(key, like)
+
     def _start_reads(self, depth: int, limit: int, key_at: Callable[[int], bytes], like) -> Future:
         """Start reading this block and the following ones the disk holds (they are read in parallel)."""
         if len(self._reads) > _READS_KEPT:
@@ -94,13 +155,43 @@ class TierLink:
             first = first or self._reads[key]
         return first
 
-    def load(self, blocks, keys: list[bytes], parts: list[list[torch.Tensor]]) -> None:
-        """Queue the copies of read-back payloads into freshly allocated device blocks and key them there (the
-        next step waits for the copies: `fence`)."""
-        for block, key, payload in zip(blocks, keys, parts):
-            self.block_io.check(payload)
-            self.copies.to_device(self.block_io.views(int(block)), payload)
-            self.pool.register(int(block), key)
+    def load(self, blocks, keys: list[bytes], parts: list[list[torch.Tensor]], group: str | None = None,
+             flush: bool = True) -> None:
+        """Queue the copies of read-back payloads into freshly allocated device blocks of `group` (default: the one
+        group) and key them there (the next step waits for the copies: `fence`). Blocks that land in consecutive
+        device blocks go in one copy per cache part, staged in one host buffer; flush: issue them now (one
+        copy_async call for everything queued)."""
+        io = self.block_io if group is None else self.ios[group]
+        pool = self.pool if group is None else self.pools[group]
+        order = sorted(range(len(keys)), key=lambda i: int(blocks[i]))
+        run: list[int] = []
+        for i in order + [None]:
+            if run and (i is None or int(blocks[i]) != int(blocks[run[-1]]) + 1):
+                self._queue_run(io, int(blocks[run[0]]), [parts[j] for j in run])
+                run = []
+            if i is not None:
+                io.check(parts[i])
+                run.append(i)
+        for block, key in zip(blocks, keys):
+            pool.register(int(block), key)
+        if flush:
+            self.copies.flush()
+
+    def _queue_run(self, io, first: int, payloads: list[list[torch.Tensor]]) -> None:
+        """Payloads of blocks first, first + 1, ...: one (dst, src) per cache part (a host staging buffer when
+        there are several). Staging reads the payloads on the host, so it runs only where copies are synchronous
+        (no copy stream, the cpu backend): on a GPU a host-tier payload may still be filling behind its copy down's
+        event, which only the copy stream's order covers; there each block is its own transfer (still one call)."""
+        if len(payloads) == 1 or self.copies.stream is not None:
+            for k, payload in enumerate(payloads):
+                self.copies.queue_to_device(io.views(first + k), payload, blocks=1)
+            return
+        srcs = []
+        for p, like in enumerate(payloads[0]):
+            buf = self.copies.alloc((len(payloads), *like.shape), like.dtype)
+            torch.stack([payload[p] for payload in payloads], out=buf)
+            srcs.append(buf)
+        self.copies.queue_to_device(io.range_views(first, len(payloads)), srcs, blocks=len(payloads))
 
     def fence(self) -> int:
         """Before a step is launched: the compute stream waits for the copies queued since the last step."""

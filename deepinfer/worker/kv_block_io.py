@@ -2,7 +2,7 @@
 
 The caches' layouts are the backend's (one tensor or several parts per layer, [num_blocks, block_size, ...]
 each), so a block's payload is every part of every layer of the group, in layer order. The tiers copy through
-`views(block)` with kv/tier_copies.py (the backend's copy stream, no host sync); read / write are the
+`views(block)` with kv/tier_copies.py (V4's window group adds its state snapshot slots: `add_parts`) (the backend's copy stream, no host sync); read / write are the
 synchronous forms (tests and tools).
 """
 
@@ -33,6 +33,18 @@ class KVBlockIO:
     def views(self, block: int) -> list[torch.Tensor]:
         """The block's device parts (views into the caches), what the tiers' asynchronous copies read or fill."""
         return [p[block] for p in self._parts]
+
+    def range_views(self, first: int, n: int) -> list[torch.Tensor]:
+        """Blocks first .. first + n - 1 of every part (one contiguous view each: a run copied in one transfer)."""
+        return [p[first: first + n] for p in self._parts]
+
+    def add_parts(self, tensors: list[torch.Tensor]) -> None:
+        """More per-block tensors ([num_blocks, ...] each) that travel with the block: V4's state snapshot slots
+        (state_snapshots.StateSnapshots.slot_tensors), kept beside the sliding-window block of the same id."""
+        n = self._parts[0].shape[0]
+        if any(t.shape[0] != n for t in tensors):
+            raise ValueError(f"the tensors added to group {self.group!r}'s blocks need {n} rows")
+        self._parts.extend(tensors)
 
     def read(self, block: int) -> list[torch.Tensor]:
         return [p[block].to("cpu", copy=True) for p in self._parts]

@@ -146,7 +146,8 @@ def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
     assert_user_error(deepinfer("generate", str(ckpt), "hi", "--temperature", "-1"), "temperature")
     assert_user_error(deepinfer("generate", str(ckpt), "hi", "--prompt-file", str(tmp_path / "none.txt")), "none.txt")
     # a setting the backend cannot honour, and a malformed environment variable
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--tensor-parallel-size", "2"), "tensor_parallel_size")
+    # (3 does not divide the attention heads: refused before any rank is spawned)
+    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--tensor-parallel-size", "3"), "tensor_parallel_size")
     assert_user_error(deepinfer("generate", str(ckpt), "hi", env={"DEEPINFER_BATCH_INVARIANT": "maybe"}),
                       "DEEPINFER_BATCH_INVARIANT")
     out = deepinfer("generate", str(ckpt), "hi", "--dtype", "float64")  # argparse choice error

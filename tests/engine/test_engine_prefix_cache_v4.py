@@ -3,7 +3,8 @@ served from a cached prefix gives the tokens of a run without caching and logpro
 hit across chunk boundaries (chunks of 13 tokens), block boundaries, partial last blocks and prompts far
 longer than the window; where the CSA entries end on a block boundary (hit 64) and mid-block (hit 80);
 a fully cached prompt; a next turn into generated tokens; preemption and aborts in a small cache. Also:
-the refusals that remain, the lower tiers refused for V4, and the snapshot memory in the plan."""
+the refusals that remain, the lower tiers' need of prefix caching, and the snapshot memory in the plan (V4 on the
+host / disk tiers: tests/kv/test_kv_v4_tiers.py)."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def test_preemption_and_aborts_in_a_small_cache(path, engines):
 
 def test_refusals_and_tiers(path):
     """V4's groups are served; a layout the snapshots cannot follow is refused with the reason; the lower
-    tiers (one-group block copies) are refused for V4."""
+    tiers need prefix caching."""
     f = torch.float32
     swa = KVCacheSpec("w", (0,), (4,), f, sliding_window=8)
     comp = KVCacheSpec("c", (0,), (4,), f, tokens_per_entry=4, state_shape=(8, 8))
@@ -166,8 +167,8 @@ def test_refusals_and_tiers(path):
         prefix_caching_refusals([KVCacheSpec("w", (0,), (4,), f, tokens_per_entry=2, sliding_window=8)]))
     assert "without compression" in " ".join(
         prefix_caching_refusals([swa, KVCacheSpec("s", (0,), (4,), f, state_shape=(2, 2))]))
-    with pytest.raises(ConfigError, match="one KV group"):
-        _engine(path, None, kv_host_cache_gib=0.01)
+    with pytest.raises(ConfigError, match="needs prefix caching"):
+        _engine(path, False, kv_host_cache_gib=0.01)
 
 
 def test_snapshot_bytes_count_in_the_plan():

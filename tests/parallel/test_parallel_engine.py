@@ -75,3 +75,39 @@ def test_a_hung_rank_times_out_and_every_rank_stops(checkpoint):
     assert "Timed out" in got["error"] or "timed out" in got["error"].lower(), got
     assert got["error_after_s"] < 4.0 * 3 + 5.0
     assert got["children_alive"] == [False]
+
+
+def test_torchrun_env_rendezvous_and_two_nodes_on_loopback(checkpoint, reference):
+    """The same job joined two other ways, at once: (a) torchrun-style, every rank a process started with
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (rank 1's engine serves as a follower and exits 0);
+    (b) two "nodes" on loopback: node 0's engine is rank 0, node 1's launcher (--node-rank 1) spawns rank 1."""
+    from deepinfer.parallel.local_ranks import free_port
+
+    path, ref = checkpoint("tiny-v2-lite"), reference("tiny-v2-lite")
+    env_port, node_port = free_port(), free_port()
+    layout = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(env_port))
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, "generate", path, json.dumps(layout)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for node in (0, 1):
+        settings = dict(layout, nnodes=2, node_rank=node, master_port=node_port)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, "generate", path, json.dumps(settings)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (code, out, err) in enumerate(outs):
+        assert code == 0, f"process {i} exited {code}:\n{err[-4000:]}"
+    for i in (0, 2):  # the leaders
+        lines = [ln for ln in outs[i][1].splitlines() if ln.startswith("RESULT ")]
+        assert lines, outs[i][2][-3000:]
+        got = json.loads(lines[-1][len("RESULT "):])
+        assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
+    assert not any(ln.startswith("RESULT ") for ln in outs[1][1].splitlines() + outs[3][1].splitlines())
