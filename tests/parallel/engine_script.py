@@ -22,6 +22,7 @@ def run(mode: str, path: str, settings: dict) -> dict:
     from deepinfer import LLM, SamplingParams
 
     kw = dict(device="cpu", load_progress=False, max_model_len=128, dist_timeout_s=20.0)
+    serve = settings.pop("serve", False)
     kw.update(settings)
     t0 = time.monotonic()
     llm = LLM(path, **kw)
@@ -29,10 +30,14 @@ def run(mode: str, path: str, settings: dict) -> dict:
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
     if mode == "generate":
-        out["greedy"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        out["greedy"] = [o.outputs[0].token_ids for o in outs]
+        out["greedy_text"] = [o.outputs[0].text for o in outs]
         out["seeded"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
         # one request alone: it lands on the leader's replica, the others step with it (dummy forwards under EP)
         out["alone"] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        if serve:
+            out["served"] = serve_completions(llm)
         llm.shutdown()
         return out
     child = llm._job.children[0][1]
@@ -59,6 +64,29 @@ def run(mode: str, path: str, settings: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["later_call"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def serve_completions(llm) -> list[str]:
+    """The OpenAI server on the leader: concurrent greedy completions through the official client."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
+    from server_harness import start_server
+
+    live = start_server(llm)
+    try:
+        client = openai.OpenAI(base_url=live.v1, api_key="none")
+
+        def one(prompt):
+            r = client.completions.create(model=llm.model_name, prompt=prompt, max_tokens=6, temperature=0.0)
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, PROMPTS[:4]))
+    finally:
+        live.stop()
 
 
 if __name__ == "__main__":

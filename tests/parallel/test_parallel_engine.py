@@ -52,13 +52,15 @@ def reference(checkpoint):
 
 def test_data_parallel_replicas_with_expert_parallelism_equal_one_process(checkpoint, reference):
     """DP=2 with experts over both ranks: requests are routed to both replicas, the MoE collectives span
-    them, a replica with no work steps with the other (dummy forward); tokens equal one process."""
+    them, a replica with no work steps with the other (dummy forward); tokens equal one process. The OpenAI
+    server runs on the leader: concurrent completions through the official client give the same texts."""
     ref = reference("tiny-v2-lite")
     got = run_script("generate", checkpoint("tiny-v2-lite"),
-                     {"data_parallel_size": 2, "enable_expert_parallel": True})
+                     {"data_parallel_size": 2, "enable_expert_parallel": True, "serve": True})
     assert got["greedy"] == ref["greedy"]
     assert got["seeded"] == ref["seeded"]
     assert got["alone"] == ref["greedy"][0]
+    assert got["served"] == got["greedy_text"][:4]
 
 
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(checkpoint):
