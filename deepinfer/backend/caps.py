@@ -52,8 +52,8 @@ class BackendCaps:
             reasons.append(f"model_type {req.model_type!r} not supported (supported: {', '.join(self.model_types)})")
         if req.tensor_parallel_size > self.max_tensor_parallel_size:
             reasons.append(
-                f"tensor_parallel_size={req.tensor_parallel_size} exceeds this backend's maximum "
-                f"of {self.max_tensor_parallel_size}"
+                f"tensor_parallel_size x data_parallel_size = {req.tensor_parallel_size} devices exceeds this "
+                f"backend's maximum of {self.max_tensor_parallel_size}"
             )
         if req.batch_invariant and not self.batch_invariant:
             note = f": {self.batch_invariant_note}" if self.batch_invariant_note else ""
@@ -74,6 +74,6 @@ class FeatureRequest:
     dtype: torch.dtype | None = None
     quantization: str | None = None
     model_type: str | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # every device of the job: tensor_parallel_size x data_parallel_size
     batch_invariant: bool = False
     kv_block_size: int | None = None

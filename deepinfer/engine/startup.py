@@ -72,7 +72,7 @@ def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -
             dtype=dtype,
             quantization=quantization,
             model_type=model_type,
-            tensor_parallel_size=cfg.tensor_parallel_size,
+            tensor_parallel_size=cfg.parallel_layout().world_size,  # every device of the job, DP replicas too
             batch_invariant=cfg.batch_invariant,
             kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
         )

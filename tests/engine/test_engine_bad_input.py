@@ -127,9 +127,10 @@ def test_device_from_env(clean_env, checkpoint):
 
 
 def test_backend_refuses_what_it_cannot_honour(clean_env, checkpoint):
-    with pytest.raises(BackendError, match="tensor_parallel_size=2 exceeds this backend's maximum of 1"):
+    with pytest.raises(BackendError, match="= 128 devices exceeds this backend's maximum of 64"):
         DeepInferenceEngine.from_config(
-            EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu", tensor_parallel_size=2)
+            EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu", tensor_parallel_size=64,
+                         data_parallel_size=2)
         )
     clean_env.setenv("DEEPINFER_BATCH_INVARIANT", "1")  # the env var reaches the backend: honoured for V2 / V3
     engine = DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=checkpoint(PRESET), device="cpu"))
