@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +19,13 @@ class CausalLM(nn.Module, ABC):
     filled by `load_weights`, then `finalize` hands converted weights to the
     backend ops.
     """
+
+    # the class splits its weights over the backend's "tp" communicator (load_model refuses
+    # tensor_parallel_size > 1 for a class that does not)
+    supports_tensor_parallel: ClassVar[bool] = False
+    # load_weights takes `StoredTensor` handles (models/loader.py) and reads them through `deliver`, so a
+    # rank reads only its part; a class without it gets every tensor read whole
+    reads_stored_tensors: ClassVar[bool] = False
 
     def __init__(self, config, backend: "Backend", dtype: torch.dtype):
         super().__init__()

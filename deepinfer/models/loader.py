@@ -15,6 +15,13 @@ linear as `<prefix>.weight` int8 [out, in] + `.weight_scale` [out, 1] + `.weight
 gathers the three into one `Int8Weight` record under `<prefix>.weight` the same way, and checks the set of
 int8 linears against the checkpoint's `quant_model_description.json` (every "W8A8_DYNAMIC" weight arrived as
 int8 with its scales, no int8 weight it does not list).
+
+Reading a rank's part (tensor / expert parallelism): `iter_checkpoint(..., lazy=True)` yields each plain
+tensor as a `StoredTensor`, a handle not yet read. The model hands it with its loader to `deliver`, which
+reads only the loader's `part` (safetensors' get_slice) for a `SlicedLoader`, nothing for `OTHER_RANK`
+(a tensor another rank holds), the whole tensor otherwise: one read per needed tensor, and none for a
+tensor the model skips. int4 / int8 parts are read whole and grouped as before (those records are not
+split; the layers refuse them at tensor_parallel_size > 1).
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
 from deepinfer.backend import Int4Weight
 from deepinfer.errors import ModelLoadError
+from deepinfer.models.weights import Loader, OtherRankTensor, ShardSlice, SlicedLoader
 from deepinfer.quant_config import (
     Int4CheckpointFormat,
     int4_checkpoint_format,
@@ -63,6 +71,72 @@ class Int8Weight:
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.weight.to(device), self.weight_scale.to(device, torch.float32),
                           self.weight_offset.to(device, torch.float32))
+
+
+# safetensors dtype names -> torch (those a DeepSeek checkpoint may hold)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass
+class ReadStats:
+    """What was read from the checkpoint: per tensor name the shapes read (a part or the whole), and bytes."""
+
+    shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    bytes_read: int = 0
+
+    def record(self, name: str, t: torch.Tensor) -> None:
+        self.shapes.setdefault(name, []).append(tuple(t.shape))
+        self.bytes_read += t.numel() * t.element_size()
+
+
+@dataclass
+class StoredTensor:
+    """A checkpoint tensor not read yet: its name, stored shape and dtype, and the open file it lives in."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: a dtype not in _ST_DTYPES (read() still returns what safetensors gives)
+    handle: Any  # a safetensors safe_open handle
+    stats: ReadStats | None = None
+
+    def read(self, part: ShardSlice | None = None) -> torch.Tensor:
+        """The whole tensor, or only t[start:stop] along part.dim (the rest of the file is never touched)."""
+        if part is None:
+            t = self.handle.get_tensor(self.name)
+        else:
+            if not 0 <= part.dim < len(self.shape) or not 0 <= part.start < part.stop <= self.shape[part.dim]:
+                raise ModelLoadError(f"{self.name} has shape {self.shape}: cannot read [{part.start}:{part.stop}] "
+                                     f"along dim {part.dim} (this rank's part of it)")
+            index = slice(part.start, part.stop)
+            t = self.handle.get_slice(self.name)[(slice(None),) * part.dim + (index,) if part.dim else index]
+        if self.stats is not None:
+            self.stats.record(self.name, t)
+        return t
+
+
+def _whole(t):
+    return t.read() if isinstance(t, StoredTensor) else t
+
+
+def deliver(loader: Loader, value) -> None:
+    """Hand a checkpoint value to its loader: only the loader's part of it (SlicedLoader), nothing for a
+    tensor another rank holds (OTHER_RANK), the whole of it otherwise. `value` is a StoredTensor (read
+    here), a tensor already in memory (a part is then a view of it), or an int4 / int8 record (handed
+    whole: the layer decides whether it can take it)."""
+    if isinstance(loader, OtherRankTensor):
+        return
+    if not isinstance(loader, SlicedLoader):
+        loader(_whole(value))
+        return
+    part = loader.part
+    if isinstance(value, StoredTensor):
+        loader.fn(value.read(part))
+    elif isinstance(value, torch.Tensor):
+        loader.fn(value.narrow(part.dim, part.start, part.stop - part.start))
+    else:
+        loader.fn(value)
 
 
 @dataclass
@@ -100,9 +174,19 @@ def find_checkpoint_files(path: str) -> CheckpointFiles:
     raise ModelLoadError(f"no safetensors weights in {path!r} (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
-def iter_checkpoint(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
-    """Yield (name, tensor) for every tensor of the checkpoint (int4 / int8 linears as one record, see above)."""
-    stream = _iter_tensors(path, progress)
+def iter_checkpoint(path: str, progress: bool = True, lazy: bool = False, stats: ReadStats | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | StoredTensor | Int4Weight | Int8Weight]]:
+    """Yield (name, tensor) for every tensor of the checkpoint (int4 / int8 linears as one record, see above).
+
+    lazy: plain tensors come as `StoredTensor` handles, read by `deliver` (only the part a rank needs);
+    otherwise each is read whole here. stats: counts what is read."""
+    for name, t in _grouped(path, progress, stats):
+        yield name, (t if lazy else _whole(t))
+
+
+def _grouped(path: str, progress: bool, stats: ReadStats | None
+             ) -> Iterator[tuple[str, StoredTensor | Int4Weight | Int8Weight]]:
+    stream = _iter_tensors(path, progress, stats)
     int8_ckpt: bool | None = None  # config.json read only when an int8 tensor or a per-channel scale shows up
     for name, t in stream:
         if int8_ckpt is None and (t.dtype == torch.int8 or name.endswith((".weight_scale", ".weight_offset"))):
@@ -146,7 +230,7 @@ def group_int4(stream: Iterator[tuple[str, torch.Tensor]], fmt: Int4CheckpointFo
             yield name, t
             continue
         got = pending.setdefault(prefix, {})
-        got[leaf] = t
+        got[leaf] = _whole(t)
         if len(got) == len(parts):
             del pending[prefix]
             yield f"{prefix}.weight", Int4Weight(fmt.method, got["qweight"], got["qzeros"], got["scales"],
@@ -177,7 +261,7 @@ def group_int8(stream: Iterator[tuple[str, torch.Tensor]], description: dict[str
             yield name, t
             continue
         got = pending.setdefault(prefix, {})
-        got[leaf] = t
+        got[leaf] = _whole(t)
         if len(got) == len(_INT8_PARTS):
             del pending[prefix]
             done.add(prefix)
@@ -190,7 +274,8 @@ def group_int8(stream: Iterator[tuple[str, torch.Tensor]], description: dict[str
                              f"({len(missing)} linear(s) listed in quant_model_description.json incomplete)")
 
 
-def _iter_tensors(path: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(path: str, progress: bool, stats: ReadStats | None = None
+                  ) -> Iterator[tuple[str, StoredTensor]]:
     from safetensors import safe_open
 
     ckpt = find_checkpoint_files(path)
@@ -218,7 +303,9 @@ def _iter_tensors(path: str, progress: bool) -> Iterator[tuple[str, torch.Tensor
         for i, (file, h, keys) in enumerate(handles):
             bar.set_postfix_str(f"shard {i + 1}/{len(handles)}")
             for key in keys:
-                yield key, h.get_tensor(key)
+                sl = h.get_slice(key)
+                dtype = sl.get_dtype()
+                yield key, StoredTensor(key, tuple(sl.get_shape()), _ST_DTYPES.get(dtype), h, stats)
                 bar.update(1)
     finally:
         bar.close()

@@ -5,12 +5,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.backend import Backend
 from deepinfer.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import ReadStats
 
 # model_type -> "module:Class". Classes take (config.json dict, backend, dtype).
 MODEL_REGISTRY: dict[str, str] = {
@@ -61,18 +65,27 @@ def config_dtype(hf_config: dict) -> torch.dtype | None:
 
 
 def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool = True,
-               hf_config: dict | None = None, load_mtp: bool = False) -> CausalLM:
+               hf_config: dict | None = None, load_mtp: bool = False,
+               read_stats: "ReadStats | None" = None) -> CausalLM:
     """Build the model for `path`, load its weights (tqdm bar) and let the backend convert them.
 
     load_mtp: also build and load the checkpoint's MTP modules (model families that support it).
 
     `hf_config`: config.json of `path` when the caller has already parsed it (the engine's start-up
-    does, so the file is read once); None reads it here."""
+    does, so the file is read once); None reads it here.
+
+    Under tensor parallelism (the backend's "tp" communicator spans several ranks) the model holds this
+    rank's shard and, for a class that `reads_stored_tensors`, reads only that shard from the files.
+    read_stats: filled with what was read (tests, diagnostics)."""
     from deepinfer.models.loader import iter_checkpoint
 
     if hf_config is None:
         hf_config = load_hf_config(path)
     cls = model_class_for(hf_config)
+    tp = backend.communicator().world_size  # the "tp" group
+    if tp > 1 and not cls.supports_tensor_parallel:
+        raise ModelLoadError(f"{cls.__name__} (model_type {hf_config.get('model_type')!r}) cannot be split over "
+                             f"tensor_parallel_size {tp} yet; run it with tensor_parallel_size 1")
     extra = {}
     if load_mtp:
         if not getattr(cls, "loads_mtp", False):
@@ -80,7 +93,7 @@ def load_model(path: str, backend: Backend, dtype: torch.dtype, progress: bool =
         extra["load_mtp"] = True
     with torch.device(backend.device):
         model = cls(hf_config, backend, dtype, **extra)
-    model.load_weights(iter_checkpoint(path, progress=progress))
+    model.load_weights(iter_checkpoint(path, progress=progress, lazy=cls.reads_stored_tensors, stats=read_stats))
     model.finalize()
     model.eval()
     return model

@@ -3,6 +3,10 @@
 The families differ only in config (q compression, routing, rope interleave),
 all resolved by `parse_deepseek_config`; the math is written against the
 backend contract, so every backend runs this same file.
+
+Tensor parallelism (the backend's "tp" communicator): the layers split themselves (heads, dense MLP and
+shared experts, vocabulary; layers/*.py); their loaders name the part of each tensor this rank reads, and
+`load_weights` takes the checkpoint's unread handles and reads just those parts (loader.deliver).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from deepinfer.models.deepseek_v3.mtp import DeepseekMTP
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mla import MLA_GROUP
+from deepinfer.models.loader import deliver
 from deepinfer.models.weights import tensor_loader
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -38,6 +43,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     """
 
     loads_mtp = True
+    supports_tensor_parallel = True
+    reads_stored_tensors = True
 
     def __init__(self, config: dict | DeepseekConfig, backend: Backend, dtype: torch.dtype,
                  load_mtp: bool = False):
@@ -82,6 +89,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         return m is not None and int(m.group(1)) >= self.num_layers
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """(name, tensor or unread StoredTensor) pairs; each needed tensor is read once, only this rank's part
+        of it; a tensor another rank holds (OTHER_RANK) is expected but never read."""
         expected = self.weight_loaders()
         optional: dict[str, Loader] = {}
         for m in self.mtp:
@@ -91,7 +100,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         for name, tensor in weights:
             loader = expected.pop(name, None) or optional.pop(name, None)
             if loader is not None:
-                loader(tensor)
+                deliver(loader, tensor)
             elif self.is_mtp_weight(name) and not self.mtp:
                 self.skipped_mtp_tensors += 1
             elif cfg_tied_head(self.config, name):

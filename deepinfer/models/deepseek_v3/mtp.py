@@ -15,6 +15,9 @@ the next token t_{i+1},
     logits_{i+2} = head(shared_head.norm(x))
 The module's attention layer caches in the model's MLA group under its own layer id, so it shares the
 block tables and slot mapping of the tokens it runs on.
+
+Tensor parallelism: the decoder layer and the embedding / head copies split like the main model's; eh_proj
+(2D -> D, small) is replicated on every rank, its input being the whole (replicated) hidden state.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.deepseek_v3.decoder_layer import DecoderLayer
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Linear, Loader
-from deepinfer.models.weights import tensor_loader
+from deepinfer.models.weights import tensor_loader, then
 
 
 class DeepseekMTP(nn.Module):
@@ -74,10 +77,7 @@ class DeepseekMTP(nn.Module):
         return out
 
     def _mark(self, load: Loader, flag: str) -> Loader:
-        def run(t: torch.Tensor) -> None:
-            load(t)
-            setattr(self, flag, True)
-        return run
+        return then(load, lambda: setattr(self, flag, True))
 
     def finalize(self, main_embed: VocabEmbedding, main_head: LMHead) -> None:
         if not self._own_embed:

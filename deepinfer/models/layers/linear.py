@@ -8,6 +8,13 @@ or "fp8_w8a8" (quantized at load) under online fp8; an msModelSlim int8 record (
 per-channel weight_scale / weight_offset, gathered by the loader the same way) as "int8_w8a8". The
 backend's LinearMethod converts the loaded tensors (`process_weights`) and applies them; a backend whose
 method runs the quantized format keeps it quantized in memory.
+
+Tensor parallelism (`split`): a "column" layer holds out_features / tp rows of W (its output is this rank's
+slice of the columns), a "row" layer in_features / tp columns (its output is a partial sum the caller
+all-reduces; the bias is added on tp rank 0 only). The split comes from the backend's "tp" communicator;
+its loaders are `SlicedLoader`s, so the checkpoint reader reads only this rank's part. With one rank the
+layer is exactly the unsplit one (plain loaders, no slicing). fp8 block scales are sliced with the weight,
+so each rank's part must be whole 128-blocks; int4 / int8 records are not split (refused at tp > 1).
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, Int4Weight, LinearMethod
+from deepinfer.backend import Backend, Communicator, Int4Weight, LinearMethod
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.quant.settings import active_linear_quant
 from deepinfer.models.loader import Int8Weight
+from deepinfer.models.weights import OTHER_RANK, sliced
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
@@ -28,8 +36,16 @@ FP8_BLOCK = 128
 Loader = Callable[[torch.Tensor], None]
 
 
+SPLITS = (None, "column", "row")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def tp_communicator(backend: Backend) -> Communicator:
+    """The tensor-parallel group's communicator: `Backend.communicator()`'s default group is "tp"."""
+    return backend.communicator()
 
 
 def prepare_weight(
@@ -76,9 +92,22 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         bias: bool = False,
         quantized: bool = False,
+        split: str | None = None,
+        tp: Communicator | None = None,
     ):
         super().__init__()
-        self.in_features = in_features
+        if split not in SPLITS:
+            raise ValueError(f"Linear split must be one of {SPLITS}, got {split!r}")
+        comm = (tp or tp_communicator(backend)) if split else None
+        self.split = split if comm is not None and comm.world_size > 1 else None
+        self.tp_size = comm.world_size if self.split else 1
+        self.tp_rank = comm.rank if self.split else 0
+        self.shard_problem = self._shard_problem(in_features, out_features, quantized)
+        if self.split == "column":
+            out_features //= self.tp_size
+        elif self.split == "row":
+            in_features //= self.tp_size
+        self.in_features = in_features  # this rank's part
         self.out_features = out_features
         self.backend = backend
         self.dtype = dtype
@@ -93,19 +122,52 @@ class Linear(nn.Module):
         self.method: LinearMethod | None = None
         self.name = ""
 
+    def _shard_problem(self, in_features: int, out_features: int, quantized: bool) -> str | None:
+        """Why this layer cannot be split over the tp ranks (reported with its name by `loaders`), or None."""
+        if self.split is None:
+            return None
+        n = self.tp_size
+        size, what = (out_features, "out_features") if self.split == "column" else (in_features, "in_features")
+        if size % n:
+            return f"{what} {size} does not split evenly over tensor_parallel_size {n}"
+        if quantized and (size // n) % FP8_BLOCK:
+            return (f"fp8 block-scaled weight: {what} {size} over tensor_parallel_size {n} gives {size // n} per "
+                    f"rank, not a multiple of the {FP8_BLOCK}-wide scale blocks")
+        return None
+
     # ------------------------------------------------------------ loading
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
-        """Checkpoint names this layer expects -> setter."""
+        """Checkpoint names this layer expects -> setter (split: this rank's part only)."""
         self.name = prefix
-        out = {f"{prefix}.weight": self._set_weight}
-        if self.quantized:
-            out[f"{prefix}.weight_scale_inv"] = self._set_scale
+        if self.shard_problem is not None:
+            raise ModelLoadError(f"{prefix}: cannot split this {self.split}-parallel layer: {self.shard_problem}")
+        if self.split is None:
+            out = {f"{prefix}.weight": self._set_weight}
+            if self.quantized:
+                out[f"{prefix}.weight_scale_inv"] = self._set_scale
+            if self.has_bias:
+                out[f"{prefix}.bias"] = self._set_bias
+            return out
+        dim = 0 if self.split == "column" else 1
+        size = self.out_features if dim == 0 else self.in_features
+        lo = self.tp_rank * size
+        out = {f"{prefix}.weight": sliced(self._set_weight, dim, lo, lo + size)}
+        if self.quantized:  # whole 128-blocks per rank (checked by _shard_problem)
+            out[f"{prefix}.weight_scale_inv"] = sliced(self._set_scale, dim, lo // FP8_BLOCK,
+                                                       (lo + size) // FP8_BLOCK)
         if self.has_bias:
-            out[f"{prefix}.bias"] = self._set_bias
+            if dim == 0:
+                out[f"{prefix}.bias"] = sliced(self._set_bias, 0, lo, lo + size)
+            else:  # a row-parallel output is summed over the ranks: its bias is added once, on rank 0
+                out[f"{prefix}.bias"] = self._set_bias if self.tp_rank == 0 else OTHER_RANK
         return out
 
     def _set_weight(self, t: torch.Tensor) -> None:
+        if self.split is not None and isinstance(t, (Int4Weight, Int8Weight)):
+            raise ModelLoadError(f"{self.name}: {t.scheme} checkpoints cannot be split over tensor_parallel_size "
+                                 f"{self.tp_size} (their packed groups are not sharded yet); load them with "
+                                 "tensor_parallel_size 1")
         self.weight = prepare_weight(self.name, t, (self.out_features, self.in_features), self.quantized, self.dtype,
                                      self.backend.device)
 
@@ -162,6 +224,10 @@ class MergedLinear(nn.Module):
     Output column groups are concatenated in `out_sizes` order. fp8 block scales
     concatenate only when every part but the last fills whole 128-row blocks;
     otherwise the parts run one by one and their outputs are concatenated.
+
+    `splits`: per part, None (replicated) or "column" (this rank's slice of that part's rows), so a
+    merged gate/up or q/kv_a keeps each part's meaning under tensor parallelism; `out_sizes` then
+    holds this rank's sizes.
     """
 
     def __init__(
@@ -172,13 +238,19 @@ class MergedLinear(nn.Module):
         dtype: torch.dtype,
         biases: list[bool] | None = None,
         quantized: bool = False,
+        splits: list[str | None] | None = None,
+        tp: Communicator | None = None,
     ):
         super().__init__()
-        self.out_sizes = list(out_sizes)
         biases = biases or [False] * len(out_sizes)
+        splits = splits or [None] * len(out_sizes)
+        if len(splits) != len(out_sizes) or any(sp not in (None, "column") for sp in splits):
+            raise ValueError(f"MergedLinear splits must be None or 'column' per part, got {splits!r}")
         self.parts = nn.ModuleList(
-            Linear(in_features, n, backend, dtype, bias=b, quantized=quantized) for n, b in zip(out_sizes, biases)
+            Linear(in_features, n, backend, dtype, bias=b, quantized=quantized, split=sp, tp=tp)
+            for n, b, sp in zip(out_sizes, biases, splits)
         )
+        self.out_sizes = [p.out_features for p in self.parts]
         self.fused: Linear | None = None
         self.backend = backend
         self.dtype = dtype

@@ -1,6 +1,11 @@
 """Multi-head latent attention (DeepSeek V2/V3): the projections here; the backend's MLA op takes q and
 the kv_a projection from there (latent norm, RoPE, KV-cache write, prefill / decode attention over the
-paged latent cache), so a backend can fuse the small pre-attention ops into one kernel."""
+paged latent cache), so a backend can fuse the small pre-attention ops into one kernel.
+
+Tensor parallelism splits the heads: each "tp" rank runs num_attention_heads / tp of them (q_b_proj or
+q_proj and kv_b_proj column-parallel by heads, o_proj row-parallel, its partial sums all-reduced once);
+q_a / kv_a and the latent norm are replicated, so every rank writes and keeps the whole latent KV cache
+(MLA's one latent vector serves all heads) and the backend op sees only the local head count."""
 
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ from torch import nn
 
 from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLAPrologWeights, MLASpec
 from deepinfer.backend.native.rope import mla_softmax_scale
+from deepinfer.errors import ModelLoadError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
-from deepinfer.models.layers.linear import Linear, Loader, MergedLinear
+from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
 from deepinfer.models.weights import tensor_loader
 
 MLA_GROUP = "mla"
@@ -22,9 +28,14 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
-        self.comm = backend.communicator()
+        self.comm = tp_communicator(backend)
         self.dtype = dtype
-        self.num_heads = H = cfg.num_attention_heads
+        tp = self.comm.world_size
+        if cfg.num_attention_heads % tp:
+            raise ModelLoadError(f"num_attention_heads {cfg.num_attention_heads} does not split over "
+                                 f"tensor_parallel_size {tp} (the heads are spread evenly over the tp ranks)")
+        self.num_heads = H = cfg.num_attention_heads // tp  # this rank's heads
+        Hg = cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
         self.kv_lora_rank = cfg.kv_lora_rank
         self.qk_nope = cfg.qk_nope_head_dim
@@ -40,15 +51,15 @@ class MLAAttention(nn.Module):
             self.qkv_a_proj = MergedLinear(D, [cfg.q_lora_rank, kv_a_out], backend, dtype, biases=[bias, bias],
                                            quantized=quant)
             self.q_a_layernorm: torch.Tensor | None = None
-            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, backend, dtype, quantized=quant)
+            self.q_b_proj = Linear(cfg.q_lora_rank, Hg * qk, backend, dtype, quantized=quant, split="column")
         else:
             # q_proj (no bias, as in HF) and kv_a_proj_with_mqa read the same input: one matmul
-            self.q_kv_a_proj = MergedLinear(D, [H * qk, kv_a_out], backend, dtype, biases=[False, bias],
-                                            quantized=quant)
+            self.q_kv_a_proj = MergedLinear(D, [Hg * qk, kv_a_out], backend, dtype, biases=[False, bias],
+                                            quantized=quant, splits=["column", None])
         self.kv_a_layernorm: torch.Tensor | None = None
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), backend, dtype,
-                                quantized=quant)
-        self.o_proj = Linear(H * cfg.v_head_dim, D, backend, dtype, bias=bias, quantized=quant)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, Hg * (cfg.qk_nope_head_dim + cfg.v_head_dim), backend, dtype,
+                                quantized=quant, split="column")
+        self.o_proj = Linear(Hg * cfg.v_head_dim, D, backend, dtype, bias=bias, quantized=quant, split="row")
         self.spec = MLASpec(
             num_heads=H,
             qk_nope_head_dim=cfg.qk_nope_head_dim,

@@ -7,30 +7,34 @@ from torch import nn
 
 from deepinfer.backend import Backend
 from deepinfer.errors import ModelLoadError
-from deepinfer.models.layers.linear import Linear, Loader, MergedLinear
+from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up run as one matmul when they can be fused.
 
     `swiglu_limit` (V4) clamps gate and up first; `names` are the checkpoint's
-    (gate, up, down) names (V4: w1, w3, w2). `reduce_output`: the down projection is row-parallel
-    under tensor parallelism, so its output is summed over the group (the communicator's all_reduce;
-    the identity in one process); a MoE layer's shared experts leave that to the MoE layer, which
-    reduces routed + shared once.
+    (gate, up, down) names (V4: w1, w3, w2). Tensor parallelism (`tp_split`, on by default): gate and up
+    are column-parallel (each rank holds intermediate / tp of both, so the fused gate_up keeps its
+    halves), down is row-parallel, so its output is a partial sum over the "tp" group. `reduce_output`:
+    that sum is taken here (the communicator's all_reduce; the identity in one process); a MoE layer's
+    shared experts leave it to the MoE layer, which reduces routed + shared once. `tp_split=False`
+    keeps a whole replica on every rank (its output then needs no reduce).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, backend: Backend, dtype: torch.dtype,
                  quantized: bool = False, swiglu_limit: float | None = None,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), reduce_output: bool = True):
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), reduce_output: bool = True,
+                 tp_split: bool = True):
         super().__init__()
         self.backend = backend
-        self.comm = backend.communicator() if reduce_output else None
+        self.comm = tp_communicator(backend) if reduce_output and tp_split else None
         self.swiglu_limit = swiglu_limit
         self.names = names
+        col, row = ("column", "row") if tp_split else (None, None)
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
-                                         quantized=quantized)
-        self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized)
+                                         quantized=quantized, splits=[col, col])
+        self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized, split=row)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         gate, up, down = self.names

@@ -1,0 +1,380 @@
+"""Tensor parallelism of the DeepSeek V2/V3 model on gloo ranks: logits equal to one process, each rank reads
+only its part of the checkpoint, and the settings that cannot be split are named.
+
+The single-process model drives a prefill + greedy decode; the ranks replay the same tokens (teacher forced)
+through their sharded models and must give the same logits (fp32, tight tolerance: only the row-parallel
+partial sums are added in another order) and the same argmax. One 2-rank run does every check (start-up
+costs seconds); one 4-rank run checks a single preset at one head per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from deepinfer.backend import SingleProcessCommunicator
+from deepinfer.checkpoints import PRESETS, make_checkpoint
+from deepinfer.checkpoints.random_weights import write_safetensors
+from deepinfer.errors import ModelLoadError
+from deepinfer.models.registry import load_model
+from deepinfer.models.weights import OTHER_RANK
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from paged_batch_util import PagedKV
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12, 600], [8, 300, 2, 45, 77]]
+DECODE_STEPS = 3
+ATOL, RTOL = 2e-5, 1e-5
+
+
+# ---------------------------------------------------------------- checkpoints (made once per module)
+
+
+def _variant(root: str, preset: str, name: str, **changes) -> str:
+    """A preset's config with `changes`, weights drawn from the preset's plan (no tokenizer: not needed)."""
+    p = PRESETS[preset]
+    cfg = {**p.hf_config(), **changes}
+    out = os.path.join(root, name)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_safetensors(out, p.tensor_plan(cfg, p.fp8), 0, torch.float32)
+    return out
+
+
+def _config_only(root: str, preset: str, name: str, **changes) -> str:
+    """config.json alone: for errors raised before any tensor is read."""
+    out = os.path.join(root, name)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({**PRESETS[preset].hf_config(), **changes}, f)
+    return out
+
+
+def _with_mtp(root: str, src: str, name: str) -> str:
+    """tiny-v3 plus one MTP module (layer 3): its decoder layer a copy of layer 2's tensors, random eh_proj,
+    and its own copy of the output head (shared_head.head), as the released V3 files store them."""
+    out = os.path.join(root, name)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": 1}, f)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    n, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+    for k in [k for k in t if k.startswith(f"model.layers.{n - 1}.")]:
+        t[k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = t[k].clone()
+    g = torch.Generator().manual_seed(3)
+    t[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(D, 2 * D, generator=g) * 0.05).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        t[f"model.layers.{n}.{norm}.weight"] = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16)
+    t[f"model.layers.{n}.shared_head.head.weight"] = t["lm_head.weight"].clone()
+    save_file(t, os.path.join(out, "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tp-model"))
+    out = {}
+    for preset in ("tiny-v2-lite", "tiny-v3"):
+        out[preset] = os.path.join(root, preset)
+        make_checkpoint(preset, out[preset], seed=0)
+    out["v3-mtp"] = _with_mtp(root, out["tiny-v3"], "v3-mtp")
+    # no MoE layer, an odd vocabulary (the last rank's shard padded) and a tied head
+    out["dense-tied"] = _variant(root, "tiny-v2-lite", "dense-tied", first_k_dense_replace=3, vocab_size=1001,
+                                 tie_word_embeddings=True)
+    # fp8 with every split part a whole number of 128-blocks per rank at tp=2 (q_b 2x128, kv_b 2x128, o_proj
+    # 2x64 heads' columns = 128, MLP 256 -> 128, shared experts 256 -> 128, routed experts 256 -> 128)
+    out["fp8-aligned"] = _variant(root, "tiny-v3-fp8", "fp8-aligned", qk_nope_head_dim=64, qk_rope_head_dim=64,
+                                  v_head_dim=64, intermediate_size=512, moe_intermediate_size=256)
+    out["heads-3"] = _config_only(root, "tiny-v2-lite", "heads-3", num_attention_heads=3, num_key_value_heads=3)
+    # q_b_proj: 2 heads x (32 + 64) = 192 rows per rank, not whole 128-blocks (the experts align)
+    out["fp8-misaligned"] = _config_only(root, "tiny-v3-fp8", "fp8-misaligned", qk_nope_head_dim=32,
+                                         qk_rope_head_dim=64, v_head_dim=64, intermediate_size=512,
+                                         moe_intermediate_size=256)
+    return out
+
+
+# ---------------------------------------------------------------- driving a model by hand
+
+
+def _drive(model, forced: list[list[int]] | None, mtp: bool = False) -> dict:
+    """Prefill both prompts in one batch, then DECODE_STEPS decode steps of both sequences. forced: the tokens
+    to feed at each decode step (None: the greedy argmax). Returns the logits of every step, the argmax of
+    each and, with mtp, the MTP module's logits over the prefill."""
+    specs = model.kv_cache_specs(include_mtp=True) if mtp else None
+    kv = PagedKV(model, specs=specs)
+    chunks = list(enumerate(PROMPTS))
+    logits, argmax, fed = [], [], []
+    with torch.no_grad():
+        for step in range(DECODE_STEPS + 1):
+            batch = kv.batch(chunks)
+            hidden = model.forward(batch, kv.caches)
+            last = batch.query_start_loc[1:] - 1
+            lg = model.compute_logits(hidden[last])
+            if mtp and step == 0:
+                nxt = torch.tensor([t for p in PROMPTS for t in p[1:] + [0]])  # the token after each position
+                mtp_logits = model.mtp_logits(model.mtp_forward(hidden, nxt, batch, kv.caches))
+            logits.append(lg)
+            argmax.append(lg.argmax(-1).tolist())
+            toks = argmax[-1] if forced is None else forced[step]
+            fed.append(toks)
+            chunks = [(i, [t]) for i, t in enumerate(toks)]
+    out = {"logits": logits, "argmax": argmax, "fed": fed}
+    if mtp:
+        out["mtp_logits"] = mtp_logits
+    return out
+
+
+def _load_error(path: str, backend) -> str:
+    """The error loading `path` on this rank raises (type and message), or "no error"."""
+    try:
+        load_model(path, backend, torch.float32, progress=False)
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# ---------------------------------------------------------------- one rank's work
+
+
+def _tp_rank(rank: int, world: int, phases: list[tuple[int, dict, dict]]) -> list[dict]:
+    """Per phase (tp, cases, errors): this world laid out as tp x (world / tp), every case loaded and replayed,
+    every error case's message."""
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.models.loader import ReadStats
+    from deepinfer.parallel.groups import build_communicators
+    from deepinfer.parallel.layout import ParallelLayout
+
+    results = []
+    for tp, cases, errors in phases:
+        backend = CPUBackend()
+        layout = ParallelLayout(tensor_parallel_size=tp, data_parallel_size=world // tp)
+        backend.install_communicators(build_communicators(layout, rank, backend))
+        out: dict = {}
+        for key, (path, mtp, forced) in cases.items():
+            stats = ReadStats()
+            model = load_model(path, backend, torch.float32, progress=False, load_mtp=mtp, read_stats=stats)
+            run = _drive(model, forced, mtp)
+            run["reads"] = stats.shapes
+            run["bytes"] = stats.bytes_read
+            out[key] = run
+        for key, path in errors.items():
+            out[key] = _load_error(path, backend)
+        results.append(out)
+    return results
+
+
+# ---------------------------------------------------------------- checks in the parent
+
+
+def _reference(path: str, mtp: bool = False) -> dict:
+    from deepinfer.backends.cpu.backend import CPUBackend
+
+    return _drive(load_model(path, CPUBackend(), torch.float32, progress=False, load_mtp=mtp), None, mtp)
+
+
+def _stored(path: str) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                for k in h.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                    shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes
+
+
+def _check_same_logits(ref: dict, runs: list[dict], key: str) -> None:
+    for rank, run in enumerate(runs):
+        assert run["fed"] == ref["fed"], f"{key} rank {rank}: the replay fed other tokens"
+        for step, (a, b) in enumerate(zip(run["logits"], ref["logits"])):
+            where = f"{key} rank {rank} step {step}"
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, where=where: f"{where}: {m}")
+        assert run["argmax"] == ref["argmax"], f"{key} rank {rank}: greedy tokens differ"
+        if "mtp_logits" in ref:
+            torch.testing.assert_close(run["mtp_logits"], ref["mtp_logits"], atol=ATOL, rtol=RTOL)
+    for step in range(len(ref["logits"])):  # every tp rank sees bit-identical logits (they were gathered)
+        assert all(torch.equal(r["logits"][step], runs[0]["logits"][step]) for r in runs)
+
+
+def _check_reads(path: str, runs: list[dict], split_names: list[str], whole_names: list[str]) -> None:
+    """Each rank read each tensor at most once; a tensor is either read whole by every rank, or split along one
+    dim into parts that tile it (sizes summing to the stored size); the named tensors are split / whole."""
+    stored = _stored(path)
+    world = len(runs)
+    split = set()
+    for name, shape in stored.items():
+        got = [r["reads"].get(name) for r in runs]
+        for rank, g in enumerate(got):
+            assert g is None or len(g) == 1, f"rank {rank} read {name} {len(g)} times"
+        parts = [g[0] for g in got if g is not None]
+        if not parts:
+            continue
+        assert len(parts) == world, f"{name}: read by {len(parts)} of {world} ranks"
+        if all(p == shape for p in parts):
+            continue
+        dims = {d for p in parts for d in range(len(shape)) if p[d] != shape[d]}
+        assert len(dims) == 1, f"{name}: parts {parts} of {shape}"
+        (d,) = dims
+        assert sum(p[d] for p in parts) == shape[d], f"{name}: parts {parts} do not tile {shape}"
+        split.add(name)
+    for name in split_names:
+        assert name in split, f"{name} was not split (read whole by every rank)"
+    for name in whole_names:
+        assert name in stored and name not in split, f"{name} should be read whole by every rank"
+    total = sum(torch.Size(s).numel() for s in stored.values())  # elements; bytes below use the dtype
+    for r in runs:
+        assert r["bytes"] > 0 and sum(torch.Size(s[0]).numel() for s in r["reads"].values()) < total
+
+
+_ATTN_SPLIT = ["model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+               "model.embed_tokens.weight"]
+TP2_CASES = {"v2-lite": ("tiny-v2-lite", False), "v3-mtp": ("v3-mtp", True), "dense-tied": ("dense-tied", False),
+             "fp8-aligned": ("fp8-aligned", False)}
+TP4_CASES = {"v2-lite": ("tiny-v2-lite", False)}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(ckpts):
+    """One 4-rank run (process start-up is the cost): phase 0 at TP=2 x DP=2 (two replicas of the TP=2 model,
+    every check), phase 1 at TP=4 (one head per rank). Returns (single-process references, per-rank results)."""
+    from deepinfer.parallel.local_ranks import run_local_ranks
+
+    keys = {**TP2_CASES, **TP4_CASES}
+    ref = {k: _reference(ckpts[c], m) for k, (c, m) in keys.items()}
+    tp2 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP2_CASES.items()}
+    tp4 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP4_CASES.items()}
+    errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"]}
+    return ref, run_local_ranks(_tp_rank, 4, [(2, tp2, errors), (4, tp4, {})], timeout_s=400)
+
+
+def _group(runs: list[list[dict]], phase: int, ranks: range, key: str) -> list[dict]:
+    return [runs[r][phase][key] for r in ranks]
+
+
+@pytest.mark.parametrize("key", sorted(TP2_CASES))
+def test_tp2_logits_equal_one_process(tp_runs, key):
+    ref, runs = tp_runs
+    for replica in (range(2), range(2, 4)):  # both data-parallel replicas of the TP=2 model
+        _check_same_logits(ref[key], _group(runs, 0, replica, key), f"{key} tp=2 ranks {list(replica)}")
+
+
+def test_tp4_one_head_per_rank_logits_equal_one_process(tp_runs):
+    ref, runs = tp_runs
+    _check_same_logits(ref["v2-lite"], _group(runs, 1, range(4), "v2-lite"), "v2-lite tp=4")
+
+
+def test_each_rank_reads_only_its_part(tp_runs, ckpts):
+    _, runs = tp_runs
+    tp2 = range(2)
+    mlp0 = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    _check_reads(ckpts["tiny-v2-lite"], _group(runs, 0, tp2, "v2-lite"),
+                 _ATTN_SPLIT + mlp0 + ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
+                                       "model.layers.1.mlp.shared_experts.down_proj.weight"],
+                 ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.norm.weight",
+                  "model.layers.0.self_attn.kv_a_layernorm.weight", "model.layers.1.mlp.gate.weight"])
+    _check_reads(ckpts["v3-mtp"], _group(runs, 0, tp2, "v3-mtp"),
+                 _ATTN_SPLIT + ["model.layers.0.self_attn.q_b_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                                "model.layers.3.shared_head.head.weight"],
+                 ["model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.q_a_layernorm.weight",
+                  "model.layers.3.eh_proj.weight"])
+    _check_reads(ckpts["fp8-aligned"], _group(runs, 0, tp2, "fp8-aligned"),
+                 _ATTN_SPLIT + ["model.layers.0.self_attn.q_b_proj.weight_scale_inv",
+                                "model.layers.0.self_attn.o_proj.weight_scale_inv",
+                                "model.layers.0.mlp.down_proj.weight_scale_inv"],
+                 ["model.layers.0.self_attn.q_a_proj.weight_scale_inv"])
+    _check_reads(ckpts["tiny-v2-lite"], _group(runs, 1, range(4), "v2-lite"), _ATTN_SPLIT + mlp0, [])
+    # the tied head: only the embedding is read, each rank its ceil(1001 / 2) = 501 or the last 500 rows
+    assert [r["reads"]["model.embed_tokens.weight"] for r in _group(runs, 0, tp2, "dense-tied")] == \
+        [[(501, 128)], [(500, 128)]]
+    assert "lm_head.weight" not in runs[0][0]["dense-tied"]["reads"]
+
+
+def test_settings_that_cannot_split_are_named(tp_runs):
+    _, runs = tp_runs
+    for r in runs:
+        heads, fp8 = r[0]["heads"], r[0]["fp8"]
+        assert heads.startswith("ModelLoadError") and "num_attention_heads 3" in heads, heads
+        assert "tensor_parallel_size 2" in heads, heads
+        assert fp8.startswith("ModelLoadError") and "tensor_parallel_size 2" in fp8, fp8
+        assert "model.layers.0.self_attn.q_b_proj" in fp8 and "128" in fp8, fp8
+
+
+# ---------------------------------------------------------------- layer-level checks, in this process
+
+
+class _RankOf(SingleProcessCommunicator):
+    """A stand-in "tp" communicator that reports rank `rank` of `world` (only loaders are exercised: no
+    collective is called)."""
+
+    def __init__(self, rank: int, world: int):
+        self._rank, self._world = rank, world
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+
+def test_split_layers_refuse_int4_and_int8_records_naming_the_scheme():
+    from deepinfer.backend import Int4Weight
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.models.layers.linear import Linear
+    from deepinfer.models.loader import Int8Weight, deliver
+
+    be = CPUBackend()
+    int4 = Int4Weight("awq", torch.zeros(128, 32, dtype=torch.int32), torch.zeros(1, 32, dtype=torch.int32),
+                      torch.ones(1, 256), group_size=128)
+    int8 = Int8Weight(torch.zeros(256, 128, dtype=torch.int8), torch.ones(256, 1), torch.zeros(256, 1))
+    for rec, scheme in ((int4, "int4_awq"), (int8, "int8_w8a8")):
+        lin = Linear(128, 256, be, torch.float32, split="column", tp=_RankOf(0, 2))
+        (load,) = lin.loaders("model.layers.0.mlp.gate_proj").values()
+        with pytest.raises(ModelLoadError, match=rf"gate_proj: {scheme} .*tensor_parallel_size 2"):
+            deliver(load, rec)
+    # a replicated layer (q_a / kv_a) and tp = 1 still take them
+    whole = Linear(128, 256, be, torch.float32, split="column", tp=_RankOf(0, 1))
+    (load,) = whole.loaders("x").values()
+    deliver(load, int4)
+    assert isinstance(whole.weight, Int4Weight)
+
+
+def test_row_parallel_bias_is_read_on_rank_zero_only_and_parts_tile_the_weight():
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.models.layers.linear import Linear
+    from deepinfer.models.loader import deliver
+
+    be = CPUBackend()
+    w, b = torch.randn(8, 6), torch.randn(8)
+    got = []
+    for rank in range(2):
+        lin = Linear(6, 8, be, torch.float32, bias=True, split="row", tp=_RankOf(rank, 2))
+        loads = lin.loaders("o_proj")
+        assert (loads["o_proj.bias"] is OTHER_RANK) == (rank == 1)
+        deliver(loads["o_proj.weight"], w)
+        deliver(loads["o_proj.bias"], b)
+        got.append(lin)
+    torch.testing.assert_close(torch.cat([g.weight for g in got], dim=1), w, rtol=0, atol=0)
+    assert torch.equal(got[0].bias, b) and got[1].bias is None
+    with pytest.raises(ModelLoadError, match=r"o_proj: .*in_features 6 does not split evenly over tensor_parallel_size 4"):
+        Linear(6, 8, be, torch.float32, split="row", tp=_RankOf(0, 4)).loaders("o_proj")
+
+
+def test_a_model_class_without_tensor_parallelism_is_refused_by_name(tmp_path):
+    from deepinfer.backends.cpu.backend import CPUBackend
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    be = CPUBackend()
+    be.install_communicators({"tp": _RankOf(0, 2)})
+    with pytest.raises(ModelLoadError, match=r"DeepseekV4ForCausalLM .*tensor_parallel_size 2"):
+        load_model(str(tmp_path), be, torch.float32, progress=False)
