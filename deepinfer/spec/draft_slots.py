@@ -16,6 +16,7 @@ The choice reads confidences and calibration counts only, never the verification
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,9 +138,12 @@ class SlotPolicy:
 
 
 def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager, policy: SlotPolicy,
-                    budget: int) -> dict[int, list[float]]:
+                    budget: int, clip: Callable[[Sequence, list[int]], int] | None = None) -> dict[int, list[float]]:
     """Give the step's decodes their draft slots (in place: ScheduledSeq.draft, num_tokens); returns the
-    confidences of the verified drafts by index into sched.scheduled (the calibrator's inputs)."""
+    confidences of the verified drafts by index into sched.scheduled (the calibrator's inputs).
+
+    clip(seq, draft): how many leading draft tokens may be verified at all (structured output: the
+    grammar-allowed prefix, sample/grammar/draft_mask.py), applied before the policy counts slots."""
     for seq in (s for s in sched.preempted):
         book.discard(seq)
     cands: list[tuple[int, ScheduledSeq, HeldDraft, int]] = []
@@ -150,6 +154,11 @@ def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager,
         held = book.take(item.seq)
         if held is None:
             continue
+        if clip is not None:
+            n = clip(item.seq, held.tokens)
+            if n == 0:
+                continue
+            held.tokens, held.confidence = held.tokens[:n], held.confidence[:n]
         cands.append((index, item, held, length_cap(item.seq, policy.max_model_len)))
     confidence: dict[int, list[float]] = {}
     if not cands:

@@ -28,9 +28,14 @@ With batch invariance on (the cpu backend's invariant ops compute a token the sa
 chunk and in a decode), speculation on gives bitwise the tokens and logprobs of speculation off
 (tests/spec/test_engine_spec.py).
 
+Structured output: a constrained sequence's draft is cut at its first grammar-forbidden token before the
+slots are counted (`_clip`), and every verified position is drawn under the mask of the grammar state after
+the drafts before it, all rows in one batched fill (sample/grammar/draft_mask.py); the emitted tokens are
+committed to the matcher when output processing appends them. So a structured request gives the tokens it
+gives with speculation off, and a drafter's grammar-invalid tokens cost acceptance only.
+
 Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, graph replay
-for verification steps (they run eagerly), structured output (refused per request), V4, backends
-other than cpu, tensor parallelism.
+for verification steps (they run eagerly), V4, backends other than cpu, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 import torch
 
 from deepinfer.errors import DeepInferError
+from deepinfer.sample.grammar.draft_mask import clip_draft, fill_draft_grammar_mask
 from deepinfer.sample.sampler import SamplingRow
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
@@ -51,6 +57,7 @@ from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.rejection import greedy_verify
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
+from deepinfer.worker.transfer import tensor_to
 
 logger = logging.getLogger("deepinfer")
 
@@ -73,6 +80,8 @@ class SpecStepPipeline:
         self._extra_tokens = 0  # tokens appended beyond one per sequence-step (the engine counts them)
         self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
+        self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
+        self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
 
     def has_pending(self) -> bool:
         return False
@@ -102,9 +111,37 @@ class SpecStepPipeline:
                     f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)")
             return []
         conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
-                               self.scheduler.max_num_batched_tokens)
+                               self.scheduler.max_num_batched_tokens, clip=self._clip)
+        self._failed = {}
         emitted, logprobs = self._launch(sched, conf)
         return self._process(sched, emitted, logprobs)
+
+    def _clip(self, seq: Sequence, draft: list[int]) -> int:
+        """Draft tokens a sequence may verify: all, or for structured output the grammar-allowed prefix."""
+        if seq.grammar is None:
+            return len(draft)
+        n = clip_draft(seq.grammar, seq.output_token_ids, draft, self.runner.grammar_facts.eos_token_ids)
+        self.num_grammar_clipped += len(draft) - n
+        return n
+
+    def _grammar_mask(self, items, sampling: list[int]):
+        """The masks of every verified position of the constrained sequences (sample/grammar/draft_mask.py), and
+        {index into items: error} for those that cannot be sampled."""
+        states, r = [], 0
+        for i in sampling:
+            seq, draft = items[i].seq, items[i].draft
+            if seq.grammar is not None:
+                states.append((r, seq.grammar, seq.output_token_ids, draft))
+            r += len(draft) + 1
+        if not states:
+            return None, {}
+        mask, failed = fill_draft_grammar_mask(states, self.runner.grammar_facts, self.runner.grammar_forbidden)
+        first = {}
+        r = 0
+        for i in sampling:
+            first[r] = i
+            r += len(items[i].draft) + 1
+        return mask, {first[row]: message for row, message in failed.items()}
 
     # ------------------------------------------------------------ device work
 
@@ -117,8 +154,20 @@ class SpecStepPipeline:
         items = sched.scheduled
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
+        grammar, self._failed = self._grammar_mask(items, sampling)  # host work while the forward runs
+        logits_indices = batch.logits_indices
+        if self._failed:  # these sequences cannot be sampled: left out of the draw, failed in _process
+            keep, r = [], 0
+            for i in sampling:
+                n = len(items[i].draft) + 1
+                if i not in self._failed:
+                    keep.extend(range(r, r + n))
+                r += n
+            grammar = grammar.select(keep) if grammar is not None else None
+            logits_indices = logits_indices[tensor_to(keep, torch.int64, logits_indices.device)]
+            sampling = [i for i in sampling if i not in self._failed]
         if sampling:
-            logits = runner.model.compute_logits(hidden[batch.logits_indices]).float()
+            logits = runner.model.compute_logits(hidden[logits_indices]).float()
             rows: list[SamplingRow] = []
             for i in sampling:
                 seq, draft = items[i].seq, items[i].draft
@@ -128,7 +177,7 @@ class SpecStepPipeline:
                     out = seq.output_token_ids + draft[:j] if (j and req.needs_host_tokens) else seq.output_token_ids
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.seed, n + j,
                                             num_outputs=n - len(req.prompt_token_ids) + j))
-            sample = runner.sampler.sample(logits, rows)
+            sample = runner.sampler.sample(logits, rows, grammar)
             out = sample.output([t.cpu() for t in sample.tensors])
             k = max(len(items[i].draft) for i in sampling)
             if k == 0:  # no drafts this step (adaptive pause, first steps): one token each, nothing to verify
@@ -216,6 +265,9 @@ class SpecStepPipeline:
             if item.samples and toks:
                 count = q0 + len(toks) - 1
                 next_ids = seq.token_ids_slice(c + 1, c + q0) + toks
+            elif item.samples:  # it drew nothing (its grammar mask failed): its last row's next token is unknown
+                count = q0 - 1
+                next_ids = seq.token_ids_slice(c + 1, c + q0)
             else:
                 count = q0
                 next_ids = seq.token_ids_slice(c + 1, c + q0 + 1)
@@ -249,6 +301,16 @@ class SpecStepPipeline:
         append_token = self.output_processor.append_token
         kv = self.scheduler.kv
         got: list[Sequence] = []
+        for i, message in self._failed.items():  # a grammar state in error: its request fails (bitmask.py)
+            seq = sched.scheduled[i].seq
+            if not seq.finished:
+                logger.error("request %r: %s", seq.request.request_id, message)
+                for s in seq.request.seqs:
+                    if s is seq or not s.finished:
+                        self.book.discard(s)
+                        self.output_processor.fail(s, message)
+                        self.scheduler.remove(s)
+                got.append(seq)
         for item, toks, lps in zip(sched.scheduled, emitted, logprobs):
             seq = item.seq
             if not toks or seq.finished:

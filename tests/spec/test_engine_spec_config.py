@@ -14,10 +14,9 @@ from deepinfer.backend import KVCacheSpec
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.entrypoints.cli_args import add_engine_args, engine_config_from_args
-from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
+from deepinfer.errors import ConfigError, DeepInferError
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.models.registry import load_model
-from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.sched.request import Request, Sequence
 from deepinfer.text.tokenizer import Tokenizer
 
@@ -78,14 +77,6 @@ def test_a_model_built_without_mtp_is_refused(parts):
     cfg = EngineConfig(model_name_or_path=path, device="cpu", num_kv_blocks=64, speculative_method="mtp")
     with pytest.raises(ConfigError, match="no MTP module"):
         DeepInferenceEngine.from_components(cfg, plain, Tokenizer.from_pretrained(path), backend)
-
-
-def test_structured_requests_are_refused_per_request(parts):
-    e = _engine(parts)
-    with pytest.raises(InvalidRequestError, match="structured_outputs cannot be used while speculative") as info:
-        e.add_request("r", "def f():", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
-    assert info.value.param == "structured_outputs"
-    assert e.generate(["def f():"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids  # others run
 
 
 def test_kv_rollback_returns_blocks_past_the_kept_tokens():

@@ -39,7 +39,9 @@ tokenizer facts both engines need), `llguidance_engine.py` and `xgrammar_engine.
 engines), `schema_keywords.py` (the fail-closed keyword check), `compiler.py` (the compiled-grammar
 cache, the compile timeout and the size limits), `matcher_state.py` (a sequence's matcher, fed
 with its output tokens lazily, rolled back on demand), `bitmask.py` (the host fill of a batch's
-bitmask). The bitmask is applied on the device by the backend op `Backend.apply_token_bitmask`.
+bitmask), `draft_mask.py` (speculative decoding: drafts cut at the first forbidden token, a mask
+per verified position, one batched fill). The bitmask is applied on the device by the backend op
+`Backend.apply_token_bitmask`.
 """
 
 from deepinfer.sample.grammar.backend import GrammarBackend, GrammarMatcher, TokenizerFacts

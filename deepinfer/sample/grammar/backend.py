@@ -134,6 +134,36 @@ class GrammarMatcher(ABC):
         """Undo the last num_tokens accepted tokens (speculation, stop handling)."""
 
     @abstractmethod
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of a draft the grammar allows from the current state, EOS included
+        when the grammar is complete there; the state is left as it was (speculative decoding truncates
+        a draft at its first forbidden token: sample/grammar/draft_mask.py)."""
+
+    @classmethod
+    def fill_bitmask_draft_batch(cls, items: list[tuple[GrammarMatcher, int, list[int]]], bitmask: torch.Tensor
+                                 ) -> None:
+        """For each (matcher, j, draft), all matchers of this class: rows j .. j + len(draft) of bitmask get the
+        masks at the states after draft[:0], draft[:1], ..., draft (the matcher advanced tentatively through
+        the draft); every matcher is back at its state afterwards. Every draft token must be allowed
+        (valid_prefix) and none may be EOS (no mask exists after EOS). The default walks each matcher with
+        fill / accept and rolls it back; engines with a batched, parallel walk override it."""
+        for matcher, j, draft in items:
+            n = matcher.valid_prefix(draft)
+            if n < len(draft):  # checked before any state change: a caller's bug leaves the matcher intact
+                raise ValueError(f"draft token {draft[n]} (slot {n}) is not allowed by the grammar: "
+                                 "drafts must be cut at valid_prefix first")
+            done = 0
+            try:
+                for t in draft:
+                    matcher.fill_bitmask(bitmask[j + done])
+                    if not matcher.accept(t):
+                        raise ValueError(f"the grammar refused draft token {t} it allowed: {matcher.error()}")
+                    done += 1
+                matcher.fill_bitmask(bitmask[j + done])
+            finally:
+                matcher.rollback(done)
+
+    @abstractmethod
     def is_terminated(self) -> bool:
         """The grammar is complete and EOS was accepted: no further token is allowed."""
 

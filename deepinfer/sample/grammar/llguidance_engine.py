@@ -56,6 +56,25 @@ class LLGuidanceMatcher(GrammarMatcher):
         _executor().unsafe_compute_mask_ptr([(m._m, j) for m, j in items], bitmask.data_ptr(),
                                             bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    @classmethod
+    def fill_bitmask_draft_batch(cls, items: list[tuple[GrammarMatcher, int, list[int]]], bitmask: torch.Tensor
+                                 ) -> None:
+        """All rows of all drafts in one call of LLExecutor.unsafe_compute_mask_ptr_with_draft_token: llguidance
+        advances each matcher through its draft, writes the mask of every state (row j + i after draft[:i]) and
+        rolls the matcher back, in Rust on its thread pool. It refuses empty drafts: those rows take the plain
+        batched fill."""
+        plain = [(m, j) for m, j, d in items if not d]
+        if plain:
+            cls.fill_bitmask_batch(plain, bitmask)
+        drafts = [(m._m, j, [int(t) for t in d]) for m, j, d in items if d]
+        if drafts:
+            _executor().unsafe_compute_mask_ptr_with_draft_token(drafts, bitmask.data_ptr(),
+                                                                 bitmask.shape[1] * bitmask.element_size(),
+                                                                 bitmask.shape[0])
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and not self._m.rollback(num_tokens):
             raise StructuredOutputError("grammar", f"llguidance cannot roll back {num_tokens} tokens: "

@@ -4,9 +4,10 @@ Why lazily: the matcher must have seen exactly the tokens the sequence holds bef
 mask is filled, whatever happened in between: a token appended by output processing (sync or
 async scheduling alike), a token drawn for a sequence that finished meanwhile and dropped
 (never appended, so never fed), preemption by recompute (the output tokens stay, so the matcher
-stays too: nothing to replay), or tokens taken back (speculation, later: the matcher is rolled
-back to the sequence's length). `sync` compares the matcher's count with the sequence's output
-and feeds or rolls back the difference, so there is one rule instead of a hook per event.
+stays too: nothing to replay), or tokens taken back (a stop landing inside a speculative run:
+the matcher is rolled back to the sequence's length; rejected drafts were never committed,
+draft_mask.py). `sync` compares the matcher's count with the sequence's output and feeds or
+rolls back the difference, so there is one rule instead of a hook per event.
 """
 
 from __future__ import annotations

@@ -20,6 +20,23 @@ from deepinfer.sample.grammar.backend import GrammarBackend, GrammarMatcher, Tok
 from deepinfer.sample.grammar.schema_keywords import check_schema_keywords
 
 
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
+
+
+_BATCH = None
+
+
+def _batch_matcher():
+    """XGrammar's batched fill (its own thread pool), made on first use (one per process)."""
+    global _BATCH
+    if _BATCH is None:
+        _BATCH = _xgrammar().BatchGrammarMatcher()
+    return _BATCH
+
+
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: Any):
         self._m = matcher
@@ -37,6 +54,50 @@ class XGrammarMatcher(GrammarMatcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._m.rollback(num_tokens)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """XGrammar has no validate call: accept tentatively (a refused token leaves the state as it was, checked
+        with 0.2.9), then roll back what was accepted."""
+        n = 0
+        try:
+            for t in tokens:
+                if self._m.is_terminated() or not self._m.accept_token(int(t)):
+                    break
+                n += 1
+        finally:
+            if n:
+                self._m.rollback(n)
+        return n
+
+    @classmethod
+    def fill_bitmask_draft_batch(cls, items: list[tuple[GrammarMatcher, int, list[int]]], bitmask: torch.Tensor
+                                 ) -> None:
+        """Depth by depth with XGrammar's BatchGrammarMatcher: fill the rows of every matcher at draft depth d,
+        accept draft token d in all that go deeper, then roll every matcher back by its draft's length."""
+        xgr = _xgrammar()
+        live = [(m._m, j, list(d)) for m, j, d in items]
+        advanced = [0] * len(live)
+        batch = _batch_matcher()
+        try:
+            depth = 0
+            while live_at := [i for i, (_, _, d) in enumerate(live) if len(d) >= depth]:
+                batch.batch_fill_next_token_bitmask([live[i][0] for i in live_at], bitmask,
+                                                    indices=[live[i][1] + depth for i in live_at])
+                deeper = [i for i in live_at if len(live[i][2]) > depth]
+                if deeper:
+                    ok = xgr.BatchGrammarMatcher.batch_accept_token([live[i][0] for i in deeper],
+                                                                    [int(live[i][2][depth]) for i in deeper])
+                    for i, good in zip(deeper, ok):
+                        advanced[i] += bool(good)
+                    bad = [i for i, good in zip(deeper, ok) if not good]
+                    if bad:
+                        raise ValueError(f"draft token {live[bad[0]][2][depth]} (slot {depth}) is not allowed by the "
+                                         "grammar: drafts must be cut at valid_prefix first")
+                depth += 1
+        finally:
+            back = [(m, n) for (m, _, _), n in zip(live, advanced) if n]
+            if back:
+                xgr.BatchGrammarMatcher.batch_rollback([m for m, _ in back], [n for _, n in back])
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
