@@ -148,6 +148,7 @@ class SpecStepPipeline:
     @torch.inference_mode()
     def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]]):
         runner = self.runner
+        runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.reset_state_rows(batch)
         hidden = runner.model.forward(batch, runner.caches)  # eager: verification steps replay no graph
