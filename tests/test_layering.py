@@ -32,7 +32,7 @@ VENDOR_MODULES = ("triton", "torch_npu", "torch.utils.cpp_extension", "ctypes")
 # torch's per-device namespaces: only a backend may name them (the rest reach devices through it)
 DEVICE_NAMESPACES = ("torch.cuda", "torch.npu")
 # the device-agnostic packages and modules under deepinfer/
-AGNOSTIC_DIRS = ("backend", "sched", "kv", "worker", "sample", "text", "engine", "models")
+AGNOSTIC_DIRS = ("backend", "sched", "kv", "worker", "sample", "text", "engine", "models", "parallel")
 AGNOSTIC_MODULES = ("__init__.py", "config.py", "envs.py", "errors.py", "outputs.py", "sampling_params.py")
 RUNTIME_ROOMS = ("sched", "kv", "worker", "sample", "text")
 # what the contract (deepinfer/backend) may not import: everything above it
