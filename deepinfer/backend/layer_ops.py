@@ -178,22 +178,58 @@ class MLAAttentionOp(ABC):
 
 
 class MoEOp(ABC):
-    """Routed experts: route -> dispatch -> experts (SwiGLU) -> weighted combine."""
+    """Routed experts: route -> dispatch -> experts (SwiGLU) -> weighted combine.
+
+    Two entries. `forward` / `forward_hidden` run the whole layer on this rank (routing included): the
+    path without expert parallelism. Under expert parallelism the model splits it: `route` picks the
+    (weights, ids) over ALL logical experts of `spec.router`, the model maps each (token, slot) pair to a
+    physical slot on this rank (an id in [0, spec.local_experts)) or to -1 (a replica another rank holds),
+    and `experts` computes only this rank's pairs; the model then all-reduces the partial sums over "ep".
+    An op that cannot skip -1 ids says why in `expert_parallel_reasons` (the model refuses to start).
+    """
 
     def __init__(self, spec: MoESpec):
         self.spec = spec
 
     @abstractmethod
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """w13 [E, 2*I, D] (gate rows then up rows), w2 [E, D, I], dense in compute dtype."""
+        """w13 [E_local, 2*I, D] (gate rows then up rows), w2 [E_local, D, I], dense in compute dtype;
+        E_local = spec.local_experts (this rank's physical slots under expert parallelism)."""
+
+    def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """New weights for the same slots, between steps (the expert load balancer moved experts). Shapes as
+        load_experts. The default loads them again; an op whose loaded tensors a captured graph reads copies
+        in place instead."""
+        self.load_experts(w13, w2)
 
     def check_expert_shapes(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Raise BackendError unless w13 / w2 have the shapes load_experts documents."""
-        e, d, i = self.spec.router.num_experts, self.spec.hidden_size, self.spec.intermediate_size
+        e, d, i = self.spec.local_experts, self.spec.hidden_size, self.spec.intermediate_size
         if tuple(w13.shape) != (e, 2 * i, d):
             raise BackendError(f"MoE w13 has shape {tuple(w13.shape)}, expected {(e, 2 * i, d)}")
         if tuple(w2.shape) != (e, d, i):
             raise BackendError(f"MoE w2 has shape {tuple(w2.shape)}, expected {(e, d, i)}")
+
+    def expert_parallel_reasons(self) -> list[str]:
+        """Why `route` + `experts` with -1 ids cannot run on this op (empty: they can)."""
+        return [f"{type(self).__name__} does not implement route() / experts() with -1 ids (expert parallelism)"]
+
+    def route(
+        self,
+        router_logits: torch.Tensor,  # [T, E] fp32, E = spec.router.num_experts (every logical expert)
+        correction_bias: torch.Tensor | None = None,  # [E], selection only
+        token_ids: torch.Tensor | None = None,  # [T], hash routing
+        tid2eid: torch.Tensor | None = None,  # [vocab, top_k], hash routing
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] fp32 with routed_scaling_factor applied, topk_ids [T, k] int64 logical ids), as
+        `forward` routes."""
+        raise BackendError(f"{type(self).__name__} does not expose route()")
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum over slots j of topk_weights[t, j] * expert_{ids[t, j]}(x_t), [T, D] in x's dtype, for already-
+        chosen pairs; ids index the loaded experts ([0, spec.local_experts)) and a -1 id contributes nothing
+        (its weight is ignored). T = 0 gives [0, D]."""
+        raise BackendError(f"{type(self).__name__} does not expose experts()")
 
     def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E] = x [T, D] (activation dtype) @ gate_weight [E, D] (fp32)^T, in fp32 as

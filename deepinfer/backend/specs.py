@@ -49,8 +49,16 @@ class MoESpec:
 
     router: RouterSpec
     hidden_size: int
-    intermediate_size: int  # per expert
+    intermediate_size: int  # per expert (this rank's part of it when the experts are split over "tp")
     swiglu_limit: float | None = None  # V4 clamps gate/up activations when set
+    # experts loaded on this rank (expert parallelism: this rank's physical slots, redundant replicas included);
+    # None = every logical expert of the router, in router order (no expert parallelism)
+    num_local_experts: int | None = None
+
+    @property
+    def local_experts(self) -> int:
+        """How many experts `load_experts` takes: the ids `experts` accepts are [0, this) and -1."""
+        return self.router.num_experts if self.num_local_experts is None else self.num_local_experts
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class V4AttentionSpec:
     per-sequence state), `index_group` the indexer's entries (+ its state), CSA only.
     """
 
-    num_heads: int
+    num_heads: int  # this rank's heads (tensor parallelism splits them; the one shared KV head is whole)
     head_dim: int
     sliding_window: int
     softmax_scale: float

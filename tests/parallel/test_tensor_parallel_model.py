@@ -368,13 +368,3 @@ def test_row_parallel_bias_is_read_on_rank_zero_only_and_parts_tile_the_weight()
     assert torch.equal(got[0].bias, b) and got[1].bias is None
     with pytest.raises(ModelLoadError, match=r"o_proj: .*in_features 6 does not split evenly over tensor_parallel_size 4"):
         Linear(6, 8, be, torch.float32, split="row", tp=_RankOf(0, 4)).loaders("o_proj")
-
-
-def test_a_model_class_without_tensor_parallelism_is_refused_by_name(tmp_path):
-    from deepinfer.backends.cpu.backend import CPUBackend
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    be = CPUBackend()
-    be.install_communicators({"tp": _RankOf(0, 2)})
-    with pytest.raises(ModelLoadError, match=r"DeepseekV4ForCausalLM .*tensor_parallel_size 2"):
-        load_model(str(tmp_path), be, torch.float32, progress=False)

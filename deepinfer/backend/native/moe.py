@@ -35,13 +35,16 @@ def experts_forward(
     Each (token, slot) result lands in its own row of a [T, k, D] fp32 buffer that
     is summed over k at the end: no scatter-add, so the combine order is fixed
     (slot order) and a token routed twice to one expert (hash tables) is fine.
+    A -1 id (a pair another rank computes, expert parallelism) leaves its row zero.
     """
     t, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
     buf = torch.zeros((t * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1, 1).float()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    key = torch.where(flat_ids >= 0, flat_ids, num_experts)  # -1 pairs sort after every expert's
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -50,7 +53,7 @@ def experts_forward(
         start += n
         h = silu_and_mul(F.linear(x[sel // top_k], w13[e]), swiglu_limit)
         buf[sel] = F.linear(h, w2[e]).float() * flat_w[sel]
-    return buf.view(t, top_k, -1).sum(dim=1).to(x.dtype)
+    return buf.view(t, top_k, x.shape[1]).sum(dim=1).to(x.dtype)
 
 
 class NativeMoE(MoEOp):
@@ -71,8 +74,24 @@ class NativeMoE(MoEOp):
         self.check_expert_shapes(w13, w2)
         self.w13, self.w2 = w13.contiguous(), w2.contiguous()
 
+    def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """In place: every kernel (and a captured graph) keeps reading the same tensors."""
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE replace_experts before load_experts")
+        self.check_expert_shapes(w13, w2)
+        self.w13.copy_(w13)
+        self.w2.copy_(w2)
+
+    def expert_parallel_reasons(self) -> list[str]:
+        return []
+
+    def route(self, router_logits, correction_bias=None, token_ids=None, tid2eid=None):
+        return self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
+
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum [T, D] for already-chosen (weights, ids)."""
+        """The routed experts' weighted sum [T, D] for already-chosen (weights, ids); -1 ids add nothing."""
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE experts before load_experts")
         return experts_forward(x, self.w13, self.w2, topk_weights, topk_ids, self.spec.swiglu_limit)
 
     def forward(

@@ -29,6 +29,15 @@ class AscendMoE(NativeMoE):
         self.w13_kn = w13.transpose(1, 2).contiguous()
         self.w2_kn = w2.transpose(1, 2).contiguous()
 
+    def expert_parallel_reasons(self) -> list[str]:
+        # npu_moe_init_routing_v2 is handed every id as an expert index; a -1 id (a pair another rank computes)
+        # is not documented as skipped, and nothing here was run on an NPU with it (active_expert_range unused)
+        return ["AscendMoE: npu_moe_init_routing_v2 is not known to skip -1 expert ids (expert parallelism not "
+                "implemented on ascend)"]
+
+    def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.load_experts(w13, w2)  # its own transposed copies; NativeMoE's in-place copy needs self.w13
+
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
         if self.w13_kn is None or self.w2_kn is None:
             raise BackendError("MoE forward before load_experts")

@@ -189,17 +189,27 @@ class InvariantMoE(MoEOp):
     def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         return row_chunked_mm(x.float(), gate_weight.float().t())
 
-    def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
-        weights, ids = route(router_logits, self.spec.router, correction_bias, token_ids, tid2eid, score_fn=score)
+    def expert_parallel_reasons(self) -> list[str]:
+        return []
+
+    def route(self, router_logits, correction_bias=None, token_ids=None, tid2eid=None):
+        return route(router_logits, self.spec.router, correction_bias, token_ids, tid2eid, score_fn=score)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Each loaded expert over its tokens; a -1 id (another rank's expert) matches none of them."""
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in range(self.spec.router.num_experts):
-            tok, slot = (ids == e).nonzero(as_tuple=True)  # tokens in order: each expert's rows as a sorted set
+        for e in range(self.spec.local_experts):
+            tok, slot = (topk_ids == e).nonzero(as_tuple=True)  # tokens in order: each expert's rows as a sorted set
             if tok.numel() == 0:
                 continue
             h = silu_and_mul(row_chunked_mm(x[tok], self.w13_t[e]))
-            y = row_chunked_mm(h, self.w2_t[e]).float() * weights[tok, slot, None]
+            y = row_chunked_mm(h, self.w2_t[e]).float() * topk_weights[tok, slot, None]
             out.index_add_(0, tok, y)  # per token: experts added in id order, whatever the batch
-        out = out.to(x.dtype)
+        return out.to(x.dtype)
+
+    def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
+        weights, ids = self.route(router_logits, correction_bias, token_ids, tid2eid)
+        out = self.experts(x, weights, ids)
         if shared_experts is not None:
             out = out + shared_experts(x)
         return out

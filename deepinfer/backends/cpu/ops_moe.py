@@ -48,6 +48,10 @@ class CPUMoE(NativeMoE):
         super().load_experts(w13, w2)
         self._build_dense()
 
+    def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().replace_experts(w13, w2)
+        self._build_dense()  # the dense copies hold the old experts
+
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         i, d = self.spec.intermediate_size, self.spec.hidden_size
         if gate_up.dim() != 2 or gate_up.shape[1] != d or gate_up.shape[0] % (2 * i) or \
@@ -61,7 +65,7 @@ class CPUMoE(NativeMoE):
         return True
 
     def _build_dense(self) -> None:
-        e, i, d = self.spec.router.num_experts, self.spec.intermediate_size, self.spec.hidden_size
+        e, i, d = self.spec.local_experts, self.spec.intermediate_size, self.spec.hidden_size
         n = e + (self._shared[0].shape[0] // (2 * i) if self._shared is not None else 0)
         if self.w13 is None or self.w13.dtype not in DENSE_DTYPES or n * i * d > self.dense_max_work:
             self.w13_all = self.w2_all = None  # never dense (not even one token): keep no second copy
@@ -82,17 +86,19 @@ class CPUMoE(NativeMoE):
     def dense_ok(self, x: torch.Tensor) -> bool:
         if self.w13_all is None or x.dtype != self.w13_all.dtype:
             return False
-        e = self.spec.router.num_experts + self.n_shared
+        e = self.spec.local_experts + self.n_shared
         return x.shape[0] * e * self.spec.intermediate_size * self.spec.hidden_size <= self.dense_max_work
 
     def experts_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       with_shared: bool) -> torch.Tensor:
         """Routed (+ shared, when with_shared) experts for every token at once; [T, D] in x's dtype."""
         t = x.shape[0]
-        e, i = self.spec.router.num_experts, self.spec.intermediate_size
+        e, i = self.spec.local_experts, self.spec.intermediate_size
         n = e + self.n_shared
         coef = torch.zeros((t, n), dtype=torch.float32, device=x.device)
-        coef.scatter_add_(1, topk_ids, topk_weights.float())  # a token routed twice to e (hash) sums, as native
+        mine = topk_ids >= 0  # a -1 pair (another rank's expert) adds an exact 0.0 to expert 0's coefficient
+        coef.scatter_add_(1, topk_ids.clamp(min=0), torch.where(mine, topk_weights.float(), 0.0))
+        # a token routed twice to e (hash) sums, as native
         if self.n_shared:
             coef[:, e:] = 1.0 if with_shared else 0.0
         h = F.linear(x, self.w13_all)  # [T, 2 n I]
@@ -113,14 +119,26 @@ class CPUMoE(NativeMoE):
             acc = None
             for j in range(k):  # slot order, each product in fp32, as the native combine
                 e = ids[r][j]
+                if e < 0:  # another rank's expert (expert parallelism)
+                    continue
                 y = F.linear(self.silu_and_mul(F.linear(xr, self.w13[e]), limit), self.w2[e]).float() * ws[r][j]
                 acc = y if acc is None else acc + y
-            rows.append(acc)
-        out = (rows[0] if t == 1 else torch.cat(rows)).to(x.dtype)
+            rows.append(acc if acc is not None else x.new_zeros((1, x.shape[1]), dtype=torch.float32))
+        out = (rows[0] if t == 1 else torch.cat(rows)).to(x.dtype) if t else x.new_zeros((0, x.shape[1]))
         if with_shared:
             gate_up, down = self._shared
             out = out + F.linear(self.silu_and_mul(F.linear(x, gate_up)), down)
         return out
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts alone (expert parallelism: -1 ids add nothing), by the same size rule as forward."""
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE experts before load_experts")
+        if topk_ids.numel() <= PAIRS_MAX:
+            return self.experts_pairs(x, topk_weights, topk_ids, with_shared=False)
+        if self.dense_ok(x):
+            return self.experts_dense(x, topk_weights, topk_ids, with_shared=False)
+        return super().experts(x, topk_weights, topk_ids)
 
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
         if self.w13 is None or self.w2 is None:
@@ -138,7 +156,7 @@ class CPUMoE(NativeMoE):
             if shared_experts is not None and not fused:
                 out = out + shared_experts(x)
             return out
-        out = self.experts(x, weights, ids)
+        out = super().experts(x, weights, ids)
         if shared_experts is not None:
             out = out + shared_experts(x)
         return out

@@ -111,6 +111,24 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
+def align_skipping(align: Callable, topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`align`'s layout with the -1 pairs left out: they go to an extra bucket E whose blocks are marked -1
+    (the aligned kernel skips a block of expert -1), so any align with moe_align's signature (the Triton /
+    torch one, the CUDA C++ one) serves expert parallelism unchanged. Sizes still depend on T only."""
+    ids = torch.where(topk_ids >= 0, topk_ids, num_experts)
+    sorted_ids, expert_ids, num_padded = align(ids, num_experts + 1, block_m)
+    expert_ids = torch.where(expert_ids == num_experts, torch.full_like(expert_ids, -1), expert_ids)
+    return sorted_ids, expert_ids, num_padded
+
+
+def _slot_buffer(rows: int, d: int, device, zeroed: bool) -> torch.Tensor:
+    """The fp32 [pairs, D] weighted-slot buffer; zeroed when some pairs are skipped (the combine sums every
+    slot), else left uninitialized (every row is written)."""
+    if zeroed:
+        return torch.zeros((rows, d), dtype=torch.float32, device=device)
+    return torch.empty((rows, d), dtype=torch.float32, device=device)
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2I, D]
@@ -123,6 +141,7 @@ def fused_moe(
     direct: bool | None = None,  # None: use_direct(T, k)
     counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
     before_combine: Callable[[], None] | None = None,  # called just before shared_out is read (a stream join)
+    skip_unrouted: bool = False,  # topk_ids may hold -1 (another rank's expert): those pairs add nothing
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -143,7 +162,7 @@ def fused_moe(
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
         direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True)
-        y = torch.empty((T * slots, D), dtype=torch.float32, device=x.device)
+        y = _slot_buffer(T * slots, D, x.device, skip_unrouted)
         if counters is not None and fused_combine():
             out = torch.empty((T, D), dtype=x.dtype, device=x.device)
             direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False,
@@ -153,10 +172,13 @@ def fused_moe(
         return combine(y.view(T, slots, D), shared_out, x.dtype)
     n = T * k
     block_m = pick_block_m(n, E)
-    sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
+    if skip_unrouted:
+        sorted_ids, expert_ids, num_padded = align_skipping(align, topk_ids, E, block_m)
+    else:
+        sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
     act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
     aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True)
-    y = torch.empty((n, D), dtype=torch.float32, device=x.device)  # weighted slots, summed in fp32
+    y = _slot_buffer(n, D, x.device, skip_unrouted)  # weighted slots, summed in fp32
     aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1))
     if before_combine is not None:
         before_combine()

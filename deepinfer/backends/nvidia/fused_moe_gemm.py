@@ -184,7 +184,8 @@ def _direct_gemm_kernel(
     ids = tl.where(qmask, ids, -1)
     expert = tl.sum(tl.where(offs_q == pid_p, ids, 0), 0)
     match = ids == expert
-    if tl.min(tl.where(match, offs_q, BLOCK_P), 0) == pid_p:  # else an earlier pair's program has this expert
+    # else an earlier pair's program has this expert; a -1 id (another rank's expert) is nobody's work
+    if (tl.min(tl.where(match, offs_q, BLOCK_P), 0) == pid_p) & (expert >= 0):
         _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
                      stride_cm, TOP_K, SLOTS, A_DIV, DUAL, MUL_WEIGHT, UPCAST, PREC, BLOCK_M, BLOCK_N, BLOCK_K)

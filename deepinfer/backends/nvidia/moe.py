@@ -90,7 +90,12 @@ class TritonMoE(NativeMoE):
         return router_logits(x, gate_weight)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters)
+        """Expert parallelism's entry: -1 pairs are left out of the alignment and of the direct GEMMs, and the
+        slot buffer is zeroed for them (forward's own path, which never sees -1, keeps it uninitialized)."""
+        if self.w13 is None or self.w2 is None:
+            raise BackendError("MoE experts before load_experts")
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters,
+                         skip_unrouted=True)
 
     def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
         if self.w13 is None or self.route_counters is None:

@@ -6,6 +6,10 @@ The op returns per-head outputs whose rope slice carries the keys' rotation;
 rotating it back by the query position (-sin) leaves only relative positions.
 Output: heads split into o_groups, each projected by its own block of o_a_proj
 (grouped low-rank projection), then o_b_proj mixes the groups.
+
+Tensor parallelism (parallel.py says what is split and why): each rank holds H/tp heads, G/tp output
+groups and their rows of wq_b / wo_a / columns of wo_b; the output is a partial sum all-reduced once
+over "tp". The shared KV head, the compressors and the indexer are replicated.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from torch import nn
 from deepinfer.backend import Backend, V4AttentionSpec
 from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config, RopeBranch
+from deepinfer.models.deepseek_v4.parallel import head_shard
 from deepinfer.models.layers.linear import Linear, Loader
-from deepinfer.models.weights import tensor_loader
+from deepinfer.models.weights import sliced, tensor_loader
 
 SWA_GROUP = "v4_swa"
 COMP_GROUPS = {CSA: "v4_csa", "heavily_compressed_attention": "v4_hca"}
@@ -54,17 +59,19 @@ class V4Attention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         self.backend = backend
-        self.comm = backend.communicator()
+        self.comm = backend.communicator()  # "tp"
+        self.shard = head_shard(cfg, self.comm)
         self.dtype = dtype
         self.layer_type = cfg.layer_types[layer_id]
-        H, D, Dm = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-        self.H, self.D = H, D
+        H, D, Dm, G = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size, cfg.o_groups
+        self.H, self.D, self.G = self.shard.heads, D, self.shard.groups  # this rank's heads and groups
         q8 = cfg.quantization == "fp8_block"
+        tp = self.comm
         self.q_a_proj = Linear(Dm, cfg.q_lora_rank, backend, dtype, quantized=q8)
-        self.q_b_proj = Linear(cfg.q_lora_rank, H * D, backend, dtype, quantized=q8)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * D, backend, dtype, quantized=q8, split="column", tp=tp)
         self.kv_proj = Linear(Dm, D, backend, dtype, quantized=q8)
-        self.o_a_proj = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, backend, dtype, quantized=q8)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, Dm, backend, dtype, quantized=q8)
+        self.o_a_proj = Linear(H * D // G, G * cfg.o_lora_rank, backend, dtype, quantized=q8, split="column", tp=tp)
+        self.o_b_proj = Linear(G * cfg.o_lora_rank, Dm, backend, dtype, quantized=q8, split="row", tp=tp)
         self.o_a_weight: torch.Tensor | None = None  # o_a_proj dense, set by finalize
         self.q_a_norm: torch.Tensor | None = None
         self.kv_norm: torch.Tensor | None = None
@@ -89,7 +96,7 @@ class V4Attention(nn.Module):
         self.rope_branch = cfg.rope_for(layer_id)
         self.rope = RopeTable(self.rope_branch, dtype)
         spec = V4AttentionSpec(
-            num_heads=H, head_dim=D, sliding_window=cfg.sliding_window, softmax_scale=D**-0.5,
+            num_heads=self.H, head_dim=D, sliding_window=cfg.sliding_window, softmax_scale=D**-0.5,
             swa_group=SWA_GROUP, compress_rate=self.m, overlap=self.csa,
             comp_group=COMP_GROUPS.get(self.layer_type), index_group=INDEX_GROUP if self.csa else None,
             index_n_heads=cfg.index_n_heads if self.csa else 0, index_head_dim=cfg.index_head_dim if self.csa else 0,
@@ -108,7 +115,10 @@ class V4Attention(nn.Module):
         out.update(self.o_b_proj.loaders(f"{p}.wo_b"))
         out[f"{p}.q_norm.weight"] = tensor_loader(self, "q_a_norm", f"{p}.q_norm.weight", (cfg.q_lora_rank,), f32, dev)
         out[f"{p}.norm.weight"] = tensor_loader(self, "kv_norm", f"{p}.norm.weight", (self.D,), f32, dev)
-        out[f"{p}.attn_sink"] = tensor_loader(self, "sinks", f"{p}.attn_sink", (self.H,), f32, dev)
+        sinks = tensor_loader(self, "sinks", f"{p}.attn_sink", (self.H,), f32, dev)
+        if self.shard.size > 1:  # this rank's heads' sinks
+            sinks = sliced(sinks, 0, self.shard.first_head, self.shard.first_head + self.H)
+        out[f"{p}.attn_sink"] = sinks
         if self.m:
             c = f"{p}.compressor"
             width = (2 if self.csa else 1) * self.D
@@ -176,5 +186,5 @@ class V4Attention(nn.Module):
                          index_gate=self.i_gate(x))
         o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
         o = ops.v4_rotary_embedding(o, cos, -sin)
-        o = grouped_linear(o.reshape(T, cfg.o_groups, -1), self.o_a_weight, cfg.o_groups)
-        return self.comm.all_reduce(self.o_b_proj(o))  # row-parallel output projection
+        o = grouped_linear(o.reshape(T, self.G, -1), self.o_a_weight, self.G)
+        return self.comm.all_reduce(self.o_b_proj(o))  # row-parallel output projection: partial sums over "tp"

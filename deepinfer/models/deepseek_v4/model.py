@@ -5,7 +5,13 @@ attention -> mHC merge] then [mHC collapse -> RMSNorm -> MoE -> mHC merge]
 -> HyperHead collapse -> RMSNorm -> head. Checkpoint names are DeepSeek's
 release names (`embed.weight`, `layers.N.attn.wq_a.weight`, `mtp.0.*`, ...);
 a leading `model.` and transformers' names for the top-level tensors are
-accepted too. MTP tensors are kept aside in `mtp_weights`.
+accepted too. MTP tensors are kept aside in `mtp_weights` (one rank only: see load_weights).
+
+Many ranks (docs/parallelism.md): attention heads split over "tp" (attention.py, parallel.py), routed
+experts split over "tp" or spread over "ep" (moe.py), the vocabulary split (embedding / head); the
+hyper-connections, norms and the router gates act on the whole hidden state and are replicated. Each
+loader names the part of its tensor this rank reads; `load_weights` takes the checkpoint's unread handles
+and reads just those parts (models/loader.deliver).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from deepinfer.models.deepseek_v4.hyper_connections import HyperConnection, Hype
 from deepinfer.models.deepseek_v4.moe import V4MoE
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Loader
+from deepinfer.models.loader import StoredTensor, deliver
 from deepinfer.models.weights import tensor_loader
 
 _ALIASES = {
@@ -115,6 +122,8 @@ def _param_loader(module: nn.Module, attr: str, name: str, shape, device) -> Loa
 
 class DeepseekV4ForCausalLM(CausalLM):
     model_type = "deepseek_v4"
+    supports_tensor_parallel = True
+    reads_stored_tensors = True
 
     def __init__(self, config: dict | DeepseekV4Config, backend: Backend, dtype: torch.dtype):
         cfg = config if isinstance(config, DeepseekV4Config) else parse_v4_config(config)
@@ -123,6 +132,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.max_position_embeddings = cfg.max_position_embeddings
         self.quantization = cfg.quantization
         self.mtp_weights: dict[str, torch.Tensor] = {}
+        # MTP tensors not read: several ranks (nothing runs V4's MTP yet, and whole copies on every rank
+        # would be the unsplit layer's memory each)
+        self.skipped_mtp_tensors = 0
+        self._one_rank = all(backend.communicator(g).world_size == 1 for g in ("tp", "ep"))
         D, n = cfg.hidden_size, cfg.hc_mult
         self.embed = VocabEmbedding(cfg.vocab_size, D, backend, dtype)
         self.layers = nn.ModuleList(V4Block(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
@@ -166,15 +179,20 @@ class DeepseekV4ForCausalLM(CausalLM):
         return bool(m) and int(m.group(1)) >= self.config.num_hidden_layers
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """(name, tensor or unread StoredTensor) pairs; each needed tensor is read once, only this rank's part
+        of it; a tensor another rank holds (OTHER_RANK) is expected but never read."""
         for raw, tensor in weights:
             name = canonical_name(raw)
             if self._is_mtp(name):
-                self.mtp_weights[name] = tensor
+                if self._one_rank:
+                    self.mtp_weights[name] = tensor.read() if isinstance(tensor, StoredTensor) else tensor
+                else:
+                    self.skipped_mtp_tensors += 1
                 continue
             loader = self._loaders.get(name)
             if loader is None:
                 raise ModelLoadError(f"unexpected tensor {raw!r} in a deepseek_v4 checkpoint")
-            loader(tensor)
+            deliver(loader, tensor)
             self._loaded.add(name)
 
     def finalize(self) -> None:

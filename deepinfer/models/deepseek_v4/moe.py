@@ -7,6 +7,18 @@ tid2eid[token_id] table. The weights are the unbiased scores of the chosen
 experts, normalised to sum 1 (always, as the reference does), times
 routed_scaling_factor. Checkpoint names follow DeepSeek's release:
 experts.E.w1 (gate), w3 (up), w2 (down).
+
+Many ranks, the three modes of the V2/V3 MoE layer (models/layers/moe.py, whose placement, id mapping and
+data-parallel gather this reuses from layers/experts.py and layers/moe_dispatch.py):
+- one rank: the op's whole-layer forward;
+- tensor parallel ("ep" of one): each expert's intermediate dimension split over "tp" (the clamp and
+  SwiGLU act elementwise on it, so the split is exact), the shared expert column / row split too; routed +
+  shared are a partial sum, reduced once over "tp";
+- expert parallel ("ep" > 1): whole experts per rank as an `ExpertPlacement` says; every rank routes every
+  token (hash layers: the token ids are gathered over "dp" with the hidden states), runs its local experts
+  for every (token, slot) pair mapped to it, adds the shared expert's tp-partial into its own replica's rows
+  and all-reduces over "ep". The load balancer (parallel/eplb.py) counts and moves these layers' experts
+  as the V2/V3 ones (`expert_parallel`, `placement`, `expert_load`, `w13` / `w2`, `install_placement`).
 """
 
 from __future__ import annotations
@@ -16,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.backend import Backend, MoESpec, RouterSpec
-from deepinfer.errors import ModelLoadError
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer.models.layers.experts import ExpertWeights
+from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
+from deepinfer.models.layers.moe_dispatch import ExpertParallelRouting, gather_replicas
 from deepinfer.models.weights import tensor_loader
 
 
@@ -31,6 +44,7 @@ class V4MoE(nn.Module):
         self.is_hash = cfg.mlp_layer_types[layer_id] == "hash_moe"
         E, D, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         self.E, self.D, self.k, self.vocab = E, D, k, cfg.vocab_size
+        self.num_experts, self.hidden_size = E, D  # the names the load balancer reads
         q8 = cfg.quantization == "fp8_block"
         self.router = RouterSpec(
             num_experts=E, top_k=k, scoring_func=cfg.scoring_func, topk_method="hash" if self.is_hash else "noaux_tc",
@@ -39,12 +53,40 @@ class V4MoE(nn.Module):
         self.gate_weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.tid2eid: torch.Tensor | None = None
-        self.experts = ExpertWeights(E, D, inter, backend, dtype, q8, ("w1", "w3", "w2"))
+        tp, self.ep, self.dp = backend.communicator("tp"), backend.communicator("ep"), backend.communicator("dp")
+        self.expert_parallel = self.ep.world_size > 1
+        self.placement: ExpertPlacement | None = None
+        self.routing: ExpertParallelRouting | None = None
+        local, tp_part, num_local = inter, None, None
+        if self.expert_parallel:
+            self.placement = ExpertPlacement.contiguous(E, self.ep.world_size)
+            num_local = self.placement.slots_per_rank
+        elif tp.world_size > 1:
+            if inter % tp.world_size:
+                raise ConfigError(f"moe_intermediate_size {inter} does not split evenly over tensor_parallel_size "
+                                  f"{tp.world_size} (routed experts are split like a dense MLP without "
+                                  "enable_expert_parallel)")
+            local, tp_part = inter // tp.world_size, (tp.rank, tp.world_size)
+        self.experts = ExpertWeights(
+            E, D, local, backend, dtype, q8, ("w1", "w3", "w2"),
+            slot_experts=self.placement.rank_experts(self.ep.rank) if self.placement else None, tp_part=tp_part)
         self.shared = GatedMLP(D, inter, backend, dtype, quantized=q8, swiglu_limit=cfg.swiglu_limit,
                                names=("w1", "w3", "w2"), reduce_output=False)
-        self.comm = backend.communicator()
-        self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter,
-                                           swiglu_limit=cfg.swiglu_limit))
+        self.comm = self.ep if self.expert_parallel else tp  # routed + shared partial sums: one reduce
+        self.swiglu_limit = cfg.swiglu_limit
+        self.spec = MoESpec(router=self.router, hidden_size=D, intermediate_size=local,
+                            swiglu_limit=cfg.swiglu_limit, num_local_experts=num_local)
+        self.op = backend.make_moe(self.spec)
+        if self.expert_parallel:
+            reasons = self.op.expert_parallel_reasons()
+            if reasons:
+                raise ConfigError("enable_expert_parallel: this backend's MoE op cannot compute a rank's share of "
+                                  "the routed experts: " + "; ".join(reasons))
+        # expert parallelism: the stacked local weights the op was given (the load balancer moves them), and
+        # the per-logical-expert pair counter it turns on
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+        self.expert_load: torch.Tensor | None = None
 
     def _set_tid2eid(self, name: str):
         def load(t: torch.Tensor) -> None:
@@ -69,13 +111,54 @@ class V4MoE(nn.Module):
         return out
 
     def finalize(self) -> None:
-        self.op.load_experts(*self.experts.stacked())
+        w13, w2 = self.experts.stacked()
+        self.op.load_experts(w13, w2)
         self.shared.finalize()
+        if self.expert_parallel:
+            self.w13, self.w2 = w13, w2
+            self.routing = ExpertParallelRouting(self.placement, self.ep.rank, self.backend.device)
+
+    def install_placement(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Between steps (the load balancer): a new placement and this rank's weights for its slots; the same
+        slot count swaps the op's weights in place, another makes a new op for it."""
+        if not self.expert_parallel:
+            raise ConfigError("install_placement: this MoE layer is not expert-parallel")
+        if placement.slots_per_rank != self.spec.local_experts:
+            self.spec = MoESpec(router=self.router, hidden_size=self.D, intermediate_size=self.spec.intermediate_size,
+                                swiglu_limit=self.swiglu_limit, num_local_experts=placement.slots_per_rank)
+            self.op = self.backend.make_moe(self.spec)
+            self.op.load_experts(w13, w2)
+            self.w13, self.w2 = w13, w2
+        else:
+            self.op.replace_experts(w13, w2)
+            self.w13.copy_(w13)
+            self.w2.copy_(w2)
+        self.placement = placement
+        self.routing = ExpertParallelRouting(placement, self.ep.rank, self.backend.device)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel:
+            return self._forward_expert_parallel(x, token_ids)
         logits = F.linear(x.float(), self.gate_weight)
         if self.is_hash:
             routed = self.op.forward(x, logits, token_ids=token_ids, tid2eid=self.tid2eid)
         else:
             routed = self.op.forward(x, logits, correction_bias=self.bias)
-        return self.comm.all_reduce(routed + self.shared(x))  # partial sums under tensor / expert parallelism
+        return self.comm.all_reduce(routed + self.shared(x))  # partial sums under tensor parallelism
+
+    def _forward_expert_parallel(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        xs, own = gather_replicas(x, self.dp)  # every replica's tokens; own: this replica's rows of them
+        logits = F.linear(xs.float(), self.gate_weight)
+        if self.is_hash:  # the table is indexed by token id: gather the ids the same way
+            ids_all = gather_replicas(token_ids.reshape(-1, 1), self.dp)[0].reshape(-1)
+            weights, ids = self.op.route(logits, token_ids=ids_all, tid2eid=self.tid2eid)
+        else:
+            weights, ids = self.op.route(logits, correction_bias=self.bias)
+        local = self.routing.local_ids(ids)
+        if self.expert_load is not None:
+            self.routing.count(self.expert_load, ids, local)
+        out = self.op.experts(xs, weights, local)
+        out[own] = out[own] + self.shared(x)  # the shared expert's tp-partial, on this replica's rows only
+        if out.shape[0]:  # every rank has the same row count (gathered): all skip together at zero tokens
+            out = self.comm.all_reduce(out)
+        return out[own]

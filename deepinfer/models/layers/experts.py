@@ -1,4 +1,5 @@
-"""The routed experts' checkpoint tensors, from one tensor per expert to the stacked w13 / w2 the MoE op takes.
+"""The routed experts' checkpoint tensors, from one tensor per expert to the stacked w13 / w2 the MoE op takes,
+and where the experts live when they are spread over ranks (`ExpertPlacement`).
 
 Checkpoints store one tensor per expert and projection (V2/V3:
 `experts.E.{gate,up,down}_proj`, V4: `experts.E.{w1,w3,w2}`). They are held
@@ -7,22 +8,96 @@ of), then densified through the backend's linear method (so fp8 experts are
 dequantized by the backend, not here) and stacked. An int4 (AWQ / GPTQ) expert arrives as an
 `Int4Weight` record and is densified the same way. The MoE op takes dense stacked weights: no
 backend runs quantized routed experts yet (docs/quantization.md, "not done").
+
+Many ranks (docs/parallelism.md): without expert parallelism each rank holds every expert's slice of the
+intermediate dimension (`tp_part`: gate / up rows and down columns [r * I/tp, (r + 1) * I/tp)); with it each
+rank holds whole experts, the ones its physical slots name (`slot_experts`), and the other experts' tensors
+get the OTHER_RANK loader (expected, never read here). An expert placed twice on one rank is read once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deepinfer.backend import Backend
-from deepinfer.errors import ModelLoadError
-from deepinfer.models.layers.linear import Linear, Loader, prepare_scale, prepare_weight
+from deepinfer.errors import ConfigError, ModelLoadError
+from deepinfer.models.layers.linear import FP8_BLOCK, Linear, Loader, prepare_scale, prepare_weight
+from deepinfer.models.weights import OTHER_RANK, sliced
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Physical expert slots over the "ep" ranks: slot s holds logical expert slot_experts[s] and lives on rank
+    s // slots_per_rank. More slots than logical experts = redundant replicas of hot experts (the expert load
+    balancer places them, deepinfer/parallel/eplb.py). Every logical expert has at least one slot."""
+
+    num_experts: int
+    ep_size: int
+    slot_experts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.slot_experts)
+        if self.ep_size < 1 or n % self.ep_size:
+            raise ConfigError(f"expert placement: {n} physical slots do not split evenly over {self.ep_size} "
+                              "expert-parallel ranks (n_routed_experts + eplb_num_redundant_experts must be a "
+                              "multiple of the world size)")
+        if any(not 0 <= e < self.num_experts for e in self.slot_experts):
+            raise ConfigError(f"expert placement names experts outside [0, {self.num_experts})")
+        missing = sorted(set(range(self.num_experts)) - set(self.slot_experts))
+        if missing:
+            raise ConfigError(f"expert placement leaves logical experts {missing[:8]} without a slot")
+
+    @classmethod
+    def contiguous(cls, num_experts: int, ep_size: int) -> ExpertPlacement:
+        """No replicas: rank r holds experts [r * E/ep, (r + 1) * E/ep)."""
+        if num_experts % ep_size:
+            raise ConfigError(f"n_routed_experts {num_experts} does not split evenly over {ep_size} expert-parallel "
+                              "ranks (enable_expert_parallel spreads whole experts over every rank)")
+        return cls(num_experts, ep_size, tuple(range(num_experts)))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_experts)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.ep_size
+
+    def rank_experts(self, rank: int) -> tuple[int, ...]:
+        """The logical expert of each of `rank`'s slots, in slot order."""
+        s = self.slots_per_rank
+        return self.slot_experts[rank * s: (rank + 1) * s]
+
+    def replica_counts(self) -> list[int]:
+        counts = [0] * self.num_experts
+        for e in self.slot_experts:
+            counts[e] += 1
+        return counts
+
+    def replica_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [E, max replicas] int64: expert e's physical slots in slot order, padded with its first;
+        counts [E] int64), for mapping routed pairs to replicas on the device."""
+        slots: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for s, e in enumerate(self.slot_experts):
+            slots[e].append(s)
+        width = max(len(v) for v in slots)
+        table = torch.tensor([v + [v[0]] * (width - len(v)) for v in slots], dtype=torch.long, device=device)
+        return table, torch.tensor([len(v) for v in slots], dtype=torch.long, device=device)
 
 
 class ExpertWeights:
-    """Loaders for `{prefix}.experts.E.{gate,up,down}` and their stacking into (w13 [E, 2I, D], w2 [E, D, I])."""
+    """Loaders for `{prefix}.experts.E.{gate,up,down}` and their stacking into (w13 [S, 2I, D], w2 [S, D, I]).
+
+    slot_experts: the logical expert of each stacked slot (expert parallelism: this rank's slots); None = every
+    expert in order. tp_part (rank, size): this rank's slice of the intermediate dimension; intermediate_size is
+    then the per-rank part and the stored tensors are size * tp wide there.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend,
-                 dtype: torch.dtype, quantized: bool, names: tuple[str, str, str]):
+                 dtype: torch.dtype, quantized: bool, names: tuple[str, str, str],
+                 slot_experts: tuple[int, ...] | None = None, tp_part: tuple[int, int] | None = None):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -30,14 +105,39 @@ class ExpertWeights:
         self.dtype = dtype
         self.quantized = quantized
         self.names = names  # (gate, up, down) projection names
+        self.slot_experts = tuple(range(num_experts)) if slot_experts is None else tuple(slot_experts)
+        self.tp_part = tp_part if tp_part is not None and tp_part[1] > 1 else None
+        if self.tp_part is not None and quantized and intermediate_size % FP8_BLOCK:
+            raise ModelLoadError(f"fp8 block-scaled routed experts: moe_intermediate_size {intermediate_size * tp_part[1]}"
+                                 f" over tensor_parallel_size {tp_part[1]} gives {intermediate_size} per rank, not a "
+                                 f"multiple of the {FP8_BLOCK}-wide scale blocks")
         self.prefix = ""
         self._loaded: dict[tuple[int, str, str], torch.Tensor] = {}  # (expert, proj, "weight"|"scale") -> tensor
 
     def _shape(self, proj: str) -> tuple[int, int]:
-        """[out, in] of one projection: down is [D, I], gate and up are [I, D]."""
+        """[out, in] of one projection (this rank's part): down is [D, I], gate and up are [I, D]."""
         if proj == self.names[2]:
             return self.hidden_size, self.intermediate_size
         return self.intermediate_size, self.hidden_size
+
+    def _part(self, t, proj: str, kind: str, name: str):
+        """This rank's slice of a stored tensor along the intermediate dimension. The reader may hand the
+        whole tensor (a reader that does not slice) or just the part: told apart by the shape."""
+        if self.tp_part is None:
+            return t
+        if not isinstance(t, torch.Tensor):
+            raise ModelLoadError(f"{name}: {type(t).__name__} routed experts cannot be split over "
+                                 f"tensor_parallel_size {self.tp_part[1]} yet; load them with tensor_parallel_size 1 "
+                                 "or enable_expert_parallel")
+        dim = 1 if proj == self.names[2] else 0
+        rank, _ = self.tp_part
+        size = self.intermediate_size if kind == "weight" else self.intermediate_size // FP8_BLOCK
+        if t.dim() == 2 and t.shape[dim] == size:
+            return t  # already this rank's part
+        if t.dim() == 2 and t.shape[dim] == size * self.tp_part[1]:
+            return t.narrow(dim, rank * size, size)
+        raise ModelLoadError(f"{name} has shape {tuple(t.shape)}: dim {dim} is neither this rank's part ({size}) nor "
+                             f"the whole ({size * self.tp_part[1]})")
 
     def _loader(self, e: int, proj: str, kind: str) -> Loader:
         name = f"{self.prefix}.experts.{e}.{proj}"
@@ -45,22 +145,30 @@ class ExpertWeights:
         dev = self.backend.device
 
         def load(t: torch.Tensor) -> None:
+            t = self._part(t, proj, kind, f"{name}.{'weight' if kind == 'weight' else 'weight_scale_inv'}")
             if kind == "weight":
                 self._loaded[(e, proj, kind)] = prepare_weight(name, t, (out_f, in_f), self.quantized, self.dtype, dev)
             else:
                 self._loaded[(e, proj, kind)] = prepare_scale(name, t, out_f, in_f, dev)
 
-        return load
+        if self.tp_part is None:
+            return load
+        dim = 1 if proj == self.names[2] else 0
+        size = self.intermediate_size if kind == "weight" else self.intermediate_size // FP8_BLOCK
+        return sliced(load, dim, self.tp_part[0] * size, (self.tp_part[0] + 1) * size)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         """`prefix` is the MoE block's; the names are `{prefix}.experts.{e}.{proj}.weight` (+ `_scale_inv`)."""
         self.prefix = prefix
+        mine = set(self.slot_experts)
         out: dict[str, Loader] = {}
         for e in range(self.num_experts):
             for proj in self.names:
-                out[f"{prefix}.experts.{e}.{proj}.weight"] = self._loader(e, proj, "weight")
+                here = e in mine
+                out[f"{prefix}.experts.{e}.{proj}.weight"] = self._loader(e, proj, "weight") if here else OTHER_RANK
                 if self.quantized:
-                    out[f"{prefix}.experts.{e}.{proj}.weight_scale_inv"] = self._loader(e, proj, "scale")
+                    out[f"{prefix}.experts.{e}.{proj}.weight_scale_inv"] = (
+                        self._loader(e, proj, "scale") if here else OTHER_RANK)
         return out
 
     def _dense(self, e: int, proj: str) -> torch.Tensor:
@@ -75,14 +183,19 @@ class ExpertWeights:
         return lin.dense()
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in the compute dtype; the per-expert tensors are released."""
-        E, D, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        """(w13, w2) in the compute dtype, one row per slot; the per-expert tensors are released."""
+        S, D, inter = len(self.slot_experts), self.hidden_size, self.intermediate_size
         gate, up, down = self.names
         dev = self.backend.device
-        w13 = torch.empty((E, 2 * inter, D), dtype=self.dtype, device=dev)
-        w2 = torch.empty((E, D, inter), dtype=self.dtype, device=dev)
-        for e in range(E):
-            w13[e, :inter] = self._dense(e, gate)
-            w13[e, inter:] = self._dense(e, up)
-            w2[e] = self._dense(e, down)
+        w13 = torch.empty((S, 2 * inter, D), dtype=self.dtype, device=dev)
+        w2 = torch.empty((S, D, inter), dtype=self.dtype, device=dev)
+        first: dict[int, int] = {}
+        for s, e in enumerate(self.slot_experts):
+            if e in first:  # a second replica on this rank: copy the first
+                w13[s], w2[s] = w13[first[e]], w2[first[e]]
+                continue
+            first[e] = s
+            w13[s, :inter] = self._dense(e, gate)
+            w13[s, inter:] = self._dense(e, up)
+            w2[s] = self._dense(e, down)
         return w13, w2

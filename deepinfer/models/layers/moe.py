@@ -2,6 +2,18 @@
 
 The per-expert checkpoint tensors (`experts.E.{gate,up,down}_proj`) are held
 and stacked by `ExpertWeights`.
+
+Many ranks (docs/parallelism.md), three modes, fixed at construction from the backend's communicators:
+- one rank: the op's whole-layer forward, as it always was (no extra op on this path);
+- tensor parallel ("tp" > 1, "ep" of one): every rank holds each expert's slice of the intermediate dimension
+  and routes every token (replicated gate); routed + shared (the shared MLP is column / row split too) are a
+  partial sum, reduced once over "tp";
+- expert parallel ("ep" > 1): whole experts per rank, as an `ExpertPlacement` says (redundant replicas when the
+  load balancer adds them). Every rank routes every token over all logical experts, maps each (token, slot) to
+  one replica (by token and slot index, the same on every rank) and so to a local slot or -1, runs its local
+  experts, adds the shared experts' tp-partial into its own replica's rows and all-reduces over "ep". With
+  data-parallel attention ("dp" > 1) the hidden states are all-gathered over "dp" first (padded to the largest
+  replica's token count) and each rank keeps its replica's rows; a replica with no tokens still takes part.
 """
 
 from __future__ import annotations
@@ -10,10 +22,12 @@ import torch
 from torch import nn
 
 from deepinfer.backend import Backend, MoESpec
+from deepinfer.errors import ConfigError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
-from deepinfer.models.layers.experts import ExpertWeights
+from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
+from deepinfer.models.layers.moe_dispatch import ExpertParallelRouting, gather_replicas
 from deepinfer.models.weights import tensor_loader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -31,14 +45,42 @@ class MoELayer(nn.Module):
         self.use_bias = cfg.topk_method == "noaux_tc"
         self.gate_weight: torch.Tensor | None = None  # [E, D] fp32, as the reference keeps it
         self.e_score_correction_bias: torch.Tensor | None = None  # [E] fp32, selection only
-        self.experts = ExpertWeights(cfg.n_routed_experts, D, inter, backend, dtype, quantized, _PROJS)
+        tp, self.ep, self.dp = backend.communicator("tp"), backend.communicator("ep"), backend.communicator("dp")
+        self.expert_parallel = self.ep.world_size > 1
+        self.placement: ExpertPlacement | None = None
+        self.routing: ExpertParallelRouting | None = None
+        local, tp_part, num_local = inter, None, None
+        if self.expert_parallel:
+            self.placement = ExpertPlacement.contiguous(self.num_experts, self.ep.world_size)
+            num_local = self.placement.slots_per_rank
+        elif tp.world_size > 1:
+            if inter % tp.world_size:
+                raise ConfigError(f"moe_intermediate_size {inter} does not split evenly over tensor_parallel_size "
+                                  f"{tp.world_size} (routed experts are split like a dense MLP without "
+                                  "enable_expert_parallel)")
+            local = inter // tp.world_size
+            tp_part = (tp.rank, tp.world_size)
+        self.experts = ExpertWeights(
+            cfg.n_routed_experts, D, local, backend, dtype, quantized, _PROJS,
+            slot_experts=self.placement.rank_experts(self.ep.rank) if self.placement else None, tp_part=tp_part)
         self.shared_experts = (
             GatedMLP(D, inter * cfg.n_shared_experts, backend, dtype, quantized=quantized, reduce_output=False)
             if cfg.n_shared_experts
             else None
         )
-        self.comm = backend.communicator()
-        self.op = backend.make_moe(MoESpec(router=self.router, hidden_size=D, intermediate_size=inter))
+        self.comm = self.ep if self.expert_parallel else tp  # routed + shared partial sums: one reduce
+        self.spec = MoESpec(router=self.router, hidden_size=D, intermediate_size=local, num_local_experts=num_local)
+        self.op = backend.make_moe(self.spec)
+        if self.expert_parallel:
+            reasons = self.op.expert_parallel_reasons()
+            if reasons:
+                raise ConfigError("enable_expert_parallel: this backend's MoE op cannot compute a rank's share of "
+                                  "the routed experts: " + "; ".join(reasons))
+        # expert parallelism: the stacked local weights the op was given (the load balancer moves them)
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+        # tokens routed to each logical expert, counted here when the load balancer asks (parallel/eplb.py)
+        self.expert_load: torch.Tensor | None = None
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         dev = self.backend.device
@@ -53,14 +95,53 @@ class MoELayer(nn.Module):
         return out
 
     def finalize(self) -> None:
-        self.op.load_experts(*self.experts.stacked())
+        w13, w2 = self.experts.stacked()
+        self.op.load_experts(w13, w2)
         if self.shared_experts is not None:
             self.shared_experts.finalize()
+        if self.expert_parallel:
+            self.w13, self.w2 = w13, w2
+            self.routing = ExpertParallelRouting(self.placement, self.ep.rank, self.backend.device)
+        elif self.shared_experts is not None:
             # the op may run the shared MLP as extra experts at small batches; it still calls the
             # module (one dense GEMM per weight) where it does not
             self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
+    def install_placement(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Between steps (the load balancer): a new placement and this rank's weights for its slots. The same
+        slot count per rank swaps the op's weights in place; another count makes a new op for it."""
+        if not self.expert_parallel:
+            raise ConfigError("install_placement: this MoE layer is not expert-parallel")
+        if placement.slots_per_rank != self.spec.local_experts:
+            self.spec = MoESpec(router=self.router, hidden_size=self.hidden_size,
+                                intermediate_size=self.spec.intermediate_size,
+                                num_local_experts=placement.slots_per_rank)
+            self.op = self.backend.make_moe(self.spec)
+            self.op.load_experts(w13, w2)
+            self.w13, self.w2 = w13, w2
+        else:
+            self.op.replace_experts(w13, w2)
+            self.w13.copy_(w13)
+            self.w2.copy_(w2)
+        self.placement = placement
+        self.routing = ExpertParallelRouting(placement, self.ep.rank, self.backend.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 router gate as the reference; the op may fuse it with the top-k
-        out = self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)
-        return self.comm.all_reduce(out)  # routed + shared: partial sums under tensor / expert parallelism
+        if not self.expert_parallel:
+            # fp32 router gate as the reference; the op may fuse it with the top-k
+            out = self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)
+            return self.comm.all_reduce(out)  # routed + shared: partial sums under tensor parallelism
+        return self._forward_expert_parallel(x)
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        xs, own = gather_replicas(x, self.dp)  # every replica's tokens; own: this replica's rows of them
+        weights, ids = self.op.route(self.op.router_logits(xs, self.gate_weight), self.e_score_correction_bias)
+        local = self.routing.local_ids(ids)
+        if self.expert_load is not None:
+            self.routing.count(self.expert_load, ids, local)
+        out = self.op.experts(xs, weights, local)
+        if self.shared_experts is not None:
+            out[own] = out[own] + self.shared_experts(x)
+        if out.shape[0]:  # every rank has the same row count (gathered): all skip together at zero tokens
+            out = self.comm.all_reduce(out)
+        return out[own]

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from deepinfer.backend import MoESpec, NativeMoE
-from deepinfer.backends.nvidia.fused_moe import combine
+from deepinfer.backends.nvidia.fused_moe import align_skipping, combine
 from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
 from deepinfer.backends.nvidia.moe import triton_moe_unsupported
@@ -57,6 +57,9 @@ class InvariantMoE(NativeMoE):
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts (+ shared_out added in the combine); a -1 id (another rank's expert, expert
+        parallelism) is left out of the alignment and its zeroed slot adds nothing. The other experts' blocks
+        are laid out exactly as without -1 ids, so their bits do not change."""
         T, D = x.shape
         E, two_i, _ = self.w13.shape
         k = topk_ids.shape[1]
@@ -65,10 +68,10 @@ class InvariantMoE(NativeMoE):
         x = x.contiguous()
         bm = block_m()
         n = T * k
-        sorted_ids, expert_ids, num_padded = self.align_fn(topk_ids, E, bm)
+        sorted_ids, expert_ids, num_padded = align_skipping(self.align_fn, topk_ids, E, bm)
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, self.w13, act, sorted_ids, expert_ids, num_padded, n, k, bm, dual=True)
-        y = torch.empty((n, D), dtype=torch.float32, device=x.device)
+        y = torch.zeros((n, D), dtype=torch.float32, device=x.device)
         aligned_gemm(act, self.w2, y, sorted_ids, expert_ids, num_padded, n, 1, bm,
                      topk_weights.float().contiguous().view(-1))
         return combine(y.view(T, k, D), shared_out, x.dtype)
