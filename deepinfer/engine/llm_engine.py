@@ -14,7 +14,13 @@ import time
 from typing import Any
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.parallel_setup import abandon_job, agree_kv_budget, join_parallel_job, start_parallel_role
+from deepinfer.engine.parallel_setup import (
+    abandon_job,
+    agree_kv_budget,
+    join_parallel_job,
+    make_balancer,
+    start_parallel_role,
+)
 from deepinfer.engine.request_intake import RequestIntake
 from deepinfer.engine.startup import (
     attach_lower_tiers,
@@ -203,6 +209,9 @@ class DeepInferenceEngine(RequestIntake):
             attach_lower_tiers(cfg, kv, self.runner.caches)
         if kv.hybrid and kv.uses_state:
             attach_state_snapshots(kv, model, self.runner.caches, plan.num_blocks[kv.window_group])
+        # EPLB installs its redundant expert slots before any graph is captured (deepinfer/parallel/eplb.py)
+        self._balancer = make_balancer(cfg, model, backend, job)
+        self.experts_moved = 0
         self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
@@ -217,7 +226,6 @@ class DeepInferenceEngine(RequestIntake):
 
         self._job = job  # this rank's place in a parallel engine (deepinfer/parallel/), None in one process
         self._leader = None  # rank 0's LeaderDriver (deepinfer/parallel/driver.py)
-        self._balancer = None  # EPLB (deepinfer/parallel/eplb.py), with enable_eplb
         self._requests: dict[str, Request] = {}
         self._counter = 0
         self._prompt_tokens = 0
@@ -357,7 +365,7 @@ class DeepInferenceEngine(RequestIntake):
         return self._balancer is not None and step % self.config.eplb_step_interval == 0
 
     def _rebalance_experts(self) -> None:
-        self._balancer.rebalance()
+        self.experts_moved += self._balancer.rebalance()  # experts that changed rank (EPLB)
 
     def stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}

@@ -59,9 +59,9 @@ def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
     job = join_job(cfg, backend.caps.device_type)
     if job.launcher_only:
         raise SystemExit(wait_for_children(job))
-    from deepinfer.parallel.groups import build_communicators
-
     import datetime
+
+    from deepinfer.parallel.groups import build_communicators
 
     timeout = datetime.timedelta(seconds=job.timeout_s)
     backend.install_communicators(build_communicators(job.layout, job.rank, backend, timeout))
@@ -83,8 +83,18 @@ def agree_kv_budget(job, budget: int) -> int:
     return int(t.item())
 
 
+def make_balancer(cfg: EngineConfig, model, backend, job):
+    """EPLB's handle on the model (enable_eplb with expert parallelism), else None; on every rank alike."""
+    if job is None or not cfg.enable_eplb:
+        return None
+    from deepinfer.parallel.eplb import ExpertBalancer
+
+    return ExpertBalancer(model, backend, num_redundant=cfg.eplb_num_redundant_experts,
+                          step_interval=cfg.eplb_step_interval)
+
+
 def start_parallel_role(engine, job) -> None:
-    """Wire the replica sync and EPLB, then be the leader (return) or a follower (serve, then exit)."""
+    """Wire the replica sync, then be the leader (return) or a follower (serve, then exit)."""
     from deepinfer.parallel.driver import LeaderDriver, run_follower
 
     layout = job.layout
@@ -97,10 +107,6 @@ def start_parallel_role(engine, job) -> None:
         dummy = DummyForward(engine.model, block_size, engine.backend.device, engine._kv_layouts)
         engine._pipeline.forward_sync = sync.any_replica_has_work
         engine._pipeline.dummy_forward = dummy.run
-    if engine.config.enable_eplb:
-        from deepinfer.parallel.eplb import build_balancer
-
-        engine._balancer = build_balancer(engine.model, engine.backend, engine.config)
     import torch.distributed as dist
 
     dist.barrier(group=job.startup_group)  # every rank built its engine: from here on steps time out fast

@@ -83,6 +83,8 @@ class LeaderDriver:
         self.replica_busy = [False] * self.dp
         self._ops: list[AddCommand | AbortCommand] = []
         self._seq = 0
+        self.steps = 0
+        self.num_rebalances = 0
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._broken: str | None = None
@@ -130,7 +132,8 @@ class LeaderDriver:
         self.check_usable()
         with self._lock:
             self._seq += 1
-            rebalance = self.engine._eplb_due(self._seq)
+            self.steps += 1  # engine steps (the heartbeat's no-ops are not)
+            rebalance = self.engine._eplb_due(self.steps)
             cmd = StepCommand(self._seq, "step", self._ops, all_outputs, rebalance)
             self._ops = []
             try:
@@ -138,6 +141,7 @@ class LeaderDriver:
                 outputs = self.engine._local_step(all_outputs)
                 if rebalance:
                     self.engine._rebalance_experts()
+                    self.num_rebalances += 1
                 if self.dp > 1:
                     reports = self.channel.gather(replica_report(self.engine, self.job, outputs))
                     outputs = self._merge(outputs, reports)

@@ -38,6 +38,8 @@ def run(mode: str, path: str, settings: dict) -> dict:
         out["alone"] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
         if serve:
             out["served"] = serve_completions(llm)
+        out["rebalances"] = llm._leader.num_rebalances
+        out["experts_moved"] = llm.experts_moved  # the leader's own layers
         llm.shutdown()
         return out
     child = llm._job.children[0][1]

@@ -17,13 +17,27 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "engine_script.py")
 
 
-def run_script(mode: str, path: str, settings: dict, timeout: float = 180.0) -> dict:
+def run_scripts(*runs: tuple[str, str, dict], timeout: float = 240.0) -> list[dict]:
+    """Run engine_script.py for each (mode, checkpoint, settings) at the same time (they mostly wait on each
+    other's ranks and on timeouts); their results in order."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, SCRIPT, mode, path, json.dumps(settings)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    procs = [subprocess.Popen([sys.executable, SCRIPT, mode, path, json.dumps(settings)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for mode, path, settings in runs]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            assert lines, f"no result (exit {p.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            p.kill()
+    return results
+
+
+def run_script(mode: str, path: str, settings: dict) -> dict:
+    return run_scripts((mode, path, settings))[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +77,37 @@ def test_data_parallel_replicas_with_expert_parallelism_equal_one_process(checkp
     assert got["served"] == got["greedy_text"][:4]
 
 
-def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(checkpoint):
-    got = run_script("kill", checkpoint("tiny-v2-lite"), {"data_parallel_size": 2, "dist_timeout_s": 10.0})
-    assert got["error"] is not None and "rank 1 (exit code -9) stopped" in got["error"], got
-    assert got["error_after_s"] < 15.0
-    assert got["children_alive"] == [False]
-    assert got["later_call"].startswith("DeepInferError: the parallel engine stopped")
+def test_a_killed_rank_and_a_hung_rank_end_the_engine_with_an_error(checkpoint):
+    """Two engines at once: in one a spawned rank is SIGKILLed mid-run, in the other SIGSTOPped. The first fails
+    at once naming the rank and its exit code; the second times out after dist_timeout_s. Every spawned rank
+    is stopped and every later call raises."""
+    path = checkpoint("tiny-v2-lite")
+    killed, hung = run_scripts(("kill", path, {"data_parallel_size": 2, "dist_timeout_s": 10.0}),
+                               ("hang", path, {"data_parallel_size": 2, "dist_timeout_s": 4.0}))
+    assert killed["error"] is not None and "rank 1 (exit code -9) stopped" in killed["error"], killed
+    assert killed["error_after_s"] < 15.0
+    assert hung["error"] is not None and "the parallel engine stopped" in hung["error"], hung
+    assert "timed out" in hung["error"].lower(), hung
+    assert hung["error_after_s"] < 4.0 * 3 + 5.0
+    for got in (killed, hung):
+        assert got["children_alive"] == [False]
+        assert got["later_call"].startswith("DeepInferError: the parallel engine stopped")
 
 
-def test_a_hung_rank_times_out_and_every_rank_stops(checkpoint):
-    got = run_script("hang", checkpoint("tiny-v2-lite"), {"data_parallel_size": 2, "dist_timeout_s": 4.0})
-    assert got["error"] is not None and "the parallel engine stopped" in got["error"], got
-    assert "Timed out" in got["error"] or "timed out" in got["error"].lower(), got
-    assert got["error_after_s"] < 4.0 * 3 + 5.0
-    assert got["children_alive"] == [False]
+def test_tp2_dp2_experts_over_four_ranks_with_eplb_and_v4_tp2_ep2(checkpoint, reference):
+    """At once: (a) V3 (group-limited noaux_tc routing) at TP=2 x DP=2 with experts over 4 ranks, EPLB with 4
+    redundant slots re-placing experts every 2 steps; (b) V4 at TP=2 with its experts over both ranks. Greedy
+    and seeded tokens equal one process; experts moved under EPLB."""
+    v3, v4 = run_scripts(
+        ("generate", checkpoint("tiny-v3"), {"tensor_parallel_size": 2, "data_parallel_size": 2,
+                                             "enable_expert_parallel": True, "enable_eplb": True,
+                                             "eplb_num_redundant_experts": 4, "eplb_step_interval": 2}),
+        ("generate", checkpoint("tiny-v4"), {"tensor_parallel_size": 2, "enable_expert_parallel": True}))
+    for got, preset in ((v3, "tiny-v3"), (v4, "tiny-v4")):
+        ref = reference(preset)
+        assert got["greedy"] == ref["greedy"], preset
+        assert got["seeded"] == ref["seeded"], preset
+    assert v3["rebalances"] >= 3 and v3["experts_moved"] > 0, v3
 
 
 def test_torchrun_env_rendezvous_and_two_nodes_on_loopback(checkpoint, reference):
