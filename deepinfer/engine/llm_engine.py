@@ -37,7 +37,7 @@ from deepinfer.engine.startup import (
     use_async_scheduling,
     use_prefix_caching,
 )
-from deepinfer.engine.stats import EngineStats
+from deepinfer.engine.stats import EngineStats, merge_replica_stats
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -368,6 +368,14 @@ class DeepInferenceEngine(RequestIntake):
         self.experts_moved += self._balancer.rebalance()  # experts that changed rank (EPLB)
 
     def stats(self) -> EngineStats:
+        """This engine's load; on a parallel engine's leader, summed over the data-parallel replicas (as of
+        their last step: engine/stats.py merge_replica_stats)."""
+        local = self._local_stats()
+        if self._leader is None or not self._leader.replica_stats:
+            return local
+        return merge_replica_stats([local, *self._leader.replica_stats.values()])
+
+    def _local_stats(self) -> EngineStats:
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting}
         return EngineStats(

@@ -33,3 +33,27 @@ class EngineStats:
     spec_acceptance_rate: float = float("nan")  # accepted / verified drafted tokens
     spec_conditional_acceptance: tuple[float, ...] = ()  # per draft slot j: P(accepted | slots < j accepted)
     spec_mean_budget: float = float("nan")  # drafted tokens verified per step (last 1024 steps)
+
+
+_SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_capacity_tokens",
+           "prompt_tokens_total", "generation_tokens_total", "num_preemptions", "num_requests_finished",
+           "num_state_slots_used", "num_sync_fallbacks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+           "prefix_cache_blocks")
+
+
+def merge_replica_stats(replicas: list[EngineStats]) -> EngineStats:
+    """One engine's view of several data-parallel replicas (each its own scheduler and KV cache): counts
+    and blocks summed, kv_usage the fullest replica's; speculative decoding never runs with replicas, so its
+    fields are the first replica's (off)."""
+    first = replicas[0]
+    if len(replicas) == 1:
+        return first
+    from dataclasses import replace
+
+    by_group: dict[str, tuple[int, int]] = {}
+    for st in replicas:
+        for g, (used, total) in st.kv_blocks_by_group.items():
+            u, t = by_group.get(g, (0, 0))
+            by_group[g] = (u + used, t + total)
+    summed = {name: sum(getattr(st, name) for st in replicas) for name in _SUMMED}
+    return replace(first, kv_usage=max(st.kv_usage for st in replicas), kv_blocks_by_group=by_group, **summed)

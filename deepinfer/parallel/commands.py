@@ -40,3 +40,4 @@ class ReplicaReport:
     outputs: list
     finished_ids: list[str]
     unfinished: bool
+    stats: Any = None  # the replica's EngineStats after the step

@@ -67,7 +67,7 @@ def replica_report(engine, job: ParallelJob, outputs: list) -> ReplicaReport | N
     if job.coords.tp_rank != 0:
         return None
     return ReplicaReport(job.coords.dp_rank, outputs, [o.request_id for o in outputs if o.finished],
-                         engine._local_has_unfinished())
+                         engine._local_has_unfinished(), engine._local_stats())
 
 
 class LeaderDriver:
@@ -81,6 +81,7 @@ class LeaderDriver:
         self.router = ReplicaRouter(self.dp)
         self.remote: dict[str, int] = {}  # request id -> replica, for requests not on this replica
         self.replica_busy = [False] * self.dp
+        self.replica_stats: dict[int, object] = {}  # the other replicas' EngineStats, as of their last report
         self._ops: list[AddCommand | AbortCommand] = []
         self._seq = 0
         self.steps = 0
@@ -168,6 +169,7 @@ class LeaderDriver:
             if rep is None or rep.dp_rank == mine:
                 continue
             self.replica_busy[rep.dp_rank] = rep.unfinished
+            self.replica_stats[rep.dp_rank] = rep.stats
             merged.extend(o for o in rep.outputs if o.request_id in self.remote)
             for rid in rep.finished_ids:
                 self.remote.pop(rid, None)

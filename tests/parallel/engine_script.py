@@ -38,6 +38,9 @@ def run(mode: str, path: str, settings: dict) -> dict:
         out["alone"] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
         if serve:
             out["served"] = serve_completions(llm)
+        st = llm.stats()
+        out["stats"] = {"prompt_tokens_total": st.prompt_tokens_total, "num_requests_finished": st.num_requests_finished,
+                        "kv_blocks_total": st.kv_blocks_total, "local_kv_blocks_total": llm._local_stats().kv_blocks_total}
         out["rebalances"] = llm._leader.num_rebalances
         out["experts_moved"] = llm.experts_moved  # the leader's own layers
         llm.shutdown()

@@ -75,6 +75,12 @@ def test_data_parallel_replicas_with_expert_parallelism_equal_one_process(checkp
     assert got["seeded"] == ref["seeded"]
     assert got["alone"] == ref["greedy"][0]
     assert got["served"] == got["greedy_text"][:4]
+    # the leader's stats sum both replicas: every request finished somewhere, two KV caches
+    from engine_script import PROMPTS
+
+    st = got["stats"]
+    assert st["num_requests_finished"] == 2 * len(PROMPTS) + 1 + 4
+    assert st["kv_blocks_total"] == 2 * st["local_kv_blocks_total"]
 
 
 def test_a_killed_rank_and_a_hung_rank_end_the_engine_with_an_error(checkpoint):
