@@ -27,6 +27,9 @@ DTYPES: dict[str, torch.dtype] = {
 # User-facing quantization names -> the linear scheme the backend must support.
 QUANTIZATIONS: dict[str, str] = {"fp8": "fp8_block", "fp8_block": "fp8_block"}
 
+# EngineConfig.kv_cache_dtype values -> the canonical name backends declare (BackendCaps.kv_cache_dtypes)
+KV_CACHE_DTYPE_NAMES: dict[str, str] = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+
 # Without a device memory query (the CPU), the KV cache gets this many bytes unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 
@@ -87,6 +90,10 @@ class EngineConfig:
         far (speculative decoding's rejected drafts) finds its keys and a prefix hit replays the window plus
         this margin (docs/kv-cache.md). None = 140 when speculative decoding runs on a sliding-window model,
         else 0 (nothing rolls a window back).
+    kv_cache_dtype: how the KV cache stores entries: "auto" = the compute dtype; "fp8" / "fp8_e4m3" = the
+        MLA latent cache of the V2 / V3 family in float8_e4m3fn with a per-layer scale (1.0 unless the
+        checkpoint gives one), half the bytes of bf16 (docs/quantization.md "fp8 KV cache"). Refused at
+        start-up, with the reason, by a backend or model (V4) without it.
     async_scheduling: schedule and launch step N+1 while the device runs step N
         (sched/step_pipeline.py); outputs are identical either way. None = on where the
         backend runs on an accelerator, off on the CPU; models with per-sequence state
@@ -136,6 +143,7 @@ class EngineConfig:
     kv_disk_cache_gib: float = 10.0
     kv_retention_hours: float = 72.0
     kv_window_rollback_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
     structured_output_backend: str = "llguidance"
     structured_output_compile_timeout_s: float = 10.0
     structured_output_max_bytes: int = 256 * 1024
@@ -253,6 +261,8 @@ class EngineConfig:
         if self.kv_window_rollback_tokens is not None and (not _is_int(self.kv_window_rollback_tokens)
                                                            or self.kv_window_rollback_tokens < 0):
             raise bad("kv_window_rollback_tokens", "must be an integer >= 0 or None")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise bad("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPE_NAMES)} (--kv-cache-dtype)")
         for name in ("kv_disk_cache_gib", "kv_retention_hours"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -347,6 +357,10 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         return None if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def kv_cache_storage(self) -> str:
+        """kv_cache_dtype's canonical name: "auto" or "fp8_e4m3" (what BackendCaps.kv_cache_dtypes lists)."""
+        return KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype]
 
     def linear_scheme(self) -> str | None:
         return None if self.quantization is None else QUANTIZATIONS[self.quantization]

@@ -11,13 +11,19 @@ exported here; the submodules are the contract's own layout:
 - base.py (Backend), caps.py (BackendCaps, FeatureRequest), specs.py (op specs),
   layer_ops.py (LinearMethod and the whole-layer op ABCs), op_support.py (OpSpec, OP_NAMES),
 - forward_batch.py, kv_spec.py, kv_caches.py (KVLayout, KVCaches): what ops read,
-- communicator.py (collectives), graph_runner.py (decode graphs),
+- communicator.py (collectives; dist_communicator.py over torch.distributed), graph_runner.py (decode graphs),
 - hookspecs.py + registry.py (pluggy), native/ (torch-native ops).
 """
 
 from deepinfer.backend.base import Backend
 from deepinfer.backend.caps import BackendCaps, FeatureRequest, dtype_name
-from deepinfer.backend.communicator import COLLECTIVE_OPS, Communicator, SingleProcessCommunicator
+from deepinfer.backend.communicator import (
+    COLLECTIVE_OPS,
+    PROCESS_GROUP_NAMES,
+    Communicator,
+    SingleProcessCommunicator,
+)
+from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
 from deepinfer.backend.forward_batch import ForwardBatch, token_slots
 from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
@@ -44,8 +50,9 @@ __all__ = [
     "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
     "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MoEOp", "MoESpec",
     "NativeMLAAttention",
-    "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "RouterSpec", "SingleProcessCommunicator",
-    "StaticInputs", "UnsupportedOpError", "V4AttentionOp", "V4AttentionSpec", "default_buckets", "dtype_name",
+    "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "PROCESS_GROUP_NAMES", "RouterSpec",
+    "SingleProcessCommunicator", "StaticInputs", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",
+    "V4AttentionSpec", "default_buckets", "dtype_name",
     "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
     "Int4Weight", "dequant_fp8_block", "dequant_int4", "int4_values", "quantize_act_fp8", "quantize_weight_fp8_block",

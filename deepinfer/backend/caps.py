@@ -27,6 +27,10 @@ class BackendCaps:
     batch_invariant_note: why not, when batch_invariant is False (shown when it is asked for).
     graph_capture: it supplies a graph runner (`Backend.make_graph_runner`) for decode steps.
     max_tensor_parallel_size: the most devices its communicator spans.
+    kv_cache_dtypes: KV-cache storage it reads and writes: "auto" (the compute dtype) and "fp8_e4m3" (the
+        MLA latent cache in float8_e4m3fn with a per-layer scale, docs/quantization.md "fp8 KV cache").
+    moe_quant_schemes: routed-expert schemes its MoE op runs quantized (`MoEOp.load_quantized_experts`:
+        "fp8_block", "fp4"); others are densified at load (docs/quantization.md "Quantized routed experts").
     """
 
     device_type: str = "cpu"
@@ -39,6 +43,8 @@ class BackendCaps:
     batch_invariant_note: str = ""
     graph_capture: bool = False
     max_tensor_parallel_size: int = 1
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    moe_quant_schemes: tuple[str, ...] = ()
 
     def unsupported(self, req: "FeatureRequest") -> list[str]:
         """Reasons this backend cannot serve `req`; empty means it can."""
@@ -62,6 +68,12 @@ class BackendCaps:
               and req.model_type not in self.batch_invariant_model_types):
             reasons.append(f"batch-invariant inference covers model_type {', '.join(self.batch_invariant_model_types)}"
                            f" here, not {req.model_type!r}")
+        if req.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(f"KV cache dtype {req.kv_cache_dtype!r} (--kv-cache-dtype) not supported (supported: "
+                           f"{', '.join(self.kv_cache_dtypes)})")
+        elif req.kv_cache_dtype != "auto" and req.batch_invariant:
+            reasons.append(f"KV cache dtype {req.kv_cache_dtype!r} with batch-invariant inference: the invariant "
+                           "MLA ops read only a compute-dtype cache")
         if req.kv_block_size is not None and req.kv_block_size not in self.kv_block_sizes:
             reasons.append(f"KV block size {req.kv_block_size} not supported (supported: {self.kv_block_sizes})")
         return reasons
@@ -77,3 +89,4 @@ class FeatureRequest:
     tensor_parallel_size: int = 1  # every device of the job: tensor_parallel_size x data_parallel_size
     batch_invariant: bool = False
     kv_block_size: int | None = None
+    kv_cache_dtype: str = "auto"  # canonical (EngineConfig.kv_cache_storage()): "auto" | "fp8_e4m3"

@@ -111,10 +111,14 @@ class TorchDistributedCommunicator(Communicator):
         if self._world == 1:
             return x
         send = _as_moved(x.contiguous())
-        parts = [torch.empty_like(send) for _ in range(self._world)]
+        # one buffer, the ranks' x stacked along dim 0 (what every transport's all_gather_into_tensor fills)
+        flat = send.new_empty((self._world * send.shape[0], *send.shape[1:]))
         if send.numel():
-            dist.all_gather(parts, send, group=self.group)
-        return torch.cat([_from_moved(p, x.dtype) for p in parts], dim=dim)
+            dist.all_gather_into_tensor(flat, send, group=self.group)
+        flat = _from_moved(flat, x.dtype)
+        if dim == 0:
+            return flat
+        return torch.cat(flat.view(self._world, *x.shape).unbind(0), dim=dim)
 
     def all_to_all(self, x: torch.Tensor, input_splits: list[int] | None = None,
                    output_splits: list[int] | None = None) -> torch.Tensor:

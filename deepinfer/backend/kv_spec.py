@@ -1,4 +1,13 @@
-"""What one KV group stores per token, how long it keeps it, and its per-sequence state."""
+"""What one KV group stores per token, how long it keeps it, and its per-sequence state; and how a
+group stored in fp8 (`EngineConfig.kv_cache_dtype="fp8"`, docs/quantization.md "fp8 KV cache") is
+quantized on write and dequantized on read.
+
+fp8 entries are float8_e4m3fn with one per-layer scale for the whole entry (MLA: the latent and the
+rope part alike, as vLLM's MLA cache does with its `k_scale`): stored = clamp(x / scale, ±448) rounded
+to nearest even, read back as stored * scale. The clamp is explicit because the kernels' conversions
+differ at overflow (torch saturates, a bare PTX cvt without .satfinite gives NaN): clamping first makes
+every backend store the same bits.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,33 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+# canonical KV-cache dtype names (EngineConfig.kv_cache_storage(), BackendCaps.kv_cache_dtypes) -> the storage
+# dtype (None: the compute dtype)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8_kv(dtype: torch.dtype) -> bool:
+    return dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """values in the storage dtype: a plain cast for a compute-dtype cache; for fp8, (values / scale) in
+    fp32, clamped to ±448, rounded to nearest even (torch's cast). The reference every backend matches."""
+    if not is_fp8_kv(dtype):
+        return values.to(dtype)
+    x = values.float()
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cache rows as fp32: stored * scale for fp8 (exact: every e4m3 value is an fp32), else a cast."""
+    x = stored.float()
+    return x * scale if is_fp8_kv(stored.dtype) and scale != 1.0 else x
 
 
 @dataclass(frozen=True)

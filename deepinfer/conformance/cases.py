@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backend import MLASpec, RouterSpec
+from deepinfer.backend import Backend, MLASpec, RouterSpec, SingleProcessCommunicator
 from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
 from deepinfer.conformance.cases_base import FP32, Case, router_inputs, router_specs
@@ -224,8 +224,9 @@ def _int8_cases(t: int, shapes: list[tuple[int, int]]) -> list[Case]:
 
 def _collective_cases(t: int, d: int) -> list[Case]:
     """Each collective of `backend.communicator()` on one rank's tensor, against the native group of one
-    (the identity, exactly). A communicator spanning several ranks needs the multi-process suite; these
-    cases then say so (UnsupportedOpError) instead of comparing what cannot be equal."""
+    (the identity, exactly). A communicator spanning several ranks needs the multi-process suite
+    (collectives.py, `deepinfer check --world-size N`); these cases then say so (UnsupportedOpError) instead
+    of comparing what cannot be equal."""
     from deepinfer.errors import UnsupportedOpError
 
     calls = {
@@ -242,9 +243,11 @@ def _collective_cases(t: int, d: int) -> list[Case]:
     cases = []
     for name, call in calls.items():
         def run(o, i, call=call):
-            comm = o.communicator()
+            # the oracle (NativeOps alone, no Backend) is the group of one the contract defines
+            comm = o.communicator() if isinstance(o, Backend) else SingleProcessCommunicator()
             if comm.world_size != 1:
-                raise UnsupportedOpError(f"a communicator over {comm.world_size} ranks: run the multi-process suite")
+                raise UnsupportedOpError(f"a communicator over {comm.world_size} ranks: run the multi-process "
+                                         "suite (deepinfer check --world-size N)")
             return (call(comm, i["x"].clone()),)
 
         cases.append(Case(name, f"T={t} D={d} one rank", make, run, compare="exact"))

@@ -161,7 +161,13 @@ class DeepInferenceEngine(RequestIntake):
                 "with chunked prefill off: long prompts could never be scheduled"
             )
 
-        specs = model.kv_cache_specs(include_mtp=True) if cfg.spec_method() == "mtp" else model.kv_cache_specs()
+        from deepinfer.backend.kv_spec import KV_CACHE_DTYPES
+
+        kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_storage()]  # None: the compute dtype (V4 refuses fp8 at check_backend)
+        spec_kw = {"kv_cache_dtype": kv_dtype} if kv_dtype is not None else {}
+        if cfg.spec_method() == "mtp":
+            spec_kw["include_mtp"] = True
+        specs = model.kv_cache_specs(**spec_kw)
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
         self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
@@ -181,7 +187,8 @@ class DeepInferenceEngine(RequestIntake):
         )
         kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len,
                             prefix_caching=prefix_caching, window_rollback_tokens=rollback,
-                            cache_salt=cache_salt(model, block_size, backend) if prefix_caching else b"")
+                            cache_salt=cache_salt(model, block_size, backend, cfg.kv_cache_storage())
+                            if prefix_caching else b"")
         too_small = kv.fits_alone(self._max_model_len, token_budget)
         if too_small:
             raise ConfigError(

@@ -63,10 +63,15 @@ def resolve_dtype(cfg: EngineConfig, ckpt_dtype: torch.dtype | None, backend) ->
     return chosen
 
 
+# model types whose KV cache can be stored in fp8: the MLA latent cache (V4's groups are not quantized)
+FP8_KV_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
 def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -> None:
     """BackendError listing every reason the backend cannot serve this configuration."""
     from deepinfer.backend import FeatureRequest
 
+    kv_storage = cfg.kv_cache_storage()
     reasons = backend.caps.unsupported(
         FeatureRequest(
             dtype=dtype,
@@ -75,8 +80,13 @@ def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -
             tensor_parallel_size=cfg.parallel_layout().world_size,  # every device of the job, DP replicas too
             batch_invariant=cfg.batch_invariant,
             kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
+            kv_cache_dtype=kv_storage,
         )
     )
+    if kv_storage != "auto" and model_type not in FP8_KV_MODEL_TYPES:
+        reasons.append(f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r} (--kv-cache-dtype): an fp8 KV cache "
+                       f"is built for the MLA latent cache of model_type {' / '.join(FP8_KV_MODEL_TYPES)}, not "
+                       f"{model_type!r} (V4's window and compressed caches are not quantized)")
     if reasons:
         raise BackendError(f"backend {backend.name!r} cannot run this configuration:\n  - " + "\n  - ".join(reasons))
 
@@ -168,12 +178,14 @@ def use_prefix_caching(cfg: EngineConfig, specs, model=None) -> bool:
     return cfg.enable_prefix_caching is not False
 
 
-def cache_salt(model, block_size: int, backend=None) -> bytes:
+def cache_salt(model, block_size: int, backend=None, kv_cache_dtype: str = "auto") -> bytes:
     """What besides the tokens fixes a KV block: the parsed model config (shapes, rope scaling, routing,
     quantization), the compute dtype, the block size, how the linears run (W8A16 or W8A8, online quantization:
     the same fp8 checkpoint gives other KV bits either way), and the backend with its batch-invariance mode
     (other kernels, other bits: a disk tier shared by differently configured servers must not mix them, or a
-    batch-invariant run could read a block a default run wrote). Part of every prefix-cache key."""
+    batch-invariant run could read a block a default run wrote), and the KV storage (EngineConfig.kv_cache_storage():
+    an fp8 cache's blocks are other bytes; "auto" adds nothing, so the compute-dtype salts stay as they were).
+    Part of every prefix-cache key, the host and disk tiers' included."""
     import hashlib
 
     h = hashlib.sha256(repr(model.config).encode())
@@ -187,6 +199,9 @@ def cache_salt(model, block_size: int, backend=None) -> bytes:
     n_mtp = len(getattr(model, "mtp", ()) or ())
     if n_mtp:  # the blocks also hold the MTP layers' KV (speculative decoding): another layout
         h.update(f"|mtp{n_mtp}".encode())
+    if kv_cache_dtype != "auto":  # fp8 blocks (and the per-layer scales they were written with)
+        scales = [getattr(m.attn, "kv_scale", 1.0) for m in modules() if hasattr(m, "attn")] if modules else []
+        h.update(f"|kv={kv_cache_dtype}|scales={scales}".encode())
     return h.digest()
 
 

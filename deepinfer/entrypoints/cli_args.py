@@ -53,6 +53,7 @@ ENGINE_FIELDS = (
     "kv_disk_cache_gib",
     "kv_retention_hours",
     "kv_window_rollback_tokens",
+    "kv_cache_dtype",
     "structured_output_backend",
     "speculative_method",
     "num_speculative_tokens",
@@ -120,6 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-window-rollback-tokens", type=int, default=None,
                    help="tokens a sliding-window KV group keeps behind its window for rollback (V4; default: 140 "
                         "with speculative decoding, else 0)")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto = the compute dtype; fp8 = the MLA latent cache in e4m3 with a "
+                        "per-layer scale, half the memory (V2 / V3; docs/quantization.md)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="bitwise the same tokens and logprobs whatever the batch (docs/determinism.md; "
                         "or DEEPINFER_BATCH_INVARIANT=1)")

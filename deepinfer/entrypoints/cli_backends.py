@@ -39,6 +39,10 @@ def add_parser(subparsers) -> None:
     c.add_argument("--op", action="append", default=None, help="only this op (repeatable)")
     c.add_argument("--no-models", action="store_true", help="skip the end-to-end tiny-model rows")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="N >= 2: spawn N local ranks on a gloo group and check the collectives (all_reduce, "
+                        "all_gather, reduce_scatter, all_to_all, broadcast) on every rank, per-rank pass/fail; "
+                        "cpu backend only; no model rows (default 1: the one-process suite)")
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--list-ops", action="store_true",
                    help="print the ops matrix (what each backend runs for every op spec, or why not) and exit")
@@ -159,6 +163,9 @@ def _fmt(v) -> str:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.list_ops and args.world_size != 1:
+        print("deepinfer: error: --list-ops and --world-size do not go together", file=sys.stderr)
+        return 2
     if args.list_ops:
         from deepinfer.conformance.ops_matrix import RENDERERS, build_matrix
 
@@ -175,6 +182,8 @@ def run_check(args: argparse.Namespace) -> int:
     from deepinfer.conformance import run_for_device
 
     dtypes = [getattr(torch, name) for name in args.dtype] if args.dtype else None
+    if args.world_size != 1:
+        return _run_check_ranks(args, requested_device(args.device), dtypes)
     report = run_for_device(
         requested_device(args.device), shapes=args.shapes, dtypes=dtypes, seed=args.seed, ops=args.op,
         models=not args.no_models,
@@ -183,4 +192,23 @@ def run_check(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         print(report.format_table())
+    return 0 if report.ok else 1
+
+
+def _run_check_ranks(args: argparse.Namespace, device: str, dtypes) -> int:
+    """`deepinfer check --world-size N`: the collectives on N local gloo ranks (conformance/collectives.py)."""
+    from deepinfer.backend import COLLECTIVE_OPS
+    from deepinfer.conformance.collectives import run_collectives
+
+    if args.world_size < 1:
+        print(f"deepinfer: error: --world-size must be >= 1 (got {args.world_size})", file=sys.stderr)
+        return 2
+    others = sorted(set(args.op or ()) - set(COLLECTIVE_OPS))
+    if others:
+        print(f"deepinfer: error: --world-size checks the collectives only ({', '.join(COLLECTIVE_OPS)}); "
+              f"--op {', '.join(others)} runs in the one-process suite (--world-size 1)", file=sys.stderr)
+        return 2
+    report = run_collectives(device, args.world_size, seed=args.seed, dtypes=dtypes, shapes=args.shapes,
+                             ops=args.op)
+    print(report.to_json() if args.json else report.format_table())
     return 0 if report.ok else 1

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -132,8 +132,13 @@ def _free_port() -> int:
 
 
 def _spawn_follower(cfg: EngineConfig, rank: int, addr: str, port: int, local_rank: int):
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=follower_main, args=(cfg, rank, addr, port, local_rank, os.getpid()),
+    """A rank process from the fork server local_ranks.py keeps (torch imported once, never a fork of this
+    process), else spawned; it starts with this process's environment, working directory and sys.path."""
+    from deepinfer.parallel.local_ranks import start_context
+
+    ctx = start_context()
+    here = (dict(os.environ), os.getcwd(), list(sys.path))
+    proc = ctx.Process(target=follower_main, args=(cfg, rank, addr, port, local_rank, os.getpid(), here),
                        name=f"deepinfer-rank{rank}", daemon=False)
     proc.start()
     return proc
@@ -173,16 +178,28 @@ def leave_job(job: ParallelJob) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """A spawned rank whose launcher died (killed, crashed) exits too, instead of waiting on a dead job."""
+    """A spawned rank whose launcher died (killed, crashed) exits too, instead of waiting on a dead job.
+    (The launcher is not this process's parent when a fork server started it: probe its pid.)"""
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
             logger.error("deepinfer rank: the launcher (pid %d) is gone; exiting", parent_pid)
+            os._exit(3)
+        except PermissionError:  # a pid reused by another user's process: ours is gone
             os._exit(3)
 
 
-def follower_main(cfg: EngineConfig, rank: int, addr: str, port: int, local_rank: int, parent_pid: int) -> None:
+def follower_main(cfg: EngineConfig, rank: int, addr: str, port: int, local_rank: int, parent_pid: int,
+                  here: tuple[dict, str, list] | None = None) -> None:
     """A spawned rank: build the engine as a follower and serve the leader's steps until it says stop."""
+    if here is not None:  # the launcher's environment, directory and import path (a fork server has its own)
+        env, cwd, path = here
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(cfg.parallel_layout().world_size),
                        "LOCAL_RANK": str(local_rank), "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()

@@ -81,21 +81,29 @@ def test_caps_tell_the_truth(ascend):
     assert any("deepseek_v4" in r for r in why)
 
 
-def test_hccl_communicator_code_over_a_gloo_group(fake_npu):
+def test_hccl_communicator_code_over_a_gloo_group(ascend):
     from deepinfer.backends.ascend.communicator import HCCLCommunicator
+    from deepinfer.errors import BackendError
+    from deepinfer.parallel.local_ranks import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        comm = HCCLCommunicator()
+        with pytest.raises(BackendError, match="runs on 'gloo'.*needs 'hccl'"):
+            HCCLCommunicator()  # on an NPU the group must be HCCL's
+        comm = ascend.make_communicator(None, "tp")  # the fake's job runs on gloo
+        assert isinstance(comm, HCCLCommunicator) and comm.name == "tp"
         x = torch.arange(12.0).view(4, 3)
         assert comm.world_size == 1 and torch.equal(comm.all_reduce(x), x)
         assert torch.equal(comm.all_gather(x, dim=1), x) and torch.equal(comm.broadcast(x), x)
         assert torch.equal(comm.all_to_all(x, [4], [4]), x)
-        with pytest.raises(Exception, match="rank 3"):
+        with pytest.raises(BackendError, match="src=3"):
             comm.broadcast(x, src=3)
+        ascend.install_communicators({"tp": comm})
+        assert ascend.communicator("tp") is comm and ascend.communicator("ep").world_size == 1
     finally:
+        ascend.install_communicators({})
         dist.destroy_process_group()
 
 

@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, SingleProcessCommunicator
+from deepinfer.backend import (
+    PROCESS_GROUP_NAMES,
+    BackendCaps,
+    DecodeGraphRunner,
+    KVCacheSpec,
+    KVLayout,
+    SingleProcessCommunicator,
+)
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.kv.manager import KVCacheManager
@@ -212,14 +219,15 @@ class CountingCommunicator(SingleProcessCommunicator):
 
 
 class CommBackend(CPUBackend):
+    """Counts the collectives the model calls over each group, through the engine's own seam:
+    install_communicators, then Backend.communicator(group) as every model layer asks for it."""
+
     name = "cpu-comm"
 
     def __init__(self):
         super().__init__()
-        self.comm = CountingCommunicator()
-
-    def communicator(self):
-        return self.comm
+        self.comms = {group: CountingCommunicator() for group in PROCESS_GROUP_NAMES}
+        self.install_communicators(self.comms)
 
 
 def test_models_call_the_communicator_at_the_row_parallel_points(checkpoint):
@@ -241,8 +249,9 @@ def test_models_call_the_communicator_at_the_row_parallel_points(checkpoint):
     with torch.inference_mode():
         hidden = model.forward(batch, caches)
         model.compute_logits(hidden[batch.logits_indices])
-    # per layer: attention's o_proj and the MLP / MoE output (shared experts folded into the MoE's one reduce)
-    assert backend.comm.calls == Counter({"all_reduce": 2 * layers, "all_gather": 1})
+    # per layer over "tp": attention's o_proj and the MLP / MoE output (shared experts folded into the MoE's one
+    # reduce), and the vocab-parallel logits gathered once; "dp" and "ep" are groups of one without a layout
+    assert backend.comms["tp"].calls == Counter({"all_reduce": 2 * layers, "all_gather": 1})
 
 
 def test_device_mirror_of_block_tables_follows_only_the_changes():

@@ -17,6 +17,11 @@ lays it out in two parts (KVLayout.split_last: latent | rope), the pair of tenso
 ([num_blocks, block_size, L], [num_blocks, block_size, R]); both are read and written here.
 
 All arithmetic is fp32 (the oracle); the output is cast to q's dtype.
+
+An fp8 cache (float8_e4m3fn parts: EngineConfig.kv_cache_dtype="fp8") is quantized on write and
+dequantized on read with the op's per-layer `kv_scale` (kv_spec.quantize_kv / dequantize_kv: one scale for
+the latent and the rope part, clamped to ±448); both paths then compute on the dequantized fp32 rows, so
+this oracle is "dequantize, then the same math".
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.backend.kv_spec import dequantize_kv, is_fp8_kv, quantize_kv
 from deepinfer.backend.layer_ops import MLAAttentionOp
 from deepinfer.backend.native.kv_write import kv_cache_write
 from deepinfer.backend.specs import MLASpec
@@ -41,9 +47,9 @@ def cache_parts(kv_cache) -> tuple[torch.Tensor, ...]:
     return tuple(kv_cache) if isinstance(kv_cache, (tuple, list)) else (kv_cache,)
 
 
-def gather_context(kv_cache, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_context(kv_cache, block_row: torch.Tensor, seq_len: int, scale: float = 1.0) -> torch.Tensor:
     """The first seq_len cache entries of one request, in token order: [seq_len, entry] (fp32; the parts
-    of a split layout concatenated back into latent || rope)."""
+    of a split layout concatenated back into latent || rope; an fp8 cache dequantized with `scale`)."""
     parts = cache_parts(kv_cache)
     num_blocks, block_size = parts[0].shape[:2]
     nblocks = -(-seq_len // block_size)
@@ -54,22 +60,32 @@ def gather_context(kv_cache, block_row: torch.Tensor, seq_len: int) -> torch.Ten
         )
     offsets = torch.arange(block_size, device=parts[0].device)
     slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
-    rows = [p.view(-1, p.shape[-1]).index_select(0, slots).float() for p in parts]
+    rows = [dequantize_kv(p.view(-1, p.shape[-1]).index_select(0, slots), scale) for p in parts]
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
 
 
-def write_latent(kv_cache, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-    """Store this step's (kv_c || k_pe) rows at their slots, in either layout."""
+def write_latent(kv_cache, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                 scale: float = 1.0) -> None:
+    """Store this step's (kv_c || k_pe) rows at their slots, in either layout (quantized with `scale` into
+    an fp8 cache)."""
     parts = cache_parts(kv_cache)
     if len(parts) == 1:
-        kv_cache_write(parts[0], slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+        kv_cache_write(parts[0], slot_mapping, quantize_kv(torch.cat([kv_c, k_pe], dim=-1), parts[0].dtype, scale))
     elif len(parts) == 2 and parts[0].shape[-1] == kv_c.shape[-1] and parts[1].shape[-1] == k_pe.shape[-1]:
-        kv_cache_write(parts[0], slot_mapping, kv_c)
-        kv_cache_write(parts[1], slot_mapping, k_pe)
+        kv_cache_write(parts[0], slot_mapping, quantize_kv(kv_c, parts[0].dtype, scale))
+        kv_cache_write(parts[1], slot_mapping, quantize_kv(k_pe, parts[1].dtype, scale))
     else:
         widths = [p.shape[-1] for p in parts]
         raise BackendError(f"MLA cache parts of widths {widths}: expected one part of "
                            f"{kv_c.shape[-1] + k_pe.shape[-1]} or latent {kv_c.shape[-1]} + rope {k_pe.shape[-1]}")
+
+
+def check_kv_scale(scale: float) -> float:
+    """A per-layer fp8 KV scale: a positive finite number, kept as the fp32 value it is used as."""
+    s = float(torch.tensor(float(scale), dtype=torch.float32))
+    if not (s > 0 and s != float("inf")):
+        raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
+    return s
 
 
 class NativeMLAAttention(MLAAttentionOp):
@@ -77,6 +93,22 @@ class NativeMLAAttention(MLAAttentionOp):
         super().__init__(spec)
         self.w_uk: torch.Tensor | None = None  # [H, qk_nope, kv_lora_rank] fp32
         self.w_uv: torch.Tensor | None = None  # [H, v_head, kv_lora_rank] fp32
+        # the fp8 cache's per-layer scale (stored = x / kv_scale); 1.0 unless a checkpoint gives one
+        self.kv_scale: float = 1.0
+
+    def load_kv_scale(self, scale: float) -> None:
+        """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`); unused by a compute-dtype cache."""
+        self.kv_scale = check_kv_scale(scale)
+
+    def to_cache(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows as the cache of `dtype` stores them (fp8: quantized with kv_scale), for subclasses' writes."""
+        return quantize_kv(values, dtype, self.kv_scale)
+
+    def from_cache(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows read from a cache of `dtype` (as stored, or already cast to fp32) as fp32: fp8 ones
+        dequantized with kv_scale; for subclasses' reads."""
+        x = rows.float()
+        return x * self.kv_scale if is_fp8_kv(dtype) and self.kv_scale != 1.0 else x
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         w_uk, w_uv = self.split_kv_b_proj(weight)
@@ -132,7 +164,7 @@ class NativeMLAAttention(MLAAttentionOp):
         t = q.shape[0]
         if sum(batch.query_lens_cpu) != t:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {t} rows")
-        write_latent(kv_cache, batch.slot_mapping[group], kv_c, k_pe)
+        write_latent(kv_cache, batch.slot_mapping[group], kv_c, k_pe, self.kv_scale)
         block_tables = batch.block_tables[group]
         out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=torch.float32, device=q.device)
         start = 0
@@ -142,7 +174,7 @@ class NativeMLAAttention(MLAAttentionOp):
             ctx, seq = batch.context_lens_cpu[i], batch.seq_lens_cpu[i]
             if seq != ctx + qlen:
                 raise BackendError(f"MLA: request {i} has seq_len {seq} != context_len {ctx} + query_len {qlen}")
-            latent = gather_context(kv_cache, block_tables[i], seq)
+            latent = gather_context(kv_cache, block_tables[i], seq, self.kv_scale)
             rows = q[start : start + qlen].float()
             if qlen == 1:
                 out[start : start + 1] = self.decode(rows, latent)

@@ -62,7 +62,6 @@ class AscendBackend(NativeOps, Backend):
         self._caps = ascend_caps(self.runtime.chip, on_cpu=self.runtime.fake, version=self.runtime.version)
         # the Triton router runs on an NPU (triton-ascend) or, on the fake, under the interpreter
         self._kernels = not self.runtime.fake or envs.TRITON_INTERPRET.get() == "1"
-        self._communicator: Communicator | None = None
         # why decode graphs cannot be captured for the models built here (ops whose host-side inputs a
         # capture would freeze, or that were never checked under capture); filled by make_mla / make_moe
         self._graph_blockers: dict[str, None] = {}
@@ -88,17 +87,12 @@ class AscendBackend(NativeOps, Backend):
     def manual_seed(self, seed: int) -> None:
         self.npu.npu.manual_seed(seed)
 
-    def communicator(self) -> Communicator:
-        """HCCL over torch.distributed when a process group of several ranks exists; else one process."""
-        import torch.distributed as dist
+    def make_communicator(self, group, name: str) -> Communicator:
+        """HCCL over `group` (the engine builds the groups and installs them; `communicator(group)` hands them
+        out). On the CPU fake the job runs on gloo, and so does the group."""
+        from deepinfer.backends.ascend.communicator import HCCLCommunicator
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if self._communicator is None:
-                from deepinfer.backends.ascend.communicator import HCCLCommunicator
-
-                self._communicator = HCCLCommunicator()
-            return self._communicator
-        return super().communicator()
+        return HCCLCommunicator(group, name, transport="gloo" if self.runtime.fake else "hccl")
 
     # ------------------------------------------------------------ small fused ops
 

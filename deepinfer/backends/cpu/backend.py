@@ -19,7 +19,17 @@ import logging
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import LINEAR_SCHEMES, Backend, BackendCaps, MLASpec, MoESpec, NativeOps, host_memory_info
+from deepinfer.backend import (
+    LINEAR_SCHEMES,
+    Backend,
+    BackendCaps,
+    Communicator,
+    MLASpec,
+    MoESpec,
+    NativeOps,
+    TorchDistributedCommunicator,
+    host_memory_info,
+)
 from deepinfer.backends.cpu import invariant
 from deepinfer.backends.cpu.ops_linear import TransposedWeightLinear
 from deepinfer.backends.cpu.ops_mla import CPUMLAAttention, PlanCache
@@ -57,7 +67,9 @@ class CPUBackend(NativeOps, Backend):
             batch_invariant=True,  # with enable_batch_invariance: invariant.py
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),  # V4's ops have no invariant forms yet
             graph_capture=False,
-            max_tensor_parallel_size=1,
+            # gloo spans any number of processes (one per rank; docs/parallelism.md); 64 is a sanity bound
+            max_tensor_parallel_size=64,
+            kv_cache_dtypes=("auto", "fp8_e4m3"),  # fp8: the MLA latent cache, quantized / dequantized in ops_mla
         )
         self.threads = configure_threads()
         self.fast_ops = envs.CPU_FAST_OPS.get()
@@ -75,6 +87,11 @@ class CPUBackend(NativeOps, Backend):
 
     def memory_info(self) -> tuple[int, int]:
         return host_memory_info()
+
+    def make_communicator(self, group, name: str) -> Communicator:
+        """torch.distributed over `group`, which must run on gloo (the CPU's transport; NCCL would refuse CPU
+        tensors deep inside torch)."""
+        return TorchDistributedCommunicator(group, name, expect_transport="gloo")
 
     def enable_batch_invariance(self) -> None:
         """From now on the ops are invariant.py's; torch runs one intra-op thread (its parallel elementwise

@@ -16,6 +16,10 @@ Same math as the native absorbed decode, fp32 throughout, only the summation ord
 padding keys get probability exactly 0). The per-step plan (which blocks, the mask, the validity
 check of the block tables) is built once per step and shared by every layer's op. Prefill rows
 (query_len > 1) run the native per-request prefill on a gathered context.
+
+An fp8 cache (EngineConfig.kv_cache_dtype="fp8") is written quantized and read dequantized exactly as the
+native op does it (NativeMLAAttention.to_cache / from_cache: the per-layer kv_scale, ±448 clamp); torch's
+CPU index_copy_ has no float8 kernel, so fp8 rows are copied as their bytes.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def write_latent_fast(parts: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
         flat = parts[0].view(-1, parts[0].shape[-1])
         if int(hi) >= flat.shape[0]:
             raise BackendError(f"kv_cache_write: slot {int(hi)} is outside the cache ({flat.shape[0]} slots)")
-        flat.index_copy_(0, slots, torch.cat([kv_c, k_pe], dim=-1).to(flat.dtype))
+        _copy_rows(flat, slots, torch.cat([kv_c, k_pe], dim=-1).to(flat.dtype))
         return
     if len(parts) != 2 or parts[0].shape[-1] != kv_c.shape[-1] or parts[1].shape[-1] != k_pe.shape[-1]:
         widths = [p.shape[-1] for p in parts]
@@ -117,11 +121,19 @@ def write_latent_fast(parts: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
         flat = part.view(-1, part.shape[-1])
         if int(hi) >= flat.shape[0]:
             raise BackendError(f"kv_cache_write: slot {int(hi)} is outside the cache ({flat.shape[0]} slots)")
-        flat.index_copy_(0, slots, values.to(flat.dtype))
+        _copy_rows(flat, slots, values.to(flat.dtype))
+
+
+def _copy_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat[slots] = rows; 1-byte (fp8) rows as uint8, which index_copy_ supports on the CPU."""
+    if flat.element_size() == 1 and flat.dtype != torch.uint8:
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
 
 
 def gather_blocks(parts: tuple[torch.Tensor, ...], block_idx: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows, nb * block_size, L + R] fp32: the blocks block_idx ([rows * nb]) of the cache, in order."""
+    """[rows, nb * block_size, L + R] fp32: the blocks block_idx ([rows * nb]) of the cache, in order
+    (fp8 values as stored: the op scales them, from_cache)."""
     got = []
     for p in parts:
         g = p.index_select(0, block_idx)  # [rows * nb, block_size, width]
@@ -182,11 +194,13 @@ class CPUMLAAttention(NativeMLAAttention):
         if sum(qlens) != t:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(qlens)}, q has {t} rows")
         parts = _parts(kv_cache)
-        write_latent_fast(parts, batch.slot_mapping[group], kv_c, k_pe)
+        kv_dtype = parts[0].dtype
+        write_latent_fast(parts, batch.slot_mapping[group], self.to_cache(kv_c, kv_dtype),
+                          self.to_cache(k_pe, kv_dtype))
         num_blocks, block_size = parts[0].shape[:2]
         plan = self.plans.get(batch, group, num_blocks, block_size, q.device)
         if plan.all_decode:
-            latent = gather_blocks(parts, plan.block_idx, t)
+            latent = self.from_cache(gather_blocks(parts, plan.block_idx, t), kv_dtype)
             out = self.decode_batched(q.float(), latent, plan.mask)
             return out.reshape(t, s.num_heads * s.v_head_dim).to(q.dtype)
         out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=torch.float32, device=q.device)
@@ -196,7 +210,7 @@ class CPUMLAAttention(NativeMLAAttention):
             start += qlen
         if plan.rows:
             idx = torch.tensor([starts[i] for i in plan.rows], dtype=torch.long, device=q.device)
-            latent = gather_blocks(parts, plan.block_idx, len(plan.rows))
+            latent = self.from_cache(gather_blocks(parts, plan.block_idx, len(plan.rows)), kv_dtype)
             out[idx] = self.decode_batched(q.index_select(0, idx).float(), latent, plan.mask)
         table = batch.block_tables[group]
         for i, qlen in enumerate(qlens):
@@ -210,7 +224,7 @@ class CPUMLAAttention(NativeMLAAttention):
             if blocks.shape[0] < nb or bool(((blocks < 0) | (blocks >= num_blocks)).any()):
                 raise BackendError(f"block table row does not cover {seq} tokens with valid blocks: "
                                    f"{table[i, :nb].tolist()}")
-            latent = gather_blocks(parts, blocks, 1)[0, :seq]
+            latent = self.from_cache(gather_blocks(parts, blocks, 1)[0, :seq], kv_dtype)
             a = starts[i]
             out[a : a + qlen] = self.prefill(q[a : a + qlen].float(), latent, ctx)
         return out.reshape(t, s.num_heads * s.v_head_dim).to(q.dtype)

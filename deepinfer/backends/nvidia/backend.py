@@ -13,6 +13,7 @@ from deepinfer import envs
 from deepinfer.backend import (
     Backend,
     BackendCaps,
+    Communicator,
     MLAAttentionOp,
     MLASpec,
     MoEOp,
@@ -20,6 +21,7 @@ from deepinfer.backend import (
     NativeOps,
     OpSpec,
     RouterSpec,
+    TorchDistributedCommunicator,
     host_memory_info,
     validate_router,
 )
@@ -73,6 +75,7 @@ class NvidiaBackend(NativeOps, Backend):
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),
             graph_capture=on_gpu,
             max_tensor_parallel_size=1,
+            kv_cache_dtypes=("auto", "fp8_e4m3"),  # fp8: the MLA latent cache (mla_prep / kv_write / mla_decode)
         )
         self._cuda_ext = None
         self._copy_stream = None  # the KV tiers' copy stream, made on first use (copy_stream)
@@ -121,6 +124,12 @@ class NvidiaBackend(NativeOps, Backend):
     def synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+    def make_communicator(self, group, name: str) -> Communicator:
+        """NCCL over `group` on the GPU (tensors stay on the device); gloo in interpreter mode on the CPU.
+        Never run on several GPUs yet: caps keep max_tensor_parallel_size=1 until it has (docs/parallelism.md)."""
+        return TorchDistributedCommunicator(group, name, expect_transport="nccl" if self._device.type == "cuda"
+                                            else "gloo")
 
     # ------------------------------------------------------------ KV tier copies (a side stream, pinned memory)
 

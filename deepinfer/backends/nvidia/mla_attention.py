@@ -14,6 +14,11 @@ split merge applies W_UV (mla_decode), so a decode layer's attention is
 GEMM, prep, split, merge, o_proj: no elementwise copies, no torch.cat. A
 decode-only batch makes no host sync and allocates only fixed-size tensors per
 batch size, so it can be captured in a CUDA graph.
+
+fp8 KV cache (a float8_e4m3fn cache, EngineConfig.kv_cache_dtype="fp8"): the writes (mla_prep,
+kv_cache_write_parts) store clamp(x / kv_scale, ±448) in e4m3; decode converts the stored values in
+registers (mla_decode); prefill dequantizes the context rows it gathers anyway (to q's dtype, times
+kv_scale) before the up-projection GEMMs. kv_scale is per layer, 1.0 unless a checkpoint gives one.
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class TritonMLAAttention(MLAAttentionOp):
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
         self.w_uk_flat: torch.Tensor | None = None  # [H * qk_nope, L]
         self.w_uv_flat: torch.Tensor | None = None  # [H * v, L]
+        self.kv_scale: float = 1.0  # the fp8 cache's per-layer scale (stored = x / kv_scale)
+
+    def load_kv_scale(self, scale: float) -> None:
+        """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`); unused by a compute-dtype cache."""
+        if not (float(scale) > 0 and float(scale) != float("inf")):
+            raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
+        self.kv_scale = float(torch.tensor(float(scale), dtype=torch.float32))
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         w_uk, w_uv = self.split_kv_b_proj(weight)
@@ -69,7 +81,7 @@ class TritonMLAAttention(MLAAttentionOp):
             torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
         # W_UV: fused into the split merge at small batches, a batched GEMM otherwise (see mla_decode)
         return mla_decode(q_lat, kv_cache, block_table, seq_lens, s.kv_lora_rank, s.softmax_scale,
-                          q_pe=q[..., s.qk_nope_head_dim :], w_uv_t=w_uv_t)
+                          q_pe=q[..., s.qk_nope_head_dim :], w_uv_t=w_uv_t, kv_scale=self.kv_scale)
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV^T [H, L, v]) in `dtype`; the load dtype needs no conversion."""
@@ -92,6 +104,8 @@ class TritonMLAAttention(MLAAttentionOp):
         pos = torch.cat([torch.arange(n) for n in seqs]).to(dev)
         blocks = block_tables[req, pos // page].to(torch.int64)
         latent = kv_cache.view(-1, s.cache_entry_dim).index_select(0, blocks * page + pos % page)
+        if latent.dtype == torch.float8_e4m3fn:  # the gathered rows, dequantized before the GEMMs read them
+            latent = latent.to(q.dtype) if self.kv_scale == 1.0 else (latent.float() * self.kv_scale).to(q.dtype)
         lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
         tk = latent.shape[0]
         k = torch.empty((tk, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim), dtype=q.dtype, device=dev)
@@ -107,7 +121,7 @@ class TritonMLAAttention(MLAAttentionOp):
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: "ForwardBatch", group: str) -> torch.Tensor:
         self._check(q, kv_cache, batch)
-        kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c, k_pe)
+        kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c, k_pe, self.kv_scale)
         return self._attend(q, kv_cache, batch, group)
 
     def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
@@ -118,7 +132,7 @@ class TritonMLAAttention(MLAAttentionOp):
         decode_only = all(n == 1 for n in batch.query_lens_cpu)
         w_uk = self._weights(q.dtype)[0] if decode_only and self.fuse_absorb else None
         q_lat = mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
-                         batch.slot_mapping[group], w_uk=w_uk)
+                         batch.slot_mapping[group], w_uk=w_uk, kv_scale=self.kv_scale)
         if q_lat is not None:
             return self.decode(q, kv_cache, batch.block_tables[group], batch.seq_lens, q_lat).view(q.shape[0], -1)
         return self._attend(q, kv_cache, batch, group)

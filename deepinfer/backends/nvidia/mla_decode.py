@@ -23,6 +23,11 @@ partial outputs (fp32, L wide per head) would cost more traffic than the
 cache slice they cover. The split of a token depends only on its sequence's
 length, so the reduction is deterministic.
 
+An fp8 cache (float8_e4m3fn, EngineConfig.kv_cache_dtype="fp8") is read as stored and converted in
+registers to q's dtype (exact: e4m3 is a subset of bf16 / fp16 / fp32); its per-layer scale is folded
+into the score scale (q . (s k) = s (q . k)) and applied once to each split's output (sum p (s v) =
+s sum p v), so the tile products run on the unscaled values and no dequantized copy exists anywhere.
+
 `decode_params` (mla_decode_params.py) holds the launch table; DEEPINFER_MLA_SPLITS /
 DEEPINFER_MLA_BLOCK_N / DEEPINFER_MLA_MIN_SPLIT override it for sweeps (benchmarks/kernels_mla.py).
 """
@@ -62,11 +67,11 @@ def _split_len(seq_len, num_splits, block_n, min_split):
 def _mla_decode_split_kernel(
     q_ptr, qpe_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr,
     H, stride_qb, stride_qh, stride_eb, stride_eh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh, scale_log2, min_split, num_splits,
+    stride_ob, stride_oh, scale_log2, min_split, num_splits, kv_scale,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    MERGE_L: tl.constexpr,
+    MERGE_L: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -104,7 +109,10 @@ def _mla_decode_split_kernel(
             kv = tl.load(cache_ptr + slot[:, None] * ENTRY + offs_l[None, :], mask=nmask[:, None], other=0.0)
             kpe = tl.load(cache_ptr + slot[:, None] * ENTRY + L + offs_r[None, :],
                           mask=nmask[:, None] & rmask[None, :], other=0.0)
-            if UPCAST:
+            if KV_FP8:  # e4m3 -> q's dtype in registers (exact); the scale is in scale_log2 and kv_scale
+                kv = kv.to(q_nope.dtype)
+                kpe = kpe.to(q_nope.dtype)
+            elif UPCAST:
                 kv = kv.to(tl.float32)
                 kpe = kpe.to(tl.float32)
             qk = tl.dot(q_nope, tl.trans(kv), input_precision=PREC)
@@ -119,6 +127,8 @@ def _mla_decode_split_kernel(
 
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
+        if KV_FP8:
+            out = out * kv_scale  # the values' scale, once per split (the merge is linear in it)
         if DIRECT:  # one split: this is the output
             po = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
             tl.store(po, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
@@ -281,6 +291,7 @@ def mla_decode(
     q_pe: torch.Tensor | None = None,  # [B, H, R]: pass the rope part apart to skip a concatenation
     min_split: int | None = None,
     w_uv_t: torch.Tensor | None = None,  # [H, L, V]: also project through W_UV -> [B, H, V]
+    kv_scale: float = 1.0,  # a float8_e4m3fn cache's per-layer scale: entries are stored * kv_scale
 ) -> torch.Tensor:  # [B, H, L], or [B, H, V] with w_uv_t
     """Unset num_splits / block_n / min_split / warps / stages come from decode_params (heuristic + env).
 
@@ -314,6 +325,7 @@ def mla_decode(
         raise BackendError(f"mla_decode: {num_splits} splits / {block_n}-token tiles (need >= 1 / a power of two >= 16)")
     interpret = envs.TRITON_INTERPRET.get() == "1"
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     direct = num_splits == 1
     fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH
     fused_merge = not direct and not fuse_uv and fused_merge_enabled(num_splits)
@@ -335,10 +347,10 @@ def mla_decode(
         H, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0, part_lse.stride(0),
         part_lse.stride(1), out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
-        softmax_scale * _LOG2E, min_split, num_splits,
+        softmax_scale * _LOG2E * (kv_scale if kv_fp8 else 1.0), min_split, num_splits, float(kv_scale),
         L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, MERGE_L=min(L, max(16, 4096 // (BLOCK_H * block_s))),
-        num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
     )
     if fuse_uv:
         V = w_uv_t.shape[-1]

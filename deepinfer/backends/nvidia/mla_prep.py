@@ -13,6 +13,8 @@ the batched GEMM it replaces), so the decode kernel reads q_lat directly.
 Rounding follows the separate ops exactly (so the model's numerics do not move):
 RMSNorm in fp32, rounded to the input dtype, times the weight in fp32, rounded;
 RoPE in fp32 with the fp32 cos/sin table (YaRN factors included), rounded.
+An fp8 cache then stores those rounded values divided by the layer's scale, clamped to ±448, in e4m3
+(kv_fp8.fp8_e4m3_value: the torch reference's quantize_kv, bit for bit).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
+from deepinfer.backends.nvidia.kv_fp8 import fp8_e4m3_value
 
 
 @triton.jit
@@ -51,8 +54,9 @@ def _absorb_block(q_ptr, wuk_ptr, qlat_ptr, a, T, H, stride_qt, stride_qh, strid
 @triton.jit
 def _prep_token(
     q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, tok, H, stride_qt, stride_qh, stride_kvt, stride_cs,
-    eps, L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    eps, kv_scale, L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -87,6 +91,8 @@ def _prep_token(
         w = tl.load(w_ptr + offs, mask=lm, other=0.0)
         normed = (y.to(tl.float32) * w.to(tl.float32)).to(kv_ptr.dtype.element_ty)
         entry = cache_ptr + slot * (L + 2 * HALF)
+        if FP8:
+            normed = fp8_e4m3_value(normed.to(tl.float32), kv_scale, SCALED)
         tl.store(entry + offs, normed.to(cache_ptr.dtype.element_ty), mask=lm)
         # k_pe: RoPE, rounded to the input dtype, then into the cache entry after kv_c
         krow = kv_ptr + tok * stride_kvt + L
@@ -94,6 +100,9 @@ def _prep_token(
         kb = tl.load(krow + b_off, mask=im, other=0.0).to(tl.float32)
         ra = (ka * c - kb * s).to(kv_ptr.dtype.element_ty)
         rb = (kb * c + ka * s).to(kv_ptr.dtype.element_ty)
+        if FP8:
+            ra = fp8_e4m3_value(ra.to(tl.float32), kv_scale, SCALED)
+            rb = fp8_e4m3_value(rb.to(tl.float32), kv_scale, SCALED)
         tl.store(entry + L + a_off, ra.to(cache_ptr.dtype.element_ty), mask=im)
         tl.store(entry + L + b_off, rb.to(cache_ptr.dtype.element_ty), mask=im)
 
@@ -101,9 +110,9 @@ def _prep_token(
 @triton.jit
 def _mla_prep_kernel(
     q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, wuk_ptr, qlat_ptr,
-    T, H, stride_qt, stride_qh, stride_kvt, stride_cs, eps, stride_wh, stride_wn, stride_lt, stride_lh,
+    T, H, stride_qt, stride_qh, stride_kvt, stride_cs, eps, stride_wh, stride_wn, stride_lt, stride_lh, kv_scale,
     L: tl.constexpr, BLOCK_L: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     ABSORB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     NUM_C: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -112,7 +121,8 @@ def _mla_prep_kernel(
     pid = tl.program_id(0)
     if pid < T:
         _prep_token(q_ptr, kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, pid.to(tl.int64), H, stride_qt,
-                    stride_qh, stride_kvt, stride_cs, eps, L, BLOCK_L, NOPE, HALF, BLOCK_HALF, BLOCK_H, INTERLEAVED)
+                    stride_qh, stride_kvt, stride_cs, eps, kv_scale, L, BLOCK_L, NOPE, HALF, BLOCK_HALF, BLOCK_H,
+                    INTERLEAVED, FP8, SCALED)
     else:
         if ABSORB:
             _absorb_block(q_ptr, wuk_ptr, qlat_ptr, pid - T, T, H, stride_qt, stride_qh, stride_wh, stride_wn,
@@ -130,6 +140,7 @@ def mla_prep(
     kv_cache: torch.Tensor,  # [num_blocks, page, L + R]
     slot_mapping: torch.Tensor,  # [T], -1 = write nothing
     w_uk: torch.Tensor | None = None,  # [H, nope, L]: also absorb q_nope through W_UK in the same launch
+    kv_scale: float = 1.0,  # a float8_e4m3fn cache stores clamp(x / kv_scale, ±448)
 ) -> torch.Tensor | None:  # q_lat [T, H, L] in q's dtype when w_uk is given
     from deepinfer.errors import BackendError
 
@@ -169,8 +180,9 @@ def mla_prep(
         q, kv_a, kv_norm_weight, positions, cs, slot_mapping, kv_cache, wk, ql,
         t, h, q.stride(0), q.stride(1), kv_a.stride(0), cs.stride(0), eps,
         wk.stride(0) if w_uk is not None else 0, wk.stride(1) if w_uk is not None else 0,
-        ql.stride(0), ql.stride(1),
+        ql.stride(0), ql.stride(1), float(kv_scale),
         L=L, BLOCK_L=triton.next_power_of_2(L), NOPE=nope, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(h), INTERLEAVED=interleaved, **absorb, num_warps=4,
+        BLOCK_H=triton.next_power_of_2(h), INTERLEAVED=interleaved, FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        SCALED=kv_scale != 1.0, **absorb, num_warps=4,
     )
     return q_lat

@@ -129,16 +129,23 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     # ------------------------------------------------------------ run
 
-    def kv_cache_specs(self, include_mtp: bool = False) -> list[KVCacheSpec]:
-        """include_mtp: also cache for the MTP modules' attention (layer ids num_hidden_layers + k)."""
+    def kv_cache_specs(self, include_mtp: bool = False,
+                       kv_cache_dtype: torch.dtype | None = None) -> list[KVCacheSpec]:
+        """include_mtp: also cache for the MTP modules' attention (layer ids num_hidden_layers + k).
+        kv_cache_dtype: the storage dtype (EngineConfig.kv_cache_dtype; None = the compute dtype). An fp8
+        cache (float8_e4m3fn, MTP layers included) is quantized / dequantized by the MLA ops themselves,
+        which see it in the cache tensor's dtype; the planner counts its 1-byte entries."""
         cfg = self.config
         n_layers = cfg.num_hidden_layers + (len(self.mtp) if include_mtp else 0)
+        if kv_cache_dtype not in (None, self.dtype, torch.float8_e4m3fn):
+            raise ModelLoadError(f"KV cache dtype {kv_cache_dtype} is not supported for the MLA cache "
+                                 f"(the compute dtype {self.dtype} or torch.float8_e4m3fn)")
         return [
             KVCacheSpec(
                 name=MLA_GROUP,
                 layer_ids=tuple(range(n_layers)),
                 entry_shape=(cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
-                dtype=self.dtype,
+                dtype=self.dtype if kv_cache_dtype is None else kv_cache_dtype,
                 components=(("latent", cfg.kv_lora_rank), ("rope", cfg.qk_rope_head_dim)),
             )
         ]

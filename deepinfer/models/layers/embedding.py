@@ -87,7 +87,10 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(Linear):
-    """hidden [N, D] -> fp32 logits [N, V]; the matmul runs in compute dtype like the reference."""
+    """hidden [N, D] -> fp32 logits [N, V]; the matmul runs in compute dtype like the reference (never
+    quantized online: checkpoints keep the head dense)."""
+
+    quantize_online = False
 
     def __init__(self, vocab_size: int, hidden_size: int, backend: Backend, dtype: torch.dtype):
         comm = tp_communicator(backend)

@@ -84,6 +84,11 @@ def prepare_scale(name: str, t: torch.Tensor, out_features: int, in_features: in
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W [out, in] as loaded (compute dtype, or fp8 + block scales)."""
 
+
+    # online quantization (`--quantization fp8` on a dense checkpoint) applies to this layer; the LM head opts
+    # out (it stays dense in every fp8 checkpoint too, as vLLM keeps it)
+    quantize_online = True
+
     def __init__(
         self,
         in_features: int,
@@ -196,7 +201,7 @@ class Linear(nn.Module):
         if self.weight_scale_inv is not None:
             raise ModelLoadError(f"{self.name}.weight_scale_inv is given but {self.name}.weight is not fp8 "
                                  f"(it is {self.weight.dtype})")
-        return "fp8_w8a8" if settings.online == "fp8" else "none"
+        return "fp8_w8a8" if settings.online == "fp8" and self.quantize_online else "none"
 
     def finalize(self) -> None:
         scheme = self.scheme()
