@@ -177,6 +177,59 @@ class MLAAttentionOp(ABC):
                                         batch, group, ops)
 
 
+MOE_QUANT_SCHEMES = ("fp8_block", "fp4")
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A MoE layer's routed experts as the checkpoint stores them, stacked per slot, for an op that runs them
+    quantized (`MoEOp.load_quantized_experts`); gate rows first, then up rows, as load_experts' w13.
+
+    "fp8_block": w13 [E, 2I, D] / w2 [E, D, I] float8_e4m3fn; w13_scale [E, 2 * ceil(I/128), ceil(D/128)] fp32
+      (the gate projection's 128x128 block grid, then the up projection's), w2_scale [E, ceil(D/128), ceil(I/128)].
+    "fp4" (DeepSeek-V4's routed experts, backend/native/quant_fp4.py): w13 [E, 2I, D/2] / w2 [E, D, I/2] uint8,
+      two e2m1 per byte (low nibble first); w13_scale [E, 2I, D/32] / w2_scale [E, D, I/32], one per row per 32
+      inputs: uint8 = e8m0 bytes (2^(b - 127)), or fp32.
+    """
+
+    scheme: str
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+    @property
+    def block(self) -> int:
+        """Input channels per scale: 128 (fp8 blocks, also 128 rows) or 32 (fp4, per row)."""
+        return 128 if self.scheme == "fp8_block" else 32
+
+    def check(self, num_experts: int, hidden: int, inter: int) -> None:
+        """BackendError naming the tensor whose dtype or shape disagrees with the scheme's layout."""
+        if self.scheme not in MOE_QUANT_SCHEMES:
+            raise BackendError(f"QuantizedExperts scheme {self.scheme!r} (known: {', '.join(MOE_QUANT_SCHEMES)})")
+        cd = lambda a, b: -(-a // b)  # noqa: E731
+        if self.scheme == "fp8_block":
+            dt = torch.float8_e4m3fn
+            expect = {"w13": (num_experts, 2 * inter, hidden), "w2": (num_experts, hidden, inter),
+                      "w13_scale": (num_experts, 2 * cd(inter, 128), cd(hidden, 128)),
+                      "w2_scale": (num_experts, cd(hidden, 128), cd(inter, 128))}
+        else:
+            dt = torch.uint8
+            expect = {"w13": (num_experts, 2 * inter, hidden // 2), "w2": (num_experts, hidden, inter // 2),
+                      "w13_scale": (num_experts, 2 * inter, hidden // 32), "w2_scale": (num_experts, hidden, inter // 32)}
+        for name, shape in expect.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has shape {tuple(t.shape)}, expected {shape}")
+            ok = (t.dtype == dt) if name in ("w13", "w2") else (
+                t.dtype == torch.float32 or (self.scheme == "fp4" and t.dtype == torch.uint8))
+            if not ok:
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has dtype {t.dtype}")
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+
+
 class MoEOp(ABC):
     """Routed experts: route -> dispatch -> experts (SwiGLU) -> weighted combine.
 
@@ -195,6 +248,17 @@ class MoEOp(ABC):
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2*I, D] (gate rows then up rows), w2 [E_local, D, I], dense in compute dtype;
         E_local = spec.local_experts (this rank's physical slots under expert parallelism)."""
+
+    def quantized_expert_schemes(self) -> tuple[str, ...]:
+        """The QuantizedExperts schemes `load_quantized_experts` takes (this default: none, so the model
+        densifies quantized experts through the linear method and calls load_experts, as every op supports)."""
+        return ()
+
+    def load_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """Keep the experts quantized (only called with a scheme from quantized_expert_schemes); forward /
+        experts then compute with them. Replaces any dense experts loaded before."""
+        raise BackendError(f"{type(self).__name__} does not run quantized routed experts "
+                           f"({experts.scheme}); quantized_expert_schemes() lists what it takes")
 
     def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """New weights for the same slots, between steps (the expert load balancer moved experts). Shapes as

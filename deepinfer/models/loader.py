@@ -77,6 +77,9 @@ class Int8Weight:
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# DeepSeek-V4's fp4 experts: ue8m0 scales (and packed e2m1 where a writer stores that dtype)
+_ST_DTYPES.update({k: getattr(torch, v) for k, v in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2"))
+                   if hasattr(torch, v)})
 
 
 @dataclass

@@ -152,6 +152,11 @@ class ExpertBalancer:
         if not self.layers:
             raise ConfigError("enable_eplb: the model has no expert-parallel MoE layer (needs enable_expert_parallel "
                               "and a world size > 1)")
+        quantized = [i for i, layer in enumerate(self.layers) if getattr(layer, "quantized_experts", False)]
+        if quantized:
+            raise ConfigError(f"enable_eplb: {len(quantized)} MoE layers keep their routed experts quantized "
+                              "(fp8 / fp4, docs/quantization.md); moving quantized experts between ranks is not "
+                              "built: run without enable_eplb")
         self.num_redundant = num_redundant
         self.step_interval = step_interval
         self.steps = 0

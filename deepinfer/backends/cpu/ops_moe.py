@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend import BackendError, MoESpec, NativeMoE
+from deepinfer.backend import MOE_QUANT_SCHEMES, BackendError, MoESpec, NativeMoE, QuantizedExperts
 
 DENSE_DTYPES = (torch.float32, torch.bfloat16)
 PAIRS_MAX = 4  # at most this many (token, slot) pairs: one pair at a time on the expert weights in place
@@ -47,6 +47,16 @@ class CPUMoE(NativeMoE):
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
         self._build_dense()
+
+    def quantized_expert_schemes(self) -> tuple[str, ...]:
+        """Quantized experts run the native per-expert loop, each expert dequantized for its turn (the
+        reference): memory stays quantized, no dense / pair fast path."""
+        return MOE_QUANT_SCHEMES
+
+    def load_quantized_experts(self, experts: QuantizedExperts) -> None:
+        super().load_quantized_experts(experts)
+        self._shared, self.n_shared = None, 0
+        self._build_dense()  # drops any dense copies
 
     def replace_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().replace_experts(w13, w2)
@@ -132,6 +142,8 @@ class CPUMoE(NativeMoE):
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts alone (expert parallelism: -1 ids add nothing), by the same size rule as forward."""
+        if self.quant is not None:
+            return super().experts(x, topk_weights, topk_ids)
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE experts before load_experts")
         if topk_ids.numel() <= PAIRS_MAX:
@@ -141,6 +153,8 @@ class CPUMoE(NativeMoE):
         return super().experts(x, topk_weights, topk_ids)
 
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
+        if self.quant is not None:
+            return NativeMoE.forward(self, x, router_logits, correction_bias, token_ids, tid2eid, shared_experts)
         if self.w13 is None or self.w2 is None:
             raise BackendError("MoE forward before load_experts")
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)

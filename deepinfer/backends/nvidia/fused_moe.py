@@ -142,9 +142,16 @@ def fused_moe(
     counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
     before_combine: Callable[[], None] | None = None,  # called just before shared_out is read (a stream join)
     skip_unrouted: bool = False,  # topk_ids may hold -1 (another rank's expert): those pairs add nothing
+    scheme: str | None = None,  # "fp8_block" / "fp4": w13 / w2 quantized as QuantizedExperts holds them
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
+    if scheme is not None and shared_w is not None:
+        raise BackendError("fused_moe: shared-expert weights fold in only with dense routed experts")
+    q13 = {"scale": w13_scale, "scheme": scheme}
+    q2 = {"scale": w2_scale, "scheme": scheme}
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
@@ -161,14 +168,14 @@ def fused_moe(
         n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else 0
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
-        direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True)
+        direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True, **q13)
         y = _slot_buffer(T * slots, D, x.device, skip_unrouted)
         if counters is not None and fused_combine():
             out = torch.empty((T, D), dtype=x.dtype, device=x.device)
             direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False,
-                        combine_into=(out, shared_out, counters))
+                        combine_into=(out, shared_out, counters), **q2)
             return out
-        direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False)
+        direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False, **q2)
         return combine(y.view(T, slots, D), shared_out, x.dtype)
     n = T * k
     block_m = pick_block_m(n, E)
@@ -177,9 +184,9 @@ def fused_moe(
     else:
         sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
     act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
-    aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True)
+    aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)
     y = _slot_buffer(n, D, x.device, skip_unrouted)  # weighted slots, summed in fp32
-    aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1))
+    aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), **q2)
     if before_combine is not None:
         before_combine()
     return combine(y.view(T, k, D), shared_out, x.dtype)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import MoESpec, NativeMoE
+from deepinfer.backend import MOE_QUANT_SCHEMES, MoESpec, NativeMoE, QuantizedExperts
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
 from deepinfer.backends.nvidia.moe_routing import (
     GROUPING_CODES,
@@ -73,7 +73,29 @@ class TritonMoE(NativeMoE):
         if w13.is_cuda:
             self.side_stream = torch.cuda.Stream(device=w13.device)
 
+    def quantized_expert_schemes(self) -> tuple[str, ...]:
+        """fp8 block and fp4 experts: dequantized in the grouped GEMMs' inner loop (W8A16 / W4A16)."""
+        return MOE_QUANT_SCHEMES
+
+    def load_quantized_experts(self, experts: QuantizedExperts) -> None:
+        super().load_quantized_experts(experts)
+        dev = experts.w13.device
+        self.shared_w = None
+        self.counters = counters_for(self.spec.hidden_size, dev)
+        self.route_counters = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=dev)
+        if experts.w13.is_cuda:
+            self.side_stream = torch.cuda.Stream(device=dev)
+
+    def _gemm_weights(self) -> dict:
+        """fused_moe's weight arguments: dense w13 / w2, or the quantized ones with their scales."""
+        q = self.quant
+        if q is None:
+            return {"w13": self.w13, "w2": self.w2}
+        return {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
+
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        if self.quant is not None:
+            return False  # the direct kernel folds dense shared experts only beside dense routed ones
         d, i = self.spec.hidden_size, self.spec.intermediate_size
         if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
                 or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
@@ -92,13 +114,13 @@ class TritonMoE(NativeMoE):
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Expert parallelism's entry: -1 pairs are left out of the alignment and of the direct GEMMs, and the
         slot buffer is zeroed for them (forward's own path, which never sees -1, keeps it uninitialized)."""
-        if self.w13 is None or self.w2 is None:
+        if not self.loaded:
             raise BackendError("MoE experts before load_experts")
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, align=self.align_fn, counters=self.counters,
-                         skip_unrouted=True)
+        return fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, align=self.align_fn, counters=self.counters,
+                         skip_unrouted=True, **self._gemm_weights())
 
     def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
-        if self.w13 is None or self.route_counters is None:
+        if not self.loaded or self.route_counters is None:
             raise BackendError("MoE forward before load_experts")
         if x.shape[0] > fused_router_max_tokens():
             shared = self._start_shared(x, shared_experts)  # before the router: it overlaps the routing kernels
@@ -111,7 +133,7 @@ class TritonMoE(NativeMoE):
         return self._experts(x, weights, ids, shared_experts)
 
     def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
-        if self.w13 is None or self.w2 is None:
+        if not self.loaded:
             raise BackendError("MoE forward before load_experts")
         shared = self._start_shared(x, shared_experts)
         weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
@@ -137,12 +159,12 @@ class TritonMoE(NativeMoE):
         """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused."""
         direct = use_direct(x.shape[0], ids.shape[1])
         if self._folds_shared(x, ids.shape[1], shared_experts):
-            return fused_moe(x, self.w13, self.w2, weights, ids, shared_w=self.shared_w, direct=True,
-                             counters=self.counters)
+            return fused_moe(x, topk_weights=weights, topk_ids=ids, shared_w=self.shared_w, direct=True,
+                             counters=self.counters, **self._gemm_weights())
         join = None
         if shared is not None:
             shared_out, join = shared
         else:
             shared_out = shared_experts(x) if shared_experts is not None else None
-        return fused_moe(x, self.w13, self.w2, weights, ids, align=self.align_fn, shared_out=shared_out,
-                         direct=direct, counters=self.counters, before_combine=join)
+        return fused_moe(x, topk_weights=weights, topk_ids=ids, align=self.align_fn, shared_out=shared_out,
+                         direct=direct, counters=self.counters, before_combine=join, **self._gemm_weights())

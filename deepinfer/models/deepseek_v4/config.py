@@ -75,6 +75,7 @@ class DeepseekV4Config:
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
     quantization: str | None = None  # None | "fp8_block"
+    expert_dtype: str | None = None  # None: routed experts as the linears; "fp4": e2m1 + per-32 scales
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def compress_rate(self, layer: int) -> int:
@@ -214,8 +215,9 @@ def _quantization(hf: dict) -> str | None:
     q = hf.get("quantization_config")
     if not q:
         return None
-    if q.get("expert_dtype") not in (None, "fp8", "bf16", "bfloat16"):
-        raise UnsupportedModelError(f"deepseek_v4 expert_dtype {q.get('expert_dtype')!r} is not supported (fp8 / bf16 only)")
+    if q.get("expert_dtype") not in (None, "fp8", "bf16", "bfloat16", "fp4"):
+        raise UnsupportedModelError(f"deepseek_v4 expert_dtype {q.get('expert_dtype')!r} is not supported "
+                                    "(fp8 / bf16 / fp4)")
     method, block = q.get("quant_method"), q.get("weight_block_size")
     if method == "fp8" and list(block or []) == [128, 128]:
         return "fp8_block"
@@ -284,5 +286,6 @@ def parse_v4_config(hf: dict) -> DeepseekV4Config:
         num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
         mtp_layer_types=mtp_types,
         quantization=_quantization(hf),
+        expert_dtype="fp4" if (hf.get("quantization_config") or {}).get("expert_dtype") == "fp4" else None,
         raw=dict(hf),
     )

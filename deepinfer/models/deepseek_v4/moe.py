@@ -67,9 +67,10 @@ class V4MoE(nn.Module):
                                   f"{tp.world_size} (routed experts are split like a dense MLP without "
                                   "enable_expert_parallel)")
             local, tp_part = inter // tp.world_size, (tp.rank, tp.world_size)
-        self.experts = ExpertWeights(
+        self.experts = ExpertWeights(  # fp4: V4's e2m1 routed experts (the shared expert stays fp8)
             E, D, local, backend, dtype, q8, ("w1", "w3", "w2"),
-            slot_experts=self.placement.rank_experts(self.ep.rank) if self.placement else None, tp_part=tp_part)
+            slot_experts=self.placement.rank_experts(self.ep.rank) if self.placement else None, tp_part=tp_part,
+            fp4=cfg.expert_dtype == "fp4")
         self.shared = GatedMLP(D, inter, backend, dtype, quantized=q8, swiglu_limit=cfg.swiglu_limit,
                                names=("w1", "w3", "w2"), reduce_output=False)
         self.comm = self.ep if self.expert_parallel else tp  # routed + shared partial sums: one reduce
@@ -87,6 +88,7 @@ class V4MoE(nn.Module):
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None
+        self.quantized_experts = False  # set at finalize
 
     def _set_tid2eid(self, name: str):
         def load(t: torch.Tensor) -> None:
@@ -111,8 +113,14 @@ class V4MoE(nn.Module):
         return out
 
     def finalize(self) -> None:
-        w13, w2 = self.experts.stacked()
-        self.op.load_experts(w13, w2)
+        # quantized (fp8 / fp4) experts stay quantized when the op runs that scheme, as in the V2/V3 layer
+        self.quantized_experts = self.experts.keeps_quantized(self.op.quantized_expert_schemes())
+        if self.quantized_experts:
+            self.op.load_quantized_experts(self.experts.quantized_stack())
+            w13 = w2 = None
+        else:
+            w13, w2 = self.experts.stacked()
+            self.op.load_experts(w13, w2)
         self.shared.finalize()
         if self.expert_parallel:
             self.w13, self.w2 = w13, w2
@@ -123,6 +131,9 @@ class V4MoE(nn.Module):
         slot count swaps the op's weights in place, another makes a new op for it."""
         if not self.expert_parallel:
             raise ConfigError("install_placement: this MoE layer is not expert-parallel")
+        if self.quantized_experts:
+            raise ConfigError("enable_eplb: this layer's routed experts are kept quantized, and moving quantized "
+                              "experts between ranks is not built")
         if placement.slots_per_rank != self.spec.local_experts:
             self.spec = MoESpec(router=self.router, hidden_size=self.D, intermediate_size=self.spec.intermediate_size,
                                 swiglu_limit=self.swiglu_limit, num_local_experts=placement.slots_per_rank)

@@ -4,10 +4,11 @@ and where the experts live when they are spread over ranks (`ExpertPlacement`).
 Checkpoints store one tensor per expert and projection (V2/V3:
 `experts.E.{gate,up,down}_proj`, V4: `experts.E.{w1,w3,w2}`). They are held
 as plain tensors while loading (V3 has 44k of them, too many to make modules
-of), then densified through the backend's linear method (so fp8 experts are
-dequantized by the backend, not here) and stacked. An int4 (AWQ / GPTQ) expert arrives as an
-`Int4Weight` record and is densified the same way. The MoE op takes dense stacked weights: no
-backend runs quantized routed experts yet (docs/quantization.md, "not done").
+of), then either kept quantized and stacked into a `QuantizedExperts` record, when the backend's MoE op
+runs that scheme (`op.quantized_expert_schemes()`: "fp8_block" e4m3 + 128x128 scales, "fp4" V4's e2m1 +
+per-32 scales), or densified through the backend's linear method (fp8: dequantized by the backend, not
+here; fp4: dequantized by the native oracle) and stacked dense, as every op takes. An int4 (AWQ / GPTQ)
+expert arrives as an `Int4Weight` record and is densified the same way (docs/quantization.md).
 
 Many ranks (docs/parallelism.md): without expert parallelism each rank holds every expert's slice of the
 intermediate dimension (`tp_part`: gate / up rows and down columns [r * I/tp, (r + 1) * I/tp)); with it each
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backend import Backend
+from deepinfer.backend import FP4_GROUP, Backend, QuantizedExperts, as_fp4_scale, as_packed_fp4, dequant_fp4
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.layers.linear import FP8_BLOCK, Linear, Loader, prepare_scale, prepare_weight
 from deepinfer.models.weights import OTHER_RANK, sliced
@@ -97,17 +98,23 @@ class ExpertWeights:
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend,
                  dtype: torch.dtype, quantized: bool, names: tuple[str, str, str],
-                 slot_experts: tuple[int, ...] | None = None, tp_part: tuple[int, int] | None = None):
+                 slot_experts: tuple[int, ...] | None = None, tp_part: tuple[int, int] | None = None,
+                 fp4: bool = False):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.backend = backend
         self.dtype = dtype
-        self.quantized = quantized
+        self.fp4 = fp4  # V4's e2m1 experts (a per-32 scale each); quantized then means they carry a scale
+        self.quantized = quantized or fp4
         self.names = names  # (gate, up, down) projection names
         self.slot_experts = tuple(range(num_experts)) if slot_experts is None else tuple(slot_experts)
         self.tp_part = tp_part if tp_part is not None and tp_part[1] > 1 else None
-        if self.tp_part is not None and quantized and intermediate_size % FP8_BLOCK:
+        if self.tp_part is not None and fp4 and intermediate_size % FP4_GROUP:
+            raise ModelLoadError(f"fp4 routed experts: moe_intermediate_size {intermediate_size * tp_part[1]} over "
+                                 f"tensor_parallel_size {tp_part[1]} gives {intermediate_size} per rank, not a "
+                                 f"multiple of the {FP4_GROUP}-wide scale groups")
+        if self.tp_part is not None and quantized and not fp4 and intermediate_size % FP8_BLOCK:
             raise ModelLoadError(f"fp8 block-scaled routed experts: moe_intermediate_size {intermediate_size * tp_part[1]}"
                                  f" over tensor_parallel_size {tp_part[1]} gives {intermediate_size} per rank, not a "
                                  f"multiple of the {FP8_BLOCK}-wide scale blocks")
@@ -120,6 +127,21 @@ class ExpertWeights:
             return self.hidden_size, self.intermediate_size
         return self.intermediate_size, self.hidden_size
 
+    @property
+    def scheme(self) -> str | None:
+        """The QuantizedExperts scheme these experts are stored in (None: dense)."""
+        return "fp4" if self.fp4 else ("fp8_block" if self.quantized else None)
+
+    def _split_size(self, proj: str, kind: str) -> int:
+        """This rank's extent of a stored tensor along the split (intermediate) dimension: rows of gate / up,
+        columns of down; fp4 down packs two per byte and has one scale per 32, fp8 one scale per 128."""
+        i = self.intermediate_size
+        if kind == "weight":
+            return i // 2 if self.fp4 and proj == self.names[2] else i
+        if self.fp4:
+            return i // FP4_GROUP if proj == self.names[2] else i
+        return i // FP8_BLOCK
+
     def _part(self, t, proj: str, kind: str, name: str):
         """This rank's slice of a stored tensor along the intermediate dimension. The reader may hand the
         whole tensor (a reader that does not slice) or just the part: told apart by the shape."""
@@ -131,7 +153,7 @@ class ExpertWeights:
                                  "or enable_expert_parallel")
         dim = 1 if proj == self.names[2] else 0
         rank, _ = self.tp_part
-        size = self.intermediate_size if kind == "weight" else self.intermediate_size // FP8_BLOCK
+        size = self._split_size(proj, kind)
         if t.dim() == 2 and t.shape[dim] == size:
             return t  # already this rank's part
         if t.dim() == 2 and t.shape[dim] == size * self.tp_part[1]:
@@ -146,7 +168,10 @@ class ExpertWeights:
 
         def load(t: torch.Tensor) -> None:
             t = self._part(t, proj, kind, f"{name}.{'weight' if kind == 'weight' else 'weight_scale_inv'}")
-            if kind == "weight":
+            if self.fp4:  # kept as stored (uint8 nibbles, e8m0 bytes or fp32 scales), on the device
+                conv = as_packed_fp4 if kind == "weight" else as_fp4_scale
+                self._loaded[(e, proj, kind)] = conv(name, t, out_f, in_f).to(dev)
+            elif kind == "weight":
                 self._loaded[(e, proj, kind)] = prepare_weight(name, t, (out_f, in_f), self.quantized, self.dtype, dev)
             else:
                 self._loaded[(e, proj, kind)] = prepare_scale(name, t, out_f, in_f, dev)
@@ -154,7 +179,7 @@ class ExpertWeights:
         if self.tp_part is None:
             return load
         dim = 1 if proj == self.names[2] else 0
-        size = self.intermediate_size if kind == "weight" else self.intermediate_size // FP8_BLOCK
+        size = self._split_size(proj, kind)
         return sliced(load, dim, self.tp_part[0] * size, (self.tp_part[0] + 1) * size)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
@@ -171,8 +196,17 @@ class ExpertWeights:
                         self._loader(e, proj, "scale") if here else OTHER_RANK)
         return out
 
+    def _take(self, e: int, proj: str, kind: str) -> torch.Tensor:
+        name = f"{self.prefix}.experts.{e}.{proj}.{'weight' if kind == 'weight' else 'weight_scale_inv'}"
+        if (e, proj, kind) not in self._loaded:
+            raise ModelLoadError(f"{name} was never loaded")
+        return self._loaded.pop((e, proj, kind))
+
     def _dense(self, e: int, proj: str) -> torch.Tensor:
-        """One expert matrix as dense compute-dtype [out, in], through the backend's linear method."""
+        """One expert matrix as dense compute-dtype [out, in], through the backend's linear method (fp4: the
+        native dequantization, no linear method runs fp4)."""
+        if self.fp4:
+            return dequant_fp4(self._take(e, proj, "weight"), self._take(e, proj, "scale")).to(self.dtype)
         out_f, in_f = self._shape(proj)
         lin = Linear(in_f, out_f, self.backend, self.dtype, quantized=self.quantized)
         lin.name = f"{self.prefix}.experts.{e}.{proj}"
@@ -199,3 +233,40 @@ class ExpertWeights:
             w13[s, inter:] = self._dense(e, up)
             w2[s] = self._dense(e, down)
         return w13, w2
+
+    def keeps_quantized(self, op_schemes: tuple[str, ...]) -> bool:
+        """Whether to hand the op a QuantizedExperts: it runs this scheme and every weight loaded arrived in it
+        (an fp8 checkpoint may leave some experts unquantized: those layers are densified)."""
+        if self.scheme is None or self.scheme not in op_schemes:
+            return False
+        want = torch.uint8 if self.fp4 else torch.float8_e4m3fn
+        weights = [t for (_, _, kind), t in self._loaded.items() if kind == "weight"]
+        scales = sum(kind == "scale" for (_, _, kind) in self._loaded)
+        return all(isinstance(t, torch.Tensor) and t.dtype == want for t in weights) and scales == len(weights)
+
+    def quantized_stack(self) -> QuantizedExperts:
+        """The experts as stored, stacked one row per slot (QuantizedExperts' layout for self.scheme); the
+        per-expert tensors are released. A second replica on this rank copies the first."""
+        if self.scheme is None:
+            raise ModelLoadError("quantized_stack: these routed experts are not quantized")
+        gate, up, down = self.names
+        parts: dict[str, list[torch.Tensor]] = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
+        first: dict[int, int] = {}
+        for s, e in enumerate(self.slot_experts):
+            if e in first:
+                for v in parts.values():
+                    v.append(v[first[e]])
+                continue
+            first[e] = s
+            parts["w13"].append(torch.cat([self._take(e, gate, "weight"), self._take(e, up, "weight")]))
+            parts["w13_scale"].append(torch.cat([self._take(e, gate, "scale"), self._take(e, up, "scale")]))
+            parts["w2"].append(self._take(e, down, "weight"))
+            parts["w2_scale"].append(self._take(e, down, "scale"))
+        stacked = {k: torch.stack(v).contiguous() for k, v in parts.items()}
+        for k in ("w13_scale", "w2_scale"):
+            if stacked[k].dtype != torch.uint8:
+                stacked[k] = stacked[k].float()
+        if stacked["w13_scale"].dtype != stacked["w2_scale"].dtype:
+            raise ModelLoadError(f"{self.prefix}.experts: the scales mix e8m0 and float storage")
+        return QuantizedExperts(self.scheme, stacked["w13"], stacked["w13_scale"], stacked["w2"],
+                                stacked["w2_scale"])

@@ -81,6 +81,7 @@ class MoELayer(nn.Module):
         self.w2: torch.Tensor | None = None
         # tokens routed to each logical expert, counted here when the load balancer asks (parallel/eplb.py)
         self.expert_load: torch.Tensor | None = None
+        self.quantized_experts = False  # set at finalize: the op kept the checkpoint's quantized experts
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         dev = self.backend.device
@@ -95,8 +96,15 @@ class MoELayer(nn.Module):
         return out
 
     def finalize(self) -> None:
-        w13, w2 = self.experts.stacked()
-        self.op.load_experts(w13, w2)
+        # quantized experts stay quantized when the op runs their scheme (w13 / w2 then stay None: the expert
+        # load balancer cannot move them), else they are densified as every op takes them
+        self.quantized_experts = self.experts.keeps_quantized(self.op.quantized_expert_schemes())
+        if self.quantized_experts:
+            self.op.load_quantized_experts(self.experts.quantized_stack())
+            w13 = w2 = None
+        else:
+            w13, w2 = self.experts.stacked()
+            self.op.load_experts(w13, w2)
         if self.shared_experts is not None:
             self.shared_experts.finalize()
         if self.expert_parallel:
@@ -112,6 +120,9 @@ class MoELayer(nn.Module):
         slot count per rank swaps the op's weights in place; another count makes a new op for it."""
         if not self.expert_parallel:
             raise ConfigError("install_placement: this MoE layer is not expert-parallel")
+        if self.quantized_experts:
+            raise ConfigError("enable_eplb: this layer's routed experts are kept quantized, and moving quantized "
+                              "experts between ranks is not built")
         if placement.slots_per_rank != self.spec.local_experts:
             self.spec = MoESpec(router=self.router, hidden_size=self.hidden_size,
                                 intermediate_size=self.spec.intermediate_size,
