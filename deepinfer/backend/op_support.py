@@ -39,12 +39,15 @@ SMALL_OPS: tuple[str, ...] = (
     "v4_rotary_embedding",
 )
 LAYER_OPS: tuple[str, ...] = ("mla_attention", "moe", "v4_attention")
+# Ops of the sampler rather than the model: structured output's grammar mask (Backend.apply_token_bitmask).
+SAMPLING_OPS: tuple[str, ...] = ("apply_token_bitmask",)
 
 # Every op of the contract, as op_coverage(), OpSpec.op and the conformance suite name them.
 OP_NAMES: tuple[str, ...] = (
     *SMALL_OPS,
     *(f"linear:{scheme}" for scheme in LINEAR_SCHEMES),
     *LAYER_OPS,
+    *SAMPLING_OPS,
     *COLLECTIVE_OPS,
 )
 
@@ -75,12 +78,14 @@ class OpSpec:
 
 
 def contract_reasons(backend: "Backend", op: OpSpec) -> list[str]:
-    """What the caps alone rule out: an unknown op, a dtype or a linear scheme the backend lacks."""
+    """What the caps alone rule out: an unknown op, a dtype (of a model op) or a linear scheme the backend lacks."""
     if op.op not in OP_NAMES:
         return [f"unknown op {op.op!r} (known: {', '.join(OP_NAMES)})"]
     caps = backend.caps
     reasons = []
-    if op.dtype is not None and op.dtype not in caps.dtypes:
+    # A sampling op's dtype is the logits' (fp32 in the engine: worker/model_runner.py upcasts them before the
+    # sampler), not a compute dtype of the model, so the caps' dtypes do not limit it.
+    if op.dtype is not None and op.dtype not in caps.dtypes and op.op not in SAMPLING_OPS:
         reasons.append(f"dtype {dtype_name(op.dtype)} is not in the backend's caps")
     if op.op.startswith("linear:"):
         scheme = op.op.partition(":")[2]

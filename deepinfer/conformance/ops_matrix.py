@@ -1,7 +1,8 @@
 """The ops matrix: every backend's answer to "can you run this op spec, and with what?".
 
 Rows are representative op specs (every op of the contract; the variants a backend may treat
-differently: each router, MoE with V3 and V4 routers, V4 attention kinds, the clamped SwiGLU);
+differently: each router, MoE with V3 and V4 routers, V4 attention kinds, the clamped SwiGLU; the
+sampler's grammar bitmask);
 columns are backends; a cell is what `Backend.op_impl` names where `Backend.supports` has no
 reasons, or the reasons, per dtype. `deepinfer check --list-ops --format md` renders it, and
 docs/ops.md is that output for the cpu and nvidia backends (a test keeps it current), like
@@ -66,6 +67,7 @@ def matrix_rows() -> list[MatrixRow]:
                   V4AttentionSpec(**v4, compress_rate=4, overlap=True, comp_group="v4_csa", index_group="v4_idx",
                                   index_n_heads=64, index_head_dim=128, index_topk=512)),
         MatrixRow("v4_attention", "HCA (m=128)", V4AttentionSpec(**v4, compress_rate=128, comp_group="v4_hca")),
+        MatrixRow("apply_token_bitmask", "grammar mask (int32 words) on a subset of the logit rows"),
         *(MatrixRow(name, "one process") for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                        "broadcast")),
     ]

@@ -2,7 +2,8 @@
 
 Per-dtype tolerances: a row passes when max |out - ref| <= atol + rtol |ref|
 elementwise. KV-cache writes must be exact; routing must pick exactly the same
-expert set per token (order within a row is free) with fp32-close weights.
+expert set per token (order within a row is free) with fp32-close weights; the
+grammar bitmask must give the same bits (-inf included: compare="bitwise").
 An op the backend declares unsupported (op_coverage() value starting with
 "unsupported", a dtype or quant scheme missing from its caps, or an
 UnsupportedOpError / NotImplementedError raised by the op) is reported as
@@ -68,10 +69,29 @@ def _unsupported_reason(backend: Backend, case: Case, dtype: torch.dtype, covera
     return "; ".join(reasons) if reasons else None
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _compare_bitwise(out: tuple, ref: tuple) -> tuple[bool, float, float, float, float, str]:
+    """Same shape, dtype and bits per element (an op that only masks has nothing to round; -inf - -inf is NaN,
+    so the value comparison below cannot say it)."""
+    for i, (a, b) in enumerate(zip(out, ref)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False, float("nan"), float("nan"), 0.0, 0.0, (f"output {i} is {a.dtype} {tuple(a.shape)}, expected "
+                                                                 f"{b.dtype} {tuple(b.shape)}")
+        view = _SAME_WIDTH_INT[a.element_size()]
+        differ = a.detach().cpu().contiguous().view(view) != b.detach().cpu().contiguous().view(view)
+        if bool(differ.any()):
+            return False, float("nan"), float("inf"), 0.0, 0.0, f"output {i}: {int(differ.sum())} elements differ bitwise"
+    return True, 0.0, 0.0, 0.0, 0.0, ""
+
+
 def _compare(case: Case, out: tuple, ref: tuple, dtype: torch.dtype) -> tuple[bool, float, float, float, float, str]:
     """(passed, max_abs_err, err_ratio, atol, rtol, reason)."""
     if len(out) != len(ref):
         return False, float("nan"), float("nan"), 0.0, 0.0, f"{len(out)} outputs, expected {len(ref)}"
+    if case.compare == "bitwise":
+        return _compare_bitwise(out, ref)
     if case.compare == "route":
         (w, ids), (rw, rids) = out, ref
         ids = ids.to(torch.long)

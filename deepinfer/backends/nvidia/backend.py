@@ -271,6 +271,8 @@ class NvidiaBackend(NativeOps, Backend):
         name, spec = op.op, op.spec
         if name in ("rms_norm", "add_rms_norm", "rotary_embedding", "kv_cache_write", "mla_attention"):
             return "triton"
+        if name == "apply_token_bitmask":
+            return "triton (grammar_bitmask.py: one pass, in place)"
         if name == "silu_and_mul":
             return "native (no Triton kernel for the clamped SwiGLU)" if op.option("limit") is not None else "triton"
         if name == "route" and isinstance(spec, RouterSpec):
@@ -308,6 +310,7 @@ class NvidiaBackend(NativeOps, Backend):
                 cov[k] = "native (cuBLAS on GPU)"
         cov["linear:fp8_w8a8"] = "triton fp8 W8A8 block GEMM"
         cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM"
+        cov["apply_token_bitmask"] = "triton (grammar_bitmask.py: one pass, in place)"
         return cov
 
     def _invariant_coverage(self, cov: dict[str, str]) -> dict[str, str]:
@@ -315,6 +318,7 @@ class NvidiaBackend(NativeOps, Backend):
             cov[op] = "triton (row-invariant as it stands)"
         cov["mla_attention"] = "triton: batch-invariant (absorbed, fixed split size, invariant GEMMs)"
         cov["route"] = "triton (one program per token)"
+        cov["apply_token_bitmask"] = "triton (row-invariant as it stands)"
         cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, fixed BLOCK_M / tile)"
         for k in list(cov):
             if k.startswith("linear:"):
