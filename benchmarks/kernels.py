@@ -189,6 +189,10 @@ def moe_bench(tokens_list=(1, 4, 16, 64, 256)) -> None:
                 emit(name=label, tokens=t, error=str(exc)[:200])
 
 
+# router_bench's gate in a CPU dry run: the interpreter runs one program per token and 1-2 experts, so V2-Lite's
+# 64 x 2048 gate cost that run ~40 s; 8 x 256 takes the same code paths (tile pick, overrides, error rows).
+DRY_RUN_ROUTER_GATE = (8, 256)
+
 ROUTER_TILES = (  # DEEPINFER_ROUTER_GEMV candidates (None: the default pick per token count)
     None,
     "2,1024,4",  # 3 values: the per-token GEMV at every size (the default before the token-tiled kernel)
@@ -208,11 +212,11 @@ def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
 
     from deepinfer.backends.nvidia.moe_routing import _gemv_tile, _tiled_gemv_tile, gate_route, route, router_logits
 
-    E, D = MoEBench.E, MoEBench.D
     if DEV == "cuda":
+        E, D = MoEBench.E, MoEBench.D
         n = max(8, -(-2 * torch.cuda.get_device_properties(DEV).L2_cache_size // (E * D * 4)))
-    else:  # a CPU dry run (Triton interpreter)
-        n = 1
+    else:  # a CPU dry run (Triton interpreter): one small gate, the same code paths
+        (E, D), n = DRY_RUN_ROUTER_GATE, 1
     gates = [torch.randn(E, D, device=DEV) * 0.02 for _ in range(n)]
     spec = RouterSpec(E, MoEBench.K, "softmax", "greedy")
     # the Triton top-k, not the CUDA C++ one: building that extension on a fresh machine takes longer than
@@ -273,7 +277,8 @@ def router_bench(tokens_list=(1, 4, 16, 32, 64), tiles=ROUTER_TILES) -> None:
             emit(name="router+topk", tokens=t, ms=fused, old_ms=route_ms, speedup=route_ms / fused, same_ids=same,
                  tiled_logits_topk_ms=tiled_ms)
 
-    print(f"\nrouter logits, V2-Lite gate {E} x {D} fp32, bf16 x: us per call (graph replay over {n} gates)")
+    print(f"\nrouter logits, {'V2-Lite' if DEV == 'cuda' else 'dry-run'} gate {E} x {D} fp32, bf16 x: us per call "
+          f"(graph replay over {n} gates)")
     print(f"{'tile':<26}" + "".join(f"{'T=' + str(t):>9}" for t in tokens_list) + "   max_abs_err  same bits/ids")
     for label, row in table.items():
         cells = "".join(f"{row[t]:>9.2f}" if t in row else f"{'-':>9}" for t in tokens_list)

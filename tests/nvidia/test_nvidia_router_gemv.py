@@ -146,7 +146,7 @@ def test_router_bench_dry_run(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "ROWS", [])
     kernels.router_bench(tokens_list=(2,), tiles=(None, "2,1024,4", "3,3,3,3"))
     out = capsys.readouterr().out
-    assert "router logits, V2-Lite gate 64 x 2048" in out and "T=2: 1,1,1024,4,4" in out
+    assert "router logits, dry-run gate 8 x 256" in out and "T=2: 1,1,256,4,4" in out  # kernels.DRY_RUN_ROUTER_GATE
     rows = [r for r in kernels.ROWS if r["name"] == "router_logits"]
     assert all(r["deterministic"] and r["max_abs_err"] < 1e-5 for r in rows if "ms" in r)
     assert [r["tile"] for r in rows if "error" in r] == ["3,3,3,3"]  # a bad tile is a result row

@@ -94,11 +94,31 @@ def test_caps_gaps_are_coverage_not_failures():
 
 def test_real_shape_cases_build_and_pass_on_cpu():
     """The GPU uses shapes="real"; build and run the cheap ones here so a broken case is caught in CI.
-    (MoE and linear at real widths allocate GBs of weights; they run on the GPU.)"""
-    ops = ["rms_norm", "rotary_embedding", "kv_cache_write", "route", "mla_attention", "v4_attention"]
+    (MoE and linear at real widths allocate GBs of weights; they run on the GPU. v4_attention: below.)"""
+    ops = ["rms_norm", "rotary_embedding", "kv_cache_write", "route", "mla_attention"]
     report = run_for_device("cpu", shapes="real", dtypes=[torch.float32], ops=ops, models=False)
     assert report.ok, report.format_table()
     assert report.ops() == sorted(ops)
+
+
+def test_real_shape_v4_attention_cases_build_and_run_on_cpu():
+    """Every real-width V4 attention case (V4-Flash: 64 heads of 512; the CSA-select prefix passes 512 entries, so
+    its top-512 really selects) builds and runs on the CPU. The CPU backend's v4_attention is NativeOps' own, the
+    suite's reference, so the suite would run the same code twice and compare it with itself (~70 s for the
+    CSA-select case alone): each case runs once here. scripts/gpu_run.sh's `check --shapes real` compares the
+    GPU kernels against the reference at these shapes; the tiny cases compare every op on every backend."""
+    from deepinfer.backend.native import NativeOps
+    from deepinfer.conformance.cases import cases_for
+
+    backend = CPUBackend()
+    assert type(backend).make_v4_attention is NativeOps.make_v4_attention, (
+        "the CPU backend has its own v4_attention now: compare it, run_for_device('cpu', shapes='real', "
+        "ops=['v4_attention'])")
+    cases = [c for c in cases_for("real") if c.op == "v4_attention"]
+    assert sorted(c.name.split()[0] for c in cases) == ["csa", "csa-select", "hca", "swa"]
+    for index, case in enumerate(cases):
+        outs = case.run(backend, case.make(torch.Generator().manual_seed(index), torch.float32))
+        assert outs and all(o.dtype == torch.float32 and bool(torch.isfinite(o).all()) for o in outs), case.name
 
 
 class _ScaledNorm(CPUBackend):
