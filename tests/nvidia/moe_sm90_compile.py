@@ -41,30 +41,44 @@ def compile_one(label, fn, sig, consts, warps, stages):
     print(json.dumps({"kernel": label, "shared": k.metadata.shared, **resources(k.asm["cubin"])}), flush=True)
 
 
-def direct(dt, dual, P, BM, cfg, combine=False):
-    sig = {"a_ptr": "*" + dt, "b_ptr": "*" + dt, "bs_ptr": "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
+# weight scheme -> (weight pointer type, scale pointer type, E8M0): None = the activation dtype, no scale
+# (the kernel then reads its scale pointer as the weight itself, never dereferenced)
+WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "fp4": ("u8", "u8", True)}
+
+
+def _weight_args(dt: str, scheme):
+    wt, qt, e8m0 = WEIGHTS[scheme]
+    sig = {"q_ptr": "*" + (qt or dt), **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")}}
+    return "*" + (wt or dt), sig, {"QUANT": g.QUANT_CODES[scheme], "E8M0": e8m0}
+
+
+def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
+    b_type, qsig, qconsts = _weight_args(dt, scheme)
+    # quantized routed experts fold no shared experts in: direct_gemm passes the routed weights as bs_ptr
+    sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "bs_ptr": b_type if scheme else "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
            "w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*" + dt, "s_ptr": "*" + dt, "cnt_ptr": "*i32",
            **{n: "i32" for n in (
                "N", "K", "num_pairs", "num_experts", "u_off", "us_off", "shared_step", "stride_am", "stride_be",
-               "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}}
+               "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}, **qsig}
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
-              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, "COMBINE": combine, "HAS_SHARED": combine,
-              "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
+              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts, "COMBINE": combine,
+              "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
-    compile_one(f"direct {dt} dual={dual} combine={combine} P={P} BM={BM} {cfg}", g._direct_gemm_kernel, sig,
-                consts, cfg["num_warps"], cfg["num_stages"])
+    compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
+                g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
 
 
-def aligned(dt, dual, BM, cfg):
-    sig = {"a_ptr": "*" + dt, "b_ptr": "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"), "w_ptr": "*fp32",
+def aligned(dt, dual, BM, cfg, scheme=None):
+    b_type, qsig, qconsts = _weight_args(dt, scheme)
+    sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "c_ptr": "*" + (dt if dual else "fp32"), "w_ptr": "*fp32",
            "sorted_ptr": "*i32", "expert_ptr": "*i32", "npad_ptr": "*i32", **{n: "i32" for n in (
-               "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}}
+               "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}, **qsig}
     consts = {"A_DIV": 6 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual, "UPCAST": False,
-              "PREC": "ieee" if dt == "fp32" else None, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
+              "PREC": "ieee" if dt == "fp32" else None, **qconsts, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
               "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
-    compile_one(f"aligned {dt} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig, consts,
-                cfg["num_warps"], cfg["num_stages"])
+    compile_one(f"aligned {dt} {scheme or 'dense'} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
+                consts, cfg["num_warps"], cfg["num_stages"])
 
 
 def main() -> None:
@@ -76,6 +90,10 @@ def main() -> None:
     direct("bf16", False, 8, 16, g.direct_config(False), combine=True)
     direct("bf16", False, 128, 16, g.direct_config(False), combine=True)
     direct("fp32", True, 8, 16, g.direct_config(True))
+    for scheme in ("fp8_block", "fp4"):  # quantized routed experts: the in-loop dequantization, compiled
+        for dual in (True, False):
+            direct("bf16", dual, 8, 16, g.direct_config(dual), scheme=scheme)
+            aligned("bf16", dual, 32, g.gemm_config(32, dual), scheme=scheme)
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
     compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)

@@ -40,22 +40,28 @@ def _load_w(b_base, q_base, rows, kk, kmask, nmask, stride_bn, stride_qn, stride
     bytes when E8M0, else fp32). Dequantized in fp32 and rounded once to the activation dtype, as the native
     oracle densifies an expert (backend/native/moe.py dequant_expert)."""
     m = kmask[:, None] & nmask[None, :]
+    # one constexpr branch is compiled (if / elif / else: an early return would not stop the compiler from
+    # typing the branches after it against this scheme's pointer types)
     if QUANT == 0:
-        return tl.load(b_base + rows[None, :] * stride_bn + kk[:, None], mask=m, other=0.0)
-    if QUANT == 1:
+        out = tl.load(b_base + rows[None, :] * stride_bn + kk[:, None], mask=m, other=0.0)
+    elif QUANT == 1:
         w = tl.load(b_base + rows[None, :] * stride_bn + kk[:, None], mask=m, other=0.0).to(tl.float32)
         sc = tl.load(q_base + (rows // 128)[None, :] * stride_qn + (kk // 128)[:, None] * stride_qk, mask=m, other=0.0)
-        return (w * sc).to(ACT)
-    byte = tl.load(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
-    nib = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
-    e = (nib >> 1) & 3
-    man = (nib & 1).to(tl.float32)
-    mag = tl.where(e == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    val = tl.where((nib & 8) != 0, -mag, mag)
-    sc = tl.load(q_base + rows[None, :] * stride_qn + (kk // 32)[:, None] * stride_qk, mask=m, other=0)
-    if E8M0:
-        sc = tl.exp2(sc.to(tl.float32) - 127.0)
-    return (val * sc).to(ACT)
+        out = (w * sc).to(ACT)
+    else:
+        byte = tl.load(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
+        nib = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
+        e = (nib >> 1) & 3
+        man = (nib & 1).to(tl.float32)
+        mag = tl.where(e == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+        val = tl.where((nib & 8) != 0, -mag, mag)
+        sc = tl.load(q_base + rows[None, :] * stride_qn + (kk // 32)[:, None] * stride_qk, mask=m, other=0)
+        if E8M0:
+            sc = tl.exp2(sc.to(tl.float32) - 127.0)
+        else:
+            sc = sc.to(tl.float32)
+        out = (val * sc).to(ACT)
+    return out
 
 
 @triton.jit
