@@ -337,8 +337,10 @@ class DeepInferenceEngine(RequestIntake):
 
         Returns the request's last state with finish_reason "abort" (None for unknown ids).
         """
-        if self._leader is not None and self._leader.abort(request_id):
-            return None  # it lived on another replica: aborted there at the next step
+        if self._leader is not None:
+            remote, state = self._leader.abort(request_id)  # queued for every rank's next step
+            if remote:  # it lived on another replica: its last reported state, ended by "abort"
+                return state
         return self._local_abort(request_id)
 
     def _local_abort(self, request_id: str) -> RequestOutput | None:
@@ -417,9 +419,10 @@ class DeepInferenceEngine(RequestIntake):
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
         prompts = prompt_list(prompts)
-        if self._requests:
+        unfinished = len(self._requests) + (len(self._leader.remote) if self._leader is not None else 0)
+        if unfinished:
             raise DeepInferError(
-                f"generate() cannot run while {len(self._requests)} requests from add_request are unfinished: "
+                f"generate() cannot run while {unfinished} requests from add_request are unfinished: "
                 "their outputs come from step(); finish or abort them first"
             )
         all_params = params_list(sampling_params, sampling_kwargs, len(prompts))
@@ -454,7 +457,7 @@ class DeepInferenceEngine(RequestIntake):
                         bar.update(1)
                 if pending and not self.has_unfinished_requests():
                     raise DeepInferError(f"requests {sorted(pending)} vanished without finishing")
-        if not self._requests:
+        if not self._requests and self._leader is None:  # a leader never drains alone: its ranks step together
             self._pipeline.drain()  # a step launched for sequences that finished meanwhile: nothing to output
         return [results[rid] for rid in ids]
 

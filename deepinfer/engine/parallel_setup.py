@@ -53,6 +53,12 @@ def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
     if not wants_parallel(cfg):
         return None
     reasons = parallel_refusals(cfg) + shape_refusals(cfg, hf_config)
+    layout = cfg.parallel_layout()
+    if layout.data_parallel_size > 1 and layout.enable_expert_parallel and backend.caps.graph_capture \
+            and not cfg.enforce_eager:
+        reasons.append("decode graphs with data-parallel replicas under expert parallelism: the MoE layers gather "
+                       "the replicas' token counts on the host inside the forward, which a captured graph cannot "
+                       "hold; set enforce_eager=True (--enforce-eager)")
     if reasons:
         layout = cfg.parallel_layout()
         raise ConfigError(f"{layout.describe()} cannot run this configuration:\n  - " + "\n  - ".join(reasons))

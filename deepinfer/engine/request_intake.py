@@ -22,8 +22,11 @@ class RequestIntake:
 
             cfg = self.config
             facts = TokenizerFacts.from_tokenizer(self._tokenizer, self.vocab_size, self._eos_ids)
+            # a follower rank compiles what the leader already compiled within the timeout: it must not time out
+            # on its own (a slower rank would fail a request the leader accepted, and stop the whole job)
+            follower = self._job is not None and not self._job.is_leader
             self._grammar_compiler = GrammarCompiler(cfg.structured_output_backend, facts,
-                                                     cfg.structured_output_compile_timeout_s,
+                                                     None if follower else cfg.structured_output_compile_timeout_s,
                                                      cfg.structured_output_max_bytes)
             self.runner.grammar_facts = facts
             self.runner.grammar_forbidden = facts.forbidden_mask()

@@ -41,3 +41,4 @@ class ReplicaReport:
     finished_ids: list[str]
     unfinished: bool
     stats: Any = None  # the replica's EngineStats after the step
+    pending: bool = False  # a step still in flight (async scheduling): has_unfinished_requests stays True

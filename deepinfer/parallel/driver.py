@@ -67,7 +67,26 @@ def replica_report(engine, job: ParallelJob, outputs: list) -> ReplicaReport | N
     if job.coords.tp_rank != 0:
         return None
     return ReplicaReport(job.coords.dp_rank, outputs, [o.request_id for o in outputs if o.finished],
-                         engine._local_has_unfinished(), engine._local_stats())
+                         engine._local_has_unfinished(), engine._local_stats(), engine._pipeline.has_pending())
+
+
+def aborted_output(add: AddCommand, last):
+    """A remote request's RequestOutput after an abort: its last reported state (or an empty one when no step
+    has reported it yet) with every unfinished completion ended by "abort", as the one-process engine gives."""
+    import copy
+
+    from deepinfer.outputs import CompletionOutput, RequestOutput
+
+    if last is None:
+        n = getattr(add.params, "n", 1)
+        last = RequestOutput(add.request_id, add.prompt_text, list(add.prompt_token_ids),
+                             [CompletionOutput(i, "", []) for i in range(n)])
+    out = copy.deepcopy(last)
+    for c in out.outputs:
+        if c.finish_reason is None:
+            c.finish_reason = "abort"
+    out.finished = True
+    return out
 
 
 class LeaderDriver:
@@ -80,9 +99,11 @@ class LeaderDriver:
         self.dp = job.layout.data_parallel_size
         self.router = ReplicaRouter(self.dp)
         self.remote: dict[str, int] = {}  # request id -> replica, for requests not on this replica
-        self.replica_busy = [False] * self.dp
+        self.replica_pending = [False] * self.dp  # a replica's step still in flight (async scheduling), as of its report
         self.replica_stats: dict[int, object] = {}  # the other replicas' EngineStats, as of their last report
         self._ops: list[AddCommand | AbortCommand] = []
+        self._remote_adds: dict[str, AddCommand] = {}  # remote requests as the leader prepared them
+        self._remote_last: dict[str, object] = {}  # their last RequestOutput the replicas reported
         self._seq = 0
         self.steps = 0
         self.num_rebalances = 0
@@ -107,24 +128,35 @@ class LeaderDriver:
         """Route the request to a replica; the leader's own replica enqueues it now."""
         self.check_usable()
         add.dp_rank = self.router.pick(add)
-        self._ops.append(add)
         if add.dp_rank == self.job.coords.dp_rank:
-            self.engine._enqueue_prepared(add)
+            try:  # before the command is queued: a request the leader could not enqueue reaches no follower
+                self.engine._enqueue_prepared(add)
+            except BaseException:
+                self.router.finished(add.request_id)
+                raise
         else:
             self.remote[add.request_id] = add.dp_rank
+            self._remote_adds[add.request_id] = add
+        self._ops.append(add)
 
-    def abort(self, request_id: str) -> bool:
-        """Queue the abort for every rank; True if the request lived on another replica."""
+    def abort(self, request_id: str):
+        """Queue the abort for every rank. For a request on another replica: (True, its last state as one process
+        returns it: the completions not finished get finish_reason "abort"); else (False, None)."""
         self._ops.append(AbortCommand(request_id))
-        dp = self.remote.pop(request_id, None)
-        if dp is not None:
-            self.router.finished(request_id)
-            return True
         self.router.finished(request_id)
-        return False
+        dp = self.remote.pop(request_id, None)
+        add, last = self._remote_adds.pop(request_id, None), self._remote_last.pop(request_id, None)
+        if dp is None:
+            return False, None
+        return True, aborted_output(add, last)
 
     def has_unfinished(self) -> bool:
-        return bool(self.remote) or any(self.replica_busy[d] for d in range(self.dp)
+        """As one process answers: a request not finished (the leader sees every one enter and leave, so
+        `remote` is exact even right after an abort) or a step in flight. A stopped engine raises: it will
+        never finish anything, and a caller looping on this (the server) must not spin on a stale True."""
+        if self._broken is not None:
+            raise DeepInferError(f"the parallel engine stopped: {self._broken}")
+        return bool(self.remote) or any(self.replica_pending[d] for d in range(self.dp)
                                         if d != self.job.coords.dp_rank) or self.engine._local_has_unfinished()
 
     # ------------------------------------------------------------ steps
@@ -132,11 +164,15 @@ class LeaderDriver:
     def step(self, all_outputs: bool) -> list:
         self.check_usable()
         with self._lock:
+            self.check_usable()  # the heartbeat may have found a dead rank while this call waited for the lock
             self._seq += 1
             self.steps += 1  # engine steps (the heartbeat's no-ops are not)
             rebalance = self.engine._eplb_due(self.steps)
             cmd = StepCommand(self._seq, "step", self._ops, all_outputs, rebalance)
             self._ops = []
+            # Once the command is out, every rank runs this step: anything raising here on the leader (its own
+            # replica's step included, even a DeepInferError) leaves the others in a collective it never joins
+            # and its replica's state unlike its followers'. The job cannot go on: stop it, whatever the error.
             try:
                 self._send(cmd)
                 outputs = self.engine._local_step(all_outputs)
@@ -146,10 +182,11 @@ class LeaderDriver:
                 if self.dp > 1:
                     reports = self.channel.gather(replica_report(self.engine, self.job, outputs))
                     outputs = self._merge(outputs, reports)
-            except DeepInferError:
-                raise
             except Exception as exc:
                 self._fail(exc)
+            except BaseException as exc:  # KeyboardInterrupt mid-step: stop every rank, then let it through
+                self._stop_job(f"{type(exc).__name__} during a step")
+                raise
             for out in outputs:
                 if out.finished:
                     self.router.finished(out.request_id)
@@ -168,11 +205,16 @@ class LeaderDriver:
         for rep in reports:
             if rep is None or rep.dp_rank == mine:
                 continue
-            self.replica_busy[rep.dp_rank] = rep.unfinished
+            self.replica_pending[rep.dp_rank] = rep.pending
             self.replica_stats[rep.dp_rank] = rep.stats
-            merged.extend(o for o in rep.outputs if o.request_id in self.remote)
+            for o in rep.outputs:
+                if o.request_id in self.remote:
+                    merged.append(o)
+                    self._remote_last[o.request_id] = o
             for rid in rep.finished_ids:
                 self.remote.pop(rid, None)
+                self._remote_adds.pop(rid, None)
+                self._remote_last.pop(rid, None)
         return merged
 
     def _fail(self, exc: BaseException) -> None:
@@ -181,12 +223,17 @@ class LeaderDriver:
         reason = f"{type(exc).__name__}: {exc}"
         if dead:
             reason = f"{', '.join(dead)} stopped ({reason})"
+        self._stop_job(reason)
+        raise DeepInferError(f"the parallel engine stopped: {reason}") from exc
+
+    def _stop_job(self, reason: str) -> None:
+        """The job is over (a rank died or hung, or the ranks left lockstep): stop every spawned rank now and
+        leave the process group. Called with the lock held, so no collective of this process is under way."""
         self._broken = reason
         logger.error("parallel engine: %s; stopping every rank", reason)
         self._stop_heartbeat.set()
         self.job.stop_children(grace_s=0.0)
         leave_job(self.job)
-        raise DeepInferError(f"the parallel engine stopped: {reason}") from exc
 
     def _heartbeat_loop(self) -> None:
         while not self._stop_heartbeat.wait(self.heartbeat_s / 2):
@@ -199,8 +246,8 @@ class LeaderDriver:
                     self._seq += 1
                     self._send(StepCommand(self._seq, "noop"))
             except Exception as exc:  # noqa: BLE001 - reported at the next call
-                self._broken = f"a rank stopped answering: {type(exc).__name__}: {exc}"
-                logger.error("parallel engine: %s", self._broken)
+                # a hung rank would otherwise hold its device (and shutdown wait for it) until the process ends
+                self._stop_job(f"a rank stopped answering: {type(exc).__name__}: {exc}")
             finally:
                 self._lock.release()
 
@@ -217,7 +264,7 @@ class LeaderDriver:
                     self._send(StepCommand(self._seq, "stop"))
                 except Exception:  # noqa: BLE001 - a rank already gone: stop the rest anyway
                     logger.warning("parallel engine: a rank did not take the stop command", exc_info=True)
-            self.job.stop_children(grace_s=30.0)
+            self.job.stop_children(grace_s=30.0 if self._broken is None else 0.0)  # a broken job got no stop
             leave_job(self.job)
 
 

@@ -48,6 +48,7 @@ class ParallelJob:
     children: list = field(default_factory=list)  # processes this launcher spawned (mp.Process)
     launched_by_env: bool = False
     launcher_only: bool = False  # a node launcher (node_rank > 0): it spawned its ranks and joins no group
+    store: object = None  # the rendezvous store the leader hosts when it spawned its ranks
 
     @property
     def rank(self) -> int:
@@ -154,8 +155,24 @@ def _init_process_group(job: ParallelJob, device_type: str, addr: str, port: int
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     startup = datetime.timedelta(seconds=job.startup_timeout_s)
     try:
-        dist.init_process_group(transport, init_method=f"tcp://{addr}:{port}", rank=job.rank,
-                                world_size=job.layout.world_size, timeout=startup)
+        if job.rank == 0 and job.children:
+            # the leader that spawned ranks hosts the rendezvous store itself, so it can watch them while it
+            # waits: one that dies before arriving (a bad device, an import error, the OOM killer) ends the
+            # start-up at once, naming it, instead of after the whole start-up timeout
+            store = dist.TCPStore(addr, port, job.layout.world_size, is_master=True, timeout=startup,
+                                  wait_for_workers=False, multi_tenant=True)
+            _wait_for_arrivals(job, store)
+            job.store = store  # the process group reads it; kept alive with the job
+            dist.init_process_group(transport, store=dist.PrefixStore("default_pg", store), rank=0,
+                                    world_size=job.layout.world_size, timeout=startup)
+        else:
+            if job.rank != 0:
+                _announce_arrival(addr, port, startup)
+            dist.init_process_group(transport, init_method=f"tcp://{addr}:{port}", rank=job.rank,
+                                    world_size=job.layout.world_size, timeout=startup)
+    except DeepInferError:
+        job.stop_children(grace_s=0.0)
+        raise
     except Exception as exc:
         job.stop_children(grace_s=0.0)
         raise DeepInferError(f"rank {job.rank}: joining the {job.layout.world_size}-process group at "
@@ -165,6 +182,33 @@ def _init_process_group(job: ParallelJob, device_type: str, addr: str, port: int
     # collective waits dist_timeout_s
     job.startup_group = dist.new_group(everyone, backend="gloo", timeout=startup)
     job.control_group = dist.new_group(everyone, backend="gloo", timeout=datetime.timedelta(seconds=job.timeout_s))
+
+
+ARRIVED_KEY = "deepinfer/ranks_arrived"  # every rank but 0 adds 1 right before joining the process group
+
+
+def _announce_arrival(addr: str, port: int, timeout: datetime.timedelta) -> None:
+    """Tell the leader's store this rank is about to join (a harmless key in any other store, torchrun's too)."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    client.add(ARRIVED_KEY, 1)
+
+
+def _wait_for_arrivals(job: ParallelJob, store) -> None:
+    """Until every other rank has announced itself; DeepInferError at once when a spawned rank died first,
+    or after the start-up timeout."""
+    others = job.layout.world_size - 1
+    deadline = time.monotonic() + job.startup_timeout_s
+    while store.add(ARRIVED_KEY, 0) < others:
+        dead = job.dead_children()
+        if dead:
+            raise DeepInferError(f"rank 0: {', '.join(dead)} stopped before joining the "
+                                 f"{job.layout.world_size}-process group (see its log above)")
+        if time.monotonic() > deadline:
+            raise DeepInferError(f"rank 0: {store.add(ARRIVED_KEY, 0)} of the other {others} ranks reached the "
+                                 f"rendezvous within {job.startup_timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def leave_job(job: ParallelJob) -> None:

@@ -61,7 +61,7 @@ def spec_of(so: StructuredOutputsParams) -> tuple[str, Any, str]:
 class GrammarCompiler:
     """One per engine: the grammar engine bound to the engine's tokenizer, plus the cache."""
 
-    def __init__(self, backend_name: str, facts: TokenizerFacts, timeout_s: float, max_bytes: int,
+    def __init__(self, backend_name: str, facts: TokenizerFacts, timeout_s: float | None, max_bytes: int,
                  cache_entries: int = DEFAULT_CACHE_ENTRIES):
         check_backend_available(backend_name)
         if facts.vocab_size < facts.tokenizer_vocab_size:
