@@ -74,9 +74,12 @@ def test_bad_configs_name_the_problem():
         parse_v4_config(_base(scoring_func="tanh"))
     with pytest.raises(ModelLoadError, match="moe_intermediate_size"):
         parse_v4_config({k: v for k, v in _base().items() if k != "moe_intermediate_size"})
-    with pytest.raises(UnsupportedModelError, match="expert_dtype"):
+    with pytest.raises(UnsupportedModelError, match="expert_dtype"):  # fp4 experts load (docs/quantization.md)
         parse_v4_config(_base(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                   "expert_dtype": "fp4"}))
+                                                   "expert_dtype": "int2"}))
+    fp4 = parse_v4_config(_base(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                     "expert_dtype": "fp4"}))
+    assert fp4.expert_dtype == "fp4"
 
 
 def test_registry_and_presets():
