@@ -13,31 +13,7 @@ import subprocess
 import sys
 
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "engine_script.py")
-
-
-def run_scripts(*runs: tuple[str, str, dict], timeout: float = 240.0) -> list[dict]:
-    """Run engine_script.py for each (mode, checkpoint, settings) at the same time (they mostly wait on each
-    other's ranks and on timeouts); their results in order."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, SCRIPT, mode, path, json.dumps(settings)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for mode, path, settings in runs]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            assert lines, f"no result (exit {p.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
-            results.append(json.loads(lines[-1][len("RESULT "):]))
-    finally:
-        for p in procs:
-            p.kill()
-    return results
-
-
-def run_script(mode: str, path: str, settings: dict) -> dict:
-    return run_scripts((mode, path, settings))[0]
+from script_runner import SCRIPT, run_script, run_scripts
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +59,11 @@ def test_data_parallel_replicas_with_expert_parallelism_equal_one_process(checkp
     assert st["kv_blocks_total"] == 2 * st["local_kv_blocks_total"]
 
 
-def test_a_killed_rank_and_a_hung_rank_end_the_engine_with_an_error(checkpoint):
-    """Two engines at once: in one a spawned rank is SIGKILLed mid-run, in the other SIGSTOPped. The first fails
-    at once naming the rank and its exit code; the second times out after dist_timeout_s. Every spawned rank
-    is stopped and every later call raises."""
-    path = checkpoint("tiny-v2-lite")
-    killed, hung = run_scripts(("kill", path, {"data_parallel_size": 2, "dist_timeout_s": 10.0}),
-                               ("hang", path, {"data_parallel_size": 2, "dist_timeout_s": 4.0}))
+def test_a_killed_rank_and_a_hung_rank_end_the_engine_with_an_error(failure_scenarios):
+    """In one engine a spawned rank is SIGKILLed mid-run, in another SIGSTOPped (run at once with the review's
+    failure scenarios: tests/parallel/conftest.py). The first fails at once naming the rank and its exit code;
+    the second times out after dist_timeout_s. Every spawned rank is stopped and every later call raises."""
+    killed, hung = failure_scenarios["kill"], failure_scenarios["hang"]
     assert killed["error"] is not None and "rank 1 (exit code -9) stopped" in killed["error"], killed
     assert killed["error_after_s"] < 15.0
     assert hung["error"] is not None and "the parallel engine stopped" in hung["error"], hung

@@ -1,23 +1,17 @@
 """Review of the parallel engine's leader / follower protocol (issue 19): behaviours that must match one process,
 and failures that must end every rank promptly. One DP=2 engine with experts over both ranks per scenario, the
-three scenarios at once (tests/parallel/engine_script.py review / kill_at_start / idle_hang).
+scenarios run at once with test_parallel_engine.py's killed / hung ranks (tests/parallel/conftest.py).
 
 """
 
 from __future__ import annotations
 
 import pytest
-from test_parallel_engine import run_scripts
-
-LAYOUT = {"data_parallel_size": 2, "enable_expert_parallel": True}
 
 
 @pytest.fixture(scope="module")
-def review(checkpoint) -> dict:
-    path = checkpoint("tiny-v2-lite")
-    got = run_scripts(("review", path, dict(LAYOUT)), ("kill_at_start", path, dict(LAYOUT)),
-                      ("idle_hang", path, dict(LAYOUT)), timeout=120.0)
-    return dict(zip(("review", "kill_at_start", "idle_hang"), got))
+def review(failure_scenarios) -> dict:
+    return failure_scenarios  # run at once with the killed / hung rank cases (tests/parallel/conftest.py)
 
 
 def test_a_leader_only_failure_after_the_broadcast_stops_every_rank(review):
