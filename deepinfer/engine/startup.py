@@ -250,6 +250,11 @@ def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
     kv.attach_tiers(host, disk, ios if len(ios) > 1 else io)
 
 
+# backends whose MLA op serves verification steps (1 + k query tokens per sequence on a cached context); any
+# backend on the CPU device (the cpu backend, nvidia under the Triton interpreter, test stand-ins) also may
+SPEC_BACKENDS = ("cpu", "nvidia")
+
+
 def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mtp_layers: int) -> None:
     """What speculative decoding cannot run with yet: a ConfigError naming the flag, never a fallback.
 
@@ -269,12 +274,16 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     if cfg.async_scheduling:
         reasons.append("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): speculative "
                        "steps run sync only; leave it unset or off")
-    if backend.caps.device_type != "cpu":
-        reasons.append(f"backend {backend.name!r}: verification steps are built and tested on the cpu backend only")
+    if backend.caps.device_type != "cpu" and backend.name not in SPEC_BACKENDS:
+        reasons.append(f"backend {backend.name!r}: verification steps are built and tested on the "
+                       f"{' and '.join(SPEC_BACKENDS)} backends only")
     if cfg.tensor_parallel_size != 1:
         reasons.append("tensor_parallel_size > 1")
     if reasons:
         raise ConfigError(f"{head} cannot run: " + "; ".join(reasons))
+    if backend.name == "nvidia" and backend.caps.device_type != "cpu":
+        logger.warning("speculative decoding on the nvidia backend is tested under the Triton interpreter only "
+                       "(never run on a GPU yet: docs/speculative.md)")
     if cfg.async_scheduling is None and backend.device.type != "cpu":
         logger.info("speculative decoding: steps run sync (async scheduling off)")
     if not cfg.enforce_eager and backend.caps.graph_capture:

@@ -34,8 +34,13 @@ the drafts before it, all rows in one batched fill (sample/grammar/draft_mask.py
 committed to the matcher when output processing appends them. So a structured request gives the tokens it
 gives with speculation off, and a drafter's grammar-invalid tokens cost acceptance only.
 
+Backends: cpu, and nvidia (its MLA op takes a verify row, 1 + k query tokens on a cached context, through
+its prefill-with-context path; decode-only fast paths are chosen only when every row has one query token;
+tested under the Triton interpreter, tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step with
+drafts runs eagerly, a step without drafts replays the decode graph (ModelRunner.run_model).
+
 Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, graph replay
-for verification steps (they run eagerly), V4, backends other than cpu, tensor parallelism.
+for verification steps (they run eagerly), V4, backends other than cpu and nvidia, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -151,7 +156,9 @@ class SpecStepPipeline:
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.reset_state_rows(batch)
-        hidden = runner.model.forward(batch, runner.caches)  # eager: verification steps replay no graph
+        # A step with drafts is never decode-only, so it runs eagerly; a decode-only step without any (n-gram misses,
+        # adaptive pauses, no room for drafts) replays the backend's decode graph where it has one, as off would.
+        hidden = runner.run_model(batch)
         items = sched.scheduled
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
