@@ -33,7 +33,12 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
-from deepinfer.models.layers.moe_dispatch import ExpertParallelRouting, gather_replicas
+from deepinfer.models.layers.moe_dispatch import (
+    ExpertParallelRouting,
+    gather_replicas,
+    install_placement,
+    load_routed_experts,
+)
 from deepinfer.models.weights import tensor_loader
 
 
@@ -113,39 +118,12 @@ class V4MoE(nn.Module):
         return out
 
     def finalize(self) -> None:
-        # quantized (fp8 / fp4) experts stay quantized when the op runs that scheme, as in the V2/V3 layer
-        self.quantized_experts = self.experts.keeps_quantized(self.op.quantized_expert_schemes())
-        if self.quantized_experts:
-            self.op.load_quantized_experts(self.experts.quantized_stack())
-            w13 = w2 = None
-        else:
-            w13, w2 = self.experts.stacked()
-            self.op.load_experts(w13, w2)
+        load_routed_experts(self)  # quantized (fp8 / fp4) kept or densified, as in the V2/V3 layer (moe_dispatch.py)
         self.shared.finalize()
-        if self.expert_parallel:
-            self.w13, self.w2 = w13, w2
-            self.routing = ExpertParallelRouting(self.placement, self.ep.rank, self.backend.device)
 
     def install_placement(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Between steps (the load balancer): a new placement and this rank's weights for its slots; the same
-        slot count swaps the op's weights in place, another makes a new op for it."""
-        if not self.expert_parallel:
-            raise ConfigError("install_placement: this MoE layer is not expert-parallel")
-        if self.quantized_experts:
-            raise ConfigError("enable_eplb: this layer's routed experts are kept quantized, and moving quantized "
-                              "experts between ranks is not built")
-        if placement.slots_per_rank != self.spec.local_experts:
-            self.spec = MoESpec(router=self.router, hidden_size=self.D, intermediate_size=self.spec.intermediate_size,
-                                swiglu_limit=self.swiglu_limit, num_local_experts=placement.slots_per_rank)
-            self.op = self.backend.make_moe(self.spec)
-            self.op.load_experts(w13, w2)
-            self.w13, self.w2 = w13, w2
-        else:
-            self.op.replace_experts(w13, w2)
-            self.w13.copy_(w13)
-            self.w2.copy_(w2)
-        self.placement = placement
-        self.routing = ExpertParallelRouting(placement, self.ep.rank, self.backend.device)
+        """Between steps (the load balancer): a new placement and this rank's weights (moe_dispatch.py)."""
+        install_placement(self, placement, w13, w2)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel:

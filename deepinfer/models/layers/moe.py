@@ -27,7 +27,12 @@ from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
-from deepinfer.models.layers.moe_dispatch import ExpertParallelRouting, gather_replicas
+from deepinfer.models.layers.moe_dispatch import (
+    ExpertParallelRouting,
+    gather_replicas,
+    install_placement,
+    load_routed_experts,
+)
 from deepinfer.models.weights import tensor_loader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -96,46 +101,17 @@ class MoELayer(nn.Module):
         return out
 
     def finalize(self) -> None:
-        # quantized experts stay quantized when the op runs their scheme (w13 / w2 then stay None: the expert
-        # load balancer cannot move them), else they are densified as every op takes them
-        self.quantized_experts = self.experts.keeps_quantized(self.op.quantized_expert_schemes())
-        if self.quantized_experts:
-            self.op.load_quantized_experts(self.experts.quantized_stack())
-            w13 = w2 = None
-        else:
-            w13, w2 = self.experts.stacked()
-            self.op.load_experts(w13, w2)
+        load_routed_experts(self)  # quantized kept or densified; the expert-parallel routing (moe_dispatch.py)
         if self.shared_experts is not None:
             self.shared_experts.finalize()
-        if self.expert_parallel:
-            self.w13, self.w2 = w13, w2
-            self.routing = ExpertParallelRouting(self.placement, self.ep.rank, self.backend.device)
-        elif self.shared_experts is not None:
-            # the op may run the shared MLP as extra experts at small batches; it still calls the
-            # module (one dense GEMM per weight) where it does not
-            self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
+            if not self.expert_parallel:
+                # the op may run the shared MLP as extra experts at small batches; it still calls the
+                # module (one dense GEMM per weight) where it does not
+                self.op.fuse_shared_experts(*self.shared_experts.dense_weights())
 
     def install_placement(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Between steps (the load balancer): a new placement and this rank's weights for its slots. The same
-        slot count per rank swaps the op's weights in place; another count makes a new op for it."""
-        if not self.expert_parallel:
-            raise ConfigError("install_placement: this MoE layer is not expert-parallel")
-        if self.quantized_experts:
-            raise ConfigError("enable_eplb: this layer's routed experts are kept quantized, and moving quantized "
-                              "experts between ranks is not built")
-        if placement.slots_per_rank != self.spec.local_experts:
-            self.spec = MoESpec(router=self.router, hidden_size=self.hidden_size,
-                                intermediate_size=self.spec.intermediate_size,
-                                num_local_experts=placement.slots_per_rank)
-            self.op = self.backend.make_moe(self.spec)
-            self.op.load_experts(w13, w2)
-            self.w13, self.w2 = w13, w2
-        else:
-            self.op.replace_experts(w13, w2)
-            self.w13.copy_(w13)
-            self.w2.copy_(w2)
-        self.placement = placement
-        self.routing = ExpertParallelRouting(placement, self.ep.rank, self.backend.device)
+        """Between steps (the load balancer): a new placement and this rank's weights (moe_dispatch.py)."""
+        install_placement(self, placement, w13, w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.expert_parallel:

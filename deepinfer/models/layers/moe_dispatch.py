@@ -7,9 +7,12 @@ layers too: the mapping takes logical ids from any router, a tid2eid table inclu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deepinfer.backend import Communicator
+from deepinfer.errors import ConfigError
 from deepinfer.models.layers.experts import ExpertPlacement
 
 
@@ -62,3 +65,45 @@ class ExpertParallelRouting:
         """load [E] += pairs of each logical expert this rank computes (no host sync); summed over the "ep"
         ranks it is the number of (token, slot) pairs routed to each expert, each pair counted once."""
         load.scatter_add_(0, ids.reshape(-1), (local >= 0).reshape(-1).to(load.dtype))
+
+
+# ---------------------------------------------------------------- what both MoE layers (V2/V3, V4) share
+# A layer here has: experts (ExpertWeights), op, spec (its MoESpec), backend, expert_parallel, placement, ep,
+# and gets w13 / w2 / routing / quantized_experts set.
+
+
+def load_routed_experts(layer) -> None:
+    """finalize's routed half: quantized experts stay quantized when the op runs their scheme (w13 / w2 then
+    stay None: the load balancer cannot move them), else they are densified as every op takes them; under
+    expert parallelism the stacked local weights are kept (EPLB moves them) and the id routing is built."""
+    layer.quantized_experts = layer.experts.keeps_quantized(layer.op.quantized_expert_schemes())
+    if layer.quantized_experts:
+        layer.op.load_quantized_experts(layer.experts.quantized_stack())
+        w13 = w2 = None
+    else:
+        w13, w2 = layer.experts.stacked()
+        layer.op.load_experts(w13, w2)
+    if layer.expert_parallel:
+        layer.w13, layer.w2 = w13, w2
+        layer.routing = ExpertParallelRouting(layer.placement, layer.ep.rank, layer.backend.device)
+
+
+def install_placement(layer, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Between steps (the load balancer): a new placement and this rank's weights for its slots. The same slot
+    count per rank swaps the op's weights in place; another count makes a new op for it."""
+    if not layer.expert_parallel:
+        raise ConfigError("install_placement: this MoE layer is not expert-parallel")
+    if layer.quantized_experts:
+        raise ConfigError("enable_eplb: this layer's routed experts are kept quantized, and moving quantized "
+                          "experts between ranks is not built")
+    if placement.slots_per_rank != layer.spec.local_experts:
+        layer.spec = dataclasses.replace(layer.spec, num_local_experts=placement.slots_per_rank)
+        layer.op = layer.backend.make_moe(layer.spec)
+        layer.op.load_experts(w13, w2)
+        layer.w13, layer.w2 = w13, w2
+    else:
+        layer.op.replace_experts(w13, w2)
+        layer.w13.copy_(w13)
+        layer.w2.copy_(w2)
+    layer.placement = placement
+    layer.routing = ExpertParallelRouting(placement, layer.ep.rank, layer.backend.device)
