@@ -1,4 +1,5 @@
-"""Project-wide pytest setup, kept minimal: an optional CPU thread cap and the `gpu` marker skip.
+"""Project-wide pytest setup, kept minimal: an optional CPU thread cap, the `gpu` marker skip, and the one
+random-weight checkpoint per preset that tests/engine, tests/kv and tests/parallel share.
 
 Markers (`gpu`, `slow`) are declared in pyproject.toml. Area fixtures live in
 their own tests/<area>/ directories.
@@ -34,3 +35,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset) -> directory of a random-weight checkpoint (seed 0), made once per session."""
+    from deepinfer.checkpoints import make_checkpoint
+
+    made: dict[str, str] = {}
+
+    def get(preset: str) -> str:
+        if preset not in made:
+            d = tmp_path_factory.mktemp(preset.replace("-", "_"))
+            make_checkpoint(preset, str(d), seed=0)
+            made[preset] = str(d)
+        return made[preset]
+
+    return get

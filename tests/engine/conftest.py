@@ -1,4 +1,4 @@
-"""Shared fixtures for tests/engine: one checkpoint per preset and one small tokenizer per session."""
+"""Shared fixtures for tests/engine: one small tokenizer per session (the checkpoints: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,6 @@ def fake_tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake_tok")
     write_tokenizer(str(d), 300)
     return str(d)
-
-
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    """checkpoint(preset) -> directory of a random-weight checkpoint, made once per session."""
-    from deepinfer.checkpoints import make_checkpoint
-
-    made: dict[str, str] = {}
-
-    def get(preset: str) -> str:
-        if preset not in made:
-            d = tmp_path_factory.mktemp(preset.replace("-", "_"))
-            make_checkpoint(preset, str(d), seed=0)
-            made[preset] = str(d)
-        return made[preset]
-
-    return get
 
 
 @pytest.fixture(scope="session")

@@ -54,8 +54,8 @@ def _fill(e: DeepInferenceEngine, n: int = 3) -> None:
 
 
 @pytest.fixture(scope="module")
-def path(kv_checkpoint):
-    return kv_checkpoint("tiny-v4")
+def path(checkpoint):
+    return checkpoint("tiny-v4")
 
 
 @pytest.fixture(scope="module")
