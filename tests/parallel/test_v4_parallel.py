@@ -54,13 +54,9 @@ def _drive(model, prompts: list[list[int]], forced: list[list[int]] | None) -> d
 
 
 def _backend(tp: int, dp: int, ep: bool, rank: int):
-    from deepinfer.backends.cpu.backend import CPUBackend
-    from deepinfer.parallel.groups import build_communicators
-    from deepinfer.parallel.layout import ParallelLayout
+    from rank_setup import rank_backend
 
-    backend = CPUBackend()
-    backend.install_communicators(build_communicators(ParallelLayout(tp, dp, ep), rank, backend))
-    return backend
+    return rank_backend(tp, dp, ep, rank)
 
 
 def _error(fn, *args) -> str:

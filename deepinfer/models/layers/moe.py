@@ -32,6 +32,7 @@ from deepinfer.models.layers.moe_dispatch import (
     gather_replicas,
     install_placement,
     load_routed_experts,
+    make_moe_op,
 )
 from deepinfer.models.weights import tensor_loader
 
@@ -75,12 +76,7 @@ class MoELayer(nn.Module):
         )
         self.comm = self.ep if self.expert_parallel else tp  # routed + shared partial sums: one reduce
         self.spec = MoESpec(router=self.router, hidden_size=D, intermediate_size=local, num_local_experts=num_local)
-        self.op = backend.make_moe(self.spec)
-        if self.expert_parallel:
-            reasons = self.op.expert_parallel_reasons()
-            if reasons:
-                raise ConfigError("enable_expert_parallel: this backend's MoE op cannot compute a rank's share of "
-                                  "the routed experts: " + "; ".join(reasons))
+        self.op = make_moe_op(backend, self.spec, self.expert_parallel)
         # expert parallelism: the stacked local weights the op was given (the load balancer moves them)
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None

@@ -72,6 +72,18 @@ class ExpertParallelRouting:
 # and gets w13 / w2 / routing / quantized_experts set.
 
 
+def make_moe_op(backend, spec, expert_parallel: bool):
+    """The backend's MoE op for `spec`; under expert parallelism a ConfigError with the reasons when the op cannot
+    compute a rank's share of the routed experts (-1 ids for other ranks' experts)."""
+    op = backend.make_moe(spec)
+    if expert_parallel:
+        reasons = op.expert_parallel_reasons()
+        if reasons:
+            raise ConfigError("enable_expert_parallel: this backend's MoE op cannot compute a rank's share of "
+                              "the routed experts: " + "; ".join(reasons))
+    return op
+
+
 def load_routed_experts(layer) -> None:
     """finalize's routed half: quantized experts stay quantized when the op runs their scheme (w13 / w2 then
     stay None: the load balancer cannot move them), else they are densified as every op takes them; under
@@ -98,7 +110,7 @@ def install_placement(layer, placement: ExpertPlacement, w13: torch.Tensor, w2: 
                           "experts between ranks is not built")
     if placement.slots_per_rank != layer.spec.local_experts:
         layer.spec = dataclasses.replace(layer.spec, num_local_experts=placement.slots_per_rank)
-        layer.op = layer.backend.make_moe(layer.spec)
+        layer.op = make_moe_op(layer.backend, layer.spec, True)
         layer.op.load_experts(w13, w2)
         layer.w13, layer.w2 = w13, w2
     else:
