@@ -38,6 +38,11 @@ SPECULATIVE_METHODS = ("mtp", "ngram")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
 
+# Expert parallelism's token dispatch (EngineConfig.ep_dispatch; models/layers/ep_all_to_all.py keeps the same
+# names and default, tests/parallel/test_ep_all_to_all.py checks they agree).
+EP_DISPATCH_MODES = ("auto", "all_to_all", "all_gather")
+DEFAULT_EP_ALL_TO_ALL_MIN_TOKENS = 256
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -53,9 +58,17 @@ class EngineConfig:
         tensor_parallel_size x data_parallel_size processes, one per device; attention heads, dense MLPs and
         the vocabulary split over tensor_parallel_size; each data-parallel replica schedules its own requests;
         with enable_expert_parallel the routed experts are spread (whole) over every rank.
+    context_parallel_size / cp_min_prefill_tokens: context-parallel prefill (docs/parallelism.md): a replica of
+        context_parallel_size ranks, each with the whole model; a step with at least cp_min_prefill_tokens
+        prefill tokens splits its query tokens over them (load-balanced "zigzag" chunks), every rank keeps
+        the whole KV cache. So far only with tensor_parallel_size = data_parallel_size = 1.
     enable_eplb / eplb_num_redundant_experts / eplb_step_interval: the expert load balancer (parallel/eplb.py):
         per-expert load counted online, that many redundant copies of hot experts placed over the ranks, and
         the placement recomputed every eplb_step_interval engine steps, between steps.
+    ep_dispatch / ep_all_to_all_min_tokens: how the expert-parallel MoE layers move tokens (docs/parallelism.md,
+        "Dispatch modes"): "all_gather" (every replica's hidden states to every rank, one all-reduce),
+        "all_to_all" (each routed pair to the rank of its expert and back), or "auto": all_to_all from
+        ep_all_to_all_min_tokens tokens per forward (summed over the data-parallel replicas), else all_gather.
     nnodes / node_rank / master_addr / master_port: the env-style rendezvous of torch.distributed for several
         nodes (torchrun-compatible; RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment win).
         master_port None on one node = a free port.
@@ -109,9 +122,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_min_prefill_tokens: int = 1024
     enable_eplb: bool = False
     eplb_num_redundant_experts: int = 0
     eplb_step_interval: int = 1000
+    ep_dispatch: str = "auto"
+    ep_all_to_all_min_tokens: int = DEFAULT_EP_ALL_TO_ALL_MIN_TOKENS
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -164,12 +181,16 @@ class EngineConfig:
         """The rank layout these settings describe (deepinfer/parallel/layout.py)."""
         from deepinfer.parallel.layout import ParallelLayout
 
-        return ParallelLayout(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel)
+        return ParallelLayout(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
+                              self.context_parallel_size)
 
     def _validate_parallel(self, bad) -> None:
-        for name in ("data_parallel_size", "nnodes"):
+        for name in ("data_parallel_size", "nnodes", "context_parallel_size"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be an integer >= 1")
+        if not _is_int(self.cp_min_prefill_tokens) or self.cp_min_prefill_tokens < 1:
+            raise bad("cp_min_prefill_tokens", "must be an integer >= 1 (prefill tokens of a step that is split "
+                                               "over the context-parallel ranks)")
         for name in ("enable_expert_parallel", "enable_eplb"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
@@ -181,6 +202,7 @@ class EngineConfig:
             raise bad("enable_eplb", "needs enable_expert_parallel=True (the balancer places experts over ranks)")
         if self.eplb_num_redundant_experts and not self.enable_eplb:
             raise bad("eplb_num_redundant_experts", "needs enable_eplb=True")
+        self._validate_ep_dispatch(bad)
         if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
             raise bad("node_rank", f"must be an integer in [0, nnodes={self.nnodes})")
         if not isinstance(self.master_addr, str) or not self.master_addr:
@@ -191,8 +213,27 @@ class EngineConfig:
                 or not self.dist_timeout_s > 0:
             raise bad("dist_timeout_s", "must be a positive number of seconds")
         world = self.tensor_parallel_size * self.data_parallel_size if _is_int(self.tensor_parallel_size) else 1
+        world *= self.context_parallel_size
         if self.nnodes > 1 and world % self.nnodes:
-            raise bad("nnodes", f"must divide the world size tensor_parallel_size x data_parallel_size = {world}")
+            raise bad("nnodes", f"must divide the world size tensor_parallel_size x context_parallel_size x "
+                                f"data_parallel_size = {world}")
+
+    def _validate_ep_dispatch(self, bad) -> None:
+        if not isinstance(self.ep_dispatch, str) or self.ep_dispatch not in EP_DISPATCH_MODES:
+            raise bad("ep_dispatch", f"must be one of {', '.join(EP_DISPATCH_MODES)}")
+        if not _is_int(self.ep_all_to_all_min_tokens) or self.ep_all_to_all_min_tokens < 1:
+            raise bad("ep_all_to_all_min_tokens", "must be an integer >= 1 (tokens per forward, summed over the "
+                                                  "data-parallel replicas, from which ep_dispatch='auto' uses "
+                                                  "all_to_all)")
+        if self.ep_dispatch != "auto" and not self.enable_expert_parallel:
+            raise bad("ep_dispatch", "needs enable_expert_parallel=True (it says how the expert-parallel MoE layers "
+                                     "move tokens)")
+        if self.ep_all_to_all_min_tokens != DEFAULT_EP_ALL_TO_ALL_MIN_TOKENS:
+            if not self.enable_expert_parallel:
+                raise bad("ep_all_to_all_min_tokens", "needs enable_expert_parallel=True")
+            if self.ep_dispatch != "auto":
+                raise bad("ep_all_to_all_min_tokens", f"is read by ep_dispatch='auto' only (ep_dispatch is "
+                                                      f"{self.ep_dispatch!r})")
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ConfigError:

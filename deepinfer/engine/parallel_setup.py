@@ -52,13 +52,23 @@ def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
 
     if not wants_parallel(cfg):
         return None
-    reasons = parallel_refusals(cfg) + shape_refusals(cfg, hf_config)
+    from deepinfer.parallel.cp_forward import context_parallel_refusals
+
+    reasons = parallel_refusals(cfg) + shape_refusals(cfg, hf_config) + context_parallel_refusals(cfg, hf_config,
+                                                                                                backend.caps)
     layout = cfg.parallel_layout()
     if layout.data_parallel_size > 1 and layout.enable_expert_parallel and backend.caps.graph_capture \
             and not cfg.enforce_eager:
         reasons.append("decode graphs with data-parallel replicas under expert parallelism: the MoE layers gather "
                        "the replicas' token counts on the host inside the forward, which a captured graph cannot "
                        "hold; set enforce_eager=True (--enforce-eager)")
+    if layout.enable_expert_parallel and backend.caps.graph_capture and not cfg.enforce_eager and (
+            cfg.ep_dispatch == "all_to_all" or (cfg.ep_dispatch == "auto"
+                                                and cfg.max_num_seqs >= cfg.ep_all_to_all_min_tokens)):
+        reasons.append(f"decode graphs with ep_dispatch={cfg.ep_dispatch!r}: the all-to-all dispatch reads its "
+                       "split sizes on the host inside the forward, which a captured graph cannot hold; set "
+                       "enforce_eager=True (--enforce-eager), ep_dispatch='all_gather', or (auto) "
+                       "ep_all_to_all_min_tokens above max_num_seqs")
     if reasons:
         layout = cfg.parallel_layout()
         raise ConfigError(f"{layout.describe()} cannot run this configuration:\n  - " + "\n  - ".join(reasons))
@@ -67,10 +77,11 @@ def join_parallel_job(cfg: EngineConfig, backend, hf_config: dict):
         raise SystemExit(wait_for_children(job))
     import datetime
 
-    from deepinfer.parallel.groups import build_communicators
+    from deepinfer.parallel.groups import build_communicators, build_cp_communicator
 
     timeout = datetime.timedelta(seconds=job.timeout_s)
     backend.install_communicators(build_communicators(job.layout, job.rank, backend, timeout))
+    job.cp_communicator = build_cp_communicator(job.layout, job.rank, backend, timeout)
     logger.info("rank %d of %s (tp rank %d, dp rank %d)", job.rank, job.layout.describe(), job.coords.tp_rank,
                 job.coords.dp_rank)
     return job
@@ -101,9 +112,17 @@ def make_balancer(cfg: EngineConfig, model, backend, job):
 
 def start_parallel_role(engine, job) -> None:
     """Wire the replica sync, then be the leader (return) or a follower (serve, then exit)."""
+    from deepinfer.models.layers.ep_all_to_all import EPDispatch, idle_forward, set_ep_dispatch
     from deepinfer.parallel.driver import LeaderDriver, run_follower
 
     layout = job.layout
+    if layout.enable_expert_parallel:  # how the MoE layers move tokens (models/layers/ep_all_to_all.py)
+        set_ep_dispatch(engine.model, EPDispatch(engine.config.ep_dispatch, engine.config.ep_all_to_all_min_tokens))
+    if layout.context_parallel_size > 1:
+        from deepinfer.parallel.cp_forward import ContextParallelForward
+
+        engine.runner.context_parallel = ContextParallelForward(engine.model, job.cp_communicator,
+                                                                engine.config.cp_min_prefill_tokens)
     if layout.enable_expert_parallel and layout.data_parallel_size > 1:
         from deepinfer.parallel.forward_sync import ReplicaForwardSync
         from deepinfer.worker.dummy_forward import DummyForward
@@ -112,7 +131,8 @@ def start_parallel_role(engine, job) -> None:
         block_size = engine.kv.block_size
         dummy = DummyForward(engine.model, block_size, engine.backend.device, engine._kv_layouts)
         engine._pipeline.forward_sync = sync.any_replica_has_work
-        engine._pipeline.dummy_forward = dummy.run
+        # the MoE layers join the collectives with zero tokens then (nothing dispatched or counted for EPLB)
+        engine._pipeline.dummy_forward = idle_forward(engine.model, dummy.run)
     import torch.distributed as dist
 
     dist.barrier(group=job.startup_group)  # every rank built its engine: from here on steps time out fast

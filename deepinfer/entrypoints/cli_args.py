@@ -27,9 +27,13 @@ ENGINE_FIELDS = (
     "tensor_parallel_size",
     "data_parallel_size",
     "enable_expert_parallel",
+    "context_parallel_size",
+    "cp_min_prefill_tokens",
     "enable_eplb",
     "eplb_num_redundant_experts",
     "eplb_step_interval",
+    "ep_dispatch",
+    "ep_all_to_all_min_tokens",
     "nnodes",
     "node_rank",
     "master_addr",
@@ -82,11 +86,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas, each scheduling its own requests (world = tp x dp processes)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="spread the routed experts (whole) over every rank instead of splitting each one over tp")
+    g.add_argument("--context-parallel-size", "-cp", type=int, default=None,
+                   help="ranks a long prefill's tokens are split over, each with the whole model "
+                        "(context-parallel prefill; docs/parallelism.md)")
+    g.add_argument("--cp-min-prefill-tokens", type=int, default=None,
+                   help="prefill tokens of a step from which it is split over the context-parallel ranks "
+                        "(default 1024)")
     g.add_argument("--enable-eplb", action="store_true", default=None,
                    help="the expert load balancer: count expert load, re-place experts between steps")
     g.add_argument("--eplb-num-redundant-experts", type=int, default=None,
                    help="extra copies of hot experts the balancer may place")
     g.add_argument("--eplb-step-interval", type=int, default=None, help="engine steps between re-balancings")
+    g.add_argument("--ep-dispatch", default=None, choices=["auto", "all_to_all", "all_gather"],
+                   help="how the expert-parallel MoE layers move tokens (default auto: all_gather below "
+                        "--ep-all-to-all-min-tokens, all_to_all from there; docs/parallelism.md)")
+    g.add_argument("--ep-all-to-all-min-tokens", type=int, default=None,
+                   help="tokens per forward (over every replica) from which --ep-dispatch auto uses all_to_all "
+                        "(default 256)")
     g.add_argument("--nnodes", type=int, default=None, help="nodes of the job (torchrun-compatible rendezvous)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank among --nnodes")
     g.add_argument("--master-addr", default=None, help="the rendezvous host (node 0)")

@@ -4,6 +4,11 @@ torch.distributed requires every rank to create every subgroup, in the same orde
 is not in; `build_communicators` does that for the "tp", "dp" and "ep" groups of `ParallelLayout` and
 returns this rank's three communicators (a group of one is the identity communicator). The default
 process group must already be initialized (deepinfer/parallel/launch.py).
+
+The "cp" group (context-parallel prefill) is made by `build_cp_communicator`, after those three on every
+rank. Its communicator is not installed in the backend (the contract's `Backend.communicator` knows "tp",
+"dp" and "ep"): the context-parallel forward holds it and hands it to the layers inside the step's batch
+(parallel/context_parallel.py), so no layer does context-parallel work outside a split step.
 """
 
 from __future__ import annotations
@@ -38,3 +43,10 @@ def build_communicators(layout: ParallelLayout, rank: int, backend, timeout=None
         group, ranks = _group_of(groups_ranks, rank, name, timeout)
         out[name] = SingleProcessCommunicator() if group is None else backend.make_communicator(group, name)
     return out
+
+
+def build_cp_communicator(layout: ParallelLayout, rank: int, backend, timeout=None) -> Communicator:
+    """This rank's "cp" communicator (the identity when context_parallel_size is 1); every rank calls it, after
+    build_communicators, since every rank must create every group."""
+    group, _ = _group_of(layout.all_cp_groups(), rank, "cp", timeout)
+    return SingleProcessCommunicator() if group is None else backend.make_communicator(group, "cp")

@@ -49,6 +49,7 @@ class ParallelJob:
     launched_by_env: bool = False
     launcher_only: bool = False  # a node launcher (node_rank > 0): it spawned its ranks and joins no group
     store: object = None  # the rendezvous store the leader hosts when it spawned its ranks
+    cp_communicator: object = None  # the "cp" group's Communicator (groups.build_cp_communicator), once joined
 
     @property
     def rank(self) -> int:
@@ -99,7 +100,8 @@ def join_job(cfg: EngineConfig, device_type: str) -> ParallelJob:
         rank, env_world = env
         if env_world != world:
             raise ConfigError(f"WORLD_SIZE={env_world} in the environment, but EngineConfig asks for "
-                              f"tensor_parallel_size x data_parallel_size = {world} processes")
+                              f"tensor_parallel_size x context_parallel_size x data_parallel_size = {world} "
+                              f"processes")
         addr = envs.DIST_MASTER_ADDR.get() or cfg.master_addr
         port = envs.DIST_MASTER_PORT.get() or cfg.master_port or 29500
         job = ParallelJob(layout, layout.coords(rank), float(cfg.dist_timeout_s), launched_by_env=True,

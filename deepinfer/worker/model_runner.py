@@ -129,6 +129,9 @@ class ModelRunner:
         self.grammar_facts = None
         self.grammar_forbidden: torch.Tensor | None = None
         self.num_deferred_draws = 0  # draws that waited for grammar masks after the step in flight resolved
+        # a context-parallel replica's step (parallel/cp_forward.ContextParallelForward; set by the engine's
+        # parallel set-up): it splits long prefills over the cp ranks and returns the logits rows' hidden states
+        self.context_parallel = None
 
     def capture_decode_graphs(self, backend: Backend, max_model_len: int, max_num_seqs: int,
                               enforce_eager: bool) -> None:
@@ -162,6 +165,11 @@ class ModelRunner:
 
     def _forward_logits(self, batch: ForwardBatch, timer: StepTimer | None = None) -> torch.Tensor | None:
         self.reset_state_rows(batch)
+        if self.context_parallel is not None:
+            rows = self.context_parallel.logits_hidden(batch, self.caches, self.run_model)
+            if timer is not None:
+                timer.mark("forward")
+            return None if rows is None else self.model.compute_logits(rows).float()
         hidden = self.run_model(batch)
         if timer is not None:
             timer.mark("forward")

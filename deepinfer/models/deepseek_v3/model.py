@@ -44,6 +44,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     loads_mtp = True
     supports_tensor_parallel = True
+    supports_context_parallel = True  # MLA takes a ContextParallelBatch (models/layers/cp_attention.py)
     reads_stored_tensors = True
 
     def __init__(self, config: dict | DeepseekConfig, backend: Backend, dtype: torch.dtype,

@@ -17,7 +17,9 @@ data-parallel gather this reuses from layers/experts.py and layers/moe_dispatch.
 - expert parallel ("ep" > 1): whole experts per rank as an `ExpertPlacement` says; every rank routes every
   token (hash layers: the token ids are gathered over "dp" with the hidden states), runs its local experts
   for every (token, slot) pair mapped to it, adds the shared expert's tp-partial into its own replica's rows
-  and all-reduces over "ep". The load balancer (parallel/eplb.py) counts and moves these layers' experts
+  and all-reduces over "ep" (the all-gather path), or each rank sends its share of its replica's pairs, hash
+  layers' token ids local, to the ranks of their slots (the all-to-all path, layers/ep_all_to_all.py; chosen by
+  `ep_dispatch`, as in the V2/V3 layer). The load balancer (parallel/eplb.py) counts and moves these layers' experts
   as the V2/V3 ones (`expert_parallel`, `placement`, `expert_load`, `w13` / `w2`, `install_placement`).
 """
 
@@ -30,6 +32,13 @@ from torch import nn
 from deepinfer.backend import Backend, MoESpec, RouterSpec
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.layers.ep_all_to_all import (
+    EPDispatch,
+    choose_path,
+    combine_share,
+    dispatch_experts,
+    token_share,
+)
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
@@ -60,7 +69,11 @@ class V4MoE(nn.Module):
         self.bias: torch.Tensor | None = None
         self.tid2eid: torch.Tensor | None = None
         tp, self.ep, self.dp = backend.communicator("tp"), backend.communicator("ep"), backend.communicator("dp")
+        self.tp = tp
         self.expert_parallel = self.ep.world_size > 1
+        self.ep_dispatch = EPDispatch()  # the engine sets EngineConfig.ep_dispatch (ep_all_to_all.set_ep_dispatch)
+        self.idle_replica = False  # True during a data-parallel replica's dummy forward (IdleReplicaForward)
+        self.dispatch_counts: dict[str, int] = {}  # forwards per path ("all_to_all" / "all_gather")
         self.placement: ExpertPlacement | None = None
         self.routing: ExpertParallelRouting | None = None
         local, tp_part, num_local = inter, None, None
@@ -131,14 +144,30 @@ class V4MoE(nn.Module):
             routed = self.op.forward(x, logits, correction_bias=self.bias)
         return self.comm.all_reduce(routed + self.shared(x))  # partial sums under tensor parallelism
 
-    def _forward_expert_parallel(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        xs, own = gather_replicas(x, self.dp)  # every replica's tokens; own: this replica's rows of them
+    def _route(self, xs: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(xs.float(), self.gate_weight)
-        if self.is_hash:  # the table is indexed by token id: gather the ids the same way
-            ids_all = gather_replicas(token_ids.reshape(-1, 1), self.dp)[0].reshape(-1)
-            weights, ids = self.op.route(logits, token_ids=ids_all, tid2eid=self.tid2eid)
-        else:
-            weights, ids = self.op.route(logits, correction_bias=self.bias)
+        if self.is_hash:
+            return self.op.route(logits, token_ids=token_ids, tid2eid=self.tid2eid)
+        return self.op.route(logits, correction_bias=self.bias)
+
+    def _forward_expert_parallel(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.idle_replica:  # the dummy forward: join the collectives with no tokens (ep_all_to_all.py)
+            self._dispatch(x[:0], token_ids.reshape(-1)[:0])
+            return torch.zeros_like(x)
+        return self._dispatch(x, token_ids.reshape(-1))
+
+    def _dispatch(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The all-to-all or the all-gather path, as self.ep_dispatch picks for this forward's token count."""
+        use_all_to_all, counts = choose_path(self, x)
+        if use_all_to_all:
+            share = token_share(x.shape[0], self.tp)
+            weights, ids = self._route(x[share], token_ids[share])
+            routed = dispatch_experts(x[share], weights, ids, self.routing, self.ep, self.op, self.expert_load)
+            return combine_share(x, routed, share, self.shared, self.tp)
+        xs, own = gather_replicas(x, self.dp, counts)  # every replica's tokens; own: this replica's rows of them
+        # hash layers: the table is indexed by token id, so the ids are gathered the same way
+        ids_all = gather_replicas(token_ids.reshape(-1, 1), self.dp, counts)[0].reshape(-1) if self.is_hash else None
+        weights, ids = self._route(xs, ids_all)
         local = self.routing.local_ids(ids)
         if self.expert_load is not None:
             self.routing.count(self.expert_load, ids, local)

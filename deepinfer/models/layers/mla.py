@@ -5,7 +5,11 @@ paged latent cache), so a backend can fuse the small pre-attention ops into one 
 Tensor parallelism splits the heads: each "tp" rank runs num_attention_heads / tp of them (q_b_proj or
 q_proj and kv_b_proj column-parallel by heads, o_proj row-parallel, its partial sums all-reduced once);
 q_a / kv_a and the latent norm are replicated, so every rank writes and keeps the whole latent KV cache
-(MLA's one latent vector serves all heads) and the backend op sees only the local head count."""
+(MLA's one latent vector serves all heads) and the backend op sees only the local head count.
+
+Context-parallel prefill (a ContextParallelBatch, parallel/cp_batch.py): the layer computes its rank's
+tokens, shares their latent entries with the other cp ranks and attends for its own query segments
+(cp_attention.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from torch import nn
 
 from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLAPrologWeights, MLASpec
 from deepinfer.backend.native.rope import mla_softmax_scale
-from deepinfer.errors import ModelLoadError
+from deepinfer.errors import BackendError, ModelLoadError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
+from deepinfer.models.layers.cp_attention import context_parallel_mla
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
 from deepinfer.models.weights import tensor_loader
+from deepinfer.parallel.cp_batch import ContextParallelBatch
 
 MLA_GROUP = "mla"
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
@@ -114,7 +120,11 @@ class MLAAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
         caches: KVCaches,
     ) -> torch.Tensor:
+        split = isinstance(batch, ContextParallelBatch)
         if self.fused_prolog:
+            if split:
+                raise BackendError("context parallel: this backend's MLA op owns the layer from the hidden states "
+                                   "(fused prolog), so other ranks' latent entries cannot be written")
             out = self.attn.forward_from_hidden(x, positions, rope_cache, self.interleaved,
                                                 caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend)
             return self.comm.all_reduce(self.o_proj(out))
@@ -127,6 +137,10 @@ class MLAAttention(nn.Module):
         else:
             q, kv_a = self.q_kv_a_proj(x).split([self.num_heads * (self.qk_nope + self.qk_rope), kv_a_out], dim=-1)
         q = q.view(T, self.num_heads, self.qk_nope + self.qk_rope)
+        if split:
+            out = context_parallel_mla(self, q, kv_a, LORA_NORM_EPS, positions, rope_cache, batch,
+                                       caches.get(MLA_GROUP, self.layer_id), MLA_GROUP)
+            return self.comm.all_reduce(self.o_proj(out))
         # kv_a norm, RoPE on q_pe / k_pe and the KV write: one fused kernel where the backend has one
         out = self.attn.forward_from_latent(
             q, kv_a, self.kv_a_layernorm, LORA_NORM_EPS, positions, rope_cache, self.interleaved,

@@ -9,11 +9,16 @@ Many ranks (docs/parallelism.md), three modes, fixed at construction from the ba
   and routes every token (replicated gate); routed + shared (the shared MLP is column / row split too) are a
   partial sum, reduced once over "tp";
 - expert parallel ("ep" > 1): whole experts per rank, as an `ExpertPlacement` says (redundant replicas when the
-  load balancer adds them). Every rank routes every token over all logical experts, maps each (token, slot) to
-  one replica (by token and slot index, the same on every rank) and so to a local slot or -1, runs its local
-  experts, adds the shared experts' tp-partial into its own replica's rows and all-reduces over "ep". With
-  data-parallel attention ("dp" > 1) the hidden states are all-gathered over "dp" first (padded to the largest
-  replica's token count) and each rank keeps its replica's rows; a replica with no tokens still takes part.
+  load balancer adds them). Two ways to move the tokens (`ep_dispatch`, EngineConfig.ep_dispatch; "auto" picks
+  by the forward's token count over every replica):
+  - all-gather: every rank routes every token over all logical experts, maps each (token, slot) to
+    one replica (by token and slot index, the same on every rank) and so to a local slot or -1, runs its local
+    experts, adds the shared experts' tp-partial into its own replica's rows and all-reduces over "ep". With
+    data-parallel attention ("dp" > 1) the hidden states are all-gathered over "dp" first (padded to the largest
+    replica's token count) and each rank keeps its replica's rows; a replica with no tokens still takes part;
+  - all-to-all (ep_all_to_all.py): each rank routes its share of its replica's tokens and sends each pair to the
+    rank of its slot, which returns the expert output; the source combines in slot order.
+  A replica's dummy forward (`idle_replica`) takes part with zero tokens either way.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from torch import nn
 from deepinfer.backend import Backend, MoESpec
 from deepinfer.errors import ConfigError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
+from deepinfer.models.layers.ep_all_to_all import (
+    EPDispatch,
+    choose_path,
+    combine_share,
+    dispatch_experts,
+    token_share,
+)
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
@@ -52,7 +64,11 @@ class MoELayer(nn.Module):
         self.gate_weight: torch.Tensor | None = None  # [E, D] fp32, as the reference keeps it
         self.e_score_correction_bias: torch.Tensor | None = None  # [E] fp32, selection only
         tp, self.ep, self.dp = backend.communicator("tp"), backend.communicator("ep"), backend.communicator("dp")
+        self.tp = tp
         self.expert_parallel = self.ep.world_size > 1
+        self.ep_dispatch = EPDispatch()  # the engine sets EngineConfig.ep_dispatch (ep_all_to_all.set_ep_dispatch)
+        self.idle_replica = False  # True during a data-parallel replica's dummy forward (IdleReplicaForward)
+        self.dispatch_counts: dict[str, int] = {}  # forwards per path ("all_to_all" / "all_gather")
         self.placement: ExpertPlacement | None = None
         self.routing: ExpertParallelRouting | None = None
         local, tp_part, num_local = inter, None, None
@@ -117,7 +133,21 @@ class MoELayer(nn.Module):
         return self._forward_expert_parallel(x)
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        xs, own = gather_replicas(x, self.dp)  # every replica's tokens; own: this replica's rows of them
+        if self.idle_replica:  # the dummy forward: join the collectives with no tokens (ep_all_to_all.py)
+            self._dispatch(x[:0])
+            return torch.zeros_like(x)
+        return self._dispatch(x)
+
+    def _dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """The all-to-all or the all-gather path, as self.ep_dispatch picks for this forward's token count."""
+        use_all_to_all, counts = choose_path(self, x)
+        if use_all_to_all:
+            share = token_share(x.shape[0], self.tp)
+            xs = x[share]
+            weights, ids = self.op.route(self.op.router_logits(xs, self.gate_weight), self.e_score_correction_bias)
+            routed = dispatch_experts(xs, weights, ids, self.routing, self.ep, self.op, self.expert_load)
+            return combine_share(x, routed, share, self.shared_experts, self.tp)
+        xs, own = gather_replicas(x, self.dp, counts)  # every replica's tokens; own: this replica's rows of them
         weights, ids = self.op.route(self.op.router_logits(xs, self.gate_weight), self.e_score_correction_bias)
         local = self.routing.local_ids(ids)
         if self.expert_load is not None:

@@ -1,5 +1,7 @@
 """Expert parallelism's token side: which rank computes each routed (token, slot) pair, and the data-parallel
-gather that lets every rank see every replica's tokens (docs/parallelism.md).
+gather that lets every rank see every replica's tokens (docs/parallelism.md): the all-gather path. The
+all-to-all path, which sends each pair to its slot's rank instead, is ep_all_to_all.py (it shares the
+placement's replica table through `ExpertParallelRouting.physical`).
 
 Shared by every MoE layer that spreads whole experts over the "ep" ranks (V2/V3 `MoELayer`; V4's hash-routed
 layers too: the mapping takes logical ids from any router, a tid2eid table included).
@@ -16,16 +18,18 @@ from deepinfer.errors import ConfigError
 from deepinfer.models.layers.experts import ExpertPlacement
 
 
-def gather_replicas(x: torch.Tensor, dp: Communicator) -> tuple[torch.Tensor, slice]:
+def gather_replicas(x: torch.Tensor, dp: Communicator, counts: list[int] | None = None) -> tuple[torch.Tensor, slice]:
     """(every data-parallel replica's tokens [sum T_d, D] in replica order, this replica's rows of them).
 
-    One process per replica holds T_d tokens; the counts are all-gathered first (a host sync), then the
-    hidden states padded to the largest T (at least one row, so a replica with no tokens still joins the
-    collective with a well-formed tensor) and all-gathered; the padding rows are dropped."""
+    One process per replica holds T_d tokens; the counts are all-gathered first (a host sync; `counts`: already
+    gathered, ep_all_to_all.replica_counts), then the hidden states padded to the largest T (at least one row, so
+    a replica with no tokens still joins the collective with a well-formed tensor) and all-gathered; the padding
+    rows are dropped."""
     if dp.world_size == 1:
         return x, slice(None)
     t = x.shape[0]
-    counts = dp.all_gather(torch.tensor([t], dtype=torch.long, device=x.device)).tolist()
+    if counts is None:
+        counts = dp.all_gather(torch.tensor([t], dtype=torch.long, device=x.device)).tolist()
     width = max(1, max(counts))
     padded = x.new_zeros((width, x.shape[1]))
     padded[:t] = x
@@ -59,6 +63,15 @@ class ExpertParallelRouting:
             phys = self.table[ids, 0]
         local = phys - self.base
         return torch.where((local >= 0) & (local < self.slots), local, torch.full_like(local, -1))
+
+    def physical(self, ids: torch.Tensor, salt: int) -> torch.Tensor:
+        """ids [T, k] logical -> [T, k] global physical slots for the all-to-all path (ep_all_to_all.py), where
+        each rank routes only its own rows: pair (t, j) of expert e takes e's replica (t + salt) mod replicas(e),
+        salt = the sending rank, so the ranks' first rows do not all pick the same replica. Deterministic."""
+        if not self.replicated:
+            return self.table[ids, 0]
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) + salt
+        return self.table[ids, rows % self.counts[ids]]
 
     @staticmethod
     def count(load: torch.Tensor, ids: torch.Tensor, local: torch.Tensor) -> None:
