@@ -283,6 +283,14 @@ MLA_MIN_SPLIT = EnvVar(
     "nvidia", minimum=1, default_text="launch table",
 )
 
+MLA_EXTEND_AS_DECODE_MAX_QUERY = EnvVar(
+    "DEEPINFER_MLA_EXTEND_AS_DECODE_MAX_QUERY", "int", 64,
+    "MLA: an extend of at most this many query tokens over a cached context of at least 4x as many (and "
+    ">= 256) runs as absorbed decode rows (split-KV over the latent cache) instead of up-projecting the "
+    "whole context; `0`: never",
+    "nvidia", minimum=0,
+)
+
 # ---------------------------------------------------------------- CPU backend
 
 CPU_THREADS = EnvVar(

@@ -117,3 +117,40 @@ def test_prefill_attention_head_dim_split():
         mask = torch.arange(kl[i], device=DEVICE)[None, :] <= ctx + torch.arange(ql[i], device=DEVICE)[:, None]
         exp = torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), vi)
         assert rel_err(out[cq[i]:cq[i + 1]], exp) < 1e-5
+
+
+def test_short_extend_over_long_context_runs_as_decode_rows(monkeypatch):
+    """A 6-token extend over 300 cached tokens takes the absorbed decode path (token j = a decode row of
+    seq_len 300 + j + 1) and matches the native op and the up-projecting prefill path; a fresh prefill, a
+    decode row and an extend over a short prefix in the same batch keep their paths."""
+    from deepinfer.backends.nvidia import mla_attention as ma
+
+    ctx, qlen = [300, 0, 280, 9], [6, 5, 1, 3]
+    assert [ma.extend_as_decode(q, c, 64) for c, q in zip(ctx, qlen)] == [True, False, False, False]
+    assert not ma.extend_as_decode(6, 300, 0)  # the knob at 0 turns the path off
+    g = torch.Generator().manual_seed(8)
+    num_blocks = 160
+    batch = make_batch(ctx, qlen, num_blocks, g)
+    t = sum(qlen)
+    s = SPEC
+    kv_b = (torch.randn(s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, generator=g) / 6)
+    q = torch.randn(t, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim, generator=g)
+    kv_c = torch.randn(t, s.kv_lora_rank, generator=g)
+    k_pe = torch.randn(t, s.qk_rope_head_dim, generator=g)
+    cache = torch.randn(num_blocks, PAGE, s.cache_entry_dim, generator=g)
+    ours = backend().make_mla_attention(s)
+    ours.load_kv_b_proj(kv_b.to(DEVICE))
+    ref = NativeOps().make_mla_attention(s)
+    ref.load_kv_b_proj(kv_b.to(DEVICE))
+    calls = []
+    real_decode = ours.decode
+    monkeypatch.setattr(ours, "decode", lambda q_, *a, **k: calls.append(q_.shape[0]) or real_decode(q_, *a, **k))
+    out = ours.forward(q.to(DEVICE), kv_c.to(DEVICE), k_pe.to(DEVICE), cache.clone().to(DEVICE), batch, "mla")
+    assert sorted(calls) == [1, 6]  # the decode row, then the extend's 6 rows in one decode call
+    exp = ref.forward(q.to(DEVICE), kv_c.to(DEVICE), k_pe.to(DEVICE), cache.clone().to(DEVICE), batch, "mla")
+    assert rel_err(out, exp) < 5 * tol(torch.float32)
+    monkeypatch.setenv("DEEPINFER_MLA_EXTEND_AS_DECODE_MAX_QUERY", "0")
+    calls.clear()
+    up = ours.forward(q.to(DEVICE), kv_c.to(DEVICE), k_pe.to(DEVICE), cache.clone().to(DEVICE), batch, "mla")
+    assert calls == [1]
+    assert rel_err(out, up) < 5 * tol(torch.float32)

@@ -7,6 +7,13 @@ context latents, up-project them to per-head k_nope / v with two GEMMs, and run
 causal varlen flash attention. The same split as the torch-native oracle, so
 both are comparable request by request.
 
+A short extend over a long cached context (a prefix-cache hit recomputing its last block, a speculative
+verify row, a small chunk after a long one) is neither: up-projecting 8k context tokens for 64 queries
+costs two large GEMMs per layer and the prefill kernel's grid (query blocks x heads) leaves the GPU
+nearly idle. Such a request's query tokens run as absorbed decode rows instead: token j of a request
+with context c is a decode row of seq_len c + j + 1 over the same block table (causal by construction),
+through the split-KV decode kernel (`extend_as_decode`; DEEPINFER_MLA_EXTEND_AS_DECODE_MAX_QUERY).
+
 `forward_from_latent` (what the model calls) runs the latent norm, RoPE (q_pe
 rotated in place) and KV write as one kernel (mla_prep); for a decode-only
 batch that launch also absorbs q_nope through W_UK, and at small batches the
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_decode import mla_decode
@@ -36,6 +44,14 @@ from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:
     from deepinfer.backend import ForwardBatch
+
+EXTEND_AS_DECODE_MIN_CONTEXT = 256  # shorter contexts: the prefill path's up-projection is cheap
+
+
+def extend_as_decode(query_len: int, context_len: int, max_query: int) -> bool:
+    """Whether an extend of `query_len` tokens over `context_len` cached ones runs as decode rows."""
+    return (1 < query_len <= max_query and context_len >= EXTEND_AS_DECODE_MIN_CONTEXT
+            and context_len >= 4 * query_len)
 
 
 class TritonMLAAttention(MLAAttentionOp):
@@ -155,11 +171,25 @@ class TritonMLAAttention(MLAAttentionOp):
         for n in qlens:
             starts.append(starts[-1] + n)
         dec = [i for i, n in enumerate(qlens) if n == 1]
-        pre = [i for i, n in enumerate(qlens) if n > 1]
+        max_query = envs.MLA_EXTEND_AS_DECODE_MAX_QUERY.get()
+        ext = [i for i, n in enumerate(qlens) if extend_as_decode(n, batch.context_lens_cpu[i], max_query)]
+        pre = [i for i, n in enumerate(qlens) if n > 1 and i not in ext]
         if dec:
             rows = torch.tensor([starts[i] for i in dec], device=q.device)
             idx = torch.tensor(dec, device=q.device)
             out[rows] = self.decode(q[rows], kv_cache, tables[idx], batch.seq_lens[idx])
+        if ext:  # token j of request i: a decode row of seq_len context + j + 1 (see the module docstring)
+            rows_l, idx_l, lens_l = [], [], []
+            for i in ext:
+                ctx = batch.context_lens_cpu[i]
+                for j in range(qlens[i]):
+                    rows_l.append(starts[i] + j)
+                    idx_l.append(i)
+                    lens_l.append(ctx + j + 1)
+            rows = torch.tensor(rows_l, device=q.device)
+            idx = torch.tensor(idx_l, device=q.device)
+            lens = torch.tensor(lens_l, dtype=batch.seq_lens.dtype, device=q.device)
+            out[rows] = self.decode(q[rows], kv_cache, tables[idx].contiguous(), lens)
         if pre:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(q.device)
             out[rows] = self.prefill(q[rows].contiguous(), kv_cache, tables, pre, batch)
