@@ -47,6 +47,25 @@ def test_gemm_rows_do_not_depend_on_m(dtype):
     rows_invariant(lambda a: linear(a, gate, out_dtype=torch.float32), x, SIZES, PROBE)
 
 
+def test_router_on_a_split_gate_is_exact_and_invariant():
+    """bf16 x times an fp32 gate split into three bf16 parts: the parts add back to the gate bit for bit, and
+    the logits are the exact-product fp32 dot (to fp32 rounding) and do not depend on the batch."""
+    from deepinfer.backends.nvidia.invariant.gemm import router_linear, split_gate
+
+    x = _rand(33, 40, seed=1, dtype=torch.bfloat16)
+    gate = _rand(8, 40, seed=3) * torch.logspace(-30, 30, 40, base=2.0).to(DEVICE)  # exponents far apart
+    parts = split_gate(gate)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (24, 40)
+    hi, mid, lo = parts.float().split(8)
+    assert torch.equal((hi + mid) + lo, gate)
+    logits = router_linear(x, parts)
+    assert logits.dtype == torch.float32 and logits.shape == (33, 8)
+    assert rel_err(logits, x.double() @ gate.double().T) < 1e-6
+    rows_invariant(lambda a: router_linear(a, parts), x, SIZES, PROBE)
+    with pytest.raises(BackendError, match="router_linear"):
+        router_linear(x.float(), parts)
+
+
 def test_bmm_strided_views():
     a, b = _rand(3, 17, 24, seed=4), _rand(3, 20, 24, seed=5)
     out = torch.empty(17, 3, 20, device=DEVICE)  # [M, heads, N] memory written through a [heads, M, N] view

@@ -48,11 +48,18 @@ def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     """The one tile for a weight of N columns and K depth: a function of the weight alone, never of M."""
     if interpreting():
         return Tile(INTERP_BLOCK_M, 16, 16, 4, 1)
-    if dtype == torch.float32:  # fp32 FMA path (router gate): small tiles, registers are the limit
+    if dtype == torch.float32:  # fp32 FMA path (fp32 operands): small tiles, registers are the limit
         return Tile(BLOCK_M, 32, 32, 4, 2)
-    # enough programs at M <= 64 for the memory-bound decode GEMMs: >= ~128 column blocks where N allows
-    block_n = 128 if n >= 128 * 128 else 64
-    return Tile(BLOCK_M, block_n, 64, 4, 4)
+    # From the H200 sweep (benchmarks/invariant_gemm_sweep.py, 2026-12-01, device time at M = 1, 64, 256;
+    # docs/determinism.md): the LM head and the wide dense gate_up want 128-column tiles with 8 warps, weights
+    # of 4096+ columns (and the K = 128 absorb) 64 x 64, the narrower ones 32 columns with 128-deep K steps
+    # (more programs at small M). Measured end to end against 64 x 64 everywhere, the same day: better at
+    # batch 1 (162.7 vs 153.0 tok/s), 64 (4669 vs 4543), 256 (13895 vs 13870) and prefill (37.1k vs 35.6k).
+    if n >= 128 * 128:
+        return Tile(BLOCK_M, 128, 64, 8, 4)
+    if n >= 4096 or k <= 128:
+        return Tile(BLOCK_M, 64, 64, 4, 4)
+    return Tile(BLOCK_M, 32, 128, 4, 4)
 
 
 @triton.jit
@@ -104,10 +111,12 @@ def _gemm_kernel(
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype: torch.dtype | None = None, tile: Tile | None = None) -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] (any strides: pass W.t() views, no copies).
 
     The output dtype is a's unless given. When a and b differ in dtype, both are upcast to fp32.
+    `tile` overrides tile_for (benchmarks/invariant_gemm_sweep.py; a fixed tile per weight keeps the
+    invariance, whichever tile it is).
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise BackendError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
@@ -121,7 +130,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         return out
     f32 = a.dtype != b.dtype or a.dtype == torch.float32
     exact = a.dtype == torch.float32 or b.dtype == torch.float32
-    t = tile_for(n, k, torch.float32 if exact else a.dtype)
+    t = tile or tile_for(n, k, torch.float32 if exact else a.dtype)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), bt)
     _gemm_kernel[grid](
         a, b, out, m, n, k, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
@@ -144,3 +153,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     shape = x.shape
     y = mm(x.reshape(-1, shape[-1]), weight.t(), out_dtype=out_dtype)
     return y.view(*shape[:-1], weight.shape[0])
+
+
+def split_gate(gate: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] -> bf16 [3N, K]: hi, mid and lo parts with hi + mid + lo == gate exactly.
+
+    bf16 keeps fp32's exponent and 8 of its 24 mantissa bits; each part takes the next 8 bits of what the
+    previous parts left (a residual of an fp32 minus its bf16 rounding is exact in fp32), so three parts hold
+    every bit (fp32 subnormals aside, which bf16 also has)."""
+    hi = gate.to(torch.bfloat16)
+    r1 = gate - hi.float()
+    mid = r1.to(torch.bfloat16)
+    lo = (r1 - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], 0).contiguous()
+
+
+def router_linear(x: torch.Tensor, gate_split: torch.Tensor) -> torch.Tensor:
+    """bf16 x [T, K] times the fp32 gate that `split_gate` split -> fp32 logits [T, N], on the tensor cores.
+
+    A bf16 x bf16 product is exact in fp32, so x @ (hi + mid + lo) is the exact-product fp32 dot done as one
+    bf16 GEMM of 3N columns (fp32 accumulation) and two fixed-order adds: the same tile for every M, so as
+    invariant as the other GEMMs, and about 15x faster on the H200 than the fp32 FMA path at the V2-Lite
+    router's shape (benchmarks/invariant_gemm_sweep.py), whose 64 columns give that path two programs."""
+    if x.dtype != torch.bfloat16 or gate_split.dtype != torch.bfloat16 or gate_split.shape[0] % 3:
+        raise BackendError(f"router_linear: bf16 x and a split bf16 gate [3N, K], got {x.dtype} / "
+                           f"{gate_split.dtype} {tuple(gate_split.shape)}")
+    n = gate_split.shape[0] // 3
+    parts = linear(x, gate_split, out_dtype=torch.float32)
+    return (parts[..., :n] + parts[..., n: 2 * n]) + parts[..., 2 * n:]

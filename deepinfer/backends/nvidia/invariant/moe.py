@@ -7,7 +7,9 @@ default op switches between the direct mode (shared experts folded in as extra e
 fused into the last program by a counter) and the aligned mode, and picks BLOCK_M and the tile from
 the batch; each choice is fine on its own but gives a token different bits in different batches. Here:
 
-- router logits: x @ gate^T in fp32 through the invariant GEMM (gemm.linear, exact fp32 products);
+- router logits: x @ gate^T in fp32 with exact products: for bf16 x the fp32 gate split into three bf16
+  parts (gemm.split_gate / router_linear: one bf16 GEMM on the tensor cores + two adds), else the fp32
+  invariant GEMM (gemm.linear);
 - top-k: the Triton router, one program per token (moe_routing.route), never the fused GEMV + top-k;
 - experts: alignment (any align function: it only orders the pairs, and a pair's row does not depend on
   its place in the tile), gate_up + SiLU-and-mul, down * routing weight (fp32), each row of a pair one
@@ -24,7 +26,7 @@ import torch
 
 from deepinfer.backend import MoESpec, NativeMoE
 from deepinfer.backends.nvidia.fused_moe import align_skipping, combine
-from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
+from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear, router_linear, split_gate
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
 from deepinfer.backends.nvidia.moe import triton_moe_unsupported
 from deepinfer.backends.nvidia.moe_routing import moe_align, route
@@ -51,8 +53,14 @@ class InvariantMoE(NativeMoE):
             raise BackendError("the batch-invariant MoE does not implement: " + ", ".join(reasons))
         super().__init__(spec, route_fn=_route)
         self.align_fn = align_fn
+        self._gate_split: tuple[int, torch.Tensor] | None = None  # (the fp32 gate's data_ptr, its split)
 
     def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and gate_weight.dtype == torch.float32:
+            # the gate is a loaded weight: split once (the first forward, before any graph capture), reused
+            if self._gate_split is None or self._gate_split[0] != gate_weight.data_ptr():
+                self._gate_split = (gate_weight.data_ptr(), split_gate(gate_weight))
+            return router_linear(x, self._gate_split[1])
         return linear(x, gate_weight, out_dtype=torch.float32)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
