@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (the engine shares one loaded model) or cuda")
+    ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
     args = ap.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
     import deepinfer
     from deepinfer import EngineConfig
@@ -81,16 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer.text.tokenizer import Tokenizer
 
     path = deepinfer.embedded_model_path()
-    backend = CPUBackend()
-    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
-    tok = Tokenizer.from_pretrained(path)
     engines = {}
+    if args.device == "cpu":
+        backend = CPUBackend()
+        model = load_model(path, backend, getattr(torch, dtype), progress=False, load_mtp=True)
+        tok = Tokenizer.from_pretrained(path)
     for mode in args.modes:
-        cfg = EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=512,
+        cfg = EngineConfig(model_name_or_path=path, device=args.device, dtype=dtype, max_model_len=512,
                            max_num_seqs=max(args.concurrency), load_progress=False, **MODES[mode])
-        engines[mode] = DeepInferenceEngine.from_components(cfg, model, tok, backend)
-    for engine in engines.values():  # warm-up: first-call costs are not a mode's
-        run_cell(engine, 4, 8)
+        # On a GPU each mode builds its own engine (its own graphs and KV pool); the cpu shares one model.
+        engines[mode] = (DeepInferenceEngine.from_components(cfg, model, tok, backend) if args.device == "cpu"
+                         else DeepInferenceEngine.from_config(cfg))
+    for engine in engines.values():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
+        for c in args.concurrency:
+            run_cell(engine, c, 16)
     results = []
     for c in args.concurrency:
         best: dict[str, dict] = {}
@@ -102,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "off":
                     ref = toks
                 elif ref is not None and toks != ref:
-                    raise SystemExit(f"mode {mode} at concurrency {c} changed the greedy output")
+                    if dtype == "float32":
+                        raise SystemExit(f"mode {mode} at concurrency {c} changed the greedy output")
+                    # bf16: a verify forward rounds differently from a decode step, so greedy paths may part
+                    # after a near-tie; say how much of the output still matches rather than hide it.
+                    same = sum(a == b for x, y in zip(toks, ref) for a, b in zip(x, y))
+                    print(f"note: {mode} at concurrency {c}: {same}/{sum(map(len, ref))} tokens equal the "
+                          f"off run's ({dtype})", flush=True)
                 if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
                     best[mode] = cell
         for mode in args.modes:
