@@ -42,6 +42,8 @@ def run(mode: str, path: str, settings: dict) -> dict:
         out["stats"] = {"prompt_tokens_total": st.prompt_tokens_total, "num_requests_finished": st.num_requests_finished,
                         "kv_blocks_total": st.kv_blocks_total, "local_kv_blocks_total": llm._local_stats().kv_blocks_total}
         out["rebalances"] = llm._leader.num_rebalances
+        cpf = getattr(llm, "runner", None) and llm.runner.context_parallel  # the leader's cp forward, if any
+        out["cp_split_steps"] = cpf.num_split_steps if cpf else 0
         out["experts_moved"] = llm.experts_moved  # the leader's own layers
         llm.shutdown()
         return out

@@ -90,24 +90,35 @@ def test_tp2_dp2_experts_over_four_ranks_with_eplb_and_v4_tp2_ep2(checkpoint, re
     assert v3["rebalances"] >= 3 and v3["experts_moved"] > 0, v3
 
 
+# the layouts joined through the env rendezvous: (torchrun-style or two "nodes", settings)
+RENDEZVOUS_LAYOUTS = [
+    ("torchrun", {"data_parallel_size": 2, "enable_expert_parallel": True}),
+    ("torchrun", {"context_parallel_size": 2, "cp_min_prefill_tokens": 16}),  # the first prefill step is split
+    ("nodes", {"data_parallel_size": 2, "enable_expert_parallel": True, "ep_dispatch": "all_to_all"}),
+    ("nodes", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+]
+
+
 def test_torchrun_env_rendezvous_and_two_nodes_on_loopback(checkpoint, reference):
-    """The same job joined two other ways, at once: (a) torchrun-style, every rank a process started with
-    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (rank 1's engine serves as a follower and exits 0);
-    (b) two "nodes" on loopback: node 0's engine is rank 0, node 1's launcher (--node-rank 1) spawns rank 1."""
+    """Jobs joined two other ways, at once (RENDEZVOUS_LAYOUTS: DP2 + EP, context-parallel prefill, DP2 + EP with
+    the all-to-all dispatch, TP2 + EP): (a) torchrun-style, every rank a process started with RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT (rank 1's engine serves as a follower and exits 0); (b) two "nodes" on loopback:
+    node 0's engine is rank 0, node 1's launcher (--node-rank 1) spawns rank 1. Greedy and seeded tokens equal one
+    process in every layout."""
     from deepinfer.parallel.local_ranks import free_port
 
     path, ref = checkpoint("tiny-v2-lite"), reference("tiny-v2-lite")
-    env_port, node_port = free_port(), free_port()
-    layout = {"data_parallel_size": 2, "enable_expert_parallel": True}
     procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(env_port))
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, "generate", path, json.dumps(layout)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for node in (0, 1):
-        settings = dict(layout, nnodes=2, node_rank=node, master_port=node_port)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, "generate", path, json.dumps(settings)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for how, layout in RENDEZVOUS_LAYOUTS:
+        port = free_port()
+        for r in (0, 1):
+            if how == "torchrun":
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                args = json.dumps(layout)
+            else:
+                env, args = None, json.dumps(dict(layout, nnodes=2, node_rank=r, master_port=port))
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, "generate", path, args], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:
@@ -117,10 +128,12 @@ def test_torchrun_env_rendezvous_and_two_nodes_on_loopback(checkpoint, reference
         for p in procs:
             p.kill()
     for i, (code, out, err) in enumerate(outs):
-        assert code == 0, f"process {i} exited {code}:\n{err[-4000:]}"
-    for i in (0, 2):  # the leaders
-        lines = [ln for ln in outs[i][1].splitlines() if ln.startswith("RESULT ")]
-        assert lines, outs[i][2][-3000:]
+        assert code == 0, f"process {i} ({RENDEZVOUS_LAYOUTS[i // 2]}) exited {code}:\n{err[-4000:]}"
+    for k, (how, layout) in enumerate(RENDEZVOUS_LAYOUTS):
+        lines = [ln for ln in outs[2 * k][1].splitlines() if ln.startswith("RESULT ")]  # the leader
+        assert lines, outs[2 * k][2][-3000:]
         got = json.loads(lines[-1][len("RESULT "):])
-        assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
-    assert not any(ln.startswith("RESULT ") for ln in outs[1][1].splitlines() + outs[3][1].splitlines())
+        assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"], (how, layout)
+        if "context_parallel_size" in layout:
+            assert got["cp_split_steps"] >= 1, got
+        assert not any(ln.startswith("RESULT ") for ln in outs[2 * k + 1][1].splitlines())  # followers print none
