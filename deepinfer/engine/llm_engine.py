@@ -219,7 +219,12 @@ class DeepInferenceEngine(RequestIntake):
         # EPLB installs its redundant expert slots before any graph is captured (deepinfer/parallel/eplb.py)
         self._balancer = make_balancer(cfg, model, backend, job)
         self.experts_moved = 0
-        self.runner.capture_decode_graphs(backend, self._max_model_len, cfg.max_num_seqs, cfg.enforce_eager)
+        rows = cfg.max_num_seqs
+        if cfg.spec_method():  # verify steps replay the decode graphs as decode rows (spec/verify_batch.py)
+            from deepinfer.spec.verify_batch import graph_rows
+
+            rows = graph_rows(cfg.max_num_seqs, cfg.spec_num_tokens(), token_budget)
+        self.runner.capture_decode_graphs(backend, self._max_model_len, rows, cfg.enforce_eager)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
         self.async_scheduling = use_async_scheduling(cfg, backend, kv) and not cfg.spec_method()

@@ -36,11 +36,13 @@ gives with speculation off, and a drafter's grammar-invalid tokens cost acceptan
 
 Backends: cpu, and nvidia (its MLA op takes a verify row, 1 + k query tokens on a cached context, through
 its prefill-with-context path; decode-only fast paths are chosen only when every row has one query token;
-tested under the Triton interpreter, tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step with
-drafts runs eagerly, a step without drafts replays the decode graph (ModelRunner.run_model).
+tested under the Triton interpreter, tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step of decodes
+and verify rows replays the decode graphs as one decode row per token (spec/verify_batch.py; the graphs are
+captured for max_num_seqs * (1 + k) rows, spec/setup.py) when they cover it, else it runs eagerly; a step
+without drafts replays the decode graph (ModelRunner.run_model); the MTP pass and chain run eagerly.
 
-Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, graph replay
-for verification steps (they run eagerly), V4, backends other than cpu and nvidia, tensor parallelism.
+Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, V4, backends other
+than cpu and nvidia, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.rejection import greedy_verify
+from deepinfer.spec.verify_batch import decode_shaped, decode_shaped_if_graphed
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
 from deepinfer.worker.transfer import tensor_to
@@ -87,6 +90,11 @@ class SpecStepPipeline:
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
+        # steps with drafts: replayed as decode rows by the decode graphs (spec/verify_batch.py), or run eagerly
+        self.num_graph_verify_steps = 0
+        self.num_eager_verify_steps = 0
+        self.decode_rows_eager = False  # eager verify steps as decode rows too (spec/setup.py: the cpu backend)
+        self.num_decode_row_eager_steps = 0  # eager verify steps run as decode rows
 
     def has_pending(self) -> bool:
         return False
@@ -156,9 +164,24 @@ class SpecStepPipeline:
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.reset_state_rows(batch)
-        # A step with drafts is never decode-only, so it runs eagerly; a decode-only step without any (n-gram misses,
-        # adaptive pauses, no room for drafts) replays the backend's decode graph where it has one, as off would.
-        hidden = runner.run_model(batch)
+        # A step of decodes and verify rows replays the decode graphs as one decode row per token where they cover
+        # it (spec/verify_batch.py: same tokens, same row order); a step with a prompt chunk, or too many rows for
+        # the largest bucket, runs eagerly; a decode-only step (no drafts) replays the decode graph as off would.
+        # The cpu backend runs such a step as decode rows eagerly too (decode_rows_eager: its batched decode path is
+        # faster there than its per-request prefill path for verify rows).
+        run_batch = batch
+        if any(it.draft for it in sched.scheduled):
+            flat = False
+            if all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):  # no prompt chunk
+                run_batch, flat = decode_shaped_if_graphed(batch, runner.graph_runner)
+                if not flat and self.decode_rows_eager and batch.state_slots is None:
+                    run_batch = decode_shaped(batch)
+                    self.num_decode_row_eager_steps += 1
+            if flat:
+                self.num_graph_verify_steps += 1
+            else:
+                self.num_eager_verify_steps += 1
+        hidden = runner.run_model(run_batch)
         items = sched.scheduled
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]

@@ -12,6 +12,7 @@ from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.pipeline import SpecStepPipeline
+from deepinfer.spec.verify_batch import graph_rows
 
 logger = logging.getLogger("deepinfer")
 
@@ -29,15 +30,42 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
         drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device)
     else:
         drafter = NgramDrafter()
+    if runner.graph_runner is not None:
+        capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
     if cfg.speculative_adaptive:
         from deepinfer.spec.cost_profile import profile_step_costs
 
         budget = scheduler.max_num_batched_tokens
         policy.calibrator = SurvivalCalibrator(num_slots=k)
-        policy.cost = profile_step_costs(model, backend, kv.block_size, k, min(budget, 512), layouts=layouts)
+        policy.cost, graphed = profile_step_costs(model, backend, kv.block_size, k, min(budget, 512), layouts=layouts,
+                                                  graph_runner=runner.graph_runner,
+                                                  group_names=[s.name for s in kv.specs])
         logger.info("speculative decoding: step costs %s", ", ".join(
-            f"{n} tok {s * 1e3:.2f} ms" for n, s in zip(policy.cost.tokens, policy.cost.seconds)))
+            f"{n} tok {s * 1e3:.2f} ms{' (graph)' if g else ''}"
+            for n, s, g in zip(policy.cost.tokens, policy.cost.seconds, graphed)))
     logger.info("speculative decoding: %s, k=%d, %s", method, k,
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
-    return SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
+    pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
+    # the cpu MLA op batches decode rows and takes a multi-token row through a per-request prefill: verify rows as
+    # decode rows compute the same (causal by construction) and measured 0-45% faster there (docs/speculative.md)
+    pipeline.decode_rows_eager = backend.name == "cpu"
+    return pipeline
+
+
+def capture_verify_graphs(cfg, backend, runner, k: int, token_budget: int, max_model_len: int) -> None:
+    """Recapture the engine's decode graphs for max_num_seqs * (1 + k) rows (capped by the token budget), so a
+    verify step of every sequence with k drafts replays one as decode rows (spec/verify_batch.py).
+
+    The engine captures them for that many rows already (llm_engine: one capture); an engine that captured
+    fewer (a runner built another way) has its graphs dropped first (their memory pool goes back before the
+    larger capture). Cost: the backend's default buckets up to
+    the new row count (nvidia: 1, 2, 4, 8, then every 16), one graph each, sharing one pool sized by the
+    largest bucket's activations; docs/speculative.md."""
+    rows = graph_rows(cfg.max_num_seqs, k, token_budget)
+    if rows <= max(cfg.max_num_seqs, getattr(runner, "graph_rows", 0)):
+        return
+    runner.graph_runner = None
+    runner.capture_decode_graphs(backend, max_model_len, rows, cfg.enforce_eager)
+    logger.info("speculative decoding: decode graphs captured for up to %d rows (max_num_seqs %d x (1 + k=%d), "
+                "token budget %d): verify steps replay them as decode rows", rows, cfg.max_num_seqs, k, token_budget)

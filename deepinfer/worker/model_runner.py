@@ -122,6 +122,7 @@ class ModelRunner:
         kv.use_backend(getattr(model, "backend", None))  # the KV tiers copy blocks through it (kv/tier_copies.py)
         self.sampler = sampler
         self.graph_runner: GraphRunner | None = None  # decode-graph replay, from the backend
+        self.graph_rows = 0  # rows the captured decode graphs cover (0: none)
         # ids drawn by the last launched step, on the device: a pending token's input id (async)
         self._last_tokens: torch.Tensor | None = None
         self.timer: StepTimer | None = None  # per-phase device timing of launched steps (benchmarks)
@@ -143,6 +144,7 @@ class ModelRunner:
             raise BackendError(f"backend {backend.name!r} declares graph_capture but make_graph_runner returned "
                                "no graph runner; run with enforce_eager=True or fix the backend")
         self.graph_runner = runner
+        self.graph_rows = max_num_seqs  # the rows of the largest captured bucket
 
     def reset_state_rows(self, batch: ForwardBatch) -> None:
         """Sequences starting from token 0 get zeroed per-sequence state (a reused row holds old data)."""

@@ -1,10 +1,13 @@
 """Speculative decoding on the nvidia backend: its Triton kernels under the interpreter on the CPU (tiny shapes,
 fp32), or on a GPU when one is visible; plus a GPU-only check at DeepSeek-V2-Lite-like shapes in bf16.
 
-What the nvidia MLA op must serve with drafts: a verify row is 1 + k query tokens on a cached context, which
-`TritonMLAAttention._attend` sends through its prefill-with-context path (the decode fast path and the fused
-W_UK absorb are chosen only when every row has one query token); the MTP module's own attention layer (layer
-id num_hidden_layers, same blocks) runs through the same op, its chain links as 1-token decodes.
+What the nvidia MLA op must serve with drafts: a verify row is 1 + k query tokens on a cached context. With
+decode graphs (a stand-in graph API here, `StandInGraphRunner`) a step of decodes and verify rows replays the
+decode graphs as one decode row per token (spec/verify_batch.py; graphs captured for max_num_seqs * (1 + k)
+rows); eagerly (enforce_eager, or more rows than the largest bucket) `TritonMLAAttention._attend` sends a verify
+row through its prefill-with-context path (the decode fast path and the fused W_UK absorb are chosen only when
+every row has one query token). The MTP module's own attention layer (layer id num_hidden_layers, same blocks)
+runs through the same op, eagerly, its chain links as 1-token decodes.
 
 The model: random weights that still make drafts worth verifying, so a step accepts some drafts and rejects
 the rest (the rollback after partial acceptance). lm_head is the embedding with its rows permuted, so with no
@@ -25,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import BackendCaps, DecodeGraphRunner
+from deepinfer.backend import BackendCaps, DecodeGraphRunner, default_buckets
 from deepinfer.backends.nvidia.backend import NvidiaBackend
 from deepinfer.checkpoints.presets import PRESETS
 from deepinfer.checkpoints.random_weights import write_safetensors
@@ -103,15 +106,25 @@ class StandInGraphRunner(DecodeGraphRunner):
 
 
 class GraphNvidiaBackend(NvidiaBackend):
-    """The nvidia backend declaring decode graphs, served by the stand-in runner (no CUDA graph API here)."""
+    """The nvidia backend declaring decode graphs, served by the stand-in runner (no CUDA graph API here): the
+    default buckets for the rows asked for (max_num_seqs, or max_num_seqs * (1 + k) with speculation), none
+    above max_bucket (a test lowers it to make verify steps outgrow the largest bucket)."""
+
+    max_bucket = 1 << 30
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked_rows: list[int] = []  # the rows each make_graph_runner call was asked to cover
 
     @property
     def caps(self) -> BackendCaps:
         return replace(super().caps, graph_capture=True)
 
     def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
+        self.asked_rows.append(max_num_seqs)
+        buckets = [b for b in default_buckets(max_num_seqs) if b <= self.max_bucket]
         return StandInGraphRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device,
-                                          buckets=[1, 2, 4])
+                                          buckets=buckets)
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +160,38 @@ def replays(engine) -> int:
     return sum(g["replays"] for g in engine.runner.graph_runner.graphs.values())
 
 
+def assert_graph_counts(on, before: int, eager_verify: int | None = 0) -> None:
+    """Every decode step replayed a graph: the draft-less ones and the verify steps (as decode rows), except
+    `eager_verify` verify steps (None: any number > 0) too large for the largest bucket, which ran eagerly."""
+    spec = on._spec
+    budgets = spec.metrics.budgets  # drafts verified per decode step (the run has < 1024 steps)
+    with_drafts = sum(b > 0 for b in budgets)
+    assert with_drafts > 0, budgets
+    assert spec.num_graph_verify_steps + spec.num_eager_verify_steps == with_drafts, (budgets, spec.__dict__)
+    if eager_verify is None:
+        assert spec.num_eager_verify_steps > 0 and spec.num_graph_verify_steps > 0, spec.__dict__
+    else:
+        assert spec.num_eager_verify_steps == eager_verify, spec.__dict__
+    draftless = sum(b == 0 for b in budgets)
+    assert replays(on) - before == draftless + spec.num_graph_verify_steps
+
+
 def test_mtp_greedy_and_seeded_equal_off_with_partial_acceptance(parts, off):
-    """mtp, k = 3, one batch of greedy and seeded requests: the tokens of speculation off (eager), the greedy
-    logprobs within fp32 rounding (a verify row goes through the prefill kernel, a decode through the split
-    decode kernel); drafts accepted, rejected, and a slot rejected after its predecessor was accepted."""
+    """mtp, k = 3, one batch of greedy and seeded requests, decode graphs on: every verify step replays the decode
+    graphs as decode rows (captured up to max_num_seqs * (1 + k) = 16 rows); the tokens of speculation off
+    (eager), the greedy logprobs within fp32 rounding (a graph's decode kernel runs at the bucket's batch size);
+    drafts accepted, rejected, and a slot rejected after its predecessor was accepted (rolled back)."""
     ps = parts[4]
     mixed = ps + ps[-1:]
     params = [GREEDY] * len(ps) + [SEEDED]
     want, want_outs = off
     on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    assert parts[1].asked_rows[-1] == 16  # recaptured for 4 * (1 + 3) rows
+    assert on.runner.graph_runner.buckets[-1] == 16
+    before = replays(on)
     got, got_outs = run(on, mixed, params)
     assert got == want
+    assert_graph_counts(on, before)
     for a, b in zip(want_outs[: len(ps)], got_outs[: len(ps)]):
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
@@ -169,21 +203,48 @@ def test_mtp_greedy_and_seeded_equal_off_with_partial_acceptance(parts, off):
     assert st.kv_blocks_used == 0  # every verify step's and MTP lookahead's blocks came back
 
 
-def test_ngram_equals_off_and_draftless_steps_replay_decode_graphs(parts, off):
-    """n-gram drafts on an engine with decode graphs: the steps with drafts run eagerly (never decode-only),
-    the steps without replay the graphs; greedy output == off (eager), drafts partly accepted."""
+def test_mtp_verify_steps_past_the_largest_bucket_run_eagerly(parts, off):
+    """Buckets capped at 8 rows: a verify step of more rows (4 sequences with 3 drafts: 16) runs eagerly in its
+    varlen form, a smaller one (drafts shortened near max_tokens, or fewer sequences) replays as decode rows;
+    output == off either way."""
+    ps = parts[4]
+    mixed = ps + ps[-1:]
+    backend = parts[1]
+    backend.max_bucket = 8
+    try:
+        on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    finally:
+        backend.max_bucket = GraphNvidiaBackend.max_bucket
+    assert on.runner.graph_runner.buckets == [1, 2, 4, 8]
+    before = replays(on)
+    got, _ = run(on, mixed, [GREEDY] * len(ps) + [SEEDED])
+    assert got == off[0]
+    assert_graph_counts(on, before, eager_verify=None)
+
+
+def test_ngram_equals_off_and_verify_steps_replay_decode_graphs(parts, off):
+    """n-gram drafts on an engine with decode graphs: draft-less steps and verify steps (as decode rows) replay
+    the graphs; greedy output == off (eager), drafts partly accepted."""
     ps = parts[4]
     want = off[0][: len(ps)]
     on = make(parts, speculative_method="ngram", num_speculative_tokens=3)
-    assert on.runner.graph_runner is not None
     before = replays(on)
     got, _ = run(on, ps, GREEDY)
     assert got == want
     st = on.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
-    budgets = on._spec.metrics.budgets  # drafts verified per decode step
-    assert any(b > 0 for b in budgets), budgets
-    assert 0 < replays(on) - before <= sum(b == 0 for b in budgets)  # only draft-less steps replayed
+    assert_graph_counts(on, before)
+
+
+def test_adaptive_step_costs_are_profiled_by_graph_replays(parts):
+    """The confidence scheduler's step-cost table, with decode graphs: every profiled count (1..4 tokens, the
+    token budget) is within the verify buckets (2 sequences x (1 + k=1) rows), so each is timed as graph
+    replays (two per count), not eagerly. (Small sizes: an interpreted forward costs ~1 s here.)"""
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=1, speculative_adaptive=True,
+              max_num_seqs=2, max_num_batched_tokens=4)
+    assert on.runner.graph_runner.buckets == [1, 2, 4]
+    assert on._spec.policy.cost.tokens == [1, 2, 4]
+    assert replays(on) == 2 * 3
 
 
 def test_fp8_kv_cache_with_speculation_equals_off(parts):
@@ -199,10 +260,11 @@ def test_fp8_kv_cache_with_speculation_equals_off(parts):
 
 def test_batch_invariant_speculation_is_bitwise_equal_to_off(parts):
     """Batch invariance on: a verify row's bits are a decode's (InvariantMLAAttention), so n-gram speculation gives
-    bitwise the tokens and top-2 logprobs of off; one draft accepted, the next rejected. (The invariant kernels
-    are slow under the interpreter: one prompt, n-gram only; mtp and seeded were checked by hand, docs.)"""
+    bitwise the tokens and top-2 logprobs of off (eager); one draft accepted, the next rejected; the verify steps
+    replay the decode graphs as decode rows. (The invariant kernels are slow under the interpreter: one prompt,
+    one sequence, n-gram only; mtp and seeded were checked by hand, docs.)"""
     path, _, _, tok, ps = parts
-    backend = NvidiaBackend(device=DEVICE)
+    backend = GraphNvidiaBackend(device=DEVICE)
     backend.enable_batch_invariance()
     model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
     inv = (path, backend, model, tok, ps)
@@ -212,11 +274,13 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off(parts):
         c = engine.generate(ps[2:], params, use_tqdm=False)[0].outputs[0]
         return c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
 
-    want = trace(make(inv, batch_invariant=True))
-    on = make(inv, batch_invariant=True, speculative_method="ngram", num_speculative_tokens=2)
+    want = trace(make(inv, batch_invariant=True, enforce_eager=True))
+    on = make(inv, batch_invariant=True, speculative_method="ngram", num_speculative_tokens=2, max_num_seqs=1)
+    before = replays(on)
     assert trace(on) == want
     st = on.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
+    assert_graph_counts(on, before)
 
 
 @dataclass
