@@ -240,8 +240,9 @@ def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
     io = ios[kv.specs[0].name]
     host = disk = None
     if cfg.kv_host_cache_gib is not None:
-        host = HostTier(int(cfg.kv_host_cache_gib * 1024**3), pin=io.device.type == "cuda")
-        logger.info("kv host cache: %.2f GiB%s", cfg.kv_host_cache_gib, " (pinned)" if host.pin else "")
+        host = HostTier(int(cfg.kv_host_cache_gib * 1024**3))  # its pool is allocated once by attach_tiers
+        logger.info("kv host cache: %.2f GiB, allocated at start-up%s", cfg.kv_host_cache_gib,
+                    " (pinned)" if io.device.type == "cuda" else "")
     if cfg.kv_disk_cache_dir is not None:
         disk = DiskTier(cfg.kv_disk_cache_dir, int(cfg.kv_disk_cache_gib * 1024**3), cfg.kv_retention_hours,
                         kv.cache_salt)
@@ -287,4 +288,5 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     if cfg.async_scheduling is None and backend.device.type != "cpu":
         logger.info("speculative decoding: steps run sync (async scheduling off)")
     if not cfg.enforce_eager and backend.caps.graph_capture:
-        logger.info("speculative decoding: verification steps run eagerly (no graph replay)")
+        logger.info("speculative decoding: verify steps replay the decode graphs as decode rows where the buckets "
+                    "cover them (spec/verify_batch.py); the MTP pass and chain run eagerly")

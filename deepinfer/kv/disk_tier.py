@@ -26,7 +26,8 @@ Asynchronous I/O, so the scheduler never waits on the file system:
 - writes: `put` queues the block for one writer thread (at most MAX_QUEUED blocks: a full queue makes put
   wait, the back-pressure of a disk slower than the evictions); the writer first waits for the block's device
   -> host copy (`ready`), then writes the file atomically as above. Until written, a queued block counts as
-  held (`contains`) and is served from memory (`get`). `flush()` waits for the queue; the manager calls it
+  held (`contains`) and is served from memory (`get`; a copy when the memory is a host tier slot, which is
+  released to the host tier once written). `flush()` waits for the queue; the manager calls it
   when the engine goes idle, so a finished run leaves its files behind.
 - reads: `read_async` reads and checks a file on a small thread pool into host buffers from `alloc` (pinned
   on a GPU, so the copy up is asynchronous); the link starts them at schedule time and the scheduler admits
@@ -75,6 +76,7 @@ class DiskTier:
         self.sweep()
         self._lock = threading.Lock()
         self._queued: dict[bytes, list[torch.Tensor]] = {}  # put, not yet written
+        self._borrowed: dict[bytes, object] = {}  # queued blocks in borrowed memory (host tier slots): their ready
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
         self._writer = threading.Thread(target=_write_loop, args=(self._queue, weakref.ref(self)), daemon=True,
                                         name="deepinfer-kv-disk-writer")
@@ -96,21 +98,27 @@ class DiskTier:
                 return True
         return os.path.exists(self._path(key))
 
-    def put(self, key: bytes, parts: list[torch.Tensor], ready: Callable[[], None] | None = None) -> None:
+    def put(self, key: bytes, parts: list[torch.Tensor], ready: Callable[[], None] | None = None,
+            release: Callable[[], None] | None = None) -> None:
         """Queue the block for the writer (host parts, filled once ready() returns; parts on a device are copied
-        down now)."""
+        down now). release: the parts are borrowed (a host tier slot): called once they are no longer read (written,
+        failed, or not needed), after which their memory may change."""
         path = self._path(key)
         with self._lock:
-            if key in self._queued:
-                return
-        if os.path.exists(path):
-            os.utime(path)
+            queued = key in self._queued
+        if queued or os.path.exists(path):
+            if not queued:
+                os.utime(path)
+            if release is not None:
+                release()
             return
         host = [p.detach() if p.device.type == "cpu" else p.detach().to("cpu") for p in parts]
         with self._lock:
             self._queued[key] = host
+            if release is not None:
+                self._borrowed[key] = ready
         self.puts += 1
-        self._queue.put((key, host, ready))
+        self._queue.put((key, host, ready, release))
 
     def flush(self) -> None:
         """Wait until every queued block is written."""
@@ -137,9 +145,12 @@ class DiskTier:
                 os.unlink(tmp)
             raise
 
-    def _written(self, key: bytes, count: int) -> None:
+    def _written(self, key: bytes, count: int, release: Callable[[], None] | None = None) -> None:
         with self._lock:
             self._queued.pop(key, None)
+            self._borrowed.pop(key, None)
+            if release is not None:  # under the lock: a get() copying the borrowed parts has finished
+                release()
         if count % SWEEP_EVERY == 0:
             self.sweep()
 
@@ -147,6 +158,12 @@ class DiskTier:
         """The block's parts (host tensors shaped and typed like `like`), or None on a miss or a bad file."""
         with self._lock:
             queued = self._queued.get(key)
+            borrowed = key in self._borrowed
+            ready = self._borrowed.get(key)
+            if queued is not None and borrowed:  # a host tier slot, freed once written: copy it while held
+                if ready is not None:
+                    ready()
+                queued = [t.clone() for t in queued]
         if queued is not None:
             if [(t.dtype, t.shape) for t in queued] != [(t.dtype, t.shape) for t in like]:
                 self.misses += 1
@@ -259,9 +276,11 @@ def _write_loop(q: queue.Queue, tier_ref) -> None:
         try:
             if item is None:
                 return
-            key, host, ready = item
+            key, host, ready, release = item
             tier = tier_ref()
             if tier is None:
+                if release is not None:
+                    release()
                 return
             try:
                 if ready is not None:
@@ -270,7 +289,7 @@ def _write_loop(q: queue.Queue, tier_ref) -> None:
             except Exception:  # noqa: BLE001 - a full or failing disk loses this block, not the engine
                 logger.exception("kv disk cache: writing block %s failed; it is not cached on disk", key.hex()[:16])
             count += 1
-            tier._written(key, count)
+            tier._written(key, count, release)
             del tier
         finally:
             q.task_done()

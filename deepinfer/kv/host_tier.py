@@ -1,11 +1,20 @@
 """The host tier of the prefix cache: evicted KV blocks in host memory, between the device and the disk.
 
-A bounded LRU map from block key to the block's parts: host tensors the link (tier_link.py) filled through the
-backend's copy stream (kv/tier_copies.py: pinned buffers on a GPU, so the copies are asynchronous), with the
-`ready` callable that waits for that copy (None: filled already). A put beyond the limit pushes the least
-recently used blocks out and returns them with their ready, so the link can hand them to the disk tier (whose
-writer waits on ready before it reads them). A get refreshes its block. On the CPU the device cache is host
-memory already, so this tier only adds a second, larger pool there.
+A bounded LRU map per KV group from block key to a slot of the host pool (host_pool.py: one host buffer taken at
+start-up, pinned on a GPU), with the `ready` callable that waits for the slot's device -> host copy (None: filled
+already). The link (tier_link.py) reserves slots for a batch of evictions, has them filled in one gather and one
+transfer per part and run (tier_copies.py), then commits the entries. A reservation beyond the free slots pushes
+the group's least recently used entries out: without a disk tier their slots are free at once; with one they are
+handed to the disk writer with a release callback, and the slot is free once its file is written (its bytes
+must not change before). So that evictions rarely find no free slot while the writer works, a tier with a disk
+keeps `headroom` slots free by pushing the oldest entries out early.
+
+Lent entries: a hit's payloads are slot views, read by copies queued later in the same schedule pass (at
+allocate). Until the link releases them (after the hit's copies are issued, or at the step's fence) a lent
+entry is never pushed out, so its slot cannot be refilled under the hit. The copies themselves run in stream
+order after any earlier fill of the slot, and a later fill is queued after them.
+
+On the CPU the device cache is host memory already, so this tier only adds a second, larger pool there.
 """
 
 from __future__ import annotations
@@ -15,61 +24,101 @@ from typing import Callable
 
 import torch
 
+from deepinfer.kv.host_pool import HostPool
+
 Ready = Callable[[], None] | None
+# what a reservation pushes out towards the disk: (key, parts, ready, release); release frees the slot
+Pushed = tuple[bytes, list[torch.Tensor], Ready, Callable[[], None]]
 
 
 class HostTier:
-    def __init__(self, max_bytes: int, pin: bool = False):
-        """pin: pin parts handed in on a device (put copies them down synchronously); parts from the link's
-        copies come in host buffers the backend made (pinned on a GPU) and are kept as they are."""
+    def __init__(self, max_bytes: int):
+        """max_bytes: the pool's budget, allocated when the link carves it (`carve`, once the layouts are known)."""
         if max_bytes < 1:
             raise ValueError(f"kv host cache size must be positive, got {max_bytes} bytes")
         self.max_bytes = max_bytes
-        self.pin = pin
-        self._blocks: OrderedDict[bytes, tuple[list[torch.Tensor], Ready]] = OrderedDict()
-        self._bytes = 0
+        self.pool: HostPool | None = None
+        self._lru: dict[str, OrderedDict[bytes, tuple[int, Ready]]] = {}
+        self._group_of: dict[bytes, str] = {}
+        self._lent: set[bytes] = set()
+        self.headroom: dict[str, int] = {}
         self.hits = self.misses = self.puts = 0
+        self.dropped = 0  # evicted blocks no slot could take, without a disk tier (the link counts them)
 
-    @staticmethod
-    def _size(parts: list[torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for t in parts)
+    def carve(self, layouts: dict[str, list[tuple[torch.dtype, tuple]]], weights: dict[str, float],
+              host_buffer: Callable[[tuple, torch.dtype], torch.Tensor], with_disk: bool) -> None:
+        """Allocate the pool: layouts per group, budget shares, the backend's host buffer service. Again only while
+        nothing was ever stored (start-up, when a group's block grows: V4's snapshot slots)."""
+        if self.pool is not None and self.puts:
+            raise ValueError("the host tier's pool is allocated at start-up, before any block is stored")
+        self.pool = None  # the old arena goes before the new one is taken
+        self.pool = HostPool(self.max_bytes, layouts, weights, host_buffer)
+        self._lru = {g: OrderedDict() for g in layouts}
+        self.headroom = {g: (max(1, s.num_slots // 16) if with_disk and s.num_slots > 1 else 0)
+                         for g, s in self.pool.groups.items()}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._group_of)
 
     @property
     def size_bytes(self) -> int:
-        return self._bytes
+        """Bytes the entries hold (slots waiting for the disk writer not counted)."""
+        return sum(len(lru) * self.pool.groups[g].slot_bytes for g, lru in self._lru.items())
 
     def contains(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self._group_of
 
-    def put(self, key: bytes, parts: list[torch.Tensor], ready: Ready = None
-            ) -> list[tuple[bytes, list[torch.Tensor], Ready]]:
-        """Keep the block; return the blocks pushed out to stay within the limit (oldest first)."""
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return []
-        host = [t.detach() if t.device.type == "cpu" else t.detach().to("cpu") for t in parts]
-        if self.pin and any(t.device.type != "cpu" for t in parts):
-            host = [t.pin_memory() for t in host]
-        self._blocks[key] = (host, ready)
-        self._bytes += self._size(host)
-        self.puts += 1
-        out = []
-        while self._bytes > self.max_bytes and self._blocks:
-            old_key, (old, old_ready) = self._blocks.popitem(last=False)
-            self._bytes -= self._size(old)
-            out.append((old_key, old, old_ready))
-        return out
+    def reserve(self, group: str, n: int, to_disk: Callable[[bytes], bool] | None) -> tuple[list[int], list[Pushed]]:
+        """Up to n free slots for new entries of `group`, pushing its least recently used unlent entries out as
+        needed (plus the headroom, with a disk). to_disk(key): whether a pushed entry must be written to disk
+        (None: no disk tier); those come back as Pushed, their slots freed by `release` once written."""
+        pool, lru = self.pool, self._lru[group]
+        want = n + (self.headroom[group] if to_disk is not None else 0) - pool.num_free(group)
+        pushed: list[Pushed] = []
+        if want > 0:
+            victims = []
+            for key in lru:  # oldest first; stop as soon as enough are found
+                if len(victims) == want:
+                    break
+                if key not in self._lent:
+                    victims.append(key)
+            for key in victims:
+                slot, ready = lru.pop(key)
+                del self._group_of[key]
+                if to_disk is not None and to_disk(key):
+                    pushed.append((key, pool.groups[group].views(slot), ready, self._releaser(group, slot)))
+                else:
+                    pool.give(group, slot)
+        return pool.take(group, n), pushed
+
+    def _releaser(self, group: str, slot: int) -> Callable[[], None]:
+        return lambda: self.pool.give(group, slot)
+
+    def commit(self, group: str, keys: list[bytes], slots: list[int], ready: Ready) -> None:
+        """Enter reserved slots, filled (or filling behind `ready`) with these keys' blocks, as the newest."""
+        lru = self._lru[group]
+        for key, slot in zip(keys, slots):
+            lru[key] = (slot, ready)
+            self._group_of[key] = group
+        self.puts += len(keys)
 
     def get(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The block's host parts (a device copy from them is ordered after their fill on the copy stream)."""
-        entry = self._blocks.get(key)
-        parts = None if entry is None else entry[0]
-        if parts is None or [(t.dtype, t.shape) for t in parts] != [(t.dtype, t.shape) for t in like]:
+        """The block's parts: views of its slot, lent until `release_lent` (a device copy from them is ordered
+        after their fill on the copy stream)."""
+        group = self._group_of.get(key)
+        if group is None:
             self.misses += 1
             return None
-        self._blocks.move_to_end(key)
+        slot, _ = self._lru[group][key]
+        parts = self.pool.groups[group].views(slot)
+        if [(t.dtype, t.shape) for t in parts] != [(t.dtype, t.shape) for t in like]:
+            self.misses += 1
+            return None
+        self._lru[group].move_to_end(key)
+        self._lent.add(key)
         self.hits += 1
         return parts
+
+    def release_lent(self) -> None:
+        """The hits' copies from lent slots are queued: their entries may be pushed out again."""
+        self._lent.clear()

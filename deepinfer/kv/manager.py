@@ -257,7 +257,7 @@ class KVCacheManager(PrefixAdmission, TierTraffic):
         if attach and prefix.snapshot != -1 and self.snapshots is not None:
             self._restore_snapshot(sb, prefix)
         if attach and self._tier is not None:
-            self._tier.copies.flush()  # the hit's copies up (and its snapshot restore): one copy_async call
+            self._tier.loaded()  # the hit's copies up (and its snapshot restore): one copy_async call
         sb.num_tokens = max(sb.num_tokens, total)
         # table_len(s, t) <= num_blocks while t // m <= num_blocks * block_size
         sb.room = min((sb.num_blocks[s.name] * self.block_size + 1) * s.tokens_per_entry - 1 for s in self.specs)

@@ -107,6 +107,7 @@ class PrefixAdmission:
         self.snapshots = snapshots
         if self._tier is not None:
             self._tier.ios[self.window_group].add_parts(snapshots.slot_tensors())
+            self._tier.carve_host()  # the window block's slots grew: size the (still empty) host pool again
 
     def snapshot_plan(self, scheduled) -> list[list[tuple[int, int]]] | None:
         """Per scheduled item (seq, context_len, num_tokens): [(B, slot)] for each block boundary

@@ -49,7 +49,7 @@ class CachingBlockPool(BlockPool):
         self.block_of: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
         self.num_evictions = 0
-        self.on_evict = None  # (block, key) -> None, called before an evicted block is reused (lower tiers)
+        self.on_evict = None  # (blocks, keys) -> None: one allocation's evictions, before any is reused (lower tiers)
 
     @property
     def num_free(self) -> int:
@@ -67,7 +67,7 @@ class CachingBlockPool(BlockPool):
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise DeepInferError(f"KV group {self.name!r}: asked for {n} blocks, {self.num_free} free")
-        out = []
+        out, evicted, keys = [], [], []
         for _ in range(n):
             if self._free:
                 b = self._free.popleft()
@@ -75,11 +75,13 @@ class CachingBlockPool(BlockPool):
                 b, _ = self.evictable.popitem(last=False)
                 key = self.key_of.pop(b)
                 del self.block_of[key]
-                self.num_evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(b, key)
+                evicted.append(b)
+                keys.append(key)
             self.ref[b] = 1
             out.append(b)
+        self.num_evictions += len(evicted)
+        if evicted and self.on_evict is not None:  # one call for the whole allocation: the tiers batch its copies
+            self.on_evict(evicted, keys)
         return out
 
     def free(self, blocks: list[int]) -> None:

@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from deepinfer.backend import Backend
+
 ARENA_BYTES = 64 * 1024 * 1024  # host buffers are carved from chunks this large (one pinned allocation each)
 ALIGN = 256
 
@@ -45,15 +47,19 @@ class TierCopies:
     num_calls: int = 0  # copy_async calls issued (both directions)
     num_transfers: int = 0  # (dst, src) tensor pairs in those calls
     pending: list = field(default_factory=list)  # copies up collected for the next flush: (dst, src)
+    keep: list = field(default_factory=list)  # device tensors copies down read, kept until the next fence
 
     def __post_init__(self) -> None:
         self.stream = self.backend.copy_stream()
+        # the backend's copies are the native synchronous copy_ (the cpu backend's): see to_host_batch
+        self.native = self.stream is None and type(self.backend).copy_async is Backend.copy_async
         self._chunk: torch.Tensor | None = None
         self._used = 0
         self._lock = threading.Lock()  # alloc is called from the disk tier's read threads too
 
     def alloc(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for one part. Pinning memory costs far more per call than the copy of a block (on CUDA
+        """A host buffer outside the host tier's pool: disk reads, and evictions straight to disk (no host tier, or
+        no free slot). Pinning memory costs far more per call than the copy of a block (on CUDA
         each pinned allocation is a driver call), so parts are views into ARENA_BYTES chunks from
         backend.host_buffer; a chunk is freed when the last part viewing it is dropped."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -66,18 +72,49 @@ class TierCopies:
             self._used = -(-(start + nbytes) // ALIGN) * ALIGN
             return self._chunk[start: start + nbytes].view(dtype).view(shape)
 
-    def to_host(self, srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
-        """Queue a copy of one block's device parts into new host buffers; returns (host parts, ready), where
-        ready() blocks until the parts hold the data (None: they do already)."""
+    def to_host_batch(self, parts: list[torch.Tensor], blocks: list[int],
+                      runs: list[tuple[int, int, list[torch.Tensor]]]) -> Callable[[], None] | None:
+        """Queue the copy of many blocks down in one copy_async call: per cache part one gather of the blocks on
+        the device (parts: [num_blocks, ...] device tensors), then one transfer per part and destination run.
+        runs: (first row, row count, per part a host tensor [count, ...]) covering rows 0 .. len(blocks) - 1 in
+        order. Returns ready(), which blocks until the host holds the data (None: it does already).
+
+        The gather runs on the compute stream, so it reads a block after the step in flight has written it; a
+        device with a copy stream gathers with views (no index tensor to upload, which would make the host
+        wait), the host with one index_select. The gathered tensors are kept until the next fence, after which
+        the compute stream's later work waits for the copy that reads them."""
         self.flush()  # a block loaded this step may be the one copied down now: its copy up goes first
-        host = [self.alloc(tuple(t.shape), t.dtype) for t in srcs]
-        event = self._copy(host, srcs)
-        self.num_to_host += 1
+        if self.stream is not None:
+            for event in self.fences:  # the gather (compute stream) after the copies up issued so far
+                self.backend.wait_event(event)
+        if parts[0].device.type == "cpu" and self.native:
+            # the native service copies at once with copy_: gathering straight into the destinations is that copy
+            # without the temporary (one index_select per part and run)
+            index = torch.tensor(blocks, dtype=torch.long)
+            self.num_calls += 1
+            for first, n, regions in runs:
+                self.num_transfers += len(regions)
+                for p, dst in zip(parts, regions):
+                    torch.index_select(p, 0, index[first: first + n], out=dst)
+            self.num_to_host += len(blocks)
+            return None
+        if parts[0].device.type == "cpu":
+            index = torch.tensor(blocks, dtype=torch.long)
+            gathered = [p.index_select(0, index) for p in parts]
+        else:
+            gathered = [torch.stack([p[b] for b in blocks]) for p in parts]
+        dsts, srcs = [], []
+        for first, n, regions in runs:
+            dsts.extend(regions)
+            srcs.extend(g[first: first + n] for g in gathered)
+        event = self._copy(dsts, srcs)
+        self.num_to_host += len(blocks)
         if event is None:
-            return host, None
+            return None
+        self.keep.append(gathered)
         self.fences.append(event)
         backend = self.backend
-        return host, lambda: backend.event_synchronize(event)
+        return lambda: backend.event_synchronize(event)
 
     def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
         self.num_calls += 1
@@ -112,4 +149,5 @@ class TierCopies:
         for event in self.fences:
             self.backend.wait_event(event)
         self.fences.clear()
+        self.keep.clear()  # the compute stream now waits for the copies that read them before it reuses memory
         return n

@@ -3,8 +3,9 @@ hits read back from the first tier that has the block.
 
 Every device <-> host copy goes through kv/tier_copies.py (the backend's copy stream; the model runner's
 launch makes the compute stream wait for them, `fence`). So at schedule time:
-- an eviction queues its block's copy down and the block is handed out at once: the next step, which writes
-  it, waits for the copy on the device, not the host;
+- an allocation's evictions (one callback for all of them) reserve host slots and queue ONE batched copy down
+  (tier_copies.to_host_batch), and the blocks are handed out at once: the next step, which writes them, waits
+  for the copy on the device, not the host;
 - a hit in the host tier queues the copies up into the new blocks right away (prefetch), and the step that
   reads them waits for them on the device;
 - a hit on disk starts the file reads on the disk tier's thread pool; until they are done the sequence is not
@@ -21,6 +22,7 @@ valid).
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -48,10 +50,23 @@ class TierLink:
         self.tiers = [t for t in (host, disk) if t is not None]
         self._reads: dict[bytes, Future] = {}  # disk reads in flight or done, not yet consumed
         self.num_deferred = 0  # admissions put off until their disk reads finish
+        self.num_spilled = 0  # evicted blocks sent to disk past a host tier with no free slot (writer behind)
+        self.timings: dict[str, float] | None = None  # set to {} to sum seconds per eviction phase (benchmarks)
         if disk is not None:
             disk.use_allocator(copies.alloc)
+        self.carve_host()
         for group, pool in pools.items():
             pool.on_evict = self._evictor(group)
+
+    def carve_host(self) -> None:
+        """The host tier's whole pool, at start-up: evictions never allocate host memory after this. Slots are
+        sized from the block ios, so this runs again (on an empty tier) when one grows (V4's snapshot slots)."""
+        if self.host is None:
+            return
+        layouts = {g: [(t.dtype, tuple(t.shape)) for t in io.like()] for g, io in self.ios.items()}
+        weights = {g: self.pools[g].num_blocks * sum(t.numel() * t.element_size() for t in io.like())
+                   for g, io in self.ios.items()}
+        self.host.carve(layouts, weights, self.copies.backend.host_buffer, with_disk=self.disk is not None)
 
     @property
     def block_io(self):
@@ -67,20 +82,51 @@ class TierLink:
     def tier_key(self, group: str, key: bytes) -> bytes:
         return hashlib.sha256(key + b"|" + group.encode()).digest() if self.tagged else key
 
-    def _evictor(self, group: str) -> Callable[[int, bytes], None]:
-        return lambda block, key: self._evicted(group, block, key)
+    def _evictor(self, group: str) -> Callable[[list[int], list[bytes]], None]:
+        return lambda blocks, keys: self._evicted(group, blocks, keys)
 
-    def _evicted(self, group: str, block: int, key: bytes) -> None:
-        key = self.tier_key(group, key)
-        if any(t.contains(key) for t in self.tiers):
+    def _evicted(self, group: str, blocks: list[int], keys: list[bytes]) -> None:
+        """One allocation's evicted blocks (before any is reused): the keys are tagged once, the blocks already
+        in a tier skipped, host slots reserved, then ONE copy_async call moves them all (a gather per cache
+        part, a transfer per part and run of slots). Blocks no host slot can take go straight to disk."""
+        t0 = time.perf_counter()
+        if self.tagged:
+            keys = [self.tier_key(group, k) for k in keys]
+        new = [i for i, k in enumerate(keys) if not any(t.contains(k) for t in self.tiers)]
+        if not new:
             return
-        parts, ready = self.copies.to_host(self.ios[group].views(block))
-        if self.host is None:
-            self.disk.put(key, parts, ready)
-            return
-        for old_key, old, old_ready in self.host.put(key, parts, ready):
-            if self.disk is not None and not self.disk.contains(old_key):
-                self.disk.put(old_key, old, old_ready)
+        blocks, keys = [blocks[i] for i in new], [keys[i] for i in new]
+        t1 = time.perf_counter()
+        slots: list[int] = []
+        if self.host is not None:
+            to_disk = None if self.disk is None else (lambda k: not self.disk.contains(k))
+            slots, pushed = self.host.reserve(group, len(blocks), to_disk)
+            for old_key, old, old_ready, release in pushed:
+                self.disk.put(old_key, old, old_ready, release)
+        t2 = time.perf_counter()
+        io, n = self.ios[group], len(slots)
+        runs = self.host.pool.runs(group, slots) if n else []
+        spill = None
+        if n < len(blocks) and self.disk is None:  # every slot lent to a hit: these blocks are not kept
+            self.host.dropped += len(blocks) - n
+        if n < len(blocks) and self.disk is not None:  # no host tier, or no free slot: staging buffers for disk
+            spill = [self.copies.alloc((len(blocks) - n, *p.shape[1:]), p.dtype) for p in io.parts]
+            runs.append((n, len(blocks) - n, spill))
+        t3 = time.perf_counter()
+        gathered = blocks if spill is not None else blocks[:n]  # without a disk, blocks beyond the slots are dropped
+        ready = self.copies.to_host_batch(io.parts, gathered, runs) if runs else None
+        t4 = time.perf_counter()
+        if n:
+            self.host.commit(group, keys[:n], slots, ready)
+        if spill is not None:
+            self.num_spilled += len(blocks) - n
+            for i, key in enumerate(keys[n:]):
+                self.disk.put(key, [buf[i] for buf in spill], ready)
+        if self.timings is not None:
+            t5 = time.perf_counter()
+            for phase, dt in (("keys", t1 - t0), ("reserve", t2 - t1), ("runs", t3 - t2), ("copy", t4 - t3),
+                              ("commit", t5 - t4)):
+                self.timings[phase] = self.timings.get(phase, 0.0) + dt
 
     def contains(self, group: str, key: bytes) -> bool:
         key = self.tier_key(group, key)
@@ -186,15 +232,21 @@ class TierLink:
             for k, payload in enumerate(payloads):
                 self.copies.queue_to_device(io.views(first + k), payload, blocks=1)
             return
-        srcs = []
-        for p, like in enumerate(payloads[0]):
-            buf = self.copies.alloc((len(payloads), *like.shape), like.dtype)
-            torch.stack([payload[p] for payload in payloads], out=buf)
-            srcs.append(buf)
+        srcs = [torch.stack([payload[p] for payload in payloads]) for p in range(len(payloads[0]))]  # plain memory
         self.copies.queue_to_device(io.range_views(first, len(payloads)), srcs, blocks=len(payloads))
 
+    def loaded(self) -> None:
+        """A hit's copies up are queued: issue them, and let the host slots they read be pushed out again (later
+        fills of those slots queue behind these copies)."""
+        self.copies.flush()
+        if self.host is not None:
+            self.host.release_lent()
+
     def fence(self) -> int:
-        """Before a step is launched: the compute stream waits for the copies queued since the last step."""
+        """Before a step is launched: the compute stream waits for the copies queued since the last step (and a
+        hit fetched but not attached, dropped by the scheduler, lends its host slots no longer)."""
+        if self.host is not None:
+            self.host.release_lent()
         return self.copies.fence()
 
     def idle(self) -> None:

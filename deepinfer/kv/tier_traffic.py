@@ -38,9 +38,9 @@ class TierTraffic:
             raise DeepInferError(f"the host / disk tiers need one block io per KV group {[s.name for s in self.specs]}"
                                  f", got {sorted(ios)}")
         self.host_tier, self.disk_tier = host, disk
-        self._tier = TierLink(host, disk, ios, self.pools, TierCopies(self.backend))
-        if self.snapshots is not None:
+        if self.snapshots is not None:  # before the link sizes the host pool's slots from the block ios
             ios[self.window_group].add_parts(self.snapshots.slot_tensors())
+        self._tier = TierLink(host, disk, ios, self.pools, TierCopies(self.backend))
 
     def fence_tier_copies(self) -> None:
         """Before a step is launched: its compute waits (on the device) for the tiers' copies queued so far."""

@@ -2,8 +2,9 @@
 
 The caches' layouts are the backend's (one tensor or several parts per layer, [num_blocks, block_size, ...]
 each), so a block's payload is every part of every layer of the group, in layer order. The tiers copy through
-`views(block)` with kv/tier_copies.py (V4's window group adds its state snapshot slots: `add_parts`) (the backend's copy stream, no host sync); read / write are the
-synchronous forms (tests and tools).
+`views(block)` and batches of blocks through `parts` with kv/tier_copies.py (the backend's copy stream, no host
+sync); V4's window group adds its state snapshot slots (`add_parts`). read / write are the synchronous forms
+(tests and tools).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ class KVBlockIO:
         for layer in spec.layer_ids:
             kv = caches.get(group, layer)
             self._parts.extend(kv if isinstance(kv, (tuple, list)) else (kv,))
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """Every per-block tensor, [num_blocks, ...] each, in payload order (the tiers gather a batch from them)."""
+        return self._parts
 
     @property
     def device(self) -> torch.device:
