@@ -8,7 +8,8 @@ owns. Its slot_mapping is -1 everywhere: the MLA op writes nothing itself. Inste
 (models/layers/cp_attention.py) all-gathers the new latent entries of every rank (`KVExchange.gather`)
 and writes the whole step's entries into its own cache before its attention runs, so every cp rank keeps
 the complete KV cache, bit-identical on every rank (written from the same gathered rows), and the next
-step, split or not, needs nothing new.
+step, split or not, needs nothing new. V4 (per-sequence compressor state) does the same with its per-token
+KV inputs, replaying the whole step's cache writes in step order (models/deepseek_v4/cp_attention.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ class KVExchange:
     """The step's KV entries between the cp ranks: each rank's rows padded to the longest rank's count.
 
     write_slots: KV group -> [cp * max_rows] int64, the slot of every row of the gathered (padded) tensor
-    (-1 for padding), from the step's slot_mapping."""
+    (-1 for padding), from the step's slot_mapping.
+    plan / step / step_index: the split, the whole step's batch, and for every row of the step the row of the
+    gathered (padded) tensor that holds it: what a layer whose cache writes run token after token within a
+    sequence (V4's compressors, models/deepseek_v4/cp_attention.py) needs to replay the whole step in order."""
 
     comm: Communicator
     counts: list[int]
     write_slots: dict[str, torch.Tensor] = field(default_factory=dict)
+    plan: ContextParallelPlan | None = None
+    step: ForwardBatch | None = None
+    step_index: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -68,8 +75,6 @@ class SplitStep:
 
 def split_batch(batch: ForwardBatch, plan: ContextParallelPlan, comm: Communicator) -> SplitStep:
     """This rank's ContextParallelBatch of `batch` under `plan` (module docstring)."""
-    if batch.state_slots is not None or batch.state_slots_cpu:
-        raise BackendError("context parallel: a batch with per-sequence state rows (V4) cannot be split")
     rank, cp = comm.rank, comm.world_size
     if plan.cp_size != cp:
         raise BackendError(f"context parallel: the plan is for {plan.cp_size} ranks, the cp group has {cp}")
@@ -96,7 +101,8 @@ def split_batch(batch: ForwardBatch, plan: ContextParallelPlan, comm: Communicat
     width = max(counts, default=0)
     pick = torch.tensor([r * width + j for r, j in where], dtype=torch.long, device=dev)
 
-    exchange = KVExchange(comm, [len(r) for r in plan.rows])
+    exchange = KVExchange(comm, [len(r) for r in plan.rows], plan=plan, step=batch)
+    exchange.step_index = torch.tensor([r * exchange.max_rows + j for r, j in owner], dtype=torch.long, device=dev)
     padded = []
     for r_rows in plan.rows:
         padded.extend(r_rows + [-1] * (exchange.max_rows - len(r_rows)))
@@ -118,6 +124,9 @@ def split_batch(batch: ForwardBatch, plan: ContextParallelPlan, comm: Communicat
         query_lens_cpu=qlens,
         seq_lens_cpu=seqs,
         context_lens_cpu=ctx,
+        # a segment keeps its request's per-sequence state row (V4); the layer decides what it reads there
+        state_slots=None if batch.state_slots is None else batch.state_slots.index_select(0, req),
+        state_slots_cpu=[batch.state_slots_cpu[s.request] for s in segs] if batch.state_slots_cpu else [],
         block_size=batch.block_size,
         exchange=exchange,
     )

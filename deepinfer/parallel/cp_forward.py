@@ -23,8 +23,9 @@ from deepinfer.errors import ConfigError
 from deepinfer.parallel.context_parallel import plan_context_parallel
 from deepinfer.parallel.cp_batch import split_batch
 
-# the model types whose attention layers take a ContextParallelBatch (MLA, models/layers/cp_attention.py)
-CP_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# the model types whose attention layers take a ContextParallelBatch (MLA: models/layers/cp_attention.py;
+# V4: models/deepseek_v4/cp_attention.py)
+CP_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
 
 
 def context_parallel_refusals(cfg, hf_config: dict, caps=None) -> list[str]:
@@ -53,10 +54,8 @@ def context_parallel_refusals(cfg, hf_config: dict, caps=None) -> list[str]:
                        "cache with its own per-layer scale; the other ranks' entries are written outside it")
     model_type = hf_config.get("model_type")
     if model_type not in CP_MODEL_TYPES:
-        reasons.append(f"{me} with model_type {model_type!r}: only {', '.join(CP_MODEL_TYPES)} (MLA) split a "
-                       "prefill; V4's sliding-window and compressed caches and its compressors' per-sequence state "
-                       "are built token after token within a sequence, which a split of one prompt's queries over "
-                       "ranks would have to hand over at every chunk boundary")
+        reasons.append(f"{me} with model_type {model_type!r}: only {', '.join(CP_MODEL_TYPES)} split a prefill "
+                       "(their attention layers take a split step)")
     world = cfg.parallel_layout().world_size
     if caps is not None and caps.max_tensor_parallel_size < world:
         reasons.append(f"{me} needs {world} ranks; this backend allows {caps.max_tensor_parallel_size} (it has not "
@@ -71,6 +70,9 @@ class ContextParallelForward:
         if not getattr(model, "supports_context_parallel", False):
             raise ConfigError(f"context parallel: {type(model).__name__} does not split a prefill "
                               f"(model types that do: {', '.join(CP_MODEL_TYPES)})")
+        reasons = model.context_parallel_reasons() if hasattr(model, "context_parallel_reasons") else []
+        if reasons:  # what only the loaded model on its backend can tell (V4: its attention op's layout)
+            raise ConfigError("context parallel: " + "; ".join(reasons))
         self.model = model
         self.comm = comm
         self.min_prefill_tokens = min_prefill_tokens

@@ -248,8 +248,9 @@ def test_context_parallel_refuses_speculation(checkpoint):
     assert "context_parallel_size=2 with speculative decoding" in msg
 
 
-def test_context_parallel_refuses_v4_and_fp8_kv(checkpoint):
-    assert "model_type 'deepseek_v4'" in _refusal(checkpoint, {"model_type": "deepseek_v4"})
+def test_context_parallel_refuses_other_models_and_fp8_kv(checkpoint):
+    """V4 splits too (test_context_parallel_v4.py); a model type whose attention takes no split step is refused."""
+    assert "model_type 'llama'" in _refusal(checkpoint, {"model_type": "llama"})
     assert "kv_cache_dtype='fp8'" in _refusal(checkpoint, kv_cache_dtype="fp8")
 
 

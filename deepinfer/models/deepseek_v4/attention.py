@@ -10,6 +10,9 @@ Output: heads split into o_groups, each projected by its own block of o_a_proj
 Tensor parallelism (parallel.py says what is split and why): each rank holds H/tp heads, G/tp output
 groups and their rows of wq_b / wo_a / columns of wo_b; the output is a partial sum all-reduced once
 over "tp". The shared KV head, the compressors and the indexer are replicated.
+
+Context-parallel prefill (a split step, cp_attention.py): the layer computes its rank's tokens, shares
+their per-token KV inputs over "cp", replays the step's cache writes and attends for its own segments.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from deepinfer.backend import Backend, V4AttentionSpec
 from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config, RopeBranch
+from deepinfer.models.deepseek_v4.cp_attention import context_parallel_v4
 from deepinfer.models.deepseek_v4.parallel import head_shard
 from deepinfer.models.layers.linear import Linear, Loader
 from deepinfer.models.weights import sliced, tensor_loader
@@ -157,10 +161,12 @@ class V4Attention(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, batch, caches, rope_memo: dict | None = None,
-                state_snapshots=None) -> torch.Tensor:
+                state_snapshots=None, cp_step=None) -> torch.Tensor:
         """`rope_memo`: one forward's cos/sin per rotary branch, shared by the layers (else computed here).
         `state_snapshots`: prefix caching's ring snapshots for this step (kv/state_snapshots.py), handed to
-        the op of a compressed layer; None when the step crosses no block boundary."""
+        the op of a compressed layer; None when the step crosses no block boundary.
+        `cp_step`: a split step of context-parallel prefill (cp_attention.V4SplitStep): this rank's tokens
+        only; their KV inputs are shared with the other cp ranks (cp_attention.py)."""
         cfg, T = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
         if rope_memo is None:
@@ -184,7 +190,10 @@ class V4Attention(nn.Module):
             iq = ops.v4_rotary_embedding(self.i_q(q_res).view(T, Hi, Di), cos, sin)
             extra.update(index_q=iq, index_weights=self.i_w(x).float() * Hi**-0.5, index_kv=self.i_kv(x),
                          index_gate=self.i_gate(x))
-        o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
+        if cp_step is not None:
+            o = context_parallel_v4(self, q, kv, extra, caches, batch, cp_step)
+        else:
+            o = self.op.forward(q, kv, caches, self.layer_id, batch, **extra)
         o = ops.v4_rotary_embedding(o, cos, -sin)
         o = grouped_linear(o.reshape(T, self.G, -1), self.o_a_weight, self.G)
         return self.comm.all_reduce(self.o_b_proj(o))  # row-parallel output projection: partial sums over "tp"

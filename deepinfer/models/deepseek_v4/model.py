@@ -11,7 +11,8 @@ Many ranks (docs/parallelism.md): attention heads split over "tp" (attention.py,
 experts split over "tp" or spread over "ep" (moe.py), the vocabulary split (embedding / head); the
 hyper-connections, norms and the router gates act on the whole hidden state and are replicated. Each
 loader names the part of its tensor this rank reads; `load_weights` takes the checkpoint's unread handles
-and reads just those parts (models/loader.deliver).
+and reads just those parts (models/loader.deliver). Context-parallel prefill: a split step (a
+ContextParallelBatch) runs this rank's tokens; its attention layers share their KV inputs (cp_attention.py).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from deepinfer.errors import ModelLoadError
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.attention import COMP_GROUPS, INDEX_GROUP, SWA_GROUP, V4Attention
 from deepinfer.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config, parse_v4_config
+from deepinfer.models.deepseek_v4.cp_attention import context_parallel_reasons, v4_split_step
 from deepinfer.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_merge
 from deepinfer.models.deepseek_v4.moe import V4MoE
 from deepinfer.models.layers.embedding import LMHead, VocabEmbedding
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.loader import StoredTensor, deliver
 from deepinfer.models.weights import tensor_loader
+from deepinfer.parallel.cp_batch import ContextParallelBatch
 
 _ALIASES = {
     "embed_tokens.weight": "embed.weight",
@@ -103,10 +106,12 @@ class V4Block(nn.Module):
         self.attn.finalize()
         self.ffn.finalize()
 
-    def forward(self, streams, token_ids, batch, caches, rope_memo: dict | None = None, state_snapshots=None):
+    def forward(self, streams, token_ids, batch, caches, rope_memo: dict | None = None, state_snapshots=None,
+                cp_step=None):
         eps = self.cfg.rms_norm_eps
         post, comb, x = self.attn_hc(streams)
-        attn = self.attn(self.backend.v4_rms_norm(x, self.attn_norm, eps), batch, caches, rope_memo, state_snapshots)
+        attn = self.attn(self.backend.v4_rms_norm(x, self.attn_norm, eps), batch, caches, rope_memo, state_snapshots,
+                         cp_step)
         streams = hc_merge(streams, attn, post, comb)
         post, comb, x = self.ffn_hc(streams)
         return hc_merge(streams, self.ffn(self.backend.v4_rms_norm(x, self.ffn_norm, eps), token_ids), post, comb)
@@ -124,6 +129,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     model_type = "deepseek_v4"
     supports_tensor_parallel = True
     reads_stored_tensors = True
+    supports_context_parallel = True  # a split step: cp_attention.py (and context_parallel_reasons)
 
     def __init__(self, config: dict | DeepseekV4Config, backend: Backend, dtype: torch.dtype):
         cfg = config if isinstance(config, DeepseekV4Config) else parse_v4_config(config)
@@ -147,6 +153,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         # prefix caching: kv/state_snapshots.StateSnapshots, whose per-step plan names the block boundaries
         # at which the compressor ops save their rings (use_state_snapshots)
         self.state_snapshots = None
+
+    def context_parallel_reasons(self) -> list[str]:
+        """Why this model cannot split a prefill over cp ranks on its backend (empty: it can)."""
+        return context_parallel_reasons([layer.attn for layer in self.layers])
 
     def use_state_snapshots(self, snapshots) -> None:
         """Have the compressors save their rings at the block boundaries of each step's plan (prefix caching)."""
@@ -218,8 +228,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         snaps = self.state_snapshots
         if snaps is not None and snaps.plan is None:
             snaps = None  # no block boundary in this step
+        cp_step = None
+        if isinstance(batch, ContextParallelBatch):  # a split step: the snapshot plan is the whole step's
+            cp_step, snaps = v4_split_step(batch, snaps), None
         for layer in self.layers:
-            streams = layer(streams, ids, batch, caches, rope_memo, snaps)
+            streams = layer(streams, ids, batch, caches, rope_memo, snaps, cp_step)
         return self.backend.v4_rms_norm(self.hc_head(streams), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
