@@ -16,8 +16,10 @@ cold) run through DeepInfer's model on the cpu backend in fp32, once per scheme:
 
 The cpu backend's quantized linear methods are the dequantize-then-compute oracles of the conformance suite,
 so this measures each scheme's rounding of weights / activations, not a GPU kernel's arithmetic. Routed
-experts and MLA's kv_b_proj (absorbed into the attention op, not a `Linear`) run dequantized in every scheme,
-with their weights rounded as the scheme stores them and their activations not quantized. The LM head stays
+experts and MLA's kv_b_proj (absorbed into the attention op, not a `Linear`) run with their weights rounded as
+the scheme stores them and their activations not quantized: kv_b_proj dequantized at load; the routed experts
+of int4_awq / int4_gptq kept int4 by the cpu MoE op (every expert projection of this model is int4 at group
+128; each expert is dequantized for its turn, the same values as dequantizing at load), the others dequantized. The LM head stays
 dense except under online fp8, whose load quantizes it too (each row reports its head's scheme).
 
 Per scheme, over every position of every window: top-1 agreement with the reference's argmax; |logprob gap|

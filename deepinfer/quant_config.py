@@ -6,7 +6,8 @@ File keys (docs/quantization.md):
     method: fp8 | int4 | awq | gptq | fp4
     weight_bits: 8 for fp8, 4 for int4 / awq / gptq
     activation_bits: fp8: 8 (W8A8, the default) or 16 (W8A16); int4: 16
-    group_size: 128 (fp8: 128x128 weight blocks and 1x128 activation groups; int4: 128 input channels)
+    group_size: fp8: 128 (128x128 weight blocks and 1x128 activation groups); int4: the checkpoint's group of
+        input channels (32, 64 or 128), checked against its config.json
     fuse_quant_dequant: false (true asks for the activation quant fused into the preceding norm: not built)
 
 An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 is refused
@@ -24,11 +25,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.backend import INT4_EXPERT_GROUPS
 from deepinfer.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from deepinfer.models.layers.quant.settings import LinearQuantSettings
 
 FILE_KEYS = ("method", "weight_bits", "activation_bits", "group_size", "fuse_quant_dequant")
 METHODS = ("fp8", "int4", "awq", "gptq", "fp4")
+# int4 groups the engine reads (the dense linears and the routed experts alike): AutoAWQ / AutoGPTQ's 128 and
+# the smaller powers of two some checkpoints use (e.g. 64); every backend's int4 kernel indexes groups per row
+INT4_GROUPS = INT4_EXPERT_GROUPS
 FP4_REASON = ("fp4 (V4's e2m1 routed experts) has no linear method or MoE variant in this engine yet: "
               "no backend declares it; run the checkpoint as stored")
 
@@ -40,7 +45,7 @@ class QuantConfig:
     method: str
     weight_bits: int
     activation_bits: int
-    group_size: int = 128
+    group_size: int | None = 128  # None (int4 only): the checkpoint's
     fuse_quant_dequant: bool = False
     source: str = "quantization_config"  # where it came from, for error messages
 
@@ -85,7 +90,8 @@ def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
     int4 = method != "fp8"
     wb = _int(where, "weight_bits", data.get("weight_bits", 4 if int4 else 8))
     ab = _int(where, "activation_bits", data.get("activation_bits", 16 if int4 else 8))
-    gs = _int(where, "group_size", data.get("group_size", 128))
+    gs = data.get("group_size", None if int4 else 128)  # int4 without it: the checkpoint's group
+    gs = None if gs is None else _int(where, "group_size", gs)
     fuse = data.get("fuse_quant_dequant", False)
     if not isinstance(fuse, bool):
         raise ConfigError(f"{where}: fuse_quant_dequant must be true or false, got {fuse!r}")
@@ -97,8 +103,10 @@ def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
                           "(activation_bits 16)")
     if not int4 and ab not in (8, 16):
         raise ConfigError(f"{where}: method fp8 with activation_bits {ab}: 8 (W8A8) or 16 (W8A16)")
-    if gs != 128:
-        raise ConfigError(f"{where}: group_size {gs}: only 128 is supported (128x128 fp8 blocks, int4 groups of 128)")
+    if not int4 and gs != 128:
+        raise ConfigError(f"{where}: group_size {gs}: fp8 supports only 128 (128x128 weight blocks)")
+    if int4 and gs is not None and gs not in INT4_GROUPS:
+        raise ConfigError(f"{where}: group_size {gs}: int4 supports {', '.join(map(str, INT4_GROUPS))}")
     if fuse:
         raise ConfigError(f"{where}: fuse_quant_dequant true: the activation quant fused into the preceding "
                           "norm / activation is not built; the W8A8 path quantizes in its own kernel (false)")
@@ -135,19 +143,20 @@ def int4_checkpoint_format(hf_config: dict) -> Int4CheckpointFormat | None:
     group = q.get("group_size", q.get("q_group_size"))
     if bits != 4:
         raise UnsupportedModelError(f"{where}: bits {bits!r} is not supported (supported: 4)")
-    if group != 128:
-        raise UnsupportedModelError(f"{where}: group_size {group!r} is not supported (supported: 128)")
+    if group not in INT4_GROUPS or isinstance(group, bool):
+        raise UnsupportedModelError(f"{where}: group_size {group!r} is not supported (supported: "
+                                    f"{', '.join(map(str, INT4_GROUPS))})")
     if method == "awq":
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedModelError(f"{where}: version {version!r} is not supported (supported: 'gemm', AutoAWQ's layout)")
         if q.get("zero_point", True) is not True:
             raise UnsupportedModelError(f"{where}: zero_point {q.get('zero_point')!r} is not supported (supported: true)")
-        return Int4CheckpointFormat("awq", 128, 0)
+        return Int4CheckpointFormat("awq", group, 0)
     fmt = q.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"{where}: checkpoint_format {fmt!r} is not supported (supported: gptq, gptq_v2)")
-    return Int4CheckpointFormat("gptq", 128, 1 if fmt == "gptq" else 0)
+    return Int4CheckpointFormat("gptq", group, 1 if fmt == "gptq" else 0)
 
 
 # msModelSlim W8A8 dynamic checkpoints (what vllm-ascend / MindIE load): config.json carries
@@ -251,4 +260,8 @@ def resolve_linear_quant(quantization: str | None, quant_config: QuantConfig | N
     if ckpt not in want:
         raise ConfigError(f"EngineConfig.quantization_config: method {method}, but the checkpoint is "
                           f"{ckpt or 'not quantized'}; int4 needs an AWQ / GPTQ checkpoint (no online int4)")
+    ckpt_group = int4_checkpoint_format(hf_config).group_size
+    if quant_config.group_size is not None and quant_config.group_size != ckpt_group:
+        raise ConfigError(f"{quant_config.source}: group_size {quant_config.group_size}, but the checkpoint's "
+                          f"quantization_config has group_size {ckpt_group}")
     return LinearQuantSettings(), ckpt

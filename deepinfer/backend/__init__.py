@@ -30,6 +30,8 @@ from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import (
+    INT4_EXPERT_GROUPS,
+    INT4_EXPERT_SCHEMES,
     MOE_QUANT_SCHEMES,
     LinearMethod,
     MLAAttentionOp,
@@ -47,7 +49,13 @@ from deepinfer.backend.native.mla_attention import NativeMLAAttention, gather_co
 from deepinfer.backend.native.moe import NativeMoE
 from deepinfer.backend.native.quant_fp4 import FP4_GROUP, as_fp4_scale, as_packed_fp4, dequant_fp4, quantize_fp4
 from deepinfer.backend.native.quant_fp8 import quantize_act_fp8, quantize_weight_fp8_block, w8a8_block_linear_ref
-from deepinfer.backend.native.quant_int4 import Int4Weight, dequant_int4, int4_values
+from deepinfer.backend.native.quant_int4 import (
+    Int4Weight,
+    dequant_int4,
+    dequant_int4_rows,
+    int4_expert_rows,
+    int4_values,
+)
 from deepinfer.backend.native.routing import route, validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
@@ -57,13 +65,13 @@ from deepinfer.errors import BackendError, UnsupportedOpError
 __all__ = [
     "Backend", "BackendCaps", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
     "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
-    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MOE_QUANT_SCHEMES", "MoEOp", "MoESpec", "QuantizedExperts",
+    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MOE_QUANT_SCHEMES", "INT4_EXPERT_GROUPS", "INT4_EXPERT_SCHEMES", "MoEOp", "MoESpec", "QuantizedExperts",
     "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "PROCESS_GROUP_NAMES", "RouterSpec",
     "SingleProcessCommunicator", "StaticInputs", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",
     "V4AttentionSpec", "default_buckets", "dtype_name",
     "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
-    "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "int4_values", "quantize_act_fp8", "quantize_fp4",
+    "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "dequant_int4_rows", "int4_expert_rows", "int4_values", "quantize_act_fp8", "quantize_fp4",
     "quantize_weight_fp8_block", "w8a8_block_linear_ref",
 ]

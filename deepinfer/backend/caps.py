@@ -30,7 +30,7 @@ class BackendCaps:
     kv_cache_dtypes: KV-cache storage it reads and writes: "auto" (the compute dtype) and "fp8_e4m3" (the
         MLA latent cache in float8_e4m3fn with a per-layer scale, docs/quantization.md "fp8 KV cache").
     moe_quant_schemes: routed-expert schemes its MoE op runs quantized (`MoEOp.load_quantized_experts`:
-        "fp8_block", "fp4"); others are densified at load (docs/quantization.md "Quantized routed experts").
+        "fp8_block", "fp4", "int4_awq", "int4_gptq"); others are densified at load (docs/quantization.md "Quantized routed experts").
     """
 
     device_type: str = "cpu"

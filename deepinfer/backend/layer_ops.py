@@ -177,7 +177,9 @@ class MLAAttentionOp(ABC):
                                         batch, group, ops)
 
 
-MOE_QUANT_SCHEMES = ("fp8_block", "fp4")
+MOE_QUANT_SCHEMES = ("fp8_block", "fp4", "int4_awq", "int4_gptq")
+INT4_EXPERT_SCHEMES = ("int4_awq", "int4_gptq")  # one stored layout (below); the name says which checkpoint format
+INT4_EXPERT_GROUPS = (32, 64, 128)  # input channels per int4 scale / zero point
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,11 @@ class QuantizedExperts:
     "fp4" (DeepSeek-V4's routed experts, backend/native/quant_fp4.py): w13 [E, 2I, D/2] / w2 [E, D, I/2] uint8,
       two e2m1 per byte (low nibble first); w13_scale [E, 2I, D/32] / w2_scale [E, D, I/32], one per row per 32
       inputs: uint8 = e8m0 bytes (2^(b - 127)), or fp32.
+    "int4_awq" / "int4_gptq" (AWQ / GPTQ checkpoints, repacked at load by backend/native/quant_int4.py
+      `int4_expert_rows`, still 4 bits a weight): w13 [E, 2I, D/2] / w2 [E, D, I/2] uint8, two unsigned 4-bit q
+      per byte (low nibble = the even input channel); w13_scale [E, 2I, D/G] / w2_scale [E, D, I/G] fp16 (as the
+      checkpoint stores them) or fp32, one per row per G = group_size inputs; w13_zeros / w2_zeros uint8 of the
+      scales' shapes, the zero point with GPTQ v1's +1 already applied (0..16). W = (q - zero) * scale.
     """
 
     scheme: str
@@ -197,10 +204,15 @@ class QuantizedExperts:
     w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
+    w13_zeros: torch.Tensor | None = None  # int4 only
+    w2_zeros: torch.Tensor | None = None
+    group_size: int = 128  # int4 only: input channels per scale / zero point
 
     @property
     def block(self) -> int:
-        """Input channels per scale: 128 (fp8 blocks, also 128 rows) or 32 (fp4, per row)."""
+        """Input channels per scale: 128 (fp8 blocks, also 128 rows), 32 (fp4, per row), group_size (int4)."""
+        if self.scheme in INT4_EXPERT_SCHEMES:
+            return self.group_size
         return 128 if self.scheme == "fp8_block" else 32
 
     def check(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -208,6 +220,9 @@ class QuantizedExperts:
         if self.scheme not in MOE_QUANT_SCHEMES:
             raise BackendError(f"QuantizedExperts scheme {self.scheme!r} (known: {', '.join(MOE_QUANT_SCHEMES)})")
         cd = lambda a, b: -(-a // b)  # noqa: E731
+        if self.scheme in INT4_EXPERT_SCHEMES:
+            self._check_int4(num_experts, hidden, inter)
+            return
         if self.scheme == "fp8_block":
             dt = torch.float8_e4m3fn
             expect = {"w13": (num_experts, 2 * inter, hidden), "w2": (num_experts, hidden, inter),
@@ -226,8 +241,29 @@ class QuantizedExperts:
             if not ok:
                 raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has dtype {t.dtype}")
 
+    def _check_int4(self, num_experts: int, hidden: int, inter: int) -> None:
+        g = self.group_size
+        if g not in INT4_EXPERT_GROUPS or hidden % g or inter % g:
+            raise BackendError(f"QuantizedExperts ({self.scheme}) group_size {g}: must be one of "
+                               f"{INT4_EXPERT_GROUPS} and divide hidden {hidden} and intermediate {inter}")
+        expect = {"w13": (num_experts, 2 * inter, hidden // 2), "w2": (num_experts, hidden, inter // 2),
+                  "w13_scale": (num_experts, 2 * inter, hidden // g), "w2_scale": (num_experts, hidden, inter // g),
+                  "w13_zeros": (num_experts, 2 * inter, hidden // g), "w2_zeros": (num_experts, hidden, inter // g)}
+        for name, shape in expect.items():
+            t = getattr(self, name)
+            if t is None:
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} is missing")
+            if tuple(t.shape) != shape:
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has shape {tuple(t.shape)}, expected {shape}")
+            ok = t.dtype in (torch.float16, torch.float32) if name.endswith("_scale") else t.dtype == torch.uint8
+            if not ok:
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has dtype {t.dtype}")
+            if not t.is_contiguous():
+                raise BackendError(f"QuantizedExperts ({self.scheme}) {name} must be contiguous")
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+        parts = (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_zeros, self.w2_zeros)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 class MoEOp(ABC):

@@ -43,13 +43,17 @@ def compile_one(label, fn, sig, consts, warps, stages):
 
 # weight scheme -> (weight pointer type, scale pointer type, E8M0): None = the activation dtype, no scale
 # (the kernel then reads its scale pointer as the weight itself, never dereferenced)
-WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "fp4": ("u8", "u8", True)}
+WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "fp4": ("u8", "u8", True),
+           "int4_awq": ("u8", "fp16", False)}
 
 
 def _weight_args(dt: str, scheme):
     wt, qt, e8m0 = WEIGHTS[scheme]
-    sig = {"q_ptr": "*" + (qt or dt), **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")}}
-    return "*" + (wt or dt), sig, {"QUANT": g.QUANT_CODES[scheme], "E8M0": e8m0}
+    # z_ptr: int4's uint8 zero points; other schemes pass the scale tensor there (never dereferenced)
+    zt = "*u8" if scheme == "int4_awq" else "*" + (qt or dt)
+    sig = {"q_ptr": "*" + (qt or dt), "z_ptr": zt,
+           **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")}}
+    return "*" + (wt or dt), sig, {"QUANT": g.QUANT_CODES[scheme], "E8M0": e8m0, "GROUP": 128}
 
 
 def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
@@ -90,7 +94,7 @@ def main() -> None:
     direct("bf16", False, 8, 16, g.direct_config(False), combine=True)
     direct("bf16", False, 128, 16, g.direct_config(False), combine=True)
     direct("fp32", True, 8, 16, g.direct_config(True))
-    for scheme in ("fp8_block", "fp4"):  # quantized routed experts: the in-loop dequantization, compiled
+    for scheme in ("fp8_block", "fp4", "int4_awq"):  # quantized routed experts: the in-loop dequantization, compiled
         for dual in (True, False):
             direct("bf16", dual, 8, 16, g.direct_config(dual), scheme=scheme)
             aligned("bf16", dual, 32, g.gemm_config(32, dual), scheme=scheme)

@@ -4,14 +4,61 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backend import QuantizedExperts, dequant_fp4, dequant_fp8_block, quantize_fp4, quantize_weight_fp8_block
+from deepinfer.backend import (
+    Int4Weight,
+    QuantizedExperts,
+    dequant_fp4,
+    dequant_fp8_block,
+    quantize_fp4,
+    quantize_weight_fp8_block,
+)
 
 E, D = 4, 64
+
+
+def _int4_projection(w: torch.Tensor, method: str, group: int):
+    """(Int4Weight in the checkpoint's packing, its dense fp32 [out, in]) for one projection: quantized and packed
+    by the checkpoint writer's helpers (AWQ / GPTQ v1 layouts), dequantized here from the unpacked values."""
+    from deepinfer.checkpoints.awq_writer import pack_awq_cols, pack_gptq, quantize_int4
+
+    q, z, s = quantize_int4(w, group)  # q [K, N], zeros [G, N], scales fp16 [G, N]
+    if method == "awq":
+        rec = Int4Weight("awq", pack_awq_cols(q), pack_awq_cols(z), s, group_size=group)
+    else:
+        qw, qz = pack_gptq(q, z)
+        rec = Int4Weight("gptq", qw, qz, s, (torch.arange(w.shape[1]) // group).to(torch.int32), group, 1)
+    rows = torch.arange(w.shape[1]) // group
+    dense = ((q.float() - z.float()[rows]) * s.float()[rows]).t().contiguous()
+    return rec, dense
+
+
+def make_int4_experts(scheme: str, inter: int, seed: int = 0, device="cpu", num_experts: int = E, hidden: int = D,
+                      group: int = 32):
+    """As make_experts for "int4_awq" / "int4_gptq": the experts' records repacked by the engine's loader code
+    (stack_int4_experts), the dense twin from the writer's unpacked values."""
+    from deepinfer.models.layers.quant.int4_experts import stack_int4_experts
+
+    g = torch.Generator().manual_seed(seed)
+    slots, d13, d2 = [], [], []
+    for e in range(num_experts):
+        mats = [torch.randn(inter, hidden, generator=g) / hidden**0.5, torch.randn(inter, hidden, generator=g) /
+                hidden**0.5, torch.randn(hidden, inter, generator=g) / inter**0.5]
+        (rg, dg), (ru, du), (rd, dd) = (_int4_projection(m, scheme.removeprefix("int4_"), group) for m in mats)
+        slots.append((e, rg, ru, rd))
+        d13.append(torch.cat([dg, du]))
+        d2.append(dd)
+    q = stack_int4_experts(scheme, "test", slots)
+    q = type(q)(q.scheme, *(getattr(q, f).to(device) for f in ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros",
+                                                              "w2_zeros")), q.group_size)
+    return q, torch.stack(d13).to(device), torch.stack(d2).to(device)
 
 
 def make_experts(scheme: str, inter: int, seed: int = 0, device="cpu", num_experts: int = E, hidden: int = D):
     """(QuantizedExperts, dense w13 [E, 2I, D] fp32, dense w2 [E, D, I] fp32): the dense ones dequantized here
     projection by projection, not through the code under test."""
+    if scheme.startswith("int4_"):  # the largest group that divides both K (hidden for w13, inter for w2)
+        group = next(gs for gs in (128, 64, 32) if hidden % gs == 0 and inter % gs == 0)
+        return make_int4_experts(scheme, inter, seed, device, num_experts, hidden, group)
     g = torch.Generator().manual_seed(seed)
     rec = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
     d13, d2 = [], []

@@ -20,7 +20,8 @@ from deepinfer.backends.cpu.ops_moe import CPUMoE
 from deepinfer.models.registry import load_model
 
 ROUTER = RouterSpec(num_experts=E, top_k=2, scoring_func="softmax", topk_method="greedy")
-CASES = [("fp8_block", 48), ("fp4", 32)]  # fp8: I not a multiple of 128 (separate gate / up scale grids)
+# fp8: I not a multiple of 128 (separate gate / up scale grids); int4: groups of 32 (AWQ) and 64 (GPTQ)
+CASES = [("fp8_block", 48), ("fp4", 32), ("int4_awq", 32), ("int4_gptq", 64)]
 
 
 def test_fp4_nibble_order_and_values():
@@ -44,7 +45,7 @@ def test_quantized_op_matches_dense_twin(scheme, inter, make):
     assert scheme in op.quantized_expert_schemes()
     op.load_quantized_experts(q)
     # memory: the op holds the stored bytes only (1 byte / 0.5 byte per weight + scales), no dense copy
-    per_weight = 1.0 if scheme == "fp8_block" else 0.5
+    per_weight = 1.0 if scheme == "fp8_block" else 0.5  # int4: two 4-bit values per byte, as fp4
     assert q.w13.element_size() == 1 and q.w13.numel() == E * 2 * inter * D * per_weight
     assert op.w13 is None and getattr(op, "w13_all", None) is None
     x = torch.randn(7, D, generator=torch.Generator().manual_seed(5))

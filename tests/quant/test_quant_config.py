@@ -80,3 +80,19 @@ def test_online_fp8_quantizes_at_load_and_halves_linear_memory(tiny_v3_dir, monk
     head = q.lm_head.weight.numel() * 2
     ratio = (_param_bytes(q) - head) / (_param_bytes(dense) - head)
     assert 0.5 <= ratio < 0.56, ratio  # e4m3 bytes + one fp32 scale per 128x128 block
+
+
+def test_int4_group_sizes():
+    ckpt64 = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64}}
+    assert resolve_linear_quant(None, parse_quant_config({"method": "gptq"}), ckpt64)[1] == "int4_gptq"
+    assert resolve_linear_quant(None, parse_quant_config({"method": "int4", "group_size": 64}), ckpt64)[1] == \
+        "int4_gptq"
+    with pytest.raises(ConfigError, match="group_size 128, but the checkpoint's quantization_config has group_size 64"):
+        resolve_linear_quant(None, parse_quant_config({"method": "gptq", "group_size": 128}), ckpt64)
+    with pytest.raises(ConfigError, match="group_size 48: int4 supports 32, 64, 128"):
+        parse_quant_config({"method": "awq", "group_size": 48})
+    from deepinfer.errors import UnsupportedModelError
+    from deepinfer.quant_config import int4_checkpoint_format
+
+    with pytest.raises(UnsupportedModelError, match="group_size 256 is not supported"):
+        int4_checkpoint_format({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 256}})

@@ -12,10 +12,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend.layer_ops import MOE_QUANT_SCHEMES, MoEOp, QuantizedExperts
+from deepinfer.backend.layer_ops import INT4_EXPERT_SCHEMES, MOE_QUANT_SCHEMES, MoEOp, QuantizedExperts
 from deepinfer.backend.native.activation import silu_and_mul
 from deepinfer.backend.native.linear import dequant_fp8_block
 from deepinfer.backend.native.quant_fp4 import dequant_fp4
+from deepinfer.backend.native.quant_int4 import dequant_int4_rows
 from deepinfer.backend.native.routing import route as native_route
 from deepinfer.backend.native.routing import validate_router
 from deepinfer.backend.specs import MoESpec
@@ -35,6 +36,9 @@ def dequant_expert(q: QuantizedExperts, e: int, dtype: torch.dtype) -> tuple[tor
         w2 = dequant_fp8_block(q.w2[e], q.w2_scale[e])
     elif q.scheme == "fp4":
         w13, w2 = dequant_fp4(q.w13[e], q.w13_scale[e]), dequant_fp4(q.w2[e], q.w2_scale[e])
+    elif q.scheme in INT4_EXPERT_SCHEMES:
+        w13 = dequant_int4_rows(q.w13[e], q.w13_zeros[e], q.w13_scale[e], q.group_size)
+        w2 = dequant_int4_rows(q.w2[e], q.w2_zeros[e], q.w2_scale[e], q.group_size)
     else:
         raise BackendError(f"QuantizedExperts scheme {q.scheme!r}")
     return w13.to(dtype), w2.to(dtype)

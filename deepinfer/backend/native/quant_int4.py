@@ -119,3 +119,33 @@ def dequant_int4(w: Int4Weight) -> torch.Tensor:
     q, z, s = int4_values(w)
     g = w.groups_of_rows().long()
     return ((q.float() - z[g]) * s[g]).t().contiguous()
+
+
+# ------------------------------------------------------------ routed experts (QuantizedExperts "int4_awq" / "int4_gptq")
+
+
+def int4_expert_rows(w: Int4Weight, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One expert projection's checkpoint record -> the QuantizedExperts int4 layout (backend/layer_ops.py):
+    (q uint8 [N, K/2], two per byte, low nibble = even input channel; zeros uint8 [N, K/G], offset applied;
+    scales [N, K/G] as stored). The same for AWQ and GPTQ: both become row-major nibbles along K, so a kernel
+    reads an expert's [rows, K-tile] like V4's fp4 bytes. A GPTQ g_idx other than k // G (act-order) is refused:
+    the layout's groups are contiguous runs of G inputs (the rows are not permuted)."""
+    q, z, s = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied), s fp32 [G, N]
+    k, g = q.shape[0], w.group_size
+    if w.g_idx is not None:
+        trivial = torch.arange(k, device=w.g_idx.device) // g
+        if not torch.equal(w.g_idx.long(), trivial):
+            raise ModelLoadError(f"{name}.g_idx is not arange(in_features) // {g} (a GPTQ act-order / desc_act "
+                                 "checkpoint): int4 routed experts run with contiguous groups only")
+    qt = q.t().to(torch.uint8)  # [N, K]
+    packed = (qt[:, 0::2] | (qt[:, 1::2] << 4)).contiguous()
+    zeros = z.t().round().to(torch.uint8).contiguous()
+    return packed, zeros, w.scales.t().contiguous()
+
+
+def dequant_int4_rows(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """The reference of the int4 experts layout: fp32 [N, K] = (q - zero) * scale, per row and group of inputs."""
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).float()
+    z = zeros.float().repeat_interleave(group, dim=1)
+    s = scales.float().repeat_interleave(group, dim=1)
+    return (q - z) * s

@@ -142,16 +142,19 @@ def fused_moe(
     counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
     before_combine: Callable[[], None] | None = None,  # called just before shared_out is read (a stream join)
     skip_unrouted: bool = False,  # topk_ids may hold -1 (another rank's expert): those pairs add nothing
-    scheme: str | None = None,  # "fp8_block" / "fp4": w13 / w2 quantized as QuantizedExperts holds them
+    scheme: str | None = None,  # "fp8_block" / "fp4" / "int4_*": w13 / w2 quantized as QuantizedExperts holds them
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int = 128,  # int4: input channels per scale / zero point
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
     if scheme is not None and shared_w is not None:
         raise BackendError("fused_moe: shared-expert weights fold in only with dense routed experts")
-    q13 = {"scale": w13_scale, "scheme": scheme}
-    q2 = {"scale": w2_scale, "scheme": scheme}
+    q13 = {"scale": w13_scale, "scheme": scheme, "zeros": w13_zeros, "group_size": group_size}
+    q2 = {"scale": w2_scale, "scheme": scheme, "zeros": w2_zeros, "group_size": group_size}
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)

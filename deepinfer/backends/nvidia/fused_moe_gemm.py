@@ -33,12 +33,14 @@ from deepinfer.errors import BackendError
 
 
 @triton.jit
-def _load_w(b_base, q_base, rows, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
-            QUANT: tl.constexpr, E8M0: tl.constexpr, ACT: tl.constexpr):
+def _load_w(b_base, q_base, z_base, rows, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
+            QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] weight tile B[rows, kk]^T, dequantized in registers when QUANT: 1 = fp8 e4m3 times
     its 128x128 block scale, 2 = fp4 e2m1 (two per byte, low nibble first) times its per-row per-32 scale (e8m0
-    bytes when E8M0, else fp32). Dequantized in fp32 and rounded once to the activation dtype, as the native
-    oracle densifies an expert (backend/native/moe.py dequant_expert)."""
+    bytes when E8M0, else fp32), 3 = int4 AWQ / GPTQ (unsigned q two per byte, low nibble first) as
+    (q - zero) * scale with a zero (uint8, z_base) and a scale per row per GROUP inputs. Dequantized in fp32 and
+    rounded once to the activation dtype, as the native oracle densifies an expert (backend/native/moe.py
+    dequant_expert)."""
     m = kmask[:, None] & nmask[None, :]
     # one constexpr branch is compiled (if / elif / else: an early return would not stop the compiler from
     # typing the branches after it against this scheme's pointer types)
@@ -48,6 +50,13 @@ def _load_w(b_base, q_base, rows, kk, kmask, nmask, stride_bn, stride_qn, stride
         w = tl.load(b_base + rows[None, :] * stride_bn + kk[:, None], mask=m, other=0.0).to(tl.float32)
         sc = tl.load(q_base + (rows // 128)[None, :] * stride_qn + (kk // 128)[:, None] * stride_qk, mask=m, other=0.0)
         out = (w * sc).to(ACT)
+    elif QUANT == 3:
+        byte = tl.load(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
+        q = ((byte >> ((kk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
+        g_off = rows[None, :] * stride_qn + (kk // GROUP)[:, None] * stride_qk
+        zero = tl.load(z_base + g_off, mask=m, other=0).to(tl.float32)
+        sc = tl.load(q_base + g_off, mask=m, other=0.0).to(tl.float32)
+        out = ((q - zero) * sc).to(ACT)
     else:
         byte = tl.load(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
         nib = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
@@ -66,13 +75,14 @@ def _load_w(b_base, q_base, rows, kk, kmask, nmask, stride_bn, stride_qn, stride
 
 @triton.jit
 def _mainloop(a_ptr, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
-              q_base, uq_off, stride_qn, stride_qk,
+              q_base, z_base, uq_off, stride_qn, stride_qk,
               DUAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-              QUANT: tl.constexpr, E8M0: tl.constexpr,
+              QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32. Quantized B
     (QUANT) is dequantized tile by tile in registers (W8A16 / W4A16: Hopper has no fp4 tensor cores); u_off /
-    uq_off then shift the weight bytes / the scale rows to the up projection."""
+    uq_off then shift the weight bytes / the scale rows (and the int4 zeros, laid out as the scales) to the up
+    projection."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     brows = offs_n.to(tl.int64)
@@ -83,14 +93,15 @@ def _mainloop(a_ptr, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, strid
         kk = offs_k + k0
         kmask = kk < K
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = _load_w(b_base, q_base, brows, kk, kmask, nmask, stride_bn, stride_qn, stride_qk, QUANT, E8M0, ACT)
+        b = _load_w(b_base, q_base, z_base, brows, kk, kmask, nmask, stride_bn, stride_qn, stride_qk, QUANT, E8M0,
+                    GROUP, ACT)
         if UPCAST:  # the interpreter's bf16 tl.dot is wrong (NOTES.md)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc_g += tl.dot(a, b, input_precision=PREC)
         if DUAL:
-            u = _load_w(b_base + u_off, q_base + uq_off, brows, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
-                        QUANT, E8M0, ACT)
+            u = _load_w(b_base + u_off, q_base + uq_off, z_base + uq_off, brows, kk, kmask, nmask, stride_bn,
+                        stride_qn, stride_qk, QUANT, E8M0, GROUP, ACT)
             if UPCAST:
                 u = u.to(tl.float32)
             acc_u += tl.dot(a, u, input_precision=PREC)
@@ -114,9 +125,9 @@ def _epilogue(acc_g, acc_u, wv, ACT: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGH
 def _aligned_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npad_ptr,
     N, K, num_pairs, u_off, stride_am, stride_be, stride_bn, stride_cm,
-    q_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
     A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, E8M0: tl.constexpr,
+    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -132,8 +143,8 @@ def _aligned_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     acc_g, acc_u = _mainloop(a_ptr, rows, pmask, stride_am, b_ptr + expert * stride_be, u_off, offs_n, nmask,
-                             stride_bn, K, q_ptr + expert * stride_qe, uq_off, stride_qn, stride_qk,
-                             DUAL, UPCAST, PREC, QUANT, E8M0, BLOCK_M, BLOCK_N, BLOCK_K)
+                             stride_bn, K, q_ptr + expert * stride_qe, z_ptr + expert * stride_qe, uq_off, stride_qn,
+                             stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
     if MUL_WEIGHT:
         wv = tl.load(w_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
     else:
@@ -146,10 +157,10 @@ def _aligned_gemm_kernel(
 @triton.jit
 def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                  N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn, stride_cm,
-                 q_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+                 q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
                  DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, E8M0: tl.constexpr,
+                 QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
@@ -163,10 +174,10 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
     shared = expert >= num_experts
     base = tl.where(shared, bs_ptr + tl.maximum(expert - num_experts, 0).to(tl.int64) * shared_step,
                     b_ptr + tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_be)
-    q_base = q_ptr + tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_qe  # no shared expert when QUANT
+    q_off = tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_qe  # no shared expert when QUANT
     acc_g, acc_u = _mainloop(a_ptr, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off), offs_n, nmask,
-                             tl.where(shared, stride_sn, stride_bn), K, q_base, uq_off, stride_qn, stride_qk,
-                             DUAL, UPCAST, PREC, QUANT, E8M0, BLOCK_M, BLOCK_N, BLOCK_K)
+                             tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off, z_ptr + q_off, uq_off,
+                             stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
     if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
         p_slot = pairs % SLOTS
         p_routed = p_slot < TOP_K
@@ -211,10 +222,10 @@ def _direct_gemm_kernel(
     a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, ids_ptr, out_ptr, s_ptr, cnt_ptr,
     N, K, num_pairs, num_experts, u_off, us_off, shared_step,
     stride_am, stride_be, stride_bn, stride_sn, stride_cm, stride_o, stride_s,
-    q_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
     DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, E8M0: tl.constexpr,
+    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr,
     COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -234,8 +245,8 @@ def _direct_gemm_kernel(
     if (tl.min(tl.where(match, offs_q, BLOCK_P), 0) == pid_p) & (expert >= 0):
         _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
-                     stride_cm, q_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
-                     MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, BLOCK_M, BLOCK_N, BLOCK_K)
+                     stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
+                     MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -287,24 +298,32 @@ def direct_config(dual: bool) -> dict:
     return cfg
 
 
-QUANT_CODES = {None: 0, "fp8_block": 1, "fp4": 2}
+QUANT_CODES = {None: 0, "fp8_block": 1, "fp4": 2, "int4_awq": 3, "int4_gptq": 3}
+PACKED = (2, 3)  # two 4-bit values per byte along K
 
 
-def _quant_args(w: torch.Tensor, scale: torch.Tensor | None, scheme: str | None, dual: bool, n_out: int):
-    """(K, scale tensor, uq_off, (stride_qe, stride_qn, stride_qk), QUANT, E8M0) for a weight of `scheme`: the
-    logical K (fp4 packs two per byte), and the up projection's scale offset (fp8: the gate grid's rows, fp4: I
-    rows) for a DUAL weight."""
+def _quant_args(w: torch.Tensor, scale: torch.Tensor | None, scheme: str | None, dual: bool, n_out: int,
+                zeros: torch.Tensor | None = None):
+    """(K, scale tensor, zeros tensor, uq_off, (stride_qe, stride_qn, stride_qk), QUANT, E8M0) for a weight of
+    `scheme`: the logical K (fp4 / int4 pack two per byte), and the up projection's scale offset (fp8: the gate
+    grid's rows, fp4 / int4: I rows) for a DUAL weight. int4's zeros are laid out as its scales (same offsets)."""
     if scheme not in QUANT_CODES:
-        raise BackendError(f"MoE grouped GEMM: weight scheme {scheme!r} (known: fp8_block, fp4)")
+        raise BackendError(f"MoE grouped GEMM: weight scheme {scheme!r} (known: fp8_block, fp4, int4_awq, int4_gptq)")
     if scheme is None:
-        return w.shape[2], w, 0, (0, 0, 0), 0, False
+        return w.shape[2], w, w, 0, (0, 0, 0), 0, False
     if scale is None or scale.dim() != 3 or scale.shape[0] != w.shape[0]:
         raise BackendError(f"MoE grouped GEMM: {scheme} weights need a [E, rows, cols] scale")
-    k = w.shape[2] * (2 if scheme == "fp4" else 1)
+    code = QUANT_CODES[scheme]
+    if code == 3:
+        if zeros is None or zeros.shape != scale.shape or zeros.stride() != scale.stride() or zeros.dtype != torch.uint8:
+            raise BackendError(f"MoE grouped GEMM: {scheme} weights need uint8 zeros of the scale's shape and strides")
+    else:
+        zeros = scale  # never read
+    k = w.shape[2] * (2 if code in PACKED else 1)
     uq = 0
     if dual:
         uq = (scale.shape[1] // 2 if scheme == "fp8_block" else n_out) * scale.stride(1)
-    return (k, scale, uq, (scale.stride(0), scale.stride(1), scale.stride(2)), QUANT_CODES[scheme],
+    return (k, scale, zeros, uq, (scale.stride(0), scale.stride(1), scale.stride(2)), code,
             scale.dtype == torch.uint8)
 
 
@@ -316,21 +335,23 @@ def aligned_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_padded: torch.Tensor, num_pairs: int, a_div: int, block_m: int, topk_weights: torch.Tensor | None = None,
     dual: bool = False, scale: torch.Tensor | None = None, scheme: str | None = None,
+    zeros: torch.Tensor | None = None, group_size: int = 128,
 ) -> None:
     """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]); dual: silu(gate) * up, out [pairs, N/2].
-    scheme "fp8_block" / "fp4": w and scale as QuantizedExperts holds them, dequantized in the inner loop."""
+    scheme "fp8_block" / "fp4" / "int4_*": w, scale (and int4 zeros, group_size) as QuantizedExperts holds them,
+    dequantized in the inner loop."""
     E, N, _ = w.shape
     n_out = N // 2 if dual else N
-    K, q, uq_off, (sqe, sqn, sqk), quant, e8m0 = _quant_args(w, scale, scheme, dual, n_out)
+    K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = _quant_args(w, scale, scheme, dual, n_out, zeros)
     cfg = gemm_config(block_m, dual)
     grid = (expert_ids.shape[0], triton.cdiv(n_out, cfg["block_n"]))
     _aligned_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else a, sorted_ids, expert_ids, num_padded,
         n_out, K, num_pairs, n_out * w.stride(1), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        q, uq_off, sqe, sqn, sqk,
+        q, z, uq_off, sqe, sqn, sqk,
         A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=_prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -339,7 +360,8 @@ def direct_gemm(
     a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor | None, out: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
     combine_into: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-    scale: torch.Tensor | None = None, scheme: str | None = None,
+    scale: torch.Tensor | None = None, scheme: str | None = None, zeros: torch.Tensor | None = None,
+    group_size: int = 128,
 ) -> None:
     """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
 
@@ -353,7 +375,7 @@ def direct_gemm(
     slots = top_k + num_shared
     num_pairs = T * slots
     n_out = N // 2 if dual else N
-    K, q, uq_off, (sqe, sqn, sqk), quant, e8m0 = _quant_args(w, scale, scheme, dual, n_out)
+    K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = _quant_args(w, scale, scheme, dual, n_out, zeros)
     if quant and shared_w is not None:
         raise BackendError("direct_gemm: shared experts fold in only with dense routed experts")
     if shared_w is None:
@@ -374,10 +396,10 @@ def direct_gemm(
         final, shared_out if shared_out is not None else final, counters,
         n_out, K, num_pairs, E, n_out * w.stride(1), us_off, shared_step,
         a.stride(0), w.stride(0), w.stride(1), stride_sn, out.stride(0), final.stride(0),
-        shared_out.stride(0) if shared_out is not None else 0, q, uq_off, sqe, sqn, sqk,
+        shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=_prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
+        GROUP=group_size, COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

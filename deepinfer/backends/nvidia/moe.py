@@ -74,7 +74,8 @@ class TritonMoE(NativeMoE):
             self.side_stream = torch.cuda.Stream(device=w13.device)
 
     def quantized_expert_schemes(self) -> tuple[str, ...]:
-        """fp8 block and fp4 experts: dequantized in the grouped GEMMs' inner loop (W8A16 / W4A16)."""
+        """fp8 block, fp4 and int4 (AWQ / GPTQ) experts: dequantized in the grouped GEMMs' inner loop (W8A16 /
+        W4A16)."""
         return MOE_QUANT_SCHEMES
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
@@ -91,7 +92,10 @@ class TritonMoE(NativeMoE):
         q = self.quant
         if q is None:
             return {"w13": self.w13, "w2": self.w2}
-        return {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
+        out = {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
+        if q.w13_zeros is not None:  # int4: zero points and the group size
+            out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size)
+        return out
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         if self.quant is not None:

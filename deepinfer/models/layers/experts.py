@@ -6,9 +6,10 @@ Checkpoints store one tensor per expert and projection (V2/V3:
 as plain tensors while loading (V3 has 44k of them, too many to make modules
 of), then either kept quantized and stacked into a `QuantizedExperts` record, when the backend's MoE op
 runs that scheme (`op.quantized_expert_schemes()`: "fp8_block" e4m3 + 128x128 scales, "fp4" V4's e2m1 +
-per-32 scales), or densified through the backend's linear method (fp8: dequantized by the backend, not
-here; fp4: dequantized by the native oracle) and stacked dense, as every op takes. An int4 (AWQ / GPTQ)
-expert arrives as an `Int4Weight` record and is densified the same way (docs/quantization.md).
+per-32 scales, "int4_awq" / "int4_gptq" repacked by quant/int4_experts.py), or densified through the
+backend's linear method (fp8: dequantized by the backend, not here; fp4: dequantized by the native oracle)
+and stacked dense, as every op takes. An int4 (AWQ / GPTQ) expert arrives as an `Int4Weight` record; kept int4 when the op runs the scheme and every projection is int4,
+else densified the same way (docs/quantization.md).
 
 Many ranks (docs/parallelism.md): without expert parallelism each rank holds every expert's slice of the
 intermediate dimension (`tp_part`: gate / up rows and down columns [r * I/tp, (r + 1) * I/tp)); with it each
@@ -25,6 +26,7 @@ import torch
 from deepinfer.backend import FP4_GROUP, Backend, QuantizedExperts, as_fp4_scale, as_packed_fp4, dequant_fp4
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.layers.linear import FP8_BLOCK, Linear, Loader, prepare_scale, prepare_weight
+from deepinfer.models.layers.quant.int4_experts import int4_scheme_of, stack_int4_experts
 from deepinfer.models.weights import OTHER_RANK, sliced
 
 
@@ -129,8 +131,11 @@ class ExpertWeights:
 
     @property
     def scheme(self) -> str | None:
-        """The QuantizedExperts scheme these experts are stored in (None: dense)."""
-        return "fp4" if self.fp4 else ("fp8_block" if self.quantized else None)
+        """The QuantizedExperts scheme these experts are stored in (None: dense); int4 (AWQ / GPTQ) is read from
+        the loaded records (models/layers/quant/int4_experts.py)."""
+        if self.fp4 or self.quantized:
+            return "fp4" if self.fp4 else "fp8_block"
+        return int4_scheme_of([t for (_, _, kind), t in self._loaded.items() if kind == "weight"])
 
     def _split_size(self, proj: str, kind: str) -> int:
         """This rank's extent of a stored tensor along the split (intermediate) dimension: rows of gate / up,
@@ -239,6 +244,8 @@ class ExpertWeights:
         (an fp8 checkpoint may leave some experts unquantized: those layers are densified)."""
         if self.scheme is None or self.scheme not in op_schemes:
             return False
+        if self.scheme.startswith("int4_"):  # every projection of every expert here an int4 record (scheme says so)
+            return True
         want = torch.uint8 if self.fp4 else torch.float8_e4m3fn
         weights = [t for (_, _, kind), t in self._loaded.items() if kind == "weight"]
         scales = sum(kind == "scale" for (_, _, kind) in self._loaded)
@@ -247,9 +254,21 @@ class ExpertWeights:
     def quantized_stack(self) -> QuantizedExperts:
         """The experts as stored, stacked one row per slot (QuantizedExperts' layout for self.scheme); the
         per-expert tensors are released. A second replica on this rank copies the first."""
-        if self.scheme is None:
+        scheme = self.scheme  # int4: read from the records, which the stacking releases
+        if scheme is None:
             raise ModelLoadError("quantized_stack: these routed experts are not quantized")
         gate, up, down = self.names
+        if scheme.startswith("int4_"):
+            seen: dict[int, int] = {}
+            slots = []
+            for s, e in enumerate(self.slot_experts):
+                if e in seen:
+                    slots.append(seen[e])
+                    continue
+                seen[e] = s
+                slots.append((e, self._take(e, gate, "weight"), self._take(e, up, "weight"),
+                              self._take(e, down, "weight")))
+            return stack_int4_experts(scheme, self.prefix, slots)
         parts: dict[str, list[torch.Tensor]] = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
         first: dict[int, int] = {}
         for s, e in enumerate(self.slot_experts):

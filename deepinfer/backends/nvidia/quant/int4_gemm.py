@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.errors import BackendError
+
 
 @triton.jit
 def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, stride_xm, stride_cm,
@@ -51,7 +53,8 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, c_ptr, bias_ptr, M, N,
 
 
 def _tiles(m: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K divides 128 (K is a multiple of 128)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); int4_gemm halves BLOCK_K until it divides K (the
+    loads are not masked along K; K is a multiple of the group size, 32 at least)."""
     if not on_gpu:
         return 16, 32, 32, 4, 1
     if m <= 16:
@@ -73,6 +76,10 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         return c
     on_gpu = x.device.type == "cuda"
     bm, bn, bk, warps, stages = _tiles(m, on_gpu)
+    while k % bk:
+        bk //= 2
+    if bk < 8:
+        raise BackendError(f"int4_gemm: in_features {k} is not a multiple of 8")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int4_gemm_kernel[grid](x, qweight, zeros, scales, g_idx, c, bias if bias is not None else c, m, n, k,
                             x.stride(0), c.stride(0), HAS_BIAS=bias is not None, UPCAST=not on_gpu,
