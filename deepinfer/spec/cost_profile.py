@@ -1,13 +1,22 @@
 """The step-cost table of the confidence scheduler, profiled once at start-up: seconds of one forward at a
 batch token count.
 
-Without decode graphs: eager forwards on throw-away caches with verify-shaped sequences (1 + k tokens each).
+Without decode graphs: eager forwards on throw-away caches with verify-shaped sequences (1 + k tokens each), in the
+form the engine runs them: on a backend whose eager verify steps run as decode rows (the cpu backend,
+`SpecStepPipeline.decode_rows_eager`) as the decode-shaped batch (spec/verify_batch.py), else varlen. Timing the
+varlen form there times the MLA op's per-request prefill path, which the engine no longer takes for a verify step
+(measured 0-45% slower on the cpu backend), and the scheduler would overestimate what a verified token costs.
 With decode graphs, a step of decodes and verify rows replays a graph (spec/verify_batch.py), so a token count
 the graphs cover is timed as what the engine runs then: a replay of the decode graph of that many rows
 (`GraphRunner.run` on a decode-shaped batch that reads the engine's cache and writes nothing: KV slots -1).
 Counts above the largest bucket still run eagerly in the engine, and are profiled eagerly. Timing the eager
 forward where the engine replays a graph would overstate every step's cost (about 6x on the H200 for a
 verify step), and the scheduler would refuse to draft where drafting pays.
+
+Every profiled batch holds different (seeded random) token ids, not one id repeated: a MoE layer's cost grows with
+the distinct experts its tokens reach, and a batch of one repeated id reaches the same top-k experts whatever its
+size. On the cpu backend with the embedded model (fp8 experts dequantized per call) the repeated-id table
+underpriced 16 tokens 2.5x (14 vs 36 ms; a plain 16-sequence decode step measures 36 ms in the benchmark).
 """
 
 from __future__ import annotations
@@ -16,9 +25,12 @@ import time
 
 import torch
 
-from deepinfer.backend import ForwardBatch, GraphRunner
+from deepinfer.backend import ForwardBatch, GraphRunner, KVCaches, token_slots
 from deepinfer.spec.scheduler import StepCostTable
-from deepinfer.worker.profile_run import profile_forward
+from deepinfer.spec.verify_batch import decode_shaped
+
+# how a profiled token count was timed (the start-up log prints it; SlotPolicy.cost_shapes keeps it)
+GRAPH, DECODE_ROWS, VARLEN = "graph", "decode rows", "varlen"
 
 
 def profile_counts(max_tokens: int) -> list[int]:
@@ -32,14 +44,24 @@ def profile_counts(max_tokens: int) -> list[int]:
     return counts
 
 
+def probe_token_ids(num_tokens: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Distinct-looking token ids for a profiled batch (seeded, so the table is reproducible). A MoE layer's cost
+    grows with the number of distinct experts its tokens route to (every expert hit is read, or on the cpu
+    backend dequantized, once per call); one repeated id routes every token to the same top-k experts, so a
+    profile of it prices each extra verified token at almost nothing, where a real batch of different tokens
+    reaches more experts."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=gen, dtype=torch.int64).to(device)
+
+
 def graph_probe_batch(num_rows: int, k: int, group_names: list[str], device: torch.device,
-                      block_size: int) -> ForwardBatch:
+                      block_size: int, vocab_size: int) -> ForwardBatch:
     """num_rows decode rows shaped like verify rows of 1 + k tokens (positions 0..k, seq_len position + 1) over
     block 0 of every group, writing no KV (slot -1): a graph replay of it reads the cache and changes nothing."""
     pos = torch.arange(num_rows, dtype=torch.int64) % (k + 1)
     dev = {"device": device}
     return ForwardBatch(
-        input_ids=torch.zeros(num_rows, dtype=torch.int64, **dev),
+        input_ids=probe_token_ids(num_rows, vocab_size, device),
         positions=pos.to(device),
         query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, **dev),
         seq_lens=(pos + 1).to(torch.int32).to(device),
@@ -54,18 +76,67 @@ def graph_probe_batch(num_rows: int, k: int, group_names: list[str], device: tor
     )
 
 
+@torch.inference_mode()
+def verify_forward(model, block_size: int, num_tokens: int, k: int, device: torch.device, layouts=None,
+                   decode_rows: bool = False) -> ForwardBatch:
+    """One eager forward of num_tokens tokens in verify-shaped sequences of 1 + k (the last one shorter) on a
+    throw-away cache, with the logits of every row, in the form the engine runs an eager verify step: varlen, or
+    with decode_rows (`SpecStepPipeline.decode_rows_eager`) the batch decode-shaped, one decode row per token
+    (spec/verify_batch.py). Token ids from `probe_token_ids`. Returns the batch that ran."""
+    specs = model.kv_cache_specs()
+    q = k + 1
+    lens = [min(q, num_tokens - i) for i in range(0, num_tokens, q)]
+    per_seq = {s.name: max(1, -(-s.num_entries(q) // block_size)) for s in specs}
+    caches = KVCaches.allocate(specs, {name: n * len(lens) for name, n in per_seq.items()}, block_size, len(lens),
+                               device, layouts)
+    if caches.state and decode_rows:
+        raise ValueError("verify_forward: a model with per-sequence state never runs verify steps as decode rows")
+    pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
+    req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    tables, slots = {}, {}
+    for s in specs:
+        table = torch.arange(per_seq[s.name] * len(lens), dtype=torch.int32).view(len(lens), per_seq[s.name])
+        tables[s.name] = table.to(device)
+        slots[s.name] = token_slots(table, req, pos, s.tokens_per_entry, block_size).to(device)
+    qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    batch = ForwardBatch(
+        input_ids=probe_token_ids(num_tokens, model.vocab_size, device),
+        positions=pos.to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        context_lens=torch.zeros(len(lens), dtype=torch.int32, device=device),
+        block_tables=tables,
+        slot_mapping=slots,
+        logits_indices=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        query_lens_cpu=list(lens),
+        seq_lens_cpu=list(lens),
+        context_lens_cpu=[0] * len(lens),
+        state_slots=torch.arange(len(lens), dtype=torch.int32, device=device) if caches.state else None,
+        state_slots_cpu=list(range(len(lens))) if caches.state else [],
+        block_size=block_size,
+    )
+    if decode_rows:
+        batch = decode_shaped(batch)
+    hidden = model.forward(batch, caches)
+    model.compute_logits(hidden[batch.logits_indices]).float()
+    return batch
+
+
 def profile_step_costs(model, backend, block_size: int, k: int, max_tokens: int, repeats: int = 2,
                        layouts=None, graph_runner: GraphRunner | None = None,
-                       group_names: list[str] | None = None) -> tuple[StepCostTable, list[bool]]:
-    """(the table, per profiled count whether it was a graph replay). Each point is the fastest of `repeats`
-    runs (the others' noise is the machine's, not the step's). graph_runner / group_names: the engine's decode
-    graphs and its KV groups; counts they can replay are timed as replays (module docstring)."""
+                       group_names: list[str] | None = None,
+                       decode_rows: bool = False) -> tuple[StepCostTable, list[str]]:
+    """(the table, per profiled count how it was timed: GRAPH, DECODE_ROWS or VARLEN). Each point is the fastest
+    of `repeats` runs (the others' noise is the machine's, not the step's). graph_runner / group_names: the
+    engine's decode graphs and its KV groups; counts they can replay are timed as replays. decode_rows: the
+    engine runs eager verify steps as decode rows (`SpecStepPipeline.decode_rows_eager`), so counts without a
+    graph are timed that way (module docstring)."""
     counts = profile_counts(max_tokens)
-    seconds, graphed = [], []
+    seconds, shapes = [], []
     for n in counts:
         probe = None
         if graph_runner is not None:
-            probe = graph_probe_batch(n, k, group_names or [], backend.device, block_size)
+            probe = graph_probe_batch(n, k, group_names or [], backend.device, block_size, model.vocab_size)
             if not graph_runner.can_run(probe):
                 probe = None
         best = float("inf")
@@ -74,9 +145,9 @@ def profile_step_costs(model, backend, block_size: int, k: int, max_tokens: int,
             if probe is not None:
                 model.compute_logits(graph_runner.run(probe)).float()  # the verify step's logits: every row
             else:
-                profile_forward(model, block_size, n, k + 1, n, backend.device, layouts)
+                verify_forward(model, block_size, n, k, backend.device, layouts, decode_rows)
             backend.synchronize()
             best = min(best, time.perf_counter() - t0)
         seconds.append(max(best, 1e-6))
-        graphed.append(probe is not None)
-    return StepCostTable(counts, seconds), graphed
+        shapes.append(GRAPH if probe is not None else DECODE_ROWS if decode_rows else VARLEN)
+    return StepCostTable(counts, seconds), shapes

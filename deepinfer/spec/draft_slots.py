@@ -93,7 +93,11 @@ class SlotPolicy:
     max_model_len: int
     calibrator: SurvivalCalibrator | None = None
     cost: StepCostTable | None = None
+    cost_shapes: list[str] = field(default_factory=list)  # per profiled count: how it was timed (spec/cost_profile.py)
     draft_seconds: float = 0.0  # the last steps' drafting time (moving average), for the admission
+    # MTP drafting seconds by drafting sequences, profiled at start-up (spec/draft_cost.py); when set, the admission
+    # charges it at this step's drafting sequences in place of draft_seconds (measured at another load, or stale)
+    draft_cost: StepCostTable | None = None
     # adaptive: when the admission verifies nothing (speculation does not pay at this load by the cost model),
     # drafting stops for probe_every steps (plain decode steps); then one probe step verifies the full static
     # drafts of probe_seqs sequences (the calibrator learns every slot's acceptance, which a step admitting
@@ -112,6 +116,12 @@ class SlotPolicy:
     def adaptive(self) -> bool:
         return self.calibrator is not None
 
+    def drafting_seconds(self, num_seqs: int) -> float:
+        """What drafting for num_seqs sequences costs (the sequences sampling this step draft after it)."""
+        if self.draft_cost is None:
+            return self.draft_seconds
+        return float(self.draft_cost.cost(torch.tensor(float(num_seqs))))
+
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
@@ -128,7 +138,7 @@ class SlotPolicy:
         slots = torch.arange(width).expand(len(held), width)
         survival = self.calibrator.estimate(slots, conf)
         counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
-                       speculation_seconds=self.draft_seconds).num_slots.tolist()
+                       speculation_seconds=self.drafting_seconds(base_yield)).num_slots.tolist()
         if not any(counts):
             self.paused = self.probe_every
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)

@@ -33,23 +33,32 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     if runner.graph_runner is not None:
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
+    # the cpu MLA op batches decode rows and takes a multi-token row through a per-request prefill: verify rows as
+    # decode rows compute the same (causal by construction) and measured 0-45% faster there (docs/speculative.md).
+    # The step-cost table is profiled in the same form, or it would price a verify step the engine never runs.
+    decode_rows_eager = backend.name == "cpu"
     if cfg.speculative_adaptive:
         from deepinfer.spec.cost_profile import profile_step_costs
 
         budget = scheduler.max_num_batched_tokens
         policy.calibrator = SurvivalCalibrator(num_slots=k)
-        policy.cost, graphed = profile_step_costs(model, backend, kv.block_size, k, min(budget, 512), layouts=layouts,
-                                                  graph_runner=runner.graph_runner,
-                                                  group_names=[s.name for s in kv.specs])
+        policy.cost, policy.cost_shapes = profile_step_costs(
+            model, backend, kv.block_size, k, min(budget, 512), layouts=layouts, graph_runner=runner.graph_runner,
+            group_names=[s.name for s in kv.specs], decode_rows=decode_rows_eager)
+        if method == "mtp":
+            from deepinfer.spec.draft_cost import profile_draft_costs
+
+            policy.draft_cost = profile_draft_costs(model, backend, kv.block_size, k, min(cfg.max_num_seqs, 128),
+                                                    layouts=layouts)
+            logger.info("speculative decoding: MTP drafting costs %s", ", ".join(
+                f"{n} seqs {s * 1e3:.2f} ms" for n, s in zip(policy.draft_cost.tokens, policy.draft_cost.seconds)))
         logger.info("speculative decoding: step costs %s", ", ".join(
-            f"{n} tok {s * 1e3:.2f} ms{' (graph)' if g else ''}"
-            for n, s, g in zip(policy.cost.tokens, policy.cost.seconds, graphed)))
+            f"{n} tok {s * 1e3:.2f} ms ({shape})"
+            for n, s, shape in zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
     logger.info("speculative decoding: %s, k=%d, %s", method, k,
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
-    # the cpu MLA op batches decode rows and takes a multi-token row through a per-request prefill: verify rows as
-    # decode rows compute the same (causal by construction) and measured 0-45% faster there (docs/speculative.md)
-    pipeline.decode_rows_eager = backend.name == "cpu"
+    pipeline.decode_rows_eager = decode_rows_eager
     return pipeline
 
 
