@@ -39,6 +39,25 @@ def block_key(parent: bytes, tokens, salt: bytes) -> bytes:
     return h.digest()
 
 
+def chain_keys(parent: bytes, tokens, block_size: int, salt: bytes) -> list[bytes]:
+    """The chained keys of consecutive full blocks of `tokens` (a list or an int64 array whose length is a
+    multiple of block_size), the first chained to `parent`: block_key's bytes exactly (so disk-tier files
+    keep their names), but one array conversion for all the blocks instead of one per block, and each block's
+    bytes hashed as a slice of one buffer. At 8k tokens this is what a prefix hit spends hashing."""
+    buf = memoryview(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    step = block_size * 8
+    if len(buf) % step:
+        raise DeepInferError(f"chain_keys: {len(buf) // 8} tokens are not whole blocks of {block_size}")
+    out, sha = [], hashlib.sha256
+    for off in range(0, len(buf), step):
+        h = sha(parent)
+        h.update(buf[off: off + step])
+        h.update(salt)
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
 class CachingBlockPool(BlockPool):
     """A BlockPool whose freed full blocks stay findable by key until a new allocation evicts them."""
 

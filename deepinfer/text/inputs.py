@@ -12,6 +12,8 @@ from typing import Any
 from deepinfer.errors import InvalidRequestError, PromptTooLongError
 from deepinfer.sampling_params import SamplingParams
 
+_INT_ONLY = {int}  # the fast path's set of entry types: exactly int (bool, a subclass, is a distinct type)
+
 
 def is_token_id(t) -> bool:
     """Python and numpy integers (not bools) are token ids."""
@@ -41,11 +43,12 @@ def prompt_token_ids(prompt: str | list[int], tokenizer, vocab_size: int, max_mo
         text = prompt
     elif isinstance(prompt, (list, tuple)):
         text, ids = None, list(prompt)
-        # Fast path for plain ints (what tokenizers and the server give): two C-level passes instead of a
-        # Python loop of isinstance checks, which cost ~12 ms per 2k tokens, a visible share of a prefix
-        # hit's TTFT at long contexts. Anything else (numpy ints, a bad entry, an id out of range) takes the
-        # loop, which names the first offending position.
-        if not (ids and all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab_size):
+        # Fast path for plain ints (what tokenizers and the server give): C-level passes only (map(type) into a
+        # set, min, max) instead of a Python loop of isinstance checks, which cost ~12 ms per 2k tokens, a
+        # visible share of a prefix hit's TTFT at long contexts (a generator of `type(t) is int` still ran
+        # Python per token: ~0.5 ms per 8k). Anything else (bools, numpy ints, a bad entry, an id out of range)
+        # takes the loop, which names the first offending position.
+        if not (ids and set(map(type, ids)) == _INT_ONLY and min(ids) >= 0 and max(ids) < vocab_size):
             for i, t in enumerate(ids):
                 if not is_token_id(t):
                     raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer id", param="prompt")
