@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         st = engines[mode].stats()
         if st.spec_method:
             print(f"{mode}, over the whole run: tau {st.spec_tau:.2f}, acceptance {st.spec_acceptance_rate:.3f}, "
+                  f"mean chain (last 1024 drafting steps) {st.spec_mean_chain:.2f}, "
                   "per-slot conditional acceptance "
                   + ", ".join(f"{a:.2f}" for a in st.spec_conditional_acceptance))
     return 0

@@ -33,6 +33,7 @@ class EngineStats:
     spec_acceptance_rate: float = float("nan")  # accepted / verified drafted tokens
     spec_conditional_acceptance: tuple[float, ...] = ()  # per draft slot j: P(accepted | slots < j accepted)
     spec_mean_budget: float = float("nan")  # drafted tokens verified per step (last 1024 steps)
+    spec_mean_chain: float = float("nan")  # MTP chain length per drafting step (last 1024; adaptive picks it)
 
 
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_capacity_tokens",

@@ -10,11 +10,18 @@ scheduler would have verified full drafts where static k = 5 loses 40% of throug
 (`MTPDrafter.run`, the engine's code) is timed on a throw-away cache for 1, 2, 4, ... sequences, each with
 `pass_rows` verified rows (its real token and the drafts accepted before: 1 + k // 2 by default, about what the
 embedded model accepts) over no context, and chains of k drafts.
+
+Why a chain-length axis. The adaptive scheduler also picks how long the next chain is (spec/draft_slots.py:
+`SlotPolicy.chain`): drafting k = 5 for 16 sequences costs ~71 ms on the cpu backend where k = 1 costs ~14 ms, and
+a step whose verification pays only for the first slot should not pay for four more links. So the table holds two
+profiled rows, chains of 1 and of k, and prices a chain of L in between linearly (each link is one more one-token
+forward of the MTP module per sequence: the same work whatever L; the pass over verified rows is in both rows).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -48,11 +55,49 @@ def time_drafting(model, backend, block_size: int, num_seqs: int, k: int, pass_r
     return time.perf_counter() - t0
 
 
+@dataclass
+class DraftCostTable:
+    """Drafting seconds by drafting sequences (StepCostTable's piecewise-linear axis) for chains of 1 and of k,
+    linear in the chain length between them."""
+
+    k: int
+    one: StepCostTable  # chains of 1 draft (the pass only)
+    full: StepCostTable  # chains of k drafts
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.one.tokens != self.full.tokens:
+            raise ValueError(f"DraftCostTable needs k >= 1 and both rows over the same counts, got k={self.k}, "
+                             f"{self.one.tokens} vs {self.full.tokens}")
+        # a longer chain never costs less than a shorter one (timing noise otherwise)
+        self.full.seconds = [max(a, b) for a, b in zip(self.one.seconds, self.full.seconds)]
+
+    @property
+    def counts(self) -> list[int]:
+        return self.one.tokens
+
+    def cost(self, num_seqs: float, chain: int | None = None) -> float:
+        """Seconds of drafting chains of `chain` (default k) for num_seqs sequences."""
+        chain = self.k if chain is None else chain
+        if not 1 <= chain <= self.k:
+            raise ValueError(f"chain length {chain} outside 1..{self.k}")
+        n = torch.tensor(float(num_seqs))
+        one = float(self.one.cost(n))
+        if self.k == 1:
+            return one
+        return one + (float(self.full.cost(n)) - one) * (chain - 1) / (self.k - 1)
+
+
 def profile_draft_costs(model, backend, block_size: int, k: int, max_seqs: int, pass_rows: int | None = None,
-                        repeats: int = 2, layouts=None) -> StepCostTable:
-    """Drafting seconds by drafting sequences, 1, 2, 4, ... max_seqs (the fastest of `repeats` each)."""
-    rows = pass_rows if pass_rows is not None else 1 + k // 2
+                        repeats: int = 2, layouts=None) -> DraftCostTable:
+    """Drafting seconds by drafting sequences, 1, 2, 4, ... max_seqs (the fastest of `repeats` each), for chains
+    of 1 and of k. pass_rows: verified rows per sequence in the pass (default 1 + L // 2 for a chain of L)."""
     counts = profile_counts(max_seqs)
-    seconds = [max(min(time_drafting(model, backend, block_size, n, k, rows, layouts) for _ in range(repeats)), 1e-6)
-               for n in counts]
-    return StepCostTable(counts, seconds)
+
+    def row(chain: int) -> StepCostTable:
+        rows = pass_rows if pass_rows is not None else 1 + chain // 2
+        seconds = [max(min(time_drafting(model, backend, block_size, n, chain, rows, layouts)
+                           for _ in range(repeats)), 1e-6) for n in counts]
+        return StepCostTable(counts, seconds)
+
+    one = row(1)
+    return DraftCostTable(k, one, row(k) if k > 1 else StepCostTable(counts, list(one.seconds)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.scheduler import StepCostTable, admit
+
+if TYPE_CHECKING:
+    from deepinfer.spec.draft_cost import DraftCostTable
 
 
 @dataclass
@@ -95,9 +99,10 @@ class SlotPolicy:
     cost: StepCostTable | None = None
     cost_shapes: list[str] = field(default_factory=list)  # per profiled count: how it was timed (spec/cost_profile.py)
     draft_seconds: float = 0.0  # the last steps' drafting time (moving average), for the admission
-    # MTP drafting seconds by drafting sequences, profiled at start-up (spec/draft_cost.py); when set, the admission
-    # charges it at this step's drafting sequences in place of draft_seconds (measured at another load, or stale)
-    draft_cost: StepCostTable | None = None
+    # MTP drafting seconds by drafting sequences and chain length, profiled at start-up (spec/draft_cost.py); when
+    # set, the admission charges it at this step's drafting sequences in place of draft_seconds (measured at another
+    # load, or stale), and the adaptive scheduler chooses the next chain's length with it
+    draft_cost: DraftCostTable | None = None
     # adaptive: when the admission verifies nothing (speculation does not pay at this load by the cost model),
     # drafting stops for probe_every steps (plain decode steps); then one probe step verifies the full static
     # drafts of probe_seqs sequences (the calibrator learns every slot's acceptance, which a step admitting
@@ -111,16 +116,32 @@ class SlotPolicy:
     paused: int = 0
     probe: bool = True  # the next step with drafts verifies them in full (the first one does)
     probe_seqs: int = 4  # adaptive probes verify the drafts of at most this many sequences (a bounded cost)
+    # adaptive with a drafting table: the length of the next MTP chain, chosen with each step's admission (the L of
+    # 1..k whose steady state, drafts of L verified by the admission and chains of L drafted, has the best expected
+    # tokens per second); a chain shorter than k is lengthened to k once every explore_every such steps, so the
+    # deeper slots' confidences are seen again (the admission then decides on them like on any draft)
+    chain: int = 0  # 0: k
+    explore_every: int = 64
+    _short_chains: int = 0
+    # per slot: a moving average of the drafts' confidences, standing for the slots a shorter chain did not draft
+    mean_confidence: list[float] = field(default_factory=list)
 
     @property
     def adaptive(self) -> bool:
         return self.calibrator is not None
 
-    def drafting_seconds(self, num_seqs: int) -> float:
-        """What drafting for num_seqs sequences costs (the sequences sampling this step draft after it)."""
+    def chain_length(self) -> int:
+        """Drafts the next MTP chain makes: the static k, or the adaptive choice (k before a probe step)."""
+        if not self.adaptive or self.probe or self.chain <= 0 or self.draft_cost is None:
+            return self.k
+        return min(self.chain, self.k)
+
+    def drafting_seconds(self, num_seqs: int, chain: int | None = None) -> float:
+        """What drafting chains of `chain` (default k) for num_seqs sequences costs (the sequences sampling this
+        step draft after it)."""
         if self.draft_cost is None:
             return self.draft_seconds
-        return float(self.draft_cost.cost(torch.tensor(float(num_seqs))))
+        return self.draft_cost.cost(num_seqs, chain)
 
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
@@ -129,22 +150,74 @@ class SlotPolicy:
             self.probe = False
             return [min(c, self.k, len(h.tokens)) if i < self.probe_seqs else 0
                     for i, (h, c) in enumerate(zip(held, caps))]
+        self._track_confidence(held)
         lens = torch.tensor([min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)], dtype=torch.int64)
-        width = max(int(lens.max()) if lens.numel() else 0, 1)
-        conf = torch.zeros(len(held), width, dtype=torch.float64)
-        for i, h in enumerate(held):
-            n = int(lens[i])
-            conf[i, :n] = torch.tensor(h.confidence[:n], dtype=torch.float64)
-        slots = torch.arange(width).expand(len(held), width)
-        survival = self.calibrator.estimate(slots, conf)
-        counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
-                       speculation_seconds=self.drafting_seconds(base_yield)).num_slots.tolist()
+        if self.draft_cost is None:  # one drafting cost (n-gram's moving average): the chain is always k
+            counts = self._admit(held, lens, base_tokens, base_yield, self.drafting_seconds(base_yield))
+        else:
+            chain = self._choose_chain(held, caps, base_tokens, base_yield)
+            counts = self._admit(held, lens.clamp(max=chain), base_tokens, base_yield,
+                                 self.drafting_seconds(base_yield, chain))
+            self.chain = chain
+            if chain < self.k and any(counts):
+                self._short_chains += 1
+                if self._short_chains >= self.explore_every:
+                    self._short_chains = 0
+                    self.chain = self.k  # the next chain only: the next admission chooses again
         if not any(counts):
             self.paused = self.probe_every
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         else:
             self.probe_every = self.min_probe_every
         return counts
+
+    def _survival(self, held: list[HeldDraft], lens: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] calibrated survival; slots past a draft's own tokens take the slot's mean confidence."""
+        conf = torch.zeros(len(held), width, dtype=torch.float64)
+        for i, h in enumerate(held):
+            n = min(int(lens[i]), width)
+            own = min(n, len(h.confidence))
+            conf[i, :own] = torch.tensor(h.confidence[:own], dtype=torch.float64)
+            for j in range(own, n):
+                conf[i, j] = self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5
+        slots = torch.arange(width).expand(len(held), width)
+        return self.calibrator.estimate(slots, conf)
+
+    def _admit(self, held: list[HeldDraft], lens: torch.Tensor, base_tokens: int, base_yield: int,
+               speculation_seconds: float):
+        width = max(int(lens.max()) if lens.numel() else 0, 1)
+        survival = self._survival(held, lens, width)
+        return admit(survival, lens, self.cost, base_tokens, float(base_yield),
+                     speculation_seconds=speculation_seconds).num_slots.tolist()
+
+    def _choose_chain(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> int:
+        """The chain length L in 1..k with the best expected tokens per second in steady state: every sequence
+        holding a draft of L (its own confidences, the slot's mean beyond them), the admission's best prefix of
+        those slots, and chains of L drafted after the step. Reads confidences and calibration only (fixed before
+        the step's draws, and before the draws of the step the chain drafts for)."""
+        caps_t = torch.tensor([min(c, self.k) for c in caps], dtype=torch.int64)
+        survival = self._survival(held, caps_t, max(self.k, 1))
+        best, best_rate = 1, -1.0
+        for chain in range(1, self.k + 1):
+            lens = caps_t.clamp(max=chain)
+            a = admit(survival[:, :chain], lens, self.cost, base_tokens, float(base_yield),
+                      speculation_seconds=self.drafting_seconds(base_yield, chain))
+            rate = a.expected_tokens / a.expected_seconds
+            if rate > best_rate * (1 + 1e-9):  # ties: the shorter chain
+                best, best_rate = chain, rate
+        return best
+
+    def _track_confidence(self, held: list[HeldDraft], decay: float = 0.9) -> None:
+        """Moving average per slot of the confidences the drafts hold (what a slot not drafted stands for)."""
+        for j in range(self.k):
+            vals = [h.confidence[j] for h in held if j < len(h.confidence)]
+            if not vals:
+                continue
+            m = sum(vals) / len(vals)
+            if j < len(self.mean_confidence):
+                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
+            else:
+                self.mean_confidence.append(m)
 
 
 def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager, policy: SlotPolicy,

@@ -20,6 +20,7 @@ class SpecMetrics:
     reached: list[int] = field(default_factory=list)  # per slot j: verified and every earlier slot accepted
     accepted: list[int] = field(default_factory=list)  # of those, accepted
     budgets: list[int] = field(default_factory=list)  # slots verified per step (last 1024 steps)
+    chains: list[int] = field(default_factory=list)  # MTP chain length per drafting step (last 1024 steps)
 
     def __post_init__(self) -> None:
         self.reached = [0] * self.max_slots
@@ -50,6 +51,15 @@ class SpecMetrics:
 
     def conditional_acceptance(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    def record_chain(self, length: int) -> None:
+        """One drafting step made MTP chains of `length` drafts (the static k, or the adaptive choice)."""
+        self.chains.append(length)
+        del self.chains[:-1024]
+
+    @property
+    def mean_chain(self) -> float:
+        return sum(self.chains) / len(self.chains) if self.chains else float("nan")
 
     @property
     def mean_budget(self) -> float:

@@ -108,7 +108,7 @@ class SpecStepPipeline:
         return dict(spec_method=self.method, spec_steps=m.steps, spec_request_steps=m.request_steps,
                     spec_drafted_tokens=m.verified_slots, spec_accepted_tokens=m.accepted_slots, spec_tau=m.tau,
                     spec_acceptance_rate=m.acceptance_rate,
-                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget)
+                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget, spec_mean_chain=m.mean_chain)
 
     def take_extra_tokens(self) -> int:
         n, self._extra_tokens = self._extra_tokens, 0
@@ -309,6 +309,8 @@ class SpecStepPipeline:
                 drafting.append(seq)
             start += item.num_tokens
         self.runner.builder.sync_tables()
+        if chain:
+            self.metrics.record_chain(self.policy.chain_length())
         drafts = self.drafter.run(hidden, rows, chain, self.runner.builder.mirror)
         self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
         self._time_drafting(time.perf_counter() - t0)
@@ -318,10 +320,11 @@ class SpecStepPipeline:
         self.policy.draft_seconds = dt if self.policy.draft_seconds == 0 else 0.8 * self.policy.draft_seconds + 0.2 * dt
 
     def _chain_room(self, seq: Sequence) -> int:
-        """Drafts the sequence can make: the chain writes MTP KV at positions up to num_computed + n - 2,
+        """Drafts the sequence can make (the policy's chain length: static k, or the adaptive choice): the chain
+        writes MTP KV at positions up to num_computed + n - 2,
         which must be allocated (without preempting anyone) and inside max_model_len."""
         kv = self.scheduler.kv
-        n = min(self.policy.k, kv.max_model_len - seq.num_computed_tokens + 1)
+        n = min(self.policy.chain_length(), kv.max_model_len - seq.num_computed_tokens + 1)
         while n > 1 and not _cover(kv, seq, n - 1):
             n -= 1
         return max(n, 0)

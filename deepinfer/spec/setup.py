@@ -50,8 +50,10 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
 
             policy.draft_cost = profile_draft_costs(model, backend, kv.block_size, k, min(cfg.max_num_seqs, 128),
                                                     layouts=layouts)
-            logger.info("speculative decoding: MTP drafting costs %s", ", ".join(
-                f"{n} seqs {s * 1e3:.2f} ms" for n, s in zip(policy.draft_cost.tokens, policy.draft_cost.seconds)))
+            table = policy.draft_cost
+            logger.info("speculative decoding: MTP drafting costs (chain 1 / %d) %s", k, ", ".join(
+                f"{n} seqs {a * 1e3:.2f} / {b * 1e3:.2f} ms"
+                for n, a, b in zip(table.counts, table.one.seconds, table.full.seconds)))
         logger.info("speculative decoding: step costs %s", ", ".join(
             f"{n} tok {s * 1e3:.2f} ms ({shape})"
             for n, s, shape in zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))

@@ -11,7 +11,7 @@ from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.models.registry import load_model
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.cost_profile import profile_step_costs
-from deepinfer.spec.draft_cost import profile_draft_costs
+from deepinfer.spec.draft_cost import DraftCostTable, profile_draft_costs
 from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
 from deepinfer.spec.scheduler import StepCostTable
 
@@ -76,17 +76,18 @@ def test_the_cpu_engine_profiles_its_costs_as_it_runs_them(cpu_model):
     policy = engine._spec.policy
     assert engine._spec.decode_rows_eager
     assert policy.cost.tokens[-1] == 64 and policy.cost_shapes == ["decode rows"] * 7
-    assert policy.draft_cost is not None and policy.draft_cost.tokens == [1, 2, 4]
+    assert policy.draft_cost is not None and policy.draft_cost.counts == [1, 2, 4] and policy.draft_cost.k == 3
+    assert all(b >= a > 0 for a, b in zip(policy.draft_cost.one.seconds, policy.draft_cost.full.seconds))
 
 
 def test_drafting_cost_is_the_drafters_own_pass_and_chain_timed_by_sequences(cpu_model):
     """profile_draft_costs times MTPDrafter.run itself: per point one pass over every sequence's verified rows
-    (1 + k // 2 each) and k - 1 chain links of one row per sequence."""
+    (1 + L // 2 each) and L - 1 chain links of one row per sequence, for chains of L = 1 (the pass alone) and k."""
     backend, model = cpu_model
     spy = SpyModel(model)
     table = profile_draft_costs(spy, backend, 16, 3, 4, repeats=1)
-    assert table.tokens == [1, 2, 4] and all(s > 0 for s in table.seconds)
-    assert [b.num_tokens for b in spy.mtp_batches] == [2, 1, 1, 4, 2, 2, 8, 4, 4]
+    assert table.counts == [1, 2, 4] and all(s > 0 for s in table.one.seconds + table.full.seconds)
+    assert [b.num_tokens for b in spy.mtp_batches] == [1, 2, 4] + [2, 1, 1, 4, 2, 2, 8, 4, 4]
     assert spy.mtp_batches[-1].positions.tolist() == [3, 3, 3, 3]  # the last link: one position past the pass + 1
 
 
@@ -103,7 +104,88 @@ def test_admission_charges_the_drafting_cost_of_this_steps_sequences():
     policy = SlotPolicy(k=3, max_model_len=512, calibrator=cal, cost=StepCostTable([1, 4096], [0.1, 0.101]),
                         draft_seconds=0.01, probe=False)
     assert policy.counts(held(1), [3], 1, 1) == [3] and policy.counts(held(64), [3] * 64, 64, 64) == [3] * 64
-    policy.draft_cost = StepCostTable([1, 64], [0.01, 10.0])
+    policy.draft_cost = DraftCostTable(3, StepCostTable([1, 64], [0.004, 4.0]), StepCostTable([1, 64], [0.01, 10.0]))
     assert policy.drafting_seconds(64) == pytest.approx(10.0)
     assert policy.counts(held(1), [3], 1, 1) == [3]
     assert policy.counts(held(64), [3] * 64, 64, 64) == [0] * 64
+
+
+def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows():
+    table = DraftCostTable(5, StepCostTable([1, 16], [0.004, 0.014]), StepCostTable([1, 16], [0.025, 0.071]))
+    assert table.cost(16, 1) == pytest.approx(0.014) and table.cost(16) == pytest.approx(0.071)
+    assert table.cost(16, 3) == pytest.approx(0.014 + (0.071 - 0.014) / 2)
+    assert table.cost(4, 2) == pytest.approx(float(table.one.cost(torch.tensor(4.0)))
+                                             + (float(table.full.cost(torch.tensor(4.0)))
+                                                - float(table.one.cost(torch.tensor(4.0)))) / 4)
+    with pytest.raises(ValueError, match="chain length 6"):
+        table.cost(4, 6)
+    with pytest.raises(ValueError, match="same counts"):
+        DraftCostTable(5, StepCostTable([1, 16], [1.0, 2.0]), StepCostTable([1, 8], [1.0, 2.0]))
+    noisy = DraftCostTable(3, StepCostTable([1, 2], [0.01, 0.02]), StepCostTable([1, 2], [0.005, 0.03]))
+    assert noisy.full.seconds == [0.01, 0.03]  # a longer chain never priced below a shorter one
+
+
+def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step: float = 0.04) -> SlotPolicy:
+    """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9), a flat
+    step cost (verified tokens almost free) and drafting that costs `one` for a chain of 1, `full` for k, at any
+    load."""
+    cal = SurvivalCalibrator(num_slots=k)
+    for j, rate in enumerate(accept):
+        n = 1000
+        cal.observe(torch.full((n,), j), torch.full((n,), 0.9, dtype=torch.float64),
+                    (torch.arange(n) < rate * n).to(torch.float64))
+    drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
+    return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [step, step * 1.01]),
+                      draft_cost=drafts, probe=False)
+
+
+def held_k(n: int, k: int = 5, conf: float = 0.9) -> list[HeldDraft]:
+    return [HeldDraft(seq=None, num_tokens=0, tokens=list(range(k)), confidence=[conf] * k) for _ in range(n)]
+
+
+def test_adaptive_chooses_a_short_chain_when_deep_slots_do_not_pay_for_their_links():
+    """Drafts whose first slot is accepted 80% of the time and later ones rarely (5%), links that cost like the
+    step itself: one draft a step is worth its pass, five are not. The admission verifies one slot and the next
+    chain drafts one (where a full chain's cost would have made the admission refuse everything)."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    assert policy.chain_length() == 5  # before any admission: the full k
+    assert policy.counts(held_k(4), [5] * 4, 4, 4) == [1] * 4
+    assert policy.chain == 1 and policy.chain_length() == 1 and policy.paused == 0
+    # the next step's drafts are one long: the admission still verifies them, the chain stays 1
+    short = [HeldDraft(seq=None, num_tokens=0, tokens=[7], confidence=[0.9]) for _ in range(4)]
+    assert policy.counts(short, [5] * 4, 4, 4) == [1] * 4 and policy.chain == 1
+    # without the choice (every chain k), the same drafts would not pay at all
+    full_only = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.2, full=0.2)
+    assert full_only.counts(held_k(4), [5] * 4, 4, 4) == [0] * 4 and full_only.paused > 0
+
+
+def test_adaptive_keeps_the_full_chain_when_every_slot_is_accepted_and_links_are_cheap():
+    policy = chain_policy([0.95] * 5, one=0.002, full=0.004)
+    assert policy.counts(held_k(2), [5] * 2, 2, 2) == [5] * 2
+    assert policy.chain == 5 and policy.chain_length() == 5
+
+
+def test_a_short_chain_uses_the_slots_mean_confidence_for_what_it_did_not_draft_and_is_explored():
+    """A policy at chain 1 prices longer chains with each slot's moving-average confidence (the drafts it holds
+    have one token); every explore_every steps at a short chain, the next chain is k once."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    policy.explore_every = 3
+    policy.counts(held_k(4), [5] * 4, 4, 4)
+    assert policy.mean_confidence == pytest.approx([0.9] * 5)
+    short = [HeldDraft(seq=None, num_tokens=0, tokens=[7], confidence=[0.5]) for _ in range(4)]
+    lengths = []
+    for _ in range(4):
+        policy.counts(short, [5] * 4, 4, 4)
+        lengths.append(policy.chain_length())
+    assert lengths == [1, 5, 1, 1]  # the 1st counted short step above, then 2 more: the 3rd one explores
+    assert policy.mean_confidence[0] < 0.9 and policy.mean_confidence[1:] == pytest.approx([0.9] * 4)
+
+
+def test_the_chain_is_k_for_a_static_policy_and_before_a_probe():
+    static = SlotPolicy(k=3, max_model_len=512)
+    assert static.chain_length() == 3
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    policy.counts(held_k(4), [5] * 4, 4, 4)
+    assert policy.chain_length() == 1
+    policy.probe = True  # a pause ended: the probe step verifies full drafts, so they are drafted full
+    assert policy.chain_length() == 5

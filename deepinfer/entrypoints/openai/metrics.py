@@ -48,7 +48,12 @@ class _EngineCollector:
                  stats.spec_tau),
                 ("deepinfer_spec_acceptance_rate", "accepted / verified drafted tokens, since start (0-1)",
                  stats.spec_acceptance_rate if stats.spec_drafted_tokens else 0.0),
+                ("deepinfer_spec_verified_per_step", "drafted tokens verified per step (last 1024 steps)",
+                 stats.spec_mean_budget),
             ]
+            if stats.spec_mean_chain == stats.spec_mean_chain:  # not NaN: MTP drafting (n-gram makes no chains)
+                gauges.append(("deepinfer_spec_mean_chain_length",
+                               "MTP drafts per chain and drafting step (last 1024 steps)", stats.spec_mean_chain))
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
