@@ -154,3 +154,26 @@ class MTPDrafter:
             if n == 0:
                 tokens[j], confs[j] = [], []
         return Drafts(tokens, confs)
+
+
+def step_pass_rows(sched, emitted: list[list[int]], kv) -> tuple[list[MTPRows], list]:
+    """Per scheduled sequence of a step (a SchedulerOutput), the rows whose next token is known after it: the MTP
+    pass's input (emitted: the tokens each sequence emitted; kv: the KV manager, for the state rows). Returns the
+    rows and their sequences."""
+    rows: list[MTPRows] = []
+    start = 0
+    for item, toks in zip(sched.scheduled, emitted):
+        seq, c = item.seq, item.context_len
+        q0 = item.num_tokens - len(item.draft)
+        if item.samples and toks:
+            count = q0 + len(toks) - 1
+            next_ids = seq.token_ids_slice(c + 1, c + q0) + toks
+        elif item.samples:  # it drew nothing (its grammar mask failed): its last row's next token is unknown
+            count = q0 - 1
+            next_ids = seq.token_ids_slice(c + 1, c + q0)
+        else:
+            count = q0
+            next_ids = seq.token_ids_slice(c + 1, c + q0 + 1)
+        rows.append(MTPRows(start, count, next_ids, c, bool(item.samples and toks), kv.state_slot(seq.seq_id)))
+        start += item.num_tokens
+    return rows, [it.seq for it in sched.scheduled]

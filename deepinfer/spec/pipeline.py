@@ -21,8 +21,8 @@ cached block ever holds a rejected token's KV). A preempted sequence's draft is 
 recomputes as usual (the recompute's MTP pass rebuilds its MTP KV).
 
 Drafters: the MTP module (spec/mtp_drafter.py: its pass and chain run right after verification, on the
-step's hidden states) or prompt lookup (spec/ngram.py: proposed after output processing, from the tokens
-then known; no model work).
+step's hidden states; in an adaptive pause its decode rows are kept and replayed by the next pass,
+spec/mtp_catchup.py) or prompt lookup (spec/ngram.py: after output processing, no model work).
 
 With batch invariance on (the cpu backend's invariant ops compute a token the same way in a prefill
 chunk and in a decode), speculation on gives bitwise the tokens and logprobs of speculation off
@@ -34,12 +34,10 @@ the drafts before it, all rows in one batched fill (sample/grammar/draft_mask.py
 committed to the matcher when output processing appends them. So a structured request gives the tokens it
 gives with speculation off, and a drafter's grammar-invalid tokens cost acceptance only.
 
-Backends: cpu, and nvidia (its MLA op takes a verify row, 1 + k query tokens on a cached context, through
-its prefill-with-context path; decode-only fast paths are chosen only when every row has one query token;
-tested under the Triton interpreter, tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step of decodes
-and verify rows replays the decode graphs as one decode row per token (spec/verify_batch.py; the graphs are
-captured for max_num_seqs * (1 + k) rows, spec/setup.py) when they cover it, else it runs eagerly; a step
-without drafts replays the decode graph (ModelRunner.run_model); the MTP pass and chain run eagerly.
+Backends: cpu, and nvidia (a verify row, 1 + k query tokens on a cached context, through its MLA op's
+prefill-with-context path; tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step of decodes and verify
+rows replays the decode graphs as decode rows where they cover it (spec/verify_batch.py, spec/setup.py), else
+it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain run eagerly.
 
 Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, V4, backends other
 than cpu and nvidia, tensor parallelism.
@@ -59,7 +57,8 @@ from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots
 from deepinfer.spec.metrics import SpecMetrics
-from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows
+from deepinfer.spec.mtp_catchup import PausedRows
+from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.rejection import greedy_verify
 from deepinfer.spec.verify_batch import decode_shaped, decode_shaped_if_graphed
@@ -95,6 +94,7 @@ class SpecStepPipeline:
         self.num_eager_verify_steps = 0
         self.decode_rows_eager = False  # eager verify steps as decode rows too (spec/setup.py: the cpu backend)
         self.num_decode_row_eager_steps = 0  # eager verify steps run as decode rows
+        self.paused_rows = PausedRows()  # decode rows of adaptive pauses, for the MTP-KV catch-up
 
     def has_pending(self) -> bool:
         return False
@@ -275,45 +275,50 @@ class SpecStepPipeline:
             item.seq.num_computed_tokens = item.context_len + item.num_tokens - len(item.draft) + accepted
 
     def _draft_next(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
-        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book."""
+        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. In an
+        adaptive pause: no drafts; the decode rows are kept for the catch-up (spec/mtp_catchup.py)."""
         self._next_drafts = []
         self._drafting = self.policy.paused == 0
         if self.policy.paused > 0:  # adaptive, speculation does not pay now: no drafts (spec/draft_slots.py)
             self.policy.paused -= 1
             self.policy.probe = self.policy.paused == 0
+            if isinstance(self.drafter, MTPDrafter) and not self._keep_paused(sched, hidden, emitted):
+                self.policy.paused, self.policy.probe = 0, True  # kept rows at their cap: draft again, catch up
             return
         if not isinstance(self.drafter, MTPDrafter):
             return  # n-gram drafts are proposed after output processing, from the tokens then known
         t0 = time.perf_counter()
-        kv = self.scheduler.kv
-        rows: list[MTPRows] = []
+        rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
         chain: list[int] = []
         drafting: list[Sequence] = []
-        start = 0
-        for item, toks in zip(sched.scheduled, emitted):
-            seq, c = item.seq, item.context_len
-            q0 = item.num_tokens - len(item.draft)
-            if item.samples and toks:
-                count = q0 + len(toks) - 1
-                next_ids = seq.token_ids_slice(c + 1, c + q0) + toks
-            elif item.samples:  # it drew nothing (its grammar mask failed): its last row's next token is unknown
-                count = q0 - 1
-                next_ids = seq.token_ids_slice(c + 1, c + q0)
-            else:
-                count = q0
-                next_ids = seq.token_ids_slice(c + 1, c + q0 + 1)
-            draws = bool(item.samples and toks)
-            rows.append(MTPRows(start, count, next_ids, c, draws, kv.state_slot(seq.seq_id)))
-            if draws:
+        for row, seq in zip(rows, seqs):
+            if row.drafts:
                 chain.append(self._chain_room(seq))
                 drafting.append(seq)
-            start += item.num_tokens
+        hidden, rows = self.paused_rows.plan(rows, seqs, hidden)
         self.runner.builder.sync_tables()
         if chain:
             self.metrics.record_chain(self.policy.chain_length())
         drafts = self.drafter.run(hidden, rows, chain, self.runner.builder.mirror)
         self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
         self._time_drafting(time.perf_counter() - t0)
+
+    def _keep_paused(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]]) -> bool:
+        """A paused step: its decode rows kept for the catch-up, prompt chunks' pass run now (no drafts). False
+        when the kept rows reached their cap."""
+        rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
+        keep, now = [], []
+        for item, row, seq in zip(sched.scheduled, rows, seqs):
+            if item.num_tokens == 1 and row.count == 1 and row.drafts:  # a decode with its next token known
+                keep.append((seq, row.start, row.context_len))
+            else:
+                self.paused_rows.drop(seq)
+                if row.count > 0:
+                    now.append(MTPRows(row.start, row.count, row.next_ids, row.context_len, False, row.state_row))
+        if now:
+            self.runner.builder.sync_tables()
+            self.drafter.run(hidden, now, [], self.runner.builder.mirror)
+        return self.paused_rows.keep(keep, hidden)
 
     def _time_drafting(self, dt: float) -> None:
         """The admission's drafting cost: a moving average of the measured drafting time per step."""

@@ -183,7 +183,8 @@ def test_adaptive_stops_speculating_where_the_cost_model_says_it_does_not_pay(pa
                                                                                      use_tqdm=False))
     st = on.stats()
     probes = 1 + st.spec_steps // on._spec.policy.min_probe_every
-    assert st.spec_steps > 60 and 0 < st.spec_drafted_tokens <= 3 * 2 * probes and st.spec_mean_budget < 1
+    # 64 tokens each for two sequences: ~64 steps, fewer by what the probes' accepted drafts emitted
+    assert st.spec_steps > 48 and 0 < st.spec_drafted_tokens <= 3 * 2 * probes and st.spec_mean_budget < 1
 
 
 def test_ngram_drafts_equal_off_with_accepted_copies(parts, off):

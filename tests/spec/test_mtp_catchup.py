@@ -1,0 +1,152 @@
+"""MTP-KV catch-up after an adaptive pause (spec/mtp_catchup.py): the positions decoded while drafting was paused
+get the MTP KV the per-step passes would have written, so drafts after a pause are the drafts of a run that
+never paused. Without the catch-up (negative control) those positions are holes and the drafts' confidences move.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer
+from deepinfer import EngineConfig, SamplingParams
+from deepinfer.backend import token_slots
+from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.engine import DeepInferenceEngine
+from deepinfer.models.registry import load_model
+from deepinfer.spec.draft_slots import DraftBook
+from deepinfer.spec.mtp_catchup import PausedRows
+from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.text.tokenizer import Tokenizer
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
+FLAT = StepCostTable([1, 4096], [10.0, 10.1])  # drafting always pays: no pause but the one the test makes
+PAUSE = 12
+
+
+@pytest.fixture(scope="module")
+def parts():
+    path = deepinfer.embedded_model_path()
+    backend = CPUBackend()
+    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
+    return path, backend, model, Tokenizer.from_pretrained(path)
+
+
+class MTPSnapshots(DraftBook):
+    """A DraftBook that also records, at every put, the sequence's MTP-layer KV of its positions < num_tokens - 1
+    (final by then: every later pass rewrites only later positions) and the draft's first confidence."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.seen: dict[tuple[str, int], tuple[torch.Tensor, float]] = {}
+
+    def put(self, seq, tokens, confidence):
+        super().put(seq, tokens, confidence)
+        if not tokens:
+            return
+        kv, model = self.engine.scheduler.kv, self.engine.model
+        cache = self.engine.runner.caches.get("mla", model.config.num_hidden_layers)
+        n = seq.num_tokens - 1
+        row = torch.full((n,), kv.state_slot(seq.seq_id), dtype=torch.int64)
+        slots = token_slots(kv.block_tables["mla"], row, torch.arange(n), 1, kv.block_size)
+        entries = cache.reshape(-1, cache.shape[-1])[slots].clone()
+        self.seen[(seq.request.prompt if seq.request.prompt else str(seq.request.prompt_token_ids), n)] = \
+            (entries, confidence[0])
+
+
+def make(parts, **kw) -> DeepInferenceEngine:
+    path, backend, model, tok = parts
+    cfg = EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64,
+                       load_progress=False, speculative_method="mtp", num_speculative_tokens=1,
+                       speculative_adaptive=True, **kw)
+    engine = DeepInferenceEngine.from_components(cfg, model, tok, backend)
+    engine._spec.policy.cost = FLAT
+    engine._spec.policy.draft_cost = None  # FLAT's 10 s steps make any measured drafting time negligible
+    engine._spec.book = MTPSnapshots(engine)
+    return engine
+
+
+def run(engine, pause: int) -> dict:
+    policy = engine._spec.policy
+    policy.paused, policy.probe = pause, False
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    engine.generate(PROMPTS, params, use_tqdm=False)
+    return engine._spec.book.seen
+
+
+def first_after_pause(seen: dict, prompt: str) -> int:
+    return min(n for p, n in seen if p == prompt)
+
+
+def test_drafts_after_a_pause_see_the_mtp_kv_of_the_paused_positions(parts):
+    ref = run(make(parts), 0)
+    paused_engine = make(parts)
+    got = run(paused_engine, PAUSE)
+    assert paused_engine._spec.paused_rows.num_caught_up >= 2 * (PAUSE - 2)  # the decodes of the pause, both seqs
+    for prompt in PROMPTS:
+        n = first_after_pause(got, prompt)
+        want_n = min(m for p, m in ref if p == prompt and m >= n)  # the reference's first put covering them
+        entries, conf = got[(prompt, n)]
+        want = ref[(prompt, want_n)][0][:n]
+        assert n > PAUSE - 2  # the first draft came after the paused decode steps
+        torch.testing.assert_close(entries, want, rtol=1e-5, atol=1e-5)
+        if want_n == n:
+            assert conf == pytest.approx(ref[(prompt, n)][1], abs=1e-4)
+
+
+class NoCatchUp(PausedRows):
+    """Keeps nothing: the paused positions stay holes (the behaviour before the catch-up)."""
+
+    def keep(self, rows, hidden) -> bool:
+        return True
+
+
+def test_without_the_catch_up_the_paused_positions_are_holes(parts):
+    """Negative control: the same pause with nothing kept leaves the MTP KV of the paused decodes unwritten, which
+    the comparison above would catch."""
+    ref = run(make(parts), 0)
+    engine = make(parts)
+    engine._spec.paused_rows = NoCatchUp()
+    got = run(engine, PAUSE)
+    prompt = PROMPTS[0]
+    n = first_after_pause(got, prompt)
+    want_n = min(m for p, m in ref if p == prompt and m >= n)
+    diff = (got[(prompt, n)][0] - ref[(prompt, want_n)][0][:n]).abs().amax(dim=-1)
+    assert (diff > 1e-3).sum() >= PAUSE - 2  # the paused decodes' positions differ; the prompt's do not
+    assert (diff[: len(engine.tokenizer.encode(prompt)) - 1] < 1e-5).all()
+
+
+class FakeSeq:
+    def __init__(self, sid: str, tokens: list[int]):
+        self.seq_id, self.tokens = sid, tokens
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def test_kept_rows_merge_in_front_of_their_sequences_rows_and_reset_when_not_contiguous():
+    from deepinfer.spec.mtp_drafter import MTPRows
+
+    a, b = FakeSeq("a", list(range(100, 120))), FakeSeq("b", list(range(200, 220)))
+    kept = PausedRows(max_rows=5)
+    h1 = torch.arange(6, dtype=torch.float32).view(3, 2)  # a paused step: a decodes at 10 (row 0), b at 4 (row 2)
+    assert kept.keep([(a, 0, 10), (b, 2, 4)], h1)
+    h2 = torch.arange(6, 12, dtype=torch.float32).view(3, 2)  # a at 11 (row 1); b at 7: not contiguous, restarts
+    assert kept.keep([(a, 1, 11), (b, 0, 7)], h2) and len(kept) == 4  # 4 rows kept, under the cap of 5
+    assert kept.kept["b"].first_position == 7 and len(kept.kept["b"].refs) == 1
+    step = torch.arange(100, 108, dtype=torch.float32).view(4, 2)  # the drafting step: a at 12 (rows 0-1), b at 8
+    rows = [MTPRows(0, 2, [113, 114], 12, True, 0), MTPRows(2, 2, [209, 210], 8, True, 1)]
+    merged, out = kept.plan(rows, [a, b], step)
+    # a: kept positions 10, 11 (h1 row 0, h2 row 1), then its own 2 rows; b: kept position 7 (h2 row 0), then its own
+    assert out[0] == MTPRows(0, 4, [111, 112, 113, 114], 10, True, 0)
+    assert out[1] == MTPRows(4, 3, [208, 209, 210], 7, True, 1)
+    assert merged.tolist() == [[0, 1], [8, 9], [100, 101], [102, 103], [6, 7], [104, 105], [106, 107]]
+    assert len(kept) == 0 and not kept.kept and kept.num_caught_up == 3
+    kept.keep([(a, 0, 12)], h1)
+    kept.drop(a)
+    merged, out = kept.plan(rows[:1], [a], step)
+    assert out == rows[:1] and merged is step and not kept.blocks  # dropped: its own rows only, the copies freed
+    assert not PausedRows(max_rows=2).keep([(a, 0, 1), (b, 1, 1)], h1)  # the cap reached: the pause must end
+    with pytest.raises(ValueError, match="max_rows"):
+        PausedRows(max_rows=0)
