@@ -108,7 +108,8 @@ class SpecStepPipeline:
         return dict(spec_method=self.method, spec_steps=m.steps, spec_request_steps=m.request_steps,
                     spec_drafted_tokens=m.verified_slots, spec_accepted_tokens=m.accepted_slots, spec_tau=m.tau,
                     spec_acceptance_rate=m.acceptance_rate,
-                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget, spec_mean_chain=m.mean_chain)
+                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget,
+                    spec_mean_chain=m.mean_chain)
 
     def take_extra_tokens(self) -> int:
         n, self._extra_tokens = self._extra_tokens, 0
