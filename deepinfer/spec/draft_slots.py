@@ -91,39 +91,43 @@ def _extend(kv: KVCacheManager, seq: Sequence, n: int) -> bool:
 
 @dataclass
 class SlotPolicy:
-    """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive."""
+    """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
+
+    Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
+    - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
+      survival; the drafts are made, so their cost is not in it);
+    - `plan_drafting`, after the step: how long a chain the MTP module drafts for the next step, 0 for none (a
+      pause). For each L in 1..k it evaluates the steady state of every sampling sequence holding a draft of L at
+      each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
+      for those sequences (the drafting table, spec/draft_cost.py); the best L wins if it beats plain decoding,
+      else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
+    A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
+    spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
+    them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
+    Each pause in a row doubles the next one (up to max_probe_every); a chain that pays resets it. A chain shorter
+    than k is lengthened to k once every explore_every such steps, so the deeper slots' confidences are seen again.
+    The n-gram drafter (no model work, draft_cost None) never pauses: its proposals cost host time only, and every
+    step's admission decides on them.
+    """
 
     k: int
     max_model_len: int
     calibrator: SurvivalCalibrator | None = None
     cost: StepCostTable | None = None
     cost_shapes: list[str] = field(default_factory=list)  # per profiled count: how it was timed (spec/cost_profile.py)
-    draft_seconds: float = 0.0  # the last steps' drafting time (moving average), for the admission
-    # MTP drafting seconds by drafting sequences and chain length, profiled at start-up (spec/draft_cost.py); when
-    # set, the admission charges it at this step's drafting sequences in place of draft_seconds (measured at another
-    # load, or stale), and the adaptive scheduler chooses the next chain's length with it
+    draft_seconds: float = 0.0  # the last steps' drafting time (moving average; reported, n-gram's host time)
+    # MTP drafting seconds by drafting sequences and chain length, profiled at start-up (spec/draft_cost.py)
     draft_cost: DraftCostTable | None = None
-    # adaptive: when the admission verifies nothing (speculation does not pay at this load by the cost model),
-    # drafting stops for probe_every steps (plain decode steps); then one probe step verifies the full static
-    # drafts of probe_seqs sequences (the calibrator learns every slot's acceptance, which a step admitting
-    # nothing never shows it),
-    # and the admission decides again. Both are fixed before the step's draws: non-anticipating. Each pause
-    # in a row doubles the next one (up to max_probe_every), so a load where speculation never pays costs
-    # a vanishing share of probe steps; an admission that verifies something resets it.
     probe_every: int = 32
     min_probe_every: int = 32
     max_probe_every: int = 1024
     paused: int = 0
-    probe: bool = True  # the next step with drafts verifies them in full (the first one does)
-    probe_seqs: int = 4  # adaptive probes verify the drafts of at most this many sequences (a bounded cost)
-    # adaptive with a drafting table: the length of the next MTP chain, chosen with each step's admission (the L of
-    # 1..k whose steady state, drafts of L verified by the admission and chains of L drafted, has the best expected
-    # tokens per second); a chain shorter than k is lengthened to k once every explore_every such steps, so the
-    # deeper slots' confidences are seen again (the admission then decides on them like on any draft)
-    chain: int = 0  # 0: k
+    probe: bool = True  # the next step with drafts verifies probe_seqs sequences' drafts in full (the first one does)
+    probe_seqs: int = 4  # adaptive probes draft and verify at most this many sequences (a bounded cost)
+    chain: int = 0  # the chain drafted after the last step (0: none); static: k
     explore_every: int = 64
     _short_chains: int = 0
-    # per slot: a moving average of the drafts' confidences, standing for the slots a shorter chain did not draft
+    # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
 
     @property
@@ -131,14 +135,11 @@ class SlotPolicy:
         return self.calibrator is not None
 
     def chain_length(self) -> int:
-        """Drafts the next MTP chain makes: the static k, or the adaptive choice (k before a probe step)."""
-        if not self.adaptive or self.probe or self.chain <= 0 or self.draft_cost is None:
-            return self.k
-        return min(self.chain, self.k)
+        """Drafts per sequence of the chain being drafted (valid after plan_drafting)."""
+        return self.k if not self.adaptive else self.chain
 
     def drafting_seconds(self, num_seqs: int, chain: int | None = None) -> float:
-        """What drafting chains of `chain` (default k) for num_seqs sequences costs (the sequences sampling this
-        step draft after it)."""
+        """What drafting chains of `chain` (default k) for num_seqs sequences costs."""
         if self.draft_cost is None:
             return self.draft_seconds
         return self.draft_cost.cost(num_seqs, chain)
@@ -146,69 +147,67 @@ class SlotPolicy:
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        self._track_confidence(held)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe = False
             return [min(c, self.k, len(h.tokens)) if i < self.probe_seqs else 0
                     for i, (h, c) in enumerate(zip(held, caps))]
-        self._track_confidence(held)
         lens = torch.tensor([min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)], dtype=torch.int64)
-        if self.draft_cost is None:  # one drafting cost (n-gram's moving average): the chain is always k
-            counts = self._admit(held, lens, base_tokens, base_yield, self.drafting_seconds(base_yield))
-        else:
-            chain = self._choose_chain(held, caps, base_tokens, base_yield)
-            counts = self._admit(held, lens.clamp(max=chain), base_tokens, base_yield,
-                                 self.drafting_seconds(base_yield, chain))
-            self.chain = chain
-            if chain < self.k and any(counts):
-                self._short_chains += 1
-                if self._short_chains >= self.explore_every:
-                    self._short_chains = 0
-                    self.chain = self.k  # the next chain only: the next admission chooses again
-        if not any(counts):
-            self.paused = self.probe_every
-            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-        else:
-            self.probe_every = self.min_probe_every
-        return counts
-
-    def _survival(self, held: list[HeldDraft], lens: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, width] calibrated survival; slots past a draft's own tokens take the slot's mean confidence."""
+        width = max(int(lens.max()) if lens.numel() else 0, 1)
         conf = torch.zeros(len(held), width, dtype=torch.float64)
         for i, h in enumerate(held):
-            n = min(int(lens[i]), width)
-            own = min(n, len(h.confidence))
-            conf[i, :own] = torch.tensor(h.confidence[:own], dtype=torch.float64)
-            for j in range(own, n):
-                conf[i, j] = self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5
-        slots = torch.arange(width).expand(len(held), width)
-        return self.calibrator.estimate(slots, conf)
+            n = int(lens[i])
+            conf[i, :n] = torch.tensor(h.confidence[:n], dtype=torch.float64)
+        survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
+        return admit(survival, lens, self.cost, base_tokens, float(base_yield)).num_slots.tolist()
 
-    def _admit(self, held: list[HeldDraft], lens: torch.Tensor, base_tokens: int, base_yield: int,
-               speculation_seconds: float):
-        width = max(int(lens.max()) if lens.numel() else 0, 1)
-        survival = self._survival(held, lens, width)
-        return admit(survival, lens, self.cost, base_tokens, float(base_yield),
-                     speculation_seconds=speculation_seconds).num_slots.tolist()
+    def plan_drafting(self, num_seqs: int) -> int:
+        """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
+        self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
+        if not self.adaptive:
+            self.chain = self.k
+        elif self.paused > 0:
+            self.paused -= 1
+            self.chain = 0
+            if self.paused == 0:  # the pause ends: draft the probe
+                self.probe, self.chain = True, self.k
+        elif self.probe or self.draft_cost is None or num_seqs == 0:
+            self.chain = self.k
+        else:
+            self.chain = self._choose_chain(num_seqs)
+            if self.chain == 0:
+                self.paused = self.probe_every - 1  # this step drafts nothing either
+                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+                if self.paused == 0:
+                    self.probe, self.chain = True, self.k
+            else:
+                self.probe_every = self.min_probe_every
+                if self.chain < self.k:
+                    self._short_chains += 1
+                    if self._short_chains >= self.explore_every:
+                        self._short_chains, self.chain = 0, self.k
+        return self.chain
 
-    def _choose_chain(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> int:
-        """The chain length L in 1..k with the best expected tokens per second in steady state: every sequence
-        holding a draft of L (its own confidences, the slot's mean beyond them), the admission's best prefix of
-        those slots, and chains of L drafted after the step. Reads confidences and calibration only (fixed before
-        the step's draws, and before the draws of the step the chain drafts for)."""
-        caps_t = torch.tensor([min(c, self.k) for c in caps], dtype=torch.int64)
-        survival = self._survival(held, caps_t, max(self.k, 1))
-        best, best_rate = 1, -1.0
-        for chain in range(1, self.k + 1):
-            lens = caps_t.clamp(max=chain)
-            a = admit(survival[:, :chain], lens, self.cost, base_tokens, float(base_yield),
-                      speculation_seconds=self.drafting_seconds(base_yield, chain))
+    def _choose_chain(self, num_seqs: int) -> int:
+        """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
+        decoding (see the class docstring). Reads calibration counts and past confidences only."""
+        k = self.k
+        conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
+                            dtype=torch.float64).expand(num_seqs, k)
+        survival = self.calibrator.estimate(torch.arange(k).expand(num_seqs, k), conf)
+        base = num_seqs / float(self.cost.cost(torch.tensor(float(num_seqs))))
+        best, best_rate = 0, base * (1 + 1e-9)
+        for chain in range(1, k + 1):
+            lens = torch.full((num_seqs,), chain, dtype=torch.int64)
+            a = admit(survival[:, :chain], lens, self.cost, num_seqs, float(num_seqs),
+                      speculation_seconds=self.drafting_seconds(num_seqs, chain))
             rate = a.expected_tokens / a.expected_seconds
-            if rate > best_rate * (1 + 1e-9):  # ties: the shorter chain
-                best, best_rate = chain, rate
+            if int(a.num_slots.sum()) > 0 and rate > best_rate:
+                best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best
 
     def _track_confidence(self, held: list[HeldDraft], decay: float = 0.9) -> None:
-        """Moving average per slot of the confidences the drafts hold (what a slot not drafted stands for)."""
+        """Moving average per slot of the confidences the drafts hold."""
         for j in range(self.k):
             vals = [h.confidence[j] for h in held if j < len(h.confidence)]
             if not vals:

@@ -276,50 +276,44 @@ class SpecStepPipeline:
             item.seq.num_computed_tokens = item.context_len + item.num_tokens - len(item.draft) + accepted
 
     def _draft_next(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
-        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. In an
-        adaptive pause: no drafts; the decode rows are kept for the catch-up (spec/mtp_catchup.py)."""
+        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. The policy
+        plans the chain (spec/draft_slots.py: 0 in an adaptive pause; a probe drafts for probe_seqs sequences);
+        decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""
         self._next_drafts = []
-        self._drafting = self.policy.paused == 0
-        if self.policy.paused > 0:  # adaptive, speculation does not pay now: no drafts (spec/draft_slots.py)
-            self.policy.paused -= 1
-            self.policy.probe = self.policy.paused == 0
-            if isinstance(self.drafter, MTPDrafter) and not self._keep_paused(sched, hidden, emitted):
-                self.policy.paused, self.policy.probe = 0, True  # kept rows at their cap: draft again, catch up
-            return
+        samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)
+        chain_len = self.policy.plan_drafting(samplers)
+        self._drafting = chain_len > 0
         if not isinstance(self.drafter, MTPDrafter):
             return  # n-gram drafts are proposed after output processing, from the tokens then known
         t0 = time.perf_counter()
+        limit = self.policy.probe_seqs if self.policy.adaptive and self.policy.probe else samplers
         rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
+        now: list[MTPRows] = []
+        now_seqs: list[Sequence] = []
+        keep: list[tuple[Sequence, int, int]] = []
         chain: list[int] = []
         drafting: list[Sequence] = []
-        for row, seq in zip(rows, seqs):
-            if row.drafts:
+        for item, row, seq in zip(sched.scheduled, rows, seqs):
+            if row.drafts and chain_len > 0 and len(drafting) < limit:
                 chain.append(self._chain_room(seq))
                 drafting.append(seq)
-        hidden, rows = self.paused_rows.plan(rows, seqs, hidden)
-        self.runner.builder.sync_tables()
-        if chain:
-            self.metrics.record_chain(self.policy.chain_length())
-        drafts = self.drafter.run(hidden, rows, chain, self.runner.builder.mirror)
-        self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
-        self._time_drafting(time.perf_counter() - t0)
-
-    def _keep_paused(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]]) -> bool:
-        """A paused step: its decode rows kept for the catch-up, prompt chunks' pass run now (no drafts). False
-        when the kept rows reached their cap."""
-        rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
-        keep, now = [], []
-        for item, row, seq in zip(sched.scheduled, rows, seqs):
-            if item.num_tokens == 1 and row.count == 1 and row.drafts:  # a decode with its next token known
-                keep.append((seq, row.start, row.context_len))
-            else:
-                self.paused_rows.drop(seq)
-                if row.count > 0:
-                    now.append(MTPRows(row.start, row.count, row.next_ids, row.context_len, False, row.state_row))
+            elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
+                keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
+                continue
+            else:  # a prompt chunk, or a row whose next token is unknown: its pass now, no draft
+                row = MTPRows(row.start, row.count, row.next_ids, row.context_len, False, row.state_row)
+            now.append(row)
+            now_seqs.append(seq)
         if now:
+            merged, now = self.paused_rows.plan(now, now_seqs, hidden)
             self.runner.builder.sync_tables()
-            self.drafter.run(hidden, now, [], self.runner.builder.mirror)
-        return self.paused_rows.keep(keep, hidden)
+            if chain:
+                self.metrics.record_chain(chain_len)
+            drafts = self.drafter.run(merged, now, chain, self.runner.builder.mirror)
+            self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
+        self.paused_rows.keep(keep, hidden)
+        if drafting:
+            self._time_drafting(time.perf_counter() - t0)
 
     def _time_drafting(self, dt: float) -> None:
         """The admission's drafting cost: a moving average of the measured drafting time per step."""

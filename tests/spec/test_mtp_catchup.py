@@ -129,24 +129,41 @@ def test_kept_rows_merge_in_front_of_their_sequences_rows_and_reset_when_not_con
     from deepinfer.spec.mtp_drafter import MTPRows
 
     a, b = FakeSeq("a", list(range(100, 120))), FakeSeq("b", list(range(200, 220)))
-    kept = PausedRows(max_rows=5)
-    h1 = torch.arange(6, dtype=torch.float32).view(3, 2)  # a paused step: a decodes at 10 (row 0), b at 4 (row 2)
-    assert kept.keep([(a, 0, 10), (b, 2, 4)], h1)
+    kept = PausedRows(max_rows=6)
+    h1 = torch.arange(6, dtype=torch.float32).view(3, 2)  # a step: a decodes at 10 (row 0), b at 4 (row 2)
+    kept.keep([(a, 0, 10), (b, 2, 4)], h1)
     h2 = torch.arange(6, 12, dtype=torch.float32).view(3, 2)  # a at 11 (row 1); b at 7: not contiguous, restarts
-    assert kept.keep([(a, 1, 11), (b, 0, 7)], h2) and len(kept) == 4  # 4 rows kept, under the cap of 5
-    assert kept.kept["b"].first_position == 7 and len(kept.kept["b"].refs) == 1
-    step = torch.arange(100, 108, dtype=torch.float32).view(4, 2)  # the drafting step: a at 12 (rows 0-1), b at 8
+    kept.keep([(a, 1, 11), (b, 0, 7)], h2)
+    assert len(kept) == 4 and kept.kept["b"].first_position == 7 and len(kept.kept["b"].refs) == 1
+    step = torch.arange(100, 108, dtype=torch.float32).view(4, 2)  # a pass: a at 12 (rows 0-1), b at 8 (rows 2-3)
     rows = [MTPRows(0, 2, [113, 114], 12, True, 0), MTPRows(2, 2, [209, 210], 8, True, 1)]
     merged, out = kept.plan(rows, [a, b], step)
     # a: kept positions 10, 11 (h1 row 0, h2 row 1), then its own 2 rows; b: kept position 7 (h2 row 0), then its own
     assert out[0] == MTPRows(0, 4, [111, 112, 113, 114], 10, True, 0)
     assert out[1] == MTPRows(4, 3, [208, 209, 210], 7, True, 1)
     assert merged.tolist() == [[0, 1], [8, 9], [100, 101], [102, 103], [6, 7], [104, 105], [106, 107]]
-    assert len(kept) == 0 and not kept.kept and kept.num_caught_up == 3
-    kept.keep([(a, 0, 12)], h1)
+    assert len(kept) == 0 and not kept.kept and not kept.blocks and kept.num_caught_up == 3
+
+
+def test_a_sequence_not_in_the_pass_keeps_its_rows_and_the_cap_drops_the_oldest_step():
+    from deepinfer.spec.mtp_drafter import MTPRows
+
+    a, b = FakeSeq("a", list(range(100, 120))), FakeSeq("b", list(range(200, 220)))
+    kept = PausedRows(max_rows=4)
+    h = torch.arange(4, dtype=torch.float32).view(2, 2)
+    kept.keep([(a, 0, 5), (b, 1, 9)], h)
+    kept.keep([(a, 1, 6), (b, 0, 10)], h.flip(0))
+    step = torch.full((1, 2), 50.0)
+    merged, out = kept.plan([MTPRows(0, 1, [108], 7, True, 0)], [a], step)  # a's pass only: b keeps its rows
+    assert out == [MTPRows(0, 3, [106, 107, 108], 5, True, 0)] and merged.tolist() == [[0, 1], [0, 1], [50, 50]]
+    assert list(kept.kept) == ["b"] and len(kept) == 4  # both step copies still hold b's rows
+    kept.keep([(b, 0, 11)], h)  # 6 rows allocated > 4: the oldest step goes, b's position 9 with it
+    assert kept.num_dropped == 1 and kept.kept["b"].first_position == 10 and len(kept) == 3
+    merged, out = kept.plan([MTPRows(0, 1, [212], 12, True, 1)], [b], step)
+    assert out == [MTPRows(0, 3, [211, 212, 212], 10, True, 1)] and merged.tolist() == [[2, 3], [0, 1], [50, 50]]
+    kept.keep([(a, 0, 12)], h)
     kept.drop(a)
-    merged, out = kept.plan(rows[:1], [a], step)
-    assert out == rows[:1] and merged is step and not kept.blocks  # dropped: its own rows only, the copies freed
-    assert not PausedRows(max_rows=2).keep([(a, 0, 1), (b, 1, 1)], h1)  # the cap reached: the pause must end
+    merged, out = kept.plan([MTPRows(0, 1, [113], 13, True, 0)], [a], step)
+    assert merged is step and not kept.blocks  # dropped: its own rows only, the copies freed
     with pytest.raises(ValueError, match="max_rows"):
         PausedRows(max_rows=0)

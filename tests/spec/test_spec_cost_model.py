@@ -95,19 +95,22 @@ def held(n: int) -> list[HeldDraft]:
     return [HeldDraft(seq=None, num_tokens=0, tokens=[1, 2, 3], confidence=[0.95, 0.95, 0.95]) for _ in range(n)]
 
 
-def test_admission_charges_the_drafting_cost_of_this_steps_sequences():
+def test_drafting_is_planned_at_the_drafting_cost_of_this_steps_sequences():
     """A flat step cost (verified tokens nearly free) and drafts accepted 95% of the time: drafting pays where it
-    is cheap (1 sequence: 10 ms) and not where it is not (64 sequences: 10 s). A single moving-average drafting
-    time (draft_seconds, here measured at 1 sequence) would admit both."""
+    is cheap (1 sequence: 4-10 ms) and not where it is not (64 sequences: 4-10 s), which pauses it. The admission
+    at verification verifies every held slot either way: the drafts are made, their cost is not in it."""
     cal = SurvivalCalibrator(num_slots=3)
     cal.observe(torch.tensor([0, 1, 2] * 200), torch.full((600,), 0.95, dtype=torch.float64), torch.ones(600))
     policy = SlotPolicy(k=3, max_model_len=512, calibrator=cal, cost=StepCostTable([1, 4096], [0.1, 0.101]),
-                        draft_seconds=0.01, probe=False)
-    assert policy.counts(held(1), [3], 1, 1) == [3] and policy.counts(held(64), [3] * 64, 64, 64) == [3] * 64
+                        probe=False)
     policy.draft_cost = DraftCostTable(3, StepCostTable([1, 64], [0.004, 4.0]), StepCostTable([1, 64], [0.01, 10.0]))
-    assert policy.drafting_seconds(64) == pytest.approx(10.0)
-    assert policy.counts(held(1), [3], 1, 1) == [3]
-    assert policy.counts(held(64), [3] * 64, 64, 64) == [0] * 64
+    assert policy.drafting_seconds(64) == pytest.approx(10.0) and policy.drafting_seconds(64, 1) == pytest.approx(4)
+    assert policy.counts(held(1), [3], 1, 1) == [3] and policy.counts(held(64), [3] * 64, 64, 64) == [3] * 64
+    assert policy.mean_confidence == pytest.approx([0.95] * 3)
+    assert policy.plan_drafting(1) == 3 and policy.paused == 0
+    assert policy.plan_drafting(64) == 0 and policy.paused == policy.min_probe_every - 1
+    assert [policy.plan_drafting(64) for _ in range(policy.paused)] == [0] * 30 + [3]  # then the probe drafts
+    assert policy.probe and policy.probe_every == 2 * policy.min_probe_every
 
 
 def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows():
@@ -126,9 +129,9 @@ def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows()
 
 
 def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step: float = 0.04) -> SlotPolicy:
-    """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9), a flat
-    step cost (verified tokens almost free) and drafting that costs `one` for a chain of 1, `full` for k, at any
-    load."""
+    """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9, the
+    drafts' mean confidence), a flat step cost (verified tokens almost free) and drafting that costs `one` for a
+    chain of 1, `full` for k, at any load."""
     cal = SurvivalCalibrator(num_slots=k)
     for j, rate in enumerate(accept):
         n = 1000
@@ -136,56 +139,44 @@ def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step:
                     (torch.arange(n) < rate * n).to(torch.float64))
     drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
     return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [step, step * 1.01]),
-                      draft_cost=drafts, probe=False)
-
-
-def held_k(n: int, k: int = 5, conf: float = 0.9) -> list[HeldDraft]:
-    return [HeldDraft(seq=None, num_tokens=0, tokens=list(range(k)), confidence=[conf] * k) for _ in range(n)]
+                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k)
 
 
 def test_adaptive_chooses_a_short_chain_when_deep_slots_do_not_pay_for_their_links():
     """Drafts whose first slot is accepted 80% of the time and later ones rarely (5%), links that cost like the
-    step itself: one draft a step is worth its pass, five are not. The admission verifies one slot and the next
-    chain drafts one (where a full chain's cost would have made the admission refuse everything)."""
+    step itself: one draft a step is worth its pass, five are not. The next chain drafts one (where a full chain's
+    cost would have paused drafting)."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
-    assert policy.chain_length() == 5  # before any admission: the full k
-    assert policy.counts(held_k(4), [5] * 4, 4, 4) == [1] * 4
-    assert policy.chain == 1 and policy.chain_length() == 1 and policy.paused == 0
-    # the next step's drafts are one long: the admission still verifies them, the chain stays 1
-    short = [HeldDraft(seq=None, num_tokens=0, tokens=[7], confidence=[0.9]) for _ in range(4)]
-    assert policy.counts(short, [5] * 4, 4, 4) == [1] * 4 and policy.chain == 1
-    # without the choice (every chain k), the same drafts would not pay at all
-    full_only = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.2, full=0.2)
-    assert full_only.counts(held_k(4), [5] * 4, 4, 4) == [0] * 4 and full_only.paused > 0
+    assert policy.plan_drafting(4) == 1 and policy.chain_length() == 1 and policy.paused == 0
+    full_only = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.2, full=0.2)  # every chain as costly as k's
+    assert full_only.plan_drafting(4) == 0 and full_only.paused > 0
 
 
 def test_adaptive_keeps_the_full_chain_when_every_slot_is_accepted_and_links_are_cheap():
     policy = chain_policy([0.95] * 5, one=0.002, full=0.004)
-    assert policy.counts(held_k(2), [5] * 2, 2, 2) == [5] * 2
-    assert policy.chain == 5 and policy.chain_length() == 5
+    assert policy.plan_drafting(2) == 5 and policy.chain_length() == 5
 
 
-def test_a_short_chain_uses_the_slots_mean_confidence_for_what_it_did_not_draft_and_is_explored():
-    """A policy at chain 1 prices longer chains with each slot's moving-average confidence (the drafts it holds
-    have one token); every explore_every steps at a short chain, the next chain is k once."""
+def test_a_short_chain_is_lengthened_to_k_every_explore_every_steps():
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
     policy.explore_every = 3
-    policy.counts(held_k(4), [5] * 4, 4, 4)
-    assert policy.mean_confidence == pytest.approx([0.9] * 5)
-    short = [HeldDraft(seq=None, num_tokens=0, tokens=[7], confidence=[0.5]) for _ in range(4)]
-    lengths = []
-    for _ in range(4):
-        policy.counts(short, [5] * 4, 4, 4)
-        lengths.append(policy.chain_length())
-    assert lengths == [1, 5, 1, 1]  # the 1st counted short step above, then 2 more: the 3rd one explores
-    assert policy.mean_confidence[0] < 0.9 and policy.mean_confidence[1:] == pytest.approx([0.9] * 4)
+    assert [policy.plan_drafting(4) for _ in range(7)] == [1, 1, 5, 1, 1, 5, 1]
 
 
-def test_the_chain_is_k_for_a_static_policy_and_before_a_probe():
+def test_the_planned_chain_follows_the_drafts_confidence():
+    """The same calibration, drafts whose mean confidence falls from 0.9 to 0.1 (the calibrator's prior there):
+    their survival falls and drafting stops paying."""
+    policy = chain_policy([0.9] * 5, one=0.004, full=0.012)
+    assert policy.plan_drafting(4) > 0
+    low = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.05] * 5) for _ in range(4)]
+    for _ in range(40):
+        policy.counts(low, [5] * 4, 4, 4)
+    assert policy.mean_confidence[0] < 0.1 and policy.plan_drafting(4) == 0
+
+
+def test_the_chain_is_k_for_a_static_policy_and_for_a_probe():
     static = SlotPolicy(k=3, max_model_len=512)
-    assert static.chain_length() == 3
+    assert static.plan_drafting(8) == 3 and static.chain_length() == 3
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
-    policy.counts(held_k(4), [5] * 4, 4, 4)
-    assert policy.chain_length() == 1
-    policy.probe = True  # a pause ended: the probe step verifies full drafts, so they are drafted full
-    assert policy.chain_length() == 5
+    policy.probe = True  # the first drafting, or a pause's end: full chains for the probe
+    assert policy.plan_drafting(4) == 5
