@@ -80,11 +80,10 @@ class DraftCostTable:
         chain = self.k if chain is None else chain
         if not 1 <= chain <= self.k:
             raise ValueError(f"chain length {chain} outside 1..{self.k}")
-        n = torch.tensor(float(num_seqs))
-        one = float(self.one.cost(n))
+        one = self.one.at(num_seqs)
         if self.k == 1:
             return one
-        return one + (float(self.full.cost(n)) - one) * (chain - 1) / (self.k - 1)
+        return one + (self.full.at(num_seqs) - one) * (chain - 1) / (self.k - 1)
 
 
 def profile_draft_costs(model, backend, block_size: int, k: int, max_seqs: int, pass_rows: int | None = None,

@@ -104,8 +104,9 @@ class SlotPolicy:
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
     them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
-    Each pause in a row doubles the next one (up to max_probe_every); a chain that pays resets it. A chain shorter
-    than k is lengthened to k once every explore_every such steps, so the deeper slots' confidences are seen again.
+    Each pause in a row doubles the next one (up to max_probe_every); a chain that pays resets it. While the chain
+    is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
+    so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
     The n-gram drafter (no model work, draft_cost None) never pauses: its proposals cost host time only, and every
     step's admission decides on them.
     """
@@ -126,6 +127,7 @@ class SlotPolicy:
     probe_seqs: int = 4  # adaptive probes draft and verify at most this many sequences (a bounded cost)
     chain: int = 0  # the chain drafted after the last step (0: none); static: k
     explore_every: int = 64
+    explore: bool = False  # this drafting lengthens probe_seqs sequences' chains to k (set by plan_drafting)
     _short_chains: int = 0
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
@@ -134,9 +136,12 @@ class SlotPolicy:
     def adaptive(self) -> bool:
         return self.calibrator is not None
 
-    def chain_length(self) -> int:
-        """Drafts per sequence of the chain being drafted (valid after plan_drafting)."""
-        return self.k if not self.adaptive else self.chain
+    def chain_length(self, index: int = 0) -> int:
+        """Drafts of the index-th drafting sequence's chain (valid after plan_drafting): the planned chain, or k for
+        the first probe_seqs sequences of an exploring step."""
+        if not self.adaptive:
+            return self.k
+        return self.k if self.explore and index < self.probe_seqs else self.chain
 
     def drafting_seconds(self, num_seqs: int, chain: int | None = None) -> float:
         """What drafting chains of `chain` (default k) for num_seqs sequences costs."""
@@ -147,23 +152,22 @@ class SlotPolicy:
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        self._track_confidence(held)
+        lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        width = max(max(lens_list, default=0), 1)
+        conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
+                            dtype=torch.float64).view(len(held), width)
+        lens = torch.tensor(lens_list, dtype=torch.int64)
+        self._track_confidence(conf, lens)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe = False
-            return [min(c, self.k, len(h.tokens)) if i < self.probe_seqs else 0
-                    for i, (h, c) in enumerate(zip(held, caps))]
-        lens = torch.tensor([min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)], dtype=torch.int64)
-        width = max(int(lens.max()) if lens.numel() else 0, 1)
-        conf = torch.zeros(len(held), width, dtype=torch.float64)
-        for i, h in enumerate(held):
-            n = int(lens[i])
-            conf[i, :n] = torch.tensor(h.confidence[:n], dtype=torch.float64)
+            return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
         return admit(survival, lens, self.cost, base_tokens, float(base_yield)).num_slots.tolist()
 
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
         self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
+        self.explore = False
         if not self.adaptive:
             self.chain = self.k
         elif self.paused > 0:
@@ -185,37 +189,44 @@ class SlotPolicy:
                 if self.chain < self.k:
                     self._short_chains += 1
                     if self._short_chains >= self.explore_every:
-                        self._short_chains, self.chain = 0, self.k
+                        self._short_chains, self.explore = 0, True
         return self.chain
 
     def _choose_chain(self, num_seqs: int) -> int:
         """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
-        decoding (see the class docstring). Reads calibration counts and past confidences only."""
-        k = self.k
+        decoding (see the class docstring). Every sequence's slots share one survival (the calibrated estimate at
+        the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
+        than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
+        B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
+        drafting of chains of L. Plain floats: this runs every step. Reads calibration counts and past confidences
+        only."""
+        k, b = self.k, float(num_seqs)
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
-                            dtype=torch.float64).expand(num_seqs, k)
-        survival = self.calibrator.estimate(torch.arange(k).expand(num_seqs, k), conf)
-        base = num_seqs / float(self.cost.cost(torch.tensor(float(num_seqs))))
-        best, best_rate = 0, base * (1 + 1e-9)
+                            dtype=torch.float64)
+        survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
+        best, best_rate = 0, b / self.cost.at(b) * (1 + 1e-9)
+        reach, expected = 1.0, b
         for chain in range(1, k + 1):
-            lens = torch.full((num_seqs,), chain, dtype=torch.int64)
-            a = admit(survival[:, :chain], lens, self.cost, num_seqs, float(num_seqs),
-                      speculation_seconds=self.drafting_seconds(num_seqs, chain))
-            rate = a.expected_tokens / a.expected_seconds
-            if int(a.num_slots.sum()) > 0 and rate > best_rate:
+            reach *= survival[chain - 1]
+            expected += b * reach
+            rate = expected / (self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain))
+            if rate > best_rate:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best
 
-    def _track_confidence(self, held: list[HeldDraft], decay: float = 0.9) -> None:
-        """Moving average per slot of the confidences the drafts hold."""
-        for j in range(self.k):
-            vals = [h.confidence[j] for h in held if j < len(h.confidence)]
-            if not vals:
+    def _track_confidence(self, conf: torch.Tensor, lens: torch.Tensor, decay: float = 0.9) -> None:
+        """Moving average per slot of the held drafts' confidences (conf [B, W], valid below lens)."""
+        if conf.numel() == 0:
+            return
+        valid = (torch.arange(conf.shape[1]).unsqueeze(0) < lens.unsqueeze(1)).to(torch.float64)
+        count = valid.sum(dim=0)
+        mean = ((conf * valid).sum(dim=0) / count.clamp(min=1)).tolist()
+        for j, (m, c) in enumerate(zip(mean, count.tolist())):
+            if c == 0:
                 continue
-            m = sum(vals) / len(vals)
             if j < len(self.mean_confidence):
                 self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
-            else:
+            elif j == len(self.mean_confidence):
                 self.mean_confidence.append(m)
 
 

@@ -295,7 +295,7 @@ class SpecStepPipeline:
         drafting: list[Sequence] = []
         for item, row, seq in zip(sched.scheduled, rows, seqs):
             if row.drafts and chain_len > 0 and len(drafting) < limit:
-                chain.append(self._chain_room(seq))
+                chain.append(self._chain_room(seq, self.policy.chain_length(len(drafting))))
                 drafting.append(seq)
             elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
                 keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
@@ -319,12 +319,11 @@ class SpecStepPipeline:
         """The admission's drafting cost: a moving average of the measured drafting time per step."""
         self.policy.draft_seconds = dt if self.policy.draft_seconds == 0 else 0.8 * self.policy.draft_seconds + 0.2 * dt
 
-    def _chain_room(self, seq: Sequence) -> int:
-        """Drafts the sequence can make (the policy's chain length: static k, or the adaptive choice): the chain
-        writes MTP KV at positions up to num_computed + n - 2,
+    def _chain_room(self, seq: Sequence, want: int) -> int:
+        """Drafts the sequence can make, at most `want` (the policy's chain length for it): the chain writes MTP KV at positions up to num_computed + n - 2,
         which must be allocated (without preempting anyone) and inside max_model_len."""
         kv = self.scheduler.kv
-        n = min(self.policy.chain_length(), kv.max_model_len - seq.num_computed_tokens + 1)
+        n = min(want, kv.max_model_len - seq.num_computed_tokens + 1)
         while n > 1 and not _cover(kv, seq, n - 1):
             n -= 1
         return max(n, 0)

@@ -18,6 +18,7 @@ For random (non-greedy) drafts the confidence must not depend on the token drawn
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,14 @@ class StepCostTable:
             best = max(best, s)
             secs.append(best)
         self.seconds = secs
+
+    def at(self, num_tokens: float) -> float:
+        """Seconds at one token count (the same interpolation as `cost`, in plain floats: the per-step host path)."""
+        xs, ys = self.tokens, self.seconds
+        t = float(num_tokens)
+        i = min(max(bisect.bisect_left(xs, min(max(t, xs[0]), xs[-1])), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
     def cost(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """fp64 seconds for each token count in num_tokens (any shape)."""

@@ -157,10 +157,15 @@ def test_adaptive_keeps_the_full_chain_when_every_slot_is_accepted_and_links_are
     assert policy.plan_drafting(2) == 5 and policy.chain_length() == 5
 
 
-def test_a_short_chain_is_lengthened_to_k_every_explore_every_steps():
+def test_a_short_chain_is_lengthened_to_k_for_probe_seqs_sequences_every_explore_every_steps():
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
-    policy.explore_every = 3
-    assert [policy.plan_drafting(4) for _ in range(7)] == [1, 1, 5, 1, 1, 5, 1]
+    policy.explore_every, policy.probe_seqs = 3, 2
+    lengths = []
+    for _ in range(7):
+        assert policy.plan_drafting(4) == 1
+        lengths.append([policy.chain_length(i) for i in range(4)])
+    explored = [5, 5, 1, 1]
+    assert lengths == [[1] * 4, [1] * 4, explored, [1] * 4, [1] * 4, explored, [1] * 4]
 
 
 def test_the_planned_chain_follows_the_drafts_confidence():
