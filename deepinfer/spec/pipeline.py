@@ -320,8 +320,9 @@ class SpecStepPipeline:
         self.policy.draft_seconds = dt if self.policy.draft_seconds == 0 else 0.8 * self.policy.draft_seconds + 0.2 * dt
 
     def _chain_room(self, seq: Sequence, want: int) -> int:
-        """Drafts the sequence can make, at most `want` (the policy's chain length for it): the chain writes MTP KV at positions up to num_computed + n - 2,
-        which must be allocated (without preempting anyone) and inside max_model_len."""
+        """Drafts the sequence can make, at most `want` (the policy's chain length for it): the chain writes MTP KV
+        at positions up to num_computed + n - 2, which must be allocated (without preempting anyone) and inside
+        max_model_len."""
         kv = self.scheduler.kv
         n = min(want, kv.max_model_len - seq.num_computed_tokens + 1)
         while n > 1 and not _cover(kv, seq, n - 1):
