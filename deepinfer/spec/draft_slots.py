@@ -131,6 +131,10 @@ class SlotPolicy:
     _short_chains: int = 0
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
+    # measured / table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
+    # steps, and steps that verified or drafted; None until such a step was seen (then the plain one stands in)
+    plain_ratio: float = 1.0
+    spec_ratio: float | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -192,24 +196,44 @@ class SlotPolicy:
                         self._short_chains, self.explore = 0, True
         return self.chain
 
+    def observe_step(self, seconds: float, num_tokens: int, drafted_seqs: int = 0, chain: int = 0,
+                     verified: bool = False, weight: float = 0.1) -> None:
+        """A decode-row step's wall time (schedule to output processing) against what the tables predict for it:
+        the step table at its tokens, plus the drafting table for what it drafted. The tables time the forward and
+        the drafter alone, over no context; the engine's steps also pay the sampler, verification, output
+        processing and attention over real contexts, and a speculative step pays more of them than a plain one (on
+        the cpu backend with the embedded model, static k = 1 at one sequence was priced 20 ms a step and ran at
+        ~29). plan_drafting scales its prices by these ratios. Past steps only: non-anticipating."""
+        if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
+            return
+        predicted = self.cost.at(num_tokens)
+        if drafted_seqs and chain:
+            predicted += self.drafting_seconds(drafted_seqs, chain)
+        x = min(max(seconds / predicted, 0.2), 5.0)  # a GC pause or a stall is not the model's error
+        if verified or drafted_seqs:
+            self.spec_ratio = x if self.spec_ratio is None else (1 - weight) * self.spec_ratio + weight * x
+        else:
+            self.plain_ratio = (1 - weight) * self.plain_ratio + weight * x
+
     def _choose_chain(self, num_seqs: int) -> int:
         """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
         decoding (see the class docstring). Every sequence's slots share one survival (the calibrated estimate at
         the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
-        drafting of chains of L. Plain floats: this runs every step. Reads calibration counts and past confidences
-        only."""
+        drafting of chains of L, each side scaled by its measured ratio (`observe_step`). Plain floats: this runs
+        every step. Reads calibration counts, past confidences and past step times only."""
         k, b = self.k, float(num_seqs)
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
                             dtype=torch.float64)
         survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
-        best, best_rate = 0, b / self.cost.at(b) * (1 + 1e-9)
+        spec = self.spec_ratio if self.spec_ratio is not None else self.plain_ratio
+        best, best_rate = 0, b / (self.cost.at(b) * self.plain_ratio) * (1 + 1e-9)
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
-            rate = expected / (self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain))
+            rate = expected / ((self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)) * spec)
             if rate > best_rate:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best

@@ -87,6 +87,7 @@ class SpecStepPipeline:
         self._extra_tokens = 0  # tokens appended beyond one per sequence-step (the engine counts them)
         self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
+        self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         # steps with drafts: replayed as decode rows by the decode graphs (spec/verify_batch.py), or run eagerly
@@ -124,11 +125,17 @@ class SpecStepPipeline:
                     f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                     f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)")
             return []
+        t0 = time.perf_counter()
         conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
         self._failed = {}
+        self._drafted = (0, 0)
         emitted, logprobs = self._launch(sched, conf)
-        return self._process(sched, emitted, logprobs)
+        got = self._process(sched, emitted, logprobs)
+        if all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):  # decode rows only: what the tables price
+            self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
+                                     *self._drafted, verified=any(it.draft for it in sched.scheduled))
+        return got
 
     def _clip(self, seq: Sequence, draft: list[int]) -> int:
         """Draft tokens a sequence may verify: all, or for structured output the grammar-allowed prefix."""
@@ -310,6 +317,7 @@ class SpecStepPipeline:
             if chain:
                 self.metrics.record_chain(chain_len)
             drafts = self.drafter.run(merged, now, chain, self.runner.builder.mirror)
+            self._drafted = (len(drafting), max(chain, default=0))
             self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
         self.paused_rows.keep(keep, hidden)
         if drafting:

@@ -185,3 +185,21 @@ def test_the_chain_is_k_for_a_static_policy_and_for_a_probe():
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
     policy.probe = True  # the first drafting, or a pause's end: full chains for the probe
     assert policy.plan_drafting(4) == 5
+
+
+def test_measured_step_times_correct_the_tables_prices():
+    """The tables price one sequence's k = 1 step at 40.4 + 4 ms and a plain step at 40 ms (verified tokens almost
+    free, drafts accepted 80%): drafting pays by them. Speculative steps that measure 2x their price (host work the
+    tables do not see) make it not pay; plain steps measured alike leave the choice to the model again."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    assert policy.plan_drafting(1) == 1
+    for _ in range(30):
+        policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, verified=True)
+    assert policy.spec_ratio == pytest.approx(2.0, rel=0.05) and policy.plain_ratio == 1.0
+    assert policy.plan_drafting(1) == 0
+    policy.paused, policy.probe = 0, False
+    for _ in range(60):
+        policy.observe_step(2 * policy.cost.at(1), 1)
+    assert policy.plain_ratio == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
+    policy.observe_step(100.0, 1)  # a stall: clamped, one step cannot swing the ratio past 5x
+    assert policy.plain_ratio < 2.4
