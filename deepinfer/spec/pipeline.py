@@ -52,7 +52,6 @@ import torch
 
 from deepinfer.errors import DeepInferError
 from deepinfer.sample.grammar.draft_mask import clip_draft, fill_draft_grammar_mask
-from deepinfer.sample.sampler import SamplingRow
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots
@@ -62,6 +61,7 @@ from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.rejection import greedy_verify
 from deepinfer.spec.verify_batch import decode_shaped, decode_shaped_if_graphed
+from deepinfer.spec.verify_sampling import sample_isolated, verified_rows
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
 from deepinfer.worker.transfer import tensor_to
@@ -205,18 +205,13 @@ class SpecStepPipeline:
             grammar = grammar.select(keep) if grammar is not None else None
             logits_indices = logits_indices[tensor_to(keep, torch.int64, logits_indices.device)]
             sampling = [i for i in sampling if i not in self._failed]
-        if sampling:
+        sample = None
+        if sampling:  # a sequence whose rows the sampler cannot take fails alone (spec/verify_sampling.py)
             logits = runner.model.compute_logits(hidden[logits_indices]).float()
-            rows: list[SamplingRow] = []
-            for i in sampling:
-                seq, draft = items[i].seq, items[i].draft
-                req = seq.request
-                n = seq.num_tokens
-                for j in range(len(draft) + 1):  # the target's token at position n + j, drafts 0..j-1 before it
-                    out = seq.output_token_ids + draft[:j] if (j and req.needs_host_tokens) else seq.output_token_ids
-                    rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.seed, n + j,
-                                            num_outputs=n - len(req.prompt_token_ids) + j))
-            sample = runner.sampler.sample(logits, rows, grammar)
+            sample, sampling, failed = sample_isolated(runner.sampler, logits, verified_rows(items, sampling), items,
+                                                       sampling, grammar)
+            self._failed.update(failed)
+        if sample is not None:
             out = sample.output([t.cpu() for t in sample.tensors])
             k = max(len(items[i].draft) for i in sampling)
             if k == 0:  # no drafts this step (adaptive pause, first steps): one token each, nothing to verify

@@ -1,0 +1,75 @@
+"""Sampling a speculative step's verified positions: one row per position (a sequence's real token and each of
+its drafts), drawn by the ordinary sampler, with a failure of one sequence's rows failing that request only.
+
+Isolation, as the non-speculative step does it (worker/model_runner.py: `_sample`): the whole batch is drawn at
+once; if that raises, each sequence's rows are drawn alone, the sequences whose rows raise by themselves are left
+out (their requests fail with the error, the caller's `_failed`), and the rest are drawn again. A batch that fails
+while no sequence's rows fail alone is not one request's failure, and raises. Only host-side exceptions can be
+isolated this way (a device fault surfaces later, for everyone).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer.sample.sampler import SamplingRow
+from deepinfer.worker.model_runner import request_error
+from deepinfer.worker.transfer import tensor_to
+
+logger = logging.getLogger("deepinfer")
+
+
+def verified_rows(items, sampling: list[int]) -> list[SamplingRow]:
+    """The sampler rows of the sampling items (indices into items, the step's ScheduledSeqs): for each, the target's
+    token at positions n .. n + len(draft), the drafts before each position as its context."""
+    rows: list[SamplingRow] = []
+    for i in sampling:
+        seq, draft = items[i].seq, items[i].draft
+        req = seq.request
+        n = seq.num_tokens
+        for j in range(len(draft) + 1):
+            out = seq.output_token_ids + draft[:j] if (j and req.needs_host_tokens) else seq.output_token_ids
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.seed, n + j,
+                                    num_outputs=n - len(req.prompt_token_ids) + j))
+    return rows
+
+
+def _draw(sampler, logits: torch.Tensor, rows: list[SamplingRow], grammar):
+    """The sampler's draw; the mask is passed only when there is one (a sampler without structured output support,
+    such as a test double, keeps its two-argument sample())."""
+    return sampler.sample(logits, rows) if grammar is None else sampler.sample(logits, rows, grammar)
+
+
+def sample_isolated(sampler, logits: torch.Tensor, rows: list[SamplingRow], items, sampling: list[int], grammar
+                    ) -> tuple[object | None, list[int], dict[int, str]]:
+    """(the draw, the sampling indices it covers, failed index -> error). logits / rows / grammar: len(draft) + 1
+    rows per sampling item, in order."""
+    try:
+        return _draw(sampler, logits, rows, grammar), sampling, {}
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless one sequence's rows alone reproduce it
+        batch_exc = exc
+    failed: dict[int, str] = {}
+    spans, r = [], 0
+    for i in sampling:
+        n = len(items[i].draft) + 1
+        spans.append((i, r, n))
+        try:
+            _draw(sampler, logits[r:r + n], rows[r:r + n],
+                  grammar.select(list(range(r, r + n))) if grammar is not None else None)
+        except Exception as exc:  # this sequence's own failure
+            rid = items[i].seq.request.request_id
+            logger.exception("request %r: sampling its verified rows raised; the request fails, the others go on",
+                             rid)
+            failed[i] = request_error(rid, "sampling", exc)
+        r += n
+    if not failed:
+        raise batch_exc
+    keep = [j for i, start, n in spans if i not in failed for j in range(start, start + n)]
+    kept = [i for i in sampling if i not in failed]
+    if not kept:
+        return None, [], failed
+    sample = _draw(sampler, logits.index_select(0, tensor_to(keep, torch.int64, logits.device)),
+                   [rows[j] for j in keep], grammar.select(keep) if grammar is not None else None)
+    return sample, kept, failed
