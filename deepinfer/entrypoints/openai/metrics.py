@@ -58,6 +58,14 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        if stats.spec_method is not None and stats.spec_steps and stats.spec_conditional_acceptance:
+            g = GaugeMetricFamily("deepinfer_spec_conditional_acceptance",
+                                  "per draft slot: P(accepted | earlier slots accepted), since start (0-1)",
+                                  labels=["slot"])
+            for j, rate in enumerate(stats.spec_conditional_acceptance):
+                if rate == rate:  # a slot never reached has no rate (NaN): not exported
+                    g.add_metric([str(j + 1)], float(rate))
+            yield g
         counters = [
             ("deepinfer_prompt_tokens", "prompt tokens processed", stats.prompt_tokens_total),
             ("deepinfer_generation_tokens", "tokens generated", stats.generation_tokens_total),
