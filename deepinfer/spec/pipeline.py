@@ -172,11 +172,9 @@ class SpecStepPipeline:
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.reset_state_rows(batch)
-        # A step of decodes and verify rows replays the decode graphs as one decode row per token where they cover
-        # it (spec/verify_batch.py: same tokens, same row order); a step with a prompt chunk, or too many rows for
-        # the largest bucket, runs eagerly; a decode-only step (no drafts) replays the decode graph as off would.
-        # The cpu backend runs such a step as decode rows eagerly too (decode_rows_eager: its batched decode path is
-        # faster there than its per-request prefill path for verify rows).
+        # Decodes and verify rows replay the decode graphs as one decode row per token where they cover the step
+        # (spec/verify_batch.py), else run eagerly (the cpu backend: as decode rows, decode_rows_eager); a step with a
+        # prompt chunk runs eagerly; a decode-only step (no drafts) replays the decode graph as off would.
         run_batch = batch
         if any(it.draft for it in sched.scheduled):
             flat = False
@@ -302,7 +300,8 @@ class SpecStepPipeline:
             elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
                 keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
                 continue
-            else:  # a prompt chunk, or a row whose next token is unknown: its pass now, no draft
+            else:  # a prompt chunk (or recompute), or a row whose next token is unknown: its pass now, no draft
+                self.paused_rows.drop(seq)
                 row = MTPRows(row.start, row.count, row.next_ids, row.context_len, False, row.state_row)
             now.append(row)
             now_seqs.append(seq)
@@ -369,6 +368,7 @@ class SpecStepPipeline:
                 continue
             if seq.finished:
                 self.book.discard(seq)
+                self.paused_rows.drop(seq)
                 self.scheduler.remove(seq)
             got.append(seq)
         for item in sched.scheduled:  # rejected KV back to the pool; keyed only now, verified tokens only
