@@ -247,6 +247,11 @@ class Sampler:
 
         return self._logprobs(logits, rows, temps, chosen)
 
+    def apply_grammar(self, logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+        """A grammar mask applied by this sampler's backend op, on a copy of logits (also what speculative
+        decoding's drafter masks its drafts with, spec/grammar_drafts.py)."""
+        return self._apply_grammar(logits, grammar)
+
     def _apply_grammar(self, logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
         """The grammar bitmask on the device (a copy of logits: the caller's tensor is left as it is)."""
         device = logits.device

@@ -94,19 +94,24 @@ class MTPDrafter:
             block_size=self.block_size,
         )
 
-    def _draft_from(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax ids [N], their probabilities [N]) of the MTP head at the normed states [N, D]."""
+    def _draft_from(self, state: torch.Tensor, mask=None, live: list[int] | None = None,
+                    tokens: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax ids [N], their probabilities [N]) of the MTP head at the normed states [N, D]; mask(live, tokens,
+        logits): a structured request's grammar mask (spec/grammar_drafts.py), applied before both."""
         logits = self.model.mtp_logits(state)[:, : self.model.vocab_size].float()
+        if mask is not None:
+            logits = mask(live, tokens, logits)
         probs = torch.softmax(logits, dim=-1)
         conf, ids = probs.max(dim=-1)
         return ids, conf
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, items: list[MTPRows], chain_lens: list[int],
-            device_tables: dict[str, torch.Tensor]) -> Drafts:
+            device_tables: dict[str, torch.Tensor], mask=None) -> Drafts:
         """The pass over `items` (hidden [T, D] of the step) and the chain: drafting item j (in order) gets
         1 + (chain_lens[j] - 1) drafts; chain_lens[j] = 0 drafts nothing (positions the caller could not
-        allocate). device_tables: the step's block tables on the device, current (the batch builder's mirror)."""
+        allocate). device_tables: the step's block tables on the device, current (the batch builder's mirror).
+        mask: the drafting sequences' grammar masks (spec/grammar_drafts.py), or None."""
         items = [it for it in items if it.count > 0]
         if not items:
             return Drafts([], [])
@@ -128,7 +133,7 @@ class MTPDrafter:
         if not ends:
             return Drafts([], [])
         state = state.index_select(0, tensor_to(ends, torch.int64, self.device))
-        ids, conf = self._draft_from(state)
+        ids, conf = self._draft_from(state, mask, list(range(len(ends))), [[] for _ in ends])
         tokens = [[t] for t in ids.tolist()]
         confs = [[c] for c in conf.tolist()]
         live = [j for j, n in enumerate(chain_lens) if n > 1]
@@ -140,7 +145,7 @@ class MTPDrafter:
             p = torch.tensor([pos[j] + link for j in live], dtype=torch.int64)
             b = self._batch([rows[j] for j in live], p, [1] * len(live), p.tolist(), device_tables)
             state = self.model.mtp_forward(state, ids, b, self.caches)
-            ids, conf = self._draft_from(state)
+            ids, conf = self._draft_from(state, mask, live, tokens)
             for j, t, c in zip(live, ids.tolist(), conf.tolist()):
                 tokens[j].append(t)
                 confs[j].append(c)

@@ -51,10 +51,11 @@ import time
 import torch
 
 from deepinfer.errors import DeepInferError
-from deepinfer.sample.grammar.draft_mask import clip_draft, fill_draft_grammar_mask
+from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots
+from deepinfer.spec.grammar_drafts import DraftGrammarMask, verify_masks
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
@@ -90,6 +91,7 @@ class SpecStepPipeline:
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
+        self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
         # steps with drafts: replayed as decode rows by the decode graphs (spec/verify_batch.py), or run eagerly
         self.num_graph_verify_steps = 0
         self.num_eager_verify_steps = 0
@@ -145,25 +147,6 @@ class SpecStepPipeline:
         self.num_grammar_clipped += len(draft) - n
         return n
 
-    def _grammar_mask(self, items, sampling: list[int]):
-        """The masks of every verified position of the constrained sequences (sample/grammar/draft_mask.py), and
-        {index into items: error} for those that cannot be sampled."""
-        states, r = [], 0
-        for i in sampling:
-            seq, draft = items[i].seq, items[i].draft
-            if seq.grammar is not None:
-                states.append((r, seq.grammar, seq.output_token_ids, draft))
-            r += len(draft) + 1
-        if not states:
-            return None, {}
-        mask, failed = fill_draft_grammar_mask(states, self.runner.grammar_facts, self.runner.grammar_forbidden)
-        first = {}
-        r = 0
-        for i in sampling:
-            first[r] = i
-            r += len(items[i].draft) + 1
-        return mask, {first[row]: message for row, message in failed.items()}
-
     # ------------------------------------------------------------ device work
 
     @torch.inference_mode()
@@ -191,7 +174,7 @@ class SpecStepPipeline:
         items = sched.scheduled
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
-        grammar, self._failed = self._grammar_mask(items, sampling)  # host work while the forward runs
+        grammar, self._failed = verify_masks(items, sampling, runner.grammar_facts, runner.grammar_forbidden)
         logits_indices = batch.logits_indices
         if self._failed:  # these sequences cannot be sampled: left out of the draw, failed in _process
             keep, r = [], 0
@@ -293,10 +276,12 @@ class SpecStepPipeline:
         keep: list[tuple[Sequence, int, int]] = []
         chain: list[int] = []
         drafting: list[Sequence] = []
-        for item, row, seq in zip(sched.scheduled, rows, seqs):
+        drafted_after: list[list[int]] = []  # per drafting sequence: its tokens emitted this step
+        for item, row, seq, toks in zip(sched.scheduled, rows, seqs, emitted):
             if row.drafts and chain_len > 0 and len(drafting) < limit:
                 chain.append(self._chain_room(seq, self.policy.chain_length(len(drafting))))
                 drafting.append(seq)
+                drafted_after.append(toks)
             elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
                 keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
                 continue
@@ -310,7 +295,12 @@ class SpecStepPipeline:
             self.runner.builder.sync_tables()
             if chain:
                 self.metrics.record_chain(chain_len)
-            drafts = self.drafter.run(merged, now, chain, self.runner.builder.mirror)
+            mask = None
+            if DraftGrammarMask.needed(drafting):  # structured requests draft under their grammar
+                mask = DraftGrammarMask(drafting, drafted_after, self.runner.grammar_facts,
+                                        self.runner.grammar_forbidden, self.runner.sampler)
+            drafts = self.drafter.run(merged, now, chain, self.runner.builder.mirror, mask)
+            self.num_grammar_masked += mask.num_masked if mask is not None else 0
             self._drafted = (len(drafting), max(chain, default=0))
             self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
         self.paused_rows.keep(keep, hidden)

@@ -149,3 +149,26 @@ def test_a_grammar_error_fails_that_request_only(parts):
     want = make(parts).generate([reqs["ok"][0], reqs["plain"][0]], [reqs["ok"][1], reqs["plain"][1]], use_tqdm=False)
     assert [done["ok"].token_ids, done["plain"].token_ids] == [w.outputs[0].token_ids for w in want]
     _check_valid("regex", done["ok"].text, done["ok"].finish_reason)
+
+
+def test_mtp_drafts_are_drawn_under_the_grammar(parts, monkeypatch):
+    """spec/grammar_drafts.py: a structured request's MTP drafts are the argmax of the grammar-masked MTP
+    distribution, so they are valid and get verified instead of cut at the first forbidden token. Measured here
+    (8 JSON / regex requests, greedy, k = 3): tau 2.47 masked vs 1.34 unmasked, drafted tokens cut 11 vs 212. The
+    output is the same either way (the test above, and here)."""
+    from deepinfer.spec.grammar_drafts import DraftGrammarMask
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    params = [_json(temperature=0.0) if i % 2 == 0 else _regex(temperature=0.0) for i in range(8)]
+
+    def run():
+        e = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+        outs = e.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], e.stats().spec_tau, e._spec.num_grammar_clipped, \
+            e._spec.num_grammar_masked
+
+    tokens, tau, clipped, masked = run()
+    monkeypatch.setattr(DraftGrammarMask, "needed", staticmethod(lambda seqs: False))  # the control: unmasked drafts
+    tokens_off, tau_off, clipped_off, masked_off = run()
+    assert tokens == tokens_off and masked > 0 and masked_off == 0
+    assert tau > tau_off + 0.5 and clipped * 4 < clipped_off
