@@ -329,8 +329,6 @@ class KVCacheManager(PrefixAdmission, TierTraffic):
             if n:
                 self._changes[s.name].append((sb.row, 0, n))
         self.slots.free([sb.row])
-        if self._tier is not None and not self._seqs:
-            self._tier.idle()  # nothing running: queued disk writes may finish now
 
     def take_table_changes(self) -> dict[str, list[tuple[int, int, int]]]:
         """The (row, start, end) ranges of block_tables written since the last call, per group; a copy of

@@ -248,8 +248,3 @@ class TierLink:
         if self.host is not None:
             self.host.release_lent()
         return self.copies.fence()
-
-    def idle(self) -> None:
-        """The engine has nothing running: let queued disk writes finish (nothing waits on the host now)."""
-        if self.disk is not None:
-            self.disk.flush()

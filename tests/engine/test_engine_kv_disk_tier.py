@@ -49,13 +49,14 @@ def path(checkpoint):
 
 def test_restart_hits_the_disk_then_a_corrupt_file_is_a_miss(path, tmp_path, caplog):
     disk = str(tmp_path / "kv")
-    _fill(_engine(path, disk))
-    files = glob.glob(os.path.join(disk, "*", "*", "*.kvb"))
-    assert files, "nothing was evicted to disk"
+    filler = _engine(path, disk)
+    _fill(filler)
     prompt = SYSTEM + [41, 42, 43, 44, 45]
     want = _trace(_engine(path, None, enable_prefix_caching=False).generate([prompt], GREEDY, use_tqdm=False)[0])
 
-    fresh = _engine(path, disk)  # a restart: an empty device cache, yesterday's directory
+    fresh = _engine(path, disk)  # a restart: an empty device cache, yesterday's directory (filler's writes flushed)
+    files = glob.glob(os.path.join(disk, "*", "*", "*.kvb"))
+    assert files and len(files) == filler.kv.disk_tier.puts, "nothing was evicted to disk, or not all of it written"
     out = fresh.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 64 and fresh.kv.prefix_tier_hit_tokens == 64
     assert _close(_trace(out), want)
@@ -128,3 +129,38 @@ def test_host_tier_hits_and_spills_to_disk(path, tmp_path):
     assert out.num_cached_tokens == 64 and _close(_trace(out), want)
     with pytest.raises(ConfigError, match="kv_host_cache_gib"):
         EngineConfig(path, kv_host_cache_gib=-1)
+
+
+def test_an_idle_engine_does_not_wait_for_the_disk_writes(path, tmp_path):
+    """The writer drains its queue in the background: a request that evicts blocks to disk returns while their
+    files are still being written (the next request's TTFT no longer pays the fsyncs), and a tier opened on the
+    same directory in this process waits for them, so a restart still finds every block."""
+    import threading
+
+    from deepinfer.kv.disk_tier import DiskTier
+    from deepinfer.worker.kv_block_io import KVBlockIO
+
+    class GatedWrites(DiskTier):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.gate = threading.Event()
+
+        def _write(self, key, host):
+            self.gate.wait(30)
+            super()._write(key, host)
+
+    disk = str(tmp_path / "kv")
+    e = _engine(path, None)
+    gated = GatedWrites(disk, 1 << 30, 72.0, e.kv.cache_salt)
+    e.kv.attach_tiers(None, gated, KVBlockIO(e.runner.caches, e.kv.specs[0].name))
+    _fill(e)  # evicts SYSTEM's blocks to the gated tier: generate returns with their writes pending
+    assert gated.puts > 0 and gated._queue.unfinished_tasks > 0
+    assert not glob.glob(os.path.join(disk, "*", "*", "*.kvb"))
+    opened = []
+    opener = threading.Thread(target=lambda: opened.append(DiskTier(disk, 1 << 30, 72.0, e.kv.cache_salt)))
+    opener.start()
+    opener.join(0.3)
+    assert opener.is_alive() and not opened  # the new tier waits for the pending writes...
+    gated.gate.set()
+    opener.join(30)
+    assert opened and len(glob.glob(os.path.join(disk, "*", "*", "*.kvb"))) == gated.puts  # ...then finds them all

@@ -191,7 +191,7 @@ def test_a_disk_prefix_is_read_while_others_run(path, want, tmp_path):
     filler = _engine(path, CPUBackend(), kv_disk_cache_dir=disk)
     filler.generate([SYSTEM + [7, 8, 9]], GREEDY, use_tqdm=False)
     for p in OTHER:
-        filler.generate([p], GREEDY, use_tqdm=False)  # flushed when idle: the files are there now
+        filler.generate([p], GREEDY, use_tqdm=False)  # queued for the writer: opening the directory below flushes it
     e = _engine(path, CPUBackend())  # prefix caching on, no tiers yet: attach the gated disk
     gated = GatedDisk(disk, 1 << 30, 72.0, e.kv.cache_salt)
     e.kv.attach_tiers(None, gated, KVBlockIO(e.runner.caches, e.kv.specs[0].name))
