@@ -219,6 +219,9 @@ def main() -> None:
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="overlap the host's step work with the device (default: the engine's choice)")
     p.add_argument("--prefill-prompts", type=int, default=64, help="prompts in the prefill-only run (0: skip)")
+    p.add_argument("--quantization", default=None, help="EngineConfig.quantization (e.g. fp8: W8A8 online on a bf16 "
+                   "checkpoint; issue 18's speed rows)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, fp8)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
                    help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
@@ -234,7 +237,8 @@ def main() -> None:
     t = time.perf_counter()
     engine = LLM(model=args.model, device=args.device, dtype="bfloat16", max_num_seqs=max(batches),
                  max_model_len=max_len, enforce_eager=args.enforce_eager,
-                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+                 kv_cache_dtype=args.kv_cache_dtype,
                  async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
     load_s = time.perf_counter() - t
     with open(f"{args.model}/config.json") as f:
@@ -243,6 +247,7 @@ def main() -> None:
     graphs = getattr(engine.runner, "graph_runner", None) is not None
     meta = {"bench": "throughput", "gpu": gpu, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "backend": engine.backend_name, "cuda_graphs": graphs, "load_s": load_s,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "async_scheduling": engine.async_scheduling,
             "coverage": engine.backend.op_coverage()}
     print(json.dumps(meta), flush=True)

@@ -8,6 +8,11 @@
 #      assignments and optionally ' -- ' and extra throughput arguments). Stage mla: benchmarks.kernels_mla only
 #      (KMLA_ARGS: its arguments); stage router: benchmarks.kernels --only router; TEST_PATHS: what stage
 #      tests runs (default tests/nvidia + the async-scheduling GPU test).
+#   The open issues' GPU measurements (each its own stage, none in the default set):
+#      acc (issue 14: benchmarks.accuracy_bf16, ACC_PROMPTS=28), inv (issue 14: benchmarks.batch_invariance on
+#      $CKPT, flag on vs off), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
+#      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
+#      quant (issue 18: benchmarks.quant_gemm, then throughput with QUANT_ARGS, default --quantization fp8).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -106,5 +111,42 @@ if has hf; then
   timeout "${HF_TIMEOUT:-240}" python3 -m benchmarks.hf_baseline "$CKPT" $ACC --batch-sizes "${HF_BATCHES:-1,16}" \
     --prompt-len "${PROMPT:-1024}" > "$OUT/hf.log" 2>&1
   log "hf rc=$?"; grep '^{' "$OUT/hf.log" | tail -5 | tee -a "$OUT/summary.txt"; tail -3 "$OUT/hf.log"
+fi
+if has acc; then
+  log "issue 14: bf16 accuracy vs transformers (whole model, teacher-forced through fp32)"
+  timeout "${ACC_TIMEOUT:-300}" python3 -m benchmarks.accuracy_bf16 --device nvidia --prompts "${ACC_PROMPTS:-28}" \
+    --json-out "$OUT/accuracy_bf16.json" > "$OUT/accuracy_bf16.log" 2>&1
+  log "accuracy_bf16 rc=$?"; tail -15 "$OUT/accuracy_bf16.log" | tee -a "$OUT/summary.txt"
+fi
+if has inv; then
+  log "issue 14: batch invariance on vs off"
+  timeout "${INV_TIMEOUT:-400}" python3 -m benchmarks.batch_invariance "$CKPT" --batch-sizes "${INV_BATCHES:-1,64,256}" \
+    --json-out "$OUT/batch_invariance.jsonl" > "$OUT/batch_invariance.log" 2>&1
+  log "batch_invariance rc=$?"; grep -v '^{' "$OUT/batch_invariance.log" | tail -20 | tee -a "$OUT/summary.txt"
+fi
+if has spec; then
+  log "issue 17: speculative decoding (embedded model, bf16)"
+  timeout "${SPEC_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda \
+    ${SPEC_ARGS:---concurrency 1 4 16 64 --modes off k1 k3 adaptive --max-tokens 64 --repeats 2} \
+    > "$OUT/speculative.log" 2>&1
+  log "speculative rc=$?"; grep -v '^{' "$OUT/speculative.log" | tail -30 | tee -a "$OUT/summary.txt"
+fi
+if has kvttft; then
+  log "issue 15: TTFT of a miss / device / host / disk hit at 8k"
+  timeout "${KV_TIMEOUT:-400}" python3 -m benchmarks.kv_tiers_ttft --make "v2-lite:${KV_LAYERS:-4}" --scratch /tmp/kvb \
+    --device cuda --context "${KV_CONTEXT:-8192}" --reps "${KV_REPS:-3}" --workloads "${KV_WORKLOADS:-}" \
+    > "$OUT/kv_tiers_ttft.log" 2>&1
+  log "kv_tiers_ttft rc=$?"; grep -v '^{' "$OUT/kv_tiers_ttft.log" | tail -20 | tee -a "$OUT/summary.txt"
+fi
+if has quant; then
+  log "issue 18: quantized GEMMs, then decode / prefill with ${QUANT_ARGS:---quantization fp8}"
+  timeout 200 python3 -m benchmarks.quant_gemm --json "$OUT/quant_gemm.jsonl" > "$OUT/quant_gemm.log" 2>&1
+  log "quant_gemm rc=$?"; grep -v '^{' "$OUT/quant_gemm.log" | tail -30 | tee -a "$OUT/summary.txt"
+  if [ -f "$CKPT/config.json" ]; then
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
+      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_ARGS:---quantization fp8} \
+      --json-out "$OUT/throughput_quant.jsonl" > "$OUT/throughput_quant.log" 2>&1
+    log "throughput (quantized) rc=$?"; grep -v '^{' "$OUT/throughput_quant.log" | grep -v Loading | tail -20 | tee -a "$OUT/summary.txt"
+  fi
 fi
 log "done"
