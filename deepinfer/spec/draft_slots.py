@@ -107,8 +107,9 @@ class SlotPolicy:
     Each pause in a row doubles the next one (up to max_probe_every); a chain that pays resets it. While the chain
     is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
     so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
-    The n-gram drafter (no model work, draft_cost None) never pauses: its proposals cost host time only, and every
-    step's admission decides on them.
+    The n-gram drafter (no drafting table, draft_cost None) keeps the rule it had: its proposals cost host time
+    (the moving average draft_seconds, charged by the admission), and once an admission verifies nothing, drafting
+    pauses as above.
     """
 
     k: int
@@ -129,6 +130,7 @@ class SlotPolicy:
     explore_every: int = 64
     explore: bool = False  # this drafting lengthens probe_seqs sequences' chains to k (set by plan_drafting)
     _short_chains: int = 0
+    _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
     # measured / table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
@@ -166,7 +168,10 @@ class SlotPolicy:
             self.probe = False
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
-        return admit(survival, lens, self.cost, base_tokens, float(base_yield)).num_slots.tolist()
+        counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
+                       speculation_seconds=self.draft_seconds if self.draft_cost is None else 0.0).num_slots.tolist()
+        self._admitted_any = any(counts)
+        return counts
 
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
@@ -179,10 +184,10 @@ class SlotPolicy:
             self.chain = 0
             if self.paused == 0:  # the pause ends: draft the probe
                 self.probe, self.chain = True, self.k
-        elif self.probe or self.draft_cost is None or num_seqs == 0:
+        elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
             self.chain = self.k
-        else:
-            self.chain = self._choose_chain(num_seqs)
+        else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
+            self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             if self.chain == 0:
                 self.paused = self.probe_every - 1  # this step drafts nothing either
                 self.probe_every = min(2 * self.probe_every, self.max_probe_every)

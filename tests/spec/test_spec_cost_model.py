@@ -203,3 +203,17 @@ def test_measured_step_times_correct_the_tables_prices():
     assert policy.plain_ratio == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
     policy.observe_step(100.0, 1)  # a stall: clamped, one step cannot swing the ratio past 5x
     assert policy.plain_ratio < 2.4
+
+
+def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
+    """The n-gram drafter has no drafting table: its proposals cost host time (draft_seconds, a moving average of
+    the measured proposal time, charged by the admission). Once an admission verifies nothing, drafting pauses;
+    while admissions verify something, it goes on."""
+    cal = SurvivalCalibrator(num_slots=3)
+    cal.observe(torch.tensor([0, 1, 2] * 200), torch.full((600,), 0.95, dtype=torch.float64), torch.ones(600))
+    policy = SlotPolicy(k=3, max_model_len=512, calibrator=cal, cost=StepCostTable([1, 4096], [0.1, 0.101]),
+                        probe=False, draft_seconds=0.001)
+    assert policy.counts(held(2), [3, 3], 2, 2) == [3, 3] and policy.plan_drafting(2) == 3 and policy.paused == 0
+    policy.draft_seconds = 10.0  # proposals that cost more than any verified token yields
+    assert policy.counts(held(2), [3, 3], 2, 2) == [0, 0]
+    assert policy.plan_drafting(2) == 0 and policy.paused == policy.min_probe_every - 1
