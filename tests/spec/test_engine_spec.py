@@ -35,14 +35,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 FLAT = StepCostTable([1, 4096], [10.0, 10.1])
 
 
-@pytest.fixture(scope="module")
-def parts():
-    path = deepinfer.embedded_model_path()
-    backend = CPUBackend()
-    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
-    return path, backend, model, Tokenizer.from_pretrained(path)
-
-
 def make(parts, **kw) -> DeepInferenceEngine:
     path, backend, model, tok = parts
     settings = dict(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=256,

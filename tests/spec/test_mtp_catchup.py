@@ -8,28 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deepinfer
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.backend import token_slots
-from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
-from deepinfer.models.registry import load_model
 from deepinfer.spec.draft_slots import DraftBook
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.scheduler import StepCostTable
-from deepinfer.text.tokenizer import Tokenizer
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
 FLAT = StepCostTable([1, 4096], [10.0, 10.1])  # drafting always pays: no pause but the one the test makes
 PAUSE = 12
-
-
-@pytest.fixture(scope="module")
-def parts():
-    path = deepinfer.embedded_model_path()
-    backend = CPUBackend()
-    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
-    return path, backend, model, Tokenizer.from_pretrained(path)
 
 
 class MTPSnapshots(DraftBook):

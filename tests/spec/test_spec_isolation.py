@@ -7,27 +7,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
-import deepinfer
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
-from deepinfer.models.registry import load_model
 from deepinfer.sample.sampler import Sampler
-from deepinfer.text.tokenizer import Tokenizer
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
            "def parse_args(argv):\n    parser = "]
 VICTIM = 2
-
-
-@pytest.fixture(scope="module")
-def parts():
-    path = deepinfer.embedded_model_path()
-    backend = CPUBackend()
-    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
-    return path, backend, model, Tokenizer.from_pretrained(path)
 
 
 def make(parts, **kw) -> DeepInferenceEngine:

@@ -16,14 +16,10 @@ import jsonschema
 import pytest
 import torch
 
-import deepinfer
 from deepinfer import EngineConfig, SamplingParams, StructuredOutputsParams
-from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
-from deepinfer.models.registry import load_model
 from deepinfer.sample.grammar.bitmask import fill_grammar_mask
 from deepinfer.sample.grammar.matcher_state import SeqGrammar
-from deepinfer.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -48,14 +44,6 @@ BATCH = [_json(temperature=0.0), _regex(temperature=0.0), _json(temperature=0.8,
          SamplingParams(temperature=0.0, max_tokens=24), _regex(temperature=1.0, seed=5),
          SamplingParams(temperature=0.7, seed=3, max_tokens=24)]
 KINDS = ["json", "regex", "json", "plain", "regex", "plain"]
-
-
-@pytest.fixture(scope="module")
-def parts():
-    path = deepinfer.embedded_model_path()
-    backend = CPUBackend()
-    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
-    return path, backend, model, Tokenizer.from_pretrained(path)
 
 
 def make(parts, **kw) -> DeepInferenceEngine:
