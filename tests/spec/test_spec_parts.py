@@ -20,6 +20,43 @@ def test_ngram_proposes_the_continuation_of_the_longest_match():
     assert p.tokens == [2] and p.confidence == [0.5]
 
 
+def _reference_proposal(tokens: list[int], k: int, max_ngram=4, min_ngram=1, lookback=2048):
+    """The drafter's rule written plainly (its first, pure-Python implementation): the longest suffix n-gram with
+    an earlier occurrence proposes what followed its most recent one; confidence = agreement of all occurrences."""
+    if k <= 0 or len(tokens) < 2:
+        return [], []
+    hist = tokens[-lookback:]
+    for n in range(min(max_ngram, len(hist) - 1), min_ngram - 1, -1):
+        suffix = hist[len(hist) - n:]
+        starts = [i for i in range(len(hist) - n - 1, -1, -1) if hist[i:i + n] == suffix]
+        if not starts:
+            continue
+        out = hist[starts[0] + n: starts[0] + n + k]
+        conf = []
+        for j, tok in enumerate(out):
+            follow = [hist[s + n + j] for s in starts if s + n + j < len(hist)]
+            conf.append(sum(1 for t in follow if t == tok) / max(1, len(follow)))
+        return list(out), conf
+    return [], []
+
+
+def test_ngram_vectorised_search_equals_the_plain_rule():
+    import random
+
+    rng = random.Random(7)
+    d = NgramDrafter(lookback=300)
+    for trial in range(300):
+        vocab = rng.choice([3, 10, 50, 1000])  # small vocabularies repeat a lot, large ones rarely
+        n = rng.randrange(0, 700)
+        toks = [rng.randrange(vocab) for _ in range(n)]
+        if trial % 3 == 0 and n > 20:  # a copied span, as in code
+            a = rng.randrange(n - 10)
+            toks += toks[a: a + rng.randrange(2, 10)]
+        k = rng.randrange(0, 6)
+        p = d.propose(toks, k)
+        assert (p.tokens, p.confidence) == _reference_proposal(toks, k, lookback=300), (trial, n, k)
+
+
 def test_isotonic_and_calibrator_converge_to_observed_rates():
     fit = isotonic_increasing(torch.tensor([0.1, 0.5, 0.3, 0.9]), torch.tensor([1.0, 1.0, 1.0, 1.0]))
     assert torch.allclose(fit, torch.tensor([0.1, 0.4, 0.4, 0.9], dtype=torch.float64), atol=1e-6)
