@@ -25,9 +25,10 @@ import time
 
 import torch
 
-from deepinfer.backend import ForwardBatch, GraphRunner, KVCaches, token_slots
+from deepinfer.backend import ForwardBatch, GraphRunner
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.verify_batch import decode_shaped
+from deepinfer.worker.profile_run import throwaway_prompt_batch
 
 # how a profiled token count was timed (the start-up log prints it; SlotPolicy.cost_shapes keeps it)
 GRAPH, DECODE_ROWS, VARLEN = "graph", "decode rows", "varlen"
@@ -83,38 +84,14 @@ def verify_forward(model, block_size: int, num_tokens: int, k: int, device: torc
     throw-away cache, with the logits of every row, in the form the engine runs an eager verify step: varlen, or
     with decode_rows (`SpecStepPipeline.decode_rows_eager`) the batch decode-shaped, one decode row per token
     (spec/verify_batch.py). Token ids from `probe_token_ids`. Returns the batch that ran."""
-    specs = model.kv_cache_specs()
     q = k + 1
     lens = [min(q, num_tokens - i) for i in range(0, num_tokens, q)]
-    per_seq = {s.name: max(1, -(-s.num_entries(q) // block_size)) for s in specs}
-    caches = KVCaches.allocate(specs, {name: n * len(lens) for name, n in per_seq.items()}, block_size, len(lens),
-                               device, layouts)
+    batch, caches = throwaway_prompt_batch(model, block_size, lens, probe_token_ids(num_tokens, model.vocab_size,
+                                                                                    device),
+                                           torch.arange(num_tokens, dtype=torch.int64, device=device), device,
+                                           layouts)
     if caches.state and decode_rows:
         raise ValueError("verify_forward: a model with per-sequence state never runs verify steps as decode rows")
-    pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
-    req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    tables, slots = {}, {}
-    for s in specs:
-        table = torch.arange(per_seq[s.name] * len(lens), dtype=torch.int32).view(len(lens), per_seq[s.name])
-        tables[s.name] = table.to(device)
-        slots[s.name] = token_slots(table, req, pos, s.tokens_per_entry, block_size).to(device)
-    qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    batch = ForwardBatch(
-        input_ids=probe_token_ids(num_tokens, model.vocab_size, device),
-        positions=pos.to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        context_lens=torch.zeros(len(lens), dtype=torch.int32, device=device),
-        block_tables=tables,
-        slot_mapping=slots,
-        logits_indices=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        query_lens_cpu=list(lens),
-        seq_lens_cpu=list(lens),
-        context_lens_cpu=[0] * len(lens),
-        state_slots=torch.arange(len(lens), dtype=torch.int32, device=device) if caches.state else None,
-        state_slots_cpu=list(range(len(lens))) if caches.state else [],
-        block_size=block_size,
-    )
     if decode_rows:
         batch = decode_shaped(batch)
     hidden = model.forward(batch, caches)
