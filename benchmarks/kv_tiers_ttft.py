@@ -88,7 +88,10 @@ class Bench:
         def filler() -> list[int]:
             return [0] + [rng.randrange(2, VOCAB_HI) for _ in range(ctx)]
 
-        miss_e, dev_e = self.engine(False, max_len=ctx + 64), self.engine(True, max_len=ctx + 64)
+        # Every engine's pool is sized here, not from free memory: several engines of a full-size checkpoint
+        # share the GPU (the first would otherwise take gpu_memory_utilization of it).
+        miss_e = self.engine(False, blocks=a.blocks_per_context * 4, max_len=ctx + 64)
+        dev_e = self.engine(True, blocks=a.blocks_per_context * 4, max_len=ctx + 64)
         small = -(-(ctx + 64) // dev_e.kv.block_size) + 2  # one context and a bit: a filler evicts the prefix
         host_e = self.engine(True, blocks=small, host_gib=a.host_gib, max_len=ctx + 64)
         disk_dir = tempfile.mkdtemp(prefix="kvdisk-", dir=a.scratch)
@@ -113,6 +116,14 @@ class Bench:
         for k in ("device_hit", "host_hit", "disk_hit"):
             row[f"{k}_cached_tokens"] = cached[k]
             row[f"{k}_speedup"] = row["miss_ms"] / row[f"{k}_ms"]
+        if a.profile:
+            from benchmarks.profile_region import profile_region
+
+            trace = os.path.join(a.scratch, f"kv_ttft_{ctx}.json")
+            profile_region(f"miss at {ctx}", lambda: self.ttft(miss_e, prompt(a.reps)), trace)
+            profile_region(f"device hit at {ctx}", lambda: self.ttft(dev_e, prompt(a.reps)), trace)
+            profile_region(f"host hit at {ctx}", lambda: self.ttft(host_e, prompt(a.reps)), trace,
+                           setup=lambda: self.ttft(host_e, filler()))  # the filler pushes the prefix to the host
         tier = host_e.kv._tier
         row["host_tier_copies"] = {"to_host": tier.copies.num_to_host, "to_device": tier.copies.num_to_device}
         return row
@@ -196,6 +207,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--profile", action="store_true",
+                    help="part 1: profile a miss, a device hit and a filler + host hit (device kernels, host Python)")
     ap.add_argument("--device-fraction", type=float, default=0.5, help="device KV cache / working set (part 2)")
     args = ap.parse_args()
     if args.make:
@@ -204,6 +217,7 @@ def main() -> None:
         ap.error("give a checkpoint path or --make")
     chat_len = args.system_tokens + args.turns * (args.turn_tokens + args.output_tokens)
     args.max_model_len = max(args.context, chat_len, args.doc_tokens + 64) + 64
+    args.blocks_per_context = -(-(args.context + 64) // 16) + 2  # block size 16 is the smallest any backend uses
     b = Bench(args)
     t = time.perf_counter()
     single = b.single(args.context)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (the engine shares one loaded model) or cuda")
     ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
+    ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:CONC",
+                    help="after the table, profile one cell of each MODE at CONC (device kernels and host Python)")
+    ap.add_argument("--trace-dir", default=None, help="where --profile writes its traces (default: a temp dir)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
@@ -138,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"mean chain (last 1024 drafting steps) {st.spec_mean_chain:.2f}, "
                   "per-slot conditional acceptance "
                   + ", ".join(f"{a:.2f}" for a in st.spec_conditional_acceptance))
+    for spec in args.profile:
+        mode, _, conc = spec.partition(":")
+        if mode not in engines:
+            raise SystemExit(f"--profile {spec}: mode {mode!r} was not among --modes")
+        from benchmarks.profile_region import profile_region
+
+        trace = os.path.join(args.trace_dir or tempfile.gettempdir(), f"spec_{mode}_c{conc}.json")
+        profile_region(f"{mode} at concurrency {conc}, {args.max_tokens} tokens",
+                       lambda: run_cell(engines[mode], int(conc or 1), args.max_tokens), trace)
     return 0
 
 

@@ -133,8 +133,8 @@ if has spec; then
 fi
 if has kvttft; then
   log "issue 15: TTFT of a miss / device / host / disk hit at 8k"
-  timeout "${KV_TIMEOUT:-400}" python3 -m benchmarks.kv_tiers_ttft --make "v2-lite:${KV_LAYERS:-4}" --scratch /tmp/kvb \
-    --device cuda --context "${KV_CONTEXT:-8192}" --reps "${KV_REPS:-3}" --workloads "${KV_WORKLOADS:-}" \
+  timeout "${KV_TIMEOUT:-400}" python3 -m benchmarks.kv_tiers_ttft ${KV_CKPT:---make v2-lite:${KV_LAYERS:-4}} --scratch /tmp/kvb \
+    --device cuda --context "${KV_CONTEXT:-8192}" --reps "${KV_REPS:-3}" --workloads "${KV_WORKLOADS:-}" ${KV_ARGS:-} \
     > "$OUT/kv_tiers_ttft.log" 2>&1
   log "kv_tiers_ttft rc=$?"; grep -v '^{' "$OUT/kv_tiers_ttft.log" | tail -20 | tee -a "$OUT/summary.txt"
 fi

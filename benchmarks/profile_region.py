@@ -1,0 +1,95 @@
+"""Where one region of a benchmark spends its time: device kernels (torch.profiler / CUPTI) and host Python
+(cProfile), printed as short tables so a lent GPU call brings the answer back in its output tail.
+
+Used by benchmarks that measure a whole request rather than a decode step (`benchmarks.speculative --profile`,
+`benchmarks.kv_tiers_ttft --profile`); `benchmarks.profile_step` stays the tool for plain decode steps.
+`fn` is run once under each profiler (twice in all), so it must be repeatable: a fresh cell of requests, or a
+prefix hit that hits again.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
+
+
+def device_profile(fn: Callable[[], object], trace_path: str) -> dict:
+    """fn under torch.profiler: wall ms, device-busy ms (the union of kernel / copy intervals), the kernel sum
+    and the top kernels by time with their launch counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - t)
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in _DEVICE_CATS and "dur" in e]
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        a = agg[e["name"][:80]]
+        a[0] += e["dur"] / 1e3
+        a[1] += 1
+    top = sorted(agg.items(), key=lambda kv: -kv[1][0])[:20]
+    return {"wall_ms": wall, "device_busy_ms": _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in events]),
+            "kernel_sum_ms": sum(e["dur"] for e in events) / 1e3, "launches": len(events),
+            "top": [(name, round(ms, 3), int(n)) for name, (ms, n) in top]}
+
+
+def host_profile(fn: Callable[[], object], lines: int = 30) -> str:
+    """fn under cProfile: the functions with the most cumulative time (the host's share of the region)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(pr, stream=buf)
+    stats.sort_stats("cumulative").print_stats(lines)
+    buf.write("\n-- by own time --\n")
+    stats.sort_stats("tottime").print_stats(lines // 2)
+    return buf.getvalue()
+
+
+def profile_region(label: str, fn: Callable[[], object], trace_path: str, host_lines: int = 30,
+                   setup: Callable[[], object] | None = None) -> dict:
+    """Print the device table and the host table of fn (run twice) under `label`; return the device dict.
+    `setup`, when given, runs before each of the two runs, outside the profilers."""
+    if setup is not None:
+        setup()
+    dev = device_profile(fn, trace_path)
+    print(f"\n## profile: {label}: wall {dev['wall_ms']:.2f} ms, device busy {dev['device_busy_ms']:.2f} ms, "
+          f"kernel sum {dev['kernel_sum_ms']:.2f} ms, {dev['launches']} launches", flush=True)
+    for name, ms, n in dev["top"]:
+        print(f"  {ms:9.3f} ms {n:6d}x  {name}")
+    print(f"## host (cProfile) of {label}:")
+    if setup is not None:
+        setup()
+    text = host_profile(fn, host_lines)
+    # keep the tables, drop pstats' preamble lines
+    print("\n".join(ln for ln in text.splitlines() if ln.strip() and "function calls" not in ln
+                    and not ln.startswith("Ordered by")), flush=True)
+    return {"label": label, **dev}
