@@ -49,6 +49,32 @@ def gaps(ref, prompt: list[int], gen: list[int], device: str) -> list[float]:
     return [float(row.max() - row[t]) / float(row.std()) for row, t in zip(logits, gen)]
 
 
+@torch.no_grad()
+def teacher_forced(engine, hf16, ref, ps: list[list[int]], streams: list[list[int]], device: str) -> dict:
+    """Every run's logits on the same stream (prompt + the fp32 greedy tokens), against the fp32 reference's at
+    each position (benchmarks/teacher_forced.py): DeepInfer's prefill and decode forms, transformers' bf16."""
+    from benchmarks.teacher_forced import deepinfer_logits, paired, position_errors, summarize_positions
+
+    errs: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for q, gen in zip(ps, streams):
+        ids = q + gen[:-1]
+        first = len(q) - 1
+        x = torch.tensor([ids], device=device)
+        rows32 = ref(x).logits[0, first:].float()
+        vocab = rows32.shape[-1]
+        rows = {"deepinfer-bf16 decode": deepinfer_logits(engine, ids, first, "decode"),
+                "deepinfer-bf16 prefill": deepinfer_logits(engine, ids, first, "prefill"),
+                "transformers-bf16": hf16(x).logits[0, first:].float()}
+        for name, r in rows.items():
+            for k, v in position_errors(r[:, :vocab].to(rows32.device), rows32).items():
+                errs.setdefault(name, {}).setdefault(k, []).append(v.cpu())
+    cat = {name: {k: torch.cat(v) for k, v in e.items()} for name, e in errs.items()}
+    hf = cat["transformers-bf16"]
+    return {"runs": [summarize_positions(name, e) for name, e in cat.items()],
+            "paired": {f"{name} - transformers-bf16": paired(cat[name], hf, "rms")
+                       for name in cat if name != "transformers-bf16"}}
+
+
 def summarize(name: str, all_gaps: list[float]) -> dict:
     t = torch.tensor(all_gaps)
     return {"run": name, "tokens": len(all_gaps), "exact_argmax": int((t == 0).sum()),
@@ -84,19 +110,21 @@ def main() -> None:
 
     results = []
     t0 = time.perf_counter()
+    # the pool is sized, not taken from free memory: the transformers models share the GPU with this engine
     engine = DeepInferenceEngine(EngineConfig(path, device=args.device, dtype="bfloat16", load_progress=False,
-                                              max_model_len=256))
+                                              max_model_len=256, num_kv_blocks=1024,
+                                              enable_prefix_caching=False))
     outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True),
                            use_tqdm=False)
     di_tokens = [list(o.outputs[0].token_ids) for o in outs]
-    del engine
     di_s = time.perf_counter() - t0
 
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(torch_device).eval()
     hf_tokens = [hf_greedy(hf16, q, args.new_tokens, torch_device) for q in ps]
-    del hf16
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(torch_device).eval()
     ref32_tokens = [hf_greedy(ref, q, args.new_tokens, torch_device) for q in ps]
+    forced = teacher_forced(engine, hf16, ref, ps, ref32_tokens, torch_device)
+    del engine, hf16
 
     for name, toks in (("deepinfer-bf16", di_tokens), ("transformers-bf16", hf_tokens),
                        ("transformers-fp32 (control)", ref32_tokens)):
@@ -111,9 +139,19 @@ def main() -> None:
         print(f"{r['run']:30s} {r['tokens']:6d} {r['exact_argmax']:7d} {r['worst_gap_sigma']:8.3f} "
               f"{r['p99_gap_sigma']:7.3f} {r['mean_gap_sigma']:7.4f}")
     print(f"(deepinfer run {di_s:.1f} s incl. load)")
+    print("\nteacher-forced on the fp32 greedy stream (paired: the same positions for every run)")
+    print(f"{'run':30s} {'pos':>5s} {'argmax':>7s} {'mean gap σ':>11s} {'worst σ':>8s} {'rms σ':>8s} {'KL':>9s}")
+    for r in forced["runs"]:
+        print(f"{r['run']:30s} {r['positions']:5d} {r['argmax_agree']:7d} {r['mean_gap_sigma']:11.4f} "
+              f"{r['worst_gap_sigma']:8.3f} {r['mean_rms_sigma']:8.5f} {r['mean_kl']:9.2e}")
+    for name, d in forced["paired"].items():
+        print(f"paired {name}: {d['metric']} mean difference {d['mean_diff']:+.5f} ± {d['se']:.5f} (se), "
+              f"ratio of means {d['ratio']:.3f}")
+    print(json.dumps({"bench": "accuracy_bf16_forced", "device": args.device, "preset": args.preset, **forced}))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": args.device, "preset": args.preset, "results": results}, f, indent=2)
+            json.dump({"device": args.device, "preset": args.preset, "results": results, "teacher_forced": forced},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Whole-model bf16 accuracy on the H200 next to transformers' own bf16 (issue 14, numerics).
 
-The measure of benchmarks/accuracy_bf16.py at its preset (acc-v3-1k: hidden 1024, kv_lora 512, 16 heads,
-32 experts top-4, 5 layers, YaRN; 7 prompts x 32 greedy tokens): each engine's greedy tokens are
-teacher-forced through the fp32 transformers reference and each token's gap below the fp32 row maximum is
-taken in row standard deviations. DeepInfer's nvidia bf16 run must be no worse than transformers' bf16
-run on the same weights: mean gap <= 1.1 x transformers' and exact-argmax count >= transformers' - 2.
+The paired measure of benchmarks/accuracy_bf16.py (benchmarks/teacher_forced.py) at its preset (acc-v3-1k:
+hidden 1024, kv_lora 512, 16 heads, 32 experts top-4, 5 layers, YaRN): every run reads the same token stream
+(prompts + the fp32 reference's greedy tokens) and its logits at each position are compared with the fp32
+reference's, in reference row standard deviations (RMS logit error) and by argmax agreement. DeepInfer's nvidia
+bf16 forward, in its decode form (the absorbed decode kernels greedy decoding runs) and its prefill form, must
+be no less accurate than transformers' bf16 forward on the same positions: its mean RMS error not above
+transformers' by more than two paired standard errors, and its argmax agreement not below transformers' by more
+than two standard deviations of the discordant-pair count (McNemar).
 
-Measured before the fused-merge W_UV fix (2026-12, H200): DeepInfer 173/224, mean 0.0726 sigma;
-transformers 181/224, mean 0.0513 sigma, which this test would fail. With 224 tokens the count's
-binomial spread is about +-6, so a failure here by a few tokens is within noise; a run with more
-prompts (--prompts 28 in the benchmark) tells them apart.
+Why paired (history): the first version compared two independent greedy runs scored on their own streams;
+after the first near-tie they read different contexts, and at 896 tokens (2026-12-03, H200) DeepInfer 736 vs
+transformers 743 exact argmax and a mean gap of 0.066 vs 0.058 sigma were one standard error apart: the test
+could neither pass nor fail on the implementations.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-PROMPTS, NEW_TOKENS, SEED = 7, 32, 0
+PROMPTS, NEW_TOKENS, SEED = 14, 32, 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_acc_v3_1k_bf16_no_worse_than_transformers(tmp_path):
+def test_acc_v3_1k_bf16_no_less_accurate_than_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.accuracy_bf16 import gaps, hf_greedy, prompts, summarize
-    from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
+    from benchmarks.accuracy_bf16 import hf_greedy, prompts
+    from benchmarks.teacher_forced import deepinfer_logits, paired, position_errors
+    from deepinfer import DeepInferenceEngine, EngineConfig
     from deepinfer.checkpoints import make_checkpoint
 
     transformers.logging.set_verbosity_error()
@@ -41,21 +45,27 @@ def test_acc_v3_1k_bf16_no_worse_than_transformers(tmp_path):
     ps = prompts(cfg["vocab_size"], PROMPTS, SEED)
 
     engine = DeepInferenceEngine(EngineConfig(path, device="nvidia", dtype="bfloat16", load_progress=False,
-                                              max_model_len=256))
-    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
-    di_tokens = [list(o.outputs[0].token_ids) for o in outs]
-    del engine
-    torch.cuda.empty_cache()
-
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    hf_tokens = [hf_greedy(hf16, q, NEW_TOKENS, "cuda") for q in ps]
-    del hf16
+                                              max_model_len=256, num_kv_blocks=256, enable_prefix_caching=False))
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
-
-    di = summarize("deepinfer-bf16", [x for q, t in zip(ps, di_tokens) for x in gaps(ref, q, t, "cuda")])
-    hf = summarize("transformers-bf16", [x for q, t in zip(ps, hf_tokens) for x in gaps(ref, q, t, "cuda")])
-    assert di["tokens"] == hf["tokens"] == PROMPTS * NEW_TOKENS
-    report = json.dumps({"deepinfer": di, "transformers": hf})
-    assert di["mean_gap_sigma"] <= 1.1 * hf["mean_gap_sigma"], report
-    assert di["exact_argmax"] >= hf["exact_argmax"] - 2, report
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    errs: dict[str, list[dict]] = {"decode": [], "prefill": [], "hf": []}
+    with torch.no_grad():
+        for q in ps:
+            gen = hf_greedy(ref, q, NEW_TOKENS, "cuda")
+            ids, first = q + gen[:-1], len(q) - 1
+            x = torch.tensor([ids], device="cuda")
+            rows32 = ref(x).logits[0, first:].float()
+            errs["hf"].append(position_errors(hf16(x).logits[0, first:].float(), rows32))
+            for form in ("decode", "prefill"):
+                errs[form].append(position_errors(deepinfer_logits(engine, ids, first, form), rows32))
+    cat = {k: {m: torch.cat([e[m] for e in v]).cpu() for m in v[0]} for k, v in errs.items()}
+    hf = cat["hf"]
+    report = {k: {m: float(t.float().mean()) for m, t in e.items()} for k, e in cat.items()}
+    for form in ("decode", "prefill"):
+        di = cat[form]
+        d = paired(di, hf, "rms")
+        report[f"{form}_paired_rms"] = d
+        assert d["mean_diff"] <= 2 * d["se"], json.dumps(report)
+        discordant = int((di["agree"] != hf["agree"]).sum())
+        assert int(di["agree"].sum()) >= int(hf["agree"].sum()) - 2 * discordant**0.5, json.dumps(report)
+    print(json.dumps(report))
