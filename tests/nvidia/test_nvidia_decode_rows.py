@@ -104,3 +104,38 @@ def test_a_prefix_hit_replays_the_decode_graphs_as_decode_rows(parts):
     assert g_tok == e_tok
     for a, b in zip(g_lp, e_lp):  # decode kernel vs prefill kernel: the same attention in another fp32 order
         assert a.keys() == b.keys() and all(math.isclose(a[t], b[t], rel_tol=1e-5, abs_tol=1e-5) for t in a), (a, b)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_short_extends_through_cuda_graphs_equal_eager(tmp_path):
+    """Real CUDA graphs (tiny-v2-lite, fp32): a prefix hit's 8-token suffix and a fresh 5-token prompt in one step
+    replay the decode graph as 13 decode rows; tokens equal to enforce_eager, logprobs within fp32 rounding (the
+    decode kernel's splits vs the extend's path)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from deepinfer.checkpoints import make_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    make_checkpoint("tiny-v2-lite", path, progress=False)
+    prefix = [0] + [(37 * i + 11) % 900 + 2 for i in range(299)]
+    fresh = [0, 44, 91, 17, 250]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+
+    def run(**kw):
+        engine = DeepInferenceEngine(EngineConfig(path, device="cuda", dtype="float32", max_model_len=512,
+                                                  num_kv_blocks=64, max_num_seqs=16, load_progress=False, **kw))
+        bs = engine.kv.block_size
+        hit = prefix[: 256 // bs * bs] + [5, 6, 7, 8, 9, 10, 11, 12]
+        engine.generate([prefix], params, use_tqdm=False)
+        outs = engine.generate([fresh, hit], params, use_tqdm=False)
+        assert outs[1].num_cached_tokens == 256 // bs * bs
+        return engine, [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()}
+                                                          for s in o.outputs[0].logprobs]) for o in outs]
+
+    graphed, got = run()
+    assert graphed.runner.graph_runner is not None and graphed.runner.short_extends.num_steps >= 1
+    eager, want = run(enforce_eager=True)
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+        for a, b in zip(gl, wl):
+            assert a.keys() == b.keys() and all(math.isclose(a[t], b[t], rel_tol=1e-4, abs_tol=1e-4) for t in a)
