@@ -134,7 +134,7 @@ def test_on_a_gpu_short_extends_through_cuda_graphs_equal_eager(tmp_path):
 
     graphed, got = run()
     assert graphed.runner.graph_runner is not None and graphed.runner.short_extends.num_steps >= 1
-    eager, want = run(enforce_eager=True)
+    _, want = run(enforce_eager=True)
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt == wt
         for a, b in zip(gl, wl):
