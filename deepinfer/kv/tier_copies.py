@@ -15,8 +15,10 @@ With the native services (the cpu backend) copy_async runs at once and returns n
 
 Copies up (a hit's blocks, V4's snapshot restores) are not issued one block at a time: `queue_to_device` collects
 them and `flush` sends everything collected in ONE copy_async call (one event, one wait for the compute stream).
-The link merges a hit's blocks that land in consecutive device blocks into one copy per cache part (staged in one
-host buffer), so a hit of k blocks into a run of k blocks is `parts` transfers, not k * parts. `flush` runs at
+The link places a host-tier hit's blocks on its fresh device blocks in slot order and copies each run of consecutive
+slots in one transfer per cache part, straight from the host pool's regions (disk payloads landing in consecutive
+blocks are staged in one host buffer where copies are synchronous), so a hit of k blocks in one run of slots is
+`parts` transfers, not k * parts. `flush` runs at
 `fence` (the launch of the step that reads them) and before any copy down (which may read a block just loaded),
 so the copies keep program order.
 """
