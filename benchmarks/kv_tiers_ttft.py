@@ -15,11 +15,16 @@ output tokens per second over the whole run, hit rate = cached prompt tokens / p
 The device cache holds --device-fraction of the working set, so the device-only cache evicts and the host /
 disk tiers have work to do.
 
+Every engine shares the first one's model (DeepInferenceEngine.from_components): the weights are loaded once, and
+each engine adds only its KV pool (sized here from --context, not from free memory) and its decode graphs, so a
+full-size checkpoint (V2-Lite: ~31 GB of bf16 weights) runs all its engines on one GPU.
+
 Prints JSON lines, then tables. A checkpoint path, or --make v2-lite:LAYERS to write a random-weight checkpoint
-with DeepSeek-V2-Lite shapes and that many layers first (the full 27 layers take long to write).
+with DeepSeek-V2-Lite shapes and that many layers first (the full 27 layers take long to write: make them once with
+`python -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 /tmp/ckpt-v2-lite`).
 
   CPU:  python -m benchmarks.kv_tiers_ttft --make bench-v3-11m --device cpu --context 2048 --reps 3
-  H200: python -m benchmarks.kv_tiers_ttft --make v2-lite:8 --device cuda --context 8192 --reps 5
+  H200: python -m benchmarks.kv_tiers_ttft /tmp/ckpt-v2-lite --device cuda --context 8192 --reps 5 --workloads ""
 """
 
 from __future__ import annotations
@@ -61,14 +66,20 @@ def make(spec: str, out_dir: str) -> str:
 class Bench:
     def __init__(self, args):
         self.args = args
+        self.base: DeepInferenceEngine | None = None  # the first engine: its model serves every later one
 
     def engine(self, caching: bool, blocks: int | None = None, host_gib: float | None = None,
                disk: str | None = None, max_len: int | None = None) -> DeepInferenceEngine:
         a = self.args
-        return DeepInferenceEngine(EngineConfig(
+        cfg = EngineConfig(
             a.checkpoint, device=a.device, dtype=a.dtype, enable_prefix_caching=caching, num_kv_blocks=blocks,
             kv_host_cache_gib=host_gib, kv_disk_cache_dir=disk, max_model_len=max_len or a.max_model_len,
-            load_progress=False, max_num_batched_tokens=a.max_num_batched_tokens))
+            load_progress=False, max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
+        if self.base is None:
+            self.base = DeepInferenceEngine(cfg)
+            return self.base
+        b = self.base  # the same weights: loaded once (a full-size checkpoint fits once, not once per engine)
+        return DeepInferenceEngine.from_components(cfg, b.model, b.tokenizer, b.backend)
 
     @staticmethod
     def ttft(engine: DeepInferenceEngine, prompt: list[int]) -> tuple[float, int]:
@@ -88,11 +99,12 @@ class Bench:
         def filler() -> list[int]:
             return [0] + [rng.randrange(2, VOCAB_HI) for _ in range(ctx)]
 
-        # Every engine's pool is sized here, not from free memory: several engines of a full-size checkpoint
-        # share the GPU (the first would otherwise take gpu_memory_utilization of it).
-        miss_e = self.engine(False, blocks=a.blocks_per_context * 4, max_len=ctx + 64)
-        dev_e = self.engine(True, blocks=a.blocks_per_context * 4, max_len=ctx + 64)
-        small = -(-(ctx + 64) // dev_e.kv.block_size) + 2  # one context and a bit: a filler evicts the prefix
+        # Every engine's pool is sized here, not from free memory: the engines share the GPU (the first would
+        # otherwise take gpu_memory_utilization of it). The first, in 16-token blocks (the smallest any backend
+        # uses), holds a context whatever its block size; the others are sized in its blocks.
+        miss_e = self.engine(False, blocks=a.blocks_per_context, max_len=ctx + 64)
+        small = -(-(ctx + 64) // miss_e.kv.block_size) + 2  # one context and a bit: a filler evicts the prefix
+        dev_e = self.engine(True, blocks=3 * small, max_len=ctx + 64)  # the prefix stays while a prompt runs
         host_e = self.engine(True, blocks=small, host_gib=a.host_gib, max_len=ctx + 64)
         disk_dir = tempfile.mkdtemp(prefix="kvdisk-", dir=a.scratch)
         disk_e = self.engine(True, blocks=small, disk=disk_dir, max_len=ctx + 64)
@@ -108,6 +120,7 @@ class Bench:
                 self.ttft(e, filler())  # the prefix's blocks leave the device (LRU)
                 t, cached[name] = self.ttft(e, prompt(i))
                 res[name].append(t)
+        disk_e.kv.disk_tier.flush()  # its writer is done before the directory goes
         shutil.rmtree(disk_dir, ignore_errors=True)
         row = {"part": "single", "context": ctx, "reps": a.reps, "block_size": dev_e.kv.block_size}
         for k, v in res.items():
@@ -125,7 +138,11 @@ class Bench:
             profile_region(f"host hit at {ctx}", lambda: self.ttft(host_e, prompt(a.reps)), trace,
                            setup=lambda: self.ttft(host_e, filler()))  # the filler pushes the prefix to the host
         tier = host_e.kv._tier
-        row["host_tier_copies"] = {"to_host": tier.copies.num_to_host, "to_device": tier.copies.num_to_device}
+        row["host_tier_copies"] = {"to_host": tier.copies.num_to_host, "to_device": tier.copies.num_to_device,
+                                   "calls": tier.copies.num_calls, "transfers": tier.copies.num_transfers}
+        # steps whose few tokens (a hit's suffix) replayed the decode graphs as decode rows (worker/decode_rows.py)
+        row["decode_row_steps"] = {k: e.runner.short_extends.num_steps for k, e in
+                                   (("miss", miss_e), ("device", dev_e), ("host", host_e), ("disk", disk_e))}
         return row
 
     # ------------------------------------------------------------ part 2
@@ -177,6 +194,7 @@ class Bench:
         wall = time.perf_counter() - t0
         kv = e.kv
         if disk:
+            kv.disk_tier.flush()  # its writer is done before the directory goes
             shutil.rmtree(disk, ignore_errors=True)
         ttfts.sort()
         return {"part": name, "config": config, "requests": n, "device_blocks": blocks,
@@ -198,6 +216,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--host-gib", type=float, default=4.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="every engine's max_num_seqs: its decode graphs' largest bucket (16: 1, 2, 4, 8, 16 rows, "
+                         "quick to capture; a hit's 8-token suffix replays the bucket of 8)")
     ap.add_argument("--workloads", default="chat,doc", help="comma list of chat, doc; empty: part 1 only")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)

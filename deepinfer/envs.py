@@ -183,6 +183,13 @@ ASYNC_SCHEDULING = EnvVar(
     "`0` / `1`: schedule step N+1 while the device runs step N, when `EngineConfig.async_scheduling` is None",
     "engine", default_text="auto: on with an accelerator, off on the CPU",
 )
+DECODE_ROWS_MAX_TOKENS = EnvVar(
+    "DEEPINFER_DECODE_ROWS_MAX_TOKENS", "int", 64,
+    "a step with prompt chunks (a prefix hit's suffix, a short prompt) of at most this many tokens in all "
+    "replays the decode graphs as one decode row per token where a captured bucket (max_num_seqs rows) covers it "
+    "(worker/decode_rows.py); `0`: such steps run eagerly",
+    "engine", minimum=0, maximum=1024,
+)
 
 # ---------------------------------------------------------------- server
 

@@ -26,6 +26,9 @@ class BackendCaps:
     batch_invariant_model_types: the model types that guarantee covers (empty: all of model_types).
     batch_invariant_note: why not, when batch_invariant is False (shown when it is asked for).
     graph_capture: it supplies a graph runner (`Backend.make_graph_runner`) for decode steps.
+    graph_decode_rows: its decode path writes every row's KV before any row attends, so several decode rows of
+        one sequence (positions c, c + 1, ...) compute causal attention exactly: a step with prompt chunks may
+        replay the decode graphs as one decode row per token (worker/decode_rows.py).
     max_tensor_parallel_size: the most devices its communicator spans.
     kv_cache_dtypes: KV-cache storage it reads and writes: "auto" (the compute dtype) and "fp8_e4m3" (the
         MLA latent cache in float8_e4m3fn with a per-layer scale, docs/quantization.md "fp8 KV cache").
@@ -42,6 +45,7 @@ class BackendCaps:
     batch_invariant_model_types: tuple[str, ...] = ()
     batch_invariant_note: str = ""
     graph_capture: bool = False
+    graph_decode_rows: bool = False
     max_tensor_parallel_size: int = 1
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     moe_quant_schemes: tuple[str, ...] = ()

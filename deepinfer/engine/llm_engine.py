@@ -141,6 +141,7 @@ class DeepInferenceEngine(RequestIntake):
         from deepinfer.sample.sampler import Sampler
         from deepinfer.sched.scheduler import Scheduler
         from deepinfer.text.output_processor import OutputProcessor
+        from deepinfer.worker.decode_rows import short_extend_tokens
         from deepinfer.worker.model_runner import ModelRunner
 
         self.config = cfg
@@ -225,6 +226,9 @@ class DeepInferenceEngine(RequestIntake):
 
             rows = graph_rows(cfg.max_num_seqs, cfg.spec_num_tokens(), token_budget)
         self.runner.capture_decode_graphs(backend, self._max_model_len, rows, cfg.enforce_eager)
+        # a prefix hit's suffix, a short prompt: the decode graphs as decode rows (worker/decode_rows.py)
+        self.runner.short_extends.max_tokens = short_extend_tokens(
+            backend.caps, self.runner.graph_runner is not None, kv.uses_state, bool(cfg.spec_method()))
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
         self.async_scheduling = use_async_scheduling(cfg, backend, kv) and not cfg.spec_method()

@@ -20,6 +20,7 @@ On the CPU the device cache is host memory already, so this tier only adds a sec
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,6 +28,18 @@ import torch
 from deepinfer.kv.host_pool import HostPool
 
 Ready = Callable[[], None] | None
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """A hit's block held in slot `slot` of `group`'s host pool, lent to the hit (`HostTier.lend`). The link copies
+    it up straight from the pool's regions, with the hit's other blocks in consecutive slots in one transfer per
+    part (tier_link.py), so a hit makes no per-block, per-part host views."""
+
+    group: str
+    slot: int
+
+
 # what a reservation pushes out towards the disk: (key, parts, ready, release); release frees the slot
 Pushed = tuple[bytes, list[torch.Tensor], Ready, Callable[[], None]]
 
@@ -104,20 +117,30 @@ class HostTier:
 
     def get(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The block's parts: views of its slot, lent until `release_lent` (a device copy from them is ordered
-        after their fill on the copy stream)."""
+        after their fill on the copy stream). None when absent or shaped unlike `like`."""
+        group = self._group_of.get(key)
+        if group is None or not self.fits(group, like):
+            self.misses += 1
+            return None
+        return self.pool.groups[group].views(self.lend(key).slot)
+
+    def fits(self, group: str, like: list[torch.Tensor]) -> bool:
+        """Whether `group`'s slots hold blocks shaped and typed like `like` (one check per hit, not per block)."""
+        regions = self.pool.groups[group].regions
+        return [(r.dtype, r.shape[1:]) for r in regions] == [(t.dtype, t.shape) for t in like]
+
+    def lend(self, key: bytes) -> SlotRef | None:
+        """The block's slot (None: not here), lent until `release_lent`, as the newest entry; no views are made.
+        The caller checks the group's layout once (`fits`)."""
         group = self._group_of.get(key)
         if group is None:
             self.misses += 1
             return None
         slot, _ = self._lru[group][key]
-        parts = self.pool.groups[group].views(slot)
-        if [(t.dtype, t.shape) for t in parts] != [(t.dtype, t.shape) for t in like]:
-            self.misses += 1
-            return None
         self._lru[group].move_to_end(key)
         self._lent.add(key)
         self.hits += 1
-        return parts
+        return SlotRef(group, slot)
 
     def release_lent(self) -> None:
         """The hits' copies from lent slots are queued: their entries may be pushed out again."""

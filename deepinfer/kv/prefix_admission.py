@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
-import torch
-
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.hybrid_prefix import match_hybrid, register_hybrid
 from deepinfer.kv.prefix_cache import chain_keys
@@ -28,11 +26,11 @@ class PrefixHit:
     num_tokens: int
     blocks: dict[str, list[int]]
     tier_keys: list[bytes] = field(default_factory=list)
-    tier_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    tier_parts: list = field(default_factory=list)  # host_tier.SlotRef (host memory) or host tensors (disk)
     snapshot: int = -1  # hybrid caches: the state snapshot's slot (the window block ending at num_tokens)
     ready: bool = True  # False: disk reads for it are still running (match_prefix(wait=False)); admit it later
     # hybrid caches with lower tiers: (group, table index, key, payload) of each TIER entry of `blocks`
-    loads: list[tuple[str, int, bytes, list[torch.Tensor]]] = field(default_factory=list)
+    loads: list[tuple[str, int, bytes, object]] = field(default_factory=list)  # payload: as in tier_parts
 
 
 class PrefixAdmission:

@@ -15,8 +15,10 @@ With the native services (the cpu backend) copy_async runs at once and returns n
 
 Copies up (a hit's blocks, V4's snapshot restores) are not issued one block at a time: `queue_to_device` collects
 them and `flush` sends everything collected in ONE copy_async call (one event, one wait for the compute stream).
-The link merges a hit's blocks that land in consecutive device blocks into one copy per cache part (staged in one
-host buffer), so a hit of k blocks into a run of k blocks is `parts` transfers, not k * parts. `flush` runs at
+The link places a host-tier hit's blocks on its fresh device blocks in slot order and copies each run of consecutive
+slots in one transfer per cache part, straight from the host pool's regions (disk payloads landing in consecutive
+blocks are staged in one host buffer where copies are synchronous), so a hit of k blocks in one run of slots is
+`parts` transfers, not k * parts. `flush` runs at
 `fence` (the launch of the step that reads them) and before any copy down (which may read a block just loaded),
 so the copies keep program order.
 """
@@ -30,6 +32,7 @@ from typing import Callable
 import torch
 
 from deepinfer.backend import Backend
+from deepinfer.worker.transfer import to_device
 
 ARENA_BYTES = 64 * 1024 * 1024  # host buffers are carved from chunks this large (one pinned allocation each)
 ALIGN = 256
@@ -79,10 +82,11 @@ class TierCopies:
         runs: (first row, row count, per part a host tensor [count, ...]) covering rows 0 .. len(blocks) - 1 in
         order. Returns ready(), which blocks until the host holds the data (None: it does already).
 
-        The gather runs on the compute stream, so it reads a block after the step in flight has written it; a
-        device with a copy stream gathers with views (no index tensor to upload, which would make the host
-        wait), the host with one index_select. The gathered tensors are kept until the next fence, after which
-        the compute stream's later work waits for the copy that reads them."""
+        The gather runs on the compute stream, so it reads a block after the step in flight has written it: one
+        index_select per part, its block ids uploaded through pinned memory without a host wait
+        (worker/transfer.to_device; per-block views were one Python call per block and part: ~3,500 for 128
+        blocks of 27 layers). The gathered tensors are kept until the next fence, after which the compute
+        stream's later work waits for the copy that reads them."""
         self.flush()  # a block loaded this step may be the one copied down now: its copy up goes first
         if self.stream is not None:
             for event in self.fences:  # the gather (compute stream) after the copies up issued so far
@@ -98,11 +102,8 @@ class TierCopies:
                     torch.index_select(p, 0, index[first: first + n], out=dst)
             self.num_to_host += len(blocks)
             return None
-        if parts[0].device.type == "cpu":
-            index = torch.tensor(blocks, dtype=torch.long)
-            gathered = [p.index_select(0, index) for p in parts]
-        else:
-            gathered = [torch.stack([p[b] for b in blocks]) for p in parts]
+        index = to_device(torch.tensor(blocks, dtype=torch.long), parts[0].device)
+        gathered = [p.index_select(0, index) for p in parts]
         dsts, srcs = [], []
         for first, n, regions in runs:
             dsts.extend(regions)

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from deepinfer.kv.host_tier import SlotRef
 from deepinfer.kv.prefix_cache import CachingBlockPool
 from deepinfer.kv.tier_copies import TierCopies
 
@@ -132,11 +133,15 @@ class TierLink:
         key = self.tier_key(group, key)
         return any(t.contains(key) for t in self.tiers)
 
-    def fetch(self, group: str, key: bytes, wait: bool = True) -> tuple[list[torch.Tensor] | None, bool]:
+    def fetch(self, group: str, key: bytes, wait: bool = True, lend: bool = False
+              ) -> tuple[list[torch.Tensor] | SlotRef | None, bool]:
         """One block's payload from the host tier, else from disk: (payload or None on a miss / a bad file,
-        ready). ready is False when wait is False and the disk read is still running (ask again later)."""
+        ready). ready is False when wait is False and the disk read is still running (ask again later).
+        lend: a host-tier block comes as its SlotRef (what `load` copies up in runs), not as views."""
         key, like = self.tier_key(group, key), self.ios[group].like()
-        got = self.host.get(key, like) if self.host is not None else None
+        got = None
+        if self.host is not None:
+            got = self.host.lend(key) if lend and self.host.fits(group, like) else self.host.get(key, like)
         if got is not None or self.disk is None:
             return got, True
         read = self._reads.get(key)
@@ -153,11 +158,14 @@ class TierLink:
         """One group: past a device hit of `depth` blocks, up to `limit`: the blocks the tiers hold, into keys /
         parts. Host blocks are taken at once; blocks on disk are read on the disk tier's pool. Returns (new depth,
         ready): ready is False when wait is False and a read is still running (keys / parts then stop before
-        it; ask again later). A file failing its checks ends the hit there."""
+        it; ask again later). A file failing its checks ends the hit there. A host-tier block comes as its SlotRef
+        (no views: `load` copies it up in runs of slots)."""
         like = self.block_io.like()
+        (group,) = self.ios  # V2 / V3: one group
+        host = self.host if self.host is not None and self.host.fits(group, like) else None
         while depth < limit:
             key = key_at(depth)
-            got = self.host.get(key, like) if self.host is not None else None
+            got = host.lend(key) if host is not None else None
             if got is None and self.disk is not None:
                 read = self._reads.get(key)
                 if read is None and self.disk.contains(key):
@@ -201,27 +209,59 @@ class TierLink:
             first = first or self._reads[key]
         return first
 
-    def load(self, blocks, keys: list[bytes], parts: list[list[torch.Tensor]], group: str | None = None,
-             flush: bool = True) -> None:
+    def load(self, blocks, keys: list[bytes], parts: list, group: str | None = None, flush: bool = True) -> list[int]:
         """Queue the copies of read-back payloads into freshly allocated device blocks of `group` (default: the one
-        group) and key them there (the next step waits for the copies: `fence`). Blocks that land in consecutive
-        device blocks go in one copy per cache part, staged in one host buffer; flush: issue them now (one
-        copy_async call for everything queued)."""
+        group) and key them there (the next step waits for the copies: `fence`); flush: issue them now (one
+        copy_async call for everything queued). Returns the device block each key landed in, in keys' order: the
+        caller's table entries take them.
+
+        parts[i]: a host-tier block's SlotRef, or a payload (a list of host tensors: disk reads, tests). The fresh
+        blocks are interchangeable (the hit's own, unkeyed), so host-tier blocks are placed in slot order on the
+        fresh blocks in ascending order: consecutive slots land in consecutive blocks and a run of them is one
+        transfer per cache part, straight from the pool's regions (an 8k hit on a GPU: one per layer, not one per
+        block and layer). Payloads whose blocks are consecutive go in one copy per cache part, staged in one host
+        buffer where copies are synchronous (`_queue_run`)."""
         io = self.block_io if group is None else self.ios[group]
         pool = self.pool if group is None else self.pools[group]
-        order = sorted(range(len(keys)), key=lambda i: int(blocks[i]))
+        placed = [int(b) for b in blocks]
+        lent = [i for i, p in enumerate(parts) if isinstance(p, SlotRef)]
+        if lent:
+            fresh = sorted(placed)
+            lent.sort(key=lambda i: parts[i].slot)
+            others = [i for i, p in enumerate(parts) if not isinstance(p, SlotRef)]
+            for i, b in zip(lent + others, fresh):
+                placed[i] = b
+            self._queue_slot_runs(io, [(parts[i], placed[i]) for i in lent])
+        order = sorted((i for i, p in enumerate(parts) if not isinstance(p, SlotRef)), key=lambda i: placed[i])
         run: list[int] = []
         for i in order + [None]:
-            if run and (i is None or int(blocks[i]) != int(blocks[run[-1]]) + 1):
-                self._queue_run(io, int(blocks[run[0]]), [parts[j] for j in run])
+            if run and (i is None or placed[i] != placed[run[-1]] + 1):
+                self._queue_run(io, placed[run[0]], [parts[j] for j in run])
                 run = []
             if i is not None:
                 io.check(parts[i])
                 run.append(i)
-        for block, key in zip(blocks, keys):
-            pool.register(int(block), key)
+        for block, key in zip(placed, keys):
+            pool.register(block, key)
         if flush:
             self.copies.flush()
+        return placed
+
+    def _queue_slot_runs(self, io, pairs: list[tuple[SlotRef, int]]) -> None:
+        """(slot, device block) pairs in ascending slot order: one (dst, src) per cache part and run of consecutive
+        slots landing in consecutive blocks. The sources are rows of the pool's regions: a slot still filling behind
+        its copy down is covered by the copy stream's order (both copies run on it)."""
+        start = 0
+        for k in range(1, len(pairs) + 1):
+            ref, block = pairs[k - 1]
+            if k < len(pairs) and pairs[k][0].slot == ref.slot + 1 and pairs[k][1] == block + 1 \
+                    and pairs[k][0].group == ref.group:
+                continue
+            (first, b), n = pairs[start], k - start
+            regions = self.host.pool.groups[first.group].regions
+            self.copies.queue_to_device(io.range_views(b, n), [r[first.slot: first.slot + n] for r in regions],
+                                        blocks=n)
+            start = k
 
     def _queue_run(self, io, first: int, payloads: list[list[torch.Tensor]]) -> None:
         """Payloads of blocks first, first + 1, ...: one (dst, src) per cache part (a host staging buffer when

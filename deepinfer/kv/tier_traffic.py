@@ -51,8 +51,8 @@ class TierTraffic:
         """V2 / V3: the tier blocks fill the table entries right after the device hit."""
         group = self.specs[0].name
         first = len(prefix.blocks[group])
-        self._tier.load(self._np[group][sb.row, first: first + len(prefix.tier_keys)], prefix.tier_keys,
-                        prefix.tier_parts)
+        entries = self._np[group][sb.row, first: first + len(prefix.tier_keys)]  # fresh blocks, just allocated
+        entries[:] = self._tier.load(entries, prefix.tier_keys, prefix.tier_parts)  # placed in slot order
         sb.num_keyed = first + len(prefix.tier_keys)
         self.prefix_tier_hit_tokens += len(prefix.tier_keys) * self.block_size
 
@@ -82,7 +82,7 @@ class TierTraffic:
                 self._tier.start_reads(group, [k for g, _, k in todo if g == group])
         ok = True
         for group, j, key in todo:
-            payload, ready = self._tier.fetch(group, key, wait)
+            payload, ready = self._tier.fetch(group, key, wait, lend=True)
             if not ready:
                 self._tier.num_deferred += 1
                 return False, False
@@ -101,7 +101,8 @@ class TierTraffic:
             by_group.setdefault(group, []).append((j, key, payload))
         for group, items in by_group.items():
             fresh = self.pools[group].allocate(len(items))
-            for (j, _, _), b in zip(items, fresh):
+            placed = self._tier.load(fresh, [k for _, k, _ in items], [p for _, _, p in items], group=group,
+                                     flush=False)
+            for (j, _, _), b in zip(items, placed):
                 self._np[group][sb.row, j] = b
-            self._tier.load(fresh, [k for _, k, _ in items], [p for _, _, p in items], group=group, flush=False)
         self.prefix_tier_hit_tokens += sum(1 for g, _, _, _ in prefix.loads if g == self.window_group) * self.block_size

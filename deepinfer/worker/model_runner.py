@@ -1,6 +1,8 @@
 """Runs a scheduled step on the device: build the batch, forward (a captured graph where the
-backend's graph runner can), logits for the rows that sample, and the draw; the host reads the
-drawn ids later (`PendingStep.resolve`), so async scheduling can queue the next step first.
+backend's graph runner can; a step with prompt chunks of few tokens, such as a prefix hit's suffix, as
+one decode row per token through the decode graphs: worker/decode_rows.py), logits for the rows that
+sample, and the draw; the host reads the drawn ids later (`PendingStep.resolve`), so async
+scheduling can queue the next step first.
 
 One request's failure never fails the others (`ModelRunner._sample`): when the sampler raises for
 a batch, its rows are sampled one at a time to find those that raise on their own; they draw no
@@ -34,6 +36,7 @@ from deepinfer.outputs import Logprob
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sched.scheduler import SchedulerOutput
 from deepinfer.worker.batch_builder import BatchBuilder
+from deepinfer.worker.decode_rows import ShortExtends
 from deepinfer.worker.step_timer import StepTimer
 from deepinfer.worker.transfer import HostCopy, tensor_to
 
@@ -123,6 +126,9 @@ class ModelRunner:
         self.sampler = sampler
         self.graph_runner: GraphRunner | None = None  # decode-graph replay, from the backend
         self.graph_rows = 0  # rows the captured decode graphs cover (0: none)
+        # steps with prompt chunks of few tokens replay the decode graphs as decode rows (worker/decode_rows.py);
+        # its max_tokens is set at start-up (engine: short_extend_tokens), 0 until then
+        self.short_extends = ShortExtends()
         # ids drawn by the last launched step, on the device: a pending token's input id (async)
         self._last_tokens: torch.Tensor | None = None
         self.timer: StepTimer | None = None  # per-phase device timing of launched steps (benchmarks)
@@ -172,7 +178,8 @@ class ModelRunner:
             if timer is not None:
                 timer.mark("forward")
             return None if rows is None else self.model.compute_logits(rows).float()
-        hidden = self.run_model(batch)
+        flat = self.short_extends.flatten(batch, self.graph_runner)  # a short extend as decode rows, graphed
+        hidden = self.run_model(batch) if flat is None else self.graph_runner.run(flat)
         if timer is not None:
             timer.mark("forward")
         if batch.logits_indices.numel() == 0:

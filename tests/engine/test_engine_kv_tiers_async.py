@@ -94,7 +94,9 @@ def _trace(out):
 
 
 def _close(a, b) -> bool:
-    return a[0] == b[0] and all(t1 == t2 and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
+    # a hit's suffix sums in another order than a miss: up to ~1.1e-6 relative measured (2.8e-6 absolute near -2.5),
+    # the bound of tests/engine/test_engine_prefix_cache.py (docs/kv-cache.md "Guarantees and limits")
+    return a[0] == b[0] and all(t1 == t2 and math.isclose(x, y, rel_tol=4e-6, abs_tol=4e-6)
                                 for s1, s2 in zip(a[1], b[1]) for (t1, x), (t2, y) in zip(s1, s2))
 
 

@@ -13,7 +13,7 @@ from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.errors import ConfigError
 from deepinfer.kv.disk_tier import DiskTier
 from deepinfer.kv.host_pool import ALIGN, HostPool, slot_bytes
-from deepinfer.kv.host_tier import HostTier
+from deepinfer.kv.host_tier import HostTier, SlotRef
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.worker.kv_block_io import KVBlockIO
 
@@ -188,3 +188,55 @@ def test_host_pool_sizes_are_named_errors():
         HostPool(1 << 20, {"g": layout}, {"g": 1.0}, fails)
     pool = HostPool(10 * slot_bytes(layout) + 2 * ALIGN, {"g": layout}, {"g": 1.0}, CPUBackend().host_buffer)
     assert pool.groups["g"].num_slots == 10 and pool.take("g", 3) == [0, 1, 2]
+
+
+class _Seq:
+    """What admission reads of a sequence (sched/request.Sequence's fields)."""
+
+    def __init__(self, sid: str, tokens: list[int]):
+        self.seq_id, self.prompt_token_ids, self.output_token_ids = sid, tokens, []
+        self.num_tokens, self.num_computed_tokens, self.block_keys = len(tokens), 0, []
+
+    def token_ids_slice(self, a, b):
+        return self.prompt_token_ids[a:b]
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_host_hit_is_one_transfer_per_part_into_blocks_placed_in_slot_order(queued):
+    """8 blocks evicted to the host tier by one allocation, then hit by the same prompt through the manager: the
+    hit lends their slots (no views), places them on its fresh blocks in slot order, and copies them up in one
+    call of one transfer per cache part (with a copy stream too: before, one transfer per block and part there);
+    the table and the keys name the placed blocks, and the KV read back is the KV evicted, bit for bit."""
+    backend = QueuedBackend() if queued else CountingBackend()
+    kv, pool, io = _setup(backend, 12, 20)
+    link = kv._tier
+    tokens = list(range(2, 2 + 8 * BS + 1))  # 8 full blocks and one token
+    a = _Seq("a", tokens)
+    kv.allocate(a, len(tokens))
+    want = {}
+    for j, b in enumerate(kv.block_table("a", "g")[:8]):
+        for v in io.views(b):
+            v.copy_(torch.randn_like(v))
+        want[j] = [v.clone() for v in io.views(b)]
+    a.num_computed_tokens = len(tokens)
+    kv.register_computed(a)
+    kv.free(a)
+    pool.free(pool.allocate(pool.num_free))  # evicts the 8 keyed blocks: one batch, 8 consecutive host slots
+    kv.fence_tier_copies()
+    b = _Seq("b", tokens)
+    hit = kv.match_prefix(b)
+    assert hit.num_tokens == 8 * BS and hit.blocks["g"] == [] and len(hit.tier_parts) == 8
+    assert all(isinstance(p, SlotRef) for p in hit.tier_parts)
+    calls, transfers = link.copies.num_calls, link.copies.num_transfers
+    b.num_computed_tokens = hit.num_tokens
+    kv.allocate(b, 1, hit)
+    kv.fence_tier_copies()
+    assert link.copies.num_calls - calls == 1 and link.copies.num_transfers - transfers == len(io.parts)
+    table = kv.block_table("b", "g")[:8]
+    # placed in slot order on consecutive fresh blocks; the leaf was evicted first (a sequence frees its blocks last
+    # first), so its slots, and the blocks placed on them, descend along the prefix
+    assert table == list(range(table[0], table[0] - 8, -1)), table
+    keys = kv.block_keys(b, 8)
+    for j, blk in enumerate(table):
+        assert pool.block_of[keys[j]] == blk
+        assert all(torch.equal(v, w) for v, w in zip(io.views(blk), want[j])), j

@@ -75,6 +75,7 @@ class NvidiaBackend(NativeOps, Backend):
             batch_invariant=True,  # with enable_batch_invariance: the kernels of invariant/
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),
             graph_capture=on_gpu,
+            graph_decode_rows=True,  # mla_prep writes every row's latent before the decode kernel reads any
             max_tensor_parallel_size=1,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # fp8: the MLA latent cache (mla_prep / kv_write / mla_decode)
         )
