@@ -1,0 +1,145 @@
+"""The MTP drafter's graphs (backend/mtp_graph_runner.py) on the nvidia backend under the Triton interpreter, over the
+stand-in graph API of test_spec_nvidia_interpreter.py (a replay re-runs the captured function on the static inputs):
+drafts and confidences replayed == the eager drafter's, the MTP KV they write == the eager one's (and nothing past
+a chain's end), at several bucket sizes with padded rows; an engine drafting from graphs == speculation off; the
+drafting-cost table timed by replays. Tiny shapes: the one-layer drafting checkpoint of that module, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spec_nvidia_interpreter import (
+    ALPHA,
+    DEVICE,
+    GREEDY,
+    TINY,
+    GraphNvidiaBackend,
+    StandInGraphRunner,
+    make,
+    make_drafting_checkpoint,
+    prompts,
+    replays,
+    run,
+)
+
+from deepinfer.backend import KVCaches, MTPGraphRunner
+from deepinfer.models.registry import load_model
+from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows
+from deepinfer.text.tokenizer import Tokenizer
+
+BS = 4  # small blocks: a chain's lookahead lands inside allocated blocks, so a stray write would show
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("spec-mtp-graphs"))
+    perm = make_drafting_checkpoint(path, "tiny-v3", TINY, ALPHA, torch.float32)
+    backend = GraphNvidiaBackend(device=DEVICE)
+    model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
+    return path, backend, model, Tokenizer.from_pretrained(path), prompts(perm)
+
+
+def api(buckets: list[int]) -> StandInGraphRunner:
+    """The stand-in graph API with the decode runner's buckets (nothing captured for decode itself)."""
+    return StandInGraphRunner(model=None, caches=None, block_size=BS, max_blocks_per_seq=8, buckets=buckets,
+                              group_names=["mla"])
+
+
+def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int):
+    """(eager drafter, graph drafter) over two equal caches; every sequence row owns 8 blocks (-1: row 2 unused)."""
+    specs = model.kv_cache_specs(include_mtp=True)
+    layouts = {s.name: backend.kv_cache_layout(s) for s in specs}
+    tables = {s.name: torch.full((max_seqs, 8), -1, dtype=torch.int32) for s in specs}
+    for r in range(max_seqs):
+        if r != 2:
+            tables["mla"][r] = torch.arange(8 * r, 8 * r + 8, dtype=torch.int32)
+    out = []
+    for graphed in (False, True):
+        caches = KVCaches.allocate(specs, {"mla": 8 * max_seqs}, BS, max_seqs, backend.device, layouts)
+        graphs = None
+        if graphed:
+            graphs = MTPGraphRunner.capture(api(buckets), model, caches, tables, {"mla": 1}, BS, max_seqs, k,
+                                            backend.device)
+        out.append((MTPDrafter(model, caches, tables, BS, specs, backend.device, graphs=graphs), caches))
+    return out, tables
+
+
+def prefill(drafter: MTPDrafter, rows: list[int], ctx: int, seed: int) -> None:
+    """The MTP KV of positions 0..ctx-1 of each row (an eager pass, no drafts), as earlier steps left it."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(ctx * len(rows), drafter.model.config.hidden_size, generator=gen)
+    ids = torch.randint(0, 320, (ctx * len(rows),), generator=gen).tolist()
+    items = [MTPRows(i * ctx, ctx, ids[i * ctx:(i + 1) * ctx], 0, False, r) for i, r in enumerate(rows)]
+    saved, drafter.graphs = drafter.graphs, None
+    drafter.run(hidden, items, [], drafter.tables)
+    drafter.graphs = saved
+
+
+# (state rows, pass rows per sequence, chain lengths, buckets): padded passes and chains, a sequence without room
+# for a chain (0) and one whose chain ends before the others' (its later links must write nothing)
+CASES = {
+    "b3-of-4-t6-of-8": ([1, 3, 0], [3, 1, 2], [3, 1, 2], [1, 2, 4, 8]),
+    "b1-t1": ([3], [1], [2], [1, 2, 4, 8]),
+    "b2-of-2-t5-of-8-one-without-room": ([0, 1], [2, 3], [3, 0], [1, 2, 8]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case):
+    rows, counts, chains, buckets = CASES[case]
+    _, backend, model, _, _ = parts
+    k = 3
+    (eager, eager_caches), (graph, graph_caches) = setup_drafters(backend, model, buckets, 4, k)[0]
+    ctx = 5  # cached positions 0..4; the pass writes 5.., the chain one position further per link
+    for d in (eager, graph):
+        prefill(d, rows, ctx, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    total = sum(counts)
+    hidden = torch.randn(total + 2, model.config.hidden_size, generator=gen)  # + 2 rows the pass does not read
+    ids = torch.randint(0, 320, (total,), generator=gen).tolist()
+    items, start = [], 2
+    for r, n in zip(rows, counts):
+        items.append(MTPRows(start, n, ids[start - 2:start - 2 + n], ctx, True, r))
+        start += n
+    want = eager.run(hidden, items, chains, eager.tables)
+    got = graph.run(hidden, items, chains, graph.tables)
+    assert graph.num_graph_passes == 1 and graph.num_graph_chains == (1 if max(chains) > 0 else 0)
+    assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
+    assert graph.graphs.num_link_replays == max(chains) - 1
+    assert got.tokens == want.tokens and [len(t) for t in got.tokens] == chains
+    for a, b in zip(got.confidence, want.confidence):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert any(len(set(t)) > 1 for t in got.tokens) or len(got.tokens) == 1  # drafts differ: not a constant
+    for key, t in eager_caches.kv.items():  # the pass's rows and each live link's lookahead, nothing else
+        torch.testing.assert_close(graph_caches.kv[key], t, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_drafting_from_graphs_equals_off(parts):
+    """mtp k = 3 with decode graphs on: every drafting step's pass and chain replayed MTP graphs (none eager);
+    greedy output == speculation off (eager)."""
+    ps = parts[4]
+    want, _ = run(make(parts, enforce_eager=True), ps, GREEDY)
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    drafter = on._spec.drafter
+    assert drafter.graphs is not None and drafter.graphs.chain_buckets == [1, 2, 4]
+    before = replays(on)
+    got, _ = run(on, ps, GREEDY)
+    assert got == want
+    assert replays(on) > before
+    assert drafter.num_graph_chains > 0 and drafter.num_eager_chain_seqs == 0
+    assert drafter.num_graph_passes > 0
+    assert drafter.num_eager_passes == 1  # the prompts' pass: 21 rows, past the largest bucket (16)
+    assert on.stats().spec_accepted_tokens > 0
+
+
+def test_adaptive_drafting_costs_are_timed_by_replays_that_leave_the_cache_alone(parts):
+    """The confidence scheduler's drafting-cost table (spec/draft_cost.py) times the engine's drafter replaying its
+    graphs (every point within the buckets), with every row staged as padding: after start-up the engine's KV
+    cache is still all zeros (the step-cost profile writes nothing either)."""
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=True,
+              max_num_seqs=2, max_num_batched_tokens=6)
+    table, graphs = on._spec.policy.draft_cost, on._spec.drafter.graphs
+    assert table.counts == [1, 2] and table.shapes == ["graph", "graph"]
+    assert graphs.num_pass_replays == graphs.num_head_replays == 2 * 2 * 2  # (chain 1, chain k) x counts x repeats
+    assert graphs.num_link_replays == 2 * 2 * (2 - 1)
+    assert all(not t.any() for t in on.runner.caches.kv.values())
