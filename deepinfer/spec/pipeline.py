@@ -206,16 +206,18 @@ class SpecStepPipeline:
                 self._advance(sched, emitted)
                 self._draft_next(sched, hidden, emitted, batch)
                 return emitted, logprobs
-            target = torch.zeros(len(sampling), k + 1, dtype=torch.int64)
-            drafts = torch.zeros(len(sampling), k, dtype=torch.int64)
-            lens = torch.tensor([len(items[i].draft) for i in sampling], dtype=torch.int64)
+            target_rows, draft_rows, lens_list = [], [], []
             r = 0
-            for b, i in enumerate(sampling):
+            for i in sampling:  # padded host lists, then one tensor each (not two small tensors per sequence)
                 d = items[i].draft
-                target[b, : len(d) + 1] = torch.tensor(out.token_ids[r : r + len(d) + 1])
-                drafts[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+                pad = [0] * (k - len(d))
+                target_rows.append(out.token_ids[r : r + len(d) + 1] + pad)
+                draft_rows.append(list(d) + pad)
+                lens_list.append(len(d))
                 r += len(d) + 1
-            verdict = greedy_verify(target, drafts, lens)
+            target = torch.tensor(target_rows, dtype=torch.int64)
+            drafts = torch.tensor(draft_rows, dtype=torch.int64)
+            verdict = greedy_verify(target, drafts, torch.tensor(lens_list, dtype=torch.int64))
             num_acc = verdict.num_accepted.tolist()
             toks = verdict.tokens.tolist()
             r = 0

@@ -45,6 +45,20 @@ def api(buckets: list[int]) -> StandInGraphRunner:
                               group_names=["mla"])
 
 
+class SpyModel:
+    """Delegates to the model; records the (positions, seq_lens, KV slots) of every MTP forward it runs."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def mtp_forward(self, hidden, next_ids, batch, caches, k: int = 0):
+        self.seen.append((batch.positions.tolist(), batch.seq_lens.tolist(), batch.slot_mapping["mla"].tolist()))
+        return self.model.mtp_forward(hidden, next_ids, batch, caches, k)
+
+
 def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int):
     """(eager drafter, graph drafter) over two equal caches; every sequence row owns 8 blocks (-1: row 2 unused)."""
     specs = model.kv_cache_specs(include_mtp=True)
@@ -58,8 +72,8 @@ def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int):
         caches = KVCaches.allocate(specs, {"mla": 8 * max_seqs}, BS, max_seqs, backend.device, layouts)
         graphs = None
         if graphed:
-            graphs = MTPGraphRunner.capture(api(buckets), model, caches, tables, {"mla": 1}, BS, max_seqs, k,
-                                            backend.device)
+            graphs = MTPGraphRunner.capture(api(buckets), SpyModel(model), caches, tables, {"mla": 1}, BS, max_seqs,
+                                            k, backend.device)
         out.append((MTPDrafter(model, caches, tables, BS, specs, backend.device, graphs=graphs), caches))
     return out, tables
 
@@ -102,6 +116,8 @@ def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case):
         items.append(MTPRows(start, n, ids[start - 2:start - 2 + n], ctx, True, r))
         start += n
     want = eager.run(hidden, items, chains, eager.tables)
+    spy = graph.graphs.model
+    spy.seen.clear()
     got = graph.run(hidden, items, chains, graph.tables)
     assert graph.num_graph_passes == 1 and graph.num_graph_chains == (1 if max(chains) > 0 else 0)
     assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
@@ -112,6 +128,21 @@ def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case):
     assert any(len(set(t)) > 1 for t in got.tokens) or len(got.tokens) == 1  # drafts differ: not a constant
     for key, t in eager_caches.kv.items():  # the pass's rows and each live link's lookahead, nothing else
         torch.testing.assert_close(graph_caches.kv[key], t, atol=1e-5, rtol=1e-5)
+    # what the replays ran: the pass as decode rows, padding rows reading and writing nothing; a link row past its
+    # chain stays at its last pass position (its blocks are allocated) and writes nothing
+    (pos, lens, slots), links = spy.seen[0], spy.seen[1:]
+    assert pos[:total] == [ctx + j for n in counts for j in range(n)] and all(x >= 0 for x in slots[:total])
+    assert set(lens[total:]) <= {0} and set(slots[total:]) <= {-1} and lens[:total] == [p + 1 for p in pos[:total]]
+    last = [ctx + n - 1 for n in counts]
+    assert len(links) == max(chains) - 1
+    for link, (pos, lens, slots) in enumerate(links, start=1):
+        for i in range(len(pos)):
+            if i < len(rows) and link < chains[i]:
+                assert pos[i] == last[i] + link and lens[i] == pos[i] + 1 and slots[i] >= 0, (link, i)
+            elif i < len(rows):
+                assert pos[i] == last[i] and lens[i] == pos[i] + 1 and slots[i] == -1, (link, i)
+            else:
+                assert lens[i] == 0 and slots[i] == -1, (link, i)
 
 
 def test_engine_drafting_from_graphs_equals_off(parts):
@@ -143,3 +174,46 @@ def test_adaptive_drafting_costs_are_timed_by_replays_that_leave_the_cache_alone
     assert graphs.num_pass_replays == graphs.num_head_replays == 2 * 2 * 2  # (chain 1, chain k) x counts x repeats
     assert graphs.num_link_replays == 2 * 2 * (2 - 1)
     assert all(not t.any() for t in on.runner.caches.kv.values())
+
+
+class BanMask:
+    """A grammar-mask stand-in (DraftGrammarMask's interface): drafting sequence `j` may draft only ids >= 160;
+    records the drafts it was shown at each call (the host view a real mask fills its bitmask from)."""
+
+    def __init__(self, j: int):
+        self.j, self.calls = j, []
+
+    def constrains(self, j: int) -> bool:
+        return j == self.j
+
+    def __call__(self, live, tokens, logits):
+        self.calls.append([list(tokens[j]) for j in live])
+        if self.j in live:
+            logits = logits.clone()
+            logits[live.index(self.j), :160] = float("-inf")
+        return logits
+
+
+def test_a_masked_sequences_chain_runs_eagerly_and_the_others_replay(parts):
+    """A structured sequence's links need its drafts so far on the host (its grammar state): its chain runs
+    eagerly under the mask, the others' replay; drafts == the eager drafter's under the same mask."""
+    _, backend, model, _, _ = parts
+    rows, counts, chains, buckets = CASES["b3-of-4-t6-of-8"]
+    (eager, _), (graph, _) = setup_drafters(backend, model, buckets, 4, 3)[0]
+    for d in (eager, graph):
+        prefill(d, rows, 5, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(sum(counts), model.config.hidden_size, generator=gen)
+    ids = torch.randint(0, 320, (sum(counts),), generator=gen).tolist()
+    items, start = [], 0
+    for r, n in zip(rows, counts):
+        items.append(MTPRows(start, n, ids[start:start + n], 5, True, r))
+        start += n
+    want = eager.run(hidden, items, chains, eager.tables, BanMask(0))
+    mask = BanMask(0)
+    got = graph.run(hidden, items, chains, graph.tables, mask)
+    assert got.tokens == want.tokens and all(t >= 160 for t in got.tokens[0])
+    for a, b in zip(got.confidence, want.confidence):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert graph.num_graph_chains == 1 and graph.num_eager_chain_seqs == 1 and graph.graphs.num_link_replays == 1
+    assert mask.calls == [[[]], [got.tokens[0][:1]], [got.tokens[0][:2]]]  # the masked chain alone, link by link
