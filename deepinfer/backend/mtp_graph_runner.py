@@ -101,7 +101,7 @@ class MTPStatic:
 
     @classmethod
     def allocate(cls, t_max: int, b_max: int, k: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device) -> "MTPStatic":
+                 device: torch.device) -> MTPStatic:
         offsets, o = {}, 0
         for name in PASS_FIELDS:
             offsets[name], o = o, o + t_max
@@ -143,7 +143,7 @@ class MTPGraphRunner:
     model: has mtp_forward(hidden, next_ids, batch, caches), mtp_logits, vocab_size; tables: the device mirror of
     the KV manager's block tables (group -> [rows, width] int32, updated in place); tokens_per_entry: per group."""
 
-    api: "DecodeGraphRunner"
+    api: DecodeGraphRunner
     model: object
     caches: object
     tables: dict[str, torch.Tensor]
@@ -162,9 +162,9 @@ class MTPGraphRunner:
     num_link_replays: int = 0
 
     @classmethod
-    def capture(cls, api: "DecodeGraphRunner", model, caches, tables: dict[str, torch.Tensor],
+    def capture(cls, api: DecodeGraphRunner, model, caches, tables: dict[str, torch.Tensor],
                 tokens_per_entry: dict[str, int], block_size: int, max_seqs: int, k: int,
-                device: torch.device) -> "MTPGraphRunner | None":
+                device: torch.device) -> MTPGraphRunner | None:
         """Graphs for passes of up to the decode graphs' largest bucket of rows (the verify rows a step can
         hold: every sequence's real token and k drafts) and chains of up to max_seqs sequences (the decode
         graphs' buckets up to it, and max_seqs). None when the decode runner captured nothing (per-sequence

@@ -89,6 +89,7 @@ def test_drafting_cost_is_the_drafters_own_pass_and_chain_timed_by_sequences(cpu
     assert table.counts == [1, 2, 4] and all(s > 0 for s in table.one.seconds + table.full.seconds)
     assert [b.num_tokens for b in spy.mtp_batches] == [1, 2, 4] + [2, 1, 1, 4, 2, 2, 8, 4, 4]
     assert spy.mtp_batches[-1].positions.tolist() == [3, 3, 3, 3]  # the last link: one position past the pass + 1
+    assert profile_draft_costs(model, backend, 16, 2, 1, repeats=1).counts == [1, 2]  # max_num_seqs 1: two points
 
 
 def held(n: int) -> list[HeldDraft]:

@@ -39,10 +39,13 @@ def parts(tmp_path_factory):
     return path, backend, model, Tokenizer.from_pretrained(path), prompts(perm)
 
 
-def api(buckets: list[int]) -> StandInGraphRunner:
-    """The stand-in graph API with the decode runner's buckets (nothing captured for decode itself)."""
-    return StandInGraphRunner(model=None, caches=None, block_size=BS, max_blocks_per_seq=8, buckets=buckets,
-                              group_names=["mla"])
+def api(buckets: list[int], kind: str = "stand-in"):
+    """A decode runner as the graph API, with its buckets (nothing captured for decode itself): the stand-in, or on
+    a GPU torch.cuda's graphs (backends/nvidia/graph_runner.py)."""
+    cls = StandInGraphRunner
+    if kind == "cuda":
+        from deepinfer.backends.nvidia.graph_runner import CUDAGraphRunner as cls
+    return cls(model=None, caches=None, block_size=BS, max_blocks_per_seq=8, buckets=buckets, group_names=["mla"])
 
 
 class SpyModel:
@@ -59,33 +62,47 @@ class SpyModel:
         return self.model.mtp_forward(hidden, next_ids, batch, caches, k)
 
 
-def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int):
-    """(eager drafter, graph drafter) over two equal caches; every sequence row owns 8 blocks (-1: row 2 unused)."""
+def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int, kind: str = "stand-in"):
+    """((eager drafter, caches), (graph drafter, caches)) over two equal caches, and the tables on the device (the
+    engine's mirror); every sequence row owns 8 blocks (row 2: none, -1)."""
     specs = model.kv_cache_specs(include_mtp=True)
     layouts = {s.name: backend.kv_cache_layout(s) for s in specs}
     tables = {s.name: torch.full((max_seqs, 8), -1, dtype=torch.int32) for s in specs}
     for r in range(max_seqs):
         if r != 2:
             tables["mla"][r] = torch.arange(8 * r, 8 * r + 8, dtype=torch.int32)
+    mirror = {name: t.to(backend.device) for name, t in tables.items()}
     out = []
     for graphed in (False, True):
         caches = KVCaches.allocate(specs, {"mla": 8 * max_seqs}, BS, max_seqs, backend.device, layouts)
         graphs = None
         if graphed:
-            graphs = MTPGraphRunner.capture(api(buckets), SpyModel(model), caches, tables, {"mla": 1}, BS, max_seqs,
-                                            k, backend.device)
+            graphs = MTPGraphRunner.capture(api(buckets, kind), SpyModel(model), caches, mirror, {"mla": 1}, BS,
+                                            max_seqs, k, backend.device)
         out.append((MTPDrafter(model, caches, tables, BS, specs, backend.device, graphs=graphs), caches))
-    return out, tables
+    return out, mirror
 
 
-def prefill(drafter: MTPDrafter, rows: list[int], ctx: int, seed: int) -> None:
-    """The MTP KV of positions 0..ctx-1 of each row (an eager pass, no drafts), as earlier steps left it."""
+def step_rows(model, rows: list[int], counts: list[int], ctx: int, seed: int, skip: int = 0):
+    """(hidden states on the device, MTPRows): `counts` pass rows per sequence after `ctx` cached positions, drafting,
+    their rows after `skip` leading rows the pass does not read."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(ctx * len(rows), drafter.model.config.hidden_size, generator=gen)
-    ids = torch.randint(0, 320, (ctx * len(rows),), generator=gen).tolist()
-    items = [MTPRows(i * ctx, ctx, ids[i * ctx:(i + 1) * ctx], 0, False, r) for i, r in enumerate(rows)]
+    total = sum(counts)
+    hidden = torch.randn(total + skip, model.config.hidden_size, generator=gen).to(DEVICE)
+    ids = torch.randint(0, 320, (total,), generator=gen).tolist()
+    items, start = [], skip
+    for r, n in zip(rows, counts):
+        items.append(MTPRows(start, n, ids[start - skip:start - skip + n], ctx, True, r))
+        start += n
+    return hidden, items
+
+
+def prefill(drafter: MTPDrafter, rows: list[int], ctx: int, seed: int, mirror) -> None:
+    """The MTP KV of positions 0..ctx-1 of each row (an eager pass, no drafts), as earlier steps left it."""
+    hidden, items = step_rows(drafter.model, rows, [ctx] * len(rows), 0, seed)
+    items = [MTPRows(it.start, it.count, it.next_ids, 0, False, it.state_row) for it in items]
     saved, drafter.graphs = drafter.graphs, None
-    drafter.run(hidden, items, [], drafter.tables)
+    drafter.run(hidden, items, [], mirror)
     drafter.graphs = saved
 
 
@@ -98,27 +115,26 @@ CASES = {
 }
 
 
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("kind", ["stand-in", GPU])
 @pytest.mark.parametrize("case", list(CASES))
-def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case):
+def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case, kind):
+    """On a GPU (kind cuda) the graphs are real CUDA graphs: replays run the captured kernels, not the Python."""
     rows, counts, chains, buckets = CASES[case]
     _, backend, model, _, _ = parts
     k = 3
-    (eager, eager_caches), (graph, graph_caches) = setup_drafters(backend, model, buckets, 4, k)[0]
+    ((eager, eager_caches), (graph, graph_caches)), mirror = setup_drafters(backend, model, buckets, 4, k, kind)
     ctx = 5  # cached positions 0..4; the pass writes 5.., the chain one position further per link
     for d in (eager, graph):
-        prefill(d, rows, ctx, seed=1)
-    gen = torch.Generator().manual_seed(2)
+        prefill(d, rows, ctx, 1, mirror)
+    hidden, items = step_rows(model, rows, counts, ctx, 2, skip=2)  # 2 leading rows the pass does not read
     total = sum(counts)
-    hidden = torch.randn(total + 2, model.config.hidden_size, generator=gen)  # + 2 rows the pass does not read
-    ids = torch.randint(0, 320, (total,), generator=gen).tolist()
-    items, start = [], 2
-    for r, n in zip(rows, counts):
-        items.append(MTPRows(start, n, ids[start - 2:start - 2 + n], ctx, True, r))
-        start += n
-    want = eager.run(hidden, items, chains, eager.tables)
+    want = eager.run(hidden, items, chains, mirror)
     spy = graph.graphs.model
     spy.seen.clear()
-    got = graph.run(hidden, items, chains, graph.tables)
+    got = graph.run(hidden, items, chains, mirror)
     assert graph.num_graph_passes == 1 and graph.num_graph_chains == (1 if max(chains) > 0 else 0)
     assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
     assert graph.graphs.num_link_replays == max(chains) - 1
@@ -129,7 +145,10 @@ def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case):
     for key, t in eager_caches.kv.items():  # the pass's rows and each live link's lookahead, nothing else
         torch.testing.assert_close(graph_caches.kv[key], t, atol=1e-5, rtol=1e-5)
     # what the replays ran: the pass as decode rows, padding rows reading and writing nothing; a link row past its
-    # chain stays at its last pass position (its blocks are allocated) and writes nothing
+    # chain stays at its last pass position (its blocks are allocated) and writes nothing. (Seen by the stand-in
+    # only: a CUDA graph replays kernels, not this Python.)
+    if kind == "cuda":
+        return
     (pos, lens, slots), links = spy.seen[0], spy.seen[1:]
     assert pos[:total] == [ctx + j for n in counts for j in range(n)] and all(x >= 0 for x in slots[:total])
     assert set(lens[total:]) <= {0} and set(slots[total:]) <= {-1} and lens[:total] == [p + 1 for p in pos[:total]]
@@ -199,19 +218,13 @@ def test_a_masked_sequences_chain_runs_eagerly_and_the_others_replay(parts):
     eagerly under the mask, the others' replay; drafts == the eager drafter's under the same mask."""
     _, backend, model, _, _ = parts
     rows, counts, chains, buckets = CASES["b3-of-4-t6-of-8"]
-    (eager, _), (graph, _) = setup_drafters(backend, model, buckets, 4, 3)[0]
+    ((eager, _), (graph, _)), mirror = setup_drafters(backend, model, buckets, 4, 3)
     for d in (eager, graph):
-        prefill(d, rows, 5, seed=1)
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(sum(counts), model.config.hidden_size, generator=gen)
-    ids = torch.randint(0, 320, (sum(counts),), generator=gen).tolist()
-    items, start = [], 0
-    for r, n in zip(rows, counts):
-        items.append(MTPRows(start, n, ids[start:start + n], 5, True, r))
-        start += n
-    want = eager.run(hidden, items, chains, eager.tables, BanMask(0))
+        prefill(d, rows, 5, 1, mirror)
+    hidden, items = step_rows(model, rows, counts, 5, 3)
+    want = eager.run(hidden, items, chains, mirror, BanMask(0))
     mask = BanMask(0)
-    got = graph.run(hidden, items, chains, graph.tables, mask)
+    got = graph.run(hidden, items, chains, mirror, mask)
     assert got.tokens == want.tokens and all(t >= 160 for t in got.tokens[0])
     for a, b in zip(got.confidence, want.confidence):
         assert a == pytest.approx(b, abs=1e-5)
