@@ -18,6 +18,13 @@ same blocks and slots as the main layers; models/deepseek_v3/mtp.py). So after a
 
 Confidence of a draft: the MTP distribution's probability of its own (argmax) token; a function of the
 context only, so the confidence scheduler stays non-anticipating (spec/scheduler.py).
+
+Where graphs are captured (backend/mtp_graph_runner.py), the pass runs as one decode row per token (row j of a
+sequence attends over positions <= its own, whose KV the same launch writes first: causal by construction, as
+verify rows in spec/verify_batch.py) and replays a bucket's graph; the chain replays a head graph and k - 1 link
+graphs. The host stages every integer input in one copy and reads the drafts back once per step. Eager (on the cpu
+backend, a pass past the largest bucket, and structured sequences' chains) the pass is one varlen batch and the
+chain reads its drafts back once at the end (every link when a grammar mask needs them).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ gives with speculation off, and a drafter's grammar-invalid tokens cost acceptan
 Backends: cpu, and nvidia (a verify row, 1 + k query tokens on a cached context, through its MLA op's
 prefill-with-context path; tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step of decodes and verify
 rows replays the decode graphs as decode rows where they cover it (spec/verify_batch.py, spec/setup.py), else
-it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain run eagerly.
+it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain replay the drafter's own
+graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cover the step, else run eagerly.
 
 Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, V4, backends other
 than cpu and nvidia, tensor parallelism.
