@@ -77,8 +77,9 @@ def setup_drafters(backend, model, buckets: list[int], max_seqs: int, k: int, ki
         caches = KVCaches.allocate(specs, {"mla": 8 * max_seqs}, BS, max_seqs, backend.device, layouts)
         graphs = None
         if graphed:
-            graphs = MTPGraphRunner.capture(api(buckets, kind), SpyModel(model), caches, mirror, {"mla": 1}, BS,
-                                            max_seqs, k, backend.device)
+            spy = SpyModel(model) if kind == "stand-in" else model  # a CUDA capture allows no host reads
+            graphs = MTPGraphRunner.capture(api(buckets, kind), spy, caches, mirror, {"mla": 1}, BS, max_seqs, k,
+                                            backend.device)
         out.append((MTPDrafter(model, caches, tables, BS, specs, backend.device, graphs=graphs), caches))
     return out, mirror
 
@@ -133,17 +134,19 @@ def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case, k
     total = sum(counts)
     want = eager.run(hidden, items, chains, mirror)
     spy = graph.graphs.model
-    spy.seen.clear()
+    if kind == "stand-in":
+        spy.seen.clear()
     got = graph.run(hidden, items, chains, mirror)
     assert graph.num_graph_passes == 1 and graph.num_graph_chains == (1 if max(chains) > 0 else 0)
     assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
     assert graph.graphs.num_link_replays == max(chains) - 1
     assert got.tokens == want.tokens and [len(t) for t in got.tokens] == chains
+    tol = 1e-5 if kind == "stand-in" else 1e-3  # a GPU's fp32 Triton dots may round through TF32
     for a, b in zip(got.confidence, want.confidence):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, abs=tol)
     assert any(len(set(t)) > 1 for t in got.tokens) or len(got.tokens) == 1  # drafts differ: not a constant
     for key, t in eager_caches.kv.items():  # the pass's rows and each live link's lookahead, nothing else
-        torch.testing.assert_close(graph_caches.kv[key], t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_caches.kv[key], t, atol=tol, rtol=tol)
     # what the replays ran: the pass as decode rows, padding rows reading and writing nothing; a link row past its
     # chain stays at its last pass position (its blocks are allocated) and writes nothing. (Seen by the stand-in
     # only: a CUDA graph replays kernels, not this Python.)
