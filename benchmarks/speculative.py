@@ -66,6 +66,30 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
             "tokens": sum(tokens), **spec}, [o.outputs[0].token_ids for o in outs]
 
 
+def print_drafting(mode: str, engine) -> None:
+    """How the MTP drafter ran (graph replays vs eager), and for adaptive its cost tables and measured step-time
+    ratios: what the confidence scheduler priced drafting at (spec/draft_cost.py, spec/draft_slots.py)."""
+    spec = getattr(engine, "_spec", None)
+    drafter = getattr(spec, "drafter", None)
+    if drafter is None or not hasattr(drafter, "num_graph_passes"):
+        return
+    print(f"{mode}, MTP drafter: passes {drafter.num_graph_passes} replayed / {drafter.num_eager_passes} eager, "
+          f"chains replayed in {drafter.num_graph_chains} steps, {drafter.num_eager_chain_seqs} sequence chains eager"
+          + ("" if drafter.graphs is not None else " (no MTP graphs)"))
+    policy = spec.policy
+    if policy.draft_cost is not None:
+        t = policy.draft_cost
+        print(f"{mode}, drafting table (chain 1 / {t.k}): " + ", ".join(
+            f"{n} seqs {a * 1e3:.3f} / {b * 1e3:.3f} ms ({shape})"
+            for n, a, b, shape in zip(t.counts, t.one.seconds, t.full.seconds, t.shapes)))
+    if policy.cost is not None:
+        print(f"{mode}, step table: " + ", ".join(f"{n} tok {x * 1e3:.3f} ms ({shape})" for n, x, shape in
+                                                 zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
+        ratio = {name: "unseen" if r is None else f"{r:.2f}"
+                 for name, r in (("plain", policy.plain_ratio), ("speculative", policy.spec_ratio))}
+        print(f"{mode}, measured / table step time: plain {ratio['plain']}, speculative {ratio['speculative']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -142,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"mean chain (last 1024 drafting steps) {st.spec_mean_chain:.2f}, "
                   "per-slot conditional acceptance "
                   + ", ".join(f"{a:.2f}" for a in st.spec_conditional_acceptance))
+            print_drafting(mode, engines[mode])
     for spec in args.profile:
         mode, _, conc = spec.partition(":")
         if mode not in engines:

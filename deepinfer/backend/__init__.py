@@ -12,6 +12,7 @@ exported here; the submodules are the contract's own layout:
   layer_ops.py (LinearMethod and the whole-layer op ABCs), op_support.py (OpSpec, OP_NAMES),
 - forward_batch.py, kv_spec.py, kv_caches.py (KVLayout, KVCaches): what ops read,
 - communicator.py (collectives; dist_communicator.py over torch.distributed), graph_runner.py (decode graphs),
+  mtp_graph_runner.py (the speculative MTP drafter's graphs, over a decode runner's graph API),
 - hookspecs.py + registry.py (pluggy), native/ (torch-native ops).
 """
 
@@ -26,6 +27,7 @@ from deepinfer.backend.communicator import (
 from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
 from deepinfer.backend.forward_batch import ForwardBatch, token_slots
 from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
+from deepinfer.backend.mtp_graph_runner import MTPGraphRunner, argmax_confidence, mtp_draft_logits
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
@@ -69,7 +71,7 @@ __all__ = [
     "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "PROCESS_GROUP_NAMES", "RouterSpec",
     "SingleProcessCommunicator", "StaticInputs", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",
-    "V4AttentionSpec", "default_buckets", "dtype_name",
+    "V4AttentionSpec", "default_buckets", "dtype_name", "MTPGraphRunner", "argmax_confidence", "mtp_draft_logits",
     "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
     "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "dequant_int4_rows", "int4_expert_rows", "int4_values", "quantize_act_fp8", "quantize_fp4",

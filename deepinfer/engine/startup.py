@@ -283,10 +283,11 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     if reasons:
         raise ConfigError(f"{head} cannot run: " + "; ".join(reasons))
     if backend.name == "nvidia" and backend.caps.device_type != "cpu":
-        logger.warning("speculative decoding on the nvidia backend is tested under the Triton interpreter only "
-                       "(never run on a GPU yet: docs/speculative.md)")
+        logger.warning("speculative decoding on the nvidia backend: its MTP drafting graphs are tested under the "
+                       "Triton interpreter only, not yet measured on a GPU (docs/speculative.md)")
     if cfg.async_scheduling is None and backend.device.type != "cpu":
         logger.info("speculative decoding: steps run sync (async scheduling off)")
     if not cfg.enforce_eager and backend.caps.graph_capture:
         logger.info("speculative decoding: verify steps replay the decode graphs as decode rows where the buckets "
-                    "cover them (spec/verify_batch.py); the MTP pass and chain run eagerly")
+                    "cover them (spec/verify_batch.py); the MTP pass and chain replay their own graphs "
+                    "(backend/mtp_graph_runner.py)")

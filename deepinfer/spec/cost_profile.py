@@ -35,14 +35,15 @@ GRAPH, DECODE_ROWS, VARLEN = "graph", "decode rows", "varlen"
 
 
 def profile_counts(max_tokens: int) -> list[int]:
-    """1, 2, 4, ... below max_tokens, then max_tokens (at least 2 points)."""
+    """1, 2, 4, ... below max_tokens, then max_tokens; at least the two points 1 and 2 (a table needs two: with
+    max_num_seqs 1 the drafting table's counts were [2] and an adaptive engine failed at start-up)."""
     counts = []
     n = 1
     while n < max_tokens:
         counts.append(n)
         n *= 2
-    counts.append(max(max_tokens, 2))
-    return counts
+    counts.append(max_tokens)
+    return counts if len(counts) >= 2 else [1, 2]
 
 
 def probe_token_ids(num_tokens: int, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -134,8 +134,9 @@ class SlotPolicy:
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
     # measured / table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
-    # steps, and steps that verified or drafted; None until such a step was seen (then the plain one stands in)
-    plain_ratio: float = 1.0
+    # steps, and steps that verified or drafted; None until such a step was seen (then the other stands in: most of
+    # a step's overhead is host work both kinds pay, so the other's ratio is a better guess than 1; 1 if neither)
+    plain_ratio: float | None = None
     spec_ratio: float | None = None
 
     @property
@@ -214,11 +215,14 @@ class SlotPolicy:
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
             predicted += self.drafting_seconds(drafted_seqs, chain)
-        x = min(max(seconds / predicted, 0.2), 5.0)  # a GC pause or a stall is not the model's error
+        # clamped: a GC pause or a stall is not the model's error. Wide: on a GPU a plain step is mostly host work
+        # (batch building, sampling, output processing): H200, embedded model, 2026-12-03: ~1.3 ms a step for ~0.25
+        # ms of device time, so its ratio to a graph-replay table can pass 5
+        x = min(max(seconds / predicted, 0.1), 10.0)
         if verified or drafted_seqs:
             self.spec_ratio = x if self.spec_ratio is None else (1 - weight) * self.spec_ratio + weight * x
         else:
-            self.plain_ratio = (1 - weight) * self.plain_ratio + weight * x
+            self.plain_ratio = x if self.plain_ratio is None else (1 - weight) * self.plain_ratio + weight * x
 
     def _choose_chain(self, num_seqs: int) -> int:
         """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
@@ -232,8 +236,9 @@ class SlotPolicy:
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
                             dtype=torch.float64)
         survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
-        spec = self.spec_ratio if self.spec_ratio is not None else self.plain_ratio
-        best, best_rate = 0, b / (self.cost.at(b) * self.plain_ratio) * (1 + 1e-9)
+        plain = next((r for r in (self.plain_ratio, self.spec_ratio) if r is not None), 1.0)
+        spec = next((r for r in (self.spec_ratio, self.plain_ratio) if r is not None), 1.0)
+        best, best_rate = 0, b / (self.cost.at(b) * plain) * (1 + 1e-9)
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]

@@ -17,7 +17,9 @@ confidence of a masked draft is its probability under the masked MTP distributio
 the grammar only, so the confidence scheduler stays non-anticipating.
 
 Cost: per link, one fill of j + 1 rows per constrained sequence (the state walks the j drafts before it) and one
-masked-logits op; unconstrained sequences pay nothing.
+masked-logits op; unconstrained sequences pay nothing. With MTP graphs (backend/mtp_graph_runner.py) the
+constrained sequences' chains run eagerly (their masks need each link's drafts on the host, a sync per link), the
+others' replay; the pass over everyone's rows replays either way.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class DraftGrammarMask:
     @staticmethod
     def needed(seqs: list) -> bool:
         return any(s.grammar is not None for s in seqs)
+
+    def constrains(self, j: int) -> bool:
+        """Whether drafting sequence j is structured (its chain runs eagerly: its mask needs the drafts so far)."""
+        return self.seqs[j].grammar is not None
 
     def __call__(self, live: list[int], tokens: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
         states, rows, last = [], [], []

@@ -18,6 +18,13 @@ same blocks and slots as the main layers; models/deepseek_v3/mtp.py). So after a
 
 Confidence of a draft: the MTP distribution's probability of its own (argmax) token; a function of the
 context only, so the confidence scheduler stays non-anticipating (spec/scheduler.py).
+
+Where graphs are captured (backend/mtp_graph_runner.py), the pass runs as one decode row per token (row j of a
+sequence attends over positions <= its own, whose KV the same launch writes first: causal by construction, as
+verify rows in spec/verify_batch.py) and replays a bucket's graph; the chain replays a head graph and k - 1 link
+graphs. The host stages every integer input in one copy and reads the drafts back once per step. Eager (on the cpu
+backend, a pass past the largest bucket, and structured sequences' chains) the pass is one varlen batch and the
+chain reads its drafts back once at the end (every link when a grammar mask needs them).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backend import ForwardBatch, KVCaches, token_slots
+from deepinfer.backend import ForwardBatch, KVCaches, MTPGraphRunner, argmax_confidence, mtp_draft_logits, token_slots
 from deepinfer.worker.transfer import tensor_to, to_device
 
 
@@ -52,39 +59,61 @@ class Drafts:
 
 
 class MTPDrafter:
-    """Drafts with MTP module 0 of `model` (model.mtp_forward / model.mtp_logits)."""
+    """Drafts with MTP module 0 of `model` (model.mtp_forward / model.mtp_logits).
+
+    graphs: the backend's captured MTP graphs (backend/mtp_graph_runner.py), or None (eager). With graphs, a pass
+    of at most the largest bucket of rows replays as decode rows and the chain of the drafting sequences replays
+    link by link; drafts and confidences are read back once per step. Eagerly (no graphs, a pass past the largest
+    bucket, or the chains of sequences drafting under a grammar mask, whose mask needs the drafts so far on the
+    host at every link) the same math runs as before, the pass as one varlen batch."""
 
     def __init__(self, model, caches: KVCaches, block_tables: dict[str, torch.Tensor], block_size: int,
-                 specs, device: torch.device):
+                 specs, device: torch.device, graphs: MTPGraphRunner | None = None):
         self.model = model
         self.caches = caches
         self.tables = block_tables  # the KV manager's host tables (token slots are read from them)
         self.block_size = block_size
         self.specs = list(specs)
         self.device = device
+        self.graphs = graphs
+        self.num_graph_passes = 0  # passes replayed / run eagerly
+        self.num_eager_passes = 0
+        self.num_graph_chains = 0  # steps whose chains replayed (all their drafting sequences but masked ones)
+        self.num_eager_chain_seqs = 0  # drafting sequences whose chain ran eagerly (no graphs, or a grammar mask)
 
-    def _batch(self, rows: list[int], positions: torch.Tensor, query_lens: list[int], context_lens: list[int],
+    def replays(self, rows: int, seqs: int) -> bool:
+        """Whether a drafting step of `rows` pass rows and `seqs` drafting sequences replays graphs throughout."""
+        g = self.graphs
+        return g is not None and g.pass_bucket(rows) is not None and (seqs == 0 or g.chain_bucket(seqs) is not None)
+
+    def _batch(self, rows: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
                device_tables: dict[str, torch.Tensor]) -> ForwardBatch:
-        """A ForwardBatch over `rows` of the KV tables: query_lens tokens each after context_lens, at `positions`."""
-        req_idx = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(query_lens, dtype=torch.int64))
-        token_rows = torch.tensor(rows, dtype=torch.int64)[req_idx]
+        """A ForwardBatch over `rows` of the KV tables: query_lens tokens each after context_lens, at `positions`.
+        Its integer inputs go up in one host-to-device copy."""
+        n, t = len(rows), len(positions)
+        req_idx = [i for i, q in enumerate(query_lens) for _ in range(q)]
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-        slot_mapping, block_tables = {}, {}
-        rows_dev = tensor_to(rows, torch.int64, self.device)
-        for spec in self.specs:
+        host = torch.tensor(positions + qsl + seq_lens + list(context_lens) + list(rows), dtype=torch.int64)
+        pos_host, token_rows = host[:t], torch.tensor([rows[i] for i in req_idx], dtype=torch.int64)
+        slots = [token_slots(self.tables[s.name], token_rows, pos_host, s.tokens_per_entry, self.block_size)
+                 for s in self.specs]
+        dev = to_device(torch.cat([host, *slots]), self.device)
+        o = t + (n + 1) + 2 * n
+        rows_dev = dev[o : o + n]
+        block_tables, slot_mapping = {}, {}
+        for j, spec in enumerate(self.specs):
             width = max(-(-(max(seq_lens) // spec.tokens_per_entry) // self.block_size), 1)
             block_tables[spec.name] = device_tables[spec.name][:, :width].index_select(0, rows_dev)
-            slot_mapping[spec.name] = to_device(token_slots(self.tables[spec.name], token_rows, positions,
-                                                            spec.tokens_per_entry, self.block_size), self.device)
+            slot_mapping[spec.name] = dev[o + n + j * t : o + n + (j + 1) * t]
         return ForwardBatch(
-            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=self.device),
-            positions=to_device(positions, self.device),
-            query_start_loc=tensor_to(qsl, torch.int32, self.device),
-            seq_lens=tensor_to(seq_lens, torch.int32, self.device),
-            context_lens=tensor_to(context_lens, torch.int32, self.device),
+            input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
+            positions=dev[:t],
+            query_start_loc=dev[t : t + n + 1].to(torch.int32),
+            seq_lens=dev[t + n + 1 : t + 2 * n + 1].to(torch.int32),
+            context_lens=dev[t + 2 * n + 1 : o].to(torch.int32),
             block_tables=block_tables,
             slot_mapping=slot_mapping,
             logits_indices=torch.empty(0, dtype=torch.int64, device=self.device),
@@ -94,71 +123,121 @@ class MTPDrafter:
             block_size=self.block_size,
         )
 
-    def _draft_from(self, state: torch.Tensor, mask=None, live: list[int] | None = None,
-                    tokens: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax ids [N], their probabilities [N]) of the MTP head at the normed states [N, D]; mask(live, tokens,
-        logits): a structured request's grammar mask (spec/grammar_drafts.py), applied before both."""
-        logits = self.model.mtp_logits(state)[:, : self.model.vocab_size].float()
-        if mask is not None:
-            logits = mask(live, tokens, logits)
-        probs = torch.softmax(logits, dim=-1)
-        conf, ids = probs.max(dim=-1)
-        return ids, conf
-
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, items: list[MTPRows], chain_lens: list[int],
-            device_tables: dict[str, torch.Tensor], mask=None) -> Drafts:
+            device_tables: dict[str, torch.Tensor], mask=None, probe: bool = False) -> Drafts:
         """The pass over `items` (hidden [T, D] of the step) and the chain: drafting item j (in order) gets
         1 + (chain_lens[j] - 1) drafts; chain_lens[j] = 0 drafts nothing (positions the caller could not
         allocate). device_tables: the step's block tables on the device, current (the batch builder's mirror).
-        mask: the drafting sequences' grammar masks (spec/grammar_drafts.py), or None."""
+        mask: the drafting sequences' grammar masks (spec/grammar_drafts.py), or None.
+        probe: time the graphs without touching the cache (spec/draft_cost.py): every row is staged as padding
+        (reads and writes no KV); only for a step that `replays` throughout."""
         items = [it for it in items if it.count > 0]
         if not items:
             return Drafts([], [])
-        idx = torch.cat([torch.arange(it.start, it.start + it.count) for it in items])
-        positions = torch.cat([torch.arange(it.context_len, it.context_len + it.count) for it in items])
-        batch = self._batch([it.state_row for it in items], positions, [it.count for it in items],
-                            [it.context_len for it in items], device_tables)
-        next_ids = tensor_to([t for it in items for t in it.next_ids], torch.int64, self.device)
-        state = self.model.mtp_forward(hidden.index_select(0, to_device(idx, self.device)), next_ids, batch,
-                                       self.caches)
-        ends, pos, rows = [], [], []
-        end = 0
+        src: list[int] = []
+        next_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        ends: list[int] = []  # per drafting item: its last pass row, the row its draft 1 is read at
+        d_rows: list[int] = []
+        d_pos: list[int] = []
         for it in items:
-            end += it.count
+            src.extend(range(it.start, it.start + it.count))
+            next_ids.extend(it.next_ids)
+            positions.extend(range(it.context_len, it.context_len + it.count))
+            rows.extend([it.state_row] * it.count)
             if it.drafts:
-                ends.append(end - 1)
-                pos.append(it.context_len + it.count - 1)  # the last row's position
-                rows.append(it.state_row)
-        if not ends:
+                ends.append(len(src) - 1)
+                d_rows.append(it.state_row)
+                d_pos.append(it.context_len + it.count - 1)
+        t, b = len(src), len(ends)
+        masked = {j for j in range(b) if mask is not None and mask.constrains(j)}
+        g = self.graphs
+        pb = g.pass_bucket(t) if g is not None else None
+        cb = g.chain_bucket(b) if g is not None and b and len(masked) < b else None
+        if probe and (pb is None or (b and cb is None)):
+            raise ValueError(f"MTPDrafter.run(probe=True) needs graphs for {t} pass rows and {b} drafting sequences")
+        if pb is not None or cb is not None:
+            values = {}
+            if pb is not None:
+                values.update(p_src=src, p_ids=next_ids, p_pos=positions, p_row=[-1] * t if probe else rows)
+            if cb is not None:
+                values.update(c_src=ends, c_row=[-1] * b if probe else d_rows, c_pos=d_pos,
+                              c_len=[0 if j in masked else n for j, n in enumerate(chain_lens)])
+            g.stage(values, pb, cb)
+        if pb is not None:
+            state = g.run_pass(hidden, t, pb)
+            self.num_graph_passes += 1
+        else:
+            batch = self._batch([it.state_row for it in items], positions, [it.count for it in items],
+                                [it.context_len for it in items], device_tables)
+            ids_dev = tensor_to(next_ids, torch.int64, self.device)
+            state = self.model.mtp_forward(hidden.index_select(0, tensor_to(src, torch.int64, self.device)), ids_dev,
+                                           batch, self.caches)
+            self.num_eager_passes += 1
+        if not b:
             return Drafts([], [])
-        state = state.index_select(0, tensor_to(ends, torch.int64, self.device))
-        ids, conf = self._draft_from(state, mask, list(range(len(ends))), [[] for _ in ends])
-        tokens = [[t] for t in ids.tolist()]
-        confs = [[c] for c in conf.tolist()]
-        live = [j for j, n in enumerate(chain_lens) if n > 1]
-        if live:
-            sel = tensor_to(live, torch.int64, self.device)
-            state, ids = state.index_select(0, sel), ids.index_select(0, sel)
-        link = 1
-        while live:  # link l: MTP at position pos + l, from its own state at pos + l - 1 and draft l
-            p = torch.tensor([pos[j] + link for j in live], dtype=torch.int64)
-            b = self._batch([rows[j] for j in live], p, [1] * len(live), p.tolist(), device_tables)
-            state = self.model.mtp_forward(state, ids, b, self.caches)
-            ids, conf = self._draft_from(state, mask, live, tokens)
-            for j, t, c in zip(live, ids.tolist(), conf.tolist()):
-                tokens[j].append(t)
-                confs[j].append(c)
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        confs: list[list[float]] = [[] for _ in range(b)]
+        if cb is not None:
+            links = max((n for j, n in enumerate(chain_lens) if j not in masked), default=0)
+            if links > 0:
+                ids, conf = g.run_chain(state, b, cb, links)
+                ids_h, conf_h = ids[:, :links].tolist(), conf[:, :links].tolist()  # the step's one read-back
+                for j, n in enumerate(chain_lens):
+                    if j not in masked:
+                        tokens[j], confs[j] = ids_h[j][:n], conf_h[j][:n]
+                self.num_graph_chains += 1
+            eager = sorted(masked)
+        else:
+            eager = list(range(b))
+        eager = [j for j in eager if chain_lens[j] > 0]
+        if eager:
+            self._chain_eager(state, eager, ends, d_rows, d_pos, chain_lens, device_tables, mask, tokens, confs)
+            self.num_eager_chain_seqs += len(eager)
+        return Drafts(tokens, confs)
+
+    def _chain_eager(self, state: torch.Tensor, live: list[int], ends: list[int], d_rows: list[int],
+                     d_pos: list[int], chain_lens: list[int], device_tables, mask, tokens: list[list[int]],
+                     confs: list[list[float]]) -> None:
+        """Drafting items `live` (indices into ends / chain_lens) drafted eagerly into tokens / confs: draft 1 at
+        their last pass row of `state`, then link l at position d_pos + l from its own state and draft l. Read
+        back once at the end, or at every link under a grammar mask (the next link's mask reads the drafts)."""
+        state = state.index_select(0, tensor_to([ends[j] for j in live], torch.int64, self.device))
+        outs: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        link = 0
+        ids = None
+        while live:
+            if link:  # link l: MTP at position pos + l, from its own state at pos + l - 1 and draft l
+                p = [d_pos[j] + link for j in live]
+                batch = self._batch([d_rows[j] for j in live], p, [1] * len(live), p, device_tables)
+                state = self.model.mtp_forward(state, ids, batch, self.caches)
+            logits = mtp_draft_logits(self.model, state)
+            if mask is not None:
+                logits = mask(live, tokens, logits)
+            ids, conf = argmax_confidence(logits)
+            if mask is not None:
+                for j, tok, c in zip(live, ids.tolist(), conf.tolist()):
+                    tokens[j].append(tok)
+                    confs[j].append(c)
+            else:
+                outs.append((live, ids, conf))
             link += 1
             keep = [i for i, j in enumerate(live) if chain_lens[j] > link]
+            if keep and len(keep) < len(live):
+                sel = tensor_to(keep, torch.int64, self.device)
+                state, ids = state.index_select(0, sel), ids.index_select(0, sel)
             live = [live[i] for i in keep]
-            if keep and len(keep) < len(ids):
-                k_sel = tensor_to(keep, torch.int64, self.device)
-                state, ids = state.index_select(0, k_sel), ids.index_select(0, k_sel)
-        for j, n in enumerate(chain_lens):
-            if n == 0:
-                tokens[j], confs[j] = [], []
-        return Drafts(tokens, confs)
+        if outs:
+            flat_ids = torch.cat([o[1] for o in outs]).tolist()
+            flat_conf = torch.cat([o[2] for o in outs]).tolist()
+            r = 0
+            for lv, _, _ in outs:
+                for j in lv:
+                    tokens[j].append(flat_ids[r])
+                    confs[j].append(flat_conf[r])
+                    r += 1
 
 
 def step_pass_rows(sched, emitted: list[list[int]], kv) -> tuple[list[MTPRows], list]:

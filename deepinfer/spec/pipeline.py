@@ -37,7 +37,8 @@ gives with speculation off, and a drafter's grammar-invalid tokens cost acceptan
 Backends: cpu, and nvidia (a verify row, 1 + k query tokens on a cached context, through its MLA op's
 prefill-with-context path; tests/spec/test_spec_nvidia_interpreter.py). Graphs: a step of decodes and verify
 rows replays the decode graphs as decode rows where they cover it (spec/verify_batch.py, spec/setup.py), else
-it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain run eagerly.
+it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain replay the drafter's own
+graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cover the step, else run eagerly.
 
 Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, V4, backends other
 than cpu and nvidia, tensor parallelism.
@@ -206,16 +207,18 @@ class SpecStepPipeline:
                 self._advance(sched, emitted)
                 self._draft_next(sched, hidden, emitted, batch)
                 return emitted, logprobs
-            target = torch.zeros(len(sampling), k + 1, dtype=torch.int64)
-            drafts = torch.zeros(len(sampling), k, dtype=torch.int64)
-            lens = torch.tensor([len(items[i].draft) for i in sampling], dtype=torch.int64)
+            target_rows, draft_rows, lens_list = [], [], []
             r = 0
-            for b, i in enumerate(sampling):
+            for i in sampling:  # padded host lists, then one tensor each (not two small tensors per sequence)
                 d = items[i].draft
-                target[b, : len(d) + 1] = torch.tensor(out.token_ids[r : r + len(d) + 1])
-                drafts[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+                pad = [0] * (k - len(d))
+                target_rows.append(out.token_ids[r : r + len(d) + 1] + pad)
+                draft_rows.append(list(d) + pad)
+                lens_list.append(len(d))
                 r += len(d) + 1
-            verdict = greedy_verify(target, drafts, lens)
+            target = torch.tensor(target_rows, dtype=torch.int64)
+            drafts = torch.tensor(draft_rows, dtype=torch.int64)
+            verdict = greedy_verify(target, drafts, torch.tensor(lens_list, dtype=torch.int64))
             num_acc = verdict.num_accepted.tolist()
             toks = verdict.tokens.tolist()
             r = 0

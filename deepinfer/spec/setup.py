@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from deepinfer.backend import DecodeGraphRunner, MTPGraphRunner
 from deepinfer.errors import ConfigError
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_slots import SlotPolicy
@@ -26,12 +27,13 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
                           "MTP modules (load_model(..., load_mtp=True))")
     k = cfg.spec_num_tokens()
     kv = scheduler.kv
-    if method == "mtp":
-        drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device)
-    else:
-        drafter = NgramDrafter()
     if runner.graph_runner is not None:
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
+    if method == "mtp":
+        drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device,
+                             graphs=capture_mtp_graphs(cfg, runner, kv, k))
+    else:
+        drafter = NgramDrafter()
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
     # the cpu MLA op batches decode rows and takes a multi-token row through a per-request prefill: verify rows as
     # decode rows compute the same (causal by construction) and measured 0-45% faster there (docs/speculative.md).
@@ -49,11 +51,11 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
             from deepinfer.spec.draft_cost import profile_draft_costs
 
             policy.draft_cost = profile_draft_costs(model, backend, kv.block_size, k, min(cfg.max_num_seqs, 128),
-                                                    layouts=layouts)
+                                                    layouts=layouts, drafter=drafter)
             table = policy.draft_cost
             logger.info("speculative decoding: MTP drafting costs (chain 1 / %d) %s", k, ", ".join(
-                f"{n} seqs {a * 1e3:.2f} / {b * 1e3:.2f} ms"
-                for n, a, b in zip(table.counts, table.one.seconds, table.full.seconds)))
+                f"{n} seqs {a * 1e3:.2f} / {b * 1e3:.2f} ms ({shape})"
+                for n, a, b, shape in zip(table.counts, table.one.seconds, table.full.seconds, table.shapes)))
         logger.info("speculative decoding: step costs %s", ", ".join(
             f"{n} tok {s * 1e3:.2f} ms ({shape})"
             for n, s, shape in zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
@@ -62,6 +64,21 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
     pipeline.decode_rows_eager = decode_rows_eager
     return pipeline
+
+
+def capture_mtp_graphs(cfg, runner, kv, k: int) -> MTPGraphRunner | None:
+    """The MTP drafter's graphs (backend/mtp_graph_runner.py), over the engine's decode-graph runner's graph API
+    and buckets, when it has one (a backend that captures graphs and enforce_eager off); else None (eager)."""
+    api = runner.graph_runner
+    if not isinstance(api, DecodeGraphRunner):
+        return None
+    graphs = MTPGraphRunner.capture(api, runner.model, runner.caches, runner.builder.mirror,
+                                    {s.name: s.tokens_per_entry for s in kv.specs}, kv.block_size, cfg.max_num_seqs,
+                                    k, runner.device)
+    if graphs is not None:
+        logger.info("speculative decoding: MTP pass graphs for %s rows, chain graphs for %s drafting sequences",
+                    graphs.pass_buckets, graphs.chain_buckets)
+    return graphs
 
 
 def capture_verify_graphs(cfg, backend, runner, k: int, token_budget: int, max_model_len: int) -> None:

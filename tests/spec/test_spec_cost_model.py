@@ -89,6 +89,7 @@ def test_drafting_cost_is_the_drafters_own_pass_and_chain_timed_by_sequences(cpu
     assert table.counts == [1, 2, 4] and all(s > 0 for s in table.one.seconds + table.full.seconds)
     assert [b.num_tokens for b in spy.mtp_batches] == [1, 2, 4] + [2, 1, 1, 4, 2, 2, 8, 4, 4]
     assert spy.mtp_batches[-1].positions.tolist() == [3, 3, 3, 3]  # the last link: one position past the pass + 1
+    assert profile_draft_costs(model, backend, 16, 2, 1, repeats=1).counts == [1, 2]  # max_num_seqs 1: two points
 
 
 def held(n: int) -> list[HeldDraft]:
@@ -190,19 +191,25 @@ def test_the_chain_is_k_for_a_static_policy_and_for_a_probe():
 def test_measured_step_times_correct_the_tables_prices():
     """The tables price one sequence's k = 1 step at 40.4 + 4 ms and a plain step at 40 ms (verified tokens almost
     free, drafts accepted 80%): drafting pays by them. Speculative steps that measure 2x their price (host work the
-    tables do not see) make it not pay; plain steps measured alike leave the choice to the model again."""
+    tables do not see) make it not pay once plain steps are seen at their price (until then the speculative ratio
+    stands in for the plain one: most overhead is host work both pay); plain steps measured alike leave the choice
+    to the model again."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
     assert policy.plan_drafting(1) == 1
     for _ in range(30):
         policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, verified=True)
-    assert policy.spec_ratio == pytest.approx(2.0, rel=0.05) and policy.plain_ratio == 1.0
+    assert policy.spec_ratio == pytest.approx(2.0, rel=0.05) and policy.plain_ratio is None
+    assert policy.plan_drafting(1) == 1  # no plain step seen: the speculative ratio stands in for it
+    for _ in range(30):
+        policy.observe_step(policy.cost.at(1), 1)
+    assert policy.plain_ratio == pytest.approx(1.0)
     assert policy.plan_drafting(1) == 0
     policy.paused, policy.probe = 0, False
     for _ in range(60):
         policy.observe_step(2 * policy.cost.at(1), 1)
     assert policy.plain_ratio == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
-    policy.observe_step(100.0, 1)  # a stall: clamped, one step cannot swing the ratio past 5x
-    assert policy.plain_ratio < 2.4
+    policy.observe_step(100.0, 1)  # a stall: clamped at 10x, one step cannot swing the ratio further
+    assert policy.plain_ratio == pytest.approx(0.9 * 2.0 + 0.1 * 10, rel=0.02)
 
 
 def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():

@@ -1,0 +1,303 @@
+"""MTP drafting graphs: the speculative drafter's MTP pass and chain links replayed from captured graphs.
+
+Why. A drafting step runs the MTP module (one decoder layer, a norm and the output head) once over the step's
+verified rows (the pass) and once per further chain link. Eagerly that is hundreds of kernel launches per
+forward, each paid in host time; on the H200 (2026-12-03) the eager drafter was ~8 ms of host per step for
+~0.6 ms of device work at concurrency 1. The decode graphs remove the same cost from decode and verify steps
+(graph_runner.py); this runner does it for the drafter, over the same graph API.
+
+The graph API is the backend's: the runner is built over the engine's `DecodeGraphRunner` (its `new_pool`,
+`capture_one`, `replay`, `finish_capture`: CUDA graphs on NVIDIA, a stand-in in the tests), so a backend that
+captures decode graphs captures these too, with no code of its own.
+
+Three kinds of graphs, all over static inputs (one int64 buffer filled by ONE host-to-device copy per drafting
+step, `stage`; its padded rows are inert, see below):
+- pass[T], per row bucket T: the MTP forward over T decode rows (one row per verified token: row j of a sequence
+  is a one-token query at its position, whose KV the same launch writes before any row attends, so it is causal
+  by construction, as spec/verify_batch.py's verify rows). Inputs: the hidden states (gathered into a static
+  buffer by one index_select), the token after each row, its position and its sequence's row in the KV tables.
+  Output: the normed MTP states, in a static buffer.
+- head[B], per drafting-sequence bucket B: draft 1 of each drafting sequence, the argmax of the MTP head at its
+  last pass row (gathered into the chain state by one index_select), and its probability (the confidence).
+- link[B]: one chain link: the MTP forward of the chain state and the previous draft at the next position,
+  then the head; it advances the chain in place (state, draft, a device-side link counter), so the k - 1 links
+  of a step are k - 1 replays of one graph with no host work between them. Drafts and confidences land in
+  [B, k] static buffers, read back once per step by the caller.
+Block tables and KV slots are computed inside the graphs from the engine's device mirror of the KV manager's
+tables (the batch builder's `mirror`, whose tensors never move) and the staged positions, so nothing per token is
+built on the host. A row is padding when its sequence row is -1: sequence length 0 (reads nothing), KV slot -1
+(writes nothing). A chain row past its chain length (`c_len`) stays at its last pass position, writes nothing
+and its outputs are ignored; so one replay serves sequences with different chain lengths, and a sequence without
+room for a chain (chain length 0) writes no lookahead KV.
+
+Not graphed (the caller runs them eagerly): a pass of more rows than the largest bucket (a prompt chunk, a long
+catch-up), and chain links under a grammar mask (host work between links: the mask depends on the drafts so far).
+Models with per-sequence state (V4) get no runner (a padded row would write into a real row), as for decode.
+
+Memory: one pool shared by these graphs (the largest pass bucket's activations of one decoder layer, and the head's
+[B, vocab] fp32 logits and probabilities at the largest chain bucket), plus static buffers: hidden states and
+states of T_max + 2 * B_max rows and 4 * (T_max + B_max) int64.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+
+if TYPE_CHECKING:
+    from deepinfer.backend.graph_runner import DecodeGraphRunner
+
+log = logging.getLogger(__name__)
+
+# the staged int64 segments, in buffer order: pass rows (T_max each), then chain rows (B_max each)
+PASS_FIELDS = ("p_src", "p_ids", "p_pos", "p_row")
+CHAIN_FIELDS = ("c_src", "c_row", "c_pos", "c_len")
+# what a padded row of each segment holds: inert (row -1: no read, no write; chain length 0)
+PAD = {"p_src": 0, "p_ids": 0, "p_pos": 0, "p_row": -1, "c_src": 0, "c_row": -1, "c_pos": 0, "c_len": 0}
+
+
+def mtp_draft_logits(model, state: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [N, vocab] of the MTP head at the normed states [N, D] (a grammar mask applies to these)."""
+    return model.mtp_logits(state)[:, : model.vocab_size].float()
+
+
+def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax ids [N], their probabilities [N]): a draft and its confidence. The eager drafter and the graphs
+    both call this, so replayed drafts are the eager ones."""
+    probs = torch.softmax(logits, dim=-1)
+    conf, ids = probs.max(dim=-1)
+    return ids, conf
+
+
+@dataclass
+class MTPStatic:
+    """The static inputs and outputs the MTP graphs read and write (sized for the largest buckets)."""
+
+    t_max: int
+    b_max: int
+    k: int
+    ints: torch.Tensor  # [4 * t_max + 4 * b_max] int64, on the device: the staged segments
+    host: torch.Tensor  # the same layout on the host (pinned on accelerators): one copy per step
+    p_hidden: torch.Tensor  # [t_max, D] the pass's input hidden states
+    p_out: torch.Tensor  # [t_max, D] the pass's output states
+    c_state: torch.Tensor  # [b_max, D] the chain's current state
+    c_ids: torch.Tensor  # [b_max] int64 the chain's current draft
+    link: torch.Tensor  # [1] int64: the next link's index (reset by the head graph)
+    out_ids: torch.Tensor  # [b_max, k] int64 drafts
+    out_conf: torch.Tensor  # [b_max, k] fp32 confidences
+    zeros: torch.Tensor  # [t_max] int64 (the batch's input ids: the MTP forward takes its tokens apart)
+    qsl: torch.Tensor  # [t_max + 1] int32 0..t_max
+    no_logits: torch.Tensor  # [0] int64
+    offsets: dict[str, int] = field(default_factory=dict)
+    host_np: object = None  # a numpy view of `host`
+
+    def __post_init__(self) -> None:
+        self.host_np = self.host.numpy()
+
+    @classmethod
+    def allocate(cls, t_max: int, b_max: int, k: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> MTPStatic:
+        offsets, o = {}, 0
+        for name in PASS_FIELDS:
+            offsets[name], o = o, o + t_max
+        for name in CHAIN_FIELDS:
+            offsets[name], o = o, o + b_max
+        host = torch.empty(o, dtype=torch.int64, pin_memory=device.type != "cpu")
+        st = cls(t_max=t_max, b_max=b_max, k=k, ints=torch.empty(o, dtype=torch.int64, device=device), host=host,
+                 p_hidden=torch.zeros((t_max, hidden), dtype=dtype, device=device),
+                 p_out=torch.zeros((t_max, hidden), dtype=dtype, device=device),
+                 c_state=torch.zeros((b_max, hidden), dtype=dtype, device=device),
+                 c_ids=torch.zeros(b_max, dtype=torch.int64, device=device),
+                 link=torch.ones(1, dtype=torch.int64, device=device),
+                 out_ids=torch.zeros((b_max, k), dtype=torch.int64, device=device),
+                 out_conf=torch.zeros((b_max, k), dtype=torch.float32, device=device),
+                 zeros=torch.zeros(t_max, dtype=torch.int64, device=device),
+                 qsl=torch.arange(t_max + 1, dtype=torch.int32, device=device),
+                 no_logits=torch.empty(0, dtype=torch.int64, device=device), offsets=offsets)
+        for name, value in PAD.items():  # every row inert until staged (warm-ups and captures read these)
+            st.seg_host(name).fill_(value)
+        st.ints.copy_(st.host)
+        return st
+
+    def size(self, name: str) -> int:
+        return self.t_max if name in PASS_FIELDS else self.b_max
+
+    def seg(self, name: str) -> torch.Tensor:
+        o = self.offsets[name]
+        return self.ints[o : o + self.size(name)]
+
+    def seg_host(self, name: str) -> torch.Tensor:
+        o = self.offsets[name]
+        return self.host[o : o + self.size(name)]
+
+
+@dataclass
+class MTPGraphRunner:
+    """Captured MTP pass / head / link graphs over static inputs; `api` supplies the graph API (module docstring).
+
+    model: has mtp_forward(hidden, next_ids, batch, caches), mtp_logits, vocab_size; tables: the device mirror of
+    the KV manager's block tables (group -> [rows, width] int32, updated in place); tokens_per_entry: per group."""
+
+    api: DecodeGraphRunner
+    model: object
+    caches: object
+    tables: dict[str, torch.Tensor]
+    tokens_per_entry: dict[str, int]
+    block_size: int
+    pass_buckets: list[int]
+    chain_buckets: list[int]
+    k: int
+    static: MTPStatic | None = None
+    pass_graphs: dict[int, object] = field(default_factory=dict)
+    head_graphs: dict[int, object] = field(default_factory=dict)
+    link_graphs: dict[int, object] = field(default_factory=dict)
+    _event: object = None  # recorded after the last staging copy (the host buffer is rewritten after it)
+    num_pass_replays: int = 0
+    num_head_replays: int = 0
+    num_link_replays: int = 0
+
+    @classmethod
+    def capture(cls, api: DecodeGraphRunner, model, caches, tables: dict[str, torch.Tensor],
+                tokens_per_entry: dict[str, int], block_size: int, max_seqs: int, k: int,
+                device: torch.device) -> MTPGraphRunner | None:
+        """Graphs for passes of up to the decode graphs' largest bucket of rows (the verify rows a step can
+        hold: every sequence's real token and k drafts) and chains of up to max_seqs sequences (the decode
+        graphs' buckets up to it, and max_seqs). None when the decode runner captured nothing (per-sequence
+        state: no padding-safe row)."""
+        if api.uses_state or not api.buckets or k < 1:
+            return None
+        pass_buckets = sorted(api.buckets)
+        chain_buckets = sorted({b for b in pass_buckets if b < max_seqs} | {min(max_seqs, pass_buckets[-1])})
+        runner = cls(api=api, model=model, caches=caches, tables=dict(tables), tokens_per_entry=dict(tokens_per_entry),
+                     block_size=block_size, pass_buckets=pass_buckets, chain_buckets=chain_buckets, k=k)
+        runner.static = MTPStatic.allocate(pass_buckets[-1], chain_buckets[-1], k, model.config.hidden_size,
+                                           model.dtype, device)
+        runner._capture_all()
+        return runner
+
+    # ------------------------------------------------------------ the captured functions
+
+    def _rows_batch(self, rows: torch.Tensor, positions: torch.Tensor, writes: torch.Tensor | None) -> ForwardBatch:
+        """One-token decode rows over the mirrored tables: rows -1 are padding (length 0, no KV write); writes
+        (None: every valid row) says which rows write their KV slot. Device ops only: capturable."""
+        n = int(rows.shape[0])
+        valid = rows >= 0
+        r = rows.clamp(min=0)
+        writes = valid if writes is None else writes
+        none = torch.full_like(positions, -1)
+        tables = {g: t.index_select(0, r) for g, t in self.tables.items()}
+        slots = {g: torch.where(writes, token_slots(t, r, positions, self.tokens_per_entry[g], self.block_size), none)
+                 for g, t in self.tables.items()}
+        st = self.static
+        return ForwardBatch(
+            input_ids=st.zeros[:n], positions=positions, query_start_loc=st.qsl[: n + 1],
+            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
+            context_lens=torch.where(valid, positions, 0).to(torch.int32),
+            block_tables=tables, slot_mapping=slots, logits_indices=st.no_logits,
+            query_lens_cpu=[1] * n, seq_lens_cpu=[1] * n, context_lens_cpu=[0] * n,
+            state_slots=None, state_slots_cpu=[], block_size=self.block_size)
+
+    def _pass(self, t: int) -> torch.Tensor:
+        st = self.static
+        batch = self._rows_batch(st.seg("p_row")[:t], st.seg("p_pos")[:t], None)
+        state = self.model.mtp_forward(st.p_hidden[:t], st.seg("p_ids")[:t], batch, self.caches)
+        st.p_out[:t].copy_(state)
+        return st.p_out[:t]
+
+    def _head(self, b: int) -> torch.Tensor:
+        st = self.static
+        ids, conf = argmax_confidence(mtp_draft_logits(self.model, st.c_state[:b]))
+        st.c_ids[:b].copy_(ids)
+        st.out_ids[:b, 0].copy_(ids)
+        st.out_conf[:b, 0].copy_(conf)
+        st.link.fill_(1)
+        return st.out_ids[:b]
+
+    def _link(self, b: int) -> torch.Tensor:
+        st = self.static
+        rows, pos0, lens = st.seg("c_row")[:b], st.seg("c_pos")[:b], st.seg("c_len")[:b]
+        live = (rows >= 0) & (st.link < lens)  # this link is one of the row's drafts
+        positions = pos0 + torch.where(live, st.link, 0)  # a finished row recomputes its last pass position
+        batch = self._rows_batch(rows, positions, live)
+        state = self.model.mtp_forward(st.c_state[:b], st.c_ids[:b], batch, self.caches)
+        ids, conf = argmax_confidence(mtp_draft_logits(self.model, state))
+        st.c_state[:b].copy_(state)
+        st.c_ids[:b].copy_(ids)
+        col = st.link.clamp(max=self.k - 1).expand(b, 1)  # clamped: warm-ups run it more often than k - 1 times
+        st.out_ids[:b].scatter_(1, col, ids.unsqueeze(1))
+        st.out_conf[:b].scatter_(1, col, conf.unsqueeze(1))
+        st.link.add_(1)
+        return st.out_ids[:b]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = self.api.new_pool()
+        for t in sorted(self.pass_buckets, reverse=True):  # largest first: the pool is sized once
+            self.pass_graphs[t], _ = self.api.capture_one(lambda t=t: self._pass(t), pool)
+        for b in sorted(self.chain_buckets, reverse=True):
+            self.head_graphs[b], _ = self.api.capture_one(lambda b=b: self._head(b), pool)
+            self.link_graphs[b], _ = self.api.capture_one(lambda b=b: self._link(b), pool)
+        self.api.finish_capture()
+        self.static.link.fill_(1)
+        log.info("captured MTP graphs: pass for %s rows, head and link for %s drafting sequences",
+                 self.pass_buckets, self.chain_buckets)
+
+    # ------------------------------------------------------------ replay
+
+    @staticmethod
+    def _bucket(buckets: list[int], n: int) -> int | None:
+        return next((b for b in buckets if b >= n), None)
+
+    def pass_bucket(self, rows: int) -> int | None:
+        return self._bucket(self.pass_buckets, rows)
+
+    def chain_bucket(self, seqs: int) -> int | None:
+        return self._bucket(self.chain_buckets, seqs)
+
+    def stage(self, values: dict[str, list[int]], pass_bucket: int | None, chain_bucket: int | None) -> None:
+        """Write the step's rows (segment name -> values; PASS_FIELDS when the pass replays, CHAIN_FIELDS when the
+        chain does) and pad each segment up to its bucket with inert rows; then one copy to the device."""
+        if self._event is not None:
+            self._event.synchronize()  # the last step's copy has read the host buffer (long done, in practice)
+        st = self.static
+        for names, bucket in ((PASS_FIELDS, pass_bucket), (CHAIN_FIELDS, chain_bucket)):
+            if bucket is None:
+                continue
+            for name in names:
+                data = values[name]
+                o, n = st.offsets[name], len(data)
+                if n > bucket:
+                    raise ValueError(f"MTPGraphRunner.stage: {n} {name} rows for a bucket of {bucket}")
+                st.host_np[o : o + n] = data  # numpy over the (pinned) host buffer: no tensor per segment
+                st.host_np[o + n : o + bucket] = PAD[name]
+        st.ints.copy_(st.host, non_blocking=True)
+        if st.ints.device.type != "cpu":
+            self._event = torch.Event(device=st.ints.device)
+            self._event.record()
+
+    def run_pass(self, hidden: torch.Tensor, rows: int, bucket: int) -> torch.Tensor:
+        """The staged pass over `rows` rows of `hidden` (gathered by p_src): the MTP states [rows, D]."""
+        st = self.static
+        torch.index_select(hidden, 0, st.seg("p_src")[:bucket], out=st.p_hidden[:bucket])
+        self.api.replay(self.pass_graphs[bucket])
+        self.num_pass_replays += 1
+        return st.p_out[:rows]
+
+    def run_chain(self, states: torch.Tensor, seqs: int, bucket: int, links: int) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
+        """The staged chain: draft 1 from the rows c_src of `states`, then links - 1 further links. Returns the
+        device buffers (ids [seqs, k] int64, confidences [seqs, k] fp32); columns >= a row's chain length hold
+        nothing of it."""
+        st = self.static
+        torch.index_select(states, 0, st.seg("c_src")[:bucket], out=st.c_state[:bucket])
+        self.api.replay(self.head_graphs[bucket])
+        self.num_head_replays += 1
+        for _ in range(links - 1):
+            self.api.replay(self.link_graphs[bucket])
+            self.num_link_replays += 1
+        return st.out_ids[:seqs], st.out_conf[:seqs]
