@@ -8,6 +8,7 @@
 #      assignments and optionally ' -- ' and extra throughput arguments). Stage mla: benchmarks.kernels_mla only
 #      (KMLA_ARGS: its arguments); stage router: benchmarks.kernels --only router; TEST_PATHS: what stage
 #      tests runs (default tests/nvidia + the async-scheduling GPU test).
+#   ckpt: only make the v2-lite checkpoint at $CKPT (other stages wait for it; inv / quant / bench make it too).
 #   The open issues' GPU measurements (each its own stage, none in the default set):
 #      acc (issue 14: benchmarks.accuracy_bf16, ACC_PROMPTS=28), inv (issue 14: benchmarks.batch_invariance on
 #      $CKPT, flag on vs off), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
@@ -34,7 +35,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
-if (has bench || has hf || has profile || has ab) && [ ! -f "$CKPT/config.json" ]; then
+if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quant) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
