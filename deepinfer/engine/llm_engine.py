@@ -228,7 +228,7 @@ class DeepInferenceEngine(RequestIntake):
         self.runner.capture_decode_graphs(backend, self._max_model_len, rows, cfg.enforce_eager)
         # a prefix hit's suffix, a short prompt: the decode graphs as decode rows (worker/decode_rows.py)
         self.runner.short_extends.max_tokens = short_extend_tokens(
-            backend.caps, self.runner.graph_runner is not None, kv.uses_state, bool(cfg.spec_method()))
+            backend.caps, self.runner.graph_runner is not None, kv.uses_state)
         self.scheduler = Scheduler(kv, cfg.max_num_seqs, token_budget, cfg.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self._max_model_len)
         self.async_scheduling = use_async_scheduling(cfg, backend, kv) and not cfg.spec_method()

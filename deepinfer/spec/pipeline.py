@@ -158,11 +158,18 @@ class SpecStepPipeline:
         runner.reset_state_rows(batch)
         # Decodes and verify rows replay the decode graphs as one decode row per token where they cover the step
         # (spec/verify_batch.py), else run eagerly (the cpu backend: as decode rows, decode_rows_eager); a step with a
-        # prompt chunk runs eagerly; a decode-only step (no drafts) replays the decode graph as off would.
+        # prompt chunk replays them too when it is short (the runner's short-extend rule, worker/decode_rows.py:
+        # DEEPINFER_DECODE_ROWS_MAX_TOKENS), else runs eagerly; a decode-only step (no drafts) replays the decode
+        # graph as off would.
         run_batch = batch
+        chunked = not all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled)  # a prompt chunk is in it
+        if chunked:
+            short = runner.short_extends.flatten(batch, runner.graph_runner)
+            if short is not None:
+                run_batch = short
         if any(it.draft for it in sched.scheduled):
-            flat = False
-            if all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):  # no prompt chunk
+            flat = run_batch is not batch
+            if not chunked:
                 run_batch, flat = decode_shaped_if_graphed(batch, runner.graph_runner)
                 if not flat and self.decode_rows_eager and batch.state_slots is None:
                     run_batch = decode_shaped(batch)

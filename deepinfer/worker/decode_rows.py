@@ -109,14 +109,14 @@ class ShortExtends:
         return flat
 
 
-def short_extend_tokens(caps, graphs: bool, uses_state: bool, speculative: bool) -> int:
+def short_extend_tokens(caps, graphs: bool, uses_state: bool) -> int:
     """`DEEPINFER_DECODE_ROWS_MAX_TOKENS` resolved at start-up: the most tokens a step with prompt chunks may have
     to replay the decode graphs as decode rows (0: off).
 
     caps: the backend's BackendCaps; graphs: decode graphs will be captured (graph_capture and not enforce_eager);
-    uses_state: the model keeps per-sequence state (V4); speculative: speculative decoding runs its own steps
-    (spec/pipeline.py: verify steps as decode rows, prompt chunks eagerly). Where no decode graphs serve plain steps
-    (no graph capture, enforce_eager, V4, speculation) it has nothing to replay: 0, logged when it was set. Set
+    uses_state: the model keeps per-sequence state (V4). Speculative decoding's steps (spec/pipeline.py) apply the
+    same rule to their steps with prompt chunks. Where no decode graphs serve steps (no graph capture,
+    enforce_eager, V4) it has nothing to replay: 0, logged when it was set. Set
     explicitly where graphs do run but the backend does not declare its decode path exact for several rows of one
     sequence (`BackendCaps.graph_decode_rows`), it is an error naming the variable (unset: quietly 0 there)."""
     var = envs.DECODE_ROWS_MAX_TOKENS
@@ -124,8 +124,7 @@ def short_extend_tokens(caps, graphs: bool, uses_state: bool, speculative: bool)
     if not limit:
         return 0
     why = ("decode graphs are off (no graph capture, or enforce_eager)" if not graphs else
-           "the model keeps per-sequence state (V4): its steps never run as decode rows" if uses_state else
-           "speculative decoding runs its own steps (prompt chunks eagerly)" if speculative else None)
+           "the model keeps per-sequence state (V4): its steps never run as decode rows" if uses_state else None)
     if why is None and not getattr(caps, "graph_decode_rows", False):
         if var.is_set():
             raise ConfigError(f"{var.name}={limit}: this backend's decode graphs are not declared exact for several "

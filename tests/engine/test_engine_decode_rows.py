@@ -155,7 +155,7 @@ def test_only_short_steps_that_a_bucket_covers_are_flattened():
 def test_bad_knob_values_are_named(monkeypatch, value, message):
     monkeypatch.setenv(VAR, value)
     with pytest.raises(ConfigError, match=f"{VAR}={value!r} {message}"):
-        short_extend_tokens(RowsCPU().caps, True, False, False)
+        short_extend_tokens(RowsCPU().caps, True, False)
 
 
 def test_the_knob_on_graphs_not_declared_exact_for_decode_rows_is_an_error(path, monkeypatch):
@@ -163,12 +163,37 @@ def test_the_knob_on_graphs_not_declared_exact_for_decode_rows_is_an_error(path,
         decode_rows = False
 
     caps = Undeclared().caps
-    assert short_extend_tokens(caps, True, False, False) == 0  # unset: off there, quietly (the default)
+    assert short_extend_tokens(caps, True, False) == 0  # unset: off there, quietly (the default)
     monkeypatch.setenv(VAR, "32")
     with pytest.raises(ConfigError, match=f"{VAR}=32: .*graph_decode_rows"):
         _engine(path, backend_cls=Undeclared)
-    # nothing to replay: no graphs, V4's state, speculation -> 0 (logged), not an error
-    assert short_extend_tokens(caps, False, False, False) == 0
-    assert short_extend_tokens(RowsCPU().caps, True, True, False) == 0
-    assert short_extend_tokens(RowsCPU().caps, True, False, True) == 0
-    assert short_extend_tokens(RowsCPU().caps, True, False, False) == 32
+    # nothing to replay: no graphs, V4's state -> 0 (logged), not an error; speculation applies it to its own steps
+    assert short_extend_tokens(caps, False, False) == 0
+    assert short_extend_tokens(RowsCPU().caps, True, True) == 0
+    assert short_extend_tokens(RowsCPU().caps, True, False) == 32
+
+
+def test_speculative_steps_with_short_prompts_run_as_decode_rows(path, monkeypatch):
+    """spec/pipeline.py applies the same rule to its steps with prompt chunks: [FRESH, HIT]'s first step (16 + 43
+    rows, no cache) replays as decode rows with the knob at 64, and the outputs equal the knob at 0 (eager)."""
+    got = {}
+    for knob in (0, 64):
+        monkeypatch.setenv(VAR, str(knob))
+        backend = RowsCPU()
+        model = load_model(path, backend, torch.float32, progress=False)
+        cfg = EngineConfig(path, device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_seqs=16,
+                           enable_prefix_caching=False, speculative_method="ngram", num_speculative_tokens=2,
+                           load_progress=False)
+        engine = DeepInferenceEngine.from_components(cfg, model, Tokenizer.from_pretrained(path), backend)
+        monkeypatch.delenv(VAR)
+        got[knob] = (_traces(engine, [FRESH, HIT]), engine.runner.short_extends.num_steps,
+                     list(engine.runner.graph_runner.rows))
+    (tok0, lp0, _), steps0, rows0 = got[0]
+    (tok1, lp1, _), steps1, rows1 = got[64]
+    assert steps0 == 0 and len(FRESH) + len(HIT) not in rows0
+    assert steps1 >= 1 and len(FRESH) + len(HIT) in rows1  # the prompts' step, as one decode row per token
+    assert tok1 == tok0
+    for a, b in zip(lp0, lp1):
+        for sa, sb in zip(a, b):
+            assert sa.keys() == sb.keys()
+            assert all(math.isclose(sa[t], sb[t], rel_tol=4e-6, abs_tol=4e-6) for t in sa)
