@@ -46,7 +46,7 @@ def test_router_and_absorbed_bmm():
     x, gate = _rand(1024, 2048, seed=3), _rand(64, 2048, seed=4, dtype=torch.float32, scale=0.02)
     rows_invariant(lambda a: linear(a, gate, out_dtype=torch.float32), x, SIZES, PROBE)
     assert rel_err(linear(x, gate, out_dtype=torch.float32), x.double() @ gate.double().T) < 1e-6
-    from deepinfer.backends.nvidia.invariant.gemm import router_linear, split_gate
+    from deepinfer.backends.nvidia.invariant.router import router_linear, split_gate
 
     parts = split_gate(gate)  # the path InvariantMoE takes for bf16 activations
     rows_invariant(lambda a: router_linear(a, parts), x, SIZES, PROBE)
