@@ -44,7 +44,9 @@ def test_gemm_slices_serial_equals_parallel_and_rows_do_not_depend_on_m(dtype):
         par = bmm(a, w.t().unsqueeze(0), parallel=True)
         assert torch.equal(serial, par), f"M={m}: the parallel schedule changed the bits"
         assert torch.equal(bmm(a, w.t().unsqueeze(0), parallel=True), par)  # the counters reset themselves
-    rows_invariant(lambda a: linear(a, w), x, SIZES, PROBE)  # M <= 6: parallel, above: serial
+    rows_invariant(lambda a: linear(a, w), x, SIZES, PROBE)  # the automatic schedule (parallel: a tiny grid)
+    serial = lambda a: bmm(a.unsqueeze(0), w.t().unsqueeze(0), parallel=False)[0]  # noqa: E731
+    rows_invariant(serial, x, SIZES, PROBE)
     ref = x.double() @ w.double().T
     err = float((linear(x, w).double() - ref).norm() / ref.norm())
     assert err < (1e-6 if dtype == torch.float32 else 2e-3)

@@ -189,9 +189,12 @@ def _gemm_kernel(
 
 
 def parallel_pays(tiles: int, slices: int, m: int, k: int) -> bool:
-    """The parallel schedule when the serial grid leaves SMs idle and the fp32 partials (written and read:
-    8 * S * M * N bytes) stay within the weight's own bytes (2 * N * K). Speed only: both give the same bits."""
-    return slices > 1 and tiles < NUM_SMS and 4 * slices * m <= k and tiles * slices <= COUNTERS
+    """The parallel schedule when the serial grid fills at most half the SMs, or leaves some idle while the fp32
+    partials (written and read: 8 * S * M * N bytes) stay within the weight's own bytes (2 * N * K). Speed
+    only: both give the same bits."""
+    if slices == 1 or tiles * slices > COUNTERS:
+        return False
+    return tiles <= NUM_SMS // 2 or (tiles < NUM_SMS and 4 * slices * m <= k)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,

@@ -51,6 +51,24 @@ def _moe_slice(a_ptr, rows, pmask, stride_am, base, u_off, bstride, offs_n, nmas
 
 
 @triton.jit
+def _epilogue(acc_g, acc_u, c_ptr, w_ptr, pairs, pmask, offs_n, cmask, stride_cm, act_ty: tl.constexpr,
+              TOP_K: tl.constexpr, SLOTS: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    if DUAL:
+        gate = acc_g.to(act_ty).to(tl.float32)
+        up = acc_u.to(act_ty).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32) * up
+    elif MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
+        slot = pairs % SLOTS
+        routed = slot < TOP_K
+        wv = tl.load(w_ptr + (pairs // SLOTS) * TOP_K + slot, mask=pmask & routed, other=0.0).to(tl.float32)
+        out = acc_g.to(act_ty).to(tl.float32) * tl.where(routed, wv, 1.0)[:, None]
+    else:
+        out = acc_g
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _aligned_kernel(
     a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, sorted_ptr, bexp_ptr, brows_ptr, ws_ptr, cnt_ptr,
     N, K, E, slice_k, ws_rows, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn, stride_cm,
@@ -75,9 +93,12 @@ def _aligned_kernel(
     u_shift = tl.where(shared, us_off, u_off)
     bstride = tl.where(shared, stride_sn, stride_bn)
     cmask = pmask[:, None] & nmask[None, :]
+    act_ty = a_ptr.dtype.element_ty
     if SLICES == 1:
         acc_g, acc_u = _moe_slice(a_ptr, rows, pmask, stride_am, base, u_shift, bstride, offs_n, nmask, 0, K,
                                   DUAL, INTERP, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(acc_g, acc_u, c_ptr, w_ptr, pairs, pmask, offs_n, cmask, stride_cm, act_ty, TOP_K, SLOTS, DUAL,
+                  MUL_WEIGHT)
     elif PARALLEL:  # program (block, column tile, slice s); the tile's last arrival folds the S partials
         s = tl.program_id(2)
         k_lo = s * slice_k
@@ -90,15 +111,16 @@ def _aligned_kernel(
             tl.store(ws + (2 * s + 1) * plane, p_u, mask=cmask)
         tl.debug_barrier()  # every thread's partial stores happen before the (acq_rel, gpu-scope) increment
         cnt = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(cnt, 1) != SLICES - 1:
-            return
-        tl.atomic_xchg(cnt, 0)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in range(SLICES):  # slice order, as the serial schedule; read through L2 (.cg)
-            acc_g = acc_g + tl.load(ws + (2 * j) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
-            if DUAL:
-                acc_u = acc_u + tl.load(ws + (2 * j + 1) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
+        if tl.atomic_add(cnt, 1) == SLICES - 1:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in range(SLICES):  # slice order, as the serial schedule; read through L2 (.cg)
+                acc_g = acc_g + tl.load(ws + (2 * j) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
+                if DUAL:
+                    acc_u = acc_u + tl.load(ws + (2 * j + 1) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc_g, acc_u, c_ptr, w_ptr, pairs, pmask, offs_n, cmask, stride_cm, act_ty, TOP_K, SLOTS,
+                      DUAL, MUL_WEIGHT)
+            tl.atomic_xchg(cnt, 0)
     else:  # serial: the slices one after another, the same fold
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -109,20 +131,8 @@ def _aligned_kernel(
             acc_g = acc_g + p_g
             if DUAL:
                 acc_u = acc_u + p_u
-    act_ty = a_ptr.dtype.element_ty
-    if DUAL:
-        gate = acc_g.to(act_ty).to(tl.float32)
-        up = acc_u.to(act_ty).to(tl.float32)
-        out = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32) * up
-    elif MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
-        slot = pairs % SLOTS
-        routed = slot < TOP_K
-        wv = tl.load(w_ptr + (pairs // SLOTS) * TOP_K + slot, mask=pmask & routed, other=0.0).to(tl.float32)
-        out = acc_g.to(act_ty).to(tl.float32) * tl.where(routed, wv, 1.0)[:, None]
-    else:
-        out = acc_g
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=cmask)
+        _epilogue(acc_g, acc_u, c_ptr, w_ptr, pairs, pmask, offs_n, cmask, stride_cm, act_ty, TOP_K, SLOTS, DUAL,
+                  MUL_WEIGHT)
 
 
 def tile(dual: bool) -> dict:
