@@ -9,8 +9,8 @@ with it. cuBLAS, in contrast, picks kernels (and split-K) from the shape. M is n
 (`do_not_specialize`): Triton would otherwise compile a separate kernel for M == 1.
 
 The split is a property of the weight (`plan_for`: N, K, the batch of weights, the dtype), like the tile:
-it exists so that small M still launches enough programs (a weight of 2048 columns in 64-column tiles is
-32 programs; its 8 slices make 256). Two schedules compute the SAME sum, and the caller picks one from M:
+it exists so that small M still launches enough programs (a weight of 2048 columns in 128-column tiles is
+16 programs; its 8 slices make 128). Two schedules compute the SAME sum, and the caller picks one from M:
 - serial: one program per output tile runs its slices one after another, adding each into r;
 - parallel (small M): one program per (tile, slice) writes its fp32 partial, and the last of a tile's
   programs to arrive (an arrival counter, counters.py) loads the S partials and adds them in slice order.
@@ -77,11 +77,15 @@ def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
         return Tile(INTERP_BLOCK_M, 16, 16, 4, 1)
     if dtype == torch.float32:  # fp32 FMA path (fp32 operands): small tiles, registers are the limit
         return Tile(BLOCK_M, 32, 32, 4, 2)
-    # The LM head and the wide dense gate_up: 128-column tiles with 8 warps (H200 sweep, 2026-12-01). The rest:
-    # 64 x 64, wide enough for prefill's large M (the 32-column tiles the decode-only sweep picked re-read the
-    # activations 64 times per 2048 columns there); the K slices below give small M its programs instead.
+    # The LM head and the wide dense gate_up: 128-column tiles with 8 warps (H200 sweep, 2026-12-01). Weights of
+    # 1024+ columns: 64 x 128 with one warpgroup, for prefill's large M (a 64 x 128 x 64 step does 43 flops per
+    # byte it loads; the 32-column tiles the decode-only sweep picked did 21 and re-read the activations 64 times
+    # per 2048 columns); the narrow ones 64 x 64. The K slices (plan_for) give small M its programs instead.
+    # Not yet swept at prefill sizes: benchmarks/invariant_gemm_sweep.py times M = 1, 64, 256 and 8192.
     if n >= 128 * 128:
         return Tile(BLOCK_M, 128, 64, 8, 4)
+    if n >= 1024:
+        return Tile(BLOCK_M, 128, 64, 4, 3)
     return Tile(BLOCK_M, 64, 64, 4, 4)
 
 
@@ -89,7 +93,8 @@ def plan_for(batch: int, n: int, k: int, dtype: torch.dtype) -> Plan:
     """The tile and the K split of a weight [batch, K, N]: functions of the weight alone, never of M.
 
     The split: the fewest power-of-two slices (<= MAX_SLICES, each >= MIN_SLICE_K deep) that give
-    batch x column tiles x slices >= TARGET_PROGRAMS, so a decode GEMM at M <= 64 fills the GPU."""
+    batch x column tiles x slices >= TARGET_PROGRAMS, so a decode GEMM at M <= 64 fills the GPU; none for a
+    weight whose column tiles alone fill the SMs (the split would only cost prefill its pipeline restarts)."""
     tile = tile_for(n, k, dtype)
     if interpreting():
         return Plan(tile, INTERP_SLICE_K)
@@ -97,7 +102,8 @@ def plan_for(batch: int, n: int, k: int, dtype: torch.dtype) -> Plan:
         return Plan(tile, triton.cdiv(k, tile.block_k) * tile.block_k)
     tiles = batch * triton.cdiv(n, tile.block_n)
     slices = 1
-    while slices < MAX_SLICES and tiles * slices < TARGET_PROGRAMS and k >= 2 * slices * MIN_SLICE_K:
+    while (slices < MAX_SLICES and tiles < NUM_SMS and tiles * slices < TARGET_PROGRAMS
+           and k >= 2 * slices * MIN_SLICE_K):
         slices *= 2
     slice_k = triton.cdiv(triton.cdiv(k, slices), tile.block_k) * tile.block_k
     return Plan(tile, slice_k)
