@@ -137,6 +137,7 @@ class InvariantMLAAttention(MLAAttentionOp):
         w_uk, w_uv = self.split_kv_b_proj(weight)
         self.w_uk = w_uk.contiguous()
         self.w_uv_t = w_uv.contiguous().transpose(1, 2)
+        tile_counters(weight.device, 0)  # at load, never first inside a graph capture
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: "ForwardBatch", group: str) -> torch.Tensor:

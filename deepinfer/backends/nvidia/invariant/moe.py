@@ -22,6 +22,7 @@ import torch
 
 from deepinfer.backend import MoESpec, NativeMoE
 from deepinfer.backends.nvidia.fused_moe import combine
+from deepinfer.backends.nvidia.invariant.counters import tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
 from deepinfer.backends.nvidia.invariant.moe_align import align
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
@@ -54,6 +55,10 @@ class InvariantMoE(NativeMoE):
         super().__init__(spec, route_fn=_route)
         self._gate_split: tuple[int, torch.Tensor] | None = None  # (the fp32 gate's data_ptr, its split)
         self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().load_experts(w13, w2)
+        tile_counters(w13.device, 0)  # at load, never first inside a graph capture
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Keep the shared MLP's dense weights: it then runs as experts E.. inside the grouped GEMMs."""
