@@ -16,7 +16,7 @@ Two more sections (information for the next tuning round, not used by the op):
 - `--moe`: the invariant MoE's routed + shared experts (InvariantMoE._experts) at T = 1, 64, 256, 8192 with the
   grouped GEMM's K split at 1 and 2 slices.
 
-    python -m benchmarks.invariant_gemm_sweep [--m 1,64,256,8192] [--shapes q_proj,o_proj] [--moe] [--json-out F]
+    python -m benchmarks.invariant_gemm_sweep [--m 1,64,256,8192] [--shapes q_kv_a_proj,o_proj] [--moe] [--json-out F]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 # name: (batch, N, K, weight dtype); the activation is bf16
 SHAPES = {
-    "q_proj": (1, 3072, 2048, torch.bfloat16),
-    "kv_a_proj": (1, 576, 2048, torch.bfloat16),
+    "q_kv_a_proj": (1, 3648, 2048, torch.bfloat16),  # V2-Lite's q_proj and kv_a_proj_with_mqa, merged
+    "kv_a_proj": (1, 576, 2048, torch.bfloat16),  # V2 / V3 (q_lora_rank) merge q_a with it instead
     "o_proj": (1, 2048, 2048, torch.bfloat16),
     "dense_gate_up": (1, 21888, 2048, torch.bfloat16),
     "dense_down": (1, 2048, 10944, torch.bfloat16),

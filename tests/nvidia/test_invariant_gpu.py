@@ -41,7 +41,7 @@ def test_gemm_rows_do_not_depend_on_m(n, k):
     assert rel_err(linear(x[:129], w), x[:129].float() @ w.float().T) < 1e-2
 
 
-@pytest.mark.parametrize("bt,n,k", [(1, 3072, 2048), (1, 576, 2048), (1, 2048, 2048), (1, 2048, 10944),
+@pytest.mark.parametrize("bt,n,k", [(1, 3648, 2048), (1, 576, 2048), (1, 2048, 2048), (1, 2048, 10944),
                                      (16, 128, 512), (1, 192, 2048)])
 def test_gemm_k_slices_serial_schedule_equals_parallel(bt, n, k):
     """A weight's fixed K split folded by one program (serial) or by the last of its per-slice programs (parallel,
