@@ -73,7 +73,7 @@ def _aligned_kernel(
     a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, sorted_ptr, bexp_ptr, brows_ptr, ws_ptr, cnt_ptr,
     N, K, E, slice_k, ws_rows, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn, stride_cm,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    SLICES: tl.constexpr, PARALLEL: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    SLICES: tl.constexpr, PARALLEL: tl.constexpr, PLANES: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -105,19 +105,20 @@ def _aligned_kernel(
         p_g, p_u = _moe_slice(a_ptr, rows, pmask, stride_am, base, u_shift, bstride, offs_n, nmask, k_lo,
                               tl.minimum(k_lo + slice_k, K), DUAL, INTERP, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         ws = ws_ptr + (pid_m * BLOCK_M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
-        plane = ws_rows * N  # one [rows, N] plane per (slice, gate / up)
-        tl.store(ws + (2 * s) * plane, p_g, mask=cmask)
+        plane = ws_rows * N  # one [rows, N] plane per slice and projection (gate, and up when DUAL)
+        tl.store(ws + (PLANES * s) * plane, p_g, mask=cmask)
         if DUAL:
-            tl.store(ws + (2 * s + 1) * plane, p_u, mask=cmask)
+            tl.store(ws + (PLANES * s + 1) * plane, p_u, mask=cmask)
         tl.debug_barrier()  # every thread's partial stores happen before the (acq_rel, gpu-scope) increment
         cnt = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(cnt, 1) == SLICES - 1:
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for j in range(SLICES):  # slice order, as the serial schedule; read through L2 (.cg)
-                acc_g = acc_g + tl.load(ws + (2 * j) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
+                acc_g = acc_g + tl.load(ws + (PLANES * j) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
                 if DUAL:
-                    acc_u = acc_u + tl.load(ws + (2 * j + 1) * plane, mask=cmask, other=0.0, cache_modifier=".cg")
+                    acc_u = acc_u + tl.load(ws + (PLANES * j + 1) * plane, mask=cmask, other=0.0,
+                                            cache_modifier=".cg")
             _epilogue(acc_g, acc_u, c_ptr, w_ptr, pairs, pmask, offs_n, cmask, stride_cm, act_ty, TOP_K, SLOTS,
                       DUAL, MUL_WEIGHT)
             tl.atomic_xchg(cnt, 0)
@@ -176,7 +177,7 @@ def aligned_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignm
         stride_sn, shared_step, us_off = shared_w.stride(0), K, 0
     rows = al.num_blocks * block_m
     if parallel:
-        ws = torch.empty((slices, 2, rows, n_out), dtype=torch.float32, device=a.device)
+        ws = torch.empty((slices, 2 if dual else 1, rows, n_out), dtype=torch.float32, device=a.device)
         cnt = tile_counters(a.device, tiles)
     else:
         ws = cnt = out
@@ -186,7 +187,7 @@ def aligned_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignm
         al.block_rows, ws, cnt, n_out, K, E, sk, rows, n_out * w.stride(1), us_off, shared_step, a.stride(0),
         w.stride(0), w.stride(1), stride_sn, out.stride(0),
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None, SLICES=slices,
-        PARALLEL=parallel, INTERP=interpreting(), PREC="ieee" if a.dtype == torch.float32 else None,
+        PARALLEL=parallel, PLANES=2 if dual else 1, INTERP=interpreting(), PREC="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
