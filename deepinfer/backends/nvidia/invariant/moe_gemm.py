@@ -187,7 +187,8 @@ def aligned_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignm
         al.block_rows, ws, cnt, n_out, K, E, sk, rows, n_out * w.stride(1), us_off, shared_step, a.stride(0),
         w.stride(0), w.stride(1), stride_sn, out.stride(0),
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None, SLICES=slices,
-        PARALLEL=parallel, PLANES=2 if dual else 1, INTERP=interpreting(), PREC="ieee" if a.dtype == torch.float32 else None,
+        PARALLEL=parallel, PLANES=2 if dual else 1, INTERP=interpreting(),
+        PREC="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
