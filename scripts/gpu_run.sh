@@ -10,8 +10,10 @@
 #      tests runs (default tests/nvidia + the async-scheduling GPU test).
 #   ckpt: only make the v2-lite checkpoint at $CKPT (other stages wait for it; inv / quant / bench make it too).
 #   The open issues' GPU measurements (each its own stage, none in the default set):
-#      acc (issue 14: benchmarks.accuracy_bf16, ACC_PROMPTS=28), inv (issue 14: benchmarks.batch_invariance on
-#      $CKPT, flag on vs off), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
+#      acc (issue 14: benchmarks.accuracy_bf16, ACC_PROMPTS=28), inv (issue 14, batch invariance: INV_PARTS of
+#      tests (the GPU invariance tests), bench (benchmarks.batch_invariance on $CKPT, flag off vs on, prompt 512,
+#      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
+#      GEMM / MoE plan sweep); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
 #      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      quant (issue 18: benchmarks.quant_gemm, then throughput with QUANT_ARGS, default --quantization fp8).
 set -u
@@ -54,6 +56,15 @@ if has check; then
   ( timeout 300 python3 -m deepinfer.entrypoints.cli check --device cuda --shapes real > "$OUT/check.log" 2>&1;
     echo "rc=$?" >> "$OUT/check.log" ) &
   C_PID=$!
+fi
+INV_PARTS="${INV_PARTS:-tests,bench,profile}"
+inv_has() { has inv && [[ ",$INV_PARTS," == *",$1,"* ]]; }
+INV_T_PID=""
+if inv_has tests; then  # issue 14: the kernels at V2-Lite shapes + the engine needle test (no checkpoint needed)
+  log "issue 14: GPU batch-invariance tests"
+  ( timeout "${INV_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/nvidia/test_invariant_gpu.py \
+      tests/engine/test_engine_batch_invariance_gpu.py > "$OUT/inv_tests.log" 2>&1; echo "rc=$?" >> "$OUT/inv_tests.log" ) &
+  INV_T_PID=$!
 fi
 if [ -n "$T_PID" ]; then wait "$T_PID"; log "tests :: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
 if [ -n "$C_PID" ]; then wait "$C_PID"; log "check :: $(tail -2 "$OUT/check.log" | tr '\n' ' ')"; fi
@@ -119,11 +130,33 @@ if has acc; then
     --json-out "$OUT/accuracy_bf16.json" > "$OUT/accuracy_bf16.log" 2>&1
   log "accuracy_bf16 rc=$?"; tail -15 "$OUT/accuracy_bf16.log" | tee -a "$OUT/summary.txt"
 fi
-if has inv; then
-  log "issue 14: batch invariance on vs off"
-  timeout "${INV_TIMEOUT:-400}" python3 -m benchmarks.batch_invariance "$CKPT" --batch-sizes "${INV_BATCHES:-1,64,256}" \
-    --json-out "$OUT/batch_invariance.jsonl" > "$OUT/batch_invariance.log" 2>&1
-  log "batch_invariance rc=$?"; grep -v '^{' "$OUT/batch_invariance.log" | tail -20 | tee -a "$OUT/summary.txt"
+if has inv; then  # issue 14: INV_PARTS (comma list) of tests,bench,profile,sweep; default tests,bench,profile
+  if [ -n "$INV_T_PID" ]; then  # started above, beside the checkpoint's writing
+    wait "$INV_T_PID"
+    log "inv tests :: $(tail -2 "$OUT/inv_tests.log" | tr '\n' ' ')"
+    grep -E "^(FAILED|ERROR)" "$OUT/inv_tests.log" | head -20 | tee -a "$OUT/summary.txt"
+  fi
+  if inv_has bench; then
+    log "issue 14: batch invariance on vs off"
+    timeout "${INV_TIMEOUT:-420}" python3 -m benchmarks.batch_invariance "$CKPT" --batch-sizes "${INV_BATCHES:-1,64,256}" \
+      --prompt-len "${INV_PROMPT:-512}" --output-len "${INV_OUTLEN:-64}" --prefill-prompts "${INV_PREFILL:-16}" \
+      --json-out "$OUT/batch_invariance.jsonl" > "$OUT/batch_invariance.log" 2>&1
+    log "batch_invariance rc=$?"; grep -v '^{' "$OUT/batch_invariance.log" | tail -20 | tee -a "$OUT/summary.txt"
+  fi
+  if inv_has profile; then  # where the invariant decode step's time goes (kernels by name, launches per step)
+    log "issue 14: profile of the invariant decode step"
+    DEEPINFER_BATCH_INVARIANT=1 timeout "${INV_PROFILE_TIMEOUT:-240}" python3 -m benchmarks.profile_step "$CKPT" \
+      --batch-sizes "${INV_PROFILE_BATCHES:-1,64}" --steps 4 --trace-dir "$OUT" --json-out "$OUT/inv_profile.jsonl" \
+      > "$OUT/inv_profile.log" 2>&1
+    log "inv profile rc=$?"; grep -v '^{' "$OUT/inv_profile.log" | grep -v 'Loading weights' | tail -80 | tee -a "$OUT/summary.txt"
+  fi
+  if inv_has sweep; then  # the invariant GEMM's plans (tile x K split) at decode and prefill M, and the MoE's split
+    log "issue 14: invariant GEMM / MoE plan sweep"
+    timeout "${INV_SWEEP_TIMEOUT:-420}" python3 -m benchmarks.invariant_gemm_sweep --moe ${INV_SWEEP_ARGS:-} \
+      --json-out "$OUT/invariant_sweep.jsonl" > "$OUT/invariant_sweep.log" 2>&1
+    log "sweep rc=$?"; grep -v '^{' "$OUT/invariant_sweep.log" | tail -20 | tee -a "$OUT/summary.txt"
+    grep -E '"moe"|cross_plan' "$OUT/invariant_sweep.log" | tee -a "$OUT/summary.txt"
+  fi
 fi
 if has spec; then
   log "issue 17: speculative decoding (embedded model, bf16)"

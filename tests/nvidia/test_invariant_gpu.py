@@ -1,9 +1,10 @@
 """The batch-invariant kernels on the GPU at DeepSeek-V2-Lite shapes, bitwise per row (bf16).
 
-hidden 2048, 16 heads, kv_lora 512, rope 64, 64 experts top-6 (moe_intermediate 1408), lm_head 102400;
-row i alone equals row i inside batches of M in {1, 2, 3, 7, 64, 127, 128, 129, 1024}; MLA over contexts
-crossing the 256-entry split: one prefill == chunks == decode (both schedules); a CUDA graph captured at a
-padded bucket gives eager's bits. Each op close to an fp32 / fp64 reference.
+hidden 2048, 16 heads, kv_lora 512, rope 64, 64 experts top-6 (moe_intermediate 1408, 2 shared experts),
+lm_head 102400; row i alone equals row i inside batches of M in {1, 2, 3, 7, 64, 127, 128, 129, 1024}; the
+GEMMs' and the grouped GEMMs' fixed K slices give the same bits folded serially or by per-slice programs; MLA
+over contexts crossing the 128-entry split: one prefill == chunks == decode (both schedules); a CUDA graph
+captured at a padded bucket gives eager's bits. Each op close to an fp32 / fp64 reference.
 
   python -m pytest -q tests/nvidia/test_invariant_gpu.py
 """
@@ -40,13 +41,28 @@ def test_gemm_rows_do_not_depend_on_m(n, k):
     assert rel_err(linear(x[:129], w), x[:129].float() @ w.float().T) < 1e-2
 
 
+@pytest.mark.parametrize("bt,n,k", [(1, 3648, 2048), (1, 576, 2048), (1, 2048, 2048), (1, 2048, 10944),
+                                     (16, 128, 512), (1, 192, 2048)])
+def test_gemm_k_slices_serial_schedule_equals_parallel(bt, n, k):
+    """A weight's fixed K split folded by one program (serial) or by the last of its per-slice programs (parallel,
+    what small M gets): the same bits, every M; each plan has the slices the op uses."""
+    from deepinfer.backends.nvidia.invariant.gemm import bmm, plan_for
+
+    assert plan_for(bt, n, k, BF16).slices(k) > 1
+    a, b = _rand(bt, 300, k, seed=20), _rand(bt, n, k, seed=21, scale=0.02).transpose(1, 2)
+    for m in (1, 7, 64, 300):
+        par = bmm(a[:, :m], b, parallel=True)
+        assert torch.equal(par, bmm(a[:, :m], b, parallel=False)), f"M={m}"
+        assert torch.equal(par, bmm(a[:, :m], b, parallel=True)), "the arrival counters did not reset"
+
+
 def test_router_and_absorbed_bmm():
     from deepinfer.backends.nvidia.invariant.gemm import bmm, linear
 
     x, gate = _rand(1024, 2048, seed=3), _rand(64, 2048, seed=4, dtype=torch.float32, scale=0.02)
     rows_invariant(lambda a: linear(a, gate, out_dtype=torch.float32), x, SIZES, PROBE)
     assert rel_err(linear(x, gate, out_dtype=torch.float32), x.double() @ gate.double().T) < 1e-6
-    from deepinfer.backends.nvidia.invariant.gemm import router_linear, split_gate
+    from deepinfer.backends.nvidia.invariant.router import router_linear, split_gate
 
     parts = split_gate(gate)  # the path InvariantMoE takes for bf16 activations
     rows_invariant(lambda a: router_linear(a, parts), x, SIZES, PROBE)
@@ -84,6 +100,48 @@ def test_moe_rows_do_not_depend_on_the_batch():
     assert rel_err(inv.forward_hidden(x[:129], gate), ref.forward_hidden(x[:129], gate)) < 2e-2
 
 
+def test_moe_with_shared_experts_folded_in_rows_do_not_depend_on_the_batch():
+    """The V2-Lite MoE layer as the model runs it: 2 shared experts folded into the grouped GEMMs (experts 64, 65),
+    rows independent of the batch (T = 1 takes the parallel K slices, larger T the serial ones), both schedules
+    equal, close to the native MoE plus the dense shared MLP."""
+    import torch.nn.functional as F
+
+    from deepinfer.backends.nvidia.invariant import moe_gemm
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+    from deepinfer.backends.nvidia.invariant.moe_align import align
+
+    spec = _moe_spec()
+    w13, w2 = _rand(64, 2816, 2048, seed=22, scale=0.02), _rand(64, 2048, 1408, seed=23, scale=0.02)
+    gate_up, down = _rand(5632, 2048, seed=24, scale=0.02), _rand(2048, 2816, seed=25, scale=0.02)
+    gate = _rand(64, 2048, seed=26, dtype=torch.float32, scale=0.02)
+
+    def shared(t):
+        g, u = F.linear(t, gate_up).chunk(2, -1)
+        return F.linear(F.silu(g) * u, down)
+
+    inv, ref = InvariantMoE(spec), NativeMoE(spec)
+    inv.load_experts(w13, w2)
+    ref.load_experts(w13, w2)
+    assert inv.fuse_shared_experts(gate_up, down)
+    x = _rand(1024, 2048, seed=27)
+    rows_invariant(lambda a: inv.forward_hidden(a, gate, None, shared_experts=shared), x, SIZES, PROBE)
+    got = inv.forward_hidden(x[:129], gate, None, shared_experts=shared)
+    assert rel_err(got, ref.forward_hidden(x[:129], gate, None, shared_experts=shared)) < 2e-2
+    for t in (1, 9, 129):
+        weights, ids = inv.route(inv.router_logits(x[:t], gate))
+        al = align(ids, 64, 2, 64)
+        outs = []
+        for parallel in (False, True):
+            act = torch.empty((t * 8, 1408), dtype=BF16, device=DEV)
+            moe_gemm.aligned_gemm(x[:t], w13, act, al, 64, 6, 8, 8, shared_w=inv.shared_w[0], dual=True,
+                                  parallel=parallel)
+            y = torch.empty((t * 8, 2048), dtype=torch.float32, device=DEV)
+            moe_gemm.aligned_gemm(act, w2, y, al, 64, 6, 8, 1, shared_w=inv.shared_w[1], topk_weights=weights,
+                                  parallel=parallel)
+            outs.append((act, y))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"T={t}"
+
+
 SPEC = MLASpec(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
                softmax_scale=192 ** -0.5)
 
@@ -100,7 +158,7 @@ def test_mla_token_bits_independent_of_chunking_decode_schedule_and_batch():
     from deepinfer.backends.nvidia.invariant.mla import InvariantMLAAttention
 
     op = _mla(InvariantMLAAttention)
-    n = 1100  # five 256-entry splits
+    n = 1100  # nine 128-entry splits
     q, kv, pe = seq_inputs(SPEC, n, 0, BF16, DEV)
     cache = lambda: PagedCache(SPEC, 64, 24, 4, BF16, DEV)  # noqa: E731
     whole = cache().run(op, [(0, q, kv, pe)])[0]

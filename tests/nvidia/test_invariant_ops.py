@@ -50,7 +50,7 @@ def test_gemm_rows_do_not_depend_on_m(dtype):
 def test_router_on_a_split_gate_is_exact_and_invariant():
     """bf16 x times an fp32 gate split into three bf16 parts: the parts add back to the gate bit for bit, and
     the logits are the exact-product fp32 dot (to fp32 rounding) and do not depend on the batch."""
-    from deepinfer.backends.nvidia.invariant.gemm import router_linear, split_gate
+    from deepinfer.backends.nvidia.invariant.router import router_linear, split_gate
 
     x = _rand(33, 40, seed=1, dtype=torch.bfloat16)
     gate = _rand(8, 40, seed=3) * torch.logspace(-30, 30, 40, base=2.0).to(DEVICE)  # exponents far apart
@@ -62,7 +62,7 @@ def test_router_on_a_split_gate_is_exact_and_invariant():
     assert logits.dtype == torch.float32 and logits.shape == (33, 8)
     assert rel_err(logits, x.double() @ gate.double().T) < 1e-6
     rows_invariant(lambda a: router_linear(a, parts), x, SIZES, PROBE)
-    with pytest.raises(BackendError, match="router_linear"):
+    with pytest.raises(BackendError, match="invariant router"):
         router_linear(x.float(), parts)
 
 

@@ -46,7 +46,19 @@ def _route_row(
         x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf"), cache_modifier=".cg")
     else:
         x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
+    _route_select(x.to(tl.float32), valid, g, c, eid, bias_ptr, w_ptr, ids_ptr, row, PER, scale, TOP_K, BLOCK_K, G,
+                  BLOCK_G, BLOCK_P, TOPK_GROUP, SCORING, GROUPING, HAS_BIAS, NORM)
+
+
+@triton.jit
+def _route_select(
+    x, valid, g, c, eid, bias_ptr, w_ptr, ids_ptr, row, PER, scale,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORING: tl.constexpr, GROUPING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):
+    """Top-k of one token's fp32 logits tile x [BLOCK_G, BLOCK_P] (expert g * PER + c; -inf where not valid):
+    scores, the group limit, the k picks in order, normalisation and scaling; stores row `row` of w / ids."""
     if SCORING == 0:
         mx = tl.max(tl.max(x, 1), 0)
         e = tl.where(valid, tl.exp(x - mx), 0.0)

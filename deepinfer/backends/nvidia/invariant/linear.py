@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backend import LinearMethod
+from deepinfer.backends.nvidia.invariant.counters import tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import linear
 
 
@@ -20,6 +21,7 @@ class InvariantLinear(LinearMethod):
 
     def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
         self.inner.process_weights(layer, compute_dtype)
+        tile_counters(self.inner.dense_weight(layer).device, 0)  # at load, never first inside a graph capture
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.inner.dense_weight(layer))

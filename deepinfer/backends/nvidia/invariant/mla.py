@@ -7,11 +7,11 @@ reduction depends only on its position, so its bits are the same alone or in a b
 chunk or many, or as a decode step. Prefill uses the absorbed form too (more FLOPs than the default
 path's up-projected MHA, but one reduction order shared with decode).
 
-The schedule (one-stage: a program folds its splits in turn; two-stage: a program per split, then a
-fold launch) gives the same bits either way, so it is picked from host-known sizes for speed: two
+The schedule (one-stage: a program folds its splits in turn; two-stage: a program per split, the last
+of a q-block's splits folding them) gives the same bits either way, so it is picked from host-known sizes for speed: two
 stages where a small decode batch leaves the GPU idle, one otherwise. A decode-only batch builds its
 q-block tables on the device (no host sync), so it is captured in CUDA graphs; a padded graph row
-(sequence length 0) attends nothing and gets zeros.
+(sequence length 0) attends nothing and its output rows are left unwritten (no row reads another's).
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import torch
 import triton
 
 from deepinfer.backend import MLAAttentionOp, MLASpec
+from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import bmm, interpreting
-from deepinfer.backends.nvidia.invariant.mla_kernels import (
-    _mla_fold_kernel,
-    _mla_onestage_kernel,
-    _mla_split_kernel,
-)
+from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel, _mla_split_kernel
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.errors import BackendError
 
@@ -35,11 +32,12 @@ if TYPE_CHECKING:
     from deepinfer.backend import ForwardBatch
 
 _LOG2E = 1.4426950408889634
-SPLIT = 256  # cache entries per split, for every token and batch (the fixed split size)
+SPLIT = 128  # cache entries per split, for every token and batch (the fixed split size)
 BLOCK_N = 32  # entries per tile inside a split (SPLIT is a multiple)
-BLOCK_Q = 2  # query tokens per program tile (decode uses one of them)
-BLOCK_H = 16  # heads per program tile
-NUM_WARPS = 8
+BLOCK_Q = 1  # query tokens per program tile: a decode row fills the tile (16 heads), no wasted MMA rows
+BLOCK_H = 16  # heads per program tile (tl.dot needs >= 16 rows)
+NUM_WARPS = 4
+NUM_STAGES = 3  # software pipelining only: the same arithmetic at any depth
 TWO_STAGE_MAX_PROGRAMS = 132  # below one program per SM the split-parallel schedule pays
 PARTIAL_BYTES_MAX = 256 << 20  # the two-stage schedule's fp32 split states stay under this
 
@@ -47,7 +45,7 @@ PARTIAL_BYTES_MAX = 256 << 20  # the two-stage schedule's fp32 split states stay
 def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
     """(SPLIT, BLOCK_N, BLOCK_Q, BLOCK_H, num_warps): fixed per model, never from the batch."""
     if interpreting():
-        return 16, 8, 2, min(16, triton.next_power_of_2(num_heads)), 4
+        return 16, 8, 1, min(16, triton.next_power_of_2(num_heads)), 4
     return SPLIT, BLOCK_N, BLOCK_Q, BLOCK_H, NUM_WARPS
 
 
@@ -78,27 +76,27 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     if two_stage is None:
         two_stage = (num_splits > 1 and nqb * hb < TWO_STAGE_MAX_PROGRAMS
                      and nqb * hb * num_splits * bm * (L + 2) * 4 <= PARTIAL_BYTES_MAX)
+    if two_stage and nqb * hb > COUNTERS:
+        raise BackendError(f"invariant MLA: the two-stage schedule takes at most {COUNTERS} q-blocks x head blocks")
     upcast = interpreting()  # gemm.mma's INTERP: fp64 products under the interpreter
     prec = "ieee" if q_lat.dtype == torch.float32 else None
     meta = dict(L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)),  # tl.dot: K >= 16
                 PAGE=page, SPLIT=split, BLOCK_Q=block_q,
                 BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=prec, num_warps=warps,
+                num_stages=1 if interpreting() else NUM_STAGES,
                 enable_fp_fusion=False)  # the two schedules must round every multiply-add alike
     scale_log2 = scale * _LOG2E
     qargs = (q_lat, q_pe, kv_cache, block_table, qb_tok, qb_len, qb_req, qb_pos, seq_lens)
     strides = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0))
     if not two_stage:
-        _mla_onestage_kernel[(nqb, hb)](*qargs, out, H, *strides, out.stride(0), out.stride(1), scale_log2,
-                                        num_stages=2 if not interpreting() else 1, **meta)
+        _mla_onestage_kernel[(nqb, hb)](*qargs, out, H, *strides, out.stride(0), out.stride(1), scale_log2, **meta)
         return out
     part_m = torch.empty((nqb, hb, num_splits, bm), dtype=torch.float32, device=q_lat.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((nqb, hb, num_splits, bm, L), dtype=torch.float32, device=q_lat.device)
-    _mla_split_kernel[(nqb, hb, num_splits)](*qargs, part_m, part_l, part_acc, H, *strides, scale_log2,
-                                             num_stages=2 if not interpreting() else 1, **meta)
-    _mla_fold_kernel[(nqb, hb)](part_m, part_l, part_acc, qb_tok, qb_len, qb_req, qb_pos, seq_lens, out,
-                                H, num_splits, out.stride(0), out.stride(1), L=L, SPLIT=split, BLOCK_Q=block_q,
-                                BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
+    cnt = tile_counters(q_lat.device, nqb * hb)
+    _mla_split_kernel[(nqb, hb, num_splits)](*qargs, part_m, part_l, part_acc, cnt, out, H, *strides,
+                                             out.stride(0), out.stride(1), scale_log2, **meta)
     return out
 
 
@@ -139,6 +137,7 @@ class InvariantMLAAttention(MLAAttentionOp):
         w_uk, w_uv = self.split_kv_b_proj(weight)
         self.w_uk = w_uk.contiguous()
         self.w_uv_t = w_uv.contiguous().transpose(1, 2)
+        tile_counters(weight.device, 0)  # at load, never first inside a graph capture
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: "ForwardBatch", group: str) -> torch.Tensor:

@@ -1,19 +1,21 @@
 """Triton kernels of the batch-invariant absorbed MLA (mla.py): one reduction order for every token.
 
 A program owns a q-block: up to BLOCK_Q consecutive query tokens of one request times BLOCK_H heads,
-always a [BLOCK_Q * BLOCK_H, ...] tile, whether it holds one decode token or BLOCK_Q prefill tokens.
-Each row (token, head) attends the latent cache entries 0..pos (its own position), in SPLITs of a
-FIXED number of entries (split s covers positions [s * SPLIT, (s + 1) * SPLIT)), each split an online
-softmax over BLOCK_N-entry tiles in order, the splits then folded left to right (`_fold`). So a row's
-reduction depends only on its position: not on its q-block mates, on how its prompt was chunked, or on
-prefill vs decode. Tiles a row does not see (beyond its position) are exact no-ops: their scores are
--inf, so alpha = exp2(0) = 1, p = 0 and the state is unchanged bit for bit; the same holds for a split
-folded in past a row's end. Rows whose q-block reaches further therefore still get their own bits.
+always a [BLOCK_Q * BLOCK_H, ...] tile, whether it holds one decode token or BLOCK_Q prefill tokens (mla.py
+uses BLOCK_Q = 1 on the GPU: one token's 16 heads, the tile of the default decode kernel, so a decode row
+wastes no MMA rows). Each row (token, head) attends the latent cache entries 0..pos (its own position), in
+SPLITs of a FIXED number of entries (split s covers positions [s * SPLIT, (s + 1) * SPLIT)), each split an
+online softmax over BLOCK_N-entry tiles in order, the splits then folded left to right (`_fold`) from the
+empty state. So a row's reduction depends only on its position: not on its q-block mates, on how its prompt
+was chunked, or on prefill vs decode. Tiles a row does not see (beyond its position) are exact no-ops: their
+scores are -inf, so alpha = exp2(0) = 1, p = 0 and the state is unchanged bit for bit; the same holds for a
+split folded in past a row's end. Rows whose q-block reaches further therefore still get their own bits.
 
 Two schedules give the same bits, and the caller may pick either from the batch:
 - `_mla_onestage_kernel`: a program runs its splits one after another, folding each as it finishes;
-- `_mla_split_kernel` + `_mla_fold_kernel`: one program per split writes its (m, l, acc) state in fp32
-  (exact), and the fold kernel folds them in split order (parallel over splits: small decode batches).
+- `_mla_split_kernel`: one program per split writes its (m, l, acc) state in fp32 (exact), and the last of
+  a q-block's splits to finish folds them all in split order (parallel over splits: small decode batches;
+  the arrival counter picks which program folds, never the order).
 UPCAST is the interpreter flag of gemm.mma (products in fp64 there). Both call the same
 `_split_state` and `_fold`, and both are launched with `enable_fp_fusion=False`,
 so no multiply-add is contracted differently in one kernel than in the other.
@@ -136,13 +138,27 @@ def _mla_onestage_kernel(
 
 
 @triton.jit
+def _load_state(part_m_ptr, part_l_ptr, part_acc_ptr, base, BM: tl.constexpr, L: tl.constexpr):
+    """A split's (m, l, acc), written by another program of this launch: read through L2 (.cg)."""
+    r = tl.arange(0, BM)
+    m_s = tl.load(part_m_ptr + base * BM + r, cache_modifier=".cg")
+    l_s = tl.load(part_l_ptr + base * BM + r, cache_modifier=".cg")
+    acc_s = tl.load(part_acc_ptr + (base * BM + r)[:, None] * L + tl.arange(0, L)[None, :], cache_modifier=".cg")
+    return m_s, l_s, acc_s
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, qpe_ptr, cache_ptr, table_ptr, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, scale_log2,
+    part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr, out_ptr,
+    H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Program (q-block, head block, split s) writes split s's (m, l, acc) in fp32 (exact); the q-block's last
+    split to finish (an arrival counter: counters.py) folds all of them in split order and writes the output,
+    as the one-stage kernel would. An empty q-block (a padded graph row: no valid rows) writes nothing, as in
+    the one-stage kernel."""
     qb = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -150,38 +166,27 @@ def _mla_split_kernel(
     tok, head, valid, pos, req, kv_end = _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
                                                H, BLOCK_Q, BLOCK_H)
     start = s * SPLIT
+    row_base = (qb * tl.num_programs(1) + hb).to(tl.int64) * tl.num_programs(2)
     if start < kv_end:  # a split past the block's end writes nothing; the fold never reads it
         q_lat, q_pe = _load_q(q_ptr, qpe_ptr, tok, head, valid, stride_qt, stride_qh, stride_pt, stride_ph,
                               L, R, BLOCK_R, UPCAST)
         stop = tl.minimum(start + SPLIT, kv_end)
         m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, table_ptr + req * stride_tb, pos, start, stop,
                                        scale_log2, L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC)
-        base = (qb * tl.num_programs(1) + hb).to(tl.int64) * tl.num_programs(2) + s
+        base = row_base + s
         r = tl.arange(0, BM)
         tl.store(part_m_ptr + base * BM + r, m_s)
         tl.store(part_l_ptr + base * BM + r, l_s)
         tl.store(part_acc_ptr + (base * BM + r)[:, None] * L + tl.arange(0, L)[None, :], acc_s)
-
-
-@triton.jit
-def _mla_fold_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr, out_ptr,
-    H, num_splits, stride_ot, stride_oh,
-    L: tl.constexpr, SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    qb = tl.program_id(0)
-    hb = tl.program_id(1)
-    BM: tl.constexpr = BLOCK_Q * BLOCK_H
-    tok, head, valid, pos, req, kv_end = _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
-                                               H, BLOCK_Q, BLOCK_H)
-    r = tl.arange(0, BM)
-    m_r = tl.full([BM], float("-inf"), dtype=tl.float32)
-    l_r = tl.zeros([BM], dtype=tl.float32)
-    acc_r = tl.zeros([BM, L], dtype=tl.float32)
-    for s in range(0, tl.cdiv(kv_end, SPLIT)):
-        base = (qb * tl.num_programs(1) + hb).to(tl.int64) * num_splits + s
-        m_s = tl.load(part_m_ptr + base * BM + r)
-        l_s = tl.load(part_l_ptr + base * BM + r)
-        acc_s = tl.load(part_acc_ptr + (base * BM + r)[:, None] * L + tl.arange(0, L)[None, :])
-        m_r, l_r, acc_r = _fold(m_r, l_r, acc_r, m_s, l_s, acc_s)
-    _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, L)
+        tl.debug_barrier()  # every thread's partial stores happen before the (acq_rel, gpu-scope) increment
+        cnt = cnt_ptr + qb * tl.num_programs(1) + hb
+        used = tl.cdiv(kv_end, SPLIT)
+        if tl.atomic_add(cnt, 1) == used - 1:
+            tl.atomic_xchg(cnt, 0)
+            m_r = tl.full([BM], float("-inf"), dtype=tl.float32)
+            l_r = tl.zeros([BM], dtype=tl.float32)
+            acc_r = tl.zeros([BM, L], dtype=tl.float32)
+            for j in range(used):
+                m_j, l_j, acc_j = _load_state(part_m_ptr, part_l_ptr, part_acc_ptr, row_base + j, BM, L)
+                m_r, l_r, acc_r = _fold(m_r, l_r, acc_r, m_j, l_j, acc_j)
+            _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, L)

@@ -1,35 +1,34 @@
 """`InvariantMoE`: the routed experts on one path for every batch size (batch-invariant mode).
 
-Which path: the expert-aligned grouped GEMMs (moe_gemm.aligned_gemm, fused_moe_gemm's aligned kernel
-on gemm.mma) with BLOCK_M fixed at
-64 (16 under the interpreter) and therefore one tile configuration, whatever the token count. The
-default op switches between the direct mode (shared experts folded in as extra experts, a combine
-fused into the last program by a counter) and the aligned mode, and picks BLOCK_M and the tile from
-the batch; each choice is fine on its own but gives a token different bits in different batches. Here:
+Which path: the expert-aligned grouped GEMMs (moe_gemm.aligned_gemm) with BLOCK_M fixed at 64 (16 under the
+interpreter), one tile and one K split per weight, whatever the token count. The default op switches between
+the direct mode and the aligned mode and picks BLOCK_M and the tile from the batch; each choice is fine on its
+own but gives a token different bits in different batches. Here:
 
-- router logits: x @ gate^T in fp32 with exact products: for bf16 x the fp32 gate split into three bf16
-  parts (gemm.split_gate / router_linear: one bf16 GEMM on the tensor cores + two adds), else the fp32
-  invariant GEMM (gemm.linear);
-- top-k: the Triton router, one program per token (moe_routing.route), never the fused GEMV + top-k;
-- experts: alignment (any align function: it only orders the pairs, and a pair's row does not depend on
-  its place in the tile), gate_up + SiLU-and-mul, down * routing weight (fp32), each row of a pair one
-  fixed-order K loop;
-- combine: a token's slots summed in slot order in fp32, rounded, plus the shared experts' output (the
-  model's dense MLP, whose GEMMs are the invariant ones) -- fused_moe.combine, no atomics.
+- router: the fp32 gate split into three bf16 parts (router.split_gate, once), one invariant GEMM of 3N columns
+  (router_parts), and the per-token top-k that sums the parts as it reads them (router.route_parts): two
+  launches. fp32 activations (tests, fp32 models) take the fp32 invariant GEMM and moe_routing.route;
+- layout: moe_align.align, a counting sort by expert in token order (one launch at small batches, two above);
+- experts: gate_up + SiLU-and-mul, then down * routing weight (fp32), each row of a pair one fixed sum;
+- shared experts: when the model offers their dense weights (fuse_shared_experts), they run as experts E.. of
+  the same two GEMMs (every token, weight 1.0), so the layer is five launches (router, top-k, align, two GEMMs)
+  plus the combine; else the model's shared MLP (invariant GEMMs) runs and its output is added in the combine;
+- combine: a token's slots summed in slot order in fp32, rounded once (fused_moe.combine, no atomics).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from deepinfer.backend import MoESpec, NativeMoE
-from deepinfer.backends.nvidia.fused_moe import align_skipping, combine
-from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear, router_linear, split_gate
+from deepinfer.backends.nvidia.fused_moe import combine
+from deepinfer.backends.nvidia.invariant.counters import tile_counters
+from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
+from deepinfer.backends.nvidia.invariant.moe_align import align
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
+from deepinfer.backends.nvidia.invariant.router import route_parts, router_parts, split_gate
 from deepinfer.backends.nvidia.moe import triton_moe_unsupported
-from deepinfer.backends.nvidia.moe_routing import moe_align, route
+from deepinfer.backends.nvidia.moe_routing import route
 from deepinfer.errors import BackendError
 
 BLOCK_M = 64  # pairs per expert tile, for every batch size
@@ -47,46 +46,88 @@ def _route(router_logits, spec, correction_bias=None, token_ids=None, tid2eid=No
 
 
 class InvariantMoE(NativeMoE):
-    def __init__(self, spec: MoESpec, align_fn: Callable = moe_align):
+    slice_k: int | None = None  # the grouped GEMMs' K slice (None: moe_gemm's); benchmarks compare others
+
+    def __init__(self, spec: MoESpec):
         reasons = triton_moe_unsupported(spec)
         if reasons:
             raise BackendError("the batch-invariant MoE does not implement: " + ", ".join(reasons))
         super().__init__(spec, route_fn=_route)
-        self.align_fn = align_fn
         self._gate_split: tuple[int, torch.Tensor] | None = None  # (the fp32 gate's data_ptr, its split)
+        self.shared_w: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [2SI, D], down [D, SI])
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().load_experts(w13, w2)
+        tile_counters(w13.device, 0)  # at load, never first inside a graph capture
+
+    def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """Keep the shared MLP's dense weights: it then runs as experts E.. inside the grouped GEMMs."""
+        d, i = self.spec.hidden_size, self.spec.intermediate_size
+        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
+                or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
+            raise BackendError(f"fuse_shared_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are "
+                               f"not a shared MLP of n * {i} intermediate over hidden {d}")
+        if self.w13 is None:
+            raise BackendError("fuse_shared_experts before load_experts")
+        if gate_up.dtype != self.w13.dtype or down.dtype != self.w13.dtype:
+            return False  # the kernel reads one dtype; the model's MLP (invariant GEMMs) runs instead
+        self.shared_w = (gate_up.contiguous(), down.contiguous())
+        return True
+
+    def _split(self, gate_weight: torch.Tensor) -> torch.Tensor:
+        # the gate is a loaded weight: split once (the first forward, before any graph capture), reused
+        if self._gate_split is None or self._gate_split[0] != gate_weight.data_ptr():
+            self._gate_split = (gate_weight.data_ptr(), split_gate(gate_weight))
+        return self._gate_split[1]
 
     def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and gate_weight.dtype == torch.float32:
-            # the gate is a loaded weight: split once (the first forward, before any graph capture), reused
-            if self._gate_split is None or self._gate_split[0] != gate_weight.data_ptr():
-                self._gate_split = (gate_weight.data_ptr(), split_gate(gate_weight))
-            return router_linear(x, self._gate_split[1])
+            parts = router_parts(x, self._split(gate_weight))
+            n = parts.shape[1] // 3
+            return (parts[:, :n] + parts[:, n: 2 * n]) + parts[:, 2 * n:]  # as route_parts sums them
         return linear(x, gate_weight, out_dtype=torch.float32)
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                shared_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Routed experts (+ shared_out added in the combine); a -1 id (another rank's expert, expert
-        parallelism) is left out of the alignment and its zeroed slot adds nothing. The other experts' blocks
-        are laid out exactly as without -1 ids, so their bits do not change."""
+    def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
+        if not self.loaded:
+            raise BackendError("MoE forward before load_experts")
+        if x.dtype == torch.bfloat16 and gate_weight.dtype == torch.float32:
+            weights, ids = route_parts(router_parts(x, self._split(gate_weight)), self.spec.router, correction_bias)
+        else:
+            weights, ids = _route(linear(x, gate_weight, out_dtype=torch.float32), self.spec.router, correction_bias)
+        return self._experts(x, weights, ids, shared_experts, skip_unrouted=False)
+
+    def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
+        if not self.loaded:
+            raise BackendError("MoE forward before load_experts")
+        weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
+        return self._experts(x, weights, ids, shared_experts, skip_unrouted=False)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism's entry (no shared experts): a -1 id (another rank's expert) is left out of the
+        layout and its zeroed slot adds nothing; the other pairs' rows are computed as always."""
+        if not self.loaded:
+            raise BackendError("MoE experts before load_experts")
+        return self._experts(x, topk_weights, topk_ids, None, skip_unrouted=True)
+
+    def _experts(self, x, topk_weights, topk_ids, shared_experts, skip_unrouted: bool) -> torch.Tensor:
         T, D = x.shape
         E, two_i, _ = self.w13.shape
         k = topk_ids.shape[1]
         if T == 0:
             return torch.zeros_like(x)
         x = x.contiguous()
+        fold = shared_experts is not None and self.shared_w is not None
+        num_shared = self.shared_w[1].shape[1] // (two_i // 2) if fold else 0
+        slots = k + num_shared
         bm = block_m()
-        n = T * k
-        sorted_ids, expert_ids, num_padded = align_skipping(self.align_fn, topk_ids, E, bm)
+        al = align(topk_ids, E, num_shared, bm)
+        n = T * slots
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
-        aligned_gemm(x, self.w13, act, sorted_ids, expert_ids, num_padded, n, k, bm, dual=True)
-        y = torch.zeros((n, D), dtype=torch.float32, device=x.device)
-        aligned_gemm(act, self.w2, y, sorted_ids, expert_ids, num_padded, n, 1, bm,
-                     topk_weights.float().contiguous().view(-1))
-        return combine(y.view(T, k, D), shared_out, x.dtype)
-
-    def forward(self, x, router_logits, correction_bias=None, token_ids=None, tid2eid=None, shared_experts=None):
-        if self.w13 is None or self.w2 is None:
-            raise BackendError("MoE forward before load_experts")
-        weights, ids = self.route_fn(router_logits, self.spec.router, correction_bias, token_ids, tid2eid)
-        shared_out = shared_experts(x) if shared_experts is not None else None
-        return self.experts(x, weights, ids, shared_out)
+        aligned_gemm(x, self.w13, act, al, bm, k, slots, slots, shared_w=self.shared_w[0] if fold else None,
+                     dual=True, slice_override=self.slice_k)
+        # every slot's row is written unless some pairs are left out (-1): then zeros, which the combine adds
+        y = (torch.zeros if skip_unrouted else torch.empty)((n, D), dtype=torch.float32, device=x.device)
+        aligned_gemm(act, self.w2, y, al, bm, k, slots, 1, shared_w=self.shared_w[1] if fold else None,
+                     topk_weights=topk_weights.float().contiguous(), slice_override=self.slice_k)
+        shared_out = shared_experts(x) if shared_experts is not None and not fold else None
+        return combine(y.view(T, slots, D), shared_out, x.dtype)
