@@ -54,7 +54,10 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     weight bytes per program (and shared memory) as the tuned single tile. Under fp8 activations the
     gate_up program keeps BN = 128 per half: its epilogue quantizes the SiLU-and-mul output per token per
     128 channels, one channel group per program, so the down GEMM reads e4m3 (half the bytes) and needs no
-    quantization pass; BLOCK_M 64 then takes 8 warps (two 64x128 fp32 accumulators).
+    quantization pass. 8 warps: with 4, the gate_up program spills at BLOCK_M 32 and 64 (sm_90 compile of
+    Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack), and the
+    down program needs 241 registers at BLOCK_M 64 (160 with 8). BLOCK_M 64 runs QGMMA (fp8 wgmma); below
+    64 Triton converts the e4m3 tiles to fp16 for mma.sync (HMMA), which the memory-bound decode sizes hide.
     """
     if interpreting():
         cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
@@ -64,8 +67,7 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     cfg = _tile_env("DEEPINFER_MOE_TILE")
     if scheme in FP8_ACT:
         if cfg is None:
-            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8 if (dual and block_m >= 64) else 4,
-                   "num_stages": 3 if dual else 4}
+            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4}
         if dual:
             cfg = dict(cfg, block_n=128)
         return _fit_scheme(cfg, scheme, group_size)
