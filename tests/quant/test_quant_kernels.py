@@ -192,3 +192,25 @@ def test_fp8_gemm_real_shapes(m, n, k):
     y = meth.apply(lay, x.cuda())
     ref = w8a8_block_linear_ref(x.float(), dequant_fp8_block(wq, ws))
     assert _rel(y.cpu(), ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 777])
+@pytest.mark.parametrize("n,k,group", [(3072, 2048, 128), (21888, 2048, 128), (2048, 10944, 64)])
+def test_int4_gemm_real_shapes(m, n, k, group):
+    """Both int4 paths in bf16 at V2-Lite shapes against the dequantized weight in fp32 (bf16 rounding only)."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+
+    rec = _int4_layer("awq", n, k, group, m)
+    lay = torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = rec(), None, None
+    lay.int4 = type(lay.int4)("awq", lay.int4.qweight.cuda(), lay.int4.qzeros.cuda(), lay.int4.scales.cuda(),
+                              group_size=group)
+    TritonInt4Linear("awq").process_weights(lay, torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    w = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, torch.float32)
+    ref = x.float() @ w.t()
+    for dequant in (False, True):
+        y = int4_gemm(x, lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, dequant=dequant)
+        assert _rel(y, ref) < 2e-2, dequant
