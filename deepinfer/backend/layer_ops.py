@@ -361,6 +361,13 @@ class MoEOp(ABC):
         """
         return False
 
+    def fuse_shared_quantized(self, shared: QuantizedExperts) -> bool:
+        """Offer the shared experts as S more experts in the routed experts' quantized scheme and layout
+        (shared.scheme == the kept experts' scheme; built by models/layers/quant/shared_experts.py), when the
+        routed experts were kept quantized (`load_quantized_experts`). As `fuse_shared_experts`: the op may
+        run them (weight 1.0) inside its routed GEMMs at small batches; returns whether it kept them."""
+        return False
+
     @abstractmethod
     def forward(
         self,

@@ -62,14 +62,15 @@ def _weight_args(dt: str, scheme):
 
 def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
     b_type, qsig, qconsts = _weight_args(dt, scheme)
-    # quantized routed experts fold no shared experts in: direct_gemm passes the routed weights as bs_ptr
+    # quantized routed experts fold their shared experts in as stacked slots: bs_ptr points into the same weights
     sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "bs_ptr": b_type if scheme else "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
            "w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*" + dt, "s_ptr": "*" + dt, "cnt_ptr": "*i32",
            **{n: "i32" for n in (
                "N", "K", "num_pairs", "num_experts", "u_off", "us_off", "shared_step", "stride_am", "stride_be",
                "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}, **qsig}
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
-              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts, "COMBINE": combine,
+              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
+              "SHARED_STACKED": scheme is not None, "COMBINE": combine,
               "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",

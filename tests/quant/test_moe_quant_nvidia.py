@@ -70,6 +70,28 @@ def test_fused_moe_w8a8_matches_native_oracle(direct, t, drop, dtype):
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-4
 
 
+@pytest.mark.parametrize("scheme,inter", [("fp8_w8a8", 128), ("fp8_block", 48), ("int4_gptq", 64)])
+@pytest.mark.parametrize("combine", [False, True])
+def test_direct_gemms_fold_stacked_quantized_shared_experts(scheme, inter, combine):
+    """fused_moe(stacked_shared=1): the last expert slot is a shared expert every token takes with weight 1.0,
+    equal to the oracle's routed sum plus that expert run alone (with and without the fused combine)."""
+    from deepinfer.backend import QuantizedExperts
+    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
+
+    q, _, _ = make_experts(scheme, inter, device=DEVICE, num_experts=5)
+    t, d = 3, 64
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    wts, ids = routing(t, device=DEVICE)
+    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=True, stacked_shared=1, scheme=scheme, w13_scale=q.w13_scale,
+                    w2_scale=q.w2_scale, counters=counters_for(d, DEVICE) if combine else None, **int4_args(q))
+    fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
+    routed = QuantizedExperts(scheme, *(None if getattr(q, f) is None else getattr(q, f)[:4] for f in fields),
+                              q.group_size)
+    ref = experts_forward(x, None, None, wts, ids, quant=routed) + experts_forward(
+        x, None, None, torch.ones(t, 1, device=DEVICE), torch.full((t, 1), 4, device=DEVICE), quant=q)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_w8a8_oracle_quantizes_the_activations():
     """The oracle's fp8_w8a8 differs from the same experts run W8A16 (fp8_block) by the activation rounding
     alone: a few per cent, never zero (so the W8A8 test above cannot pass on a W8A16 kernel)."""

@@ -153,9 +153,11 @@ def fused_moe(
     w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
+    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (direct mode only)
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
+    E -= stacked_shared
     if scheme is not None and shared_w is not None:
         raise BackendError("fused_moe: shared-expert weights fold in only with dense routed experts")
     q13 = {"scale": w13_scale, "scheme": scheme, "zeros": w13_zeros, "group_size": group_size}
@@ -167,13 +169,16 @@ def fused_moe(
         direct = use_direct(T, k)
     if direct and T > DIRECT_MAX_TOKENS:
         raise BackendError(f"fused_moe: direct mode takes at most {DIRECT_MAX_TOKENS} tokens, got {T}")
-    if shared_w is not None and (not direct or shared_out is not None):
+    if (shared_w is not None or stacked_shared) and (not direct or shared_out is not None):
         raise BackendError("fused_moe: shared-expert weights fold in only in direct mode, and not with shared_out")
+    if stacked_shared and (scheme is None or shared_w is not None):
+        raise BackendError("fused_moe: stacked shared experts are quantized routed experts' extra slots")
     x = x.contiguous()
     weights = topk_weights.float().contiguous()
     if direct:
         ids = topk_ids.contiguous()
-        n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else 0
+        n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else stacked_shared
+        q13["stacked_shared"] = q2["stacked_shared"] = bool(stacked_shared)
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
         direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True, **q13)

@@ -92,7 +92,8 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
                  DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                  QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
-                 ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ROUND_FIRST: tl.constexpr, SHARED_STACKED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
     offs_m = tl.arange(0, BLOCK_M)
@@ -105,7 +106,10 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
     shared = expert >= num_experts
     base = tl.where(shared, bs_ptr + tl.maximum(expert - num_experts, 0).to(tl.int64) * shared_step,
                     b_ptr + tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_be)
-    q_off = tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_qe  # no shared expert when QUANT
+    if SHARED_STACKED:  # quantized shared experts sit after the routed ones in the same tensors
+        q_off = expert.to(tl.int64) * stride_qe
+    else:  # dense shared experts carry no scale
+        q_off = tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_qe
     acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off), offs_n,
                              nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off, z_ptr + q_off, uq_off,
                              stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
@@ -158,7 +162,7 @@ def _direct_gemm_kernel(
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
     DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SHARED_STACKED: tl.constexpr, COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -178,7 +182,8 @@ def _direct_gemm_kernel(
         _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
                      stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
-                     MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+                     MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, SHARED_STACKED, BLOCK_M,
+                     BLOCK_N, BLOCK_K)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -217,6 +222,8 @@ def aligned_gemm(
     E, N, _ = w.shape
     n_out = N // 2 if dual else N
     K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = quant_args(w, scale, scheme, dual, n_out, zeros)
+    if a.shape[1] != K:
+        raise BackendError(f"aligned_gemm: activations have {a.shape[1]} features, the weights {K}")
     a_mode = _a_mode(scheme, a, a_scale)
     act = act_dtype or a.dtype
     fp8_out = out_scale is not None
@@ -245,7 +252,7 @@ def direct_gemm(
     topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
     combine_into: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
     scale: torch.Tensor | None = None, scheme: str | None = None, zeros: torch.Tensor | None = None,
-    group_size: int = 128, cfg: dict | None = None,
+    group_size: int = 128, cfg: dict | None = None, stacked_shared: bool = False,
 ) -> None:
     """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
 
@@ -253,17 +260,26 @@ def direct_gemm(
     down: a = act [pairs, I], w [E, D, I], shared_w [D, S*I] -> out [pairs, D] fp32, routed rows weighted;
     with combine_into = (final [T, D], shared output [T, D] or None, counters int32 zeros) the last program
     of each column also writes final (as fused_moe.combine), saving the combine launch. "fp8_w8a8" weights:
-    a (the compute dtype) is quantized per row per 128 channels as it is loaded.
+    a (the compute dtype) is quantized per row per 128 channels as it is loaded. stacked_shared: quantized routed
+    experts whose w / scale / zeros hold the num_shared shared experts after the E routed ones (shared_w None).
     """
     T, top_k = topk_ids.shape
     E, N, _ = w.shape
+    if stacked_shared:
+        if shared_w is not None or not num_shared:
+            raise BackendError("direct_gemm: stacked shared experts come in w itself (num_shared > 0, no shared_w)")
+        E -= num_shared
     slots = top_k + num_shared
     num_pairs = T * slots
     n_out = N // 2 if dual else N
     K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = quant_args(w, scale, scheme, dual, n_out, zeros)
+    if a.shape[1] != K:
+        raise BackendError(f"direct_gemm: activations have {a.shape[1]} features, the weights {K}")
     if quant and shared_w is not None:
         raise BackendError("direct_gemm: shared experts fold in only with dense routed experts")
-    if shared_w is None:
+    if stacked_shared:  # shared expert s is w[E + s]: the routed experts' strides and up offset
+        shared_w, stride_sn, shared_step, us_off = w[E:], w.stride(1), w.stride(0), n_out * w.stride(1)
+    elif shared_w is None:
         shared_w, stride_sn, shared_step, us_off = w, 0, 0, 0
     elif dual:  # [2*S*I, D]: shared expert s has gate rows s*I.., up rows S*I + s*I..
         stride_sn = shared_w.stride(0)
@@ -284,7 +300,7 @@ def direct_gemm(
         shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, A_MODE=_a_mode(scheme, a, None), ROUND_FIRST=interpreting(),
+        GROUP=group_size, A_MODE=_a_mode(scheme, a, None), ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -152,6 +152,14 @@ class ExpertWeights:
             return active_linear_quant().fp8_scheme()
         return int4_scheme_of(weights)
 
+    @property
+    def group_size(self) -> int:
+        """Input channels per scale of the loaded int4 records (128 otherwise: fp8 blocks)."""
+        for (_, _, kind), t in self._loaded.items():
+            if kind == "weight" and hasattr(t, "group_size"):
+                return t.group_size
+        return 128
+
     def _split_size(self, proj: str, kind: str) -> int:
         """This rank's extent of a stored tensor along the split (intermediate) dimension: rows of gate / up,
         columns of down; fp4 down packs two per byte and has one scale per 32, fp8 one scale per 128."""
