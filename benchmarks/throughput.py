@@ -227,6 +227,7 @@ def main() -> None:
                    help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
     args = p.parse_args()
 
+    from benchmarks.quant_summary import quant_summary
     from benchmarks.roofline import floor_ms
     from deepinfer import LLM
 
@@ -249,7 +250,7 @@ def main() -> None:
             time.gmtime()), "backend": engine.backend_name, "cuda_graphs": graphs, "load_s": load_s,
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "async_scheduling": engine.async_scheduling,
-            "coverage": engine.backend.op_coverage()}
+            "coverage": engine.backend.op_coverage(), "quant_summary": quant_summary(engine.runner.model)}
     print(json.dumps(meta), flush=True)
     if args.accuracy_out:
         from deepinfer.sampling_params import SamplingParams
@@ -283,6 +284,9 @@ def main() -> None:
                 f.write(json.dumps(r) + "\n")
     print(f"\n{gpu}, commit {meta['commit']}, CUDA graphs {'on' if graphs else 'off'}, "
           f"async scheduling {'on' if engine.async_scheduling else 'off'}")
+    qs = meta["quant_summary"]
+    print(f"linears by scheme {qs['linears']}, MoE layers' routed experts {qs['moe_layers_experts']} "
+          f"({qs['routed_expert_bytes'] / 2**30:.2f} GiB)")
     if prefill:
         print(f"prefill only: {prefill['prompts']} x {prefill['prompt_len']} tokens, "
               f"{prefill['prefill_tok_s']:.0f} tok/s ({prefill['steps']} steps)")

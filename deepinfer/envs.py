@@ -269,6 +269,16 @@ MOE_SHARED_STREAM = EnvVar(
     "`0`: run the aligned mode's shared experts inline instead of on a second CUDA stream",
     "nvidia",
 )
+INT4_DEQUANT_MIN_M = EnvVar(
+    "DEEPINFER_INT4_DEQUANT_MIN_M", "int", 512,
+    "tokens from which a dense int4 linear dequantizes its weight and runs cuBLAS instead of the int4 GEMM",
+    "nvidia", minimum=1, error=BackendError,
+)
+FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(
+    "DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M", "int", 64,
+    "largest token count whose fp8 W8A8 GEMM quantizes the activations as it loads them (no separate kernel)",
+    "nvidia", minimum=0, error=BackendError,
+)
 MLA_FUSED_MERGE = EnvVar(
     "DEEPINFER_MLA_FUSED_MERGE", "bool", None,
     "`0` / `1`: force the MLA decode's in-kernel split merge off / on",

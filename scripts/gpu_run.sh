@@ -15,7 +15,11 @@
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
 #      GEMM / MoE plan sweep); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
 #      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
-#      quant (issue 18: benchmarks.quant_gemm, then throughput with QUANT_ARGS, default --quantization fp8).
+#      quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
+#      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
+#      (default $CKPT), then benchmarks.quant_summary's speed-up table; QUANT_BASELINE=0 skips the bf16 run and
+#      compares with the last one kept at /tmp/throughput_bf16.jsonl), int4ckpt (issue 18: writes INT4_CKPT,
+#      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -37,7 +41,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
-if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quant) && [ ! -f "$CKPT/config.json" ]; then
+if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt) && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
@@ -173,14 +177,34 @@ if has kvttft; then
   log "kv_tiers_ttft rc=$?"; grep -v '^{' "$OUT/kv_tiers_ttft.log" | tail -20 | tee -a "$OUT/summary.txt"
 fi
 if has quant; then
-  log "issue 18: quantized GEMMs, then decode / prefill with ${QUANT_ARGS:---quantization fp8}"
-  timeout 200 python3 -m benchmarks.quant_gemm --json "$OUT/quant_gemm.jsonl" > "$OUT/quant_gemm.log" 2>&1
-  log "quant_gemm rc=$?"; grep -v '^{' "$OUT/quant_gemm.log" | tail -30 | tee -a "$OUT/summary.txt"
-  if [ -f "$CKPT/config.json" ]; then
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
-      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_ARGS:---quantization fp8} \
-      --json-out "$OUT/throughput_quant.jsonl" > "$OUT/throughput_quant.log" 2>&1
-    log "throughput (quantized) rc=$?"; grep -v '^{' "$OUT/throughput_quant.log" | grep -v Loading | tail -20 | tee -a "$OUT/summary.txt"
+  log "issue 18: quantized GEMMs, device time (CUDA-graph replays) ${QG_ARGS:-}"
+  timeout "${QG_TIMEOUT:-540}" python3 -m benchmarks.quant_gemm --json "$OUT/quant_gemm.jsonl" ${QG_ARGS:-} > "$OUT/quant_gemm.log" 2>&1
+  log "quant_gemm rc=$?"; grep -v '^{' "$OUT/quant_gemm.log" | tail -70 | tee -a "$OUT/summary.txt"
+fi
+if has int4ckpt; then
+  INT4_CKPT="${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"
+  if [ ! -f "$INT4_CKPT/config.json" ]; then
+    log "issue 18: AWQ int4 copy of $CKPT (group ${INT4_GROUP:-128}) -> $INT4_CKPT"
+    timeout 540 python3 -m deepinfer.checkpoints.awq_writer "$CKPT" "$INT4_CKPT" --method awq \
+      --group-size "${INT4_GROUP:-128}" --device cuda > "$OUT/awq_writer.log" 2>&1
+    log "awq_writer rc=$? :: $(tail -1 "$OUT/awq_writer.log")"
   fi
+fi
+if has quante2e; then
+  QUANT_CKPT="${QUANT_CKPT:-$CKPT}"
+  if [ "${QUANT_BASELINE:-1}" = 1 ]; then
+    log "issue 18: throughput bf16 on $CKPT (the baseline of the quantized run)"
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
+      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --json-out /tmp/throughput_bf16.jsonl \
+      > "$OUT/throughput_bf16.log" 2>&1
+    log "throughput bf16 rc=$?"; grep -v '^{' "$OUT/throughput_bf16.log" | grep -v Loading | tail -8 | tee -a "$OUT/summary.txt"
+    cp /tmp/throughput_bf16.jsonl "$OUT/" 2>/dev/null
+  fi
+  log "issue 18: throughput on $QUANT_CKPT with '${QUANT_ARGS---quantization fp8}'"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$QUANT_CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
+    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_ARGS---quantization fp8} \
+    --json-out "$OUT/throughput_quant.jsonl" > "$OUT/throughput_quant.log" 2>&1
+  log "throughput (quantized) rc=$?"; grep -v '^{' "$OUT/throughput_quant.log" | grep -v Loading | tail -8 | tee -a "$OUT/summary.txt"
+  python3 -m benchmarks.quant_summary /tmp/throughput_bf16.jsonl "$OUT/throughput_quant.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/summary.txt"
 fi
 log "done"

@@ -177,7 +177,8 @@ class MLAAttentionOp(ABC):
                                         batch, group, ops)
 
 
-MOE_QUANT_SCHEMES = ("fp8_block", "fp4", "int4_awq", "int4_gptq")
+MOE_QUANT_SCHEMES = ("fp8_block", "fp8_w8a8", "fp4", "int4_awq", "int4_gptq")
+FP8_EXPERT_SCHEMES = ("fp8_block", "fp8_w8a8")  # one stored layout; w8a8 also quantizes the activations
 INT4_EXPERT_SCHEMES = ("int4_awq", "int4_gptq")  # one stored layout (below); the name says which checkpoint format
 INT4_EXPERT_GROUPS = (32, 64, 128)  # input channels per int4 scale / zero point
 
@@ -189,6 +190,9 @@ class QuantizedExperts:
 
     "fp8_block": w13 [E, 2I, D] / w2 [E, D, I] float8_e4m3fn; w13_scale [E, 2 * ceil(I/128), ceil(D/128)] fp32
       (the gate projection's 128x128 block grid, then the up projection's), w2_scale [E, ceil(D/128), ceil(I/128)].
+    "fp8_w8a8": the same tensors; each expert's input (x, and the SiLU-and-mul output before the down projection)
+      is quantized to e4m3 per token per 128 channels (backend/native/quant_fp8.py quantize_act_fp8) and the
+      product taken on the quantized values, as the fp8_w8a8 linear method does (DeepSeek / DeepGEMM's recipe).
     "fp4" (DeepSeek-V4's routed experts, backend/native/quant_fp4.py): w13 [E, 2I, D/2] / w2 [E, D, I/2] uint8,
       two e2m1 per byte (low nibble first); w13_scale [E, 2I, D/32] / w2_scale [E, D, I/32], one per row per 32
       inputs: uint8 = e8m0 bytes (2^(b - 127)), or fp32.
@@ -213,7 +217,7 @@ class QuantizedExperts:
         """Input channels per scale: 128 (fp8 blocks, also 128 rows), 32 (fp4, per row), group_size (int4)."""
         if self.scheme in INT4_EXPERT_SCHEMES:
             return self.group_size
-        return 128 if self.scheme == "fp8_block" else 32
+        return 128 if self.scheme in FP8_EXPERT_SCHEMES else 32
 
     def check(self, num_experts: int, hidden: int, inter: int) -> None:
         """BackendError naming the tensor whose dtype or shape disagrees with the scheme's layout."""
@@ -223,7 +227,7 @@ class QuantizedExperts:
         if self.scheme in INT4_EXPERT_SCHEMES:
             self._check_int4(num_experts, hidden, inter)
             return
-        if self.scheme == "fp8_block":
+        if self.scheme in FP8_EXPERT_SCHEMES:
             dt = torch.float8_e4m3fn
             expect = {"w13": (num_experts, 2 * inter, hidden), "w2": (num_experts, hidden, inter),
                       "w13_scale": (num_experts, 2 * cd(inter, 128), cd(hidden, 128)),
@@ -355,6 +359,13 @@ class MoEOp(ABC):
         GEMMs at small batches (sum of their outputs == the MLP). Returns whether it kept them;
         the default keeps nothing and calls `shared_experts` instead.
         """
+        return False
+
+    def fuse_shared_quantized(self, shared: QuantizedExperts) -> bool:
+        """Offer the shared experts as S more experts in the routed experts' quantized scheme and layout
+        (shared.scheme == the kept experts' scheme; built by models/layers/quant/shared_experts.py), when the
+        routed experts were kept quantized (`load_quantized_experts`). As `fuse_shared_experts`: the op may
+        run them (weight 1.0) inside its routed GEMMs at small batches; returns whether it kept them."""
         return False
 
     @abstractmethod

@@ -67,49 +67,106 @@ def pack_gptq(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch
     return _to_int32(qw), _to_int32(qz)
 
 
-def int4_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """A decoder linear AutoAWQ would quantize: 2-D, K % 128 == 0, N % 8 == 0; not the router gate or the head."""
+def int4_quantizable(name: str, shape: tuple[int, ...], group: int = GROUP) -> bool:
+    """A decoder linear AutoAWQ would quantize: 2-D, K % group == 0, N % 8 == 0; not the router gate or the head."""
     return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2
-            and not name.endswith("mlp.gate.weight") and shape[1] % GROUP == 0 and shape[0] % 8 == 0)
+            and not name.endswith("mlp.gate.weight") and shape[1] % group == 0 and shape[0] % 8 == 0)
 
 
-def write_int4_checkpoint(src: str, dst: str, method: str = "awq") -> list[str]:
-    """Copy the dense checkpoint `src` (a single model.safetensors) to `dst` with every quantizable linear
-    stored as AWQ / GPTQ int4; returns the prefixes quantized. config.json gets AWQ's / GPTQ's
-    quantization_config; tokenizer files are copied."""
+def _quantize_tensor(name: str, t: torch.Tensor, method: str, group: int, device: str) -> dict[str, torch.Tensor]:
+    """The int4 tensors replacing `<prefix>.weight` (on the CPU, whatever device did the arithmetic)."""
+    prefix = name[: -len(".weight")]
+    q, zeros, scales = quantize_int4(t.to(device), group)
+    q, zeros, scales = q.cpu(), zeros.cpu(), scales.cpu()
+    out = {}
+    if method == "awq":
+        out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_awq_cols(q), pack_awq_cols(zeros)
+    else:
+        out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_gptq(q, zeros)
+        out[f"{prefix}.g_idx"] = (torch.arange(t.shape[1]) // group).to(torch.int32)
+    out[f"{prefix}.scales"] = scales
+    return out
+
+
+def _shards(src: str) -> tuple[list[str], dict | None]:
+    """The safetensors files of `src` in order, and its index (None for a single model.safetensors)."""
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            idx = json.load(f)
+        return sorted(set(idx["weight_map"].values())), idx
+    return ["model.safetensors"], None
+
+
+def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = GROUP, device: str = "cpu",
+                          progress: bool = False) -> list[str]:
+    """Copy the dense checkpoint `src` (one model.safetensors, or shards with an index) to `dst` with every
+    quantizable linear stored as AWQ / GPTQ int4 at `group` input channels per scale; returns the prefixes
+    quantized. Shard by shard (a 31 GB V2-Lite never sits in memory whole); `device` runs the rounding (cuda:
+    seconds instead of minutes). config.json gets AWQ's / GPTQ's quantization_config; other files are copied."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    done = []
-    for name, t in tensors.items():
-        if not int4_quantizable(name, tuple(t.shape)):
-            out[name] = t
-            continue
-        prefix = name[: -len(".weight")]
-        q, zeros, scales = quantize_int4(t)
-        if method == "awq":
-            out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_awq_cols(q), pack_awq_cols(zeros)
-        else:
-            out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_gptq(q, zeros)
-            out[f"{prefix}.g_idx"] = (torch.arange(t.shape[1]) // GROUP).to(torch.int32)
-        out[f"{prefix}.scales"] = scales
-        done.append(prefix)
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"method must be awq or gptq, got {method!r}")
+    if group not in (32, 64, 128):
+        raise ValueError(f"group size must be 32, 64 or 128, got {group}")
+    shards, index = _shards(src)
     os.makedirs(dst, exist_ok=True)
-    save_file(out, os.path.join(dst, "model.safetensors"))
+    done: list[str] = []
+    weight_map: dict[str, str] = {}
+    for n, shard in enumerate(shards):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(os.path.join(src, shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                t = f.get_tensor(name)
+                if int4_quantizable(name, tuple(t.shape), group):
+                    out.update(_quantize_tensor(name, t, method, group, device))
+                    done.append(name[: -len(".weight")])
+                else:
+                    out[name] = t
+        save_file(out, os.path.join(dst, shard), metadata={"format": "pt"})
+        weight_map.update({name: shard for name in out})
+        if progress:
+            print(f"awq_writer: {shard} ({n + 1}/{len(shards)}), {len(done)} linears so far", flush=True)
+    if index is not None:
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": index.get("metadata", {}), "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     cfg.pop("quantization_config", None)
     cfg["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,
          "checkpoint_format": "gptq"})
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
+    written = set(shards) | {"config.json", "model.safetensors.index.json"}
     for extra in os.listdir(src):
-        if extra not in ("config.json", "model.safetensors") and os.path.isfile(os.path.join(src, extra)):
+        if extra not in written and os.path.isfile(os.path.join(src, extra)):
             shutil.copy(os.path.join(src, extra), os.path.join(dst, extra))
     return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m deepinfer.checkpoints.awq_writer SRC DST [--method awq|gptq] [--group-size 128] [--device cuda]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write an AWQ / GPTQ int4 copy of a dense checkpoint (round-to-nearest, "
+                                 "no calibration; deepinfer/checkpoints/awq_writer.py)")
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--method", default="awq", choices=("awq", "gptq"))
+    ap.add_argument("--group-size", type=int, default=GROUP, choices=(32, 64, 128))
+    ap.add_argument("--device", default="cpu", help="where the rounding runs (cpu, cuda)")
+    args = ap.parse_args(argv)
+    done = write_int4_checkpoint(args.src, args.dst, args.method, args.group_size, args.device, progress=True)
+    print(f"awq_writer: {len(done)} linears written as {args.method} int4, group {args.group_size} -> {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

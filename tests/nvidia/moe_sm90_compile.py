@@ -15,6 +15,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer.backends.nvidia import fused_moe as fm
+import triton.language as tl
+
+from deepinfer.backends.nvidia import fused_moe_config as cfgs
 from deepinfer.backends.nvidia import fused_moe_gemm as g
 from deepinfer.backends.nvidia import moe_routing as r
 
@@ -43,8 +46,8 @@ def compile_one(label, fn, sig, consts, warps, stages):
 
 # weight scheme -> (weight pointer type, scale pointer type, E8M0): None = the activation dtype, no scale
 # (the kernel then reads its scale pointer as the weight itself, never dereferenced)
-WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "fp4": ("u8", "u8", True),
-           "int4_awq": ("u8", "fp16", False)}
+WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "fp8_w8a8": ("fp8e4nv", "fp32", False),
+           "fp4": ("u8", "u8", True), "int4_awq": ("u8", "fp16", False)}
 
 
 def _weight_args(dt: str, scheme):
@@ -53,32 +56,43 @@ def _weight_args(dt: str, scheme):
     zt = "*u8" if scheme == "int4_awq" else "*" + (qt or dt)
     sig = {"q_ptr": "*" + (qt or dt), "z_ptr": zt,
            **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")}}
-    return "*" + (wt or dt), sig, {"QUANT": g.QUANT_CODES[scheme], "E8M0": e8m0, "GROUP": 128}
+    return "*" + (wt or dt), sig, {"QUANT": cfgs.QUANT_CODES[scheme], "E8M0": e8m0, "GROUP": 128,
+                                   "A_MODE": 2 if scheme in cfgs.FP8_ACT else 0, "ROUND_FIRST": False}
 
 
 def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
     b_type, qsig, qconsts = _weight_args(dt, scheme)
-    # quantized routed experts fold no shared experts in: direct_gemm passes the routed weights as bs_ptr
+    # quantized routed experts fold their shared experts in as stacked slots: bs_ptr points into the same weights
     sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "bs_ptr": b_type if scheme else "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
            "w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*" + dt, "s_ptr": "*" + dt, "cnt_ptr": "*i32",
            **{n: "i32" for n in (
                "N", "K", "num_pairs", "num_experts", "u_off", "us_off", "shared_step", "stride_am", "stride_be",
                "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}, **qsig}
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
-              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts, "COMBINE": combine,
+              "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
+              "SHARED_STACKED": scheme is not None, "COMBINE": combine,
               "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
                 g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
 
 
+TL = {"bf16": tl.bfloat16, "fp32": tl.float32}
+
+
 def aligned(dt, dual, BM, cfg, scheme=None):
+    """fp8_w8a8: A e4m3 with scales (mode 1); the gate_up writes e4m3 + scales (ACT_FP8_OUT)."""
     b_type, qsig, qconsts = _weight_args(dt, scheme)
-    sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "c_ptr": "*" + (dt if dual else "fp32"), "w_ptr": "*fp32",
+    w8a8 = scheme in cfgs.FP8_ACT
+    a_type = "*fp8e4nv" if w8a8 else "*" + dt
+    c_type = ("*fp8e4nv" if w8a8 else "*" + dt) if dual else "*fp32"
+    sig = {"a_ptr": a_type, "b_ptr": b_type, "c_ptr": c_type, "w_ptr": "*fp32",
            "sorted_ptr": "*i32", "expert_ptr": "*i32", "npad_ptr": "*i32", **{n: "i32" for n in (
-               "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}, **qsig}
+               "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}, **qsig,
+           "as_ptr": "*fp32", "stride_as": "i32", "cs_ptr": "*fp32", "stride_cs": "i32"}
     consts = {"A_DIV": 6 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual, "UPCAST": False,
-              "PREC": "ieee" if dt == "fp32" else None, **qconsts, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
+              "PREC": "ieee" if dt == "fp32" else None, **qconsts, "A_MODE": 1 if w8a8 else 0,
+              "ACT_FP8_OUT": w8a8 and dual, "ACT": TL[dt], "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
               "BLOCK_K": cfg["block_k"]}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"aligned {dt} {scheme or 'dense'} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
@@ -94,10 +108,12 @@ def main() -> None:
     direct("bf16", False, 8, 16, g.direct_config(False), combine=True)
     direct("bf16", False, 128, 16, g.direct_config(False), combine=True)
     direct("fp32", True, 8, 16, g.direct_config(True))
-    for scheme in ("fp8_block", "fp4", "int4_awq"):  # quantized routed experts: the in-loop dequantization, compiled
+    for scheme in ("fp8_block", "fp4", "int4_awq", "fp8_w8a8"):  # quantized routed experts, compiled
         for dual in (True, False):
-            direct("bf16", dual, 8, 16, g.direct_config(dual), scheme=scheme)
-            aligned("bf16", dual, 32, g.gemm_config(32, dual), scheme=scheme)
+            direct("bf16", dual, 8, 16, g.direct_config(dual, scheme), scheme=scheme)
+            aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
+    for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
+        aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
     compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)

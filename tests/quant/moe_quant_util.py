@@ -62,8 +62,9 @@ def make_experts(scheme: str, inter: int, seed: int = 0, device="cpu", num_exper
     g = torch.Generator().manual_seed(seed)
     rec = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
     d13, d2 = [], []
-    quant = quantize_weight_fp8_block if scheme == "fp8_block" else quantize_fp4
-    deq = dequant_fp8_block if scheme == "fp8_block" else dequant_fp4
+    fp8 = scheme in ("fp8_block", "fp8_w8a8")  # one stored layout
+    quant = quantize_weight_fp8_block if fp8 else quantize_fp4
+    deq = dequant_fp8_block if fp8 else dequant_fp4
     for _ in range(num_experts):
         gate = torch.randn(inter, hidden, generator=g) / hidden**0.5
         up = torch.randn(inter, hidden, generator=g) / hidden**0.5

@@ -20,7 +20,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("m,k", [(1, 128), (7, 300)])
+@pytest.mark.parametrize("m,k", [(1, 128), (7, 300), (33, 256)])
 def test_act_quant_kernel_matches_reference(m, k):
     from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as kq
 
@@ -62,6 +62,88 @@ def test_fp8_w8a8_method_matches_native(m, n, k):
     assert not y.isnan().any()
     assert _rel(y.cpu(), r) < 1e-5
     torch.testing.assert_close(ours.dense_weight(lay).cpu(), dequant_fp8_block(wq, ws))
+
+
+@pytest.mark.parametrize("m", [1, 7, 19, 40])
+def test_fp8_gemm_fused_act_quant_equals_separate(m):
+    """The GEMM quantizing A as it loads it (decode) gives the same product as the separate act-quant kernel
+    followed by the e4m3 GEMM (prefill): bitwise. Ragged M, N (200: a partial 128-block) and K (300)."""
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as kq
+    from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm
+
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_weight_fp8_block(torch.randn(200, 300, generator=g) * 300**-0.5)
+    x = torch.randn(m, 300, generator=g).to(DEV)
+    wq, ws = wq.to(DEV), ws.to(DEV)
+    fused = fp8_block_gemm(x, None, wq, ws, torch.float32)
+    sep = fp8_block_gemm(*kq(x), wq, ws, torch.float32)
+    assert torch.equal(fused, sep)
+    ref = w8a8_block_linear_ref(x.cpu(), dequant_fp8_block(wq.cpu(), ws.cpu()))
+    assert _rel(fused.cpu(), ref) < 1e-5
+
+
+def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: bool = False):
+    """A TritonInt4Linear layer (fp32 compute) and the native reference layer of the same packed weight."""
+    from deepinfer.backend import Int4Weight
+    from deepinfer.checkpoints.awq_writer import pack_awq_cols, pack_gptq, quantize_int4
+
+    g = torch.Generator().manual_seed(seed)
+    q, z, s = quantize_int4(torch.randn(n, k, generator=g) * 0.05, group)
+    if method == "awq":
+        rec = lambda: Int4Weight("awq", pack_awq_cols(q), pack_awq_cols(z), s, group_size=group)  # noqa: E731
+    else:
+        qw, qz = pack_gptq(q, z)
+        rows = torch.randperm(k, generator=g) if act_order else torch.arange(k)
+        gidx = (rows // group).to(torch.int32)
+        rec = lambda: Int4Weight("gptq", qw, qz, s, gidx, group, zero_offset=1)  # noqa: E731
+    return rec
+
+
+@pytest.mark.parametrize("method,group,act_order", [("awq", 32, False), ("awq", 64, False), ("gptq", 128, True),
+                                                    ("gptq", 64, False)])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_int4_gemm_paths_match_native(method, group, act_order, m):
+    """Both paths of the dense int4 linear (in-register dequantization; dequantize-then-matmul, the prefill
+    path) against the native reference: group sizes 32 / 64 / 128, act-order g_idx, ragged M and N (40: a
+    partial N tile), a bias. The dequantized weight is bit-exact; products within fp32 summation order."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+
+    n, k = 40, 256
+    rec = _int4_layer(method, n, k, group, m, act_order)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    lay = torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = rec(), bias.clone(), None
+    TritonInt4Linear(method).process_weights(lay, torch.float32)
+    assert (lay.g_idx_k is not None) == act_order  # contiguous groups need no g_idx (the fast tile)
+    rl = torch.nn.Module()
+    rl.int4, rl.bias, rl.weight = rec(), bias.clone(), None
+    ref = NativeOps().linear_method(f"int4_{method}")
+    ref.process_weights(rl, torch.float32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    want = ref.apply(rl, x)
+    dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
+    assert torch.equal(dense.cpu(), rl.weight)
+    for dequant in (False, True):
+        y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, lay.bias,
+                      dequant=dequant)
+        assert _rel(y.cpu(), want) < 1e-5, dequant
+
+
+def test_int4_gemm_fp16_activations():
+    """fp16 activations (the interpreter's stand-in for bf16, whose tl.dot and fp32 -> bf16 rounding it gets
+    wrong): the tile is rounded to fp16 once, as the reference's dense fp16 weight."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import int4_gemm
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+
+    rec = _int4_layer("awq", 48, 128, 64, 3)
+    lay = torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = rec(), None, None
+    TritonInt4Linear("awq").process_weights(lay, torch.float16)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)).half()
+    y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, 64)
+    want = x.float() @ TritonInt4Linear("awq").dense_weight(lay).float().t()
+    assert y.dtype == torch.float16 and _rel(y.cpu(), want) < 1e-3
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -110,3 +192,25 @@ def test_fp8_gemm_real_shapes(m, n, k):
     y = meth.apply(lay, x.cuda())
     ref = w8a8_block_linear_ref(x.float(), dequant_fp8_block(wq, ws))
     assert _rel(y.cpu(), ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 777])
+@pytest.mark.parametrize("n,k,group", [(3072, 2048, 128), (21888, 2048, 128), (2048, 10944, 64)])
+def test_int4_gemm_real_shapes(m, n, k, group):
+    """Both int4 paths in bf16 at V2-Lite shapes against the dequantized weight in fp32 (bf16 rounding only)."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+
+    rec = _int4_layer("awq", n, k, group, m)
+    lay = torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = rec(), None, None
+    lay.int4 = type(lay.int4)("awq", lay.int4.qweight.cuda(), lay.int4.qzeros.cuda(), lay.int4.scales.cuda(),
+                              group_size=group)
+    TritonInt4Linear("awq").process_weights(lay, torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    w = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, torch.float32)
+    ref = x.float() @ w.t()
+    for dequant in (False, True):
+        y = int4_gemm(x, lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, dequant=dequant)
+        assert _rel(y, ref) < 2e-2, dequant

@@ -12,10 +12,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend.layer_ops import INT4_EXPERT_SCHEMES, MOE_QUANT_SCHEMES, MoEOp, QuantizedExperts
+from deepinfer.backend.layer_ops import FP8_EXPERT_SCHEMES, INT4_EXPERT_SCHEMES, MOE_QUANT_SCHEMES, MoEOp, QuantizedExperts
 from deepinfer.backend.native.activation import silu_and_mul
 from deepinfer.backend.native.linear import dequant_fp8_block
 from deepinfer.backend.native.quant_fp4 import dequant_fp4
+from deepinfer.backend.native.quant_fp8 import w8a8_block_linear_ref
 from deepinfer.backend.native.quant_int4 import dequant_int4_rows
 from deepinfer.backend.native.routing import route as native_route
 from deepinfer.backend.native.routing import validate_router
@@ -28,7 +29,7 @@ RouteFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def dequant_expert(q: QuantizedExperts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert e of a QuantizedExperts as dense (w13 [2I, D], w2 [D, I]) in `dtype`: dequantized in fp32, rounded
     once, as the linear method's dense_weight densifies a checkpoint's expert at load (so the two runs agree)."""
-    if q.scheme == "fp8_block":
+    if q.scheme in FP8_EXPERT_SCHEMES:
         inter = q.w13.shape[1] // 2
         g = q.w13_scale.shape[1] // 2  # the gate projection's scale rows, then the up projection's
         w13 = torch.cat([dequant_fp8_block(q.w13[e, :inter], q.w13_scale[e, :g]),
@@ -60,7 +61,9 @@ def experts_forward(
     (slot order) and a token routed twice to one expert (hash tables) is fine.
     A -1 id (a pair another rank computes, expert parallelism) leaves its row zero.
     With `quant` (w13 / w2 None) each expert that got pairs is dequantized for its turn only (dequant_expert):
-    the oracle of the quantized MoE kernels, and the weights stay quantized in memory.
+    the oracle of the quantized MoE kernels, and the weights stay quantized in memory. "fp8_w8a8" experts also
+    quantize each projection's input per token per 128 channels and take the product in fp32 on the dequantized
+    values (w8a8_block_linear_ref, as the fp8_w8a8 linear method), rounded to x's dtype after each projection.
     """
     t, top_k = topk_ids.shape
     num_experts = (quant.w13 if quant is not None else w13).shape[0]
@@ -76,6 +79,11 @@ def experts_forward(
             continue
         sel = order[start : start + n]  # flat (token, slot) positions routed to expert e
         start += n
+        if quant is not None and quant.scheme == "fp8_w8a8":  # both inputs quantized per token per 128 channels
+            w13e, w2e = dequant_expert(quant, e, torch.float32)
+            h = silu_and_mul(w8a8_block_linear_ref(x[sel // top_k], w13e), swiglu_limit)
+            buf[sel] = w8a8_block_linear_ref(h, w2e).float() * flat_w[sel]
+            continue
         w13e, w2e = dequant_expert(quant, e, x.dtype) if quant is not None else (w13[e], w2[e])
         h = silu_and_mul(F.linear(x[sel // top_k], w13e), swiglu_limit)
         buf[sel] = F.linear(h, w2e).float() * flat_w[sel]

@@ -63,7 +63,7 @@ class CPUBackend(NativeOps, Backend):
             # every scheme as the reference: weights dequantized at load, computed in the dtype (fp8_w8a8 also
             # quantizes the activations per token per 128 channels first); docs/quantization.md
             quant_schemes=LINEAR_SCHEMES,
-            moe_quant_schemes=("fp8_block", "fp4", "int4_awq", "int4_gptq"),  # ops_moe: the native per-expert dequant loop
+            moe_quant_schemes=("fp8_block", "fp8_w8a8", "fp4", "int4_awq", "int4_gptq"),  # ops_moe: the native per-expert dequant loop
             model_types=("deepseek_v2", "deepseek_v3", "deepseek_v4"),
             batch_invariant=True,  # with enable_batch_invariance: invariant.py
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),  # V4's ops have no invariant forms yet

@@ -70,7 +70,8 @@ class NvidiaBackend(NativeOps, Backend):
             kv_block_sizes=KV_BLOCK_SIZES,
             # fp8_w8a8 / int4_*: Triton kernels on quantized weights (quant/); fp8_block: dequantized at load
             quant_schemes=("none", "fp8_block", "fp8_w8a8", "int4_awq", "int4_gptq"),
-            moe_quant_schemes=("fp8_block", "fp4", "int4_awq", "int4_gptq"),  # fused_moe_gemm: dequantized in the inner loop
+            # fused_moe_gemm: W8A16 / W4A16 dequantized in the inner loop; fp8_w8a8 on the fp8 tensor cores
+            moe_quant_schemes=("fp8_block", "fp8_w8a8", "fp4", "int4_awq", "int4_gptq"),
             model_types=("deepseek_v2", "deepseek_v3"),
             batch_invariant=True,  # with enable_batch_invariance: the kernels of invariant/
             batch_invariant_model_types=("deepseek_v2", "deepseek_v3"),

@@ -12,6 +12,10 @@ captured CUDA graph):
   tuned for prefill / large decode; the shared MLP runs densely outside and
   only its add is fused into the combine.
 
+Quantized experts (QuantizedExperts schemes) run through the same schedules; under "fp8_w8a8" the direct
+GEMMs quantize their few rows as they load them, and the aligned path quantizes x once (fp8_act_quant.py)
+and passes the SiLU-and-mul output between its GEMMs as e4m3 + per-128 scales.
+
 The combine sums a token's weighted slots in fp32, rounds to the activation
 dtype, adds the shared experts' output if given and rounds again: the native
 op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
@@ -26,7 +30,8 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
-from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm, direct_gemm, interpreting
+from deepinfer.backends.nvidia.fused_moe_config import FP8_ACT, interpreting
+from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm, direct_gemm
 from deepinfer.backends.nvidia.moe_routing import moe_align
 from deepinfer.errors import BackendError
 
@@ -142,15 +147,17 @@ def fused_moe(
     counters: torch.Tensor | None = None,  # int32 zeros >= cdiv(D, 16): direct mode fuses the combine (see below)
     before_combine: Callable[[], None] | None = None,  # called just before shared_out is read (a stream join)
     skip_unrouted: bool = False,  # topk_ids may hold -1 (another rank's expert): those pairs add nothing
-    scheme: str | None = None,  # "fp8_block" / "fp4" / "int4_*": w13 / w2 quantized as QuantizedExperts holds them
+    scheme: str | None = None,  # "fp8_block" / "fp8_w8a8" / "fp4" / "int4_*": w13 / w2 as QuantizedExperts holds them
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
+    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (direct mode only)
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
+    E -= stacked_shared
     if scheme is not None and shared_w is not None:
         raise BackendError("fused_moe: shared-expert weights fold in only with dense routed experts")
     q13 = {"scale": w13_scale, "scheme": scheme, "zeros": w13_zeros, "group_size": group_size}
@@ -162,13 +169,16 @@ def fused_moe(
         direct = use_direct(T, k)
     if direct and T > DIRECT_MAX_TOKENS:
         raise BackendError(f"fused_moe: direct mode takes at most {DIRECT_MAX_TOKENS} tokens, got {T}")
-    if shared_w is not None and (not direct or shared_out is not None):
+    if (shared_w is not None or stacked_shared) and (not direct or shared_out is not None):
         raise BackendError("fused_moe: shared-expert weights fold in only in direct mode, and not with shared_out")
+    if stacked_shared and (scheme is None or shared_w is not None):
+        raise BackendError("fused_moe: stacked shared experts are quantized routed experts' extra slots")
     x = x.contiguous()
     weights = topk_weights.float().contiguous()
     if direct:
         ids = topk_ids.contiguous()
-        n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else 0
+        n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else stacked_shared
+        q13["stacked_shared"] = q2["stacked_shared"] = bool(stacked_shared)
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)
         direct_gemm(x, w13, shared_w[0] if shared_w else None, act, ids, None, n_shared, slots, dual=True, **q13)
@@ -186,10 +196,21 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = align_skipping(align, topk_ids, E, block_m)
     else:
         sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
-    act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
-    aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)
     y = _slot_buffer(n, D, x.device, skip_unrouted)  # weighted slots, summed in fp32
-    aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), **q2)
+    if scheme in FP8_ACT:  # W8A8: x quantized once; gate_up writes e4m3 + scales, which down reads as they are
+        from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
+
+        xq, xs = quantize_act_fp8(x)
+        act = torch.empty((n, two_i // 2), dtype=torch.float8_e4m3fn, device=x.device)
+        act_s = torch.empty((n, triton.cdiv(two_i // 2, 128)), dtype=torch.float32, device=x.device)
+        aligned_gemm(xq, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, a_scale=xs,
+                     out_scale=act_s, act_dtype=x.dtype, **q13)
+        aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), a_scale=act_s,
+                     act_dtype=x.dtype, **q2)
+    else:
+        act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
+        aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)
+        aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), **q2)
     if before_combine is not None:
         before_combine()
     return combine(y.view(T, k, D), shared_out, x.dtype)

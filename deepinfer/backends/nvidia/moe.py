@@ -1,7 +1,8 @@
 """The routed-experts layer on NVIDIA: Triton / CUDA router -> fused grouped GEMMs -> one combine kernel.
 
 Small batches run fused_moe's direct mode, with the shared experts (when
-offered through fuse_shared_experts) folded in as extra experts; larger ones
+offered through fuse_shared_experts, or fuse_shared_quantized beside quantized
+routed experts) folded in as extra experts; larger ones
 the expert-aligned mode with the shared MLP run densely by the model's
 module (one read of its weights) and only its add fused into the combine.
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
@@ -65,6 +66,7 @@ class TritonMoE(NativeMoE):
         self.counters: torch.Tensor | None = None  # the direct mode's fused-combine counters (made at load)
         self.route_counters: torch.Tensor | None = None  # the fused router's per-token counters
         self.side_stream = None  # torch.cuda.Stream for the shared MLP (made at load, before any capture)
+        self.quant_shared: QuantizedExperts | None = None  # routed + shared experts stacked (fuse_shared_quantized)
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
@@ -82,20 +84,44 @@ class TritonMoE(NativeMoE):
         super().load_quantized_experts(experts)
         dev = experts.w13.device
         self.shared_w = None
+        self.quant_shared = None
         self.counters = counters_for(self.spec.hidden_size, dev)
         self.route_counters = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=dev)
         if experts.w13.is_cuda:
             self.side_stream = torch.cuda.Stream(device=dev)
 
-    def _gemm_weights(self) -> dict:
-        """fused_moe's weight arguments: dense w13 / w2, or the quantized ones with their scales."""
-        q = self.quant
+    def _gemm_weights(self, with_shared: bool = False) -> dict:
+        """fused_moe's weight arguments: dense w13 / w2, or the quantized ones with their scales (with_shared: the
+        stacked routed + shared experts of fuse_shared_quantized)."""
+        q = self.quant_shared if with_shared else self.quant
         if q is None:
             return {"w13": self.w13, "w2": self.w2}
         out = {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
         if q.w13_zeros is not None:  # int4: zero points and the group size
             out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size)
+        if with_shared:
+            out["stacked_shared"] = q.w13.shape[0] - self.quant.w13.shape[0]
         return out
+
+    def fuse_shared_quantized(self, shared: QuantizedExperts) -> bool:
+        """Quantized shared experts as extra slots after the routed ones, in one set of tensors (one copy of the
+        routed experts: self.quant becomes views of its first E slots), which the direct GEMMs index as routed
+        experts E..E+S-1 with weight 1.0. The model's shared MLP still runs the aligned schedule."""
+        q = self.quant
+        fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
+        if q is None or shared.scheme != q.scheme or shared.group_size != q.group_size:
+            return False
+        for f in fields:
+            a, b = getattr(q, f), getattr(shared, f)
+            if (a is None) != (b is None) or (a is not None and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)):
+                return False
+        e = q.w13.shape[0]
+        stacked = {f: None if getattr(q, f) is None else torch.cat([getattr(q, f), getattr(shared, f).to(
+            getattr(q, f).device)]) for f in fields}
+        self.quant_shared = QuantizedExperts(q.scheme, **stacked, group_size=q.group_size)
+        self.quant = QuantizedExperts(q.scheme, **{f: None if t is None else t[:e] for f, t in stacked.items()},
+                                      group_size=q.group_size)
+        return True
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         if self.quant is not None:
@@ -144,7 +170,8 @@ class TritonMoE(NativeMoE):
         return self._experts(x, weights, ids, shared_experts, shared)
 
     def _folds_shared(self, x: torch.Tensor, top_k: int, shared_experts) -> bool:
-        return use_direct(x.shape[0], top_k) and shared_experts is not None and self.shared_w is not None
+        return use_direct(x.shape[0], top_k) and shared_experts is not None and (
+            self.shared_w is not None or self.quant_shared is not None)
 
     def _start_shared(self, x: torch.Tensor, shared_experts):
         """(shared output, join) with the dense shared MLP queued on the side stream (aligned mode only),
@@ -163,6 +190,9 @@ class TritonMoE(NativeMoE):
         """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused."""
         direct = use_direct(x.shape[0], ids.shape[1])
         if self._folds_shared(x, ids.shape[1], shared_experts):
+            if self.quant_shared is not None:
+                return fused_moe(x, topk_weights=weights, topk_ids=ids, direct=True, counters=self.counters,
+                                 **self._gemm_weights(with_shared=True))
             return fused_moe(x, topk_weights=weights, topk_ids=ids, shared_w=self.shared_w, direct=True,
                              counters=self.counters, **self._gemm_weights())
         join = None

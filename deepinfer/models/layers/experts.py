@@ -5,7 +5,8 @@ Checkpoints store one tensor per expert and projection (V2/V3:
 `experts.E.{gate,up,down}_proj`, V4: `experts.E.{w1,w3,w2}`). They are held
 as plain tensors while loading (V3 has 44k of them, too many to make modules
 of), then either kept quantized and stacked into a `QuantizedExperts` record, when the backend's MoE op
-runs that scheme (`op.quantized_expert_schemes()`: "fp8_block" e4m3 + 128x128 scales, "fp4" V4's e2m1 +
+runs that scheme (`op.quantized_expert_schemes()`: "fp8_block" / "fp8_w8a8" e4m3 + 128x128 scales (a bf16
+checkpoint's experts are quantized to it as they load under online fp8), "fp4" V4's e2m1 +
 per-32 scales, "int4_awq" / "int4_gptq" repacked by quant/int4_experts.py), or densified through the
 backend's linear method (fp8: dequantized by the backend, not here; fp4: dequantized by the native oracle)
 and stacked dense, as every op takes. An int4 (AWQ / GPTQ) expert arrives as an `Int4Weight` record; kept int4 when the op runs the scheme and every projection is int4,
@@ -23,10 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backend import FP4_GROUP, Backend, QuantizedExperts, as_fp4_scale, as_packed_fp4, dequant_fp4
+from deepinfer.backend import (
+    FP4_GROUP,
+    Backend,
+    QuantizedExperts,
+    as_fp4_scale,
+    as_packed_fp4,
+    dequant_fp4,
+    quantize_weight_fp8_block,
+)
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.layers.linear import FP8_BLOCK, Linear, Loader, prepare_scale, prepare_weight
 from deepinfer.models.layers.quant.int4_experts import int4_scheme_of, stack_int4_experts
+from deepinfer.models.layers.quant.settings import active_linear_quant
 from deepinfer.models.weights import OTHER_RANK, sliced
 
 
@@ -132,10 +142,23 @@ class ExpertWeights:
     @property
     def scheme(self) -> str | None:
         """The QuantizedExperts scheme these experts are stored in (None: dense); int4 (AWQ / GPTQ) is read from
-        the loaded records (models/layers/quant/int4_experts.py)."""
-        if self.fp4 or self.quantized:
-            return "fp4" if self.fp4 else "fp8_block"
-        return int4_scheme_of([t for (_, _, kind), t in self._loaded.items() if kind == "weight"])
+        the loaded records (models/layers/quant/int4_experts.py). fp8 experts (a checkpoint's, or quantized at
+        load under online fp8) run as the load's linears do: "fp8_w8a8" when it asks for fp8 activations
+        (`--quantization fp8`), else "fp8_block" (W8A16)."""
+        if self.fp4:
+            return "fp4"
+        weights = [t for (_, _, kind), t in self._loaded.items() if kind == "weight"]
+        if self.quantized or any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in weights):
+            return active_linear_quant().fp8_scheme()
+        return int4_scheme_of(weights)
+
+    @property
+    def group_size(self) -> int:
+        """Input channels per scale of the loaded int4 records (128 otherwise: fp8 blocks)."""
+        for (_, _, kind), t in self._loaded.items():
+            if kind == "weight" and hasattr(t, "group_size"):
+                return t.group_size
+        return 128
 
     def _split_size(self, proj: str, kind: str) -> int:
         """This rank's extent of a stored tensor along the split (intermediate) dimension: rows of gate / up,
@@ -177,7 +200,13 @@ class ExpertWeights:
                 conv = as_packed_fp4 if kind == "weight" else as_fp4_scale
                 self._loaded[(e, proj, kind)] = conv(name, t, out_f, in_f).to(dev)
             elif kind == "weight":
-                self._loaded[(e, proj, kind)] = prepare_weight(name, t, (out_f, in_f), self.quantized, self.dtype, dev)
+                w = prepare_weight(name, t, (out_f, in_f), self.quantized, self.dtype, dev)
+                online = active_linear_quant().online == "fp8"
+                if online and isinstance(w, torch.Tensor) and w.dtype != torch.float8_e4m3fn:
+                    # online fp8: each expert quantized as it arrives (128x128 blocks, the linears' rule), so the
+                    # layer's experts stay fp8 in memory when the op runs the scheme (a bf16 copy lives only here)
+                    w, self._loaded[(e, proj, "scale")] = quantize_weight_fp8_block(w)
+                self._loaded[(e, proj, kind)] = w
             else:
                 self._loaded[(e, proj, kind)] = prepare_scale(name, t, out_f, in_f, dev)
 
@@ -213,7 +242,7 @@ class ExpertWeights:
         if self.fp4:
             return dequant_fp4(self._take(e, proj, "weight"), self._take(e, proj, "scale")).to(self.dtype)
         out_f, in_f = self._shape(proj)
-        lin = Linear(in_f, out_f, self.backend, self.dtype, quantized=self.quantized)
+        lin = Linear(in_f, out_f, self.backend, self.dtype, quantized=self.quantized)  # an fp8 weight: its scheme
         lin.name = f"{self.prefix}.experts.{e}.{proj}"
         if (e, proj, "weight") not in self._loaded:
             raise ModelLoadError(f"{lin.name}.weight was never loaded")
@@ -254,7 +283,7 @@ class ExpertWeights:
     def quantized_stack(self) -> QuantizedExperts:
         """The experts as stored, stacked one row per slot (QuantizedExperts' layout for self.scheme); the
         per-expert tensors are released. A second replica on this rank copies the first."""
-        scheme = self.scheme  # int4: read from the records, which the stacking releases
+        scheme = self.scheme  # read from the loaded records, which the stacking releases
         if scheme is None:
             raise ModelLoadError("quantized_stack: these routed experts are not quantized")
         gate, up, down = self.names
@@ -287,5 +316,5 @@ class ExpertWeights:
                 stacked[k] = stacked[k].float()
         if stacked["w13_scale"].dtype != stacked["w2_scale"].dtype:
             raise ModelLoadError(f"{self.prefix}.experts: the scales mix e8m0 and float storage")
-        return QuantizedExperts(self.scheme, stacked["w13"], stacked["w13_scale"], stacked["w2"],
+        return QuantizedExperts(scheme, stacked["w13"], stacked["w13_scale"], stacked["w2"],
                                 stacked["w2_scale"])

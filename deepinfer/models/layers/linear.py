@@ -223,12 +223,32 @@ class Linear(nn.Module):
         return self.method.apply(self, x)
 
 
+def _int4_concatenable(records: list) -> bool:
+    """int4 parts fuse when they share the packing, group and zero offset and one g_idx (the same input rows):
+    their records then concatenate along the output dimension (AWQ / GPTQ pack 8 outputs a word: N % 8 == 0)."""
+    first = records[0]
+    if not all(isinstance(r, Int4Weight) and (r.method, r.group_size, r.zero_offset) ==
+               (first.method, first.group_size, first.zero_offset) for r in records):
+        return False
+    if any((r.g_idx is None) != (first.g_idx is None) for r in records):
+        return False
+    return first.g_idx is None or all(torch.equal(r.g_idx, first.g_idx) for r in records)
+
+
+def _cat_int4(records: list) -> Int4Weight:
+    """One record for the parts' outputs side by side: qweight / qzeros / scales concatenated along N."""
+    f = records[0]
+    cat = lambda name: torch.cat([getattr(r, name) for r in records], dim=1)  # noqa: E731
+    return Int4Weight(f.method, cat("qweight"), cat("qzeros"), cat("scales"), f.g_idx, f.group_size, f.zero_offset)
+
+
 class MergedLinear(nn.Module):
     """Several linears over the same input, run as one matmul when their weights can be concatenated.
 
     Output column groups are concatenated in `out_sizes` order. fp8 block scales
-    concatenate only when every part but the last fills whole 128-row blocks;
-    otherwise the parts run one by one and their outputs are concatenated.
+    concatenate only when every part but the last fills whole 128-row blocks; int4 records (AWQ / GPTQ)
+    when they share packing, group and g_idx; otherwise the parts run one by one and their outputs are
+    concatenated.
 
     `splits`: per part, None (replicated) or "column" (this rank's slice of that part's rows), so a
     merged gate/up or q/kv_a keeps each part's meaning under tensor parallelism; `out_sizes` then
@@ -268,8 +288,10 @@ class MergedLinear(nn.Module):
         return out
 
     def _can_fuse(self, schemes: list[str]) -> bool:
-        if len(set(schemes)) != 1 or schemes[0].startswith(("int4_", "int8_")):
-            return False  # int4 / int8 parts run one by one (their quantized records are not concatenated)
+        if len(set(schemes)) != 1 or schemes[0].startswith("int8_"):
+            return False  # int8 parts run one by one (their records are not concatenated)
+        if schemes[0].startswith("int4_"):
+            return _int4_concatenable([p.weight for p in self.parts])
         if schemes[0] in ("fp8_block", "fp8_w8a8") and any(p.weight.dtype == FP8_DTYPE for p in self.parts):
             return all(n % FP8_BLOCK == 0 for n in self.out_sizes[:-1])
         return True  # dense parts (online fp8 quantizes the fused matrix)
@@ -281,11 +303,15 @@ class MergedLinear(nn.Module):
                 p.finalize()
             return
         has_bias = any(p.bias is not None for p in self.parts)
-        stored_fp8 = self.parts[0].weight.dtype == FP8_DTYPE
+        int4 = isinstance(self.parts[0].weight, Int4Weight)
+        stored_fp8 = not int4 and self.parts[0].weight.dtype == FP8_DTYPE
         fused = Linear(self.in_features, sum(self.out_sizes), self.backend, self.dtype, bias=has_bias,
                        quantized=stored_fp8)
         fused.name = "+".join(p.name for p in self.parts)
-        fused.weight = torch.cat([p.weight for p in self.parts], dim=0)
+        if int4:
+            fused.weight = _cat_int4([p.weight for p in self.parts])
+        else:
+            fused.weight = torch.cat([p.weight for p in self.parts], dim=0)
         if stored_fp8:
             fused.weight_scale_inv = torch.cat([p.weight_scale_inv for p in self.parts], dim=0)
         if has_bias:

@@ -39,6 +39,7 @@ from deepinfer.models.layers.ep_all_to_all import (
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
+from deepinfer.models.layers.quant.shared_experts import shared_as_quantized_experts
 from deepinfer.models.layers.moe_dispatch import (
     ExpertParallelRouting,
     gather_replicas,
@@ -113,10 +114,18 @@ class MoELayer(nn.Module):
         return out
 
     def finalize(self) -> None:
+        scheme, group = self.experts.scheme, self.experts.group_size
         load_routed_experts(self)  # quantized kept or densified; the expert-parallel routing (moe_dispatch.py)
         if self.shared_experts is not None:
-            self.shared_experts.finalize()
-            if not self.expert_parallel:
+            folded = False
+            if self.quantized_experts and not self.expert_parallel and self.tp.world_size == 1:
+                # the shared MLP as extra experts in the kept scheme, read before its linears take the weights
+                shared = shared_as_quantized_experts(self.shared_experts, scheme, self.spec.intermediate_size, group)
+                self.shared_experts.finalize()
+                folded = shared is not None and self.op.fuse_shared_quantized(shared)
+            else:
+                self.shared_experts.finalize()
+            if not self.expert_parallel and not folded:
                 # the op may run the shared MLP as extra experts at small batches; it still calls the
                 # module (one dense GEMM per weight) where it does not
                 self.op.fuse_shared_experts(*self.shared_experts.dense_weights())

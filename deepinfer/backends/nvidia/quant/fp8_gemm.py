@@ -1,11 +1,21 @@
 """fp8 block-scaled W8A8 GEMM for Hopper: y[M, N] = (A_q * A_s) @ (B_q * B_s)^T, fp32 accumulation.
 
-A_q e4m3 [M, K] with fp32 A_s [M, ceil(K/128)] (per token per 128 channels, fp8_act_quant.py);
-B_q e4m3 [N, K] with fp32 B_s [ceil(N/128), ceil(K/128)] (the checkpoint's 128x128 weight_scale_inv).
-BLOCK_K is 128, so each K step is one scale block: the fp8 tensor-core product of the step
-(tl.dot on float8e4nv operands, fp32 out) is multiplied by A_s[:, kb] (a column) and B_s[nb, kb]
-(per output column: BLOCK_N <= 128 divides 128, so a column's scale row is offs_n // 128) and
-added to the fp32 accumulator. Partial edge tiles (M, N, K not multiples of the blocks) are masked.
+B_q e4m3 [N, K] with fp32 B_s [ceil(N/128), ceil(K/128)] (the checkpoint's 128x128 weight_scale_inv). The A
+side comes in one of two forms (A_MODE):
+- 1: A_q e4m3 [M, K] with fp32 A_s [M, ceil(K/128)], from fp8_act_quant.py (prefill-sized M: A is quantized
+  once, not once per N tile);
+- 2: A in the compute dtype, quantized per row per 128 channels as the tile is loaded (quant/tiles.py
+  fp8_quant_rows, the same values and scales as the separate kernel): decode-sized M, where the separate
+  launch costs more than re-quantizing a few rows in each of the N tiles.
+BLOCK_K is 128, so each K step is one scale block: the fp8 tensor-core product of the step (tl.dot on
+float8e4nv operands, fp32 out; QGMMA on Hopper when BLOCK_M >= 64) is multiplied by A_s[:, kb] and
+B_s[nb, kb] (per output column: a column's scale row is offs_n // 128) and added to the fp32 accumulator,
+DeepGEMM's promotion of every 128-K partial sum to fp32. Partial edge tiles are masked.
+
+Tiles (`tiles`): at decode sizes the weight stream is the cost, so the M tile is the narrowest the MMA takes
+(16) and N tiles narrow to 32 where 64-wide ones would leave SMs idle; at prefill sizes 128x128 tiles with 8
+warps (two warpgroups, four pipeline stages: 32 KB of A and B per stage). The same shapes as vLLM's tuned
+block-fp8 Triton configs on H100 / H200; `tile=` overrides them for benchmarks/quant_gemm.py's sweep.
 """
 
 from __future__ import annotations
@@ -14,12 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
+from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows
+
 BLOCK_K = 128
+SM_COUNT = 132  # H200 / H100 SXM; only steers the narrow-tile choice
 
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-                     stride_as, stride_bs, HAS_BIAS: tl.constexpr,
+                     stride_as, stride_bs, HAS_BIAS: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -37,50 +51,70 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, str
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of B^T
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of B^T
     as_ptrs = as_ptr + offs_m * stride_as
     bs_ptrs = bs_ptr + (offs_n // 128) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         kmask = offs_k < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if A_MODE == 1:
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            a_s = tl.load(as_ptrs + kb, mask=mmask, other=0.0)
+        else:
+            x = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            a, a_s = fp8_quant_rows(x, ROUND_FIRST)
         b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=mmask, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=nmask, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def _tiles(m: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): small tiles under the interpreter; on the GPU a narrow M tile
-    for decode-sized M (the weight stream is the cost) and 128x128 for prefill."""
+def tiles(m: int, n: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an [m, K] x [n, K]^T product."""
     if not on_gpu:
         return 16, 32, 4, 1
     if m <= 16:
-        return 16, 64, 4, 5
+        return 16, 64 if triton.cdiv(n, 64) >= SM_COUNT else 32, 4, 5
+    if m <= 32:
+        return 32, 64 if triton.cdiv(n, 64) >= SM_COUNT else 32, 4, 4
     if m <= 64:
+        return 64, 64 if triton.cdiv(n, 128) < SM_COUNT else 128, 4, 4
+    if m <= 256:
         return 64, 128, 4, 4
-    return 128, 128, 8, 3
+    return 128, 128, 8, 4
 
 
-def fp8_block_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
-                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, K] x [N, K]^T with both scales applied per 128-wide K block; returns [M, N] in out_dtype."""
-    m, k = a_q.shape
+def fused_act_quant(m: int) -> bool:
+    """Whether an M-row product quantizes A as it loads it (DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M)."""
+    return m <= envs.FP8_FUSED_ACT_QUANT_MAX_M.get()
+
+
+def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b_q: torch.Tensor, b_s: torch.Tensor,
+                   out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """[M, K] x [N, K]^T with both scales applied per 128-wide K block; returns [M, N] in out_dtype.
+
+    a_s given: `a` is e4m3 with those scales (fp8_act_quant.py); a_s None: `a` is in the compute dtype and is
+    quantized inside the GEMM (the same values). tile: (BLOCK_M, BLOCK_N, warps, stages), for sweeps."""
+    m, k = a.shape
     n = b_q.shape[0]
-    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, warps, stages = _tiles(m, a_q.device.type == "cuda")
+    on_gpu = a.device.type == "cuda"
+    bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _fp8_gemm_kernel[grid](a_q, a_s, b_q, b_s, c, bias if bias is not None else c, m, n, k,
-                           a_q.stride(0), b_q.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),
-                           HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8,
+    _fp8_gemm_kernel[grid](a, a_s if a_s is not None else a, b_q, b_s, c, bias if bias is not None else c, m, n, k,
+                           a.stride(0), b_q.stride(0), c.stride(0), a_s.stride(0) if a_s is not None else 0,
+                           b_s.stride(0), HAS_BIAS=bias is not None, A_MODE=1 if a_s is not None else 2,
+                           ROUND_FIRST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8,
                            num_warps=warps, num_stages=stages)
     return c

@@ -1,12 +1,18 @@
-"""int4 weight-only GEMM: y[M, N] = x[M, K] @ W^T with W dequantized in the inner loop, never in memory.
+"""int4 weight-only GEMM: y[M, N] = x[M, K] @ W^T, the weight kept 4-bit in memory.
 
-The weight is held in one layout for AWQ and GPTQ alike (repacked at load, still 4 bits a value):
-qweight int32 [K/8, N] with input row 8i + j in nibble j of word i, zeros and scales fp16 [G, N]
-(the zero offset of GPTQ v1 already added), and g_idx int32 [K], the group of each input row
-(k // 128 for AWQ; the checkpoint's own for GPTQ, so act-order works unchanged). Each program
-loads a [BLOCK_K, BLOCK_N] tile of words (each word serves 8 rows: the repeats hit L1), shifts
-out the nibbles, applies (q - z) * s in fp32, rounds to the activation dtype and feeds tl.dot;
-the DRAM traffic is the 4-bit stream, which is what decode at small M waits on.
+The weight is in the row layout shared with the int4 routed experts (repacked once at load, still 4 bits a
+value): uint8 [N, K/2] with two input channels per byte (low nibble = the even one), uint8 zero points and
+fp16 scales [N, K/G] (GPTQ v1's zero offset already added), and for an act-order GPTQ weight only, g_idx
+int32 [K] (the group of each input channel; contiguous groups need none). W = (q - z) * s.
+
+Two paths, picked from M (a Python int, so fixed per captured CUDA graph):
+- M < DEEPINFER_INT4_DEQUANT_MIN_M (decode): `_int4_gemm_kernel` dequantizes each weight tile in registers
+  (quant/tiles.py int4_tile) and feeds the tensor cores; DRAM carries the 4-bit stream, which is what
+  small-M GEMMs wait on. The dequantization is paid once per (M tile, weight tile), so its cost grows with
+  M / BLOCK_M: the tiles widen with M (16 rows at M <= 16 up to 128).
+- larger M (prefill): `int4_dequantize` writes the dense weight in the compute dtype (one pass: N*K/2 bytes
+  read, N*K*2 written), then cuBLAS multiplies. At M >= 512 the GEMM's own time dwarfs that pass (vLLM's
+  AWQ method makes the same switch at 256 tokens), and cuBLAS beats a dequantizing Triton GEMM there.
 
 UPCAST (the interpreter: bf16 tl.dot is wrong there, NOTES.md): both operands go to fp32 instead.
 """
@@ -17,71 +23,139 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
+from deepinfer.backends.nvidia.quant.tiles import int4_tile
 from deepinfer.errors import BackendError
 
 
 @triton.jit
-def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, stride_xm, stride_cm,
-                      HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, stride_xm, stride_cm, stride_wn,
+                      stride_sn, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                      GIDX: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
+    ACT = x_ptr.dtype.element_ty
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    shifts = ((offs_k % 8) * 4)[:, None]
     for k0 in range(0, K, BLOCK_K):
-        rows = k0 + offs_k
-        words = tl.load(qw_ptr + (rows // 8)[:, None] * N + offs_n[None, :], mask=nmask[None, :], other=0)
-        q = (words >> shifts) & 0xF
-        grp = tl.load(g_ptr + rows)
-        z = tl.load(z_ptr + grp[:, None] * N + offs_n[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + grp[:, None] * N + offs_n[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + rows[None, :], mask=mmask[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        w = tl.trans(int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, 1,
+                               GIDX, GROUP, BLOCK_K, ACT))
         if UPCAST:
-            acc += tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32))
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision=PREC)
         else:
-            acc += tl.dot(a, w.to(a.dtype))
+            acc += tl.dot(a, w, input_precision=PREC)
+        a_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
-def _tiles(m: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); int4_gemm halves BLOCK_K until it divides K (the
-    loads are not masked along K; K is a multiple of the group size, 32 at least)."""
+@triton.jit
+def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride_sn, stride_on,
+                         GIDX: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    nmask = offs_n < N
+    w = int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, 1, GIDX, GROUP, BLOCK_K,
+                  out_ptr.dtype.element_ty)
+    ptrs = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + (k0 + tl.arange(0, BLOCK_K))[None, :]
+    tl.store(ptrs, w, mask=nmask[:, None])
+
+
+SM_COUNT = 132  # H200 / H100 SXM; only steers the narrow-tile choice below (a smaller GPU just gets more waves)
+
+
+def tiles(m: int, n: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the in-register path. Decode-sized M: the narrowest M tile
+    the tensor cores take, and 32-wide N tiles where 64-wide ones would leave SMs idle (q_proj 3072 -> 96
+    programs instead of 48); then wider M tiles, so each dequantized weight tile serves more rows."""
     if not on_gpu:
-        return 16, 32, 32, 4, 1
+        return 16, 32, 4, 1
+    narrow = 64 if triton.cdiv(n, 64) >= SM_COUNT else 32
     if m <= 16:
-        return 16, 64, 128, 4, 4
+        return 16, narrow, 4, 4
+    if m <= 32:
+        return 32, narrow, 4, 4
     if m <= 64:
-        return 64, 64, 64, 4, 4
-    return 128, 128, 64, 8, 3
+        return 64, 64, 4, 3
+    return 128, 128, 8, 3
+
+
+def dequant_min_m() -> int:
+    """M from which the dense int4 linear dequantizes to the compute dtype and runs cuBLAS
+    (DEEPINFER_INT4_DEQUANT_MIN_M; benchmarks/quant_gemm.py times both paths at each M)."""
+    return envs.INT4_DEQUANT_MIN_M.get()
+
+
+def _block_k(group: int, on_gpu: bool) -> int:
+    return min(128 if on_gpu else 32, group)
+
+
+def _check(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+           group: int) -> tuple[int, int]:
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape) \
+            or zeros.stride() != scales.stride() or tuple(scales.shape) != (n, k // group) or k % group:
+        raise BackendError(f"int4_gemm: weight {tuple(qweight.shape)} {qweight.dtype}, zeros {tuple(zeros.shape)} "
+                           f"{zeros.dtype}, scales {tuple(scales.shape)}: not the [N, K/2] / [N, K/{group}] layout")
+    if g_idx is not None and tuple(g_idx.shape) != (k,):
+        raise BackendError(f"int4_gemm: g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
+    return n, k
+
+
+def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                    group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`: (q - z) * s in fp32, rounded once (the reference's values)."""
+    n, k = _check(qweight, zeros, scales, g_idx, group)
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    on_gpu = qweight.device.type == "cuda"
+    bk = _block_k(group, on_gpu)
+    bn = 64 if on_gpu else 16
+    _int4_dequant_kernel[(triton.cdiv(n, bn), k // bk)](
+        qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, qweight.stride(0),
+        scales.stride(0), out.stride(0), GIDX=g_idx is not None, GROUP=group, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4)
+    return out
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-              g_idx: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring)."""
-    m, k = x.shape
-    n = qweight.shape[1]
+              g_idx: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
+              tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None) -> torch.Tensor:
+    """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring).
+    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant (force a path): for the benchmark's sweeps."""
+    m, k_x = x.shape
+    n, k = _check(qweight, zeros, scales, g_idx, group)
+    if k_x != k:
+        raise BackendError(f"int4_gemm: x has {k_x} input features, the weight {k}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    on_gpu = x.device.type == "cuda"
+    if dequant if dequant is not None else (on_gpu and m >= dequant_min_m()):
+        w = int4_dequantize(qweight, zeros, scales, g_idx, group, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return c
-    on_gpu = x.device.type == "cuda"
-    bm, bn, bk, warps, stages = _tiles(m, on_gpu)
-    while k % bk:
-        bk //= 2
-    if bk < 8:
-        raise BackendError(f"int4_gemm: in_features {k} is not a multiple of 8")
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _int4_gemm_kernel[grid](x, qweight, zeros, scales, g_idx, c, bias if bias is not None else c, m, n, k,
-                            x.stride(0), c.stride(0), HAS_BIAS=bias is not None, UPCAST=not on_gpu,
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _int4_gemm_kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, c,
+                            bias if bias is not None else c, m, n, k, x.stride(0), c.stride(0), qweight.stride(0),
+                            scales.stride(0), HAS_BIAS=bias is not None, UPCAST=not on_gpu,
+                            PREC="ieee" if x.dtype == torch.float32 else None, GIDX=g_idx is not None, GROUP=group,
+                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_block_k(group, on_gpu), GROUP_M=8,
+                            num_warps=warps, num_stages=stages)
     return c

@@ -1,10 +1,11 @@
 """The nvidia backend's quantized linear methods: weights stay quantized in memory, the kernels dequantize.
 
 - `TritonFp8W8A8Linear` ("fp8_w8a8"): e4m3 weight + fp32 128x128 scales kept as loaded (a dense weight
-  is quantized online first); each call quantizes x per token per 128 channels (fp8_act_quant.py)
-  and runs the block-scaled fp8 GEMM (fp8_gemm.py).
+  is quantized online first); each call quantizes x per token per 128 channels (fp8_act_quant.py, or
+  inside the GEMM at decode-sized M) and runs the block-scaled fp8 GEMM (fp8_gemm.py).
 - `TritonInt4Linear` ("int4_awq" / "int4_gptq"): the checkpoint's packed int4 repacked once into the
-  kernel's layout (int4_gemm.py), dequantized in the GEMM's inner loop.
+  kernel's layout (int4_gemm.py), dequantized in the GEMM's inner loop (decode) or dequantized to the
+  compute dtype for cuBLAS (prefill-sized M).
 
 `dense_weight` (for ops that fold a weight, e.g. MLA's absorbed kv_b_proj) dequantizes on demand.
 """
@@ -57,10 +58,11 @@ class TritonFp8W8A8Linear(LinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
-        from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm
+        from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm, fused_act_quant
 
         x2 = _flat(x)
-        xq, xs = quantize_act_fp8(x2)
+        # decode-sized M: one launch, the GEMM quantizes x as it loads it (the same values as the separate kernel)
+        xq, xs = (x2, None) if fused_act_quant(x2.shape[0]) else quantize_act_fp8(x2)
         y = fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, getattr(layer, "bias", None))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -69,7 +71,9 @@ class TritonFp8W8A8Linear(LinearMethod):
 
 
 class TritonInt4Linear(LinearMethod):
-    """int4 weight-only for AWQ and GPTQ; `method` picks which packing process_weights expects."""
+    """int4 weight-only for AWQ and GPTQ; `method` picks which packing process_weights expects. Both are repacked
+    once into int4_gemm.py's row layout (the routed experts' layout): uint8 [N, K/2], zeros / scales [N, K/G],
+    and g_idx only for an act-order GPTQ weight."""
 
     def __init__(self, method: str):
         self.method = method
@@ -80,15 +84,16 @@ class TritonInt4Linear(LinearMethod):
         if not isinstance(w, Int4Weight) or w.method != self.method:
             raise ModelLoadError(f"the {self.scheme} linear method needs the layer's packed {self.method} tensors "
                                  f"(layer.int4), got {getattr(w, 'method', type(w).__name__)}")
-        q, z, s = int4_values(w)  # q [K, N] in 0..15, zeros with the offset applied, scales
-        k, n = q.shape
-        shifts = (torch.arange(8, device=q.device, dtype=torch.int32) * 4)
-        packed = (q.view(k // 8, 8, n) << shifts[None, :, None]).sum(dim=1, dtype=torch.int64)
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the words as int32 bits
-        _set(layer, "qweight_kn", packed)
-        _set(layer, "zeros_gn", z.to(torch.float16))
-        _set(layer, "scales_gn", w.scales.to(torch.float16))
-        _set(layer, "g_idx_k", w.groups_of_rows())
+        q, z, _ = int4_values(w)  # q [K, N] in 0..15, zeros [K/G, N] with the offset applied
+        k = q.shape[0]
+        qt = q.t().to(torch.uint8)
+        _set(layer, "qweight_nk", qt[:, 0::2] | (qt[:, 1::2] << 4))  # two channels a byte, the even one low
+        _set(layer, "zeros_ng", z.t().round().to(torch.uint8))
+        _set(layer, "scales_ng", w.scales.t())  # as stored (fp16 in AWQ / GPTQ): read in fp32 by the kernel
+        g = w.groups_of_rows()
+        trivial = torch.equal(g.long(), torch.arange(k, device=g.device) // w.group_size)
+        _set(layer, "g_idx_k", None if trivial else g.to(torch.int32))  # act-order only
+        layer.int4_group = w.group_size
         layer.int4 = None
         layer.weight = None
         bias = getattr(layer, "bias", None)
@@ -99,15 +104,15 @@ class TritonInt4Linear(LinearMethod):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         from deepinfer.backends.nvidia.quant.int4_gemm import int4_gemm
 
-        y = int4_gemm(_flat(x), layer.qweight_kn, layer.zeros_gn, layer.scales_gn, layer.g_idx_k,
+        y = int4_gemm(_flat(x), layer.qweight_nk, layer.zeros_ng, layer.scales_ng, layer.g_idx_k, layer.int4_group,
                       getattr(layer, "bias", None))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """[out, in] from the kernel layout: the same (q - z) * s as the reference, in fp32, then rounded."""
-        words = layer.qweight_kn
-        shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
-        q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, words.shape[1]).float()
-        g = layer.g_idx_k.long()
-        w = (q - layer.zeros_gn.float()[g]) * layer.scales_gn.float()[g]
-        return w.t().contiguous().to(layer.compute_dtype)
+        b = layer.qweight_nk
+        q = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1).float()
+        k = q.shape[1]
+        g = layer.g_idx_k.long() if layer.g_idx_k is not None else torch.arange(k, device=b.device) // layer.int4_group
+        w = (q - layer.zeros_ng.float()[:, g]) * layer.scales_ng.float()[:, g]
+        return w.to(layer.compute_dtype)

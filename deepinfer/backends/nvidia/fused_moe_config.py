@@ -1,0 +1,129 @@
+"""Launch configuration of the MoE grouped GEMMs (fused_moe_gemm.py): tiles per schedule and weight scheme, and
+the per-scheme arguments (scales, zero points, the logical K) the kernels take.
+
+Weight schemes (QuantizedExperts, backend/layer_ops.py) map to the kernels' QUANT code: 0 dense, 1 fp8 128x128
+blocks, 2 fp4 e2m1 per-32, 3 int4 (AWQ / GPTQ, one layout). "fp8_w8a8" is QUANT 1 with fp8 activations: the
+kernels then run the fp8 tensor cores on (activation, weight) e4m3 tiles, one 128-wide K block per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer import envs
+from deepinfer.errors import BackendError
+
+QUANT_CODES = {None: 0, "fp8_block": 1, "fp8_w8a8": 1, "fp4": 2, "int4_awq": 3, "int4_gptq": 3}
+PACKED = (2, 3)  # two 4-bit values per byte along K
+FP8_ACT = ("fp8_w8a8",)  # schemes whose activations are quantized to e4m3 per token per 128 channels
+
+
+def interpreting() -> bool:
+    return envs.TRITON_INTERPRET.get() == "1"
+
+
+def _tile_env(name: str) -> dict | None:
+    """DEEPINFER_MOE_TILE / DEEPINFER_MOE_DIRECT_TILE (`name`), parsed; None when unset."""
+    env = envs.BY_NAME[name].get()
+    if not env:
+        return None
+    try:
+        bn, bk, warps, stages = (int(v) for v in env.split(","))
+    except ValueError:
+        raise BackendError(f"{name} must be 'BLOCK_N,BLOCK_K,num_warps,num_stages', got {env!r}") from None
+    return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+
+def _fit_scheme(cfg: dict, scheme: str | None, group_size: int) -> dict:
+    """A K tile never straddles a scale block: fp8 blocks are 128 wide (W8A8 runs exactly one per step), int4
+    groups group_size (the tile then has one zero point and scale per row)."""
+    if scheme in FP8_ACT:
+        return dict(cfg, block_k=128)
+    if scheme == "fp8_block":
+        return dict(cfg, block_k=min(cfg["block_k"], 128))
+    if QUANT_CODES.get(scheme) == 3:
+        return dict(cfg, block_k=min(cfg["block_k"], group_size))
+    return cfg
+
+
+def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, group_size: int = 128) -> dict:
+    """Aligned tile per BLOCK_M; DEEPINFER_MOE_TILE="BN,BK,warps,stages" overrides it (for tuning runs).
+
+    DUAL programs read two BN-row weight slices, so they take BN/2: the same
+    weight bytes per program (and shared memory) as the tuned single tile. Under fp8 activations the
+    gate_up program keeps BN = 128 per half: its epilogue quantizes the SiLU-and-mul output per token per
+    128 channels, one channel group per program, so the down GEMM reads e4m3 (half the bytes) and needs no
+    quantization pass. 8 warps: with 4, the gate_up program spills at BLOCK_M 32 and 64 (sm_90 compile of
+    Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack), and the
+    down program needs 241 registers at BLOCK_M 64 (160 with 8). BLOCK_M 64 runs QGMMA (fp8 wgmma); below
+    64 Triton converts the e4m3 tiles to fp16 for mma.sync (HMMA), which the memory-bound decode sizes hide.
+    """
+    if interpreting():
+        cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
+        if scheme in FP8_ACT:
+            cfg = {"block_n": 128 if dual else 32, "block_k": 128, "num_warps": 4, "num_stages": 1}
+        return _fit_scheme(cfg, scheme, group_size)
+    cfg = _tile_env("DEEPINFER_MOE_TILE")
+    if scheme in FP8_ACT:
+        if cfg is None:
+            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4}
+        if dual:
+            cfg = dict(cfg, block_n=128)
+        return _fit_scheme(cfg, scheme, group_size)
+    if cfg is None:
+        if block_m <= 32:  # decode: H200 sweep (docs/perf-log/2026-11-29-first-h200-baseline.md): all tiles within ~10%, this one best at 1 token
+            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
+        else:
+            cfg = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    if dual:
+        cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
+    return _fit_scheme(cfg, scheme, group_size)
+
+
+def direct_config(dual: bool, scheme: str | None = None, group_size: int = 128) -> dict:
+    """Direct-mode tile; DEEPINFER_MOE_DIRECT_TILE="BN,BK,warps,stages" overrides it (BN counts both halves
+    of a DUAL program: 128 = 64 gate + 64 up rows)."""
+    if interpreting():
+        cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
+        if scheme in FP8_ACT:
+            cfg = dict(cfg, block_k=128)
+        return _fit_scheme(cfg, scheme, group_size)
+    cfg = _tile_env("DEEPINFER_MOE_DIRECT_TILE") or {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+    if dual:
+        cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
+    return _fit_scheme(cfg, scheme, group_size)
+
+
+def quant_args(w: torch.Tensor, scale: torch.Tensor | None, scheme: str | None, dual: bool, n_out: int,
+               zeros: torch.Tensor | None = None):
+    """(K, scale tensor, zeros tensor, uq_off, (stride_qe, stride_qn, stride_qk), QUANT, E8M0) for a weight of
+    `scheme`: the logical K (fp4 / int4 pack two per byte), and the up projection's scale offset (fp8: the gate
+    grid's rows, fp4 / int4: I rows) for a DUAL weight. int4's zeros are laid out as its scales (same offsets)."""
+    if scheme not in QUANT_CODES:
+        raise BackendError(f"MoE grouped GEMM: weight scheme {scheme!r} (known: "
+                           f"{', '.join(s for s in QUANT_CODES if s)})")
+    if scheme is None:
+        return w.shape[2], w, w, 0, (0, 0, 0), 0, False
+    if scale is None or scale.dim() != 3 or scale.shape[0] != w.shape[0]:
+        raise BackendError(f"MoE grouped GEMM: {scheme} weights need a [E, rows, cols] scale")
+    code = QUANT_CODES[scheme]
+    if code == 3:
+        if zeros is None or zeros.shape != scale.shape or zeros.stride() != scale.stride() or zeros.dtype != torch.uint8:
+            raise BackendError(f"MoE grouped GEMM: {scheme} weights need uint8 zeros of the scale's shape and strides")
+    else:
+        zeros = scale  # never read
+    k = w.shape[2] * (2 if code in PACKED else 1)
+    uq = 0
+    if dual:
+        uq = (scale.shape[1] // 2 if code == 1 else n_out) * scale.stride(1)
+    return (k, scale, zeros, uq, (scale.stride(0), scale.stride(1), scale.stride(2)), code,
+            scale.dtype == torch.uint8)
+
+
+def prec(dtype: torch.dtype):
+    return "ieee" if dtype == torch.float32 else None  # fp32 tl.dot defaults to TF32 on the GPU
+
+
+def block_p(num_pairs: int) -> int:
+    return triton.next_power_of_2(num_pairs)

@@ -1,0 +1,26 @@
+"""benchmarks/quant_gemm.py's code paths run on the CPU (--dry-run: tiny shapes, Triton interpreter, no timing):
+the GPU call that times them should not be the first place a typo shows up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quant_gemm_dry_run_prints_its_tables():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.quant_gemm", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "dry run (CPU, interpreter)" in out and "routed experts (4 x [2x128, 128], top-2)" in out
+    for shape, m in (("q_proj", 1), ("q_proj", 70), ("dense_down", 70)):
+        assert any(line.split()[:2] == [shape, str(m)] for line in out.splitlines()), out
+    assert sum(line.split()[:1] in (["1"], ["40"]) for line in out.splitlines()) == 2, out  # both MoE rows
