@@ -51,6 +51,11 @@ def _measure(args, invariant: bool, batches: list[int], vocab: int) -> list[dict
         r.update(batch_invariant=invariant)
         print(json.dumps(r), flush=True)
         rows.append(r)
+    if args.kernel_profile and torch.cuda.is_available():  # after the timings, on the same engine
+        from benchmarks.profile_step import print_kernel_profiles
+
+        print_kernel_profiles(engine, [int(b) for b in args.kernel_profile.split(",")], args.prompt_len, vocab,
+                              f"batch_invariant={invariant}")
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -71,6 +76,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["off", "on"], default=None, help="measure one setting only")
+    p.add_argument("--kernel-profile", default="", help="after the timings, torch.profiler tables of a few decode "
+                   "steps at these batch sizes (comma list) on each engine (benchmarks/profile_step.py)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -137,6 +137,24 @@ def profile_batch(engine, batch: int, prompt_len: int, vocab: int, steps: int, t
     return out
 
 
+def print_kernel_profiles(engine, batches: list[int], prompt_len: int, vocab: int, label: str,
+                          steps: int = 4, top: int = 15) -> list[dict]:
+    """profile_batch for each of `batches` on an engine a benchmark already built (no second start-up), printing
+    wall / device-busy per step and the top kernels; returns the rows (benchmarks' --kernel-profile)."""
+    rows = []
+    for b in batches:
+        r = profile_batch(engine, b, prompt_len, vocab, steps, None)
+        r["label"] = label
+        rows.append(r)
+        print(f"\n## kernel profile, {label}, batch {b}: wall {r['wall_ms_median']:.2f} ms/step, device busy "
+              f"{r['gpu_busy_ms']:.2f} ms, kernel sum {r['kernel_sum_ms']:.2f} ms, {r['launches_per_step']:.0f} "
+              f"launches/step" + (f", graph span {r['graph_span_ms']:.2f} ms" if "graph_span_ms" in r else ""),
+              flush=True)
+        for name, us, n in r["top"][:top]:
+            print(f"  {us / 1e3:8.3f} ms {n:7.2f}x/step  {name}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")

@@ -222,6 +222,8 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="EngineConfig.quantization (e.g. fp8: W8A8 online on a bf16 "
                    "checkpoint; issue 18's speed rows)")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, fp8)")
+    p.add_argument("--kernel-profile", default="", help="after the timings, torch.profiler tables of a few decode "
+                   "steps at these batch sizes (comma list) on this engine (benchmarks/profile_step.py)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
                    help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
@@ -278,6 +280,11 @@ def main() -> None:
         r.update(bench="throughput", cuda_graphs=graphs)
         rows.append(r)
         print(json.dumps(r), flush=True)
+    if args.kernel_profile and torch.cuda.is_available():  # after the timings, on the same engine
+        from benchmarks.profile_step import print_kernel_profiles
+
+        print_kernel_profiles(engine, [int(b) for b in args.kernel_profile.split(",")], args.prompt_len,
+                              int(cfg["vocab_size"]), f"quantization={args.quantization}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             for r in [meta, *([prefill] if prefill else []), *rows]:
