@@ -51,7 +51,7 @@ fi
 T_PID=""; C_PID=""
 if has tests; then
   log "pytest tests/nvidia + the async-scheduling GPU test on the GPU"
-  ( timeout 300 python3 -m pytest ${TEST_PATHS:-tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py} -q -p no:cacheprovider \
+  ( timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests/nvidia tests/engine/test_engine_async_scheduling_gpu.py} -q -p no:cacheprovider \
       > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
   T_PID=$!
 fi
@@ -143,7 +143,7 @@ if has inv; then  # issue 14: INV_PARTS (comma list) of tests,bench,profile,swee
   if inv_has bench; then
     log "issue 14: batch invariance on vs off"
     timeout "${INV_TIMEOUT:-420}" python3 -m benchmarks.batch_invariance "$CKPT" --batch-sizes "${INV_BATCHES:-1,64,256}" \
-      --prompt-len "${INV_PROMPT:-512}" --output-len "${INV_OUTLEN:-64}" --prefill-prompts "${INV_PREFILL:-16}" \
+      --prompt-len "${INV_PROMPT:-512}" --output-len "${INV_OUTLEN:-64}" --prefill-prompts "${INV_PREFILL:-16}" ${INV_ARGS:-} \
       --json-out "$OUT/batch_invariance.jsonl" > "$OUT/batch_invariance.log" 2>&1
     log "batch_invariance rc=$?"; grep -v '^{' "$OUT/batch_invariance.log" | tail -20 | tee -a "$OUT/summary.txt"
   fi
@@ -185,7 +185,7 @@ if has int4ckpt; then
   INT4_CKPT="${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"
   if [ ! -f "$INT4_CKPT/config.json" ]; then
     log "issue 18: AWQ int4 copy of $CKPT (group ${INT4_GROUP:-128}) -> $INT4_CKPT"
-    timeout 540 python3 -m deepinfer.checkpoints.awq_writer "$CKPT" "$INT4_CKPT" --method awq \
+    timeout "${INT4CKPT_TIMEOUT:-540}" python3 -m deepinfer.checkpoints.awq_writer "$CKPT" "$INT4_CKPT" --method awq \
       --group-size "${INT4_GROUP:-128}" --device cuda > "$OUT/awq_writer.log" 2>&1
     log "awq_writer rc=$? :: $(tail -1 "$OUT/awq_writer.log")"
   fi
