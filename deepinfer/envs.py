@@ -190,6 +190,13 @@ DECODE_ROWS_MAX_TOKENS = EnvVar(
     "(worker/decode_rows.py); `0`: such steps run eagerly",
     "engine", minimum=0, maximum=1024,
 )
+SPEC_ONE_SYNC = EnvVar(
+    "DEEPINFER_SPEC_ONE_SYNC", "bool", True,
+    "`0`: speculative steps verify on the host and read the device back twice (the draw, then the drafts); `1`: "
+    "where the MTP drafter replays graphs, a step of decodes and verify rows verifies, runs the MTP pass and the "
+    "chain on the device and reads back once (spec/one_sync.py); the output is the same either way",
+    "engine",
+)
 
 # ---------------------------------------------------------------- server
 

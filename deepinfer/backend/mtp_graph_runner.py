@@ -23,6 +23,10 @@ step, `stage`; its padded rows are inert, see below):
   then the head; it advances the chain in place (state, draft, a device-side link counter), so the k - 1 links
   of a step are k - 1 replays of one graph with no host work between them. Drafts and confidences land in
   [B, k] static buffers, read back once per step by the caller.
+- chain[B] (k > 1): the head and the k - 1 links captured into ONE graph, so a full chain (what static k drafts
+  every step) is one replay instead of k; the link's device-side counter makes the k - 1 captured link launches
+  advance one position each, as k - 1 replays of link[B] do. Shorter chains (the confidence scheduler's) replay
+  head[B] and link[B] as before.
 Block tables and KV slots are computed inside the graphs from the engine's device mirror of the KV manager's
 tables (the batch builder's `mirror`, whose tensors never move) and the staged positions, so nothing per token is
 built on the host. A row is padding when its sequence row is -1: sequence length 0 (reads nothing), KV slot -1
@@ -35,8 +39,9 @@ catch-up), and chain links under a grammar mask (host work between links: the ma
 Models with per-sequence state (V4) get no runner (a padded row would write into a real row), as for decode.
 
 Memory: one pool shared by these graphs (the largest pass bucket's activations of one decoder layer, and the head's
-[B, vocab] fp32 logits and probabilities at the largest chain bucket), plus static buffers: hidden states and
-states of T_max + 2 * B_max rows and 4 * (T_max + B_max) int64.
+[B, vocab] fp32 logits and probabilities at the largest chain bucket; a chain graph's k links reuse the pool, their
+intermediates are freed within the capture as in eager mode), plus static buffers: hidden states and states of
+T_max + 2 * B_max rows and 6 * T_max + 8 * B_max int64.
 """
 
 from __future__ import annotations
@@ -57,8 +62,14 @@ log = logging.getLogger(__name__)
 # the staged int64 segments, in buffer order: pass rows (T_max each), then chain rows (B_max each)
 PASS_FIELDS = ("p_src", "p_ids", "p_pos", "p_row")
 CHAIN_FIELDS = ("c_src", "c_row", "c_pos", "c_len")
+# optional segments the graphs never read: the one-sync speculative step (spec/one_sync.py) stages with them what
+# it needs to derive the pass and chain inputs on the device from the verification (a pass row's sequence and
+# index in it; a drafting sequence's first verify row, drafts verified, context length, KV room), in the same copy
+PASS_EXTRA = ("f_seq", "f_j")
+CHAIN_EXTRA = ("f_start", "f_dlen", "f_ctx", "f_room")
 # what a padded row of each segment holds: inert (row -1: no read, no write; chain length 0)
-PAD = {"p_src": 0, "p_ids": 0, "p_pos": 0, "p_row": -1, "c_src": 0, "c_row": -1, "c_pos": 0, "c_len": 0}
+PAD = {"p_src": 0, "p_ids": 0, "p_pos": 0, "p_row": -1, "c_src": 0, "c_row": -1, "c_pos": 0, "c_len": 0,
+       "f_seq": 0, "f_j": 0, "f_start": 0, "f_dlen": 0, "f_ctx": 0, "f_room": 0}
 
 
 def mtp_draft_logits(model, state: torch.Tensor) -> torch.Tensor:
@@ -81,7 +92,7 @@ class MTPStatic:
     t_max: int
     b_max: int
     k: int
-    ints: torch.Tensor  # [4 * t_max + 4 * b_max] int64, on the device: the staged segments
+    ints: torch.Tensor  # [6 * t_max + 8 * b_max] int64, on the device: the staged segments
     host: torch.Tensor  # the same layout on the host (pinned on accelerators): one copy per step
     p_hidden: torch.Tensor  # [t_max, D] the pass's input hidden states
     p_out: torch.Tensor  # [t_max, D] the pass's output states
@@ -103,9 +114,9 @@ class MTPStatic:
     def allocate(cls, t_max: int, b_max: int, k: int, hidden: int, dtype: torch.dtype,
                  device: torch.device) -> MTPStatic:
         offsets, o = {}, 0
-        for name in PASS_FIELDS:
+        for name in PASS_FIELDS + PASS_EXTRA:
             offsets[name], o = o, o + t_max
-        for name in CHAIN_FIELDS:
+        for name in CHAIN_FIELDS + CHAIN_EXTRA:
             offsets[name], o = o, o + b_max
         host = torch.empty(o, dtype=torch.int64, pin_memory=device.type != "cpu")
         st = cls(t_max=t_max, b_max=b_max, k=k, ints=torch.empty(o, dtype=torch.int64, device=device), host=host,
@@ -125,7 +136,7 @@ class MTPStatic:
         return st
 
     def size(self, name: str) -> int:
-        return self.t_max if name in PASS_FIELDS else self.b_max
+        return self.t_max if name in PASS_FIELDS or name in PASS_EXTRA else self.b_max
 
     def seg(self, name: str) -> torch.Tensor:
         o = self.offsets[name]
@@ -156,10 +167,12 @@ class MTPGraphRunner:
     pass_graphs: dict[int, object] = field(default_factory=dict)
     head_graphs: dict[int, object] = field(default_factory=dict)
     link_graphs: dict[int, object] = field(default_factory=dict)
+    chain_graphs: dict[int, object] = field(default_factory=dict)  # head + k - 1 links in one graph (k > 1)
     _event: object = None  # recorded after the last staging copy (the host buffer is rewritten after it)
     num_pass_replays: int = 0
     num_head_replays: int = 0
     num_link_replays: int = 0
+    num_chain_replays: int = 0  # full chains replayed as one graph (each also counts one head and k - 1 links)
 
     @classmethod
     def capture(cls, api: DecodeGraphRunner, model, caches, tables: dict[str, torch.Tensor],
@@ -234,6 +247,13 @@ class MTPGraphRunner:
         st.link.add_(1)
         return st.out_ids[:b]
 
+    def _chain(self, b: int) -> torch.Tensor:
+        """The head and k - 1 links, as their own graphs would run them one replay after another."""
+        self._head(b)
+        for _ in range(self.k - 1):
+            self._link(b)
+        return self.static.out_ids[:b]
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = self.api.new_pool()
@@ -242,9 +262,11 @@ class MTPGraphRunner:
         for b in sorted(self.chain_buckets, reverse=True):
             self.head_graphs[b], _ = self.api.capture_one(lambda b=b: self._head(b), pool)
             self.link_graphs[b], _ = self.api.capture_one(lambda b=b: self._link(b), pool)
+            if self.k > 1:
+                self.chain_graphs[b], _ = self.api.capture_one(lambda b=b: self._chain(b), pool)
         self.api.finish_capture()
         self.static.link.fill_(1)
-        log.info("captured MTP graphs: pass for %s rows, head and link for %s drafting sequences",
+        log.info("captured MTP graphs: pass for %s rows, head, link and full chain for %s drafting sequences",
                  self.pass_buckets, self.chain_buckets)
 
     # ------------------------------------------------------------ replay
@@ -261,14 +283,15 @@ class MTPGraphRunner:
 
     def stage(self, values: dict[str, list[int]], pass_bucket: int | None, chain_bucket: int | None) -> None:
         """Write the step's rows (segment name -> values; PASS_FIELDS when the pass replays, CHAIN_FIELDS when the
-        chain does) and pad each segment up to its bucket with inert rows; then one copy to the device."""
+        chain does, and any of PASS_EXTRA / CHAIN_EXTRA given) and pad each segment up to its bucket with inert rows;
+        then one copy to the device."""
         if self._event is not None:
             self._event.synchronize()  # the last step's copy has read the host buffer (long done, in practice)
         st = self.static
-        for names, bucket in ((PASS_FIELDS, pass_bucket), (CHAIN_FIELDS, chain_bucket)):
+        for names, extra, bucket in ((PASS_FIELDS, PASS_EXTRA, pass_bucket), (CHAIN_FIELDS, CHAIN_EXTRA, chain_bucket)):
             if bucket is None:
                 continue
-            for name in names:
+            for name in names + tuple(n for n in extra if n in values):
                 data = values[name]
                 o, n = st.offsets[name], len(data)
                 if n > bucket:
@@ -290,11 +313,17 @@ class MTPGraphRunner:
 
     def run_chain(self, states: torch.Tensor, seqs: int, bucket: int, links: int) -> tuple[torch.Tensor,
                                                                                             torch.Tensor]:
-        """The staged chain: draft 1 from the rows c_src of `states`, then links - 1 further links. Returns the
-        device buffers (ids [seqs, k] int64, confidences [seqs, k] fp32); columns >= a row's chain length hold
-        nothing of it."""
+        """The staged chain: draft 1 from the rows c_src of `states`, then links - 1 further links (links = k: the
+        chain graph, one replay). Returns the device buffers (ids [seqs, k] int64, confidences [seqs, k] fp32);
+        columns >= a row's chain length hold nothing of it."""
         st = self.static
         torch.index_select(states, 0, st.seg("c_src")[:bucket], out=st.c_state[:bucket])
+        if links == self.k and bucket in self.chain_graphs:
+            self.api.replay(self.chain_graphs[bucket])
+            self.num_chain_replays += 1
+            self.num_head_replays += 1
+            self.num_link_replays += links - 1
+            return st.out_ids[:seqs], st.out_conf[:seqs]
         self.api.replay(self.head_graphs[bucket])
         self.num_head_replays += 1
         for _ in range(links - 1):

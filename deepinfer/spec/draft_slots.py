@@ -79,8 +79,8 @@ def length_cap(seq: Sequence, max_model_len: int) -> int:
     return max(cap, 0)
 
 
-def _extend(kv: KVCacheManager, seq: Sequence, n: int) -> bool:
-    """Cover the sequence's next n tokens without preempting anyone."""
+def cover_tokens(kv: KVCacheManager, seq: Sequence, n: int) -> bool:
+    """Cover the sequence's next n tokens (past its num_computed_tokens) without preempting anyone."""
     if kv.try_extend(seq, n):
         return True
     if kv.can_allocate(seq, n):
@@ -296,7 +296,7 @@ def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager,
     left = budget - used
     for (index, item, held, _), k in zip(cands, counts):
         k = min(k, max(left, 0))
-        while k > 0 and not _extend(kv, item.seq, 1 + k):
+        while k > 0 and not cover_tokens(kv, item.seq, 1 + k):
             k -= 1
         if k > 0:
             item.draft = held.tokens[:k]

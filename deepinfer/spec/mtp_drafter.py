@@ -80,6 +80,7 @@ class MTPDrafter:
         self.num_eager_passes = 0
         self.num_graph_chains = 0  # steps whose chains replayed (all their drafting sequences but masked ones)
         self.num_eager_chain_seqs = 0  # drafting sequences whose chain ran eagerly (no graphs, or a grammar mask)
+        self.num_host_reads = 0  # waits for the device: the drafts read back (once per chain, or per masked link)
 
     def replays(self, rows: int, seqs: int) -> bool:
         """Whether a drafting step of `rows` pass rows and `seqs` drafting sequences replays graphs throughout."""
@@ -185,6 +186,7 @@ class MTPDrafter:
             if links > 0:
                 ids, conf = g.run_chain(state, b, cb, links)
                 ids_h, conf_h = ids[:, :links].tolist(), conf[:, :links].tolist()  # the step's one read-back
+                self.num_host_reads += 1
                 for j, n in enumerate(chain_lens):
                     if j not in masked:
                         tokens[j], confs[j] = ids_h[j][:n], conf_h[j][:n]
@@ -218,6 +220,7 @@ class MTPDrafter:
                 logits = mask(live, tokens, logits)
             ids, conf = argmax_confidence(logits)
             if mask is not None:
+                self.num_host_reads += 1
                 for j, tok, c in zip(live, ids.tolist(), conf.tolist()):
                     tokens[j].append(tok)
                     confs[j].append(c)
@@ -230,6 +233,7 @@ class MTPDrafter:
                 state, ids = state.index_select(0, sel), ids.index_select(0, sel)
             live = [live[i] for i in keep]
         if outs:
+            self.num_host_reads += 1
             flat_ids = torch.cat([o[1] for o in outs]).tolist()
             flat_conf = torch.cat([o[2] for o in outs]).tolist()
             r = 0

@@ -51,19 +51,20 @@ import time
 
 import torch
 
+from deepinfer import envs
 from deepinfer.errors import DeepInferError
 from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
-from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots
+from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots, cover_tokens
 from deepinfer.spec.grammar_drafts import DraftGrammarMask, verify_masks
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
 from deepinfer.spec.ngram import NgramDrafter
-from deepinfer.spec.rejection import greedy_verify
+from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
 from deepinfer.spec.verify_batch import decode_shaped, decode_shaped_if_graphed
-from deepinfer.spec.verify_sampling import sample_isolated, verified_rows
+from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
 from deepinfer.worker.transfer import tensor_to
@@ -99,6 +100,16 @@ class SpecStepPipeline:
         self.decode_rows_eager = False  # eager verify steps as decode rows too (spec/setup.py: the cpu backend)
         self.num_decode_row_eager_steps = 0  # eager verify steps run as decode rows
         self.paused_rows = PausedRows()  # decode rows of adaptive pauses, for the MTP-KV catch-up
+        # verification, the MTP pass and the chain on the device with one read-back per step (spec/one_sync.py), where
+        # the drafter replays graphs and DEEPINFER_SPEC_ONE_SYNC is on; None: every step takes the host path
+        graphs = drafter.graphs if isinstance(drafter, MTPDrafter) else None
+        self.one_sync = OneSyncStep(graphs, runner.device) if graphs is not None and envs.SPEC_ONE_SYNC.get() else None
+        self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
+
+    def host_reads(self) -> int:
+        """Waits for the device so far: the host path's draws and drafts, and the one-sync steps' read-backs."""
+        drafter = getattr(self.drafter, "num_host_reads", 0)
+        return self.num_host_reads + drafter + (self.one_sync.num_host_reads if self.one_sync is not None else 0)
 
     def has_pending(self) -> bool:
         return False
@@ -133,7 +144,11 @@ class SpecStepPipeline:
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
         self._failed = {}
         self._drafted = (0, 0)
-        emitted, logprobs = self._launch(sched, conf)
+        plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
+        if self.one_sync is not None and not self.policy.adaptive and not len(self.paused_rows):
+            plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self.policy.chain_length(),
+                                         self.scheduler.kv.max_model_len)
+        emitted, logprobs = self._launch(sched, conf, plan)
         got = self._process(sched, emitted, logprobs)
         if all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):  # decode rows only: what the tables price
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
@@ -151,7 +166,7 @@ class SpecStepPipeline:
     # ------------------------------------------------------------ device work
 
     @torch.inference_mode()
-    def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]]):
+    def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]], plan: OneSyncPlan | None = None):
         runner = self.runner
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
@@ -200,47 +215,51 @@ class SpecStepPipeline:
             sample, sampling, failed = sample_isolated(runner.sampler, logits, verified_rows(items, sampling), items,
                                                        sampling, grammar)
             self._failed.update(failed)
+        if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
+            t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)
+            res = self.one_sync.finish(plan, sample, batch.input_ids, hidden)
+            self._emit(items, sampling, res.out, res.num_accepted, res.emitted, conf, emitted, logprobs, plan.k)
+            self._advance(sched, emitted)
+            self._book_one_sync(sched, res)
+            self._time_drafting(time.perf_counter() - t0)
+            return emitted, logprobs
         if sample is not None:
             out = sample.output([t.cpu() for t in sample.tensors])
-            k = max(len(items[i].draft) for i in sampling)
-            if k == 0:  # no drafts this step (adaptive pause, first steps): one token each, nothing to verify
-                for b, i in enumerate(sampling):
-                    emitted[i] = [out.token_ids[b]]
-                    logprobs[i] = None if out.logprobs[b] is None else [out.logprobs[b]]
-                n_dec = sum(1 for i in sampling if items[i].num_tokens == 1)  # decodes, as _observe counts
-                if n_dec:
-                    zeros = torch.zeros(n_dec, dtype=torch.int64)
-                    self.metrics.record(zeros, zeros, 0)
-                self._advance(sched, emitted)
-                self._draft_next(sched, hidden, emitted, batch)
-                return emitted, logprobs
-            target_rows, draft_rows, lens_list = [], [], []
-            r = 0
-            for i in sampling:  # padded host lists, then one tensor each (not two small tensors per sequence)
-                d = items[i].draft
-                pad = [0] * (k - len(d))
-                target_rows.append(out.token_ids[r : r + len(d) + 1] + pad)
-                draft_rows.append(list(d) + pad)
-                lens_list.append(len(d))
-                r += len(d) + 1
-            target = torch.tensor(target_rows, dtype=torch.int64)
-            drafts = torch.tensor(draft_rows, dtype=torch.int64)
-            verdict = greedy_verify(target, drafts, torch.tensor(lens_list, dtype=torch.int64))
-            num_acc = verdict.num_accepted.tolist()
-            toks = verdict.tokens.tolist()
-            r = 0
-            for b, i in enumerate(sampling):
-                a = num_acc[b]
-                emitted[i] = toks[b][: a + 1]
-                lp = out.logprobs[r : r + a + 1]
-                logprobs[i] = lp if any(x is not None for x in lp) else None
-                r += len(items[i].draft) + 1
-            decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
-            if decodes:
-                self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
+            self.num_host_reads += 1
+            num_acc, toks, k = verify_on_host(items, sampling, out)
+            self._emit(items, sampling, out, num_acc, toks, conf, emitted, logprobs, k)
         self._advance(sched, emitted)
         self._draft_next(sched, hidden, emitted, batch)
         return emitted, logprobs
+
+    def _emit(self, items, sampling: list[int], out, num_acc: list[int], toks: list[list[int]],
+              conf: dict[int, list[float]], emitted: list[list[int]], logprobs: list, k: int) -> None:
+        """Each sampling sequence's emitted tokens and logprobs (into emitted / logprobs, by index into items), and
+        the metrics and calibration of its verification (k: the most drafts a sequence verified)."""
+        r = 0
+        for b, i in enumerate(sampling):
+            a = num_acc[b]
+            emitted[i] = toks[b]
+            lp = out.logprobs[r : r + a + 1]
+            logprobs[i] = lp if any(x is not None for x in lp) else None
+            r += len(items[i].draft) + 1
+        decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
+        if not k:  # nothing verified: the decodes count as steps of one token
+            if decodes:
+                zeros = torch.zeros(len(decodes), dtype=torch.int64)
+                self.metrics.record(zeros, zeros, 0)
+        elif decodes:
+            self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
+
+    def _book_one_sync(self, sched: SchedulerOutput, res) -> None:
+        """A one-sync step's drafts (spec/one_sync.py): every sequence drafted, its chain as long as its room let."""
+        chain_len = self.policy.plan_drafting(len(sched.scheduled))  # static: k, what the step drafted for
+        self._drafting = True
+        self.metrics.record_chain(chain_len)
+        self.drafter.num_graph_passes += 1
+        self.drafter.num_graph_chains += 1
+        self._drafted = (len(sched.scheduled), max((len(d) for d in res.drafts), default=0))
+        self._next_drafts = [(it.seq, d, c) for it, d, c in zip(sched.scheduled, res.drafts, res.confidence)]
 
     def _observe(self, idx: list[int], items, num_acc: list[int], conf: dict[int, list[float]]) -> None:
         """Metrics, and the calibrator's outcomes: slot j counts when slots < j were all accepted."""
@@ -327,7 +346,7 @@ class SpecStepPipeline:
         max_model_len."""
         kv = self.scheduler.kv
         n = min(want, kv.max_model_len - seq.num_computed_tokens + 1)
-        while n > 1 and not _cover(kv, seq, n - 1):
+        while n > 1 and not cover_tokens(kv, seq, n - 1):
             n -= 1
         return max(n, 0)
 
@@ -389,14 +408,4 @@ class SpecStepPipeline:
             self.book.put(seq, toks, conf)
         self._next_drafts = []
         return got
-
-
-def _cover(kv, seq: Sequence, n: int) -> bool:
-    """Cover the sequence's next n tokens (the MTP chain's lookahead) without preempting anyone."""
-    if kv.try_extend(seq, n):
-        return True
-    if kv.can_allocate(seq, n):
-        kv.allocate(seq, n)
-        return True
-    return False
 

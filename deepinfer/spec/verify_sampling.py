@@ -1,5 +1,6 @@
 """Sampling a speculative step's verified positions: one row per position (a sequence's real token and each of
-its drafts), drawn by the ordinary sampler, with a failure of one sequence's rows failing that request only.
+its drafts), drawn by the ordinary sampler, with a failure of one sequence's rows failing that request only; and the
+host path's verification of the draw (`verify_on_host`; the one-sync step verifies on the device, spec/one_sync.py).
 
 Isolation, as the non-speculative step does it (worker/model_runner.py: `_sample`): the whole batch is drawn at
 once; if that raises, each sequence's rows are drawn alone, the sequences whose rows raise by themselves are left
@@ -14,7 +15,8 @@ import logging
 
 import torch
 
-from deepinfer.sample.sampler import SamplingRow
+from deepinfer.sample.sampler import SamplerOutput, SamplingRow
+from deepinfer.spec.rejection import greedy_verify
 from deepinfer.worker.model_runner import request_error
 from deepinfer.worker.transfer import tensor_to
 
@@ -73,3 +75,24 @@ def sample_isolated(sampler, logits: torch.Tensor, rows: list[SamplingRow], item
     sample = _draw(sampler, logits.index_select(0, tensor_to(keep, torch.int64, logits.device)),
                    [rows[j] for j in keep], grammar.select(keep) if grammar is not None else None)
     return sample, kept, failed
+
+
+def verify_on_host(items, sampling: list[int], out: SamplerOutput) -> tuple[list[int], list[list[int]], int]:
+    """The draw read back (out: len(draft) + 1 rows per sampling item, in order) verified by `greedy_verify`:
+    (accepted drafts per sampling item, its emitted tokens, the most drafts an item verified)."""
+    k = max(len(items[i].draft) for i in sampling)
+    if not k:  # no drafts this step (adaptive pause, first steps): one token each, nothing to verify
+        return [0] * len(sampling), [[t] for t in out.token_ids], 0
+    target_rows, draft_rows, lens_list = [], [], []
+    r = 0
+    for i in sampling:  # padded host lists, then one tensor each (not two small tensors per sequence)
+        d = items[i].draft
+        pad = [0] * (k - len(d))
+        target_rows.append(out.token_ids[r : r + len(d) + 1] + pad)
+        draft_rows.append(list(d) + pad)
+        lens_list.append(len(d))
+        r += len(d) + 1
+    verdict = greedy_verify(torch.tensor(target_rows, dtype=torch.int64), torch.tensor(draft_rows, dtype=torch.int64),
+                            torch.tensor(lens_list, dtype=torch.int64))
+    num_acc = verdict.num_accepted.tolist()
+    return num_acc, [row[: a + 1] for row, a in zip(verdict.tokens.tolist(), num_acc)], k

@@ -16,7 +16,7 @@ from deepinfer.backend import ForwardBatch, KVCacheSpec, token_slots
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.sched.scheduler import SchedulerOutput
-from deepinfer.worker.transfer import tensor_to, to_device
+from deepinfer.worker.transfer import to_device
 
 
 class BatchBuilder:
@@ -108,41 +108,57 @@ class BatchBuilder:
             positions = ctx_t[req_idx] + torch.arange(total, dtype=torch.int64) - starts
 
         bs = self.kv.block_size
-        rows = torch.tensor([self.kv.state_slot(it.seq.seq_id) for it in items], dtype=torch.int64)
+        row_list = [self.kv.state_slot(it.seq.seq_id) for it in items]
+        rows = torch.tensor(row_list, dtype=torch.int64)
         longest = max(seq_lens, default=0)
         dev = self.device
         self.sync_tables()
-        rows_dev = to_device(rows, dev)
         token_rows = rows[req_idx]
+        # every integer input in ONE host tensor and ONE host-to-device copy (each copy from the host costs a pinned
+        # staging buffer and a launch): ids, then the int32 fields, logits rows, table rows, pending-token indices,
+        # positions and each group's KV slots (these from the host tables: O(tokens), not O(context))
+        n, t = len(items), total
+        head = torch.tensor(input_ids + qsl + seq_lens + ctx_lens + logits_idx + row_list + fill_dst + fill_src,
+                            dtype=torch.int64)
+        slots = [token_slots(self.kv.block_tables[name], token_rows, positions, spec.tokens_per_entry, bs)
+                 for name, spec in self.specs.items()]
+        packed = to_device(torch.cat([head, positions, *slots]), dev)
+        o = 0
+
+        def take(m: int) -> torch.Tensor:
+            nonlocal o
+            o += m
+            return packed[o - m : o]
+
+        ids, qsl_d, seq_d, ctx_d = take(t), take(n + 1), take(n), take(n)
+        logits_d, rows_dev = take(len(logits_idx)), take(n)
+        fill = take(2 * len(fill_dst)).view(2, -1)
+        positions_d = take(t)
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
             width = max(self.kv.table_len(spec, longest), 1)  # tables cover seq_lens exactly
             # a copy (index_select): the mirror changes under later steps
             block_tables[name] = self.mirror[name][:, :width].index_select(0, rows_dev)
-            # each token's own table entry only, from the host tables: O(tokens), not O(context)
-            slot_mapping[name] = to_device(token_slots(self.kv.block_tables[name], token_rows, positions,
-                                                       spec.tokens_per_entry, bs), dev)
+            slot_mapping[name] = take(t)
 
         state_slots_cpu: list[int] = []
         state_slots = None
         if self.kv.uses_state:
-            state_slots_cpu = rows.tolist()
-            state_slots = to_device(rows.to(torch.int32), dev)
+            state_slots_cpu = row_list
+            state_slots = rows_dev.to(torch.int32)
 
-        ids = tensor_to(input_ids, torch.int64, dev)
         if fill_dst:  # device-side: pending tokens' ids from the last step's draw (stream-ordered after it)
-            idx = tensor_to([fill_dst, fill_src], torch.int64, dev)
-            ids.index_copy_(0, idx[0], last_tokens.index_select(0, idx[1]))
+            ids.index_copy_(0, fill[0], last_tokens.index_select(0, fill[1]))
         batch = ForwardBatch(
             input_ids=ids,
-            positions=to_device(positions, dev),
-            query_start_loc=tensor_to(qsl, torch.int32, dev),
-            seq_lens=tensor_to(seq_lens, torch.int32, dev),
-            context_lens=tensor_to(ctx_lens, torch.int32, dev),
+            positions=positions_d,
+            query_start_loc=qsl_d.to(torch.int32),
+            seq_lens=seq_d.to(torch.int32),
+            context_lens=ctx_d.to(torch.int32),
             block_tables=block_tables,
             slot_mapping=slot_mapping,
-            logits_indices=tensor_to(logits_idx, torch.int64, dev),
+            logits_indices=logits_d,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,

@@ -140,6 +140,7 @@ def test_graph_replayed_drafts_and_mtp_kv_equal_the_eager_drafter(parts, case, k
     assert graph.num_graph_passes == 1 and graph.num_graph_chains == (1 if max(chains) > 0 else 0)
     assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
     assert graph.graphs.num_link_replays == max(chains) - 1
+    assert graph.graphs.num_chain_replays == (1 if max(chains) == k else 0)  # a full chain: head + links, one graph
     assert got.tokens == want.tokens and [len(t) for t in got.tokens] == chains
     tol = 1e-5 if kind == "stand-in" else 1e-3  # a GPU's fp32 Triton dots may round through TF32
     for a, b in zip(got.confidence, want.confidence):

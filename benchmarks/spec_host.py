@@ -1,0 +1,192 @@
+"""Host cost of a speculative engine step, on the CPU: what a GPU cannot hide while speculative engines run sync.
+
+A real DeepInferenceEngine with MTP speculation runs around a stand-in model whose forward, logits, MTP forward and
+MTP head are a few tiny torch ops (token t is followed by (7 t + 3) mod V; the MTP head drafts that, wrong after every
+token divisible by 5 (one in four on its cycles), so drafts are partly accepted and rolled back), with the decode and MTP graphs of the contract over a
+stand-in graph API whose replay re-runs the captured function. The time spent inside replays (the stand-in's
+"device" work, which a GPU graph replays without the host) is measured and taken out: host = step wall - replays.
+What remains is the engine's own Python and the eager torch ops it launches per step (sampler, verification,
+index ops, copies: on a GPU, launches of ~5-10 us each).
+
+Modes: off (no speculation; the decode graph replayed); k1, k3 with the one-sync step (spec/one_sync.py) and k3-host
+(the same engine on the host path: DEEPINFER_SPEC_ONE_SYNC off). Per mode and concurrency: median step wall, replay
+and host time (ms), tokens per step, the waits for the device per step (`SpecStepPipeline.host_reads`), and host
+time per emitted token.
+
+    python -m benchmarks.spec_host --concurrency 1 16 64 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from deepinfer.backend import BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, default_buckets
+from deepinfer.models.base import CausalLM
+
+VOCAB = 512
+
+
+def _next(ids: torch.Tensor) -> torch.Tensor:
+    return (7 * ids + 3) % VOCAB
+
+
+class ChainLM(CausalLM):
+    """next(t) = (7 t + 3) mod V, by one-hot logits; the MTP module drafts next(t), wrong where t % 5 == 0."""
+
+    model_type = "deepseek_v3"
+    quantization = None
+
+    def __init__(self, max_pos: int):
+        super().__init__(config=SimpleNamespace(hidden_size=1, num_hidden_layers=1), backend=None, dtype=torch.float32)
+        self.vocab_size = VOCAB
+        self.max_position_embeddings = max_pos
+        self.mtp = [None]  # one MTP module (its math is mtp_forward / mtp_logits below)
+
+    def kv_cache_specs(self, include_mtp: bool = False, kv_cache_dtype=None) -> list[KVCacheSpec]:
+        return [KVCacheSpec("mla", (0, 1) if include_mtp else (0,), (1,), torch.float32)]
+
+    def load_weights(self, weights) -> None:
+        return None
+
+    def finalize(self) -> None:
+        return None
+
+    def forward(self, batch, caches) -> torch.Tensor:
+        return batch.input_ids.to(torch.float32).unsqueeze(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids = hidden[:, 0].long()
+        logits = torch.zeros(ids.shape[0], VOCAB)
+        return logits.scatter_(1, _next(ids).unsqueeze(1), 8.0)
+
+    def mtp_forward(self, hidden, next_input_ids, batch, caches, k: int = 0) -> torch.Tensor:
+        return next_input_ids.to(torch.float32).unsqueeze(1)
+
+    def mtp_logits(self, state: torch.Tensor, k: int = 0) -> torch.Tensor:
+        ids = state[:, 0].long()
+        draft = torch.where(ids % 5 == 0, (_next(ids) + 1) % VOCAB, _next(ids))
+        return torch.zeros(ids.shape[0], VOCAB).scatter_(1, draft.unsqueeze(1), 8.0)
+
+
+@dataclass
+class TimedRunner(DecodeGraphRunner):
+    """The contract's decode-graph runner over a stand-in graph API: a replay re-runs the captured function into its
+    output buffer; `replay_s` sums the time spent in replays (the MTP graphs replay through it too)."""
+
+    replay_s: float = 0.0
+
+    def new_pool(self):
+        return None
+
+    def capture_one(self, fn, pool):
+        out = fn()
+        return {"fn": fn, "out": out}, out
+
+    def replay(self, graph):
+        t = time.perf_counter()
+        graph["out"].copy_(graph["fn"]())
+        self.replay_s += time.perf_counter() - t
+
+
+class GraphHostBackend:
+    """Caps (graphs on), a device, layouts and the stand-in graph runner: what from_components and speculation need."""
+
+    name = "spec-host-bench"
+
+    def __init__(self, block_size: int):
+        self.caps = BackendCaps(device_type="cpu", dtypes=(torch.float32,), kv_block_sizes=(block_size,),
+                                graph_capture=True)
+        self.device = torch.device("cpu")
+
+    def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
+        return KVLayout.single(spec)
+
+    def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
+        return TimedRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device,
+                                   buckets=default_buckets(max_num_seqs))
+
+
+MODES = {
+    "off": {},
+    "k1": dict(speculative_method="mtp", num_speculative_tokens=1),
+    "k3": dict(speculative_method="mtp", num_speculative_tokens=3),
+    "k3-host": dict(speculative_method="mtp", num_speculative_tokens=3),
+}
+
+
+def make_engine(tok_dir: str, mode: str, max_seqs: int, max_tokens: int):
+    from deepinfer import EngineConfig
+    from deepinfer.engine import DeepInferenceEngine
+    from deepinfer.text.tokenizer import Tokenizer
+
+    max_len = max_tokens + 64
+    cfg = EngineConfig(model_name_or_path="spec-host-bench", max_num_seqs=max_seqs, max_model_len=max_len,
+                       num_kv_blocks=max_seqs * (max_len // 16 + 2) + 8, load_progress=False, **MODES[mode])
+    engine = DeepInferenceEngine.from_components(cfg, ChainLM(max_len), Tokenizer.from_pretrained(tok_dir),
+                                                 GraphHostBackend(16))
+    if mode == "k3-host":
+        engine._spec.one_sync = None
+    return engine
+
+
+def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"r{i}-{time.monotonic_ns()}", [10 + i, 20 + i, 30 + i, 40 + i], params)
+    runner = engine.runner.graph_runner
+    spec = engine._spec
+    walls, replays, reads = [], [], []
+    tokens = 0
+    engine.step()  # the prompts' step
+    while engine.has_unfinished_requests():
+        r0, h0, g0 = runner.replay_s, spec.host_reads() if spec else 0, engine.stats().generation_tokens_total
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+        replays.append(runner.replay_s - r0)
+        reads.append((spec.host_reads() if spec else 1) - h0)
+        tokens += engine.stats().generation_tokens_total - g0
+    wall, rep = statistics.median(walls), statistics.median(replays)
+    hosts = [w - r for w, r in zip(walls, replays)]
+    return {"steps": len(walls), "wall_ms": 1e3 * wall, "replay_ms": 1e3 * rep,
+            "host_ms": 1e3 * statistics.median(hosts), "tokens_per_step": tokens / max(len(walls), 1),
+            "reads_per_step": sum(reads) / max(len(reads), 1),
+            "host_ms_per_token": 1e3 * sum(hosts) / max(tokens, 1)}
+
+
+def main() -> None:
+    from deepinfer.checkpoints.tokenizer_factory import write_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="cells per mode; the one with the least host time is kept")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        write_tokenizer(tok_dir, VOCAB)
+        print(f"{'conc':>5} {'mode':>8} {'steps':>6} {'wall ms':>8} {'replay ms':>9} {'host ms':>8} {'tok/step':>8} "
+              f"{'reads/step':>10} {'host ms/tok':>11}")
+        for conc in args.concurrency:
+            for mode in args.modes:
+                engine = make_engine(tok_dir, mode, max(conc, 1), args.max_tokens)
+                run_cell(engine, conc, 8)  # warm-up
+                best = min((run_cell(engine, conc, args.max_tokens) for _ in range(args.repeats)),
+                           key=lambda r: r["host_ms_per_token"])
+                print(f"{conc:>5} {mode:>8} {best['steps']:>6} {best['wall_ms']:>8.3f} {best['replay_ms']:>9.3f} "
+                      f"{best['host_ms']:>8.3f} {best['tokens_per_step']:>8.2f} {best['reads_per_step']:>10.2f} "
+                      f"{best['host_ms_per_token']:>11.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

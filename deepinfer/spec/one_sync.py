@@ -1,0 +1,177 @@
+"""The one-sync speculative step: verification, the MTP pass and the chain stay on the device, and the host reads
+the step's results back in ONE copy.
+
+Why. Speculative engines run sync (async scheduling with speculation is refused). The host path reads the draw
+back, verifies on the host, builds the MTP pass's inputs from the accepted counts, stages them, replays the pass and
+the chain and reads the drafts back: two waits for the device per step, each exposing the launch latency and the
+device time, with host work between them during which the device idles. On the H200 (2026-12-03, embedded model,
+k = 3, concurrency 1) a plain decode step cost ~0.53 ms and a k = 3 step 1.3-1.8 ms, host-bound (device busy 11.9
+of 57.9 ms under the profiler).
+
+What runs where, for a step that qualifies (`OneSyncStep.prepare`):
+1. before the forward (host, known then): each sequence's KV room for its chain's lookahead is covered for the
+   worst case, every draft accepted, without preempting anyone (`cover_room`); the pass's and chain's host-known
+   inputs are staged with the MTP graphs' inputs, in their one host-to-device copy: every verify row r of sequence
+   b (j = 0..d_b: its real token and its d_b drafts) as a pass row at position c_b + j, with b and j; per
+   sequence its first row, drafts verified, context length, room and wanted chain length;
+2. after the draw (`finish`, device): `greedy_verify` over the chosen tokens (the same function and rule the host
+   path applies: drafts accepted while they equal the target's token, then the target's token); from each
+   accepted count a_b: the token after pass row j is the chosen token there (for j <= a_b, the emitted token j:
+   exactly the host path's next ids), rows past a_b become padding (KV table row -1: read nothing, write nothing,
+   so the pass writes the MTP KV of positions c_b .. c_b + a_b, as the host path's pass over a_b + 1 rows does);
+   draft 1 is read at row start_b + a_b (position c_b + a_b); the chain length is min(wanted, room_b - a_b), the
+   host path's rule (`SpecStepPipeline._chain_room`: the lookahead must be allocated and inside max_model_len);
+3. the pass graph and the chain graph (one replay for a full chain of k, backend/mtp_graph_runner.py);
+4. one device-to-host copy behind one event: the chosen tokens, accepted counts, emitted tokens, chain lengths,
+   drafts and confidences (and the sampler's logprob tensors). `num_host_reads` counts these waits.
+
+Output is unchanged: the emitted tokens are the host path's (same draw, same rule); the drafts are the host path's
+up to the pass's bucket size (the pass runs over every verify row, its padded rows masked: decode rows are
+independent, so a row's MTP state is the same up to the kernels' batch-size-dependent rounding) and up to the room:
+covering the worst case may allocate one block more than the accepted run needs (given back by the step's rollback,
+as the host path's lookahead blocks are), so under memory pressure a later sequence's chain may be shorter.
+
+Which steps qualify: every scheduled sequence is a decode or a verify row (no prompt chunk) and samples; none has a
+grammar (its drafts are drawn under its mask, link by link, on the host: spec/grammar_drafts.py) and none failed its
+draw; the slot policy is static (the confidence scheduler plans the chain after it sees the step's outcome and keeps
+paused rows for the MTP-KV catch-up); nothing is kept for a catch-up; the MTP graphs cover the step's rows and
+sequences. Every other step takes the host path, as before (spec/pipeline.py). Stop strings, EOS and max_tokens
+inside an accepted run are applied by output processing after the read-back, as on the host path (whose pass also
+ran over the whole accepted run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sample.sampler import DeviceSample, SamplerOutput
+from deepinfer.spec.draft_slots import cover_tokens
+from deepinfer.spec.rejection import greedy_verify
+from deepinfer.worker.transfer import HostCopy
+
+
+@dataclass
+class OneSyncPlan:
+    """A qualifying step's shape (host-known before its forward)."""
+
+    t: int  # verify rows (= pass rows)
+    b: int  # sequences (each verifies, and drafts)
+    k: int  # most drafts one sequence verifies this step
+    links: int  # the chain length wanted (the policy's k)
+    pass_bucket: int
+    chain_bucket: int
+
+
+@dataclass
+class OneSyncResult:
+    """What the one read-back brings, on the host."""
+
+    out: SamplerOutput  # the draw of every verify row (token ids, logprobs)
+    num_accepted: list[int]
+    emitted: list[list[int]]  # per sequence: its accepted drafts, then the target's token
+    drafts: list[list[int]]  # per sequence: the next step's drafts (its chain length of them)
+    confidence: list[list[float]]
+
+
+def cover_room(kv, seq, drafts: int, want: int, max_model_len: int) -> int:
+    """Tokens past the sequence's num_computed_tokens (its context before this step) the KV covers for the step's
+    verify rows and its chain's lookahead in the worst case (all `drafts` accepted, a chain of `want`), covered
+    without preempting anyone; shortened where the cache has no room, capped by max_model_len. At least 1 + drafts
+    (the verify rows, covered by the draft slots)."""
+    c = seq.num_computed_tokens
+    top = min(drafts + want, max_model_len - c)
+    while top > 1 + drafts and not cover_tokens(kv, seq, top):
+        top -= 1
+    return max(top, 1 + drafts)
+
+
+class OneSyncStep:
+    """The one-sync step over an MTP drafter's captured graphs (backend/mtp_graph_runner.py)."""
+
+    def __init__(self, graphs, device: torch.device):
+        self.graphs = graphs
+        self.device = device
+        self.num_steps = 0  # steps run this way
+        self.num_host_reads = 0  # waits for the device (one per step)
+
+    def prepare(self, items, kv, want: int, max_model_len: int) -> OneSyncPlan | None:
+        """For the step's scheduled sequences (ScheduledSeq, the draft slots added): None unless every one is a
+        decode or a verify row that samples without a grammar and the graphs cover the step (module docstring);
+        else cover each sequence's room and stage the host-known inputs (one copy), and return the plan."""
+        if not items or want < 1:
+            return None
+        for it in items:
+            if not it.samples or it.num_tokens - len(it.draft) != 1 or it.seq.grammar is not None:
+                return None
+        g = self.graphs
+        t = sum(it.num_tokens for it in items)
+        pb, cb = g.pass_bucket(t), g.chain_bucket(len(items))
+        if pb is None or cb is None:
+            return None
+        p_pos: list[int] = []
+        p_row: list[int] = []
+        f_seq: list[int] = []
+        f_j: list[int] = []
+        starts: list[int] = []
+        rows: list[int] = []
+        ctxs: list[int] = []
+        dlens: list[int] = []
+        rooms: list[int] = []
+        for b, it in enumerate(items):
+            d, c, row = len(it.draft), it.context_len, kv.state_slot(it.seq.seq_id)
+            starts.append(len(p_pos))
+            p_pos.extend(range(c, c + 1 + d))
+            p_row.extend([row] * (1 + d))
+            f_seq.extend([b] * (1 + d))
+            f_j.extend(range(1 + d))
+            rows.append(row)
+            ctxs.append(c)
+            dlens.append(d)
+            rooms.append(cover_room(kv, it.seq, d, want, max_model_len))
+        zeros = [0] * t
+        g.stage(dict(p_src=list(range(t)), p_ids=zeros, p_pos=p_pos, p_row=p_row, f_seq=f_seq, f_j=f_j,
+                     c_src=starts, c_row=rows, c_pos=ctxs, c_len=[want] * len(items), f_start=starts, f_dlen=dlens,
+                     f_ctx=ctxs, f_room=rooms), pb, cb)
+        return OneSyncPlan(t, len(items), max(dlens), want, pb, cb)
+
+    @torch.inference_mode()
+    def finish(self, plan: OneSyncPlan, sample: DeviceSample, input_ids: torch.Tensor,
+               hidden: torch.Tensor) -> OneSyncResult:
+        """Verify, pass and chain on the device after the draw (`sample`: one row per verify row, in order;
+        input_ids: the step's input ids on the device, drafts after each real token; hidden: the forward's hidden
+        states, row r = verify row r), then the one read-back."""
+        g, st = self.graphs, self.graphs.static
+        t, b, k, links = plan.t, plan.b, plan.k, plan.links
+        chosen = sample.token_ids
+        if chosen.shape[0] != t:
+            raise ValueError(f"OneSyncStep.finish: a draw of {chosen.shape[0]} rows for {t} verify rows")
+        starts, dlens = st.seg("f_start")[:b], st.seg("f_dlen")[:b]
+        idx = (starts.unsqueeze(1) + torch.arange(k + 1, device=chosen.device)).clamp(max=t - 1)  # [B, k + 1]
+        verdict = greedy_verify(chosen[idx], input_ids[idx[:, 1:]], dlens)
+        acc = verdict.num_accepted
+        p_row = st.seg("p_row")[:t]
+        p_row.copy_(torch.where(st.seg("f_j")[:t] <= acc[st.seg("f_seq")[:t]], p_row, -1))
+        st.seg("p_ids")[:t].copy_(chosen)
+        st.seg("c_src")[:b].copy_(starts + acc)
+        st.seg("c_pos")[:b].copy_(st.seg("f_ctx")[:b] + acc)
+        c_len = st.seg("c_len")[:b]
+        c_len.copy_(torch.minimum(c_len, st.seg("f_room")[:b] - acc).clamp(min=0))
+        state = g.run_pass(hidden, t, plan.pass_bucket)
+        ids, conf = g.run_chain(state, b, plan.chain_bucket, links)
+        ints = torch.cat([chosen, acc, c_len, verdict.tokens.reshape(-1), ids[:, :links].reshape(-1)])
+        host = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device).wait()
+        self.num_host_reads += 1
+        self.num_steps += 1
+        flat = host[0].tolist()
+        o = t
+        num_acc, lens = flat[o : o + b], flat[o + b : o + 2 * b]
+        o += 2 * b
+        toks = [flat[o + i * (k + 1) : o + (i + 1) * (k + 1)] for i in range(b)]
+        o += b * (k + 1)
+        conf_h = host[1].tolist()
+        drafts = [flat[o + i * links : o + i * links + n] for i, n in enumerate(lens)]
+        return OneSyncResult(out=sample.output([host[0][:t], *host[2:]]), num_accepted=num_acc,
+                             emitted=[row[: a + 1] for row, a in zip(toks, num_acc)], drafts=drafts,
+                             confidence=[conf_h[i][:n] for i, n in enumerate(lens)])

@@ -1,0 +1,132 @@
+"""The one-sync speculative step (spec/one_sync.py): verification, the MTP pass and the chain on the device, one
+read-back per step. On the nvidia backend under the Triton interpreter with the stand-in graph API (the tiny drafting
+checkpoint of test_spec_nvidia_interpreter.py, fp32), and on a GPU with real CUDA graphs (gpu marker).
+
+- `finish` against the host path's drafter over the host path's rows (partial, full and no acceptance; a sequence
+  whose room cuts its chain): the same accepted counts and emitted tokens, the same drafts, confidences and MTP KV;
+- an engine: output == speculation off (greedy and seeded, partial acceptance, rollback), the same drafts as the
+  host path (same acceptance counts), every decode step one-sync with one read-back, the host path two or more;
+- on a GPU: no synchronizing call inside a one-sync step but its one read-back (torch.cuda sync debug mode).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_spec_mtp_graphs import parts, prefill, setup_drafters  # noqa: F401 (parts: the module's fixture)
+from test_spec_nvidia_interpreter import DEVICE, GREEDY, SEEDED, make, run
+
+from deepinfer.sample.sampler import DeviceSample
+from deepinfer.spec.mtp_drafter import MTPRows
+from deepinfer.spec.one_sync import OneSyncStep
+
+
+class RoomKV:
+    """What prepare asks of the KV manager: a sequence's row, and whether its next n tokens fit its room."""
+
+    def __init__(self, rows: dict[str, int], room: dict[str, int]):
+        self.rows, self.room = rows, room
+
+    def state_slot(self, seq_id: str) -> int:
+        return self.rows[seq_id]
+
+    def try_extend(self, seq, n: int) -> bool:
+        return seq.num_computed_tokens + n <= self.room[seq.seq_id]
+
+    def can_allocate(self, seq, n: int) -> bool:
+        return False
+
+
+def scheduled(seq_id: str, ctx: int, draft: list[int]):
+    seq = SimpleNamespace(seq_id=seq_id, grammar=None, num_computed_tokens=ctx)
+    return SimpleNamespace(seq=seq, samples=True, num_tokens=1 + len(draft), draft=draft, context_len=ctx)
+
+
+def test_finish_equals_the_host_paths_verification_and_drafter(parts):  # noqa: F811
+    """Three sequences (KV rows 1, 3, 0) after 5 cached positions verify 3, 2 and 2 drafts; the draw accepts none,
+    all 2 (the bonus token) and 1; sequence 3's room cuts its chain to 1. (Sequence 1's rejected rows reach past
+    its chain's lookahead, so a rejected row writing its MTP KV would show.) The one-sync step's accepted counts, emitted
+    tokens, drafts, confidences and MTP KV == the host path's (greedy_verify on the host, then the drafter over
+    the accepted rows, eagerly)."""
+    _, backend, model, _, _ = parts
+    k, ctx = 3, 5
+    ((eager, eager_caches), (graph, graph_caches)), mirror = setup_drafters(backend, model, [1, 2, 4, 8, 16], 4, k)
+    rows, drafts = [1, 3, 0], [[7, 8, 9], [20, 21], [50, 51]]
+    for d in (eager, graph):
+        prefill(d, rows, ctx, 1, mirror)
+    items = [scheduled(f"s{r}", ctx, d) for r, d in zip(rows, drafts)]
+    # room: s3 covers its verify rows only (ctx + 3): all 2 accepted -> chain min(3, 3 - 2) = 1
+    kv = RoomKV({f"s{r}": r for r in rows}, {"s1": 64, "s3": ctx + 3, "s0": 64})
+    step = OneSyncStep(graph.graphs, torch.device(DEVICE))
+    plan = step.prepare(items, kv, k, max_model_len=64)
+    assert (plan.t, plan.b, plan.k, plan.links) == (10, 3, 3, 3)
+    # the draw at each verify row: s1 draws 30 for 7; s3 accepts 20, 21, then the bonus 31; s0 accepts 50, draws 60
+    chosen = torch.tensor([30, 40, 41, 42, 20, 21, 31, 50, 60, 43], device=DEVICE)
+    input_ids = torch.tensor([100, 7, 8, 9, 101, 20, 21, 102, 50, 51], device=DEVICE)
+    hidden = torch.randn(10, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    res = step.finish(plan, DeviceSample(chosen, [], [], []), input_ids, hidden)
+    assert res.num_accepted == [0, 2, 1]
+    assert res.emitted == [[30], [20, 21, 31], [50, 60]]
+    assert step.num_host_reads == step.num_steps == 1
+    # the host path: the pass over each sequence's accepted rows + 1, next token = the emitted one; its chain rule
+    host_rows = [MTPRows(0, 1, [30], ctx, True, 1), MTPRows(4, 3, [20, 21, 31], ctx, True, 3),
+                 MTPRows(7, 2, [50, 60], ctx, True, 0)]
+    want = eager.run(hidden, host_rows, [3, 1, 3], mirror)
+    assert res.drafts == want.tokens and [len(d) for d in res.drafts] == [3, 1, 3]
+    for a, b in zip(res.confidence, want.confidence):
+        assert a == pytest.approx(b, abs=1e-5)
+    for key, t in eager_caches.kv.items():  # the accepted rows' MTP KV and each live link's, nothing else
+        torch.testing.assert_close(graph_caches.kv[key], t, atol=1e-5, rtol=1e-5)
+    assert graph.graphs.num_chain_replays == 1 and graph.graphs.num_pass_replays >= 1
+
+
+def test_engine_one_sync_equals_off_and_the_host_path(parts):  # noqa: F811
+    """mtp k = 3, greedy and seeded requests in one batch, decode and MTP graphs (stand-in): the tokens of speculation
+    off (eager) and of the host path (one_sync None), with the host path's drafts (the same drafted and accepted
+    counts per slot); every decode step ran one-sync with one read-back (the prompts' step took the host path: its
+    draw and its drafts), where the host path waited twice or more per step; every block came back."""
+    ps = parts[4]
+    mixed, params = ps + ps[-1:], [GREEDY] * len(ps) + [SEEDED]
+    want, _ = run(make(parts, enforce_eager=True), mixed, params)
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    host = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    assert on._spec.one_sync is not None
+    host._spec.one_sync = None
+    got, _ = run(on, mixed, params)
+    assert got == want
+    assert run(host, mixed, params)[0] == want
+    a, b = on.stats(), host.stats()
+    assert (a.spec_drafted_tokens, a.spec_accepted_tokens, a.spec_conditional_acceptance) == \
+        (b.spec_drafted_tokens, b.spec_accepted_tokens, b.spec_conditional_acceptance)
+    assert 0 < a.spec_accepted_tokens < a.spec_drafted_tokens, a  # partial acceptance: rolled back
+    spec, hs = on._spec, host._spec
+    assert spec.one_sync.num_steps == spec.metrics.steps >= 3
+    assert spec.one_sync.num_host_reads == spec.one_sync.num_steps
+    assert spec.host_reads() == spec.one_sync.num_steps + 2
+    assert hs.host_reads() >= 2 * hs.metrics.steps + 2
+    assert a.kv_blocks_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_gpu_one_sync_steps_make_no_other_synchronizing_call(parts):  # noqa: F811
+    """Real CUDA graphs: after the prompts' step, every step runs one-sync under torch.cuda's sync debug mode
+    "error" (a .tolist() / .item() / pageable copy of a device tensor raises): its one read-back waits on an event,
+    nothing else waits for the device."""
+    ps = parts[4]
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    for i, p in enumerate(ps):
+        on.add_request(f"r{i}", p, GREEDY)
+    on.step()  # the prompts: the host path
+    before = on._spec.one_sync.num_steps
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while on.has_unfinished_requests():
+            on.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert steps > 0 and on._spec.one_sync.num_steps - before == steps
