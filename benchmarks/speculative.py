@@ -87,7 +87,10 @@ def print_drafting(mode: str, engine) -> None:
                                                  zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
         ratio = {name: "unseen" if r is None else f"{r:.2f}"
                  for name, r in (("plain", policy.plain_ratio), ("speculative", policy.spec_ratio))}
-        print(f"{mode}, measured / table step time: plain {ratio['plain']}, speculative {ratio['speculative']}")
+        over = {name: "unseen" if o is None else f"{o * 1e3:+.3f} ms"
+                for name, o in (("plain", policy.plain_overhead), ("speculative", policy.spec_overhead))}
+        print(f"{mode}, measured / table step time: plain {ratio['plain']}, speculative {ratio['speculative']}; "
+              f"measured - table (what the planning adds): plain {over['plain']}, speculative {over['speculative']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,7 @@ class SpecStepPipeline:
         self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
+        self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
@@ -144,13 +145,16 @@ class SpecStepPipeline:
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
         self._failed = {}
         self._drafted = (0, 0)
+        self._caught_up = False
         plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
         if self.one_sync is not None and not self.policy.adaptive and not len(self.paused_rows):
             plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self.policy.chain_length(),
                                          self.scheduler.kv.max_model_len)
         emitted, logprobs = self._launch(sched, conf, plan)
         got = self._process(sched, emitted, logprobs)
-        if all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):  # decode rows only: what the tables price
+        # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
+        # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
+        if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
                                      *self._drafted, verified=any(it.draft for it in sched.scheduled))
         return got
@@ -320,7 +324,9 @@ class SpecStepPipeline:
             now.append(row)
             now_seqs.append(seq)
         if now:
+            rows_before = sum(r.count for r in now)
             merged, now = self.paused_rows.plan(now, now_seqs, hidden)
+            self._caught_up = sum(r.count for r in now) > rows_before
             self.runner.builder.sync_tables()
             if chain:
                 self.metrics.record_chain(chain_len)
