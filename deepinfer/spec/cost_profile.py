@@ -3,7 +3,7 @@ batch token count.
 
 Without decode graphs: eager forwards on throw-away caches with verify-shaped sequences (1 + k tokens each), in the
 form the engine runs them: on a backend whose eager verify steps run as decode rows (the cpu backend,
-`SpecStepPipeline.decode_rows_eager`) as the decode-shaped batch (spec/verify_batch.py), else varlen. Timing the
+`VerifyShapes.decode_rows_eager`, spec/verify_batch.py) as the decode-shaped batch (spec/verify_batch.py), else varlen. Timing the
 varlen form there times the MLA op's per-request prefill path, which the engine no longer takes for a verify step
 (measured 0-45% slower on the cpu backend), and the scheduler would overestimate what a verified token costs.
 With decode graphs, a step of decodes and verify rows replays a graph (spec/verify_batch.py), so a token count
@@ -83,7 +83,7 @@ def verify_forward(model, block_size: int, num_tokens: int, k: int, device: torc
                    decode_rows: bool = False) -> ForwardBatch:
     """One eager forward of num_tokens tokens in verify-shaped sequences of 1 + k (the last one shorter) on a
     throw-away cache, with the logits of every row, in the form the engine runs an eager verify step: varlen, or
-    with decode_rows (`SpecStepPipeline.decode_rows_eager`) the batch decode-shaped, one decode row per token
+    with decode_rows (`VerifyShapes.decode_rows_eager`, spec/verify_batch.py) the batch decode-shaped, one decode row per token
     (spec/verify_batch.py). Token ids from `probe_token_ids`. Returns the batch that ran."""
     q = k + 1
     lens = [min(q, num_tokens - i) for i in range(0, num_tokens, q)]
@@ -107,7 +107,7 @@ def profile_step_costs(model, backend, block_size: int, k: int, max_tokens: int,
     """(the table, per profiled count how it was timed: GRAPH, DECODE_ROWS or VARLEN). Each point is the fastest
     of `repeats` runs (the others' noise is the machine's, not the step's). graph_runner / group_names: the
     engine's decode graphs and its KV groups; counts they can replay are timed as replays. decode_rows: the
-    engine runs eager verify steps as decode rows (`SpecStepPipeline.decode_rows_eager`), so counts without a
+    engine runs eager verify steps as decode rows (`VerifyShapes.decode_rows_eager`, spec/verify_batch.py), so counts without a
     graph are timed that way (module docstring)."""
     counts = profile_counts(max_tokens)
     seconds, shapes = [], []

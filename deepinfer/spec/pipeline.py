@@ -63,7 +63,7 @@ from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
-from deepinfer.spec.verify_batch import decode_shaped, decode_shaped_if_graphed
+from deepinfer.spec.verify_batch import VerifyShapes
 from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
@@ -95,11 +95,9 @@ class SpecStepPipeline:
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
-        # steps with drafts: replayed as decode rows by the decode graphs (spec/verify_batch.py), or run eagerly
-        self.num_graph_verify_steps = 0
-        self.num_eager_verify_steps = 0
-        self.decode_rows_eager = False  # eager verify steps as decode rows too (spec/setup.py: the cpu backend)
-        self.num_decode_row_eager_steps = 0  # eager verify steps run as decode rows
+        # the form each step's batch runs in, and counts of the verify steps' forms (spec/verify_batch.py; its
+        # decode_rows_eager is set by spec/setup.py for the cpu backend)
+        self.shapes = VerifyShapes()
         self.paused_rows = PausedRows()  # decode rows of adaptive pauses, for the MTP-KV catch-up
         # verification, the MTP pass and the chain on the device with one read-back per step (spec/one_sync.py), where
         # the drafter replays graphs and DEEPINFER_SPEC_ONE_SYNC is on; None: every step takes the host path
@@ -175,29 +173,8 @@ class SpecStepPipeline:
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.reset_state_rows(batch)
-        # Decodes and verify rows replay the decode graphs as one decode row per token where they cover the step
-        # (spec/verify_batch.py), else run eagerly (the cpu backend: as decode rows, decode_rows_eager); a step with a
-        # prompt chunk replays them too when it is short (the runner's short-extend rule, worker/decode_rows.py:
-        # DEEPINFER_DECODE_ROWS_MAX_TOKENS), else runs eagerly; a decode-only step (no drafts) replays the decode
-        # graph as off would.
-        run_batch = batch
-        chunked = not all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled)  # a prompt chunk is in it
-        if chunked:
-            short = runner.short_extends.flatten(batch, runner.graph_runner)
-            if short is not None:
-                run_batch = short
-        if any(it.draft for it in sched.scheduled):
-            flat = run_batch is not batch
-            if not chunked:
-                run_batch, flat = decode_shaped_if_graphed(batch, runner.graph_runner)
-                if not flat and self.decode_rows_eager and batch.state_slots is None:
-                    run_batch = decode_shaped(batch)
-                    self.num_decode_row_eager_steps += 1
-            if flat:
-                self.num_graph_verify_steps += 1
-            else:
-                self.num_eager_verify_steps += 1
-        hidden = runner.run_model(run_batch)
+        # decode rows through the decode graphs where they cover the step, else eagerly (spec/verify_batch.py)
+        hidden = runner.run_model(self.shapes.run_batch(batch, sched.scheduled, runner))
         items = sched.scheduled
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]

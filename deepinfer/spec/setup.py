@@ -62,7 +62,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     logger.info("speculative decoding: %s, k=%d, %s", method, k,
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
-    pipeline.decode_rows_eager = decode_rows_eager
+    pipeline.shapes.decode_rows_eager = decode_rows_eager
     return pipeline
 
 

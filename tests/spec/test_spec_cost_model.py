@@ -74,7 +74,7 @@ def test_the_cpu_engine_profiles_its_costs_as_it_runs_them(cpu_model):
                        num_speculative_tokens=3, speculative_adaptive=True)
     engine = DeepInferenceEngine.from_components(cfg, model, Tokenizer.from_pretrained(path), backend)
     policy = engine._spec.policy
-    assert engine._spec.decode_rows_eager
+    assert engine._spec.shapes.decode_rows_eager
     assert policy.cost.tokens[-1] == 64 and policy.cost_shapes == ["decode rows"] * 7
     assert policy.draft_cost is not None and policy.draft_cost.counts == [1, 2, 4] and policy.draft_cost.k == 3
     assert all(b >= a > 0 for a, b in zip(policy.draft_cost.one.seconds, policy.draft_cost.full.seconds))

@@ -167,13 +167,13 @@ def assert_graph_counts(on, before: int, eager_verify: int | None = 0) -> None:
     budgets = spec.metrics.budgets  # drafts verified per decode step (the run has < 1024 steps)
     with_drafts = sum(b > 0 for b in budgets)
     assert with_drafts > 0, budgets
-    assert spec.num_graph_verify_steps + spec.num_eager_verify_steps == with_drafts, (budgets, spec.__dict__)
+    assert spec.shapes.num_graph_verify_steps + spec.shapes.num_eager_verify_steps == with_drafts, (budgets, spec.shapes)
     if eager_verify is None:
-        assert spec.num_eager_verify_steps > 0 and spec.num_graph_verify_steps > 0, spec.__dict__
+        assert spec.shapes.num_eager_verify_steps > 0 and spec.shapes.num_graph_verify_steps > 0, spec.shapes
     else:
-        assert spec.num_eager_verify_steps == eager_verify, spec.__dict__
+        assert spec.shapes.num_eager_verify_steps == eager_verify, spec.shapes
     draftless = sum(b == 0 for b in budgets)
-    assert replays(on) - before == draftless + spec.num_graph_verify_steps
+    assert replays(on) - before == draftless + spec.shapes.num_graph_verify_steps
 
 
 def test_mtp_greedy_and_seeded_equal_off_with_partial_acceptance(parts, off):
