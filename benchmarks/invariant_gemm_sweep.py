@@ -26,6 +26,8 @@ import json
 
 import torch
 
+from benchmarks.graph_timing import rotating_graph_us
+
 # name: (batch, N, K, weight dtype); the activation is bf16
 SHAPES = {
     "q_kv_a_proj": (1, 3648, 2048, torch.bfloat16),  # V2-Lite's q_proj and kv_a_proj_with_mqa, merged
@@ -63,28 +65,9 @@ def candidates(n: int, k: int):
 
 
 def timed(fn, reps: int = 20) -> float:
-    """Device time per call: `reps` calls captured in one CUDA graph, replayed (a Python launch costs more than
-    a small GEMM, so timing eager calls would measure the host)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (3 * reps)  # us
+    """Device µs per call fn(i), i = 0 .. reps - 1 (the callers pick their weight copy from i), from CUDA-graph
+    replays (benchmarks/graph_timing.py)."""
+    return rotating_graph_us(fn, copies=reps, reps=reps, warm=3)
 
 
 def _label(p) -> str:

@@ -19,17 +19,9 @@ from typing import Callable
 
 import torch
 
+from benchmarks.profile_step import _union_us
+
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-
-
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total / 1e3
 
 
 def device_profile(fn: Callable[[], object], trace_path: str) -> dict:
@@ -53,7 +45,7 @@ def device_profile(fn: Callable[[], object], trace_path: str) -> dict:
         a[0] += e["dur"] / 1e3
         a[1] += 1
     top = sorted(agg.items(), key=lambda kv: -kv[1][0])[:20]
-    return {"wall_ms": wall, "device_busy_ms": _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in events]),
+    return {"wall_ms": wall, "device_busy_ms": _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3,
             "kernel_sum_ms": sum(e["dur"] for e in events) / 1e3, "launches": len(events),
             "top": [(name, round(ms, 3), int(n)) for name, (ms, n) in top]}
 

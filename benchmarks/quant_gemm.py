@@ -27,6 +27,8 @@ import json
 
 import torch
 
+from benchmarks.graph_timing import rotating_graph_us
+
 DENSE = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048), "shared_gate_up": (5632, 2048),
          "shared_down": (2048, 2816), "dense_gate_up": (21888, 2048), "dense_down": (2048, 10944)}
 E, TOP_K, D, INTER = 64, 6, 2048, 1408
@@ -44,31 +46,12 @@ def _dry_run_shapes() -> None:
 
 
 def graph_us(fn, copies: int, reps: int = 20) -> float:
-    """Device time per call: reps calls fn(i) (i selects the weight copy) captured in one CUDA graph."""
+    """Device time per call: reps calls fn(i) (i selects the weight copy) captured in one CUDA graph
+    (benchmarks/graph_timing.py)."""
     if DRY:
         fn(0)
         return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: compiles and the allocator's pools, outside the capture
-        for i in range(2):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1000 / (3 * reps)
+    return rotating_graph_us(fn, copies, reps)
 
 
 def eager_us(fn, copies: int) -> float:

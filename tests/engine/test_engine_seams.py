@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from stand_in_graphs import StandInGraphRunner
 
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.backend import (
     PROCESS_GROUP_NAMES,
     BackendCaps,
-    DecodeGraphRunner,
     KVCacheSpec,
     KVLayout,
     SingleProcessCommunicator,
@@ -88,22 +88,6 @@ def test_split_layout_plans_from_the_layout_bytes():
                          layouts={"mla": wide}).num_blocks["mla"] == 8  # 48 values per entry: 400 // 48
 
 
-@dataclass
-class StandInGraphRunner(DecodeGraphRunner):
-    """The contract's bucketed runner over a stand-in graph API: a "graph" is the captured function and its
-    output buffer, and a replay re-runs the function on the static inputs into that buffer, which is what a
-    captured device graph does. Counts replays per bucket."""
-
-    def new_pool(self):
-        return None
-
-    def capture_one(self, fn, pool):
-        out = fn()
-        return {"fn": fn, "out": out, "replays": 0}, out
-
-    def replay(self, graph):
-        graph["out"].copy_(graph["fn"]())
-        graph["replays"] += 1
 
 
 class AnyModelCPU(CPUBackend):

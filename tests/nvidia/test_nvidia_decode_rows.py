@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 from nvidia_testutil import DEVICE  # noqa: I001  (sets TRITON_INTERPRET)
+from stand_in_graphs import StandInGraphRunner
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import BackendCaps, DecodeGraphRunner, default_buckets
+from deepinfer.backend import BackendCaps, default_buckets
 from deepinfer.backends.nvidia.backend import NvidiaBackend
 from deepinfer.checkpoints.presets import PRESETS
 from deepinfer.checkpoints.random_weights import write_safetensors
@@ -39,21 +40,6 @@ HIT = PREFIX[:32] + [7, 250, 19]  # 35 tokens: 32 from the cache, a 3-token suff
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2, logprobs=3, ignore_eos=True)
 
 
-@dataclass
-class StandInGraphRunner(DecodeGraphRunner):
-    """The contract's bucketed runner over a stand-in graph API (as tests/engine/test_engine_seams.py): a replay
-    re-runs the captured forward on the static inputs into the captured output buffer. Counts replays."""
-
-    def new_pool(self):
-        return None
-
-    def capture_one(self, fn, pool):
-        out = fn()
-        return {"fn": fn, "out": out, "replays": 0}, out
-
-    def replay(self, graph):
-        graph["out"].copy_(graph["fn"]())
-        graph["replays"] += 1
 
 
 class GraphNvidiaBackend(NvidiaBackend):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stand_in_graphs import StandInGraphRunner
 from test_spec_nvidia_interpreter import (
     ALPHA,
     DEVICE,
     GREEDY,
     TINY,
     GraphNvidiaBackend,
-    StandInGraphRunner,
     make,
     make_drafting_checkpoint,
     prompts,

@@ -26,9 +26,10 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from stand_in_graphs import StandInGraphRunner
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import BackendCaps, DecodeGraphRunner, default_buckets
+from deepinfer.backend import BackendCaps, default_buckets
 from deepinfer.backends.nvidia.backend import NvidiaBackend
 from deepinfer.checkpoints.presets import PRESETS
 from deepinfer.checkpoints.random_weights import write_safetensors
@@ -88,21 +89,6 @@ def prompts(perm: torch.Tensor) -> list[list[int]]:
     return [[5, 9, 17, 33, 2, 8], [100, 101, 102, 100, 101], cycle + cycle[:2]]
 
 
-@dataclass
-class StandInGraphRunner(DecodeGraphRunner):
-    """The contract's bucketed decode-graph runner over a stand-in graph API (as tests/engine/test_engine_seams.py):
-    a replay re-runs the captured forward on the static inputs into the captured output buffer. Counts replays."""
-
-    def new_pool(self):
-        return None
-
-    def capture_one(self, fn, pool):
-        out = fn()
-        return {"fn": fn, "out": out, "replays": 0}, out
-
-    def replay(self, graph):
-        graph["out"].copy_(graph["fn"]())
-        graph["replays"] += 1
 
 
 class GraphNvidiaBackend(NvidiaBackend):
