@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import tempfile
 import time
 
 import torch
@@ -59,6 +61,12 @@ def _measure(args, invariant: bool, batches: list[int], vocab: int) -> list[dict
 
         print_kernel_profiles(engine, [int(b) for b in args.kernel_profile.split(",")], args.prompt_len, vocab,
                               f"batch_invariant={invariant}")
+    if args.prefill_profile and args.prefill_prompts and torch.cuda.is_available():
+        from benchmarks.profile_region import profile_region
+
+        profile_region(f"prefill {args.prefill_prompts} x {args.prompt_len}, batch_invariant={invariant}",
+                       lambda e=engine: run_prefill(e, args.prefill_prompts, args.prompt_len, vocab, args.seed),
+                       os.path.join(tempfile.gettempdir(), f"prefill_inv{int(invariant)}.json"), host_lines=12)
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -81,6 +89,8 @@ def main() -> None:
     p.add_argument("--only", choices=["off", "on"], default=None, help="measure one setting only")
     p.add_argument("--kernel-profile", default="", help="after the timings, torch.profiler tables of a few decode "
                    "steps at these batch sizes (comma list) on each engine (benchmarks/profile_step.py)")
+    p.add_argument("--prefill-profile", action="store_true", help="after the timings, torch.profiler and cProfile "
+                   "tables of one prefill-only run on each engine (benchmarks/profile_region.py)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -224,6 +226,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, fp8)")
     p.add_argument("--kernel-profile", default="", help="after the timings, torch.profiler tables of a few decode "
                    "steps at these batch sizes (comma list) on this engine (benchmarks/profile_step.py)")
+    p.add_argument("--prefill-profile", action="store_true", help="after the timings, torch.profiler and cProfile "
+                   "tables of one prefill-only run (benchmarks/profile_region.py)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--accuracy-out", default=None,
                    help="also generate 16 greedy tokens for mixed-length prompts and save them for hf_baseline.py")
@@ -285,6 +289,13 @@ def main() -> None:
 
         print_kernel_profiles(engine, [int(b) for b in args.kernel_profile.split(",")], args.prompt_len,
                               int(cfg["vocab_size"]), f"quantization={args.quantization}")
+    if args.prefill_profile and args.prefill_prompts and torch.cuda.is_available():
+        from benchmarks.profile_region import profile_region
+
+        profile_region(f"prefill {args.prefill_prompts} x {args.prompt_len}, quantization={args.quantization}",
+                       lambda: run_prefill(engine, args.prefill_prompts, args.prompt_len, int(cfg["vocab_size"]),
+                                           args.seed),
+                       os.path.join(tempfile.gettempdir(), "prefill_throughput.json"), host_lines=12)
     if args.json_out:
         with open(args.json_out, "w") as f:
             for r in [meta, *([prefill] if prefill else []), *rows]:

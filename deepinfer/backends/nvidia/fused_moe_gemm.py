@@ -247,6 +247,20 @@ def aligned_gemm(
     )
 
 
+def shared_layout(shared_w: torch.Tensor | None, w: torch.Tensor, dual: bool, n_out: int, num_shared: int,
+                  k: int) -> tuple[torch.Tensor, int, int, int]:
+    """(the tensor, row stride, step between shared experts, up-half offset) a grouped GEMM reads the dense shared
+    MLP's weights with (the default direct mode and the invariant aligned mode alike): none (w stands in, never
+    read), gate_up [2*S*I, D] (dual: shared expert s has gate rows s*I.., up rows S*I + s*I..) or down [D, S*I]
+    (shared expert s is the column slice [s*I, (s+1)*I))."""
+    if shared_w is None:
+        return w, 0, 0, 0
+    if dual:
+        stride = shared_w.stride(0)
+        return shared_w, stride, n_out * stride, num_shared * n_out * stride
+    return shared_w, shared_w.stride(0), k, 0
+
+
 def direct_gemm(
     a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor | None, out: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
@@ -279,13 +293,8 @@ def direct_gemm(
         raise BackendError("direct_gemm: shared experts fold in only with dense routed experts")
     if stacked_shared:  # shared expert s is w[E + s]: the routed experts' strides and up offset
         shared_w, stride_sn, shared_step, us_off = w[E:], w.stride(1), w.stride(0), n_out * w.stride(1)
-    elif shared_w is None:
-        shared_w, stride_sn, shared_step, us_off = w, 0, 0, 0
-    elif dual:  # [2*S*I, D]: shared expert s has gate rows s*I.., up rows S*I + s*I..
-        stride_sn = shared_w.stride(0)
-        shared_step, us_off = n_out * stride_sn, num_shared * n_out * stride_sn
-    else:  # [D, S*I]: shared expert s is the column slice [s*I, (s+1)*I)
-        stride_sn, shared_step, us_off = shared_w.stride(0), K, 0
+    else:
+        shared_w, stride_sn, shared_step, us_off = shared_layout(shared_w, w, dual, n_out, num_shared, K)
     cfg = cfg or direct_config(dual, scheme, group_size)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))

@@ -41,6 +41,18 @@ TRITON_SCORING = tuple(SCORING_CODES)
 TRITON_TOPK = tuple(GROUPING_CODES)
 
 
+def check_shared_mlp(spec, gate_up: torch.Tensor, down: torch.Tensor, w13: torch.Tensor | None) -> None:
+    """What folding a shared MLP into the grouped GEMMs needs (the default and invariant MoE ops): gate_up [2*S*I, D],
+    down [D, S*I] over the op's hidden D and expert intermediate I, and the routed experts loaded first."""
+    d, i = spec.hidden_size, spec.intermediate_size
+    if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
+            or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
+        raise BackendError(f"fuse_shared_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are "
+                           f"not a shared MLP of n * {i} intermediate over hidden {d}")
+    if w13 is None:
+        raise BackendError("fuse_shared_experts before load_experts")
+
+
 def triton_moe_unsupported(spec: MoESpec) -> list[str]:
     """Why the fused Triton MoE cannot run this layer (the backend then uses the native op and says so)."""
     reasons = []
@@ -126,13 +138,7 @@ class TritonMoE(NativeMoE):
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         if self.quant is not None:
             return False  # the direct kernel folds dense shared experts only beside dense routed ones
-        d, i = self.spec.hidden_size, self.spec.intermediate_size
-        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
-                or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
-            raise BackendError(f"fuse_shared_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are "
-                               f"not a shared MLP of n * {i} intermediate over hidden {d}")
-        if self.w13 is None:
-            raise BackendError("fuse_shared_experts before load_experts")
+        check_shared_mlp(self.spec, gate_up, down, self.w13)
         if gate_up.dtype != self.w13.dtype or down.dtype != self.w13.dtype:
             return False  # the kernel reads both from one dtype; the model's MLP runs instead
         self.shared_w = (gate_up.contiguous(), down.contiguous())

@@ -27,7 +27,7 @@ from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
 from deepinfer.backends.nvidia.invariant.moe_align import align
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
 from deepinfer.backends.nvidia.invariant.router import route_parts, router_parts, split_gate
-from deepinfer.backends.nvidia.moe import triton_moe_unsupported
+from deepinfer.backends.nvidia.moe import check_shared_mlp, triton_moe_unsupported
 from deepinfer.backends.nvidia.moe_routing import route
 from deepinfer.errors import BackendError
 
@@ -62,13 +62,7 @@ class InvariantMoE(NativeMoE):
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Keep the shared MLP's dense weights: it then runs as experts E.. inside the grouped GEMMs."""
-        d, i = self.spec.hidden_size, self.spec.intermediate_size
-        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[1] != d or down.shape[0] != d \
-                or down.shape[1] % i or gate_up.shape[0] != 2 * down.shape[1]:
-            raise BackendError(f"fuse_shared_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are "
-                               f"not a shared MLP of n * {i} intermediate over hidden {d}")
-        if self.w13 is None:
-            raise BackendError("fuse_shared_experts before load_experts")
+        check_shared_mlp(self.spec, gate_up, down, self.w13)
         if gate_up.dtype != self.w13.dtype or down.dtype != self.w13.dtype:
             return False  # the kernel reads one dtype; the model's MLP (invariant GEMMs) runs instead
         self.shared_w = (gate_up.contiguous(), down.contiguous())

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.nvidia.fused_moe_gemm import shared_layout
 from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import NUM_SMS, interpreting, mma
 from deepinfer.backends.nvidia.invariant.moe_align import Alignment
@@ -168,13 +169,7 @@ def aligned_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignm
         parallel = tiles < 2 * NUM_SMS
     parallel = parallel and slices > 1 and tiles <= COUNTERS
     num_shared = slots - top_k
-    if shared_w is None:
-        shared_w, stride_sn, shared_step, us_off = w, 0, 0, 0
-    elif dual:  # [2*S*I, D]: shared expert s has gate rows s*I.., up rows S*I + s*I..
-        stride_sn = shared_w.stride(0)
-        shared_step, us_off = n_out * stride_sn, num_shared * n_out * stride_sn
-    else:  # [D, S*I]: shared expert s is the column slice [s*I, (s+1)*I)
-        stride_sn, shared_step, us_off = shared_w.stride(0), K, 0
+    shared_w, stride_sn, shared_step, us_off = shared_layout(shared_w, w, dual, n_out, num_shared, K)
     rows = al.num_blocks * block_m
     if parallel:
         ws = torch.empty((slices, 2 if dual else 1, rows, n_out), dtype=torch.float32, device=a.device)
