@@ -28,6 +28,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
                           "MTP modules (load_model(..., load_mtp=True))")
     k = cfg.spec_num_tokens()
     kv = scheduler.kv
+    async_pauses = use_async_pauses(cfg, backend, kv, method)  # before the profiling: a refusal comes at once
     if runner.graph_runner is not None:
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     if method == "mtp":
@@ -64,7 +65,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
     pipeline.shapes.decode_rows_eager = decode_rows_eager
-    if use_async_pauses(cfg, backend, kv, method):
+    if async_pauses:
         pipeline.async_pauses = AsyncPauses(pipeline)
         logger.info("speculative decoding: the plain steps of adaptive pauses run through async scheduling "
                     "(spec/async_pauses.py); speculative steps run sync")
