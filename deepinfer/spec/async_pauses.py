@@ -13,9 +13,11 @@ need nothing of the spec path: `delegable` says when. A step is delegated while
   drafts the probe, which needs the step's tokens on the host);
 - no draft is held (a held draft is verified by a spec step);
 - no running sequence has a grammar (structured requests draft under masks: they stay on the spec path);
-- no sequence waits and none is part-way through its prompt: a prompt chunk needs its MTP pass at once (the MTP
-  KV of a whole prompt is not kept for a catch-up), and that pass reads the chunk's next token, which an async
-  step leaves pending on the device.
+- no sequence is part-way through its prompt, and none waits unless the step surely admits none (every running
+  slot taken, max_num_seqs, and no sequence can finish before the step is scheduled: the async pipeline will not
+  resolve its step in flight first): a prompt chunk needs its MTP pass at once (the MTP KV of a whole prompt is not
+  kept for a catch-up), and that pass reads the chunk's next token, which an async step leaves pending on the
+  device. So a full batch with a queue behind it still pauses async until a sequence finishes.
 Each delegated step counts as one step of the pause (SlotPolicy.plan_drafting, which in a pause only counts down).
 When a step cannot be delegated, the step in flight is drained first (its tokens are read and processed), so the
 spec path always starts with every token on the host, as it does today.
@@ -61,7 +63,7 @@ logger = logging.getLogger("deepinfer")
 LAST = "last"  # the pause's last step: it ends the pause and drafts the probe
 DRAFTS = "drafts"  # a draft is held for the step
 GRAMMAR = "grammar"  # a running sequence has a grammar
-PROMPT = "prompt"  # a sequence waits, or is part-way through its prompt
+PROMPT = "prompt"  # a sequence waits (and may be admitted), or is part-way through its prompt
 
 
 def use_async_pauses(cfg, backend, kv, method: str) -> bool:
@@ -115,7 +117,7 @@ class AsyncPauses:
             return LAST
         if self.spec.book.drafts:
             return DRAFTS
-        if self.spec.scheduler.waiting:
+        if self.spec.scheduler.waiting and not self._admits_none():
             return PROMPT
         for seq in self.spec.scheduler.running:
             if seq.grammar is not None:
@@ -123,6 +125,15 @@ class AsyncPauses:
             if seq.num_uncomputed_tokens > 1:
                 return PROMPT
         return None
+
+    def _admits_none(self) -> bool:
+        """Whether the next step surely admits no waiting sequence: every running slot is taken, and no running
+        sequence can finish before the step is scheduled (the async pipeline schedules before it resolves the step
+        in flight, unless it must resolve first)."""
+        sched = self.spec.scheduler
+        if len(sched.running) < sched.max_running:
+            return False
+        return not self.inner.has_pending() or not self.inner.must_resolve_first()
 
     def step(self) -> list[Sequence]:
         """One delegated call: launch the next step (a pause step: counted down), resolve the one in flight."""

@@ -184,6 +184,27 @@ def test_abort_during_an_async_pause_and_a_new_request_keeps_its_prompt_steps_sy
     assert on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
 
 
+def test_a_full_batch_with_a_queue_pauses_async_until_a_slot_frees(parts, monkeypatch):
+    """max_num_seqs 2, three requests: the third waits while the batch is full, and the pause goes on async (no
+    step can admit it); once the first finishes, the step that admits it runs the spec path."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 40, 40)]
+    off = make(parts, monkeypatch, cost=None, max_num_seqs=2)
+    want = ids(off.generate(PROMPTS, params, use_tqdm=False))
+    on = adaptive(parts, monkeypatch, max_num_seqs=2)
+    pauses = on._spec.async_pauses
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        on.add_request(str(i), prompt, p)
+    queued_async = 0  # calls after which a delegated step was in flight while the third request waited
+    outs = []
+    while on.has_unfinished_requests():
+        outs += on.step()
+        queued_async += bool(on.scheduler.waiting and pauses.has_pending())
+    assert queued_async >= 10 and pauses.sync_steps[PROMPT] >= 1, (queued_async, pauses.sync_steps)
+    final = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    assert [final[str(i)] for i in range(3)] == want
+    assert on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
+
+
 def test_structured_requests_keep_pause_steps_sync(parts, monkeypatch):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}}, "required": ["name"]}
     params = SamplingParams(temperature=0.0, max_tokens=40,
