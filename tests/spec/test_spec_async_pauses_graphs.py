@@ -25,6 +25,7 @@ from test_spec_nvidia_interpreter import (
     run,
 )
 
+from deepinfer import SamplingParams
 from deepinfer.models.registry import load_model
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.text.tokenizer import Tokenizer
@@ -73,4 +74,58 @@ def test_async_pause_steps_replay_graphs_and_keep_their_rows_from_the_graph_buff
     for prompt in {p for p, _ in a}:
         n = first_after_pause(a, prompt)
         torch.testing.assert_close(a[(prompt, n)][0], b[(prompt, n)][0], rtol=1e-5, atol=1e-5)
+    assert on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
+
+
+# ---------------------------------------------------------------- GPU (not run yet: no GPU in this session)
+
+NO_PAY = StepCostTable([1, 4096], [1.0, 4096.0])  # a second per token: a verified draft never pays
+CODE = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
+        "def parse_args(argv):\n    parser = "]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_async_pauses_are_on_by_default_and_equal_sync_pauses(monkeypatch):
+    """The embedded model, bf16, CUDA graphs, real async scheduling (pinned copies, events): an adaptive engine
+    whose drafts never pay runs its pauses async by default on a GPU, and its tokens are those of the same engine
+    with DEEPINFER_SPEC_ASYNC_PAUSES=0 (a delegated decode step replays the same decode graph and sampler as a sync
+    pause step, so even bf16 gives the same bits), and the MTP KV its drafts see after the pauses is the sync
+    pauses' (the tap's copies ran on the stream before the next replay rewrote the graph's output)."""
+    import deepinfer
+    from deepinfer import EngineConfig
+    from deepinfer.backends.nvidia.backend import NvidiaBackend
+    from deepinfer.engine import DeepInferenceEngine
+
+    path = deepinfer.embedded_model_path()
+    backend = NvidiaBackend(device="cuda")
+    model = load_model(path, backend, torch.bfloat16, progress=False, load_mtp=True)
+    tok = Tokenizer.from_pretrained(path)
+
+    def engine(env: str | None):
+        if env is None:
+            monkeypatch.delenv("DEEPINFER_SPEC_ASYNC_PAUSES", raising=False)
+        else:
+            monkeypatch.setenv("DEEPINFER_SPEC_ASYNC_PAUSES", env)
+        cfg = EngineConfig(model_name_or_path=path, device="cuda", dtype="bfloat16", max_model_len=512,
+                           max_num_seqs=16, load_progress=False, speculative_method="mtp", num_speculative_tokens=3,
+                           speculative_adaptive=True)
+        e = DeepInferenceEngine.from_components(cfg, model, tok, backend)
+        e._spec.policy.cost = NO_PAY
+        e._spec.book = MTPSnapshots(e)
+        return e
+
+    on, sync = engine(None), engine("0")
+    assert on.runner.graph_runner is not None
+    assert on._spec.async_pauses is not None and sync._spec.async_pauses is None
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in on.generate(CODE, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in sync.generate(CODE, params, use_tqdm=False)]
+    assert got == want
+    pauses = on._spec.async_pauses
+    assert pauses.num_steps >= 30 and pauses.inner.num_sync_fallbacks == 0, (pauses.num_steps, pauses.sync_steps)
+    a, b = on._spec.book.seen, sync._spec.book.seen
+    assert a.keys() == b.keys() and len(a) > len(CODE)  # drafts after the first pause (probes)
+    for key in a:
+        torch.testing.assert_close(a[key][0].float(), b[key][0].float(), rtol=2e-2, atol=2e-2)
     assert on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
