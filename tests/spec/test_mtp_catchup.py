@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_snapshots import MTPSnapshots, first_after_pause
 
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.scheduler import StepCostTable
-from mtp_snapshots import MTPSnapshots, first_after_pause
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
 FLAT = StepCostTable([1, 4096], [10.0, 10.1])  # drafting always pays: no pause but the one the test makes

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_snapshots import MTPSnapshots, first_after_pause
 
 from deepinfer import EngineConfig, SamplingParams, StructuredOutputsParams
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.errors import ConfigError
 from deepinfer.spec.async_pauses import GRAMMAR, LAST, PROMPT, AsyncPauses
 from deepinfer.spec.scheduler import StepCostTable
-from mtp_snapshots import MTPSnapshots, first_after_pause
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef list_files(path):\n"]
 NO_PAY = StepCostTable([1, 4096], [1.0, 4096.0])  # a second per token: a verified draft never pays
