@@ -170,8 +170,7 @@ class AsyncPauses:
         finished sequences' drafts and kept rows dropped."""
         n = sum(1 for seq in got if seq.finish_reason != "error")
         if n:
-            zeros = torch.zeros(n, dtype=torch.int64)
-            self.spec.metrics.record(zeros, zeros, 0)
+            self.spec.metrics.record_plain(n)
         for seq in got:
             if seq.finished:
                 self.spec.book.discard(seq)

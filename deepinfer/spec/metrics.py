@@ -41,6 +41,13 @@ class SpecMetrics:
         self.budgets.append(sum(v))
         del self.budgets[:-1024]
 
+    def record_plain(self, num_seqs: int) -> None:
+        """A step where num_seqs sequences decoded one token each with no draft verified (record() with zeros)."""
+        self.steps += 1
+        self.request_steps += num_seqs
+        self.budgets.append(0)
+        del self.budgets[:-1024]
+
     @property
     def tau(self) -> float:
         return 1.0 + self.accepted_slots / self.request_steps if self.request_steps else float("nan")

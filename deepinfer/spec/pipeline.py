@@ -238,8 +238,7 @@ class SpecStepPipeline:
         decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
         if not k:  # nothing verified: the decodes count as steps of one token
             if decodes:
-                zeros = torch.zeros(len(decodes), dtype=torch.int64)
-                self.metrics.record(zeros, zeros, 0)
+                self.metrics.record_plain(len(decodes))
         elif decodes:
             self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
 
