@@ -4,8 +4,8 @@ Why. A speculative engine's steps run sync (spec/pipeline.py): the host waits fo
 drafts, then builds the next step. When the confidence scheduler pauses drafting (spec/draft_slots.py: SlotPolicy,
 32 to 1024 plain steps), those steps would gain nothing from the spec path, yet still ran sync, while the engine
 without speculation runs async scheduling (sched/step_pipeline.py: step N + 1's host work overlaps step N's device
-work). On the H200 (2026-12-03) a sync plain step cost about twice an async one, so the adaptive mode stayed below
-speculation off exactly where it drafted least.
+work). On the H200 (2026-12-03) the adaptive engine's plain steps cost about twice an off step (docs/speculative.md,
+"On the H200"), so the adaptive mode stayed below speculation off exactly where it drafted least.
 
 What. `AsyncPauses` owns an ordinary StepPipeline with async scheduling and hands it the steps of a pause that
 need nothing of the spec path: `delegable` says when. A step is delegated while
@@ -42,7 +42,6 @@ tests) or off.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -56,8 +55,6 @@ from deepinfer.sched.step_pipeline import StepPipeline
 
 if TYPE_CHECKING:
     from deepinfer.spec.pipeline import SpecStepPipeline
-
-logger = logging.getLogger("deepinfer")
 
 # why a step of a pause ran the spec path (AsyncPauses.sync_steps' keys)
 LAST = "last"  # the pause's last step: it ends the pause and drafts the probe
