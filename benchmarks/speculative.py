@@ -41,7 +41,12 @@ MODES = {
     "k5": dict(speculative_method="mtp", num_speculative_tokens=5),
     "adaptive": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     "ngram3": dict(speculative_method="ngram", num_speculative_tokens=3),
+    # adaptive with its pause steps sync (as before spec/async_pauses.py), for an A/B in one process
+    "adaptive_sync": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
+# environment a mode's engine is built under (read at start-up)
+MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}}
+DEFAULT_MODES = [m for m in MODES if m != "adaptive_sync"]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -59,7 +64,8 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
     steps = s1.spec_request_steps - s0.spec_request_steps
     spec = {"tau": 1 + acc / steps if steps else float("nan"),
             "acceptance": acc / drafted if drafted else float("nan"),
-            "verified_per_step": drafted / max(1, s1.spec_steps - s0.spec_steps)}
+            "verified_per_step": drafted / max(1, s1.spec_steps - s0.spec_steps),
+            "async_steps": s1.spec_async_steps - s0.spec_async_steps}
     tokens = [len(o.outputs[0].token_ids) for o in outs]
     per_user = [n / (o.metrics["finished_time"] - o.metrics["arrival_time"]) for n, o in zip(tokens, outs)]
     return {"total_tok_s": sum(tokens) / wall, "per_user_tok_s": sum(per_user) / len(per_user), "wall_s": wall,
@@ -77,6 +83,13 @@ def print_drafting(mode: str, engine) -> None:
           f"chains replayed in {drafter.num_graph_chains} steps, {drafter.num_eager_chain_seqs} sequence chains eager"
           + ("" if drafter.graphs is not None else " (no MTP graphs)"))
     policy = spec.policy
+    pauses = spec.async_pauses
+    if pauses is not None:
+        print(f"{mode}, pause steps: {pauses.num_steps} async (spec/async_pauses.py), kept sync: "
+              + ", ".join(f"{why} {n}" for why, n in pauses.sync_steps.items())
+              + f"; {pauses.num_drains} drains, {pauses.inner.num_sync_fallbacks} async fallbacks")
+    elif policy.adaptive:
+        print(f"{mode}, pause steps: all sync")
     if policy.draft_cost is not None:
         t = policy.draft_cost
         print(f"{mode}, drafting table (chain 1 / {t.k}): " + ", ".join(
@@ -96,7 +109,8 @@ def print_drafting(mode: str, engine) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
+                    help="adaptive_sync (not in the default): adaptive with DEEPINFER_SPEC_ASYNC_PAUSES=0")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (the engine shares one loaded model) or cuda")
@@ -108,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
     import deepinfer
-    from deepinfer import EngineConfig
+    from deepinfer import EngineConfig, envs
     from deepinfer.backends.cpu.backend import CPUBackend
     from deepinfer.engine import DeepInferenceEngine
     from deepinfer.models.registry import load_model
@@ -123,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         cfg = EngineConfig(model_name_or_path=path, device=args.device, dtype=dtype, max_model_len=512,
                            max_num_seqs=max(args.concurrency), load_progress=False, **MODES[mode])
-        # On a GPU each mode builds its own engine (its own graphs and KV pool); the cpu shares one model.
-        engines[mode] = (DeepInferenceEngine.from_components(cfg, model, tok, backend) if args.device == "cpu"
-                         else DeepInferenceEngine.from_config(cfg))
+        saved = {v.name: v.raw() for v in envs.ALL if v.name in MODE_ENV.get(mode, {})}
+        os.environ.update(MODE_ENV.get(mode, {}))
+        try:  # On a GPU each mode builds its own engine (its own graphs and KV pool); the cpu shares one model.
+            engines[mode] = (DeepInferenceEngine.from_components(cfg, model, tok, backend) if args.device == "cpu"
+                             else DeepInferenceEngine.from_config(cfg))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     for engine in engines.values():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
         for c in args.concurrency:
             run_cell(engine, c, 16)

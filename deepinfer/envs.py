@@ -198,6 +198,15 @@ SPEC_ONE_SYNC = EnvVar(
     "engine",
 )
 
+SPEC_ASYNC_PAUSES = EnvVar(
+    "DEEPINFER_SPEC_ASYNC_PAUSES", "bool", None,
+    "`0` / `1`: an adaptive MTP engine (`--speculative-adaptive`) runs the plain steps of its drafting pauses "
+    "through async scheduling (spec/async_pauses.py); `1` also on the CPU; an adaptive engine that cannot (n-gram "
+    "drafts, a model with per-sequence state, `async_scheduling=False`) refuses `1` at start-up; engines without "
+    "pauses (static k, speculation off) ignore it",
+    "engine", default_text="auto: on where async scheduling is on by default (an accelerator), off on the CPU",
+)
+
 # ---------------------------------------------------------------- server
 
 API_KEY = EnvVar(

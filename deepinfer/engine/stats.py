@@ -34,6 +34,7 @@ class EngineStats:
     spec_conditional_acceptance: tuple[float, ...] = ()  # per draft slot j: P(accepted | slots < j accepted)
     spec_mean_budget: float = float("nan")  # drafted tokens verified per step (last 1024 steps)
     spec_mean_chain: float = float("nan")  # MTP chain length per drafting step (last 1024; adaptive picks it)
+    spec_async_steps: int = 0  # adaptive pause steps run through async scheduling (spec/async_pauses.py)
 
 
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_capacity_tokens",

@@ -91,7 +91,7 @@ class StepPipeline:
         those failed in this call (finish_reason "error", see the module docstring)."""
         prev, self.pending = self.pending, None
         done: list[Sequence] = []
-        if prev is not None and self._must_resolve_first():
+        if prev is not None and self.must_resolve_first():
             self.num_sync_fallbacks += 1
             done = self._process(prev)
             prev = None
@@ -135,7 +135,8 @@ class StepPipeline:
         prev, self.pending = self.pending, None
         return self._process(prev) if prev is not None else []
 
-    def _must_resolve_first(self) -> bool:
+    def must_resolve_first(self) -> bool:
+        """Whether the next step must resolve the step in flight before scheduling (module docstring)."""
         for seq in self.scheduler.running:
             if seq.num_pending and seq.request.needs_host_tokens:
                 return True

@@ -41,6 +41,13 @@ class SpecMetrics:
         self.budgets.append(sum(v))
         del self.budgets[:-1024]
 
+    def record_plain(self, num_seqs: int) -> None:
+        """A step where num_seqs sequences decoded one token each with no draft verified (record() with zeros)."""
+        self.steps += 1
+        self.request_steps += num_seqs
+        self.budgets.append(0)
+        del self.budgets[:-1024]
+
     @property
     def tau(self) -> float:
         return 1.0 + self.accepted_slots / self.request_steps if self.request_steps else float("nan")
@@ -64,3 +71,11 @@ class SpecMetrics:
     @property
     def mean_budget(self) -> float:
         return sum(self.budgets) / len(self.budgets) if self.budgets else float("nan")
+
+    def stats_fields(self, method: str, async_steps: int = 0) -> dict:
+        """The EngineStats spec_* fields (method: the drafter; async_steps: pause steps run async)."""
+        return dict(spec_method=method, spec_steps=self.steps, spec_request_steps=self.request_steps,
+                    spec_drafted_tokens=self.verified_slots, spec_accepted_tokens=self.accepted_slots,
+                    spec_tau=self.tau, spec_acceptance_rate=self.acceptance_rate,
+                    spec_conditional_acceptance=tuple(self.conditional_acceptance()),
+                    spec_mean_budget=self.mean_budget, spec_mean_chain=self.mean_chain, spec_async_steps=async_steps)

@@ -79,6 +79,11 @@ class PausedRows:
         while self.num_rows > self.max_rows:
             self._drop_oldest()
 
+    def prune(self) -> None:
+        """Forget the rows of finished sequences (an abort between steps finishes one outside any step)."""
+        for k in [k for k in self.kept.values() if k.seq.finished]:
+            self.drop(k.seq)
+
     def drop(self, seq: Sequence) -> None:
         """Forget a sequence's kept rows."""
         k = self.kept.pop(seq.seq_id, None)

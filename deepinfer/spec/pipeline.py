@@ -40,8 +40,9 @@ rows replays the decode graphs as decode rows where they cover it (spec/verify_b
 it runs eagerly; a step without drafts replays the decode graph; the MTP pass and chain replay the drafter's own
 graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cover the step, else run eagerly.
 
-Not here (refused at start-up, engine/startup.py: check_speculation): async scheduling, V4, backends other
-than cpu and nvidia, tensor parallelism.
+Async: an adaptive engine's pause steps (plain decodes) run through async scheduling where spec/async_pauses.py
+says; the spec path itself runs sync. Not here (refused at start-up, engine/startup.py: check_speculation): async
+scheduling asked for (speculative steps async), V4, backends other than cpu and nvidia, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
+from deepinfer.spec.async_pauses import AsyncPauses
 from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots, cover_tokens
 from deepinfer.spec.grammar_drafts import DraftGrammarMask, verify_masks
 from deepinfer.spec.metrics import SpecMetrics
@@ -73,7 +75,8 @@ logger = logging.getLogger("deepinfer")
 
 
 class SpecStepPipeline:
-    """The StepPipeline interface (step / drain / has_pending) for speculative decoding, sync only."""
+    """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
+    steps handed to async_pauses (spec/async_pauses.py; None: every step here)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, output_processor: OutputProcessor,
                  drafter: MTPDrafter | NgramDrafter, policy: SlotPolicy, metrics: SpecMetrics, method: str = "mtp"):
@@ -85,8 +88,8 @@ class SpecStepPipeline:
         self.policy = policy
         self.metrics = metrics
         self.book = DraftBook()
-        self.async_scheduling = False
-        self.num_sync_fallbacks = 0
+        self.async_scheduling = False  # the speculative steps' mode (pauses: async_pauses)
+        self.async_pauses: AsyncPauses | None = None  # set by spec/setup.py where pauses run async
         self._extra_tokens = 0  # tokens appended beyond one per sequence-step (the engine counts them)
         self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
@@ -110,20 +113,19 @@ class SpecStepPipeline:
         drafter = getattr(self.drafter, "num_host_reads", 0)
         return self.num_host_reads + drafter + (self.one_sync.num_host_reads if self.one_sync is not None else 0)
 
+    @property
+    def num_sync_fallbacks(self) -> int:
+        return self.async_pauses.inner.num_sync_fallbacks if self.async_pauses is not None else 0
+
     def has_pending(self) -> bool:
-        return False
+        return self.async_pauses is not None and self.async_pauses.has_pending()
 
     def drain(self) -> list[Sequence]:
-        return []
+        return self.async_pauses.drain() if self.async_pauses is not None else []
 
     def stats_fields(self) -> dict:
         """The EngineStats spec_* fields."""
-        m = self.metrics
-        return dict(spec_method=self.method, spec_steps=m.steps, spec_request_steps=m.request_steps,
-                    spec_drafted_tokens=m.verified_slots, spec_accepted_tokens=m.accepted_slots, spec_tau=m.tau,
-                    spec_acceptance_rate=m.acceptance_rate,
-                    spec_conditional_acceptance=tuple(m.conditional_acceptance()), spec_mean_budget=m.mean_budget,
-                    spec_mean_chain=m.mean_chain)
+        return self.metrics.stats_fields(self.method, self.async_pauses.num_steps if self.async_pauses else 0)
 
     def take_extra_tokens(self) -> int:
         n, self._extra_tokens = self._extra_tokens, 0
@@ -131,6 +133,15 @@ class SpecStepPipeline:
 
     def step(self) -> list[Sequence]:
         self.book.prune()
+        self.paused_rows.prune()
+        pauses, done = self.async_pauses, []
+        if pauses is not None:
+            if pauses.delegable():
+                return pauses.step()
+            done = pauses.drain()  # the spec path starts with every token on the host
+        return done + self._step()
+
+    def _step(self) -> list[Sequence]:
         sched = self.scheduler.schedule()
         if sched.empty:
             if self.scheduler.has_unfinished():
@@ -227,8 +238,7 @@ class SpecStepPipeline:
         decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
         if not k:  # nothing verified: the decodes count as steps of one token
             if decodes:
-                zeros = torch.zeros(len(decodes), dtype=torch.int64)
-                self.metrics.record(zeros, zeros, 0)
+                self.metrics.record_plain(len(decodes))
         elif decodes:
             self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
 

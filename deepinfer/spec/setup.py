@@ -7,6 +7,7 @@ import logging
 
 from deepinfer.backend import DecodeGraphRunner, MTPGraphRunner
 from deepinfer.errors import ConfigError
+from deepinfer.spec.async_pauses import AsyncPauses, use_async_pauses
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_slots import SlotPolicy
 from deepinfer.spec.metrics import SpecMetrics
@@ -27,6 +28,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
                           "MTP modules (load_model(..., load_mtp=True))")
     k = cfg.spec_num_tokens()
     kv = scheduler.kv
+    async_pauses = use_async_pauses(cfg, backend, kv, method)  # before the profiling: a refusal comes at once
     if runner.graph_runner is not None:
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     if method == "mtp":
@@ -63,6 +65,10 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
     pipeline.shapes.decode_rows_eager = decode_rows_eager
+    if async_pauses:
+        pipeline.async_pauses = AsyncPauses(pipeline)
+        logger.info("speculative decoding: the plain steps of adaptive pauses run through async scheduling "
+                    "(spec/async_pauses.py); speculative steps run sync")
     return pipeline
 
 

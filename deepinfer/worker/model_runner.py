@@ -25,6 +25,7 @@ grammar state is in error or allows nothing is failed like a row whose sampling 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +140,11 @@ class ModelRunner:
         # a context-parallel replica's step (parallel/cp_forward.ContextParallelForward; set by the engine's
         # parallel set-up): it splits long prefills over the cp ranks and returns the logits rows' hidden states
         self.context_parallel = None
+        # called with (sched, batch, hidden) after each launched step's forward, before its logits: the step's final
+        # hidden states, still on the device's queue (a tap must not read them on the host). None (the default): no
+        # call. Speculative decoding's async pauses set it while they run, to keep the decode rows for the MTP-KV
+        # catch-up (spec/async_pauses.py); not called on the context-parallel path (speculation runs in one process)
+        self.hidden_tap: Callable[[SchedulerOutput, ForwardBatch, torch.Tensor], None] | None = None
 
     def capture_decode_graphs(self, backend: Backend, max_model_len: int, max_num_seqs: int,
                               enforce_eager: bool) -> None:
@@ -171,7 +177,8 @@ class ModelRunner:
             return self.graph_runner.run(batch)
         return self.model.forward(batch, self.caches)
 
-    def _forward_logits(self, batch: ForwardBatch, timer: StepTimer | None = None) -> torch.Tensor | None:
+    def _forward_logits(self, batch: ForwardBatch, timer: StepTimer | None = None,
+                        sched: SchedulerOutput | None = None) -> torch.Tensor | None:
         self.reset_state_rows(batch)
         if self.context_parallel is not None:
             rows = self.context_parallel.logits_hidden(batch, self.caches, self.run_model)
@@ -180,6 +187,8 @@ class ModelRunner:
             return None if rows is None else self.model.compute_logits(rows).float()
         flat = self.short_extends.flatten(batch, self.graph_runner)  # a short extend as decode rows, graphed
         hidden = self.run_model(batch) if flat is None else self.graph_runner.run(flat)
+        if self.hidden_tap is not None and sched is not None:
+            self.hidden_tap(sched, batch, hidden)
         if timer is not None:
             timer.mark("forward")
         if batch.logits_indices.numel() == 0:
@@ -199,7 +208,7 @@ class ModelRunner:
             self.kv.snapshots.plan = self.kv.snapshot_plan(sched.scheduled)
         if timer is not None:
             timer.mark("inputs")
-        logits = self._forward_logits(batch, timer)
+        logits = self._forward_logits(batch, timer, sched)
         step = PendingStep(sched, sampling, timer=timer)
         if timer is not None:
             timer.mark("logits")

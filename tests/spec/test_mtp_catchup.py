@@ -7,40 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_snapshots import MTPSnapshots, first_after_pause
 
 from deepinfer import EngineConfig, SamplingParams
-from deepinfer.backend import token_slots
 from deepinfer.engine import DeepInferenceEngine
-from deepinfer.spec.draft_slots import DraftBook
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.scheduler import StepCostTable
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
 FLAT = StepCostTable([1, 4096], [10.0, 10.1])  # drafting always pays: no pause but the one the test makes
 PAUSE = 12
-
-
-class MTPSnapshots(DraftBook):
-    """A DraftBook that also records, at every put, the sequence's MTP-layer KV of its positions < num_tokens - 1
-    (final by then: every later pass rewrites only later positions) and the draft's first confidence."""
-
-    def __init__(self, engine):
-        super().__init__()
-        self.engine = engine
-        self.seen: dict[tuple[str, int], tuple[torch.Tensor, float]] = {}
-
-    def put(self, seq, tokens, confidence):
-        super().put(seq, tokens, confidence)
-        if not tokens:
-            return
-        kv, model = self.engine.scheduler.kv, self.engine.model
-        cache = self.engine.runner.caches.get("mla", model.config.num_hidden_layers)
-        n = seq.num_tokens - 1
-        row = torch.full((n,), kv.state_slot(seq.seq_id), dtype=torch.int64)
-        slots = token_slots(kv.block_tables["mla"], row, torch.arange(n), 1, kv.block_size)
-        entries = cache.reshape(-1, cache.shape[-1])[slots].clone()
-        self.seen[(seq.request.prompt if seq.request.prompt else str(seq.request.prompt_token_ids), n)] = \
-            (entries, confidence[0])
 
 
 def make(parts, **kw) -> DeepInferenceEngine:
@@ -61,10 +37,6 @@ def run(engine, pause: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     engine.generate(PROMPTS, params, use_tqdm=False)
     return engine._spec.book.seen
-
-
-def first_after_pause(seen: dict, prompt: str) -> int:
-    return min(n for p, n in seen if p == prompt)
 
 
 def test_drafts_after_a_pause_see_the_mtp_kv_of_the_paused_positions(parts):

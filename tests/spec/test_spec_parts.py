@@ -75,6 +75,10 @@ def test_metrics_tau_and_conditional_acceptance():
     m.record(torch.tensor([3, 2, 0]), torch.tensor([3, 0, 0]), drafted=9)
     assert m.tau == 1 + 3 / 3 and m.acceptance_rate == 3 / 5
     assert m.conditional_acceptance() == [0.5, 1.0, 1.0] and m.mean_budget == 5
+    plain, zeros = SpecMetrics(3), SpecMetrics(3)  # a step of 4 plain decodes, as record_plain and as record
+    plain.record_plain(4)
+    zeros.record(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 0)
+    assert plain == zeros and plain.steps == 1 and plain.request_steps == 4 and plain.tau == 1.0
 
 
 def test_cost_table_interpolates_and_is_monotone():
