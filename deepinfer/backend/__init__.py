@@ -27,7 +27,6 @@ from deepinfer.backend.communicator import (
 from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
 from deepinfer.backend.forward_batch import ForwardBatch, token_slots
 from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
-from deepinfer.backend.mtp_graph_runner import MTPGraphRunner, argmax_confidence, mtp_draft_logits
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
@@ -43,6 +42,7 @@ from deepinfer.backend.layer_ops import (
     QuantizedExperts,
     V4AttentionOp,
 )
+from deepinfer.backend.mtp_graph_runner import MTPGraphRunner, argmax_confidence, mtp_draft_logits
 
 # last: the native ops import the modules above
 from deepinfer.backend.native import NativeOps

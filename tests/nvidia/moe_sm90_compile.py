@@ -11,12 +11,11 @@ import sys
 import tempfile
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer.backends.nvidia import fused_moe as fm
-import triton.language as tl
-
 from deepinfer.backends.nvidia import fused_moe_config as cfgs
 from deepinfer.backends.nvidia import fused_moe_gemm as g
 from deepinfer.backends.nvidia import moe_routing as r

@@ -12,7 +12,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend.layer_ops import FP8_EXPERT_SCHEMES, INT4_EXPERT_SCHEMES, MOE_QUANT_SCHEMES, MoEOp, QuantizedExperts
+from deepinfer.backend.layer_ops import (
+    FP8_EXPERT_SCHEMES,
+    INT4_EXPERT_SCHEMES,
+    MOE_QUANT_SCHEMES,
+    MoEOp,
+    QuantizedExperts,
+)
 from deepinfer.backend.native.activation import silu_and_mul
 from deepinfer.backend.native.linear import dequant_fp8_block
 from deepinfer.backend.native.quant_fp4 import dequant_fp4

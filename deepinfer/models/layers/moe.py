@@ -39,7 +39,6 @@ from deepinfer.models.layers.ep_all_to_all import (
 from deepinfer.models.layers.experts import ExpertPlacement, ExpertWeights
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mlp import GatedMLP
-from deepinfer.models.layers.quant.shared_experts import shared_as_quantized_experts
 from deepinfer.models.layers.moe_dispatch import (
     ExpertParallelRouting,
     gather_replicas,
@@ -47,6 +46,7 @@ from deepinfer.models.layers.moe_dispatch import (
     load_routed_experts,
     make_moe_op,
 )
+from deepinfer.models.layers.quant.shared_experts import shared_as_quantized_experts
 from deepinfer.models.weights import tensor_loader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
