@@ -72,3 +72,22 @@ def rows_invariant(fn, x: torch.Tensor, sizes, probe) -> None:
         for i in probe:
             if i < m:
                 assert torch.equal(out[i: i + 1], alone[i]), f"row {i} differs inside a batch of {m}"
+
+
+def folded_shared_moe(spec, w13: torch.Tensor, w2: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    """(the invariant MoE with the shared MLP folded into its grouped GEMMs, the native MoE over the same experts,
+    the shared MLP as the model runs it apart): the setup of the folded-shared-expert tests, interpreter and GPU."""
+    import torch.nn.functional as F
+
+    from deepinfer.backend.native.moe import NativeMoE
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+
+    def shared(t: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(t, gate_up).chunk(2, -1)
+        return F.linear(F.silu(g) * u, down)
+
+    inv, ref = InvariantMoE(spec), NativeMoE(spec)
+    inv.load_experts(w13, w2)
+    ref.load_experts(w13, w2)
+    assert inv.fuse_shared_experts(gate_up, down)
+    return inv, ref, shared

@@ -17,7 +17,7 @@ import torch
 from deepinfer.backend import MLASpec, MoESpec, RouterSpec
 from deepinfer.backend.native.mla_attention import NativeMLAAttention
 from deepinfer.backend.native.moe import NativeMoE
-from invariant_testutil import PagedCache, rows_invariant, seq_inputs
+from invariant_testutil import PagedCache, folded_shared_moe, rows_invariant, seq_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -104,10 +104,7 @@ def test_moe_with_shared_experts_folded_in_rows_do_not_depend_on_the_batch():
     """The V2-Lite MoE layer as the model runs it: 2 shared experts folded into the grouped GEMMs (experts 64, 65),
     rows independent of the batch (T = 1 takes the parallel K slices, larger T the serial ones), both schedules
     equal, close to the native MoE plus the dense shared MLP."""
-    import torch.nn.functional as F
-
     from deepinfer.backends.nvidia.invariant import moe_gemm
-    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
     from deepinfer.backends.nvidia.invariant.moe_align import align
 
     spec = _moe_spec()
@@ -115,14 +112,7 @@ def test_moe_with_shared_experts_folded_in_rows_do_not_depend_on_the_batch():
     gate_up, down = _rand(5632, 2048, seed=24, scale=0.02), _rand(2048, 2816, seed=25, scale=0.02)
     gate = _rand(64, 2048, seed=26, dtype=torch.float32, scale=0.02)
 
-    def shared(t):
-        g, u = F.linear(t, gate_up).chunk(2, -1)
-        return F.linear(F.silu(g) * u, down)
-
-    inv, ref = InvariantMoE(spec), NativeMoE(spec)
-    inv.load_experts(w13, w2)
-    ref.load_experts(w13, w2)
-    assert inv.fuse_shared_experts(gate_up, down)
+    inv, ref, shared = folded_shared_moe(spec, w13, w2, gate_up, down)
     x = _rand(1024, 2048, seed=27)
     rows_invariant(lambda a: inv.forward_hidden(a, gate, None, shared_experts=shared), x, SIZES, PROBE)
     got = inv.forward_hidden(x[:129], gate, None, shared_experts=shared)

@@ -15,14 +15,11 @@ from nvidia_testutil import DEVICE  # noqa: I001  (sets TRITON_INTERPRET)
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deepinfer.backend import MoESpec, RouterSpec
-from deepinfer.backend.native.moe import NativeMoE
 from deepinfer.backends.nvidia.invariant.gemm import bmm, linear, plan_for
-from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
 from deepinfer.backends.nvidia.invariant.moe_align import align
-from invariant_testutil import rows_invariant
+from invariant_testutil import folded_shared_moe, rows_invariant
 
 SIZES = (1, 2, 3, 7, 64, 127, 128, 129)
 PROBE = (0, 1, 6, 63, 127, 128)
@@ -113,16 +110,7 @@ def _moe(method: str = "greedy", num_experts: int = 8):
     spec = MoESpec(router=router, hidden_size=32, intermediate_size=32)
     w13, w2 = _rand(num_experts, 64, 32, seed=8, scale=0.2), _rand(num_experts, 32, 32, seed=9, scale=0.2)
     gate_up, down = _rand(128, 32, seed=10, scale=0.2), _rand(32, 64, seed=11, scale=0.2)  # 2 shared experts
-
-    def shared(t):
-        g, u = F.linear(t, gate_up).chunk(2, -1)
-        return F.linear(F.silu(g) * u, down)
-
-    inv, ref = InvariantMoE(spec), NativeMoE(spec)
-    inv.load_experts(w13, w2)
-    ref.load_experts(w13, w2)
-    assert inv.fuse_shared_experts(gate_up, down)
-    return inv, ref, shared
+    return folded_shared_moe(spec, w13, w2, gate_up, down)
 
 
 @pytest.mark.parametrize("method", ["greedy", "noaux_tc"])
