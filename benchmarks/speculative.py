@@ -103,7 +103,7 @@ def print_drafting(mode: str, engine) -> None:
         over = {name: "unseen" if o is None else f"{o * 1e3:+.3f} ms"
                 for name, o in (("plain", policy.plain_overhead), ("speculative", policy.spec_overhead))}
         print(f"{mode}, measured / table step time: plain {ratio['plain']}, speculative {ratio['speculative']}; "
-              f"measured - table (what the planning adds): plain {over['plain']}, speculative {over['speculative']}")
+              f"measured - table: plain {over['plain']}, speculative {over['speculative']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,15 +133,16 @@ class SlotPolicy:
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
-    # measured - table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
+    # measured / table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
     # steps, and steps that verified or drafted; None until such a step was seen (then the other stands in: most of
-    # a step's overhead is host work both kinds pay, so the other's is a better guess than 0; 0 if neither). The
-    # planning and the admission add them to the tables' prices.
-    plain_overhead: float | None = None
-    spec_overhead: float | None = None
-    # the same steps as measured / predicted ratios (reported, benchmarks/speculative.py; not used to plan)
+    # a step's overhead is host work both kinds pay, so the other's ratio is a better guess than 1; 1 if neither).
+    # plan_drafting scales the tables' prices by them.
     plain_ratio: float | None = None
     spec_ratio: float | None = None
+    # the same steps as measured - predicted seconds (reported, benchmarks/speculative.py; not used to plan: an
+    # additive model was tried on 2026-12-03 and lost to the ratios on the CPU, see docs/speculative.md)
+    plain_overhead: float | None = None
+    spec_overhead: float | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -173,12 +174,8 @@ class SlotPolicy:
             self.probe = False
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
-        plain, spec = self.overheads()
-        # every choice pays the plain step's overhead; admitting a slot makes it a speculative step, which pays the
-        # difference (verification's host work) and, for n-gram, the proposals' host time
-        extra = max(spec - plain, 0.0) + (self.draft_seconds if self.draft_cost is None else 0.0)
-        counts = admit(survival, lens, self.cost, base_tokens, float(base_yield), draft_seconds=plain,
-                       speculation_seconds=extra).num_slots.tolist()
+        counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
+                       speculation_seconds=self.draft_seconds if self.draft_cost is None else 0.0).num_slots.tolist()
         self._admitted_any = any(counts)
         return counts
 
@@ -210,24 +207,18 @@ class SlotPolicy:
                         self._short_chains, self.explore = 0, True
         return self.chain
 
-    def overheads(self) -> tuple[float, float]:
-        """(plain, speculative) seconds a step pays beyond the tables' prices: the measured moving averages, each
-        standing in for the other until it is seen, 0 before any step."""
-        plain = next((o for o in (self.plain_overhead, self.spec_overhead) if o is not None), 0.0)
-        spec = next((o for o in (self.spec_overhead, self.plain_overhead) if o is not None), 0.0)
-        return plain, spec
-
     def observe_step(self, seconds: float, num_tokens: int, drafted_seqs: int = 0, chain: int = 0,
                      verified: bool = False, weight: float = 0.1) -> None:
         """A decode-row step's wall time (schedule to output processing) against what the tables predict for it:
         the step table at its tokens, plus the drafting table for what it drafted. The tables time the forward and
         the drafter alone, over no context; the engine's steps also pay the sampler, verification, output
         processing, batch building and attention over real contexts, and a speculative step pays more of them than
-        a plain one. That is mostly a per-step cost, not one proportional to the tables' (H200, embedded model,
-        2026-12-03: a plain step ~1.2 ms for a 0.23 ms graph replay, a k = 3 step ~1.5 ms for 0.23 + 0.45 ms): so
-        the difference is kept (`overheads`, which plan_drafting and the admission add to the tables' prices); a
-        ratio, which scaled the drafting table by the host's overhead too, priced drafting 5-7x too high and the
-        adaptive mode drafted nothing there. Past steps only: non-anticipating."""
+        a plain one (on the cpu backend with the embedded model, static k = 1 at one sequence was priced 20 ms a step
+        and ran at ~29). plan_drafting scales its prices by these ratios. On the H200 (2026-12-03) a step's excess is
+        mostly per-step host work (a plain step ~1.2 ms for a 0.23 ms graph replay), which a ratio also applies to
+        the drafting table; adding the measured differences instead made the adaptive mode draft there but lost to
+        the ratios on this CPU (docs/speculative.md). Both are kept; the ratios plan. Past steps only:
+        non-anticipating."""
         if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
             return
         predicted = self.cost.at(num_tokens)
@@ -250,20 +241,20 @@ class SlotPolicy:
         the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
-        drafting of chains of L plus a speculative step's measured overhead, against B tokens in cost(B) plus a
-        plain step's (`observe_step`). Plain floats: this runs every step. Reads calibration counts, past
-        confidences and past step times only."""
+        drafting of chains of L, each side scaled by its measured ratio (`observe_step`). Plain floats: this runs
+        every step. Reads calibration counts, past confidences and past step times only."""
         k, b = self.k, float(num_seqs)
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
                             dtype=torch.float64)
         survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
-        plain, spec = self.overheads()
-        best, best_rate = 0, b / (self.cost.at(b) + plain) * (1 + 1e-9)
+        plain = next((r for r in (self.plain_ratio, self.spec_ratio) if r is not None), 1.0)
+        spec = next((r for r in (self.spec_ratio, self.plain_ratio) if r is not None), 1.0)
+        best, best_rate = 0, b / (self.cost.at(b) * plain) * (1 + 1e-9)
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
-            rate = expected / (self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain) + spec)
+            rate = expected / ((self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)) * spec)
             if rate > best_rate:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best

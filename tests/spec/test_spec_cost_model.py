@@ -188,46 +188,28 @@ def test_the_chain_is_k_for_a_static_policy_and_for_a_probe():
     assert policy.plan_drafting(4) == 5
 
 
-def test_measured_step_overheads_are_added_to_the_tables_prices():
+def test_measured_step_times_correct_the_tables_prices():
     """The tables price one sequence's k = 1 step at 40.4 + 4 ms and a plain step at 40 ms (verified tokens almost
-    free, drafts accepted 80%): drafting pays by them. Speculative steps that measure 40 ms more than their price
-    (host work the tables do not see) still draft while no plain step is seen (the speculative overhead stands in
-    for the plain one: most of it is host work both pay); plain steps measured at their price make drafting not
-    pay (1.8 tokens in 84.4 ms against 1 in 40); plain steps with the same 40 ms overhead make it pay again (1.8 in
-    84.4 against 1 in 80). A ratio model would have scaled the drafting table by the host's overhead too: the
-    overheads are differences. A stall is clamped."""
+    free, drafts accepted 80%): drafting pays by them. Speculative steps that measure 2x their price (host work the
+    tables do not see) make it not pay once plain steps are seen at their price (until then the speculative ratio
+    stands in for the plain one: most overhead is host work both pay); plain steps measured alike leave the choice
+    to the model again."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
     assert policy.plan_drafting(1) == 1
-    for _ in range(60):
-        policy.observe_step(policy.cost.at(2) + 0.004 + 0.04, 2, 1, 1, verified=True)
-    assert policy.spec_overhead == pytest.approx(0.04, rel=0.01) and policy.plain_overhead is None
-    assert policy.overheads() == pytest.approx((0.04, 0.04), rel=0.01)
-    assert policy.plan_drafting(1) == 1  # no plain step seen: the speculative overhead stands in for it
-    for _ in range(60):
+    for _ in range(30):
+        policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, verified=True)
+    assert policy.spec_ratio == pytest.approx(2.0, rel=0.05) and policy.plain_ratio is None
+    assert policy.plan_drafting(1) == 1  # no plain step seen: the speculative ratio stands in for it
+    for _ in range(30):
         policy.observe_step(policy.cost.at(1), 1)
-    assert policy.plain_overhead == pytest.approx(0.0, abs=1e-9)
+    assert policy.plain_ratio == pytest.approx(1.0)
     assert policy.plan_drafting(1) == 0
     policy.paused, policy.probe = 0, False
-    for _ in range(80):
-        policy.observe_step(policy.cost.at(1) + 0.04, 1)
-    assert policy.plain_overhead == pytest.approx(0.04, rel=0.01) and policy.plan_drafting(1) == 1
-    before = policy.plain_overhead
-    policy.observe_step(100.0, 1)  # a stall: clamped at 10x the price, one step cannot swing the overhead further
-    assert policy.plain_overhead == pytest.approx(0.9 * before + 0.1 * 9 * policy.cost.at(1), rel=0.02)
-    assert policy.plain_ratio is not None and policy.spec_ratio is not None  # still reported
-
-
-def test_admission_pays_the_speculative_overhead_only_when_it_verifies_a_slot():
-    """Drafts accepted 80% at slot 1: with equal overheads the admission verifies them; a speculative step that costs
-    far more host time than a plain one (an overhead difference larger than what a verified slot yields) admits
-    nothing."""
-    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2, k=1)
-    one = [HeldDraft(seq=None, num_tokens=0, tokens=[7], confidence=[0.9])]
-    assert policy.counts(one, [1], 1, 1) == [1]
-    policy.plain_overhead, policy.spec_overhead = 0.001, 0.001
-    assert policy.counts(one, [1], 1, 1) == [1]
-    policy.spec_overhead = 0.2  # verification would cost 0.2 s more than a plain step for ~0.8 more tokens
-    assert policy.counts(one, [1], 1, 1) == [0]
+    for _ in range(60):
+        policy.observe_step(2 * policy.cost.at(1), 1)
+    assert policy.plain_ratio == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
+    policy.observe_step(100.0, 1)  # a stall: clamped at 10x, one step cannot swing the ratio further
+    assert policy.plain_ratio == pytest.approx(0.9 * 2.0 + 0.1 * 10, rel=0.02)
 
 
 def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
