@@ -155,6 +155,35 @@ def test_mla_token_bits_independent_of_chunking_decode_schedule_and_batch(dtype)
     assert rel_err(whole, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def test_mla_from_latent_fused_prep_is_invariant_and_equals_the_default_composition():
+    """forward_from_latent (mla_prep: norm + RoPE + KV write in one launch, then the invariant attention): a
+    token's bits are the same in one prefill, in chunks, or decoded (DECODE mode: no q-block tables), and the
+    same as the base class's op-by-op composition with this backend's norm and RoPE (mla_prep rounds alike)."""
+    from deepinfer.backend.layer_ops import MLAAttentionOp
+    from deepinfer.backend.native.rope import rope_cos_sin_cache
+
+    be = backend()
+    n, rope = 20, SPEC.qk_rope_head_dim
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, SPEC.num_heads, SPEC.qk_nope_head_dim + rope, generator=g).to(DEVICE)
+    kv_a = torch.randn(n, SPEC.kv_lora_rank + rope, generator=g).to(DEVICE)
+    w = (torch.randn(SPEC.kv_lora_rank, generator=g) * 0.5 + 1).to(DEVICE)
+    cs = rope_cos_sin_cache(rope, 64, 10000.0, None).to(DEVICE)
+    op = _mla(InvariantMLAAttention)
+
+    def run(c, a, b, fused=True):
+        batch = c.batch([(0, b - a)])
+        f = op.forward_from_latent if fused else (lambda *args: MLAAttentionOp.forward_from_latent(op, *args))
+        return f(q[a:b].clone(), kv_a[a:b], w, 1e-6, batch.positions, cs, True, c.kv, batch, "mla", be)
+
+    whole = run(_cache(torch.float32), 0, n)
+    composed = run(_cache(torch.float32), 0, n, fused=False)
+    assert torch.equal(whole, composed)
+    c = _cache(torch.float32)
+    steps = [run(c, a, b) for a, b in ((0, 7), (7, 17), (17, 18), (18, 19), (19, 20))]
+    assert torch.equal(torch.cat(steps), whole)
+
+
 def test_backend_hands_out_invariant_ops():
     be = backend()
     assert be.caps.batch_invariant and be.caps.batch_invariant_model_types == ("deepseek_v2", "deepseek_v3")

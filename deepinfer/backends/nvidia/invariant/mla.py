@@ -9,9 +9,11 @@ path's up-projected MHA, but one reduction order shared with decode).
 
 The schedule (one-stage: a program folds its splits in turn; two-stage: a program per split, the last
 of a q-block's splits folding them) gives the same bits either way, so it is picked from host-known sizes for speed: two
-stages where a small decode batch leaves the GPU idle, one otherwise. A decode-only batch builds its
-q-block tables on the device (no host sync), so it is captured in CUDA graphs; a padded graph row
-(sequence length 0) attends nothing and its output rows are left unwritten (no row reads another's).
+stages where a small decode batch leaves the GPU idle, one otherwise. A decode-only batch needs no
+q-block tables (the kernels' DECODE mode reads seq_lens alone: no host sync, no extra launches), so it is
+captured in CUDA graphs; a padded graph row (sequence length 0) attends nothing and its output rows are
+left unwritten (no row reads another's). The model's entry, forward_from_latent, runs the latent norm,
+RoPE and KV write as mla_prep's one per-token launch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import bmm, interpreting
 from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel, _mla_split_kernel
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
+from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.errors import BackendError
 
 if TYPE_CHECKING:
@@ -50,13 +53,15 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, qb_tok: torch.Tensor, qb_len: torch.Tensor, qb_req: torch.Tensor,
-                  qb_pos: torch.Tensor, scale: float, two_stage: bool | None = None) -> torch.Tensor:
+                  seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
+                  two_stage: bool | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
-    rows of one request, the first at position qb_pos. Returns [T, H, L] in q_lat's dtype.
-    two_stage: None picks the faster schedule; True / False force one (the tests check both agree).
+    rows of one request, the first at position qb_pos. None: a decode-only batch (row b is request b's last
+    token; the kernels read seq_lens alone, so the step builds no tables: no launches, graph-capturable).
+    Returns [T, H, L] in q_lat's dtype. two_stage: None picks the faster schedule; True / False force one (the
+    tests check both agree).
     """
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
@@ -66,7 +71,13 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.dim() != 3 or not kv_cache.is_contiguous():
         raise BackendError("invariant MLA: q_lat / q_pe need contiguous rows and the cache [blocks, page, L + R]")
     out = torch.empty((T, H, L), dtype=q_lat.dtype, device=q_lat.device)
-    nqb = qb_tok.shape[0]
+    decode = qblocks is None
+    if decode and block_q != 1:
+        raise BackendError(f"invariant MLA: the decode q-blocks are one token each, BLOCK_Q is {block_q}")
+    if decode and (block_table.shape[0] != T or seq_lens.shape[0] != T):
+        raise BackendError(f"invariant MLA decode: {T} rows, {block_table.shape[0]} tables, {seq_lens.shape[0]} lengths")
+    qb_tok, qb_len, qb_req, qb_pos = (seq_lens,) * 4 if decode else qblocks
+    nqb = T if decode else qb_tok.shape[0]
     if T == 0 or nqb == 0:
         return out
     hb = triton.cdiv(H, block_h)
@@ -84,6 +95,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
                 PAGE=page, SPLIT=split, BLOCK_Q=block_q,
                 BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=prec, num_warps=warps,
                 num_stages=1 if interpreting() else NUM_STAGES,
+                DECODE=decode,
                 enable_fp_fusion=False)  # the two schedules must round every multiply-add alike
     scale_log2 = scale * _LOG2E
     qargs = (q_lat, q_pe, kv_cache, block_table, qb_tok, qb_len, qb_req, qb_pos, seq_lens)
@@ -116,13 +128,6 @@ def qblocks_host(query_lens: list[int], context_lens: list[int], device: torch.d
     return t[0], t[1], t[2], t[3]
 
 
-def qblocks_decode(seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Decode-only: q-block b is token b of request b at position seq_len - 1; built on the device from
-    seq_lens (graph-capturable, no host sync; a padded row's seq_len 0 makes it empty)."""
-    ar = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
-    return ar, torch.ones_like(ar), ar, (seq_lens - 1).to(torch.int32)
-
-
 class InvariantMLAAttention(MLAAttentionOp):
     """The nvidia backend's MLA under batch invariance (see the module docstring)."""
 
@@ -141,24 +146,43 @@ class InvariantMLAAttention(MLAAttentionOp):
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: "ForwardBatch", group: str) -> torch.Tensor:
-        s = self.spec
-        self.check_inputs(q, kv_cache, self.w_uk is not None)
-        T, H = q.shape[0], s.num_heads
-        if sum(batch.query_lens_cpu) != T:
-            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {T} rows")
+        self._check(q, kv_cache, batch)
         kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c.contiguous(), k_pe.contiguous())
+        return self._attend(q, kv_cache, batch, group)
+
+    def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                            batch, group, ops) -> torch.Tensor:
+        """kv_a RMSNorm, RoPE (q_pe rotated in place) and the KV write in one per-token launch (mla_prep), then
+        the attention: one launch where the default composition makes six (norm, two copies, RoPE, cat, write).
+
+        mla_prep is row-invariant (one program per token, the norm's sum over the row in one program) and runs
+        for every batch the same way. Its decode-only W_UK absorb is never used here: a prefill row's q_nope
+        goes through the invariant bmm, so a decode row's must too, or prefill and decode would differ."""
+        self._check(q, kv_cache, batch)
+        mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                 batch.slot_mapping[group], w_uk=None)
+        return self._attend(q, kv_cache, batch, group)
+
+    def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch") -> None:
+        self.check_inputs(q, kv_cache, self.w_uk is not None)
+        if sum(batch.query_lens_cpu) != q.shape[0]:
+            raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {q.shape[0]} rows")
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch", group: str) -> torch.Tensor:
+        """W_UK absorb, the attention over the cache (which holds this step's entries), W_UV: all invariant."""
+        s = self.spec
+        T, H = q.shape[0], s.num_heads
         w_uk, w_uv_t = self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype)  # no-ops in the load dtype
         q_lat = torch.empty((T, H, s.kv_lora_rank), dtype=q.dtype, device=q.device)
         bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
-        if batch.is_decode_only:
-            qb = qblocks_decode(batch.seq_lens)
-        else:
+        qb = None  # decode-only: the kernels read seq_lens alone
+        if not batch.is_decode_only:
             for i, (n, ctx, sl) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu, batch.seq_lens_cpu)):
                 if sl != ctx + n:
                     raise BackendError(f"MLA: request {i} has seq_len {sl} != context_len {ctx} + query_len {n}")
             qb = qblocks_host(batch.query_lens_cpu, batch.context_lens_cpu, q.device, _tiles(H)[2])
         lat = mla_attention(q_lat, q[..., s.qk_nope_head_dim:], kv_cache, batch.block_tables[group],
-                            batch.seq_lens, *qb, s.softmax_scale, two_stage=self.two_stage)
+                            batch.seq_lens, qb, s.softmax_scale, two_stage=self.two_stage)
         out = torch.empty((T, H, s.v_head_dim), dtype=q.dtype, device=q.device)
         bmm(lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
         return out.view(T, H * s.v_head_dim)

@@ -31,19 +31,30 @@ from deepinfer.backends.nvidia.invariant.gemm import mma
 
 @triton.jit
 def _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr, H,
-          BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
+          BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DECODE: tl.constexpr):
     """Per row of the q-block tile: (token row, head, valid, position or -1), the request, kv_end.
-    The block's tokens sit at positions qb_pos[qb] + 0, 1, ... (consecutive tokens of one request)."""
+    The block's tokens sit at positions qb_pos[qb] + 0, 1, ... (consecutive tokens of one request).
+    DECODE (a decode-only batch): q-block b is token b of request b at position seq_lens[b] - 1, read from
+    seq_lens alone (the qb_* pointers are unused), so the step builds no q-block tables. Only integer
+    indexing differs: the rows' floating-point work is the same code either way."""
     r = tl.arange(0, BLOCK_Q * BLOCK_H)
     qi = r // BLOCK_H
     head = hb * BLOCK_H + r % BLOCK_H
-    tok0 = tl.load(qb_tok_ptr + qb)
-    n = tl.load(qb_len_ptr + qb)
-    req = tl.load(qb_req_ptr + qb).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + req)
+    if DECODE:
+        tok0 = qb
+        n = 1
+        req = qb.to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + req)
+        pos0 = seq_len - 1
+    else:
+        tok0 = tl.load(qb_tok_ptr + qb)
+        n = tl.load(qb_len_ptr + qb)
+        req = tl.load(qb_req_ptr + qb).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + req)
+        pos0 = tl.load(qb_pos_ptr + qb)
     valid = (qi < n) & (head < H) & (tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.int32) < seq_len)
     tok = (tok0 + qi).to(tl.int64)
-    pos = tl.where(valid, tl.minimum(tl.load(qb_pos_ptr + qb) + qi, seq_len - 1), -1)
+    pos = tl.where(valid, tl.minimum(pos0 + qi, seq_len - 1), -1)
     kv_end = tl.max(pos, 0) + 1  # entries this q-block needs (0: an empty / padded block)
     return tok, head, valid, pos, req, kv_end
 
@@ -117,12 +128,13 @@ def _mla_onestage_kernel(
     H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
     BM: tl.constexpr = BLOCK_Q * BLOCK_H
     tok, head, valid, pos, req, kv_end = _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
-                                               H, BLOCK_Q, BLOCK_H)
+                                               H, BLOCK_Q, BLOCK_H, DECODE)
     q_lat, q_pe = _load_q(q_ptr, qpe_ptr, tok, head, valid, stride_qt, stride_qh, stride_pt, stride_ph,
                           L, R, BLOCK_R, UPCAST)
     trow = table_ptr + req * stride_tb
@@ -154,6 +166,7 @@ def _mla_split_kernel(
     H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Program (q-block, head block, split s) writes split s's (m, l, acc) in fp32 (exact); the q-block's last
     split to finish (an arrival counter: counters.py) folds all of them in split order and writes the output,
@@ -164,7 +177,7 @@ def _mla_split_kernel(
     s = tl.program_id(2)
     BM: tl.constexpr = BLOCK_Q * BLOCK_H
     tok, head, valid, pos, req, kv_end = _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
-                                               H, BLOCK_Q, BLOCK_H)
+                                               H, BLOCK_Q, BLOCK_H, DECODE)
     start = s * SPLIT
     row_base = (qb * tl.num_programs(1) + hb).to(tl.int64) * tl.num_programs(2)
     if start < kv_end:  # a split past the block's end writes nothing; the fold never reads it
