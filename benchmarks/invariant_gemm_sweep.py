@@ -45,17 +45,22 @@ SHAPES = {
 # the LM head (S = 1, the 128-column tile swept on 2026-12-01) and the dense layer's gate_up (one layer) only on
 # request: a prefill M of their sizes costs seconds per plan
 DEFAULT_SHAPES = [s for s in SHAPES if s not in ("lm_head", "dense_gate_up")]
+# what a V2-Lite decode step runs in every layer, and the LM head (kv_a_proj and the dense layer's MLP are not)
+HOT_SHAPES = ["q_kv_a_proj", "o_proj", "w_uk_absorb", "w_uv", "router_split", "lm_head"]
 
 
 def candidates(n: int, k: int):
     from deepinfer.backends.nvidia.invariant.gemm import BLOCK_M, Plan, Tile
 
-    tiles = [Tile(BLOCK_M, 64, 64, 4, 4), Tile(BLOCK_M, 128, 64, 4, 3), Tile(BLOCK_M, 32, 128, 4, 4)]
+    # 64 x 64 / 64 x 128 tiles at BLOCK_K 64 (prefill's MMA shape) and deeper K steps (more weight bytes in flight
+    # per program: what a decode GEMV at M = 1 is bound by), shared memory <= ~160 KB at every depth
+    tiles = [Tile(BLOCK_M, 64, 64, 4, 4), Tile(BLOCK_M, 128, 64, 4, 3), Tile(BLOCK_M, 32, 128, 4, 4),
+             Tile(BLOCK_M, 64, 128, 4, 3), Tile(BLOCK_M, 128, 128, 8, 3), Tile(BLOCK_M, 32, 256, 4, 3)]
     if n >= 16384:
         tiles.append(Tile(BLOCK_M, 128, 64, 8, 4))
     out = []
     for t in tiles:
-        for s in (1, 2, 4, 8, 16):
+        for s in (1, 2, 4, 8):
             sk = -(-k // s)
             sk = -(-sk // t.block_k) * t.block_k
             if s > 1 and (sk < t.block_k * 2 or -(-k // sk) != s):
@@ -149,14 +154,15 @@ def sweep_moe(ts: list[int], g: torch.Generator) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,64,256,8192")
-    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma list, or 'hot' (HOT_SHAPES)")
     ap.add_argument("--moe", action="store_true", help="also time the invariant MoE at 1 and 2 K slices")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     ms = [int(x) for x in args.m.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, summary = [], []
-    for name in [s for s in args.shapes.split(",") if s]:
+    names = HOT_SHAPES if args.shapes == "hot" else [s for s in args.shapes.split(",") if s]
+    for name in names:
         r, s = sweep_shape(name, ms, g)
         rows += r
         summary.append(s)

@@ -87,6 +87,13 @@ if has kernels; then
   timeout 120 python3 -m benchmarks.kernels_mla > "$OUT/kernels_mla.log" 2>&1  # MLA prep old/new + decode split sweep
   log "kernels_mla rc=$?"; grep -v '^{' "$OUT/kernels_mla.log" | tail -30 | tee -a "$OUT/summary.txt"
 fi
+if inv_has sweep; then  # (GPU only: runs while the checkpoint is written) the invariant GEMM's plans (tile x K split) at decode and prefill M, and the MoE's split
+  log "issue 14: invariant GEMM / MoE plan sweep"
+  timeout "${INV_SWEEP_TIMEOUT:-420}" python3 -m benchmarks.invariant_gemm_sweep --moe ${INV_SWEEP_ARGS:-} \
+    --json-out "$OUT/invariant_sweep.jsonl" > "$OUT/invariant_sweep.log" 2>&1
+  log "sweep rc=$?"; grep -v '^{' "$OUT/invariant_sweep.log" | tail -20 | tee -a "$OUT/summary.txt"
+  grep -E '"moe"|cross_plan' "$OUT/invariant_sweep.log" | tee -a "$OUT/summary.txt"
+fi
 if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 /tmp/ckpt.log)"; fi
 if has bench; then
   log "throughput (CUDA graphs)"
@@ -153,13 +160,6 @@ if has inv; then  # issue 14: INV_PARTS (comma list) of tests,bench,profile,swee
       --batch-sizes "${INV_PROFILE_BATCHES:-1,64}" --steps 4 --trace-dir "$OUT" --json-out "$OUT/inv_profile.jsonl" \
       > "$OUT/inv_profile.log" 2>&1
     log "inv profile rc=$?"; grep -v '^{' "$OUT/inv_profile.log" | grep -v 'Loading weights' | tail -80 | tee -a "$OUT/summary.txt"
-  fi
-  if inv_has sweep; then  # the invariant GEMM's plans (tile x K split) at decode and prefill M, and the MoE's split
-    log "issue 14: invariant GEMM / MoE plan sweep"
-    timeout "${INV_SWEEP_TIMEOUT:-420}" python3 -m benchmarks.invariant_gemm_sweep --moe ${INV_SWEEP_ARGS:-} \
-      --json-out "$OUT/invariant_sweep.jsonl" > "$OUT/invariant_sweep.log" 2>&1
-    log "sweep rc=$?"; grep -v '^{' "$OUT/invariant_sweep.log" | tail -20 | tee -a "$OUT/summary.txt"
-    grep -E '"moe"|cross_plan' "$OUT/invariant_sweep.log" | tee -a "$OUT/summary.txt"
   fi
 fi
 if has spec; then
