@@ -141,15 +141,31 @@ def sweep_moe(ts: list[int], g: torch.Generator) -> list[dict]:
     op.fuse_shared_experts(torch.randn(5632, 2048, device="cuda", generator=g).bfloat16() * 0.02,
                            torch.randn(2048, 2816, device="cuda", generator=g).bfloat16() * 0.02)
     rows = []
-    for slice_k in (2048, moe_gemm.MOE_SLICE_K):
-        op.slice_k = slice_k  # both are invariant; the op keeps moe_gemm.MOE_SLICE_K
+    cur = {"dual": moe_gemm.tile(True), "down": moe_gemm.tile(False)}
+    tiles = [cur] + [{"dual": dict(BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st),
+                      "down": dict(BLOCK_N=2 * dn, BLOCK_K=bk, num_warps=w, num_stages=st)}
+                     for dn, bk, w, st in ((64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (32, 128, 4, 4),
+                                           (64, 128, 8, 3))]
+    inputs = {}
+    for t in ts:  # drawn once, shared by every tile
+        ids = torch.rand(t, 64, device="cuda", generator=g).argsort(dim=1)[:, :6]
+        inputs[t] = (torch.randn(t, 2048, device="cuda", generator=g).bfloat16(), ids,
+                     torch.rand(t, 6, device="cuda", generator=g))
+    for ti, (tl_, slice_k) in enumerate([(t, moe_gemm.MOE_SLICE_K) for t in tiles] + [(cur, 1024)]):
+        op.slice_k, op.tile = slice_k, tl_  # any fixed tile and slice is invariant; the op keeps moe_gemm's
+        try:
+            x, ids, w = inputs[max(ts)]
+            full = op._experts(x, w, ids, lambda _: None, False)
+            ok = all(torch.equal(op._experts(x[:m], w[:m], ids[:m], lambda _: None, False), full[:m]) for m in ts)
+        except Exception as exc:  # a tile this GPU / Triton cannot compile
+            print(json.dumps({"moe": "routed+shared", "tile": tl_, "error": str(exc)[:200]}), flush=True)
+            continue
         for t in ts:
-            x = torch.randn(t, 2048, device="cuda", generator=g).bfloat16()
-            ids = torch.stack([torch.randperm(64, device="cuda", generator=g)[:6] for _ in range(t)])
-            w = torch.rand(t, 6, device="cuda", generator=g)
+            x, ids, w = inputs[t]
             us = timed(lambda i, x=x, ids=ids, w=w: op._experts(x, w, ids, lambda _: None, False),
                        reps=4 if t >= 4096 else 20)
-            row = {"moe": "routed+shared", "T": t, "slice_k": slice_k, "us": us}
+            row = {"moe": "routed+shared", "T": t, "slice_k": slice_k, "tile": tl_, "current": ti == 0,
+                   "invariant": ok, "us": us}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -20,6 +20,7 @@ the LAST --profile-steps decode steps at batch B (where per-token host costs are
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -103,22 +104,33 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     return start.elapsed_time(end) / 20
 
 
+_PREFILL_ROUNDS = itertools.count()
+
+
 def run_prefill(engine, n: int, prompt_len: int, vocab: int, seed: int) -> dict:
-    """Prefill only: n prompts, one output token each, so no decode step mixes in."""
+    """Prefill only: n prompts, one output token each, so no decode step mixes in.
+
+    Every call draws NEW prompts (a round counter in the seed): the warm-up before a measured call has the
+    same shapes but other tokens, so the measured prompts are not prefix-cache hits (prefix caching is on by
+    default). Until 2026-12-03 both calls drew the same prompts and the measured "prefill" recomputed only
+    each prompt's last block. `cached_tokens` (from RequestOutput.num_cached_tokens) says what was reused."""
     from deepinfer.sampling_params import SamplingParams
 
-    g = torch.Generator().manual_seed(seed + 99)
+    g = torch.Generator().manual_seed(seed + 99 + 7919 * next(_PREFILL_ROUNDS))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"p{i}", torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist(), params)
     t0 = time.perf_counter()
     steps = 0
+    cached: dict[str, int] = {}
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():
+            if out.num_cached_tokens is not None:
+                cached[out.request_id] = out.num_cached_tokens
         steps += 1
     dt = time.perf_counter() - t0
     return {"bench": "prefill", "prompts": n, "prompt_len": prompt_len, "steps": steps, "seconds": dt,
-            "prefill_tok_s": n * prompt_len / dt}
+            "prefill_tok_s": n * prompt_len / dt, "cached_tokens": sum(cached.values())}
 
 
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int,

@@ -63,13 +63,6 @@ if has check; then
 fi
 INV_PARTS="${INV_PARTS:-tests,bench,profile}"
 inv_has() { has inv && [[ ",$INV_PARTS," == *",$1,"* ]]; }
-INV_T_PID=""
-if inv_has tests; then  # issue 14: the kernels at V2-Lite shapes + the engine needle test (no checkpoint needed)
-  log "issue 14: GPU batch-invariance tests"
-  ( timeout "${INV_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/nvidia/test_invariant_gpu.py \
-      tests/engine/test_engine_batch_invariance_gpu.py > "$OUT/inv_tests.log" 2>&1; echo "rc=$?" >> "$OUT/inv_tests.log" ) &
-  INV_T_PID=$!
-fi
 if [ -n "$T_PID" ]; then wait "$T_PID"; log "tests :: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
 if [ -n "$C_PID" ]; then wait "$C_PID"; log "check :: $(tail -2 "$OUT/check.log" | tr '\n' ' ')"; fi
 if has router; then
@@ -93,6 +86,13 @@ if inv_has sweep; then  # (GPU only: runs while the checkpoint is written) the i
     --json-out "$OUT/invariant_sweep.jsonl" > "$OUT/invariant_sweep.log" 2>&1
   log "sweep rc=$?"; grep -v '^{' "$OUT/invariant_sweep.log" | tail -20 | tee -a "$OUT/summary.txt"
   grep -E '"moe"|cross_plan' "$OUT/invariant_sweep.log" | tee -a "$OUT/summary.txt"
+fi
+INV_T_PID=""
+if inv_has tests; then  # issue 14: the kernels at V2-Lite shapes + the engine needle test (after the sweep, whose timings it would disturb; beside the checkpoint's writing)
+  log "issue 14: GPU batch-invariance tests"
+  ( timeout "${INV_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/nvidia/test_invariant_gpu.py \
+      tests/engine/test_engine_batch_invariance_gpu.py > "$OUT/inv_tests.log" 2>&1; echo "rc=$?" >> "$OUT/inv_tests.log" ) &
+  INV_T_PID=$!
 fi
 if [ -n "$CK_PID" ]; then wait "$CK_PID"; log "checkpoint rc=$? :: $(tail -1 /tmp/ckpt.log)"; fi
 if has bench; then

@@ -54,7 +54,7 @@ def to_device(obj: Any, device: torch.device) -> Any:
         return type(obj)(to_device(v, device) for v in obj)
     if isinstance(obj, ForwardBatch):
         return dataclasses.replace(
-            obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+            obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
 

@@ -46,14 +46,17 @@ def test_gemm_rows_do_not_depend_on_m(n, k):
 def test_gemm_k_slices_serial_schedule_equals_parallel(bt, n, k):
     """A weight's fixed K split folded by one program (serial) or by the last of its per-slice programs (parallel,
     what small M gets): the same bits, every M; each plan has the slices the op uses."""
-    from deepinfer.backends.nvidia.invariant.gemm import bmm, plan_for
+    from deepinfer.backends.nvidia.invariant.gemm import Plan, bmm, plan_for
 
-    assert plan_for(bt, n, k, BF16).slices(k) > 1
+    p = plan_for(bt, n, k, BF16)
+    if p.slices(k) == 1:  # a swept one-slice plan (W_UV): the schedules are checked on two slices of its tile
+        p = Plan(p.tile, -(-(k // 2) // p.tile.block_k) * p.tile.block_k)
+    assert p.slices(k) > 1
     a, b = _rand(bt, 300, k, seed=20), _rand(bt, n, k, seed=21, scale=0.02).transpose(1, 2)
     for m in (1, 7, 64, 300):
-        par = bmm(a[:, :m], b, parallel=True)
-        assert torch.equal(par, bmm(a[:, :m], b, parallel=False)), f"M={m}"
-        assert torch.equal(par, bmm(a[:, :m], b, parallel=True)), "the arrival counters did not reset"
+        par = bmm(a[:, :m], b, plan=p, parallel=True)
+        assert torch.equal(par, bmm(a[:, :m], b, plan=p, parallel=False)), f"M={m}"
+        assert torch.equal(par, bmm(a[:, :m], b, plan=p, parallel=True)), "the arrival counters did not reset"
 
 
 def test_router_and_absorbed_bmm():
@@ -102,8 +105,8 @@ def test_moe_rows_do_not_depend_on_the_batch():
 
 def test_moe_with_shared_experts_folded_in_rows_do_not_depend_on_the_batch():
     """The V2-Lite MoE layer as the model runs it: 2 shared experts folded into the grouped GEMMs (experts 64, 65),
-    rows independent of the batch (T = 1 takes the parallel K slices, larger T the serial ones), both schedules
-    equal, close to the native MoE plus the dense shared MLP."""
+    rows independent of the batch, both K-split schedules equal at two 1024-deep slices (the op's own slice,
+    moe_gemm.MOE_SLICE_K, leaves V2-Lite's K whole), close to the native MoE plus the dense shared MLP."""
     from deepinfer.backends.nvidia.invariant import moe_gemm
     from deepinfer.backends.nvidia.invariant.moe_align import align
 
@@ -124,10 +127,10 @@ def test_moe_with_shared_experts_folded_in_rows_do_not_depend_on_the_batch():
         for parallel in (False, True):
             act = torch.empty((t * 8, 1408), dtype=BF16, device=DEV)
             moe_gemm.aligned_gemm(x[:t], w13, act, al, 64, 6, 8, 8, shared_w=inv.shared_w[0], dual=True,
-                                  parallel=parallel)
+                                  parallel=parallel, slice_override=1024)
             y = torch.empty((t * 8, 2048), dtype=torch.float32, device=DEV)
             moe_gemm.aligned_gemm(act, w2, y, al, 64, 6, 8, 1, shared_w=inv.shared_w[1], topk_weights=weights,
-                                  parallel=parallel)
+                                  parallel=parallel, slice_override=1024)
             outs.append((act, y))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"T={t}"
 

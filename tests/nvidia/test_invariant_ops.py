@@ -184,6 +184,23 @@ def test_mla_from_latent_fused_prep_is_invariant_and_equals_the_default_composit
     assert torch.equal(torch.cat(steps), whole)
 
 
+@pytest.mark.parametrize("qlens,ctxs,bq", [([5, 1, 4, 1], [3, 6, 0, 37], 1), ([5, 1, 4, 1, 9], [3, 6, 0, 37, 2], 4),
+                                           ([17, 3], [0, 5], 16)])
+def test_qblocks_host_matches_the_per_token_loop(qlens, ctxs, bq):
+    """The vectorised q-block tables (one build per step, ForwardBatch.memo) equal the plain loop's."""
+    from deepinfer.backends.nvidia.invariant.mla import qblocks_host
+
+    want = [[], [], [], []]
+    start = 0
+    for i, (n, ctx) in enumerate(zip(qlens, ctxs)):
+        for j in range(0, n, bq):
+            for col, v in zip(want, (start + j, min(bq, n - j), i, ctx + j)):
+                col.append(v)
+        start += n
+    got = qblocks_host(qlens, ctxs, torch.device("cpu"), bq)
+    assert [t.tolist() for t in got] == want and all(t.dtype == torch.int32 for t in got)
+
+
 def test_backend_hands_out_invariant_ops():
     be = backend()
     assert be.caps.batch_invariant and be.caps.batch_invariant_model_types == ("deepseek_v2", "deepseek_v3")

@@ -154,3 +154,29 @@ def test_short_extend_over_long_context_runs_as_decode_rows(monkeypatch):
     up = ours.forward(q.to(DEVICE), kv_c.to(DEVICE), k_pe.to(DEVICE), cache.clone().to(DEVICE), batch, "mla")
     assert calls == [1]
     assert rel_err(out, up) < 5 * tol(torch.float32)
+
+
+def test_mixed_step_plan_is_built_once_per_batch_and_a_replaced_batch_starts_empty():
+    """Every layer of a mixed step shares one StepPlan (ForwardBatch.memo); dataclasses.replace gives the copy
+    an empty memo, so a plan never outlives the fields it was derived from."""
+    import dataclasses
+
+    from deepinfer.conformance.layer_cases import _mla_batch
+    from deepinfer.backends.nvidia.mla_attention import StepPlan
+
+    g = torch.Generator().manual_seed(0)
+    qlen, ctx = [4, 1, 3], [2, 9, 0]
+    num_blocks = sum(-(-(c + n) // 4) for c, n in zip(ctx, qlen)) + 1
+    batch = _mla_batch(qlen, ctx, 4, num_blocks, g)
+    cache = torch.randn(num_blocks, 4, SPEC.cache_entry_dim, generator=g).to(DEVICE)
+    op = backend().make_mla_attention(SPEC)
+    op.load_kv_b_proj((torch.randn(SPEC.num_heads * (SPEC.qk_nope_head_dim + SPEC.v_head_dim), SPEC.kv_lora_rank,
+                                   generator=g) / 6).to(DEVICE))
+    q = torch.randn(sum(qlen), SPEC.num_heads, SPEC.qk_nope_head_dim + SPEC.qk_rope_head_dim, generator=g).to(DEVICE)
+    first = op._attend(q, cache, batch, "mla")
+    plans = [v for v in batch.derived.values() if isinstance(v, StepPlan)]
+    assert len(batch.derived) == 1 and len(plans) == 1
+    assert torch.equal(op._attend(q, cache, batch, "mla"), first) and batch.derived[next(iter(batch.derived))] is plans[0]
+    copy = dataclasses.replace(batch)
+    assert copy.derived == {}
+    assert torch.equal(op._attend(q, cache, copy, "mla"), first) and len(copy.derived) == 1

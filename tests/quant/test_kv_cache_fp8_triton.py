@@ -34,7 +34,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _on(batch):
-    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
     for k, v in moved.items():
         if isinstance(v, torch.Tensor):
             moved[k] = v.to(DEVICE)

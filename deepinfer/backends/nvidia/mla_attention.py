@@ -30,6 +30,8 @@ kv_scale) before the up-projection GEMMs. kv_scale is per layer, 1.0 unless a ch
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,21 +107,11 @@ class TritonMLAAttention(MLAAttentionOp):
             return self.w_uk, self.w_uv_t
         return self.w_uk.to(dtype), self.w_uv_t.to(dtype)
 
-    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                reqs: list[int], batch: "ForwardBatch") -> torch.Tensor:
-        """q [sum q_len, H, nope+rope] of the prefill requests `reqs` -> [.., H, v]."""
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """q [sum q_len, H, nope+rope] of the plan's prefill requests -> [.., H, v]."""
         s = self.spec
         dev = q.device
-        page = kv_cache.shape[1]
-        seqs = [batch.seq_lens_cpu[i] for i in reqs]
-        qlens = [batch.query_lens_cpu[i] for i in reqs]
-        for i, ql, sl in zip(reqs, qlens, seqs):
-            if sl != batch.context_lens_cpu[i] + ql:
-                raise BackendError(f"MLA: request {i} has seq_len {sl} != context_len + query_len {ql}")
-        req = torch.repeat_interleave(torch.tensor(reqs), torch.tensor(seqs)).to(dev)
-        pos = torch.cat([torch.arange(n) for n in seqs]).to(dev)
-        blocks = block_tables[req, pos // page].to(torch.int64)
-        latent = kv_cache.view(-1, s.cache_entry_dim).index_select(0, blocks * page + pos % page)
+        latent = kv_cache.view(-1, s.cache_entry_dim).index_select(0, plan.pre_gather)
         if latent.dtype == torch.float8_e4m3fn:  # the gathered rows, dequantized before the GEMMs read them
             latent = latent.to(q.dtype) if self.kv_scale == 1.0 else (latent.float() * self.kv_scale).to(q.dtype)
         lat, k_pe = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
@@ -128,14 +120,12 @@ class TritonMLAAttention(MLAAttentionOp):
         k[..., : s.qk_nope_head_dim] = (lat @ self.w_uk_flat.to(q.dtype).t()).view(tk, s.num_heads, -1)
         k[..., s.qk_nope_head_dim :] = k_pe[:, None, :]
         v = (lat @ self.w_uv_flat.to(q.dtype).t()).view(tk, s.num_heads, s.v_head_dim)
-        cu_q = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, *torch.tensor(seqs).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        return prefill_attention(q, k, v, cu_q, cu_k, max(qlens), s.softmax_scale)
+        return prefill_attention(q, k, v, plan.pre_cu_q, plan.pre_cu_k, plan.pre_max_q, s.softmax_scale)
 
     # ------------------------------------------------------------ layer
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                batch: "ForwardBatch", group: str) -> torch.Tensor:
+                batch: ForwardBatch, group: str) -> torch.Tensor:
         self._check(q, kv_cache, batch)
         kv_cache_write_parts(kv_cache, batch.slot_mapping[group], kv_c, k_pe, self.kv_scale)
         return self._attend(q, kv_cache, batch, group)
@@ -153,44 +143,83 @@ class TritonMLAAttention(MLAAttentionOp):
             return self.decode(q, kv_cache, batch.block_tables[group], batch.seq_lens, q_lat).view(q.shape[0], -1)
         return self._attend(q, kv_cache, batch, group)
 
-    def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch") -> None:
+    def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         self.check_inputs(q, kv_cache, loaded=self.w_uk is not None)
         if sum(batch.query_lens_cpu) != q.shape[0]:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {q.shape[0]} rows")
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: "ForwardBatch", group: str) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, group: str) -> torch.Tensor:
         """Attention over the cache, which already holds this step's entries."""
         s = self.spec
         t = q.shape[0]
-        qlens = batch.query_lens_cpu
         tables = batch.block_tables[group]
-        if all(n == 1 for n in qlens):  # decode-only: no host sync, graph-capturable
+        if batch.is_decode_only:  # no host sync, graph-capturable
             return self.decode(q, kv_cache, tables, batch.seq_lens).view(t, -1)
-        out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        dec = [i for i, n in enumerate(qlens) if n == 1]
         max_query = envs.MLA_EXTEND_AS_DECODE_MAX_QUERY.get()
-        ext = [i for i, n in enumerate(qlens) if extend_as_decode(n, batch.context_lens_cpu[i], max_query)]
-        pre = [i for i, n in enumerate(qlens) if n > 1 and i not in ext]
-        if dec:
-            rows = torch.tensor([starts[i] for i in dec], device=q.device)
-            idx = torch.tensor(dec, device=q.device)
-            out[rows] = self.decode(q[rows], kv_cache, tables[idx], batch.seq_lens[idx])
-        if ext:  # token j of request i: a decode row of seq_len context + j + 1 (see the module docstring)
-            rows_l, idx_l, lens_l = [], [], []
-            for i in ext:
-                ctx = batch.context_lens_cpu[i]
-                for j in range(qlens[i]):
-                    rows_l.append(starts[i] + j)
-                    idx_l.append(i)
-                    lens_l.append(ctx + j + 1)
-            rows = torch.tensor(rows_l, device=q.device)
-            idx = torch.tensor(idx_l, device=q.device)
-            lens = torch.tensor(lens_l, dtype=batch.seq_lens.dtype, device=q.device)
-            out[rows] = self.decode(q[rows], kv_cache, tables[idx].contiguous(), lens)
-        if pre:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(q.device)
-            out[rows] = self.prefill(q[rows].contiguous(), kv_cache, tables, pre, batch)
+        plan = batch.memo(("nvidia_mla_plan", group, kv_cache.shape[1], max_query),
+                          lambda: step_plan(batch, group, kv_cache.shape[1], max_query, q.device))
+        out = torch.empty((t, s.num_heads, s.v_head_dim), dtype=q.dtype, device=q.device)
+        if plan.dec_rows is not None:
+            out[plan.dec_rows] = self.decode(q[plan.dec_rows], kv_cache, plan.dec_tables, plan.dec_lens)
+        if plan.ext_rows is not None:  # token j of request i: a decode row of seq_len context + j + 1
+            out[plan.ext_rows] = self.decode(q[plan.ext_rows], kv_cache, plan.ext_tables, plan.ext_lens)
+        if plan.pre_rows is not None:
+            out[plan.pre_rows] = self.prefill(q[plan.pre_rows].contiguous(), kv_cache, plan)
         return out.reshape(t, -1)
+
+
+@dataclass
+class StepPlan:
+    """One step's split of a mixed batch into decode rows, extend-as-decode rows and prefill rows, with the
+    index tensors each path needs: built once per batch (ForwardBatch.memo) and shared by every layer."""
+
+    dec_rows: torch.Tensor | None = None  # [D] token rows of the decode requests
+    dec_tables: torch.Tensor | None = None  # [D, W] their block tables
+    dec_lens: torch.Tensor | None = None  # [D] their seq_lens
+    ext_rows: torch.Tensor | None = None  # [E] token rows of the extends run as decode rows
+    ext_tables: torch.Tensor | None = None
+    ext_lens: torch.Tensor | None = None  # [E] context + j + 1 for token j
+    pre_rows: torch.Tensor | None = None  # [P] token rows of the prefill requests
+    pre_gather: torch.Tensor | None = None  # [sum seq_len] cache rows (block * page + offset) of their contexts
+    pre_cu_q: torch.Tensor | None = None
+    pre_cu_k: torch.Tensor | None = None
+    pre_max_q: int = 0
+
+
+def step_plan(batch: ForwardBatch, group: str, page: int, max_query: int, dev: torch.device) -> StepPlan:
+    qlens, ctxs, seqs = batch.query_lens_cpu, batch.context_lens_cpu, batch.seq_lens_cpu
+    for i, (n, ctx, sl) in enumerate(zip(qlens, ctxs, seqs)):
+        if sl != ctx + n:
+            raise BackendError(f"MLA: request {i} has seq_len {sl} != context_len {ctx} + query_len {n}")
+    tables = batch.block_tables[group]
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    dec = [i for i, n in enumerate(qlens) if n == 1]
+    ext = [i for i, n in enumerate(qlens) if extend_as_decode(n, ctxs[i], max_query)]
+    pre = [i for i, n in enumerate(qlens) if n > 1 and i not in ext]
+    plan = StepPlan()
+    if dec:
+        idx = torch.tensor(dec, device=dev)
+        plan.dec_rows = torch.tensor([starts[i] for i in dec], device=dev)
+        plan.dec_tables, plan.dec_lens = tables[idx], batch.seq_lens[idx]
+    if ext:
+        rows_l, idx_l, lens_l = [], [], []
+        for i in ext:
+            rows_l += range(starts[i], starts[i] + qlens[i])
+            idx_l += [i] * qlens[i]
+            lens_l += range(ctxs[i] + 1, ctxs[i] + qlens[i] + 1)
+        plan.ext_rows = torch.tensor(rows_l, device=dev)
+        plan.ext_tables = tables[torch.tensor(idx_l, device=dev)].contiguous()
+        plan.ext_lens = torch.tensor(lens_l, dtype=batch.seq_lens.dtype, device=dev)
+    if pre:
+        p_seqs = [seqs[i] for i in pre]
+        p_q = [qlens[i] for i in pre]
+        plan.pre_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(dev)
+        req = torch.repeat_interleave(torch.tensor(pre), torch.tensor(p_seqs)).to(dev)
+        pos = torch.cat([torch.arange(n) for n in p_seqs]).to(dev)
+        plan.pre_gather = tables[req, pos // page].to(torch.int64) * page + pos % page
+        plan.pre_cu_q = torch.tensor([0, *itertools.accumulate(p_q)], dtype=torch.int32, device=dev)
+        plan.pre_cu_k = torch.tensor([0, *itertools.accumulate(p_seqs)], dtype=torch.int32, device=dev)
+        plan.pre_max_q = max(p_q)
+    return plan

@@ -89,15 +89,36 @@ def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     return Tile(BLOCK_M, 64, 64, 4, 4)
 
 
+# Plans swept on the H200 (benchmarks/invariant_gemm_sweep.py --shapes hot, 2026-12-03, commit 318216d): per bf16
+# weight [batch, N, K] of V2-Lite's decode step, the plan with the least sum over M = 1, 64, 256, 8192 of time /
+# cuBLAS time (every candidate checked invariant on the GPU). Device µs at M = 1 / 64 / 256 / 8192 against the
+# formula's plan: the merged q + kv_a 9.0 / 9.8 / 14.7 / 365 (was 11.0 / 18.1 / 23.7 / 375), o_proj 8.4 / 9.2 /
+# 11.1 / 191 (9.1 / 14.0 / 28.8 / 209), W_UK 2.8 / 3.2 / 4.5 / 85 (2.4 / 2.6 / 6.0 / 111), W_UV 3.4 / 3.5 / 4.0 / 62
+# (4.5 / 5.2 / 5.0 / 74), the router's split gate 6.4 / 6.9 / 7.2 / 20.5 (6.1 / 7.4 / 7.7 / 26.1). The LM head
+# kept its plan. Other shapes (V3's widths) take the formula below. A plan is a property of the weight, so
+# whichever plan a weight gets, its rows stay invariant.
+SWEPT_BF16: dict[tuple[int, int, int], Plan] = {
+    (1, 3648, 2048): Plan(Tile(BLOCK_M, 64, 128, 4, 3), 1024),  # q_proj + kv_a_proj_with_mqa (merged)
+    (1, 2048, 2048): Plan(Tile(BLOCK_M, 64, 64, 4, 4), 1024),  # o_proj
+    (16, 512, 128): Plan(Tile(BLOCK_M, 128, 64, 4, 3), 128),  # W_UK absorb (16 heads)
+    (16, 128, 512): Plan(Tile(BLOCK_M, 64, 64, 4, 4), 512),  # W_UV (16 heads)
+    (1, 192, 2048): Plan(Tile(BLOCK_M, 64, 64, 4, 4), 1024),  # the router's fp32 gate as three bf16 parts
+}
+
+
 def plan_for(batch: int, n: int, k: int, dtype: torch.dtype) -> Plan:
     """The tile and the K split of a weight [batch, K, N]: functions of the weight alone, never of M.
 
-    The split: the fewest power-of-two slices (<= MAX_SLICES, each >= MIN_SLICE_K deep) that give
+    A swept plan (SWEPT_BF16) where there is one; otherwise the formula:
+
+    the fewest power-of-two slices (<= MAX_SLICES, each >= MIN_SLICE_K deep) that give
     batch x column tiles x slices >= TARGET_PROGRAMS, so a decode GEMM at M <= 64 fills the GPU; none for a
     weight whose column tiles alone fill the SMs (the split would only cost prefill its pipeline restarts)."""
     tile = tile_for(n, k, dtype)
     if interpreting():
         return Plan(tile, INTERP_SLICE_K)
+    if dtype == torch.bfloat16 and (batch, n, k) in SWEPT_BF16:
+        return SWEPT_BF16[(batch, n, k)]
     if dtype == torch.float32:
         return Plan(tile, triton.cdiv(k, tile.block_k) * tile.block_k)
     tiles = batch * triton.cdiv(n, tile.block_n)

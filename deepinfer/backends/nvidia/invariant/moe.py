@@ -47,6 +47,7 @@ def _route(router_logits, spec, correction_bias=None, token_ids=None, tid2eid=No
 
 class InvariantMoE(NativeMoE):
     slice_k: int | None = None  # the grouped GEMMs' K slice (None: moe_gemm's); benchmarks compare others
+    tile: dict | None = None  # the grouped GEMMs' tiles (None: moe_gemm.tile's); benchmarks compare others
 
     def __init__(self, spec: MoESpec):
         reasons = triton_moe_unsupported(spec)
@@ -118,10 +119,11 @@ class InvariantMoE(NativeMoE):
         n = T * slots
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, self.w13, act, al, bm, k, slots, slots, shared_w=self.shared_w[0] if fold else None,
-                     dual=True, slice_override=self.slice_k)
+                     dual=True, slice_override=self.slice_k, tile_override=self.tile)
         # every slot's row is written unless some pairs are left out (-1): then zeros, which the combine adds
         y = (torch.zeros if skip_unrouted else torch.empty)((n, D), dtype=torch.float32, device=x.device)
         aligned_gemm(act, self.w2, y, al, bm, k, slots, 1, shared_w=self.shared_w[1] if fold else None,
-                     topk_weights=topk_weights.float().contiguous(), slice_override=self.slice_k)
+                     topk_weights=topk_weights.float().contiguous(), slice_override=self.slice_k,
+                     tile_override=self.tile)
         shared_out = shared_experts(x) if shared_experts is not None and not fold else None
         return combine(y.view(T, slots, D), shared_out, x.dtype)

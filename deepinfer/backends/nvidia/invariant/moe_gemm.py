@@ -25,7 +25,10 @@ from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import NUM_SMS, interpreting, mma
 from deepinfer.backends.nvidia.invariant.moe_align import Alignment
 
-MOE_SLICE_K = 1024  # K per slice on the GPU (gate_up K = 2048 -> 2 slices; down K = 1408 -> 1024 + 384)
+# K per slice on the GPU: 2048 = no split at V2-Lite's K (gate_up 2048, down 1408). The H200 sweep of 2026-12-03
+# (benchmarks/invariant_gemm_sweep.py --moe, routed + shared experts of one layer) timed 1024 (two slices) slower
+# at every T: 59.7 / 309 / 332 / 3394 µs against 58.3 / 296 / 310 / 3003 at T = 1 / 64 / 256 / 8192.
+MOE_SLICE_K = 2048
 
 
 @triton.jit
@@ -137,8 +140,11 @@ def _aligned_kernel(
                   MUL_WEIGHT)
 
 
-def tile(dual: bool) -> dict:
-    """The one tile (as the default op's tuned BLOCK_M = 64 tile; DUAL reads two slices, so half BLOCK_N)."""
+def tile(dual: bool, override: dict | None = None) -> dict:
+    """The one tile (as the default op's tuned BLOCK_M = 64 tile; DUAL reads two slices, so half BLOCK_N).
+    override: {"dual": cfg, "down": cfg} (benchmarks compare tiles; any fixed tile keeps the invariance)."""
+    if override is not None:
+        return override["dual" if dual else "down"]
     if interpreting():
         return {"BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_N": 64 if dual else 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
@@ -154,13 +160,14 @@ def slice_k(k: int, slice_override: int | None = None) -> int:
 def aligned_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignment, block_m: int, top_k: int,
                  slots: int, a_div: int, shared_w: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, dual: bool = False,
-                 parallel: bool | None = None, slice_override: int | None = None) -> None:
+                 parallel: bool | None = None, slice_override: int | None = None,
+                 tile_override: dict | None = None) -> None:
     """out[p] = a[p // a_div] @ W_expert(p)^T (* the pair's routing weight, 1.0 for a shared expert; fp32 out);
     dual: silu(gate) * up, out [pairs, N/2]. shared_w: the dense shared MLP's gate_up [2*S*I, D] (dual) or down
     [D, S*I] whose slices are experts E..E+S-1. parallel forces a schedule (None: the faster; the same bits)."""
     E, N, K = w.shape
     n_out = N // 2 if dual else N
-    cfg = tile(dual)
+    cfg = tile(dual, tile_override)
     sk = slice_k(K, slice_override)
     slices = triton.cdiv(K, sk)
     n_tiles = triton.cdiv(n_out, cfg["BLOCK_N"])
