@@ -151,8 +151,14 @@ def sweep_moe(ts: list[int], g: torch.Generator) -> list[dict]:
         ids = torch.rand(t, 64, device="cuda", generator=g).argsort(dim=1)[:, :6]
         inputs[t] = (torch.randn(t, 2048, device="cuda", generator=g).bfloat16(), ids,
                      torch.rand(t, 6, device="cuda", generator=g))
-    for ti, (tl_, slice_k) in enumerate([(t, moe_gemm.MOE_SLICE_K) for t in tiles] + [(cur, 1024)]):
-        op.slice_k, op.tile = slice_k, tl_  # any fixed tile and slice is invariant; the op keeps moe_gemm's
+    # BLOCK_M = 128 pairs per expert tile (prefill's MMA shape; the op keeps 64): 8 warps
+    big = [{"dual": dict(BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=st),
+            "down": dict(BLOCK_N=2 * bn, BLOCK_K=64, num_warps=8, num_stages=st)} for bn, st in ((64, 3), (32, 4))]
+    plans = ([(t, moe_gemm.MOE_SLICE_K, None) for t in tiles] + [(cur, 1024, None)]
+             + [(t, moe_gemm.MOE_SLICE_K, 128) for t in big])
+    for ti, (tl_, slice_k, bm) in enumerate(plans):
+        # any fixed tile, slice and BLOCK_M is invariant; the op keeps moe_gemm's and moe.BLOCK_M
+        op.slice_k, op.tile, op.block_m_override = slice_k, tl_, bm
         try:
             x, ids, w = inputs[max(ts)]
             full = op._experts(x, w, ids, lambda _: None, False)
@@ -164,8 +170,8 @@ def sweep_moe(ts: list[int], g: torch.Generator) -> list[dict]:
             x, ids, w = inputs[t]
             us = timed(lambda i, x=x, ids=ids, w=w: op._experts(x, w, ids, lambda _: None, False),
                        reps=4 if t >= 4096 else 20)
-            row = {"moe": "routed+shared", "T": t, "slice_k": slice_k, "tile": tl_, "current": ti == 0,
-                   "invariant": ok, "us": us}
+            row = {"moe": "routed+shared", "T": t, "slice_k": slice_k, "tile": tl_, "block_m": bm or 64,
+                   "current": ti == 0, "invariant": ok, "us": us}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

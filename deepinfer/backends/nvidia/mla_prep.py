@@ -43,10 +43,11 @@ def _absorb_block(q_ptr, wuk_ptr, qlat_ptr, a, T, H, stride_qt, stride_qh, strid
                  other=0.0)
     offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
     w = tl.load(wuk_ptr + h * stride_wh + offs_n[:, None] * stride_wn + offs_c[None, :], mask=nm[:, None], other=0.0)
-    if UPCAST:
-        qn = qn.to(tl.float32)
-        w = w.to(tl.float32)
-    acc = tl.dot(qn, w, input_precision=PREC)  # fp32 accumulation, rounded once: as the batched GEMM
+    if UPCAST:  # the interpreter: fp64 products, rounded to fp32 once (its numpy tl.dot rounds a tile's edge rows
+        # unlike its inner rows, so a token's bits would follow its place in the 16-token tile; invariant/gemm.mma)
+        acc = tl.dot(qn.to(tl.float64), w.to(tl.float64)).to(tl.float32)
+    else:
+        acc = tl.dot(qn, w, input_precision=PREC)  # fp32 accumulation, rounded once: as the batched GEMM
     tl.store(qlat_ptr + toks[:, None] * stride_lt + h * stride_lh + offs_c[None, :],
              acc.to(qlat_ptr.dtype.element_ty), mask=tm[:, None])
 
@@ -168,7 +169,7 @@ def mla_prep(
         block_c = min(128, triton.next_power_of_2(L))
         absorb = dict(ABSORB=True, BLOCK_K=max(16, triton.next_power_of_2(nope)), BLOCK_T=16, BLOCK_C=block_c,
                       NUM_C=triton.cdiv(L, block_c), PREC="ieee" if q.dtype == torch.float32 else None,
-                      UPCAST=envs.TRITON_INTERPRET.get() == "1" and q.dtype == torch.bfloat16)
+                      UPCAST=envs.TRITON_INTERPRET.get() == "1")
         grid = t + triton.cdiv(t, 16) * h * absorb["NUM_C"]
     if t == 0:
         return q_lat

@@ -159,29 +159,34 @@ class InvariantMLAAttention(MLAAttentionOp):
 
     def forward_from_latent(self, q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
                             batch, group, ops) -> torch.Tensor:
-        """kv_a RMSNorm, RoPE (q_pe rotated in place) and the KV write in one per-token launch (mla_prep), then
-        the attention: one launch where the default composition makes six (norm, two copies, RoPE, cat, write).
+        """kv_a RMSNorm, RoPE (q_pe rotated in place), the KV write and the W_UK absorb in one launch (mla_prep),
+        then the attention: one launch where the default composition makes seven (norm, two copies, RoPE, cat,
+        write, absorb GEMM).
 
-        mla_prep is row-invariant (one program per token, the norm's sum over the row in one program) and runs
-        for every batch the same way. Its decode-only W_UK absorb is never used here: a prefill row's q_nope
-        goes through the invariant bmm, so a decode row's must too, or prefill and decode would differ."""
+        mla_prep is row-invariant (one program per token, the norm's sum over the row in one program; the absorb
+        one fixed-shape tl.dot per 16-token tile, a row's products independent of its tile-mates) and runs for
+        every batch the same way. The default op absorbs in mla_prep for decode-only batches only; here prefill
+        rows take it too (the default prefill up-projects instead), so decode and prefill rows get the same bits."""
         self._check(q, kv_cache, batch)
-        mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
-                 batch.slot_mapping[group], w_uk=None)
-        return self._attend(q, kv_cache, batch, group)
+        q_lat = mla_prep(q, kv_a, kv_norm_weight, eps, positions, rope_cache, interleaved, kv_cache,
+                         batch.slot_mapping[group], w_uk=self.w_uk.to(q.dtype))
+        return self._attend(q, kv_cache, batch, group, q_lat)
 
     def _check(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         self.check_inputs(q, kv_cache, self.w_uk is not None)
         if sum(batch.query_lens_cpu) != q.shape[0]:
             raise BackendError(f"MLA: batch query_lens_cpu sum to {sum(batch.query_lens_cpu)}, q has {q.shape[0]} rows")
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, group: str) -> torch.Tensor:
-        """W_UK absorb, the attention over the cache (which holds this step's entries), W_UV: all invariant."""
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, group: str,
+                q_lat: torch.Tensor | None = None) -> torch.Tensor:
+        """W_UK absorb (unless q_lat is given), the attention over the cache (which holds this step's entries),
+        W_UV: all invariant."""
         s = self.spec
         T, H = q.shape[0], s.num_heads
-        w_uk, w_uv_t = self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype)  # no-ops in the load dtype
-        q_lat = torch.empty((T, H, s.kv_lora_rank), dtype=q.dtype, device=q.device)
-        bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+        w_uv_t = self.w_uv_t.to(q.dtype)  # a no-op in the load dtype
+        if q_lat is None:
+            q_lat = torch.empty((T, H, s.kv_lora_rank), dtype=q.dtype, device=q.device)
+            bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), self.w_uk.to(q.dtype), out=q_lat.transpose(0, 1))
         qb = None  # decode-only: the kernels read seq_lens alone
         if not batch.is_decode_only:
             batch.memo("mla_lengths_checked", lambda: _check_lengths(batch))

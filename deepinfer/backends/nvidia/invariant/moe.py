@@ -48,6 +48,7 @@ def _route(router_logits, spec, correction_bias=None, token_ids=None, tid2eid=No
 class InvariantMoE(NativeMoE):
     slice_k: int | None = None  # the grouped GEMMs' K slice (None: moe_gemm's); benchmarks compare others
     tile: dict | None = None  # the grouped GEMMs' tiles (None: moe_gemm.tile's); benchmarks compare others
+    block_m_override: int | None = None  # pairs per expert tile (None: block_m()); benchmarks compare others
 
     def __init__(self, spec: MoESpec):
         reasons = triton_moe_unsupported(spec)
@@ -114,7 +115,7 @@ class InvariantMoE(NativeMoE):
         fold = shared_experts is not None and self.shared_w is not None
         num_shared = self.shared_w[1].shape[1] // (two_i // 2) if fold else 0
         slots = k + num_shared
-        bm = block_m()
+        bm = self.block_m_override or block_m()
         al = align(topk_ids, E, num_shared, bm)
         n = T * slots
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)

@@ -155,8 +155,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, num_shared: int, block_m: in
     if T == 0:
         return out
     ep = triton.next_power_of_2(num_experts)
-    sub = max(16, ONE_HOT // ep)
     n = T * k
+    # the one-hot's rows per step: ONE_HOT // ep, or fewer when the pairs are fewer (at batch 1 a 128 x 64 one-hot
+    # and its scan for 6 pairs cost ~8 µs a layer); a size of the work, never of the layout
+    sub = max(16, min(ONE_HOT // ep, triton.next_power_of_2(n)))
     if programs is None:
         programs = 1 if n <= SINGLE_MAX_PAIRS else min(MAX_PROGRAMS, triton.cdiv(n, sub))
     if programs == 1:
@@ -172,6 +174,6 @@ def align(topk_ids: torch.Tensor, num_experts: int, num_shared: int, block_m: in
     _align_place_kernel[(progs,)](
         ids, hist, out.sorted_ids, out.block_expert, out.block_rows, T, num_experts, progs, per_prog, nb,
         TOP_K=k, SLOTS=k + num_shared, NS=num_shared, EP=ep, SUB=sub, RB=max(1, ONE_HOT // ep),
-        BB=max(16, ONE_HOT // ep), BLOCK_M=block_m, SINGLE=single, num_warps=4,
+        BB=max(16, min(ONE_HOT // ep, triton.next_power_of_2(nb))), BLOCK_M=block_m, SINGLE=single, num_warps=4,
     )
     return out
