@@ -142,6 +142,7 @@ def mla_prep(
     slot_mapping: torch.Tensor,  # [T], -1 = write nothing
     w_uk: torch.Tensor | None = None,  # [H, nope, L]: also absorb q_nope through W_UK in the same launch
     kv_scale: float = 1.0,  # a float8_e4m3fn cache stores clamp(x / kv_scale, ±448)
+    absorb_block_t: int = 16,  # tokens per absorb tile (the batch-invariant op fixes 64 for every batch)
 ) -> torch.Tensor | None:  # q_lat [T, H, L] in q's dtype when w_uk is given
     from deepinfer.errors import BackendError
 
@@ -167,10 +168,11 @@ def mla_prep(
             raise BackendError(f"mla_prep: W_UK {tuple(w_uk.shape)} {w_uk.dtype} is not [{h}, {nope}, {L}] {q.dtype}")
         q_lat = torch.empty((t, h, L), dtype=q.dtype, device=q.device)
         block_c = min(128, triton.next_power_of_2(L))
-        absorb = dict(ABSORB=True, BLOCK_K=max(16, triton.next_power_of_2(nope)), BLOCK_T=16, BLOCK_C=block_c,
+        absorb = dict(ABSORB=True, BLOCK_K=max(16, triton.next_power_of_2(nope)), BLOCK_T=absorb_block_t,
+                      BLOCK_C=block_c,
                       NUM_C=triton.cdiv(L, block_c), PREC="ieee" if q.dtype == torch.float32 else None,
                       UPCAST=envs.TRITON_INTERPRET.get() == "1")
-        grid = t + triton.cdiv(t, 16) * h * absorb["NUM_C"]
+        grid = t + triton.cdiv(t, absorb_block_t) * h * absorb["NUM_C"]
     if t == 0:
         return q_lat
     cs = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
