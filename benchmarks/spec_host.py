@@ -69,9 +69,12 @@ class ChainLM(CausalLM):
     def mtp_forward(self, hidden, next_input_ids, batch, caches, k: int = 0) -> torch.Tensor:
         return next_input_ids.to(torch.float32).unsqueeze(1)
 
+    wrong_drafts = False  # every draft wrong (an adaptive engine then pauses: its plain steps' host cost)
+
     def mtp_logits(self, state: torch.Tensor, k: int = 0) -> torch.Tensor:
         ids = state[:, 0].long()
-        draft = torch.where(ids % 5 == 0, (_next(ids) + 1) % VOCAB, _next(ids))
+        wrong = ids >= 0 if self.wrong_drafts else ids % 5 == 0
+        draft = torch.where(wrong, (_next(ids) + 1) % VOCAB, _next(ids))
         return torch.zeros(ids.shape[0], VOCAB).scatter_(1, draft.unsqueeze(1), 8.0)
 
 
@@ -105,6 +108,9 @@ class GraphHostBackend:
                                 graph_capture=True)
         self.device = torch.device("cpu")
 
+    def synchronize(self) -> None:  # the adaptive engine's cost profiling times with it; nothing is in flight here
+        return None
+
     def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
         return KVLayout.single(spec)
 
@@ -115,9 +121,13 @@ class GraphHostBackend:
 
 MODES = {
     "off": {},
+    "off-async": dict(async_scheduling=True),  # what a GPU engine without speculation runs
     "k1": dict(speculative_method="mtp", num_speculative_tokens=1),
     "k3": dict(speculative_method="mtp", num_speculative_tokens=3),
     "k3-host": dict(speculative_method="mtp", num_speculative_tokens=3),
+    # adaptive with every draft wrong: it pauses, so its steps are plain steps with the speculative engine's host
+    # work around them (async pauses where DEEPINFER_SPEC_ASYNC_PAUSES=1)
+    "adaptive-paused": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 
 
@@ -129,7 +139,9 @@ def make_engine(tok_dir: str, mode: str, max_seqs: int, max_tokens: int):
     max_len = max_tokens + 64
     cfg = EngineConfig(model_name_or_path="spec-host-bench", max_num_seqs=max_seqs, max_model_len=max_len,
                        num_kv_blocks=max_seqs * (max_len // 16 + 2) + 8, load_progress=False, **MODES[mode])
-    engine = DeepInferenceEngine.from_components(cfg, ChainLM(max_len), Tokenizer.from_pretrained(tok_dir),
+    model = ChainLM(max_len)
+    model.wrong_drafts = mode == "adaptive-paused"
+    engine = DeepInferenceEngine.from_components(cfg, model, Tokenizer.from_pretrained(tok_dir),
                                                  GraphHostBackend(16))
     if mode == "k3-host":
         engine._spec.one_sync = None
