@@ -5,9 +5,13 @@ block with host syncs, each waiting for the step in flight. Here a copy is queue
 (Backend.copy_async: ordered after the compute stream's queued work, because a block handed out may still be
 written by the step in flight) and leaves an event. Two rules make it safe:
 
-- the compute stream waits (a stream wait, not a host sync) on every copy queued since the last launch before
-  the next step runs (`fence`, called by the model runner at launch): so an evicted block is overwritten only
-  after its copy to the host has read it, and a prefetched block is read only after it has arrived;
+- a copy down reads a gather of the evicted blocks made on the compute stream (behind the step in flight, which
+  may still write them), never the blocks themselves, so a block handed out is free to be overwritten by the next
+  step while its copy to the host still runs: copies down overlap the next step's compute on the device (the
+  gathered tensors live until the copy's event is done, `down`);
+- the compute stream waits (a stream wait, not a host sync) on every copy UP queued since the last launch before
+  the next step runs (`fence`, called by the model runner at launch): a prefetched block is read only after it
+  has arrived;
 - host memory a device -> host copy fills is read on the host only behind its event (`ready` callables, e.g. the
   disk tier's writer thread); host -> device copies from it run on the same stream, so stream order covers them.
 
@@ -50,7 +54,7 @@ class TierCopies:
     num_calls: int = 0  # copy_async calls issued (both directions)
     num_transfers: int = 0  # (dst, src) tensor pairs in those calls
     pending: list = field(default_factory=list)  # copies up collected for the next flush: (dst, src)
-    keep: list = field(default_factory=list)  # device tensors copies down read, kept until the next fence
+    down: list = field(default_factory=list)  # copies down in flight: (event, the gathered device tensors they read)
 
     def __post_init__(self) -> None:
         self.stream = self.backend.copy_stream()
@@ -85,8 +89,8 @@ class TierCopies:
         The gather runs on the compute stream, so it reads a block after the step in flight has written it: one
         index_select per part, its block ids uploaded through pinned memory without a host wait
         (worker/transfer.to_device; per-block views were one Python call per block and part: ~3,500 for 128
-        blocks of 27 layers). The gathered tensors are kept until the next fence, after which the compute
-        stream's later work waits for the copy that reads them."""
+        blocks of 27 layers). The copy reads the gathered tensors, not the blocks, so the next step does not wait
+        for it (no fence): the gathered tensors are kept until its event is done (`down`, pruned at each fence)."""
         self.flush()  # a block loaded this step may be the one copied down now: its copy up goes first
         if self.stream is not None:
             for event in self.fences:  # the gather (compute stream) after the copies up issued so far
@@ -112,8 +116,7 @@ class TierCopies:
         self.num_to_host += len(blocks)
         if event is None:
             return None
-        self.keep.append(gathered)
-        self.fences.append(event)
+        self.down.append((event, gathered))
         backend = self.backend
         return lambda: backend.event_synchronize(event)
 
@@ -143,12 +146,13 @@ class TierCopies:
             self.fences.append(event)
 
     def fence(self) -> int:
-        """Make the compute stream wait for every copy queued since the last fence (the collected copies up are
-        issued first); returns how many events."""
+        """Make the compute stream wait for every copy up queued since the last fence (the collected ones are issued
+        first), and release the gathers of copies down that are done; returns how many events it waited on."""
         self.flush()
         n = len(self.fences)
         for event in self.fences:
             self.backend.wait_event(event)
         self.fences.clear()
-        self.keep.clear()  # the compute stream now waits for the copies that read them before it reuses memory
+        if self.down:
+            self.down = [(e, g) for e, g in self.down if not self.backend.event_done(e)]
         return n

@@ -2,10 +2,11 @@
 hits read back from the first tier that has the block.
 
 Every device <-> host copy goes through kv/tier_copies.py (the backend's copy stream; the model runner's
-launch makes the compute stream wait for them, `fence`). So at schedule time:
+launch makes the compute stream wait for the copies up, `fence`). So at schedule time:
 - an allocation's evictions (one callback for all of them) reserve host slots and queue ONE batched copy down
-  (tier_copies.to_host_batch), and the blocks are handed out at once: the next step, which writes them, waits
-  for the copy on the device, not the host;
+  (tier_copies.to_host_batch) of a gather of the blocks made on the compute stream, and the blocks are handed
+  out at once: the next step, which writes them, waits for neither the copy nor the host (the copy reads the
+  gather, so it overlaps that step on the device);
 - a hit in the host tier queues the copies up into the new blocks right away (prefetch), and the step that
   reads them waits for them on the device;
 - a hit on disk starts the file reads on the disk tier's thread pool; until they are done the sequence is not

@@ -2,8 +2,9 @@
 told (QueuedCopies), so what runs before what is deterministic.
 
 - an eviction queues its copy and the host does not wait: right after schedule() the copy has not run and the
-  host buffer is still empty; the launch makes the compute stream wait for it (here: runs it) before the
-  forward overwrites the block, so the host tier holds the block as it was;
+  host buffer is still empty; the copy reads a gather of the blocks made on the compute stream before the next
+  step, so the launch does not wait for it (the copy overlaps the step) and the forward overwrites the block
+  while the copy is still queued, yet the host tier holds the block as it was;
 - a host-tier hit served through queued copies gives the miss's tokens and logprobs; a backend that drops the
   compute stream's wait gives wrong ones (the test above can fail);
 - a prefix on disk is read on the pool while other requests run; its request is admitted once the reads are
@@ -131,11 +132,14 @@ def test_an_evicted_block_is_overwritten_only_after_its_copy(path):
     queued = [n for n, _, _ in backend.queue]
     e.runner.launch(sched)
     waits = [n for what, n in backend.log if what == "compute waits"]
-    assert waits and max(waits) >= max(queued) and not backend.queue
-    for key in evicted:  # copied before the forward wrote the block: the host tier holds the old KV
+    assert not any(n in queued for n in waits) and backend.queue, "the step waited for a copy down"
+    for key in evicted:  # the forward overwrote the blocks while their copies were still queued...
+        block, old = before[key]
+        assert not all(torch.equal(d, o) for d, o in zip(io.views(block), old)), "the step should reuse the block"
+    backend.complete()
+    for key in evicted:  # ...and the copies, reading the gather made before the step, still hold the old KV
         block, old = before[key]
         assert all(torch.equal(h, o) for h, o in zip(e.kv.host_tier.get(key, like), old))
-        assert not all(torch.equal(d, o) for d, o in zip(io.views(block), old)), "the step should reuse the block"
 
 
 @pytest.mark.parametrize("honour_waits", [True, False])

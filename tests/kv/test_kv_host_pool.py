@@ -109,7 +109,12 @@ def test_a_batched_eviction_is_one_call_and_round_trips_bitwise(queued):
     assert link.copies.num_to_host == 40 and link.copies.num_transfers <= 2 * 2  # parts x slot runs
     if queued:
         assert backend.queue, "the copy down should be queued, not run"
-        kv.fence_tier_copies()  # the launch: the compute stream waits for it
+        kv.fence_tier_copies()  # the launch: the next step does not wait for a copy down...
+        assert backend.queue, "the fence waited for a copy down"
+        for b in range(pool.num_blocks):  # ...and may overwrite the evicted blocks: the copy reads their gather
+            for v in io.views(b):
+                v.fill_(-7.0)
+        backend.event_synchronize(backend.n)  # the host reads the slots behind their copy's event
     like = io.like()
     for key, kv_bytes in want.items():
         got, ready = link.fetch("g", key)
