@@ -13,7 +13,7 @@
 #      acc (issue 14: benchmarks.accuracy_bf16, ACC_PROMPTS=28), inv (issue 14, batch invariance: INV_PARTS of
 #      tests (the GPU invariance tests), bench (benchmarks.batch_invariance on $CKPT, flag off vs on, prompt 512,
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
-#      GEMM / MoE plan sweep); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
+#      GEMM / MoE plan sweep), probe (benchmarks.invariant_tile_probe); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
 #      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
@@ -86,6 +86,12 @@ if inv_has sweep; then  # (GPU only: runs while the checkpoint is written) the i
     --json-out "$OUT/invariant_sweep.jsonl" > "$OUT/invariant_sweep.log" 2>&1
   log "sweep rc=$?"; grep -v '^{' "$OUT/invariant_sweep.log" | tail -20 | tee -a "$OUT/summary.txt"
   grep -E '"moe"|cross_plan' "$OUT/invariant_sweep.log" | tee -a "$OUT/summary.txt"
+fi
+if inv_has probe; then  # whether a row's bits depend on the MMA tile (GEMM, MoE, MLA BLOCK_Q), and the tiles' times
+  log "issue 14: invariant tile probe"
+  timeout "${INV_PROBE_TIMEOUT:-420}" python3 -m benchmarks.invariant_tile_probe --json-out "$OUT/tile_probe.jsonl" \
+    > "$OUT/tile_probe.log" 2>&1
+  log "tile probe rc=$?"; grep -E 'same_bits|error' "$OUT/tile_probe.log" | tail -80 | tee -a "$OUT/summary.txt"
 fi
 INV_T_PID=""
 if inv_has tests; then  # issue 14: the kernels at V2-Lite shapes + the engine needle test (after the sweep, whose timings it would disturb; beside the checkpoint's writing)

@@ -58,7 +58,7 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
-                  two_stage: bool | None = None) -> torch.Tensor:
+                  two_stage: bool | None = None, block_q: int | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
@@ -69,7 +69,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     """
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
-    split, block_n, block_q, block_h, warps = _tiles(H)
+    split, block_n, default_q, block_h, warps = _tiles(H)
+    block_q = block_q or default_q
     if L & (L - 1) or L < 16:
         raise BackendError(f"invariant MLA: kv_lora_rank {L} must be a power of two >= 16")
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.dim() != 3 or not kv_cache.is_contiguous():

@@ -1,0 +1,173 @@
+"""Do a row's bits depend on the MMA tile? A GPU probe for issue 14's invariant kernels (information + timing).
+
+The invariant GEMM keeps one tile for every M (gemm.py). Whether that is needed depends on the hardware: a
+Hopper tensor-core MMA adds one 16-deep K step at a time into the fp32 accumulator, and Triton issues the steps
+in K order, so the tile's rows and columns (BLOCK_M, BLOCK_N), its depth (BLOCK_K) and its warps may not enter a
+row's arithmetic at all. If they do not, the tile may follow M (large tiles for prefill) while the K split stays
+a property of the weight. This probe measures it, it does not assume it:
+
+- GEMM: for each V2-Lite weight, the op's plan and tiles of other BLOCK_M (16, 64, 128), BLOCK_N, BLOCK_K, warps
+  and stages with the same K split, at M = 1, 7, 129 and 8192: bitwise equal to the op's plan or not, and the
+  device µs at M = 1 and 8192 (cuBLAS alongside);
+- MoE: the grouped GEMMs with BLOCK_M 16 to 128 and other tiles at T = 1, 8, 8192;
+- MLA: the invariant attention over a 16 x 512-token prefill with BLOCK_Q = 1, 2, 4, 8 query tokens per program
+  (16-row to 128-row MMA tiles): bitwise equal to BLOCK_Q = 1 (what decode runs) or not, and its ms.
+
+  python -m benchmarks.invariant_tile_probe [--json-out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.graph_timing import graph_ms, rotating_graph_us
+
+SHAPES = {  # [batch of weights, N, K] of V2-Lite (bf16)
+    "q_kv_a_proj": (1, 3648, 2048),
+    "o_proj": (1, 2048, 2048),
+    "w_uk_absorb": (16, 512, 128),
+    "w_uv": (16, 128, 512),
+    "router_split": (1, 192, 2048),
+    "dense_gate_up": (1, 21888, 2048),
+    "dense_down": (1, 2048, 10944),
+    "shared_gate_up": (1, 5632, 2048),
+    "shared_down": (1, 2048, 2816),
+}
+MS = (1, 7, 129, 8192)
+
+
+def _emit(out, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    if out:
+        out.write(json.dumps(row) + "\n")
+
+
+def gemm_tiles(block_k_ok) -> list:
+    from deepinfer.backends.nvidia.invariant.gemm import Tile
+
+    tiles = [Tile(16, 64, 128, 4, 4), Tile(16, 128, 64, 4, 4), Tile(64, 64, 64, 4, 4), Tile(64, 64, 128, 4, 3),
+             Tile(64, 128, 64, 4, 3), Tile(64, 128, 64, 8, 4), Tile(64, 256, 64, 8, 3), Tile(128, 128, 64, 8, 3),
+             Tile(128, 128, 64, 4, 3), Tile(128, 256, 64, 8, 3), Tile(128, 128, 128, 8, 2)]
+    return [t for t in tiles if block_k_ok(t.block_k)]
+
+
+def probe_gemm(out) -> None:
+    from deepinfer.backends.nvidia.invariant.gemm import Plan, bmm, plan_for
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (bt, n, k) in SHAPES.items():
+        base = plan_for(bt, n, k, torch.bfloat16)
+        w = (torch.randn(bt, n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        x = torch.randn(bt, max(MS), k, device="cuda", generator=g).bfloat16()
+        ref = bmm(x, w.transpose(1, 2), plan=base)
+        cub = {m: rotating_graph_us(lambda i, m=m: torch.matmul(x[:, :m], w.transpose(1, 2)), copies=1,
+                                    reps=4 if m > 1024 else 20) for m in (1, 8192)}
+        _emit(out, {"gemm": name, "plan": str(base), "cublas_us": cub})
+        for t in gemm_tiles(lambda bk: base.slice_k % bk == 0):
+            plan = Plan(t, base.slice_k)
+            label = f"m{t.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}"
+            try:
+                same = {m: torch.equal(bmm(x[:, :m], w.transpose(1, 2), plan=plan), ref[:, :m]) for m in MS}
+                us = {m: rotating_graph_us(lambda i, m=m: bmm(x[:, :m], w.transpose(1, 2), plan=plan), copies=1,
+                                           reps=4 if m > 1024 else 20) for m in (1, 8192)}
+            except Exception as exc:  # a tile this GPU cannot compile (shared memory)
+                _emit(out, {"gemm": name, "tile": label, "error": str(exc)[:160]})
+                continue
+            _emit(out, {"gemm": name, "tile": label, "same_bits": same, "us": us,
+                        "is_plan": t == base.tile})
+
+
+def probe_mla(out) -> None:
+    from deepinfer.backends.nvidia.invariant.mla import mla_attention, qblocks_host
+
+    H, L, R, page, reqs, n = 16, 512, 64, 64, 16, 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    per = n // page
+    cache = torch.randn(reqs * per, page, L + R, device="cuda", generator=g).bfloat16()
+    table = torch.arange(reqs * per, device="cuda", dtype=torch.int32).view(reqs, per)
+    seq = torch.full((reqs,), n, device="cuda", dtype=torch.int32)
+    q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
+    qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
+    scale = 192 ** -0.5
+    base = None
+    for bq in (1, 2, 4, 8):
+        qb = qblocks_host([n] * reqs, [0] * reqs, torch.device("cuda"), bq)
+        for two in (False,):
+            o = mla_attention(q, qpe, cache, table, seq, qb, scale, two_stage=two, block_q=bq)
+            if base is None:
+                base = o
+            ms = graph_ms(lambda: mla_attention(q, qpe, cache, table, seq, qb, scale, two_stage=two, block_q=bq),
+                          reps=10)
+            diff = (o.float() - base.float()).abs()
+            _emit(out, {"mla": f"block_q {bq}", "same_bits": bool(torch.equal(o, base)),
+                        "rows_differing": int((diff.amax(-1) > 0).sum()), "max_abs_diff": float(diff.max()),
+                        "ms": ms})
+    last = torch.arange(reqs, device="cuda") * n + n - 1
+    dec = mla_attention(q[last].contiguous(), qpe[last].contiguous(), cache, table, seq, None, scale)
+    _emit(out, {"mla": "decode rows == prefill rows (block_q 1)", "same_bits": bool(torch.equal(dec, base[last]))})
+
+
+def probe_moe(out) -> None:
+    """V2-Lite's MoE layer (64 experts top-6, 2 shared experts folded in): BLOCK_M 16 / 32 / 64 / 128 and other
+    tiles against the op's (BLOCK_M 64), at T = 1, 8, 8192: same bits? device µs?"""
+    from deepinfer.backend import MoESpec, RouterSpec
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+
+    router = RouterSpec(num_experts=64, top_k=6, topk_method="greedy", scoring_func="softmax", n_group=1,
+                        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    spec = MoESpec(router=router, hidden_size=2048, intermediate_size=1408)
+    g = torch.Generator(device="cuda").manual_seed(2)
+
+    def rnd(*shape, scale=0.02, dtype=torch.bfloat16):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    w13, w2 = rnd(64, 2816, 2048), rnd(64, 2048, 1408)
+    gate_up, down, gate = rnd(5632, 2048), rnd(2048, 2816), rnd(64, 2048, dtype=torch.float32)
+    x = rnd(8192, 2048, scale=1.0)
+    op = InvariantMoE(spec)
+    op.load_experts(w13, w2)
+    assert op.fuse_shared_experts(gate_up, down)
+    shared = lambda t: t  # noqa: E731  (folded: never called)
+    run = lambda t: op.forward_hidden(x[:t], gate, None, shared_experts=shared)  # noqa: E731
+    ref = {t: run(t) for t in (1, 8, 8192)}
+    variants = [(16, None), (32, None), (128, None),
+                (16, {"dual": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+                      "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}}),
+                (64, {"dual": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                      "down": {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}),
+                (128, {"dual": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                       "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}),
+                (64, None)]
+    for bm, tile in variants:
+        op.block_m_override, op.tile = bm, tile
+        try:
+            same = {t: torch.equal(run(t), ref[t]) for t in ref}
+            us = {t: rotating_graph_us(lambda i, t=t: run(t), copies=1, reps=4 if t > 1024 else 20) for t in (1, 8192)}
+        except Exception as exc:
+            _emit(out, {"moe": f"block_m {bm} tile {tile}", "error": str(exc)[:160]})
+            continue
+        _emit(out, {"moe": f"block_m {bm} tile {tile}", "same_bits": same, "us": us})
+    op.block_m_override = op.tile = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--only", choices=("gemm", "mla", "moe"), default=None)
+    args = ap.parse_args(argv)
+    out = open(args.json_out, "w") if args.json_out else None
+    _emit(out, {"gpu": torch.cuda.get_device_name()})
+    if args.only in (None, "mla"):
+        probe_mla(out)
+    if args.only in (None, "moe"):
+        probe_moe(out)
+    if args.only in (None, "gemm"):
+        probe_gemm(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
