@@ -280,6 +280,12 @@ MOE_BLOCK_M = EnvVar(
     "rows per aligned MoE tile: `16`, `32` or `64`",
     "nvidia", choices=(16, 32, 64), default_text="from routed pairs per expert", error=BackendError,
 )
+INVARIANT_TILE_FOLLOW_M = EnvVar(
+    "DEEPINFER_INVARIANT_TILE_FOLLOW_M", "bool", True,
+    "`0`: the batch-invariant kernels keep one tile for every batch size, even where the load-time check found "
+    "that a faster tile gives the same bits",
+    "nvidia",
+)
 MOE_SHARED_STREAM = EnvVar(
     "DEEPINFER_MOE_SHARED_STREAM", "bool", True,
     "`0`: run the aligned mode's shared experts inline instead of on a second CUDA stream",

@@ -208,3 +208,31 @@ def test_graph_at_a_padded_bucket_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[:3], eager)
+
+
+def test_tiles_that_follow_m_pass_their_check_and_keep_rows_invariant():
+    """tile_choice.py on the H200: every large GEMM tile of the table, the MoE's BLOCK_M 16 / 128 choices and MLA's
+    BLOCK_Q 2 pass their load-time check (benchmarks/invariant_tile_probe.py found them bitwise equal); rows then
+    stay invariant across the sizes where the tile changes (M = LARGE_M, the MoE's 8 pairs and MOE_LARGE_T)."""
+    from deepinfer.backends.nvidia.invariant import gemm, tile_choice
+    from deepinfer.backends.nvidia.invariant.mla import InvariantMLAAttention
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+
+    tile_choice.reset()
+    for (bt, n, k), tile in tile_choice.LARGE_TILES_BF16.items():
+        w = _rand(bt, n, k, seed=30, scale=0.02).transpose(1, 2)
+        assert tile_choice.check_gemm(w), f"weight [{bt}, {n}, {k}] with {tile}"
+        assert gemm.CHECKED_LARGE_TILES[(bt, n, k)] == tile
+    w = _rand(3648, 2048, seed=31, scale=0.02)
+    x = _rand(1100, 2048, seed=32)
+    rows_invariant(lambda a: gemm.linear(a, w), x, (1, 7, 1023, 1024, 1100), PROBE)
+    spec = _moe_spec()
+    op = InvariantMoE(spec)
+    op.load_experts(_rand(64, 2816, 2048, seed=33, scale=0.02), _rand(64, 2048, 1408, seed=34, scale=0.02))
+    assert tile_choice.moe_choice(op._tiles_key, 1, 6) == tile_choice.MOE_SMALL, "the MoE check failed"
+    gate = _rand(64, 2048, seed=35, dtype=torch.float32, scale=0.02)
+    x = _rand(2100, 2048, seed=36)
+    rows_invariant(lambda a: op.forward_hidden(a, gate), x, (1, 2, 10, 11, 2047, 2048, 2100), PROBE)
+    mla = _mla(InvariantMLAAttention)
+    assert tile_choice.mla_block_q(mla._tiles_key) == tile_choice.MLA_BLOCK_Q, "the MLA check failed"
+    tile_choice.reset()

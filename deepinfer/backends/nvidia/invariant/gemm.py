@@ -69,6 +69,10 @@ TARGET_PROGRAMS = 192  # at M <= BLOCK_M a weight's tiles x slices reach about t
 MIN_SLICE_K = 256  # a slice stays >= 4 BLOCK_K steps: each slice restarts the serial schedule's pipeline
 MAX_SLICES = 8
 NUM_SMS = 132  # the parallel schedule pays below one program per SM (H200; a speed choice, not a bit one)
+LARGE_M = 1024  # rows from which a weight takes its large tile, once tile_choice.py checked it on this device
+# (batch, N, K) of bf16 weights -> the large tile that gave the plan's bits on this device (tile_choice.check_gemm
+# fills it at load; empty: every M takes the plan's tile)
+CHECKED_LARGE_TILES: dict[tuple[int, int, int], Tile] = {}
 
 
 def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
@@ -226,12 +230,14 @@ def parallel_pays(tiles: int, slices: int, m: int, k: int) -> bool:
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None, plan: Plan | None = None,
-        parallel: bool | None = None) -> torch.Tensor:
+        parallel: bool | None = None, tile: Tile | None = None) -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] (any strides: pass W.t() views, no copies).
 
     The output dtype is a's unless given. When a and b differ in dtype, both are upcast to fp32.
     `plan` overrides plan_for (benchmarks/invariant_gemm_sweep.py; a fixed plan per weight keeps the
     invariance, whichever plan it is). `parallel` forces a schedule (None: the faster one; the same bits).
+    `tile` overrides the plan's tile, keeping its K split (tile_choice.py checks that it keeps the bits); without
+    plan and tile, M >= LARGE_M takes the weight's checked large tile where it has one.
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise BackendError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
@@ -246,7 +252,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     f32 = a.dtype != b.dtype or a.dtype == torch.float32
     exact = a.dtype == torch.float32 or b.dtype == torch.float32
     p = plan or plan_for(bt, n, k, torch.float32 if exact else a.dtype)
-    t = p.tile
+    if tile is None and plan is None and m >= LARGE_M and not exact and a.dtype == torch.bfloat16:
+        tile = CHECKED_LARGE_TILES.get((bt, n, k))
+    t = tile or p.tile
     slices = p.slices(k)
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     if parallel is None:

@@ -12,6 +12,7 @@ import torch
 from deepinfer.backend import LinearMethod
 from deepinfer.backends.nvidia.invariant.counters import tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import linear
+from deepinfer.backends.nvidia.invariant.tile_choice import check_gemm
 
 
 class InvariantLinear(LinearMethod):
@@ -21,7 +22,9 @@ class InvariantLinear(LinearMethod):
 
     def process_weights(self, layer: torch.nn.Module, compute_dtype: torch.dtype) -> None:
         self.inner.process_weights(layer, compute_dtype)
-        tile_counters(self.inner.dense_weight(layer).device, 0)  # at load, never first inside a graph capture
+        w = self.inner.dense_weight(layer)
+        tile_counters(w.device, 0)  # at load, never first inside a graph capture
+        check_gemm(w.t().unsqueeze(0))  # its large tile for prefill, where this device keeps the bits (tile_choice)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.inner.dense_weight(layer))

@@ -27,6 +27,7 @@ from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import bmm, interpreting
 from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel, _mla_split_kernel
+from deepinfer.backends.nvidia.invariant.tile_choice import check_gemm, check_mla, mla_block_q
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.errors import BackendError
@@ -133,6 +134,22 @@ def qblocks_host(query_lens: list[int], context_lens: list[int], device: torch.d
     return t[0], t[1], t[2], t[3]
 
 
+def _probe_prefill(spec: MLASpec, device: torch.device, dtype: torch.dtype, block_q: int | None) -> torch.Tensor:
+    """The attention over a fixed random prefill of two requests (200 and 333 tokens: splits and a ragged last
+    q-block) with `block_q` tokens per program (None: the fixed one): tile_choice.check_mla's probe."""
+    H, L, R, page, lens = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 64, (200, 333)
+    g = torch.Generator(device=device).manual_seed(0)
+    per = triton.cdiv(max(lens), page)
+    cache = torch.randn(len(lens) * per, page, L + R, device=device, generator=g).to(dtype)
+    table = torch.arange(len(lens) * per, device=device, dtype=torch.int32).view(len(lens), per)
+    seq = torch.tensor(lens, device=device, dtype=torch.int32)
+    q = (torch.randn(sum(lens), H, L, device=device, generator=g) * 0.05).to(dtype)
+    qpe = (torch.randn(sum(lens), H, R, device=device, generator=g) * 0.05).to(dtype)
+    bq = block_q or _tiles(H)[2]
+    qb = qblocks_host(list(lens), [0] * len(lens), device, bq)
+    return mla_attention(q, qpe, cache, table, seq, qb, spec.softmax_scale, two_stage=False, block_q=bq)
+
+
 def _check_lengths(batch: ForwardBatch) -> bool:
     for i, (n, ctx, sl) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu, batch.seq_lens_cpu)):
         if sl != ctx + n:
@@ -144,6 +161,7 @@ class InvariantMLAAttention(MLAAttentionOp):
     """The nvidia backend's MLA under batch invariance (see the module docstring)."""
 
     two_stage: bool | None = None  # None: the faster schedule; tests force each (same bits)
+    _tiles_key: tuple = ()  # (heads, kv_lora_rank, rope dim, dtype): tile_choice's key (set at load)
 
     def __init__(self, spec: MLASpec):
         super().__init__(spec)
@@ -155,6 +173,11 @@ class InvariantMLAAttention(MLAAttentionOp):
         self.w_uk = w_uk.contiguous()
         self.w_uv_t = w_uv.contiguous().transpose(1, 2)
         tile_counters(weight.device, 0)  # at load, never first inside a graph capture
+        check_gemm(self.w_uk)  # their large tiles for prefill, where this device keeps the bits (tile_choice.py)
+        check_gemm(self.w_uv_t)
+        s = self.spec
+        self._tiles_key = (s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim, weight.dtype)
+        check_mla(self._tiles_key, lambda bq: _probe_prefill(s, weight.device, weight.dtype, bq), weight.device)
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: ForwardBatch, group: str) -> torch.Tensor:
@@ -195,11 +218,12 @@ class InvariantMLAAttention(MLAAttentionOp):
         qb = None  # decode-only: the kernels read seq_lens alone
         if not batch.is_decode_only:
             batch.memo("mla_lengths_checked", lambda: _check_lengths(batch))
-            bq = _tiles(H)[2]
+            bq = mla_block_q(self._tiles_key) or _tiles(H)[2]
             qb = batch.memo(("invariant_mla_qblocks", bq), lambda: qblocks_host(
                 batch.query_lens_cpu, batch.context_lens_cpu, q.device, bq))
         lat = mla_attention(q_lat, q[..., s.qk_nope_head_dim:], kv_cache, batch.block_tables[group],
-                            batch.seq_lens, qb, s.softmax_scale, two_stage=self.two_stage)
+                            batch.seq_lens, qb, s.softmax_scale, two_stage=self.two_stage,
+                            block_q=None if qb is None else bq)
         out = torch.empty((T, H, s.v_head_dim), dtype=q.dtype, device=q.device)
         bmm(lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
         return out.view(T, H * s.v_head_dim)

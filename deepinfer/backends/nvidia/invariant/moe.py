@@ -1,7 +1,9 @@
 """`InvariantMoE`: the routed experts on one path for every batch size (batch-invariant mode).
 
-Which path: the expert-aligned grouped GEMMs (moe_gemm.aligned_gemm) with BLOCK_M fixed at 64 (16 under the
-interpreter), one tile and one K split per weight, whatever the token count. The default op switches between
+Which path: the expert-aligned grouped GEMMs (moe_gemm.aligned_gemm) with BLOCK_M 64 (16 under the
+interpreter), one K split per weight, whatever the token count; the tile (BLOCK_M 16 at a few pairs, 128 at
+prefill sizes) follows the token count only where tile_choice.check_moe found, at load on this device, that it
+gives the fixed tile's bits. The default op switches between
 the direct mode and the aligned mode and picks BLOCK_M and the tile from the batch; each choice is fine on its
 own but gives a token different bits in different batches. Here:
 
@@ -27,6 +29,7 @@ from deepinfer.backends.nvidia.invariant.gemm import interpreting, linear
 from deepinfer.backends.nvidia.invariant.moe_align import align
 from deepinfer.backends.nvidia.invariant.moe_gemm import aligned_gemm
 from deepinfer.backends.nvidia.invariant.router import route_parts, router_parts, split_gate
+from deepinfer.backends.nvidia.invariant.tile_choice import check_moe, moe_choice
 from deepinfer.backends.nvidia.moe import check_shared_mlp, triton_moe_unsupported
 from deepinfer.backends.nvidia.moe_routing import route
 from deepinfer.errors import BackendError
@@ -49,6 +52,7 @@ class InvariantMoE(NativeMoE):
     slice_k: int | None = None  # the grouped GEMMs' K slice (None: moe_gemm's); benchmarks compare others
     tile: dict | None = None  # the grouped GEMMs' tiles (None: moe_gemm.tile's); benchmarks compare others
     block_m_override: int | None = None  # pairs per expert tile (None: block_m()); benchmarks compare others
+    _tiles_key: tuple = ()  # the experts' shapes and dtype: tile_choice's key (set at load)
 
     def __init__(self, spec: MoESpec):
         reasons = triton_moe_unsupported(spec)
@@ -61,6 +65,19 @@ class InvariantMoE(NativeMoE):
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
         tile_counters(w13.device, 0)  # at load, never first inside a graph capture
+        self._tiles_key = (*w13.shape, *w2.shape, w13.dtype)
+        check_moe(self._tiles_key, self._tile_probe, w13.device)
+
+    def _tile_probe(self, num_tokens: int, bm: int | None, tile: dict | None) -> torch.Tensor:
+        """The experts over the first num_tokens of a fixed random batch with fixed random routing (tile_choice)."""
+        E, _, D = self.w13.shape
+        k = self.spec.router.top_k
+        g = torch.Generator(device=self.w13.device).manual_seed(0)
+        n = num_tokens
+        x = torch.randn(n, D, device=self.w13.device, generator=g).to(self.w13.dtype)
+        ids = torch.rand(n, E, device=self.w13.device, generator=g).topk(k, dim=1).indices.to(torch.int32)
+        weights = torch.rand(n, k, device=self.w13.device, generator=g)
+        return self._experts(x, weights, ids, None, skip_unrouted=False, choice=(bm, tile))
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Keep the shared MLP's dense weights: it then runs as experts E.. inside the grouped GEMMs."""
@@ -105,7 +122,8 @@ class InvariantMoE(NativeMoE):
             raise BackendError("MoE experts before load_experts")
         return self._experts(x, topk_weights, topk_ids, None, skip_unrouted=True)
 
-    def _experts(self, x, topk_weights, topk_ids, shared_experts, skip_unrouted: bool) -> torch.Tensor:
+    def _experts(self, x, topk_weights, topk_ids, shared_experts, skip_unrouted: bool,
+                 choice: tuple[int | None, dict | None] | None = None) -> torch.Tensor:
         T, D = x.shape
         E, two_i, _ = self.w13.shape
         k = topk_ids.shape[1]
@@ -115,16 +133,18 @@ class InvariantMoE(NativeMoE):
         fold = shared_experts is not None and self.shared_w is not None
         num_shared = self.shared_w[1].shape[1] // (two_i // 2) if fold else 0
         slots = k + num_shared
-        bm = self.block_m_override or block_m()
+        bm, tile = choice or moe_choice(self._tiles_key, T, slots)
+        bm = self.block_m_override or bm or block_m()
+        tile = self.tile or tile
         al = align(topk_ids, E, num_shared, bm)
         n = T * slots
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, self.w13, act, al, bm, k, slots, slots, shared_w=self.shared_w[0] if fold else None,
-                     dual=True, slice_override=self.slice_k, tile_override=self.tile)
+                     dual=True, slice_override=self.slice_k, tile_override=tile)
         # every slot's row is written unless some pairs are left out (-1): then zeros, which the combine adds
         y = (torch.zeros if skip_unrouted else torch.empty)((n, D), dtype=torch.float32, device=x.device)
         aligned_gemm(act, self.w2, y, al, bm, k, slots, 1, shared_w=self.shared_w[1] if fold else None,
                      topk_weights=topk_weights.float().contiguous(), slice_override=self.slice_k,
-                     tile_override=self.tile)
+                     tile_override=tile)
         shared_out = shared_experts(x) if shared_experts is not None and not fold else None
         return combine(y.view(T, slots, D), shared_out, x.dtype)
