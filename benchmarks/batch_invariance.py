@@ -52,10 +52,12 @@ def _measure(args, invariant: bool, batches: list[int], vocab: int) -> list[dict
         # warm-up at the measured shapes first (as benchmarks/throughput.py does): kernels whose launch
         # configuration depends on the step's token count would otherwise compile inside the measured run
         run_prefill(engine, args.prefill_prompts, args.prompt_len, vocab, args.seed)
-        # new prompts each run (no prefix-cache hits); the best of three, each a single ~50 ms step
-        runs = [run_prefill(engine, args.prefill_prompts, args.prompt_len, vocab, args.seed) for _ in range(3)]
+        # new prompts each run (no prefix-cache hits); the best of --prefill-runs, each a single ~50 ms step
+        runs = [run_prefill(engine, args.prefill_prompts, args.prompt_len, vocab, args.seed)
+                for _ in range(args.prefill_runs)]
         r = max(runs, key=lambda x: x["prefill_tok_s"])
         r["runs_tok_s"] = [round(x["prefill_tok_s"], 1) for x in runs]
+        r["median_tok_s"] = sorted(r["runs_tok_s"])[len(runs) // 2]
         r.update(batch_invariant=invariant)
         print(json.dumps(r), flush=True)
         rows.append(r)
@@ -84,6 +86,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefill-prompts", type=int, default=32, help="prompts in the prefill-only run (0: skip)")
+    p.add_argument("--prefill-runs", type=int, default=3, help="prefill runs (new prompts each); the best is kept")
     p.add_argument("--device", default="cuda")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -118,6 +121,9 @@ def main() -> None:
         fmt = lambda r: f"{r[field]:>14.1f}" if r else f"{'-':>14}"  # noqa: E731
         over = f"{100 * (1 - on[field] / off[field]):>9.1f}%" if on and off else f"{'-':>10}"
         print(f"{name:<18}{fmt(off)}{fmt(on)}{over}")
+        if bench == "prefill" and on and off:  # the runs' medians too: a single prefill step is noisy
+            mo, mn = off["median_tok_s"], on["median_tok_s"]
+            print(f"{'prefill median':<18}{mo:>14.1f}{mn:>14.1f}{100 * (1 - mn / mo):>9.1f}%")
 
 
 if __name__ == "__main__":
