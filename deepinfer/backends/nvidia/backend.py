@@ -321,8 +321,8 @@ class NvidiaBackend(NativeOps, Backend):
         cov["mla_attention"] = "triton: batch-invariant (absorbed, fixed split size, invariant GEMMs)"
         cov["route"] = "triton (one program per token)"
         cov["apply_token_bitmask"] = "triton (row-invariant as it stands)"
-        cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, fixed BLOCK_M / tile)"
+        cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, one K split; the tile follows T where checked)"
         for k in list(cov):
             if k.startswith("linear:"):
-                cov[k] = "triton: batch-invariant GEMM (one tile for every M)"
+                cov[k] = "triton: batch-invariant GEMM (one K split per weight; the tile follows M where checked)"
         return cov
