@@ -153,10 +153,45 @@ def probe_moe(out) -> None:
     op.block_m_override = op.tile = None
 
 
+def probe_thresholds(out) -> None:
+    """Where the faster tiles start to pay: tile_choice's large GEMM tiles against the plans' at M = 256 .. 2048, the
+    MoE's BLOCK_M 16 (small tile) and 128 against 64 at the token counts around MOE_SMALL_PAIRS / MOE_LARGE_T."""
+    from deepinfer.backend import MoESpec, RouterSpec
+    from deepinfer.backends.nvidia.invariant.gemm import bmm, plan_for
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+    from deepinfer.backends.nvidia.invariant.tile_choice import LARGE_TILES_BF16, MOE_LARGE, MOE_SMALL
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for (bt, n, k), tile in LARGE_TILES_BF16.items():
+        w = (torch.randn(bt, n, k, device="cuda", generator=g) / k ** 0.5).bfloat16().transpose(1, 2)
+        x = torch.randn(bt, 2048, k, device="cuda", generator=g).bfloat16()
+        plan = plan_for(bt, n, k, torch.bfloat16)
+        row = {}
+        for m in (256, 512, 1024, 2048):
+            row[m] = [round(rotating_graph_us(lambda i, m=m, t=t: bmm(x[:, :m], w, plan=plan, tile=t), copies=1,
+                                              reps=8), 1) for t in (None, tile)]
+        _emit(out, {"threshold": f"gemm [{bt}, {n}, {k}]", "us_plan_vs_large": row})
+    router = RouterSpec(num_experts=64, top_k=6, topk_method="greedy", scoring_func="softmax", n_group=1,
+                        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    op = InvariantMoE(MoESpec(router=router, hidden_size=2048, intermediate_size=1408))
+    op.load_experts((torch.randn(64, 2816, 2048, device="cuda", generator=g) * 0.02).bfloat16(),
+                    (torch.randn(64, 2048, 1408, device="cuda", generator=g) * 0.02).bfloat16())
+    x = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(4096, 64, device="cuda", generator=g).topk(6, dim=1).indices.to(torch.int32)
+    wts = torch.rand(4096, 6, device="cuda", generator=g)
+    row = {}
+    for t in (8, 11, 16, 32, 512, 1024, 2048, 4096):
+        alt = MOE_SMALL if t <= 32 else MOE_LARGE
+        row[t] = [round(rotating_graph_us(lambda i, t=t, c=c: op._experts(x[:t], wts[:t], ids[:t], None, False, c),
+                                          copies=1, reps=8), 1) for c in ((None, None), alt)]
+    _emit(out, {"threshold": "moe (fixed vs BLOCK_M 16 up to 32 tokens, 128 above; 6 pairs a token)",
+                "us_fixed_vs_alt": row})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default=None)
-    ap.add_argument("--only", choices=("gemm", "mla", "moe"), default=None)
+    ap.add_argument("--only", choices=("gemm", "mla", "moe", "thresholds"), default=None)
     args = ap.parse_args(argv)
     out = open(args.json_out, "w") if args.json_out else None
     _emit(out, {"gpu": torch.cuda.get_device_name()})
@@ -166,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_moe(out)
     if args.only in (None, "gemm"):
         probe_gemm(out)
+    if args.only in (None, "thresholds"):
+        probe_thresholds(out)
     return 0
 
 
