@@ -11,7 +11,8 @@ a property of the weight. This probe measures it, it does not assume it:
   device µs at M = 1 and 8192 (cuBLAS alongside);
 - MoE: the grouped GEMMs with BLOCK_M 16 to 128 and other tiles at T = 1, 8, 8192;
 - MLA: the invariant attention over a 16 x 512-token prefill with BLOCK_Q = 1, 2, 4, 8 query tokens per program
-  (16-row to 128-row MMA tiles): bitwise equal to BLOCK_Q = 1 (what decode runs) or not, and its ms.
+  (16-row to 128-row MMA tiles) and 4 to 16 warps, with the softmax's row sums by tl.sum or by an MMA: bitwise
+  equal to BLOCK_Q = 1 with 4 warps (what decode runs) or not, and its ms; and decode's cost of each row sum.
 
   python -m benchmarks.invariant_tile_probe [--json-out F]
 """
@@ -92,22 +93,45 @@ def probe_mla(out) -> None:
     q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
     qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
     scale = 192 ** -0.5
-    base = None
-    for bq in (1, 2, 4, 8):
+    variants = [(False, 1, 4), (False, 2, 4), (False, 4, 4), (False, 8, 4), (False, 2, 8),
+                (True, 1, 4), (True, 1, 8), (True, 2, 4), (True, 2, 8), (True, 4, 4), (True, 4, 8), (True, 4, 16),
+                (True, 8, 8), (True, 8, 16)]
+    base = {}  # row-sum method -> its block_q 1, 4-warp output (what decode runs)
+    for rowsum, bq, warps in variants:
         qb = qblocks_host([n] * reqs, [0] * reqs, torch.device("cuda"), bq)
-        for two in (False,):
-            o = mla_attention(q, qpe, cache, table, seq, qb, scale, two_stage=two, block_q=bq)
-            if base is None:
-                base = o
-            ms = graph_ms(lambda: mla_attention(q, qpe, cache, table, seq, qb, scale, two_stage=two, block_q=bq),
-                          reps=10)
-            diff = (o.float() - base.float()).abs()
-            _emit(out, {"mla": f"block_q {bq}", "same_bits": bool(torch.equal(o, base)),
-                        "rows_differing": int((diff.amax(-1) > 0).sum()), "max_abs_diff": float(diff.max()),
-                        "ms": ms})
+        kw = dict(two_stage=False, block_q=bq, num_warps=warps, rowsum_mma=rowsum)
+        name = f"rowsum {'mma' if rowsum else 'tl.sum'} block_q {bq} warps {warps}"
+        try:
+            o = mla_attention(q, qpe, cache, table, seq, qb, scale, **kw)
+            ms = graph_ms(lambda: mla_attention(q, qpe, cache, table, seq, qb, scale, **kw), reps=10)
+        except Exception as exc:  # e.g. out of shared memory at a large tile
+            _emit(out, {"mla": name, "error": str(exc)[:160]})
+            continue
+        ref = base.setdefault(rowsum, o)
+        diff = (o.float() - ref.float()).abs()
+        _emit(out, {"mla": name, "same_bits": bool(torch.equal(o, ref)),
+                    "rows_differing": int((diff.amax(-1) > 0).sum()), "max_abs_diff": float(diff.max()), "ms": ms})
+    if len(base) == 2:
+        d = (base[True].float() - base[False].float()).abs()
+        _emit(out, {"mla": "rowsum mma vs tl.sum (block_q 1)", "max_abs_diff": float(d.max()),
+                    "rows_differing": int((d.amax(-1) > 0).sum())})
     last = torch.arange(reqs, device="cuda") * n + n - 1
-    dec = mla_attention(q[last].contiguous(), qpe[last].contiguous(), cache, table, seq, None, scale)
-    _emit(out, {"mla": "decode rows == prefill rows (block_q 1)", "same_bits": bool(torch.equal(dec, base[last]))})
+    for rowsum in base:
+        dec = mla_attention(q[last].contiguous(), qpe[last].contiguous(), cache, table, seq, None, scale,
+                            rowsum_mma=rowsum)
+        _emit(out, {"mla": f"decode rows == prefill rows (rowsum {'mma' if rowsum else 'tl.sum'})",
+                    "same_bits": bool(torch.equal(dec, base[rowsum][last]))})
+    # decode cost of each row-sum method (and 8 warps): batch 1 and 64 at 4096 entries of context (the decode schedule)
+    ctx, per = 4096, 4096 // page
+    for b in (1, 64):
+        dcache = torch.randn(b * per, page, L + R, device="cuda", generator=g).bfloat16()
+        dtable = torch.arange(b * per, device="cuda", dtype=torch.int32).view(b, per)
+        dseq = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        dq, dpe = q[:b].contiguous(), qpe[:b].contiguous()
+        us = {f"{'mma' if r else 'tl.sum'} w{w}": round(1000 * graph_ms(
+            lambda r=r, w=w: mla_attention(dq, dpe, dcache, dtable, dseq, None, scale, rowsum_mma=r, num_warps=w),
+            reps=20), 1) for r, w in ((False, 4), (True, 4), (True, 8))}
+        _emit(out, {"mla": f"decode batch {b} context {ctx} (us)", "us": us})
 
 
 def probe_moe(out) -> None:

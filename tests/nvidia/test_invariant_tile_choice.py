@@ -76,9 +76,12 @@ def test_moe_and_mla_choices_after_a_passed_check():
     assert tile_choice.mla_block_q(("j",)) == tile_choice.MLA_BLOCK_Q
 
 
-def test_mla_two_tokens_per_program_give_one_token_per_program_bits():
-    """The kernel path tile_choice enables for prefill and mixed steps (BLOCK_Q 2; decode rows keep 1): a prefill of
-    two requests (one with an odd length, so its last q-block holds one token) and a decode row beside them."""
+@pytest.mark.parametrize("rowsum_mma", [False, True])
+def test_mla_two_tokens_per_program_give_one_token_per_program_bits(rowsum_mma):
+    """The kernel path tile_choice enables for prefill and mixed steps (BLOCK_Q > 1; decode rows keep 1): a prefill of
+    two requests (one with an odd length, so its last q-block holds one token) and a decode row beside them. With
+    the row sums as MMAs (rowsum_mma) also 4 tokens and 8 warps a program; and the two row-sum methods agree to
+    fp32 rounding (they sum the same weights, in another order)."""
     spec = MLASpec(num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
                    softmax_scale=0.3)
     H, L, R, page, lens = 2, 16, 8, 8, (21, 34)
@@ -87,12 +90,22 @@ def test_mla_two_tokens_per_program_give_one_token_per_program_bits():
     table = torch.arange(2 * per, dtype=torch.int32).view(2, per).to(DEVICE)
     seq = torch.tensor(lens, dtype=torch.int32).to(DEVICE)
     q, qpe = _rand(sum(lens), H, L, seed=5, dtype=torch.float32), _rand(sum(lens), H, R, seed=6, dtype=torch.float32)
+    tiles = [(1, 4), (2, 4)] + ([(4, 8)] if rowsum_mma else [])
     outs = [mla_attention(q, qpe, cache, table, seq, qblocks_host(list(lens), [0, 0], DEVICE, bq),
-                          spec.softmax_scale, two_stage=False, block_q=bq) for bq in (1, 2)]
-    assert torch.equal(outs[0], outs[1])
+                          spec.softmax_scale, two_stage=False, block_q=bq, num_warps=w, rowsum_mma=rowsum_mma)
+            for bq, w in tiles]
+    for o in outs[1:]:
+        assert torch.equal(outs[0], o)
     # the first request as one decode row at its last position, beside a chunk of the second (mixed step)
     qb = qblocks_host([1, 4], [20, 30], DEVICE, 2)
     rows = torch.tensor([20, 51, 52, 53, 54])
     mixed = mla_attention(q[rows].contiguous(), qpe[rows].contiguous(), cache, table, seq, qb, spec.softmax_scale,
-                          two_stage=False, block_q=2)
+                          two_stage=False, block_q=2, rowsum_mma=rowsum_mma)
     assert torch.equal(mixed, outs[0][rows])
+    last = torch.tensor([20, 54])
+    dec = mla_attention(q[last].contiguous(), qpe[last].contiguous(), cache, table, seq, None, spec.softmax_scale,
+                        rowsum_mma=rowsum_mma)
+    assert torch.equal(dec, outs[0][last])
+    other = mla_attention(q, qpe, cache, table, seq, qblocks_host(list(lens), [0, 0], DEVICE, 1),
+                          spec.softmax_scale, two_stage=False, rowsum_mma=not rowsum_mma)
+    torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-6)

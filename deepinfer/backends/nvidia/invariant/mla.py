@@ -41,6 +41,7 @@ BLOCK_N = 32  # entries per tile inside a split (SPLIT is a multiple)
 BLOCK_Q = 1  # query tokens per program tile: a decode row fills the tile (16 heads), no wasted MMA rows
 BLOCK_H = 16  # heads per program tile (tl.dot needs >= 16 rows)
 NUM_WARPS = 4
+ROWSUM_MMA = False  # the softmax row sums by tl.sum (False) or by an MMA (mla_kernels._split_state): fixed per model
 NUM_STAGES = 3  # software pipelining only: the same arithmetic at any depth
 TWO_STAGE_MAX_PROGRAMS = 132  # below one program per SM the split-parallel schedule pays
 PARTIAL_BYTES_MAX = 256 << 20  # the two-stage schedule's fp32 split states stay under this
@@ -59,19 +60,24 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
-                  two_stage: bool | None = None, block_q: int | None = None) -> torch.Tensor:
+                  two_stage: bool | None = None, block_q: int | None = None, num_warps: int | None = None,
+                  rowsum_mma: bool | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
     rows of one request, the first at position qb_pos. None: a decode-only batch (row b is request b's last
     token; the kernels read seq_lens alone, so the step builds no tables: no launches, graph-capturable).
     Returns [T, H, L] in q_lat's dtype. two_stage: None picks the faster schedule; True / False force one (the
-    tests check both agree).
+    tests check both agree). block_q / num_warps: the q-block tokens and warps (None: the fixed ones);
+    rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA). Probes and tile_choice set them; a row's
+    bits follow the row-sum method always, and the block and warps too unless the sums are MMAs.
     """
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
     split, block_n, default_q, block_h, warps = _tiles(H)
     block_q = block_q or default_q
+    warps = num_warps or warps
+    rowsum_mma = ROWSUM_MMA if rowsum_mma is None else rowsum_mma
     if L & (L - 1) or L < 16:
         raise BackendError(f"invariant MLA: kv_lora_rank {L} must be a power of two >= 16")
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.dim() != 3 or not kv_cache.is_contiguous():
@@ -101,7 +107,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
                 PAGE=page, SPLIT=split, BLOCK_Q=block_q,
                 BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=prec, num_warps=warps,
                 num_stages=1 if interpreting() else NUM_STAGES,
-                DECODE=decode,
+                DECODE=decode, ROWSUM_MMA=rowsum_mma,
                 enable_fp_fusion=False)  # the two schedules must round every multiply-add alike
     scale_log2 = scale * _LOG2E
     qargs = (q_lat, q_pe, kv_cache, block_table, qb_tok, qb_len, qb_req, qb_pos, seq_lens)

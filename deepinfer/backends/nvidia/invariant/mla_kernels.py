@@ -74,13 +74,21 @@ def _load_q(q_ptr, qpe_ptr, tok, head, valid, stride_qt, stride_qh, stride_pt, s
 @triton.jit
 def _split_state(q_lat, q_pe, cache_ptr, trow_ptr, pos, start, stop, scale_log2,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
-                 BM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """(m, l, acc) of an online softmax over entries [start, stop) in BLOCK_N tiles, row r seeing <= pos[r]."""
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                 ROWSUM_MMA: tl.constexpr):
+    """(m, l, acc) of an online softmax over entries [start, stop) in BLOCK_N tiles, row r seeing <= pos[r].
+
+    ROWSUM_MMA: a tile's row sum of p is one more MMA (the rounded p times a column of ones, accumulated into
+    l * alpha exactly as acc is), not tl.sum: tl.sum's order follows the register layout, which follows the
+    tile's rows and warps, while an MMA's K order does not (the H200 probe, tile_choice.py). With it the
+    q-block size and the warps may change without changing a row's bits; and l sums the very weights
+    (rounded p) that weigh acc."""
     ENTRY: tl.constexpr = L + R
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, BLOCK_R)
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([BM], dtype=tl.float32)
+    l16 = tl.zeros([BM, 16], dtype=tl.float32)  # ROWSUM_MMA: 16 equal columns (tl.dot needs N >= 16)
     acc = tl.zeros([BM, L], dtype=tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -98,9 +106,16 @@ def _split_state(q_lat, q_pe, cache_ptr, trow_ptr, pos, start, stop, scale_log2,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = mma(p.to(kv.dtype), kv, acc * alpha[:, None], UPCAST, PREC)
+        pr = p.to(kv.dtype)
+        if ROWSUM_MMA:
+            ones = tl.full([BLOCK_N, 16], 1.0, dtype=kv.dtype)
+            l16 = mma(pr, ones, l16 * alpha[:, None], UPCAST, PREC)
+        else:
+            lsum = lsum * alpha + tl.sum(p, 1)
+        acc = mma(pr, kv, acc * alpha[:, None], UPCAST, PREC)
         m = m_new
+    if ROWSUM_MMA:
+        lsum = tl.max(l16, 1)  # the columns are equal: the max picks one, exactly
     return m, lsum, acc
 
 
@@ -128,7 +143,7 @@ def _mla_onestage_kernel(
     H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -144,7 +159,7 @@ def _mla_onestage_kernel(
     for start in range(0, kv_end, SPLIT):
         stop = tl.minimum(start + SPLIT, kv_end)
         m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, trow, pos, start, stop, scale_log2,
-                                       L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC)
+                                       L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA)
         m_r, l_r, acc_r = _fold(m_r, l_r, acc_r, m_s, l_s, acc_s)
     _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, L)
 
@@ -166,7 +181,7 @@ def _mla_split_kernel(
     H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
 ):
     """Program (q-block, head block, split s) writes split s's (m, l, acc) in fp32 (exact); the q-block's last
     split to finish (an arrival counter: counters.py) folds all of them in split order and writes the output,
@@ -185,7 +200,7 @@ def _mla_split_kernel(
                               L, R, BLOCK_R, UPCAST)
         stop = tl.minimum(start + SPLIT, kv_end)
         m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, table_ptr + req * stride_tb, pos, start, stop,
-                                       scale_log2, L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC)
+                                       scale_log2, L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA)
         base = row_base + s
         r = tl.arange(0, BM)
         tl.store(part_m_ptr + base * BM + r, m_s)
