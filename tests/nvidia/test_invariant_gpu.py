@@ -212,8 +212,9 @@ def test_graph_at_a_padded_bucket_equals_eager():
 
 def test_tiles_that_follow_m_pass_their_check_and_keep_rows_invariant():
     """tile_choice.py on the H200: every large GEMM tile of the table, the MoE's BLOCK_M 16 / 128 choices and MLA's
-    BLOCK_Q 2 pass their load-time check (benchmarks/invariant_tile_probe.py found them bitwise equal); rows then
-    stay invariant across the sizes where the tile changes (M = LARGE_M, the MoE's 8 pairs and MOE_LARGE_T)."""
+    (BLOCK_Q, warps) and split-schedule warps pass their load-time check (benchmarks/invariant_tile_probe.py found
+    them bitwise equal); rows then stay invariant across the sizes where the tile changes (M = LARGE_M, the MoE's 8
+    pairs and MOE_LARGE_T; MLA: test_mla_token_bits_independent_of_chunking_decode_schedule_and_batch)."""
     from deepinfer.backends.nvidia.invariant import gemm, tile_choice
     from deepinfer.backends.nvidia.invariant.mla import InvariantMLAAttention
     from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
@@ -234,5 +235,6 @@ def test_tiles_that_follow_m_pass_their_check_and_keep_rows_invariant():
     x = _rand(2100, 2048, seed=36)
     rows_invariant(lambda a: op.forward_hidden(a, gate), x, (1, 2, 10, 11, 2047, 2048, 2100), PROBE)
     mla = _mla(InvariantMLAAttention)
-    assert tile_choice.mla_block_q(mla._tiles_key) == tile_choice.MLA_BLOCK_Q, "the MLA check failed"
+    assert tile_choice.mla_tiles(mla._tiles_key) == (tile_choice.MLA_PREFILL, tile_choice.MLA_SPLIT_WARPS), \
+        "the MLA check failed"
     tile_choice.reset()

@@ -62,7 +62,7 @@ def test_off_the_gpu_the_mechanism_stays_off():
     assert not tile_choice.check_mla(("k",), lambda *a: calls.append(a), w.device)
     assert calls == []  # nothing probed
     assert tile_choice.moe_choice(("k",), 1, 8) == (None, None)
-    assert tile_choice.mla_block_q(("k",)) is None
+    assert tile_choice.mla_tiles(("k",)) is None
 
 
 def test_moe_and_mla_choices_after_a_passed_check():
@@ -70,10 +70,10 @@ def test_moe_and_mla_choices_after_a_passed_check():
     assert tile_choice.moe_choice(("k",), 1, 8) == tile_choice.MOE_SMALL  # 8 pairs
     assert tile_choice.moe_choice(("k",), 9, 8) == (None, None)  # 72 pairs, a mid-size batch: the fixed tile
     assert tile_choice.moe_choice(("k",), tile_choice.MOE_LARGE_T, 8) == tile_choice.MOE_LARGE
-    tile_choice._record(("mla", "k"), False, "test")  # a failed check keeps the fixed BLOCK_Q
-    assert tile_choice.mla_block_q(("k",)) is None
+    tile_choice._record(("mla", "k"), False, "test")  # a failed check keeps the fixed BLOCK_Q and warps
+    assert tile_choice.mla_tiles(("k",)) is None
     tile_choice._record(("mla", "j"), True, "test")
-    assert tile_choice.mla_block_q(("j",)) == tile_choice.MLA_BLOCK_Q
+    assert tile_choice.mla_tiles(("j",)) == (tile_choice.MLA_PREFILL, tile_choice.MLA_SPLIT_WARPS)
 
 
 @pytest.mark.parametrize("rowsum_mma", [False, True])

@@ -27,7 +27,7 @@ from deepinfer.backend import MLAAttentionOp, MLASpec
 from deepinfer.backends.nvidia.invariant.counters import COUNTERS, tile_counters
 from deepinfer.backends.nvidia.invariant.gemm import bmm, interpreting
 from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel, _mla_split_kernel
-from deepinfer.backends.nvidia.invariant.tile_choice import check_gemm, check_mla, mla_block_q
+from deepinfer.backends.nvidia.invariant.tile_choice import check_gemm, check_mla, mla_tiles
 from deepinfer.backends.nvidia.kv_write import kv_cache_write_parts
 from deepinfer.backends.nvidia.mla_prep import mla_prep
 from deepinfer.errors import BackendError
@@ -41,7 +41,9 @@ BLOCK_N = 32  # entries per tile inside a split (SPLIT is a multiple)
 BLOCK_Q = 1  # query tokens per program tile: a decode row fills the tile (16 heads), no wasted MMA rows
 BLOCK_H = 16  # heads per program tile (tl.dot needs >= 16 rows)
 NUM_WARPS = 4
-ROWSUM_MMA = False  # the softmax row sums by tl.sum (False) or by an MMA (mla_kernels._split_state): fixed per model
+# the softmax's row sums are MMAs (mla_kernels._split_state), so the q-block and warps may follow the batch
+# (tile_choice.py); tl.sum's order follows the register layout (False: the probe's and tests' comparison)
+ROWSUM_MMA = True
 NUM_STAGES = 3  # software pipelining only: the same arithmetic at any depth
 TWO_STAGE_MAX_PROGRAMS = 132  # below one program per SM the split-parallel schedule pays
 PARTIAL_BYTES_MAX = 256 << 20  # the two-stage schedule's fp32 split states stay under this
@@ -61,7 +63,7 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
                   two_stage: bool | None = None, block_q: int | None = None, num_warps: int | None = None,
-                  rowsum_mma: bool | None = None) -> torch.Tensor:
+                  rowsum_mma: bool | None = None, split_warps: int | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
@@ -69,8 +71,9 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     token; the kernels read seq_lens alone, so the step builds no tables: no launches, graph-capturable).
     Returns [T, H, L] in q_lat's dtype. two_stage: None picks the faster schedule; True / False force one (the
     tests check both agree). block_q / num_warps: the q-block tokens and warps (None: the fixed ones);
-    rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA). Probes and tile_choice set them; a row's
-    bits follow the row-sum method always, and the block and warps too unless the sums are MMAs.
+    rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA); split_warps: the warps when the split schedule
+    runs (None: num_warps). Probes and tile_choice set them; a row's bits follow the row-sum method always, and
+    the block and warps too unless the sums are MMAs.
     """
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
@@ -112,6 +115,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     scale_log2 = scale * _LOG2E
     qargs = (q_lat, q_pe, kv_cache, block_table, qb_tok, qb_len, qb_req, qb_pos, seq_lens)
     strides = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0))
+    if two_stage and split_warps:
+        meta["num_warps"] = split_warps
     if not two_stage:
         _mla_onestage_kernel[(nqb, hb)](*qargs, out, H, *strides, out.stride(0), out.stride(1), scale_log2, **meta)
         return out
@@ -140,9 +145,11 @@ def qblocks_host(query_lens: list[int], context_lens: list[int], device: torch.d
     return t[0], t[1], t[2], t[3]
 
 
-def _probe_prefill(spec: MLASpec, device: torch.device, dtype: torch.dtype, block_q: int | None) -> torch.Tensor:
+def _probe_prefill(spec: MLASpec, device: torch.device, dtype: torch.dtype, block_q: int | None, warps: int,
+                   two_stage: bool) -> torch.Tensor:
     """The attention over a fixed random prefill of two requests (200 and 333 tokens: splits and a ragged last
-    q-block) with `block_q` tokens per program (None: the fixed one): tile_choice.check_mla's probe."""
+    q-block) with `block_q` tokens and `warps` warps a program; block_q None: the requests' last rows as a decode
+    step instead (the split schedule if two_stage). tile_choice.check_mla's probe."""
     H, L, R, page, lens = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 64, (200, 333)
     g = torch.Generator(device=device).manual_seed(0)
     per = triton.cdiv(max(lens), page)
@@ -151,9 +158,13 @@ def _probe_prefill(spec: MLASpec, device: torch.device, dtype: torch.dtype, bloc
     seq = torch.tensor(lens, device=device, dtype=torch.int32)
     q = (torch.randn(sum(lens), H, L, device=device, generator=g) * 0.05).to(dtype)
     qpe = (torch.randn(sum(lens), H, R, device=device, generator=g) * 0.05).to(dtype)
-    bq = block_q or _tiles(H)[2]
-    qb = qblocks_host(list(lens), [0] * len(lens), device, bq)
-    return mla_attention(q, qpe, cache, table, seq, qb, spec.softmax_scale, two_stage=False, block_q=bq)
+    if block_q is None:
+        last = torch.tensor([lens[0] - 1, sum(lens) - 1], device=device)
+        return mla_attention(q[last].contiguous(), qpe[last].contiguous(), cache, table, seq, None,
+                             spec.softmax_scale, two_stage=two_stage, num_warps=warps)
+    qb = qblocks_host(list(lens), [0] * len(lens), device, block_q)
+    return mla_attention(q, qpe, cache, table, seq, qb, spec.softmax_scale, two_stage=two_stage, block_q=block_q,
+                         num_warps=warps)
 
 
 def _check_lengths(batch: ForwardBatch) -> bool:
@@ -183,7 +194,8 @@ class InvariantMLAAttention(MLAAttentionOp):
         check_gemm(self.w_uv_t)
         s = self.spec
         self._tiles_key = (s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim, weight.dtype)
-        check_mla(self._tiles_key, lambda bq: _probe_prefill(s, weight.device, weight.dtype, bq), weight.device)
+        check_mla(self._tiles_key, lambda bq, w, two: _probe_prefill(s, weight.device, weight.dtype, bq, w, two),
+                  weight.device)
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 batch: ForwardBatch, group: str) -> torch.Tensor:
@@ -222,14 +234,17 @@ class InvariantMLAAttention(MLAAttentionOp):
             q_lat = torch.empty((T, H, s.kv_lora_rank), dtype=q.dtype, device=q.device)
             bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), self.w_uk.to(q.dtype), out=q_lat.transpose(0, 1))
         qb = None  # decode-only: the kernels read seq_lens alone
+        tiles = mla_tiles(self._tiles_key)  # checked at load, or None: the fixed tile everywhere
+        bq, warps = (None, None) if tiles is None else tiles[0]
         if not batch.is_decode_only:
             batch.memo("mla_lengths_checked", lambda: _check_lengths(batch))
-            bq = mla_block_q(self._tiles_key) or _tiles(H)[2]
+            bq = bq or _tiles(H)[2]
             qb = batch.memo(("invariant_mla_qblocks", bq), lambda: qblocks_host(
                 batch.query_lens_cpu, batch.context_lens_cpu, q.device, bq))
         lat = mla_attention(q_lat, q[..., s.qk_nope_head_dim:], kv_cache, batch.block_tables[group],
                             batch.seq_lens, qb, s.softmax_scale, two_stage=self.two_stage,
-                            block_q=None if qb is None else bq)
+                            block_q=None if qb is None else bq, num_warps=None if qb is None else warps,
+                            split_warps=None if tiles is None else tiles[1])
         out = torch.empty((T, H, s.v_head_dim), dtype=q.dtype, device=q.device)
         bmm(lat.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
         return out.view(T, H * s.v_head_dim)

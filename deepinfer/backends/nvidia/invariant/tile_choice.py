@@ -6,8 +6,9 @@ decides it is a property of the hardware: a Hopper tensor core adds one 16-deep 
 accumulator, and Triton issues the steps in K order, so in a GEMM the tile should not enter a row's bits. The H200
 probe (benchmarks/invariant_tile_probe.py, 2026-12-03) found exactly that for every V2-Lite weight and the MoE's
 grouped GEMMs (BLOCK_M 16 to 128, BLOCK_K 64 / 128, 4 / 8 warps: the same bits at M = 1, 7, 129, 8192), and found
-that it does NOT hold for the MLA attention at 64-row tiles (the softmax's row sums follow the MMA layout): there
-BLOCK_Q = 2 (32 rows) matched BLOCK_Q = 1 and 4 did not.
+that it does NOT hold for the MLA attention at 64-row tiles when the softmax's row sums are tl.sum (their order
+follows the register layout): there BLOCK_Q = 2 (32 rows) matched BLOCK_Q = 1 and 4 did not. With the row sums as
+MMAs (mla_kernels.py, 2026-12-04) every BLOCK_Q 1 to 8 and 4 to 16 warps gave the same bits.
 
 So this module never assumes it. A faster tile for some batch sizes is used only after the same check ran on this
 device, for this weight shape, at load time (never inside a forward or a graph capture): the candidate tile and the
@@ -19,7 +20,10 @@ Tables (H200 probe, device µs at M = 8192 for the fixed plan -> this tile; cuBL
   (53), the dense layer's gate_up 1774 -> 1339 (953) and down 859 -> 770 (454);
 - the MoE's grouped GEMMs: BLOCK_M 16 with 128-deep K steps at a handful of pairs (one token: 64.9 -> 59.1 µs a
   layer with the router, layout and combine) and BLOCK_M 128 from LARGE_T tokens (8192: 3177 -> 2960 µs);
-- MLA: BLOCK_Q 2 for prefill and mixed steps (16 x 512 tokens, one layer: 0.97 -> 0.91 ms).
+- MLA (its softmax row sums are MMAs, so the tile's rows and warps stay out of a row's bits: mla_kernels.py):
+  BLOCK_Q 4 on 8 warps for prefill and mixed steps (16 x 512 tokens, one layer: 0.88 -> 0.73 ms; with tl.sum row
+  sums BLOCK_Q 2 was the largest that kept the bits, 0.90 ms), and 8 warps for decode's split schedule (batch 1 at
+  4096 entries: 37.5 -> 34.9 µs a layer; batch 64's one-stage schedule keeps 4: 203 against 262 µs).
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ MOE_SMALL = (16, {"dual": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_s
                   "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}})
 MOE_LARGE_T = 2048  # tokens from which they take BLOCK_M 128 (prefill)
 MOE_LARGE = (128, None)
-MLA_BLOCK_Q = 2  # query tokens per program for prefill and mixed steps (decode keeps 1)
+MLA_PREFILL = (4, 8)  # (BLOCK_Q, warps) a program for prefill and mixed steps (decode keeps one token, 4 warps)
+MLA_SPLIT_WARPS = 8  # warps of decode's split-parallel schedule (small batches; the one-stage schedule keeps 4)
 
 _checked: dict[tuple, bool] = {}  # (kind, shape key) -> the device check passed
 
@@ -123,19 +128,24 @@ def check_moe(key: tuple, run, device: torch.device) -> bool:
     return _record(full, same, f"the grouped GEMM tiles {MOE_SMALL} / {MOE_LARGE} for experts {key}")
 
 
-def mla_block_q(key: tuple) -> int | None:
-    """BLOCK_Q for a prefill / mixed step of this attention shape, or None (the fixed one)."""
-    return MLA_BLOCK_Q if _checked.get(("mla", *key)) else None
+def mla_tiles(key: tuple) -> tuple[tuple[int, int], int] | None:
+    """((BLOCK_Q, warps) for prefill / mixed steps, warps of decode's split schedule) for this attention shape, or
+    None: the fixed tile (one token, 4 warps) everywhere."""
+    return (MLA_PREFILL, MLA_SPLIT_WARPS) if _checked.get(("mla", *key)) else None
 
 
 def check_mla(key: tuple, run, device: torch.device) -> bool:
-    """run(block_q) -> the attention output of a fixed random prefill (mla.py builds it). At load."""
+    """run(block_q, warps, two_stage) -> the attention output of a fixed random prefill, or with block_q None of
+    its requests' last rows as a decode step (mla.py builds both). At load: MLA_PREFILL against the fixed tile over
+    the prefill, and MLA_SPLIT_WARPS against 4 warps over the decode step in the split schedule."""
     full = ("mla", *key)
     if full in _checked:
         return _checked[full]
     if not enabled(device):
         return False
-    return _record(full, torch.equal(run(MLA_BLOCK_Q), run(None)), f"MLA BLOCK_Q {MLA_BLOCK_Q} at {key}")
+    same = torch.equal(run(*MLA_PREFILL, False), run(1, 4, False))
+    same = same and torch.equal(run(None, MLA_SPLIT_WARPS, True), run(None, 4, True))
+    return _record(full, same, f"MLA (BLOCK_Q, warps) {MLA_PREFILL} / split-schedule warps {MLA_SPLIT_WARPS} at {key}")
 
 
 def reset() -> None:
