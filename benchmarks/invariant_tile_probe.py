@@ -81,8 +81,22 @@ def probe_gemm(out) -> None:
                         "is_plan": t == base.tile})
 
 
-def probe_mla(out) -> None:
+def _compiled(jit_fn) -> dict:
+    """{cache key: (registers, spills)} of a Triton kernel's compiled variants (Triton 3.x internals; {} if they move)."""
+    found = {}
+    try:
+        for cache in jit_fn.device_caches.values():
+            for key, k in cache[0].items():
+                k._init_handles()
+                found[key] = (k.n_regs, k.n_spills)
+    except (AttributeError, TypeError, IndexError):
+        return {}
+    return found
+
+
+def probe_mla(out, only_mla: list | None = None) -> None:
     from deepinfer.backends.nvidia.invariant.mla import mla_attention, qblocks_host
+    from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel
 
     H, L, R, page, reqs, n = 16, 512, 64, 64, 16, 512
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -93,14 +107,18 @@ def probe_mla(out) -> None:
     q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
     qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
     scale = 192 ** -0.5
-    variants = [(False, 1, 4), (False, 2, 4), (False, 4, 4), (False, 8, 4), (False, 2, 8),
-                (True, 1, 4), (True, 1, 8), (True, 2, 4), (True, 2, 8), (True, 4, 4), (True, 4, 8), (True, 4, 16),
-                (True, 8, 8), (True, 8, 16)]
+    variants = [(False, 1, 4, None), (False, 2, 4, None), (False, 4, 4, None), (True, 1, 4, None),
+                (True, 2, 4, None), (True, 4, 8, None), (True, 8, 8, None), (True, 1, 4, 256), (True, 2, 4, 256),
+                (True, 2, 8, 256), (True, 4, 4, 256), (True, 4, 8, 256), (True, 4, 4, 128), (True, 8, 8, 128),
+                (True, 8, 8, 256)]
+    if only_mla is not None:
+        variants = [(True, 1, 4, None)] + only_mla
     base = {}  # row-sum method -> its block_q 1, 4-warp output (what decode runs)
-    for rowsum, bq, warps in variants:
+    for rowsum, bq, warps, lc in variants:
         qb = qblocks_host([n] * reqs, [0] * reqs, torch.device("cuda"), bq)
-        kw = dict(two_stage=False, block_q=bq, num_warps=warps, rowsum_mma=rowsum)
-        name = f"rowsum {'mma' if rowsum else 'tl.sum'} block_q {bq} warps {warps}"
+        kw = {"two_stage": False, "block_q": bq, "num_warps": warps, "rowsum_mma": rowsum, "l_chunk": lc}
+        name = f"rowsum {'mma' if rowsum else 'tl.sum'} block_q {bq} warps {warps} l_chunk {lc or L}"
+        seen = _compiled(_mla_onestage_kernel)
         try:
             o = mla_attention(q, qpe, cache, table, seq, qb, scale, **kw)
             ms = graph_ms(lambda: mla_attention(q, qpe, cache, table, seq, qb, scale, **kw), reps=10)
@@ -110,7 +128,10 @@ def probe_mla(out) -> None:
         ref = base.setdefault(rowsum, o)
         diff = (o.float() - ref.float()).abs()
         _emit(out, {"mla": name, "same_bits": bool(torch.equal(o, ref)),
-                    "rows_differing": int((diff.amax(-1) > 0).sum()), "max_abs_diff": float(diff.max()), "ms": ms})
+                    "rows_differing": int((diff.amax(-1) > 0).sum()), "max_abs_diff": float(diff.max()), "ms": ms,
+                    "regs_spills": [v for k, v in _compiled(_mla_onestage_kernel).items() if k not in seen]})
+    if only_mla is not None:
+        return
     if len(base) == 2:
         d = (base[True].float() - base[False].float()).abs()
         _emit(out, {"mla": "rowsum mma vs tl.sum (block_q 1)", "max_abs_diff": float(d.max()),
@@ -216,11 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--only", choices=("gemm", "mla", "moe", "thresholds"), default=None)
+    ap.add_argument("--mla-variants", default=None,
+                    help="MLA only these 'bq:warps:l_chunk' (MMA row sums), e.g. 4:8:512,4:8:256, beside the base")
     args = ap.parse_args(argv)
+    only_mla = None
+    if args.mla_variants:
+        only_mla = [(True, *map(int, v.split(":"))) for v in args.mla_variants.split(",")]
     out = open(args.json_out, "w") if args.json_out else None
     _emit(out, {"gpu": torch.cuda.get_device_name()})
     if args.only in (None, "mla"):
-        probe_mla(out)
+        probe_mla(out, only_mla)
     if args.only in (None, "moe"):
         probe_moe(out)
     if args.only in (None, "gemm"):
