@@ -80,22 +80,20 @@ def test_moe_and_mla_choices_after_a_passed_check():
 def test_mla_two_tokens_per_program_give_one_token_per_program_bits(rowsum_mma):
     """The kernel path tile_choice enables for prefill and mixed steps (BLOCK_Q > 1; decode rows keep 1): a prefill of
     two requests (one with an odd length, so its last q-block holds one token) and a decode row beside them. With
-    the row sums as MMAs (rowsum_mma) also 4 tokens and 8 warps a program, and programs of half the latent's
-    columns (l_chunk: the scores recomputed, the same bits); and the two row-sum methods agree to
+    the row sums as MMAs (rowsum_mma) also 4 tokens and 8 warps a program; and the two row-sum methods agree to
     fp32 rounding (they sum the same weights, in another order)."""
-    spec = MLASpec(num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, kv_lora_rank=32,
+    spec = MLASpec(num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
                    softmax_scale=0.3)
-    H, L, R, page, lens = 2, 32, 8, 8, (21, 34)
+    H, L, R, page, lens = 2, 16, 8, 8, (21, 34)
     per = 5
     cache = _rand(2 * per, page, L + R, seed=4, dtype=torch.float32)
     table = torch.arange(2 * per, dtype=torch.int32).view(2, per).to(DEVICE)
     seq = torch.tensor(lens, dtype=torch.int32).to(DEVICE)
     q, qpe = _rand(sum(lens), H, L, seed=5, dtype=torch.float32), _rand(sum(lens), H, R, seed=6, dtype=torch.float32)
-    tiles = [(1, 4, None), (2, 4, None)] + ([(4, 8, None), (2, 4, 16)] if rowsum_mma else [])
+    tiles = [(1, 4), (2, 4)] + ([(4, 8)] if rowsum_mma else [])
     outs = [mla_attention(q, qpe, cache, table, seq, qblocks_host(list(lens), [0, 0], DEVICE, bq),
-                          spec.softmax_scale, two_stage=False, block_q=bq, num_warps=w, rowsum_mma=rowsum_mma,
-                          l_chunk=lc)
-            for bq, w, lc in tiles]
+                          spec.softmax_scale, two_stage=False, block_q=bq, num_warps=w, rowsum_mma=rowsum_mma)
+            for bq, w in tiles]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
     # the first request as one decode row at its last position, beside a chunk of the second (mixed step)

@@ -63,8 +63,7 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
                   two_stage: bool | None = None, block_q: int | None = None, num_warps: int | None = None,
-                  rowsum_mma: bool | None = None, split_warps: int | None = None,
-                  l_chunk: int | None = None) -> torch.Tensor:
+                  rowsum_mma: bool | None = None, split_warps: int | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
@@ -73,8 +72,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     Returns [T, H, L] in q_lat's dtype. two_stage: None picks the faster schedule; True / False force one (the
     tests check both agree). block_q / num_warps: the q-block tokens and warps (None: the fixed ones);
     rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA); split_warps: the warps when the split schedule
-    runs (None: num_warps); l_chunk: output columns per one-stage program (None: all; mla_kernels._split_state).
-    Probes and tile_choice set them; a row's bits follow the row-sum method always, and
+    runs (None: num_warps). Probes and tile_choice set them; a row's bits follow the row-sum method always, and
     the block and warps too unless the sums are MMAs.
     """
     T, H, L = q_lat.shape
@@ -120,11 +118,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     if two_stage and split_warps:
         meta["num_warps"] = split_warps
     if not two_stage:
-        lc = l_chunk or L
-        if L % lc or lc < 16 or lc & (lc - 1):
-            raise BackendError(f"invariant MLA: l_chunk {lc} must be a power of two >= 16 dividing kv_lora_rank {L}")
-        _mla_onestage_kernel[(nqb, hb * (L // lc))](*qargs, out, H, *strides, out.stride(0), out.stride(1),
-                                                     scale_log2, LC=lc, **meta)
+        _mla_onestage_kernel[(nqb, hb)](*qargs, out, H, *strides, out.stride(0), out.stride(1), scale_log2, **meta)
         return out
     part_m = torch.empty((nqb, hb, num_splits, bm), dtype=torch.float32, device=q_lat.device)
     part_l = torch.empty_like(part_m)

@@ -72,28 +72,24 @@ def _load_q(q_ptr, qpe_ptr, tok, head, valid, stride_qt, stride_qh, stride_pt, s
 
 
 @triton.jit
-def _split_state(q_lat, q_pe, cache_ptr, trow_ptr, pos, start, stop, scale_log2, c0,
+def _split_state(q_lat, q_pe, cache_ptr, trow_ptr, pos, start, stop, scale_log2,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                 ROWSUM_MMA: tl.constexpr, LC: tl.constexpr):
+                 ROWSUM_MMA: tl.constexpr):
     """(m, l, acc) of an online softmax over entries [start, stop) in BLOCK_N tiles, row r seeing <= pos[r].
 
     ROWSUM_MMA: a tile's row sum of p is one more MMA (the rounded p times a column of ones, accumulated into
     l * alpha exactly as acc is), not tl.sum: tl.sum's order follows the register layout, which follows the
     tile's rows and warps, while an MMA's K order does not (the H200 probe, tile_choice.py). With it the
     q-block size and the warps may change without changing a row's bits; and l sums the very weights
-    (rounded p) that weigh acc.
-
-    LC: the output columns [c0, c0 + LC) of the latent this program accumulates (LC = L: all). The scores use the
-    whole latent either way, so a narrower program recomputes them (more FLOPs, a smaller accumulator); an output
-    column's MMA chain is the same at any LC."""
+    (rounded p) that weigh acc."""
     ENTRY: tl.constexpr = L + R
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, BLOCK_R)
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([BM], dtype=tl.float32)
     l16 = tl.zeros([BM, 16], dtype=tl.float32)  # ROWSUM_MMA: 16 equal columns (tl.dot needs N >= 16)
-    acc = tl.zeros([BM, LC], dtype=tl.float32)
+    acc = tl.zeros([BM, L], dtype=tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < stop
@@ -116,12 +112,7 @@ def _split_state(q_lat, q_pe, cache_ptr, trow_ptr, pos, start, stop, scale_log2,
             l16 = mma(pr, ones, l16 * alpha[:, None], UPCAST, PREC)
         else:
             lsum = lsum * alpha + tl.sum(p, 1)
-        if LC == L:
-            acc = mma(pr, kv, acc * alpha[:, None], UPCAST, PREC)
-        else:
-            offs_c = c0 + tl.arange(0, LC)
-            kv_c = tl.load(cache_ptr + slot[:, None] * ENTRY + offs_c[None, :], mask=nmask[:, None], other=0.0)
-            acc = mma(pr, kv_c, acc * alpha[:, None], UPCAST, PREC)
+        acc = mma(pr, kv, acc * alpha[:, None], UPCAST, PREC)
         m = m_new
     if ROWSUM_MMA:
         lsum = tl.max(l16, 1)  # the columns are equal: the max picks one, exactly
@@ -139,9 +130,9 @@ def _fold(m_r, l_r, acc_r, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _store_out(out_ptr, tok, head, valid, lsum, acc, stride_ot, stride_oh, c0, LC: tl.constexpr):
+def _store_out(out_ptr, tok, head, valid, lsum, acc, stride_ot, stride_oh, L: tl.constexpr):
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]  # an empty row gets zeros
-    offs_l = c0 + tl.arange(0, LC)
+    offs_l = tl.arange(0, L)
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
@@ -152,11 +143,10 @@ def _mla_onestage_kernel(
     H, stride_qt, stride_qh, stride_pt, stride_ph, stride_tb, stride_ot, stride_oh, scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    DECODE: tl.constexpr, ROWSUM_MMA: tl.constexpr, LC: tl.constexpr,
+    DECODE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
 ):
     qb = tl.program_id(0)
-    hb = tl.program_id(1) // (L // LC)  # grid axis 1: head blocks x column chunks
-    c0 = (tl.program_id(1) % (L // LC)) * LC
+    hb = tl.program_id(1)
     BM: tl.constexpr = BLOCK_Q * BLOCK_H
     tok, head, valid, pos, req, kv_end = _rows(qb, hb, qb_tok_ptr, qb_len_ptr, qb_req_ptr, qb_pos_ptr, seq_lens_ptr,
                                                H, BLOCK_Q, BLOCK_H, DECODE)
@@ -165,13 +155,13 @@ def _mla_onestage_kernel(
     trow = table_ptr + req * stride_tb
     m_r = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_r = tl.zeros([BM], dtype=tl.float32)
-    acc_r = tl.zeros([BM, LC], dtype=tl.float32)
+    acc_r = tl.zeros([BM, L], dtype=tl.float32)
     for start in range(0, kv_end, SPLIT):
         stop = tl.minimum(start + SPLIT, kv_end)
-        m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, trow, pos, start, stop, scale_log2, c0,
-                                       L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA, LC)
+        m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, trow, pos, start, stop, scale_log2,
+                                       L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA)
         m_r, l_r, acc_r = _fold(m_r, l_r, acc_r, m_s, l_s, acc_s)
-    _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, c0, LC)
+    _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, L)
 
 
 @triton.jit
@@ -210,7 +200,7 @@ def _mla_split_kernel(
                               L, R, BLOCK_R, UPCAST)
         stop = tl.minimum(start + SPLIT, kv_end)
         m_s, l_s, acc_s = _split_state(q_lat, q_pe, cache_ptr, table_ptr + req * stride_tb, pos, start, stop,
-                                       scale_log2, 0, L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA, L)
+                                       scale_log2, L, R, BLOCK_R, PAGE, BM, BLOCK_N, UPCAST, PREC, ROWSUM_MMA)
         base = row_base + s
         r = tl.arange(0, BM)
         tl.store(part_m_ptr + base * BM + r, m_s)
@@ -227,4 +217,4 @@ def _mla_split_kernel(
             for j in range(used):
                 m_j, l_j, acc_j = _load_state(part_m_ptr, part_l_ptr, part_acc_ptr, row_base + j, BM, L)
                 m_r, l_r, acc_r = _fold(m_r, l_r, acc_r, m_j, l_j, acc_j)
-            _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, 0, L)
+            _store_out(out_ptr, tok, head, valid, l_r, acc_r, stride_ot, stride_oh, L)
