@@ -16,7 +16,8 @@ programs, the last to arrive adds the parts in order; an atomic counter only pic
   grouped GEMMs, shared experts folded in, one tile and K split), the combine in slot order;
 - linear.py: the LinearMethod wrapper that routes every scheme's dense weight through gemm.py;
 - tile_choice.py: faster tiles for some batch sizes (large GEMM tiles for prefill, the MoE's BLOCK_M 16 / 128,
-  MLA's BLOCK_Q 2), each used only after a bitwise check against the fixed tile on this device at load.
+  MLA's BLOCK_Q 4 on 8 warps for prefill and 8 warps for decode's split schedule), each used only after a bitwise
+  check against the fixed tile on this device at load.
 
 RMSNorm / add+RMSNorm (one row per program), RoPE, SiLU-and-mul and the KV write of the default
 kernels are row-invariant as they stand; tests/nvidia/test_invariant_ops.py checks them anyway.
