@@ -238,10 +238,77 @@ def probe_thresholds(out) -> None:
                 "us_fixed_vs_alt": row})
 
 
+def probe_prefill(out) -> None:
+    """The two prefill kernels that cost most with the flag (16 x 512 tokens): the MLA attention's pipelining
+    depth at BLOCK_Q 4 on 8 warps (MMA row sums), and the MoE's grouped-GEMM tiles at BLOCK_M 128 and 8192
+    tokens (the dual gate_up and the down GEMM varied one at a time). Same bits as the production choice? ms?"""
+    from deepinfer.backend import MoESpec, RouterSpec
+    from deepinfer.backends.nvidia.invariant.mla import mla_attention, qblocks_host
+    from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
+    from deepinfer.backends.nvidia.invariant.moe_gemm import tile
+
+    H, L, R, page, reqs, n = 16, 512, 64, 64, 16, 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    per = n // page
+    cache = torch.randn(reqs * per, page, L + R, device="cuda", generator=g).bfloat16()
+    table = torch.arange(reqs * per, device="cuda", dtype=torch.int32).view(reqs, per)
+    seq = torch.full((reqs,), n, device="cuda", dtype=torch.int32)
+    q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
+    qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
+    qb = qblocks_host([n] * reqs, [0] * reqs, torch.device("cuda"), 4)
+    base = None
+    for stages in (3, 1, 2, 4):
+        kw = {"two_stage": False, "block_q": 4, "num_warps": 8, "num_stages": stages}
+        try:
+            o = mla_attention(q, qpe, cache, table, seq, qb, 192 ** -0.5, **kw)
+            ms = graph_ms(lambda kw=kw: mla_attention(q, qpe, cache, table, seq, qb, 192 ** -0.5, **kw), reps=10)
+        except Exception as exc:
+            _emit(out, {"prefill": f"mla block_q 4 warps 8 stages {stages}", "error": str(exc)[:160]})
+            continue
+        base = o if base is None else base
+        _emit(out, {"prefill": f"mla block_q 4 warps 8 stages {stages}", "same_bits": bool(torch.equal(o, base)),
+                    "ms": round(ms, 4)})
+    router = RouterSpec(num_experts=64, top_k=6, topk_method="greedy", scoring_func="softmax", n_group=1,
+                        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    op = InvariantMoE(MoESpec(router=router, hidden_size=2048, intermediate_size=1408))
+    rnd = lambda *shape, s=0.02: (torch.randn(*shape, device="cuda", generator=g) * s).bfloat16()  # noqa: E731
+    op.load_experts(rnd(64, 2816, 2048), rnd(64, 2048, 1408))
+    assert op.fuse_shared_experts(rnd(5632, 2048), rnd(2048, 2816))
+    gate = rnd(64, 2048).float()
+    x = rnd(8192, 2048, s=1.0)
+    run = lambda: op.forward_hidden(x, gate, None, shared_experts=lambda t: t)  # noqa: E731
+    op.block_m_override = 128
+    ref = run()
+    dual0, down0 = tile(True), tile(False)
+    cfgs = [("dual", {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+            ("dual", {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
+            ("dual", {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
+            ("dual", {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+            ("dual", {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+            ("dual", {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+            ("down", {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+            ("down", {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+            ("down", {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
+            ("down", {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
+            ("down", {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4})]
+    for which, cfg in [(None, None)] + cfgs:
+        op.tile = None if which is None else {"dual": cfg if which == "dual" else dual0,
+                                              "down": cfg if which == "down" else down0}
+        try:
+            same = bool(torch.equal(run(), ref))
+            us = rotating_graph_us(lambda i: run(), copies=1, reps=6)
+        except Exception as exc:
+            _emit(out, {"prefill": f"moe block_m 128 {which} {cfg}", "error": str(exc)[:160]})
+            continue
+        _emit(out, {"prefill": f"moe block_m 128 {which or 'default tiles'} {cfg or ''}", "same_bits": same,
+                    "us_8192": round(us, 1)})
+    op.block_m_override = op.tile = None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default=None)
-    ap.add_argument("--only", choices=("gemm", "mla", "moe", "thresholds"), default=None)
+    ap.add_argument("--only", choices=("gemm", "mla", "moe", "thresholds", "prefill"), default=None)
     ap.add_argument("--mla-variants", default=None,
                     help="MLA only these 'block_q:warps' (MMA row sums), e.g. 4:8,2:4, beside the base (1:4)")
     args = ap.parse_args(argv)
@@ -258,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_gemm(out)
     if args.only in (None, "thresholds"):
         probe_thresholds(out)
+    if args.only in (None, "prefill"):
+        probe_prefill(out)
     return 0
 
 

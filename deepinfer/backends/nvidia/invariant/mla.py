@@ -63,7 +63,8 @@ def _tiles(num_heads: int) -> tuple[int, int, int, int, int]:
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, qblocks: tuple[torch.Tensor, ...] | None, scale: float,
                   two_stage: bool | None = None, block_q: int | None = None, num_warps: int | None = None,
-                  rowsum_mma: bool | None = None, split_warps: int | None = None) -> torch.Tensor:
+                  rowsum_mma: bool | None = None, split_warps: int | None = None,
+                  num_stages: int | None = None) -> torch.Tensor:
     """Absorbed attention: q_lat [T, H, L], q_pe [T, H, R] (any row strides) over kv_cache [blocks, page, L+R].
 
     The q-blocks (qb_tok / qb_len / qb_req / qb_pos, int32 [NQB]) each name up to BLOCK_Q consecutive token
@@ -72,7 +73,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     Returns [T, H, L] in q_lat's dtype. two_stage: None picks the faster schedule; True / False force one (the
     tests check both agree). block_q / num_warps: the q-block tokens and warps (None: the fixed ones);
     rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA); split_warps: the warps when the split schedule
-    runs (None: num_warps). Probes and tile_choice set them; a row's bits follow the row-sum method always, and
+    runs (None: num_warps); num_stages: software pipelining depth (None: NUM_STAGES; never the arithmetic).
+    Probes and tile_choice set them; a row's bits follow the row-sum method always, and
     the block and warps too unless the sums are MMAs.
     """
     T, H, L = q_lat.shape
@@ -109,7 +111,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     meta = dict(L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)),  # tl.dot: K >= 16
                 PAGE=page, SPLIT=split, BLOCK_Q=block_q,
                 BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, PREC=prec, num_warps=warps,
-                num_stages=1 if interpreting() else NUM_STAGES,
+                num_stages=1 if interpreting() else (num_stages or NUM_STAGES),
                 DECODE=decode, ROWSUM_MMA=rowsum_mma,
                 enable_fp_fusion=False)  # the two schedules must round every multiply-add alike
     scale_log2 = scale * _LOG2E
