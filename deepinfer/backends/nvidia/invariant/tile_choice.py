@@ -19,7 +19,8 @@ Tables (H200 probe, device µs at M = 8192 for the fixed plan -> this tile; cuBL
 - dense GEMMs at M >= LARGE_M: q + kv_a 366 -> 301 (168), o_proj 191 -> 168 (94), W_UV 63 -> 50 (46), W_UK 86 -> 81
   (53), the dense layer's gate_up 1774 -> 1339 (953) and down 859 -> 770 (454);
 - the MoE's grouped GEMMs: BLOCK_M 16 with 128-deep K steps at a handful of pairs (one token: 64.9 -> 59.1 µs a
-  layer with the router, layout and combine) and BLOCK_M 128 from LARGE_T tokens (8192: 3177 -> 2960 µs);
+  layer with the router, layout and combine) and BLOCK_M 128 from LARGE_T tokens (8192: 3177 -> 2960 µs), with
+  wider 8-warp tiles (2026-12-04, 8192 tokens at BLOCK_M 128: the dual gate_up 3121 -> 2848 µs, the down -> 2971);
 - MLA (its softmax row sums are MMAs, so the tile's rows and warps stay out of a row's bits: mla_kernels.py):
   BLOCK_Q 4 on 8 warps for prefill and mixed steps (16 x 512 tokens, one layer: 0.88 -> 0.73 ms; with tl.sum row
   sums BLOCK_Q 2 was the largest that kept the bits, 0.90 ms), and 8 warps for decode's split schedule (batch 1 at
@@ -58,7 +59,8 @@ MOE_SMALL_PAIRS = 64  # routed + shared pairs up to which the grouped GEMMs take
 MOE_SMALL = (16, {"dual": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
                   "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}})
 MOE_LARGE_T = 2048  # tokens from which they take BLOCK_M 128 (prefill)
-MOE_LARGE = (128, None)
+MOE_LARGE = (128, {"dual": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+                   "down": {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}})
 MLA_PREFILL = (4, 8)  # (BLOCK_Q, warps) a program for prefill and mixed steps (decode keeps one token, 4 warps)
 MLA_SPLIT_WARPS = 8  # warps of decode's split-parallel schedule (small batches; the one-stage schedule keeps 4)
 
