@@ -74,8 +74,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     tests check both agree). block_q / num_warps: the q-block tokens and warps (None: the fixed ones);
     rowsum_mma: how the softmax sums its rows (None: ROWSUM_MMA); split_warps: the warps when the split schedule
     runs (None: num_warps); num_stages: software pipelining depth (None: NUM_STAGES; never the arithmetic).
-    Probes and tile_choice set them; a row's bits follow the row-sum method always, and
-    the block and warps too unless the sums are MMAs.
+    Probes and tile_choice set them. A row's bits always follow the row-sum method, and they follow the block
+    and warps too unless the sums are MMAs.
     """
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
