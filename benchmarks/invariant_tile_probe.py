@@ -100,11 +100,12 @@ def _compiled(jit_fn) -> dict:
     return found
 
 
-def probe_mla(out, only_mla: list | None = None) -> None:
-    from deepinfer.backends.nvidia.invariant.mla import mla_attention, qblocks_host
-    from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel
+MLA_PREFILL_SHAPE = (16, 512, 64, 64, 16, 512)  # heads, kv_lora, rope, page, prompts, prompt length (V2-Lite)
 
-    H, L, R, page, reqs, n = 16, 512, 64, 64, 16, 512
+
+def _mla_prefill_inputs():
+    """(generator, cache, table, seq_lens, q_lat, q_pe) of a random 16 x 512-token prefill at V2-Lite's MLA shape."""
+    H, L, R, page, reqs, n = MLA_PREFILL_SHAPE
     g = torch.Generator(device="cuda").manual_seed(1)
     per = n // page
     cache = torch.randn(reqs * per, page, L + R, device="cuda", generator=g).bfloat16()
@@ -112,6 +113,15 @@ def probe_mla(out, only_mla: list | None = None) -> None:
     seq = torch.full((reqs,), n, device="cuda", dtype=torch.int32)
     q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
     qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
+    return g, cache, table, seq, q, qpe
+
+
+def probe_mla(out, only_mla: list | None = None) -> None:
+    from deepinfer.backends.nvidia.invariant.mla import mla_attention, qblocks_host
+    from deepinfer.backends.nvidia.invariant.mla_kernels import _mla_onestage_kernel
+
+    _, L, R, page, reqs, n = MLA_PREFILL_SHAPE
+    g, cache, table, seq, q, qpe = _mla_prefill_inputs()
     scale = 192 ** -0.5
     variants = [(False, 1, 4), (False, 2, 4), (False, 4, 4), (False, 8, 4), (False, 2, 8),
                 (True, 1, 4), (True, 1, 8), (True, 2, 4), (True, 2, 8), (True, 4, 4), (True, 4, 8), (True, 4, 16),
@@ -247,14 +257,8 @@ def probe_prefill(out) -> None:
     from deepinfer.backends.nvidia.invariant.moe import InvariantMoE
     from deepinfer.backends.nvidia.invariant.moe_gemm import tile
 
-    H, L, R, page, reqs, n = 16, 512, 64, 64, 16, 512
-    g = torch.Generator(device="cuda").manual_seed(1)
-    per = n // page
-    cache = torch.randn(reqs * per, page, L + R, device="cuda", generator=g).bfloat16()
-    table = torch.arange(reqs * per, device="cuda", dtype=torch.int32).view(reqs, per)
-    seq = torch.full((reqs,), n, device="cuda", dtype=torch.int32)
-    q = torch.randn(reqs * n, H, L, device="cuda", generator=g).bfloat16() * 0.05
-    qpe = torch.randn(reqs * n, H, R, device="cuda", generator=g).bfloat16() * 0.05
+    reqs, n = MLA_PREFILL_SHAPE[4:]
+    g, cache, table, seq, q, qpe = _mla_prefill_inputs()
     qb = qblocks_host([n] * reqs, [0] * reqs, torch.device("cuda"), 4)
     base = None
     for stages in (3, 1, 2, 4):
