@@ -15,7 +15,7 @@
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
 #      GEMM / MoE plan sweep), probe (benchmarks.invariant_tile_probe); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
 #      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
-#      quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
+#      moesweep (issue 18: benchmarks.moe_tile_sweep per MS_RUNS), quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table; QUANT_BASELINE=0 skips the bf16 run and
 #      compares with the last one kept at /tmp/throughput_bf16.jsonl), int4ckpt (issue 18: writes INT4_CKPT,
@@ -186,6 +186,15 @@ if has quant; then
   log "issue 18: quantized GEMMs, device time (CUDA-graph replays) ${QG_ARGS:-}"
   timeout "${QG_TIMEOUT:-540}" python3 -m benchmarks.quant_gemm --json "$OUT/quant_gemm.jsonl" ${QG_ARGS:-} > "$OUT/quant_gemm.log" 2>&1
   log "quant_gemm rc=$?"; grep -v '^{' "$OUT/quant_gemm.log" | tail -70 | tee -a "$OUT/summary.txt"
+fi
+if has moesweep; then  # issue 18: MoE grouped-GEMM tiles per scheme; MS_RUNS: ';'-separated argument sets
+  IFS=';' read -ra MS_SETS <<< "${MS_RUNS:---schemes fp8_w8a8 --direct-tokens ;--schemes int4_awq --aligned-tokens  --direct-tokens 1}"
+  i=0
+  for set in "${MS_SETS[@]}"; do
+    i=$((i+1)); log "issue 18: moe_tile_sweep $set"
+    timeout "${MS_TIMEOUT:-300}" python3 -m benchmarks.moe_tile_sweep --json "$OUT/moe_sweep_$i.jsonl" $set > "$OUT/moe_sweep_$i.log" 2>&1
+    log "moe_tile_sweep rc=$?"; grep -v '^{' "$OUT/moe_sweep_$i.log" | tail -30 | tee -a "$OUT/summary.txt"
+  done
 fi
 if has int4ckpt; then
   INT4_CKPT="${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"
