@@ -28,7 +28,6 @@ import json
 import torch
 
 from benchmarks import quant_gemm as qg
-from benchmarks.graph_timing import rotating_graph_us
 
 ALIGNED_BLOCK_M = (16, 32, 64, 128)
 ALIGNED_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
@@ -41,9 +40,10 @@ def _block_ms(tokens: int) -> list[int]:
     return [b for b in ALIGNED_BLOCK_M if b <= max(32, 4 * per_expert) and (b >= 32 or per_expert <= 64)]
 
 
-def _tiles(candidates, scheme: str, dual: bool, group: int) -> list[dict]:
+def _tiles(candidates, scheme: str, dual: bool, group: int, swap_ab: bool = False) -> list[dict]:
     """The tiles a scheme's kernel accepts: W8A8 steps one 128-wide K block and its e4m3 gate_up output needs
-    BLOCK_N 128 per half; int4 tiles never straddle a group; a dual program's BN counts both halves (direct)."""
+    BLOCK_N 128 per half; int4 tiles never straddle a group; a dual program's BN counts both halves (direct).
+    swap_ab: W8A8 tiles also with their operands swapped (the fp8 wgmma below BLOCK_M 64)."""
     out = []
     for bn, bk, w, s in candidates:
         if scheme == "fp8_w8a8" and (bk != 128 or (dual and bn != 128)):
@@ -51,6 +51,8 @@ def _tiles(candidates, scheme: str, dual: bool, group: int) -> list[dict]:
         if scheme == "int4_awq" and bk > group:
             continue
         out.append({"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s})
+        if swap_ab and scheme == "fp8_w8a8":
+            out.append(dict(out[-1], swap_ab=True))
     return out
 
 
@@ -125,8 +127,8 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
         gate_up(0, None)  # act holds real values for down's sweep
         for gemm, fn, rows, dual in (("gate_up", gate_up, rows13, True), ("down", down, rows2, False)):
             default_cfg = gemm_config(block_m, dual, kw.get("scheme"), 128)
-            for cfg in _tiles(ALIGNED_TILES, scheme, dual, 128):
-                us = _time(lambda i, cfg=cfg: fn(i, cfg), 1, reps)
+            for cfg in _tiles(ALIGNED_TILES, scheme, dual, 128, swap_ab=block_m <= 32):
+                us = _time(lambda i, cfg=cfg, fn=fn: fn(i, cfg), 1, reps)
                 row = {"scheme": scheme, "schedule": "aligned", "tokens": tokens, "gemm": gemm, "block_m": block_m,
                        "cfg": cfg, "us": us}
                 rows.append(row)
@@ -138,7 +140,7 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
                     else:
                         default2 = us
             if block_m == default_m and not any(r["cfg"] == default_cfg and r["block_m"] == block_m for r in rows):
-                us = _time(lambda i: fn(i, default_cfg), 1, reps)  # the default is not in the candidate list
+                us = _time(lambda i, fn=fn, c=default_cfg: fn(i, c), 1, reps)  # the default is not in the candidate list
                 if gemm == "gate_up":
                     default13 = us
                 else:
@@ -178,9 +180,9 @@ def direct(scheme: str, tokens: int, out: list[dict]) -> None:
     for gemm, fn, dual, share in (("gate_up", gate_up, True, 2 / 3), ("down", down, False, 1 / 3)):
         rows = []
         default_cfg = direct_config(dual, sch, 128)
-        default_us = _time(lambda i: fn(i, default_cfg), copies, 20)
-        for cfg in _tiles(DIRECT_TILES, scheme, dual, 128):
-            us = _time(lambda i, cfg=cfg: fn(i, cfg), copies, 20)
+        default_us = _time(lambda i, fn=fn, c=default_cfg: fn(i, c), copies, 20)
+        for cfg in _tiles(DIRECT_TILES, scheme, dual, 128, swap_ab=True):
+            us = _time(lambda i, cfg=cfg, fn=fn: fn(i, cfg), copies, 20)
             row = {"scheme": scheme, "schedule": "direct", "tokens": tokens, "gemm": gemm, "block_m": 0, "cfg": cfg,
                    "us": us}
             rows.append(row)

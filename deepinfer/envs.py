@@ -270,6 +270,12 @@ MOE_TILE = EnvVar(
     "aligned-mode MoE GEMM tile `BLOCK_N,BLOCK_K,num_warps,num_stages`",
     "nvidia", default_text="per-BLOCK_M pick",
 )
+MOE_W8A8_SWAP_AB = EnvVar(
+    "DEEPINFER_MOE_W8A8_SWAP_AB", "bool", None,
+    "fp8 W8A8 MoE GEMMs: `1` runs each product as weight x activations^T (the weight rows fill the fp8 MMA's M), "
+    "`0` as activations x weight^T",
+    "nvidia", default_text="per BLOCK_M, as measured",
+)
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",

@@ -188,7 +188,7 @@ if has quant; then
   log "quant_gemm rc=$?"; grep -v '^{' "$OUT/quant_gemm.log" | tail -70 | tee -a "$OUT/summary.txt"
 fi
 if has moesweep; then  # issue 18: MoE grouped-GEMM tiles per scheme; MS_RUNS: ';'-separated argument sets
-  IFS=';' read -ra MS_SETS <<< "${MS_RUNS:---schemes fp8_w8a8 --direct-tokens=;--schemes int4_awq --aligned-tokens= --direct-tokens 1}"
+  IFS=";" read -ra MS_SETS <<< "${MS_RUNS:---schemes fp8_w8a8 --aligned-tokens 256 --direct-tokens=;--schemes int4_awq --aligned-tokens= --direct-tokens 1}"
   i=0
   for set in "${MS_SETS[@]}"; do
     i=$((i+1)); log "issue 18: moe_tile_sweep $set"

@@ -40,7 +40,8 @@ def compile_one(label, fn, sig, consts, warps, stages):
              if t.startswith("*") or n.startswith("stride") or n in ALIGNED}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    print(json.dumps({"kernel": label, "shared": k.metadata.shared, **resources(k.asm["cubin"])}), flush=True)
+    print(json.dumps({"kernel": label, "shared": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"],
+                      **resources(k.asm["cubin"])}), flush=True)
 
 
 # weight scheme -> (weight pointer type, scale pointer type, E8M0): None = the activation dtype, no scale
@@ -70,7 +71,8 @@ def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
               "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
               "SHARED_STACKED": scheme is not None, "COMBINE": combine,
-              "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"]}
+              "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
+              "SWAP_AB": cfg.get("swap_ab", False)}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
                 g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
@@ -92,7 +94,7 @@ def aligned(dt, dual, BM, cfg, scheme=None):
     consts = {"A_DIV": 6 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual, "UPCAST": False,
               "PREC": "ieee" if dt == "fp32" else None, **qconsts, "A_MODE": 1 if w8a8 else 0,
               "ACT_FP8_OUT": w8a8 and dual, "ACT": TL[dt], "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
-              "BLOCK_K": cfg["block_k"]}
+              "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False)}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"aligned {dt} {scheme or 'dense'} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
                 consts, cfg["num_warps"], cfg["num_stages"])
@@ -113,6 +115,10 @@ def main() -> None:
             aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
     for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
+    for dual in (True, False):  # W8A8 swap-AB (the weight rows as the MMA's M) at decode sizes
+        for bm in (16, 32):
+            aligned("bf16", dual, bm, dict(g.gemm_config(bm, dual, "fp8_w8a8"), swap_ab=True), scheme="fp8_w8a8")
+        direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "fp8_w8a8"), swap_ab=True), scheme="fp8_w8a8")
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
     compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)

@@ -26,8 +26,14 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     # 18 dense kernels + fp8 / fp4 / int4 / fp8 W8A8 routed experts (direct + aligned, both GEMMs) + W8A8 at BLOCK_M 64
-    assert len(rows) == 36, run.stdout
+    # + W8A8 swap-AB (aligned BLOCK_M 16 / 32, direct; both GEMMs)
+    assert len(rows) == 42, run.stdout
     for row in rows:
         # Triton 3.6 (the H200 image) gives the direct down GEMM without the combine an 8-byte stack
         # frame where 3.9 gives none: allow a few bytes, fail on real spilling.
         assert row["stack"] <= 16 and row["shared"] <= 227 * 1024 and row["regs"] <= 255, row
+    # swap-AB is there to put the aligned W8A8 decode tiles on the fp8 wgmma (the unswapped ones run mma.sync)
+    swapped = [r for r in rows if "aligned" in r["kernel"] and "'swap_ab': True" in r["kernel"]]
+    assert len(swapped) == 4 and all(r["wgmma"] for r in swapped), swapped
+    assert not any(r["wgmma"] for r in rows if "aligned bf16 fp8_w8a8" in r["kernel"] and "BM=32" in r["kernel"]
+                   and "'swap_ab': False" in r["kernel"])

@@ -40,20 +40,23 @@ def test_fused_moe_quantized_matches_dense_twin(scheme, inter, direct, t, drop):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("swap_ab", ["0", "1"])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("t,drop,dtype", [(1, False, torch.float32), (6, True, torch.float32),
                                           (5, False, torch.float16)])
-def test_fused_moe_w8a8_matches_native_oracle(direct, t, drop, dtype):
+def test_fused_moe_w8a8_matches_native_oracle(direct, t, drop, dtype, swap_ab, monkeypatch):
     """fp8_w8a8 experts: the direct GEMMs quantize x and the SiLU-and-mul output as they load them, the aligned
     ones take x quantized by fp8_act_quant and pass the gate_up output as e4m3 + scales (its epilogue): both
     against the native oracle (each projection's input quantized per token per 128, fp32 product). I = 200:
     two 128-channel groups, the second partial. fp32: the same quantized values, summation order only;
     fp16: the same rounding points, so an fp16 step here and there (SiLU's exp differs in its last bit).
-    Not bf16: the interpreter truncates fp32 -> bf16 (0.1054 -> 0.1050, torch 0.1055; docs/quantization.md)."""
+    Not bf16: the interpreter truncates fp32 -> bf16 (0.1054 -> 0.1050, torch 0.1055; docs/quantization.md).
+    swap_ab 1: every product runs as weight x activations^T (DEEPINFER_MOE_W8A8_SWAP_AB), same values."""
     from deepinfer.backend import NativeMoE, RouterSpec
     from deepinfer.backend.specs import MoESpec
     from deepinfer.backends.nvidia.fused_moe import fused_moe
 
+    monkeypatch.setenv("DEEPINFER_MOE_W8A8_SWAP_AB", swap_ab)
     q, _, _ = make_experts("fp8_w8a8", 200, device=DEVICE)
     x = torch.randn(t, q.w13.shape[2], generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     wts, ids = routing(t, drop=drop, device=DEVICE)

@@ -47,6 +47,19 @@ def _fit_scheme(cfg: dict, scheme: str | None, group_size: int) -> dict:
     return cfg
 
 
+SWAP_AB_MAX_BLOCK_M = 0  # W8A8 tiles up to this BLOCK_M swap their operands by default (0: none, until measured)
+
+
+def w8a8_swap_ab(block_m: int) -> bool:
+    """Whether a W8A8 grouped GEMM of BLOCK_M rows runs B @ A^T (fused_moe_mainloop._fp8_step_swapped): below
+    BLOCK_M 64 the unswapped tile runs mma.sync on e4m3 converted to fp16, the swapped one the fp8 wgmma with
+    the routed rows as its N. DEEPINFER_MOE_W8A8_SWAP_AB forces it either way (also under the interpreter)."""
+    forced = envs.MOE_W8A8_SWAP_AB.get()
+    if forced is not None:
+        return forced
+    return block_m <= SWAP_AB_MAX_BLOCK_M
+
+
 def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, group_size: int = 128) -> dict:
     """Aligned tile per BLOCK_M; DEEPINFER_MOE_TILE="BN,BK,warps,stages" overrides it (for tuning runs).
 
@@ -62,12 +75,14 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     if interpreting():
         cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
         if scheme in FP8_ACT:
-            cfg = {"block_n": 128 if dual else 32, "block_k": 128, "num_warps": 4, "num_stages": 1}
+            cfg = {"block_n": 128 if dual else 32, "block_k": 128, "num_warps": 4, "num_stages": 1,
+                   "swap_ab": w8a8_swap_ab(block_m)}
         return _fit_scheme(cfg, scheme, group_size)
     cfg = _tile_env("DEEPINFER_MOE_TILE")
     if scheme in FP8_ACT:
         if cfg is None:
             cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4}
+        cfg = dict(cfg, swap_ab=w8a8_swap_ab(block_m))
         if dual:
             cfg = dict(cfg, block_n=128)
         return _fit_scheme(cfg, scheme, group_size)
@@ -87,11 +102,13 @@ def direct_config(dual: bool, scheme: str | None = None, group_size: int = 128) 
     if interpreting():
         cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
         if scheme in FP8_ACT:
-            cfg = dict(cfg, block_k=128)
+            cfg = dict(cfg, block_k=128, swap_ab=w8a8_swap_ab(16))
         return _fit_scheme(cfg, scheme, group_size)
     cfg = _tile_env("DEEPINFER_MOE_DIRECT_TILE") or {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
     if dual:
         cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
+    if scheme in FP8_ACT:  # a direct program's BLOCK_M: 16 up to 16 tokens
+        cfg = dict(cfg, swap_ab=w8a8_swap_ab(16))
     return _fit_scheme(cfg, scheme, group_size)
 
 

@@ -55,6 +55,7 @@ def _aligned_gemm_kernel(
     A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ACT_FP8_OUT: tl.constexpr,
     ROUND_FIRST: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,7 +72,7 @@ def _aligned_gemm_kernel(
     acc_g, acc_u = _mainloop(a_ptr, as_ptr, stride_as, rows, pmask, stride_am, b_ptr + expert * stride_be, u_off,
                              offs_n, nmask, stride_bn, K, q_ptr + expert * stride_qe, z_ptr + expert * stride_qe,
                              uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
+                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:
         wv = tl.load(w_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
     else:
@@ -93,7 +94,7 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
                  DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                  QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
                  ROUND_FIRST: tl.constexpr, SHARED_STACKED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
     offs_m = tl.arange(0, BLOCK_M)
@@ -113,7 +114,7 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
     acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off), offs_n,
                              nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off, z_ptr + q_off, uq_off,
                              stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
+                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
         p_slot = pairs % SLOTS
         p_routed = p_slot < TOP_K
@@ -164,6 +165,7 @@ def _direct_gemm_kernel(
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
     SHARED_STACKED: tl.constexpr, COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -183,7 +185,7 @@ def _direct_gemm_kernel(
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
                      stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
                      MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, SHARED_STACKED, BLOCK_M,
-                     BLOCK_N, BLOCK_K)
+                     BLOCK_N, BLOCK_K, SWAP_AB)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -205,6 +207,15 @@ def _a_mode(scheme: str | None, a: torch.Tensor, a_scale: torch.Tensor | None) -
         raise BackendError(f"MoE grouped GEMM: W8A8 activations {tuple(a.shape)} {a.dtype} with scales "
                            f"{tuple(a_scale.shape)} {a_scale.dtype}: expected e4m3 [rows, K] and fp32 [rows, K/128]")
     return 1
+
+
+def _swap_ab(cfg: dict, a_mode: int) -> bool:
+    """cfg["swap_ab"]: run the W8A8 products as B @ A^T (fused_moe_mainloop._fp8_step_swapped); only fp8
+    activations (A_MODE 1 / 2) have that path."""
+    swap = bool(cfg.get("swap_ab", False))
+    if swap and a_mode == 0:
+        raise BackendError("MoE grouped GEMM: swap_ab is a tile option of fp8 W8A8 weights only")
+    return swap
 
 
 def aligned_gemm(
@@ -231,6 +242,7 @@ def aligned_gemm(
                         and tuple(out_scale.shape) == (out.shape[0], triton.cdiv(n_out, 128))):
         raise BackendError("aligned_gemm: an e4m3 output with per-128 scales is the W8A8 gate_up's only")
     cfg = cfg or gemm_config(block_m, dual, scheme, group_size)
+    swap = _swap_ab(cfg, a_mode)
     if fp8_out and cfg["block_n"] != 128:
         raise BackendError(f"aligned_gemm: the e4m3 gate_up output needs BLOCK_N 128, got {cfg['block_n']}")
     grid = (expert_ids.shape[0], triton.cdiv(n_out, cfg["block_n"]))
@@ -242,7 +254,7 @@ def aligned_gemm(
         A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(act), QUANT=quant, E8M0=e8m0,
         GROUP=group_size, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=_TL_DTYPES[act],
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -296,6 +308,8 @@ def direct_gemm(
     else:
         shared_w, stride_sn, shared_step, us_off = shared_layout(shared_w, w, dual, n_out, num_shared, K)
     cfg = cfg or direct_config(dual, scheme, group_size)
+    a_mode = _a_mode(scheme, a, None)
+    swap = _swap_ab(cfg, a_mode)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
     final, shared_out, counters = combine_into if combine_into is not None else (out, None, out)
@@ -309,8 +323,8 @@ def direct_gemm(
         shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, A_MODE=_a_mode(scheme, a, None), ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
+        GROUP=group_size, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
-        BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

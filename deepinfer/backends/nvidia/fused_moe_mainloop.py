@@ -64,20 +64,37 @@ def _fp8_step(acc, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_b
 
 
 @triton.jit
+def _fp8_step_swapped(acc, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk):
+    """_fp8_step with the operands swapped: acc [BLOCK_N, BLOCK_M] + (B[brows, kk] @ a^T) * b_s * a_s. The weight
+    rows fill the MMA's M (64 per warpgroup: the fp8 wgmma, QGMMA) and the few routed rows its N (16 / 32), where
+    the unswapped tile below BLOCK_M 64 runs mma.sync on e4m3 converted to fp16 (swap-AB, as small-batch fp8 MoE
+    kernels do). Both operands stay K-major, as the fp8 wgmma requires."""
+    b = tl.load(b_base + brows[:, None] * stride_bn + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    b_s = tl.load(q_base + (brows // 128) * stride_qn + (k0 // 128) * stride_qk, mask=nmask, other=0.0)
+    return acc + tl.dot(b, tl.trans(a)) * (b_s[:, None] * a_s[None, :])
+
+
+@triton.jit
 def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
               q_base, z_base, uq_off, stride_qn, stride_qk,
               DUAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
               QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
-              ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SWAP_AB: tl.constexpr):
     """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32. u_off / uq_off
     shift the weight bytes / the scale rows (and the int4 zeros, laid out as the scales) to the up projection.
-    A_MODE 1 / 2 (W8A8, QUANT 1, BLOCK_K 128): as_ptr holds mode 1's scales [rows, K/128] (row stride stride_as)."""
+    A_MODE 1 / 2 (W8A8, QUANT 1, BLOCK_K 128): as_ptr holds mode 1's scales [rows, K/128] (row stride stride_as).
+    SWAP_AB (A_MODE 1 / 2 only): the products run as B @ A^T (_fp8_step_swapped), transposed back at the end."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     brows = offs_n.to(tl.int64)
     ACT = a_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = offs_k + k0
         kmask = kk < K
@@ -102,13 +119,26 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
             else:
                 x = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                 a, a_s = fp8_quant_rows(x, ROUND_FIRST)
-            acc_g = _fp8_step(acc_g, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn,
-                              stride_qk)
-            if DUAL:
-                acc_u = _fp8_step(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, k0, kk, kmask, nmask,
-                                  stride_bn, stride_qn, stride_qk)
+            if SWAP_AB:
+                acc_g = _fp8_step_swapped(acc_g, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn,
+                                          stride_qn, stride_qk)
+                if DUAL:
+                    acc_u = _fp8_step_swapped(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, k0, kk, kmask,
+                                              nmask, stride_bn, stride_qn, stride_qk)
+            else:
+                acc_g = _fp8_step(acc_g, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn,
+                                  stride_qk)
+                if DUAL:
+                    acc_u = _fp8_step(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, k0, kk, kmask, nmask,
+                                      stride_bn, stride_qn, stride_qk)
         a_ptrs += BLOCK_K
-    return acc_g, acc_u
+    if SWAP_AB:  # one return: the compiler types every return statement, even in a constexpr branch not taken
+        out_g = tl.trans(acc_g)
+        out_u = tl.trans(acc_u)
+    else:
+        out_g = acc_g
+        out_u = acc_u
+    return out_g, out_u
 
 
 @triton.jit
