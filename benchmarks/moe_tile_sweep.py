@@ -79,8 +79,8 @@ def _report(rows: list[dict], key: dict, default_us: float | None, nbytes_per_ca
     best = min(ok, key=lambda r: r["us"]) if ok else None
     summary = dict(key, default_us=default_us, best=best and {k: best[k] for k in ("block_m", "cfg", "us")},
                    best_weight_gbs=best and nbytes_per_call / best["us"] / 1e3,
-                   default_weight_gbs=default_us and nbytes_per_call / default_us / 1e3)
-    print(json.dumps(dict(summary, summary=True)), flush=True)
+                   default_weight_gbs=default_us and nbytes_per_call / default_us / 1e3, summary=True)
+    print(json.dumps(summary), flush=True)
     return summary
 
 

@@ -115,9 +115,10 @@ def main() -> None:
             aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
     for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
-    for dual in (True, False):  # W8A8 swap-AB (the weight rows as the MMA's M) at decode sizes
-        for bm in (16, 32):
-            aligned("bf16", dual, bm, dict(g.gemm_config(bm, dual, "fp8_w8a8"), swap_ab=True), scheme="fp8_w8a8")
+    for dual in (True, False):  # W8A8 at decode sizes: swap-AB (the default below BLOCK_M 64), the unswapped tile
+        aligned("bf16", dual, 16, g.gemm_config(16, dual, "fp8_w8a8"), scheme="fp8_w8a8")
+        unswapped = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4, "swap_ab": False}
+        aligned("bf16", dual, 32, unswapped, scheme="fp8_w8a8")
         direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "fp8_w8a8"), swap_ab=True), scheme="fp8_w8a8")
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}

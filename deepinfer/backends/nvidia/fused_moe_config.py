@@ -47,17 +47,22 @@ def _fit_scheme(cfg: dict, scheme: str | None, group_size: int) -> dict:
     return cfg
 
 
-SWAP_AB_MAX_BLOCK_M = 0  # W8A8 tiles up to this BLOCK_M swap their operands by default (0: none, until measured)
+SWAP_AB_MAX_BLOCK_M = 32  # aligned W8A8 tiles up to this BLOCK_M swap their operands by default
+# Aligned W8A8 tiles below BLOCK_M 64 (swapped), per GEMM: the best of benchmarks/moe_tile_sweep.py at 256 tokens on
+# the H200 (2026-12-04, docs/quantization.md): gate_up 139.5 -> 102.3 us, down 93.3 -> 60.1 us a layer.
+W8A8_SWAPPED_TILES = {True: {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3},
+                      False: {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}}
 
 
-def w8a8_swap_ab(block_m: int) -> bool:
+def w8a8_swap_ab(block_m: int, direct: bool = False) -> bool:
     """Whether a W8A8 grouped GEMM of BLOCK_M rows runs B @ A^T (fused_moe_mainloop._fp8_step_swapped): below
     BLOCK_M 64 the unswapped tile runs mma.sync on e4m3 converted to fp16, the swapped one the fp8 wgmma with
-    the routed rows as its N. DEEPINFER_MOE_W8A8_SWAP_AB forces it either way (also under the interpreter)."""
+    the routed rows as its N. DEEPINFER_MOE_W8A8_SWAP_AB forces it either way (also under the interpreter);
+    the direct schedule (not measured swapped) swaps only when forced."""
     forced = envs.MOE_W8A8_SWAP_AB.get()
     if forced is not None:
         return forced
-    return block_m <= SWAP_AB_MAX_BLOCK_M
+    return not direct and block_m <= SWAP_AB_MAX_BLOCK_M
 
 
 def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, group_size: int = 128) -> dict:
@@ -69,8 +74,10 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     128 channels, one channel group per program, so the down GEMM reads e4m3 (half the bytes) and needs no
     quantization pass. 8 warps: with 4, the gate_up program spills at BLOCK_M 32 and 64 (sm_90 compile of
     Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack), and the
-    down program needs 241 registers at BLOCK_M 64 (160 with 8). BLOCK_M 64 runs QGMMA (fp8 wgmma); below
-    64 Triton converts the e4m3 tiles to fp16 for mma.sync (HMMA), which the memory-bound decode sizes hide.
+    down program needs 241 registers at BLOCK_M 64 (160 with 8). BLOCK_M 64 runs QGMMA (fp8 wgmma). Below 64
+    the unswapped tile would convert the e4m3 tiles to fp16 for mma.sync (HMMA); those tiles swap their operands
+    instead (w8a8_swap_ab: QGMMA with the routed rows as N) and take W8A8_SWAPPED_TILES, the sweep's best
+    (gate_up at 4 warps: 255 registers, no stack, in the sm_90 compile of Triton 3.9).
     """
     if interpreting():
         cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
@@ -80,9 +87,12 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
         return _fit_scheme(cfg, scheme, group_size)
     cfg = _tile_env("DEEPINFER_MOE_TILE")
     if scheme in FP8_ACT:
-        if cfg is None:
+        swap = w8a8_swap_ab(block_m)
+        if cfg is None and swap and block_m <= SWAP_AB_MAX_BLOCK_M:
+            cfg = W8A8_SWAPPED_TILES[dual]
+        elif cfg is None:
             cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4}
-        cfg = dict(cfg, swap_ab=w8a8_swap_ab(block_m))
+        cfg = dict(cfg, swap_ab=swap)
         if dual:
             cfg = dict(cfg, block_n=128)
         return _fit_scheme(cfg, scheme, group_size)
@@ -102,13 +112,13 @@ def direct_config(dual: bool, scheme: str | None = None, group_size: int = 128) 
     if interpreting():
         cfg = {"block_n": 16 if dual else 32, "block_k": 16, "num_warps": 4, "num_stages": 1}
         if scheme in FP8_ACT:
-            cfg = dict(cfg, block_k=128, swap_ab=w8a8_swap_ab(16))
+            cfg = dict(cfg, block_k=128, swap_ab=w8a8_swap_ab(16, direct=True))
         return _fit_scheme(cfg, scheme, group_size)
     cfg = _tile_env("DEEPINFER_MOE_DIRECT_TILE") or {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
     if dual:
         cfg = dict(cfg, block_n=max(16, cfg["block_n"] // 2))
     if scheme in FP8_ACT:  # a direct program's BLOCK_M: 16 up to 16 tokens
-        cfg = dict(cfg, swap_ab=w8a8_swap_ab(16))
+        cfg = dict(cfg, swap_ab=w8a8_swap_ab(16, direct=True))
     return _fit_scheme(cfg, scheme, group_size)
 
 
