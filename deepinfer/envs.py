@@ -302,6 +302,12 @@ INT4_DEQUANT_MIN_M = EnvVar(
     "tokens from which a dense int4 linear dequantizes its weight and runs cuBLAS instead of the int4 GEMM",
     "nvidia", minimum=1, error=BackendError,
 )
+FP8_CUBLAS = EnvVar(
+    "DEEPINFER_FP8_CUBLAS", "bool", True,
+    "`0`: fp8 W8A8 dense linears above the fused activation-quant size run the Triton fp8 GEMM instead of cuBLAS's "
+    "block-scaled fp8 GEMM (Hopper, K a multiple of 512)",
+    "nvidia",
+)
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(
     "DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M", "int", 64,
     "largest token count whose fp8 W8A8 GEMM quantizes the activations as it loads them (no separate kernel)",

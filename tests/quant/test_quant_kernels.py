@@ -214,3 +214,58 @@ def test_int4_gemm_real_shapes(m, n, k, group):
     for dequant in (False, True):
         y = int4_gemm(x, lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, dequant=dequant)
         assert _rel(y, ref) < 2e-2, dequant
+
+
+@pytest.mark.parametrize("m,k", [(7, 300), (33, 256)])
+def test_act_quant_writes_column_major_scales(m, k):
+    """scales_col_major (cuBLAS's block-scaled layout, quant/fp8_cublas.py): the same values and scales, the scales
+    as a [M, K/128] view with strides (1, M)."""
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as kq
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).to(DEV)
+    q, s = kq(x)
+    qc, sc = kq(x, scales_col_major=True)
+    assert sc.shape == s.shape and sc.stride() == (1, m)
+    assert torch.equal(sc, s) and torch.equal(qc.float(), q.float())
+
+
+def test_cublas_fp8_path_is_taken_only_where_it_applies(monkeypatch):
+    """Not on the CPU, not for the fused decode sizes, not when K / 128 is not a multiple of 4, not when turned off."""
+    from deepinfer.backends.nvidia.quant.fp8_cublas import use_cublas
+
+    w = torch.empty(256, 2048, dtype=torch.float8_e4m3fn)
+    assert not use_cublas(torch.empty(256, 2048), w, fused_act_quant=False)  # CPU
+    if torch.cuda.is_available():
+        x, wd = torch.empty(256, 2048, device="cuda"), w.cuda()
+        assert not use_cublas(x, wd, fused_act_quant=True)
+        assert not use_cublas(torch.empty(256, 2816, device="cuda"),
+                              torch.empty(256, 2816, dtype=torch.float8_e4m3fn, device="cuda"), fused_act_quant=False)
+        monkeypatch.setenv("DEEPINFER_FP8_CUBLAS", "0")
+        assert not use_cublas(x, wd, fused_act_quant=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS block-scaled fp8 needs the GPU")
+@pytest.mark.parametrize("m,n", [(256, 3648), (1000, 2048), (4096, 5632)])
+def test_fp8_w8a8_cublas_path_matches_native(m, n, monkeypatch):
+    """V2-Lite-like shapes (K 2048) above the fused act-quant size: the cuBLAS block-scaled GEMM (taken on a Hopper
+    GPU) against the native reference on the same quantized operands, at the bf16 tolerance; and against the
+    Triton fp8 GEMM (DEEPINFER_FP8_CUBLAS=0)."""
+    from deepinfer.backends.nvidia.quant.fp8_cublas import use_cublas
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
+
+    k = 2048
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_weight_fp8_block(torch.randn(n, k, generator=g) * k**-0.5)
+    x = torch.randn(m, k, generator=g)
+    lay = _layer(wq.clone().cuda(), ws.clone().cuda())
+    ours = TritonFp8W8A8Linear()
+    ours.process_weights(lay, torch.bfloat16)
+    xb = x.cuda().bfloat16()
+    assert use_cublas(xb, lay.weight, fused_act_quant=False) == (torch.cuda.get_device_capability() == (9, 0))
+    y = ours.apply(lay, xb)
+    r = w8a8_block_linear_ref(xb.float().cpu(), dequant_fp8_block(wq, ws))
+    assert _rel(y.float().cpu(), r) < 2e-2
+    monkeypatch.setenv("DEEPINFER_FP8_CUBLAS", "0")
+    yt = ours.apply(lay, xb)
+    assert _rel(y, yt) < 2e-2

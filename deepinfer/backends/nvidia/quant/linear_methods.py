@@ -58,12 +58,19 @@ class TritonFp8W8A8Linear(LinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
+        from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_mm, use_cublas
         from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm, fused_act_quant
 
         x2 = _flat(x)
+        fused = fused_act_quant(x2.shape[0])
+        bias = getattr(layer, "bias", None)
+        if use_cublas(x2, layer.weight, fused):  # larger M: cuBLAS's block-scaled fp8 kernels (fp8_cublas.py)
+            xq, xs = quantize_act_fp8(x2, scales_col_major=True)
+            y = blockscaled_mm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         # decode-sized M: one launch, the GEMM quantizes x as it loads it (the same values as the separate kernel)
-        xq, xs = (x2, None) if fused_act_quant(x2.shape[0]) else quantize_act_fp8(x2)
-        y = fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, getattr(layer, "bias", None))
+        xq, xs = (x2, None) if fused else quantize_act_fp8(x2)
+        y = fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
