@@ -57,7 +57,7 @@ def main() -> None:
                     {**sig, "a_ptr": "*fp8e4nv" if mode == 1 else "*bf16"}, consts, warps, stages)
     compile_one("act_quant", fp8_act_quant._act_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                 **{n: "i32" for n in ("M", "K", "stride_x", "stride_q", "G")}},
+                 **{n: "i32" for n in ("M", "M_OUT", "K", "stride_x", "stride_q", "stride_sm", "stride_sg")}},
                 {"ROUND_FIRST": False, "ROWS": 16, "GROUP": 128}, 4, 1, aligned=("K",))
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "c_ptr": "*bf16",
            "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_cm", "stride_wn",

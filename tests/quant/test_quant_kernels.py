@@ -227,10 +227,14 @@ def test_act_quant_writes_column_major_scales(m, k):
     qc, sc = kq(x, scales_col_major=True)
     assert sc.shape == s.shape and sc.stride() == (1, m)
     assert torch.equal(sc, s) and torch.equal(qc.float(), q.float())
+    qp, sp = kq(x, scales_col_major=True, pad_rows_to=16)  # cuBLAS's row alignment: zero rows past M
+    mp = -(-m // 16) * 16
+    assert qp.shape == (mp, k) and sp.shape == (mp, s.shape[1]) and sp.stride() == (1, mp)
+    assert torch.equal(sp[:m], s) and torch.equal(qp[:m].float(), q.float()) and not qp[m:].float().any()
 
 
 def test_cublas_fp8_path_is_taken_only_where_it_applies(monkeypatch):
-    """Not on the CPU, not for the fused decode sizes, not when K / 128 is not a multiple of 4, not when turned off."""
+    """Not on the CPU, not for the fused decode sizes, not when K is not a multiple of 128, not when turned off."""
     from deepinfer.backends.nvidia.quant.fp8_cublas import use_cublas
 
     w = torch.empty(256, 2048, dtype=torch.float8_e4m3fn)
@@ -238,23 +242,23 @@ def test_cublas_fp8_path_is_taken_only_where_it_applies(monkeypatch):
     if torch.cuda.is_available():
         x, wd = torch.empty(256, 2048, device="cuda"), w.cuda()
         assert not use_cublas(x, wd, fused_act_quant=True)
-        assert not use_cublas(torch.empty(256, 2816, device="cuda"),
-                              torch.empty(256, 2816, dtype=torch.float8_e4m3fn, device="cuda"), fused_act_quant=False)
+        assert not use_cublas(torch.empty(256, 2000, device="cuda"),
+                              torch.empty(256, 2000, dtype=torch.float8_e4m3fn, device="cuda"), fused_act_quant=False)
         monkeypatch.setenv("DEEPINFER_FP8_CUBLAS", "0")
         assert not use_cublas(x, wd, fused_act_quant=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS block-scaled fp8 needs the GPU")
-@pytest.mark.parametrize("m,n", [(256, 3648), (1000, 2048), (4096, 5632)])
-def test_fp8_w8a8_cublas_path_matches_native(m, n, monkeypatch):
-    """V2-Lite-like shapes (K 2048) above the fused act-quant size: the cuBLAS block-scaled GEMM (taken on a Hopper
+@pytest.mark.parametrize("m,n,k", [(256, 3648, 2048), (777, 2048, 2048), (4096, 5632, 2048), (300, 2048, 2816)])
+def test_fp8_w8a8_cublas_path_matches_native(m, n, k, monkeypatch):
+    """V2-Lite-like shapes above the fused act-quant size: the cuBLAS block-scaled GEMM (taken on a Hopper
     GPU) against the native reference on the same quantized operands, at the bf16 tolerance; and against the
-    Triton fp8 GEMM (DEEPINFER_FP8_CUBLAS=0)."""
+    Triton fp8 GEMM (DEEPINFER_FP8_CUBLAS=0). M 777: not a multiple of 16 (padded); K 2816: 22 scale blocks (padded
+    to 24)."""
     from deepinfer.backends.nvidia.quant.fp8_cublas import use_cublas
     from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
 
-    k = 2048
     g = torch.Generator().manual_seed(m)
     wq, ws = quantize_weight_fp8_block(torch.randn(n, k, generator=g) * k**-0.5)
     x = torch.randn(m, k, generator=g)

@@ -22,37 +22,41 @@ GROUP = 128
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, ROUND_FIRST: tl.constexpr,
-                      ROWS: tl.constexpr, GROUP: tl.constexpr):
-    """Program (r, g): rows [r * ROWS, (r + 1) * ROWS), channel group g (one scale per row)."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, stride_q, stride_sm, stride_sg,
+                      ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """Program (r, g): rows [r * ROWS, (r + 1) * ROWS), channel group g (one scale per row). Rows M..M_OUT are
+    padding: x reads as 0 there, so they store q = 0 (and the floor scale)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, GROUP)
-    rmask = rows < M
-    mask = rmask[:, None] & (offs < K)[None, :]
+    kmask = (offs < K)[None, :]
+    omask = rows < M_OUT
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64 * stride_x + offs[None, :], mask=(rows < M)[:, None] & kmask, other=0.0).to(tl.float32)
     q, scale = fp8_quant_rows(x, ROUND_FIRST)
-    tl.store(q_ptr + r64 * stride_q + offs[None, :], q, mask=mask)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rmask)
+    tl.store(q_ptr + r64 * stride_q + offs[None, :], q, mask=omask[:, None] & kmask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=omask)
 
 
-def quantize_act_fp8(x: torch.Tensor, scales_col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (row-contiguous) -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]). scales_col_major: the scales are
-    a transposed view (strides (1, M)), the layout cuBLAS's block-scaled fp8 GEMM reads (quant/fp8_cublas.py)."""
+def quantize_act_fp8(x: torch.Tensor, scales_col_major: bool = False,
+                     pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (row-contiguous) -> (e4m3 [M', K], fp32 scales [M', ceil(K/128)]), M' = M rounded up to a multiple
+    of pad_rows_to (the extra rows are zeros). scales_col_major: the scales are a transposed view (strides (1, M')),
+    the layout cuBLAS's block-scaled fp8 GEMM reads (quant/fp8_cublas.py, which also pads M)."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     g = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    mp = triton.cdiv(m, pad_rows_to) * pad_rows_to
+    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
     if scales_col_major:
-        s = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
+        s = torch.empty((g, mp), dtype=torch.float32, device=x.device).t()
     else:
-        s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+        s = torch.empty((mp, g), dtype=torch.float32, device=x.device)
     if m:
         on_gpu = x.device.type == "cuda"
         rows = 16 if on_gpu else 4  # 16 rows x 128 channels: 4 warps, one 16-byte load per thread and row
-        _act_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                                     s.stride(1), ROUND_FIRST=not on_gpu, ROWS=rows, GROUP=GROUP,
-                                                     num_warps=4)
+        _act_quant_kernel[(triton.cdiv(mp, rows), g)](x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0),
+                                                      s.stride(1), ROUND_FIRST=not on_gpu, ROWS=rows, GROUP=GROUP,
+                                                      num_warps=4)
     return q, s

@@ -12,9 +12,13 @@ weight [N, K] read as its transpose [K, N] (a view); its scales [K/128, N/128] c
 row-major [N/128, K/128] scale tensor transposed (a view, no copy). The products are the reference's: each
 128-wide K block's fp32 product times a_s * b_s, summed in fp32, rounded once to the output dtype.
 
+Two more constraints, found on the H200: the weight scales' K/128 blocks must be a multiple of 4 (V2-Lite's shared
+down, K 2816, has 22: `k4_scales` pads them with zeros, which scale nothing), and M must be aligned (M = 777 gave
+CUBLAS_STATUS_NOT_SUPPORTED; the activations are quantized into M rounded up to ROW_ALIGN rows, zeros past M,
+and the output is sliced back).
+
 When (`use_cublas`): a GPU of compute capability 9.0 (Hopper: what the kernels exist for), a torch with
-`torch.nn.functional.scaled_mm`, K a multiple of 512 (K/128 blocks a multiple of 4: torch rejects other weight
-scale shapes, e.g. V2-Lite's shared down, K 2816), more rows than the Triton GEMM's fused activation quant takes
+`torch.nn.functional.scaled_mm`, K a multiple of 128, more rows than the Triton GEMM's fused activation quant takes
 (DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M), and DEEPINFER_FP8_CUBLAS not 0.
 """
 
@@ -40,18 +44,36 @@ def use_cublas(x: torch.Tensor, weight: torch.Tensor, fused_act_quant: bool) -> 
     """Whether TritonFp8W8A8Linear.apply runs this call through cuBLAS (module docstring)."""
     if fused_act_quant or not envs.FP8_CUBLAS.get() or x.device.type != "cuda":
         return False
-    if weight.shape[1] % 512:
+    if weight.shape[1] % 128:
         return False
     return _available(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def blockscaled_mm(xq: torch.Tensor, xs_col: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """xq e4m3 [M, K], xs_col fp32 [M, K/128] with strides (1, M); weight e4m3 [N, K], weight_scale fp32
-    [N/128, K/128] row-major -> [M, N] in out_dtype (+ bias)."""
+ROW_ALIGN = 16
+
+
+def k4_scales(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The weight's [N/128, K/128] scales with K/128 padded (zeros) to a multiple of 4, row-major; the same tensor
+    when it already is."""
+    kb = weight_scale.shape[1]
+    if kb % 4 == 0:
+        return weight_scale
+    out = torch.zeros(weight_scale.shape[0], -(-kb // 4) * 4, dtype=weight_scale.dtype, device=weight_scale.device)
+    out[:, :kb] = weight_scale
+    return out
+
+
+def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_k4: torch.Tensor, out_dtype: torch.dtype,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] in the compute dtype -> [M, N]: x quantized per token per 128 (rows padded to ROW_ALIGN, scales
+    column-major), times the e4m3 weight [N, K] with its k4_scales, in out_dtype (+ bias)."""
     import torch.nn.functional as F
 
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
+
+    m = x.shape[0]
+    xq, xs = quantize_act_fp8(x, scales_col_major=True, pad_rows_to=ROW_ALIGN)
     st = F.ScalingType
-    y = F.scaled_mm(xq, weight.t(), xs_col, st.BlockWise1x128, weight_scale.t(), st.BlockWise128x128,
-                    output_dtype=out_dtype)
+    y = F.scaled_mm(xq, weight.t(), xs, st.BlockWise1x128, weight_scale_k4.t(), st.BlockWise128x128,
+                    output_dtype=out_dtype)[:m]
     return y if bias is None else y + bias

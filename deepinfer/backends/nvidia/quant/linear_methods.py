@@ -21,6 +21,7 @@ from deepinfer.backend import (
     int4_values,
     quantize_weight_fp8_block,
 )
+from deepinfer.backends.nvidia.quant.fp8_cublas import k4_scales
 from deepinfer.errors import ModelLoadError
 
 FP8 = torch.float8_e4m3fn
@@ -51,6 +52,7 @@ class TritonFp8W8A8Linear(LinearMethod):
             w, s = quantize_weight_fp8_block(w)  # online quantization of a bf16 / fp16 / fp32 weight
         _set(layer, "weight", w)
         _set(layer, "weight_scale_inv", s.float())
+        layer.weight_scale_k4 = k4_scales(layer.weight_scale_inv.detach())  # what cuBLAS's block-scaled GEMM reads
         bias = getattr(layer, "bias", None)
         if bias is not None:
             _set(layer, "bias", bias.detach().to(compute_dtype))
@@ -58,15 +60,14 @@ class TritonFp8W8A8Linear(LinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
-        from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_mm, use_cublas
+        from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_linear, use_cublas
         from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm, fused_act_quant
 
         x2 = _flat(x)
         fused = fused_act_quant(x2.shape[0])
         bias = getattr(layer, "bias", None)
         if use_cublas(x2, layer.weight, fused):  # larger M: cuBLAS's block-scaled fp8 kernels (fp8_cublas.py)
-            xq, xs = quantize_act_fp8(x2, scales_col_major=True)
-            y = blockscaled_mm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, bias)
+            y = blockscaled_linear(x2, layer.weight, layer.weight_scale_k4, x.dtype, bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # decode-sized M: one launch, the GEMM quantizes x as it loads it (the same values as the separate kernel)
         xq, xs = (x2, None) if fused else quantize_act_fp8(x2)
