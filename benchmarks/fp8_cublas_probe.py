@@ -71,6 +71,7 @@ def _apis():
 def probe(ms: list[int]) -> list[dict]:
     from deepinfer.backend import quantize_weight_fp8_block
     from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
+    from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_linear
     from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
 
     rows = []
@@ -104,20 +105,13 @@ def probe(ms: list[int]) -> list[dict]:
                     row.setdefault("ran", []).append({"api": api, "layout": lay, "rel_err": err})
                     if chosen is None and err < 2e-2:
                         chosen = (api, fn, lay, sa.stride(), sb.stride())
-            if chosen is not None:
-                api, fn, lay, _, _ = chosen
-                if lay != "a_col,b_t":
-                    row["note"] = f"only {lay} ran correctly: not timed (the engine passes a_col,b_t)"
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    continue
+            if chosen is not None:  # timed as the engine runs it (quant/fp8_cublas.py: rows and K blocks padded)
+                row["cublas_api"], row["cublas_layout"] = chosen[0], chosen[2]
 
-                def cublas(i, fn=fn, x=x, layers=layers):  # as TritonFp8W8A8Linear.apply runs it
-                    q, s = quantize_act_fp8(x, scales_col_major=True)
+                def cublas(i, x=x, layers=layers):
                     lw = layers[i]
-                    return fn(q, lw.weight.t(), s, lw.weight_scale_inv.t())
+                    return blockscaled_linear(x, lw.weight, lw.weight_scale_k4, torch.bfloat16)
 
-                row["cublas_api"], row["cublas_layout"] = api, lay
                 row["cublas_us"] = qg.graph_us(cublas, copies)
             row["bf16_us"] = qg.graph_us(lambda i, x=x, wb=wb: torch.nn.functional.linear(x, wb[i]), len(wb))
             with _env("DEEPINFER_FP8_CUBLAS", "0"):  # the Triton GEMM, whatever the engine's default
@@ -142,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{'shape':>15} {'M':>6} {'bf16 us':>9} {'triton fp8':>11} {'cublas fp8':>11} {'cublas x':>9}  layout")
     for r in rows:
         cu = r.get("cublas_us")
-        print(f"{r['shape']:>15} {r['m']:>6} {r['bf16_us']:9.1f} {r['triton_fp8_us']:11.1f} "
+        print(f"{r['shape']:>15} {r['m']:>6} {r.get('bf16_us', float('nan')):9.1f} "
+              f"{r.get('triton_fp8_us', float('nan')):11.1f} "
               f"{cu if cu is not None else float('nan'):11.1f} {r['bf16_us'] / cu if cu else float('nan'):9.2f}  "
               f"{r.get('cublas_api', '-')} {r.get('cublas_layout', (r.get('refused') or ['-'])[0])}")
 
