@@ -25,7 +25,9 @@ from benchmarks import quant_gemm as qg
 
 @contextlib.contextmanager
 def _env(name: str, value: str):
-    old = os.environ.get(name)
+    from deepinfer import envs
+
+    old = envs.BY_NAME[name].raw()
     os.environ[name] = value
     try:
         yield
