@@ -25,7 +25,7 @@ from deepinfer.backend.communicator import (
     SingleProcessCommunicator,
 )
 from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
-from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+from deepinfer.backend.forward_batch import DECODE_ROWS, TOKEN_REQUESTS, ForwardBatch, token_slots, token_slots_host
 from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
@@ -66,14 +66,14 @@ from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpe
 from deepinfer.errors import BackendError, UnsupportedOpError
 
 __all__ = [
-    "Backend", "BackendCaps", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
+    "Backend", "BackendCaps", "DECODE_ROWS", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
     "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
     "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MOE_QUANT_SCHEMES", "FP8_EXPERT_SCHEMES", "INT4_EXPERT_GROUPS", "INT4_EXPERT_SCHEMES", "MoEOp", "MoESpec", "QuantizedExperts",
     "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "PROCESS_GROUP_NAMES", "RouterSpec",
-    "SingleProcessCommunicator", "StaticInputs", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",
+    "SingleProcessCommunicator", "StaticInputs", "TOKEN_REQUESTS", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",
     "V4AttentionSpec", "default_buckets", "dtype_name", "MTPGraphRunner", "argmax_confidence", "mtp_draft_logits",
-    "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "validate_router", "write_latent",
+    "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "token_slots_host", "validate_router", "write_latent",
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
     "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "dequant_int4_rows", "int4_expert_rows", "int4_values", "quantize_act_fp8", "quantize_fp4",
     "quantize_weight_fp8_block", "w8a8_block_linear_ref",

@@ -6,7 +6,17 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+# `ForwardBatch.memo` key: int64 [T] on the device, each token's request (its row of query_start_loc). The batch
+# builder puts it in the memo of batches that are not decode-only, from its one host-to-device copy, so splitting
+# a batch into decode rows (worker/decode_rows.py) needs no copy of its own.
+TOKEN_REQUESTS = "token_requests"
+# `ForwardBatch.memo` key: the int32 fields of the batch as decode rows (query_start_loc 0..T [T + 1], seq_lens
+# positions + 1 [T], context_lens positions [T]), on the device. The batch builder puts them in the memo of steps that
+# verify drafts (whose forward runs as decode rows), from its one copy, so decode rows need no ops to make them.
+DECODE_ROWS = "decode_rows"
 
 
 @dataclass
@@ -71,7 +81,8 @@ def token_slots(table: torch.Tensor, req_idx: torch.Tensor, positions: torch.Ten
     absolute position. A compressed group (tokens_per_entry m > 1) writes one entry per m tokens:
     the token completing entry e = (pos + 1) // m - 1 gets its slot, the others -1. A table entry
     of -1 (a window block already returned) gives -1 too. The one definition of slot_mapping:
-    the runtime builds batches with it and ops read the result, never recomputing slots.
+    the runtime builds batches with it (on the host, as `token_slots_host`: the same rule over numpy
+    arrays, tested equal) and ops read the result, never recomputing slots.
     """
     m = tokens_per_entry
     entries = positions if m == 1 else torch.clamp((positions + 1) // m - 1, min=0)
@@ -81,3 +92,20 @@ def token_slots(table: torch.Tensor, req_idx: torch.Tensor, positions: torch.Ten
     if m > 1:
         valid &= (positions + 1) % m == 0
     return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+def token_slots_host(table: np.ndarray, rows: np.ndarray, positions: np.ndarray, tokens_per_entry: int,
+                     block_size: int) -> np.ndarray:
+    """`token_slots` over host arrays (int64 [T]; table: the KV manager's numpy view of a group's tables): the
+    same rule, for the batch builder, where the host tables and every index are host data. Numpy because each
+    torch op costs a dispatch of a few us on the host: the ~9 ops per group were ~30 us of every step's build on
+    this CPU, ~5 us here."""
+    m = tokens_per_entry
+    entries = positions if m == 1 else np.maximum((positions + 1) // m - 1, 0)
+    blocks = table[rows, entries // block_size].astype(np.int64)
+    slots = blocks * block_size + entries % block_size
+    invalid = blocks < 0
+    if m > 1:
+        invalid |= (positions + 1) % m != 0
+    slots[invalid] = -1
+    return slots

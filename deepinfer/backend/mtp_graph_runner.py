@@ -41,7 +41,7 @@ Models with per-sequence state (V4) get no runner (a padded row would write into
 Memory: one pool shared by these graphs (the largest pass bucket's activations of one decoder layer, and the head's
 [B, vocab] fp32 logits and probabilities at the largest chain bucket; a chain graph's k links reuse the pool, their
 intermediates are freed within the capture as in eager mode), plus static buffers: hidden states and states of
-T_max + 2 * B_max rows and 6 * T_max + 8 * B_max int64.
+T_max + 2 * B_max rows and 7 * T_max + 8 * B_max int64.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from deepinfer.backend.forward_batch import ForwardBatch, token_slots
@@ -63,13 +64,14 @@ log = logging.getLogger(__name__)
 PASS_FIELDS = ("p_src", "p_ids", "p_pos", "p_row")
 CHAIN_FIELDS = ("c_src", "c_row", "c_pos", "c_len")
 # optional segments the graphs never read: the one-sync speculative step (spec/one_sync.py) stages with them what
-# it needs to derive the pass and chain inputs on the device from the verification (a pass row's sequence and
-# index in it; a drafting sequence's first verify row, drafts verified, context length, KV room), in the same copy
-PASS_EXTRA = ("f_seq", "f_j")
+# it needs to derive the pass and chain inputs on the device from the verification (a pass row's sequence, index in
+# it and draft token; a drafting sequence's first verify row, drafts verified, context length, KV room), in the
+# same copy
+PASS_EXTRA = ("f_seq", "f_j", "f_tok")
 CHAIN_EXTRA = ("f_start", "f_dlen", "f_ctx", "f_room")
 # what a padded row of each segment holds: inert (row -1: no read, no write; chain length 0)
 PAD = {"p_src": 0, "p_ids": 0, "p_pos": 0, "p_row": -1, "c_src": 0, "c_row": -1, "c_pos": 0, "c_len": 0,
-       "f_seq": 0, "f_j": 0, "f_start": 0, "f_dlen": 0, "f_ctx": 0, "f_room": 0}
+       "f_seq": 0, "f_j": 0, "f_tok": 0, "f_start": 0, "f_dlen": 0, "f_ctx": 0, "f_room": 0}
 
 
 def mtp_draft_logits(model, state: torch.Tensor) -> torch.Tensor:
@@ -92,7 +94,7 @@ class MTPStatic:
     t_max: int
     b_max: int
     k: int
-    ints: torch.Tensor  # [6 * t_max + 8 * b_max] int64, on the device: the staged segments
+    ints: torch.Tensor  # [7 * t_max + 8 * b_max] int64, on the device: the staged segments
     host: torch.Tensor  # the same layout on the host (pinned on accelerators): one copy per step
     p_hidden: torch.Tensor  # [t_max, D] the pass's input hidden states
     p_out: torch.Tensor  # [t_max, D] the pass's output states
@@ -106,9 +108,17 @@ class MTPStatic:
     no_logits: torch.Tensor  # [0] int64
     offsets: dict[str, int] = field(default_factory=dict)
     host_np: object = None  # a numpy view of `host`
+    # each segment's view of `ints` / `host`, made once (a step reads a dozen of them: a slice each time cost ~1 us
+    # of host time apiece)
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+    host_views: dict[str, torch.Tensor] = field(default_factory=dict)
+    _layouts: dict[tuple[str, ...], tuple] = field(default_factory=dict)  # write_host's, per names
 
     def __post_init__(self) -> None:
         self.host_np = self.host.numpy()
+        for name, o in self.offsets.items():
+            self.views[name] = self.ints[o : o + self.size(name)]
+            self.host_views[name] = self.host[o : o + self.size(name)]
 
     @classmethod
     def allocate(cls, t_max: int, b_max: int, k: int, hidden: int, dtype: torch.dtype,
@@ -139,12 +149,48 @@ class MTPStatic:
         return self.t_max if name in PASS_FIELDS or name in PASS_EXTRA else self.b_max
 
     def seg(self, name: str) -> torch.Tensor:
-        o = self.offsets[name]
-        return self.ints[o : o + self.size(name)]
+        return self.views[name]
 
     def seg_host(self, name: str) -> torch.Tensor:
-        o = self.offsets[name]
-        return self.host[o : o + self.size(name)]
+        return self.host_views[name]
+
+    def write_host(self, names: tuple[str, ...], data: list[list[int]], bucket: int) -> None:
+        """Host segments `names` <- data (one list each), each padded with its inert value up to `bucket` rows.
+        Numpy over the (pinned) host buffer, no tensor per segment; segments that lie back to back in the buffer
+        and hold as many rows each are written as one [len(names), size] block (one conversion and one padding
+        write for all of them, where a write per segment cost ~1-2 us each)."""
+        lens = set(map(len, data))
+        if max(lens) > bucket:
+            name, values = next((m, v) for m, v in zip(names, data) if len(v) > bucket)
+            raise ValueError(f"MTPGraphRunner.stage: {len(values)} {name} rows for a bucket of {bucket}")
+        layout = self._layouts.get(names)
+        if layout is None:  # (first offset, rows per segment, back to back?, padding column): once per names
+            size, o = self.size(names[0]), self.offsets[names[0]]
+            layout = self._layouts[names] = (
+                o, size, all(self.offsets[m] == o + i * size for i, m in enumerate(names)),
+                np.array([[PAD[m]] for m in names], dtype=np.int64))
+        o, size, back_to_back, pads = layout
+        if back_to_back and len(lens) == 1:
+            n = lens.pop()
+            block = self.host_np[o : o + len(names) * size].reshape(len(names), size)
+            block[:, :n] = data
+            block[:, n:bucket] = pads
+            return
+        for name, values in zip(names, data):
+            o = self.offsets[name]
+            self.host_np[o : o + len(values)] = values
+            self.host_np[o + len(values) : o + bucket] = PAD[name]
+
+    def seg_pair(self, first: str, second: str) -> torch.Tensor:
+        """[2, size] view of two segments of the same size (rows: first, second), so one op can write or read both
+        (the one-sync step derives c_src and c_pos from f_start and f_ctx with one add)."""
+        size = self.size(first)
+        if self.size(second) != size:
+            raise ValueError(f"MTPStatic.seg_pair: {first} and {second} differ in size")
+        a, b = self.offsets[first], self.offsets[second]
+        if b <= a:
+            raise ValueError(f"MTPStatic.seg_pair: {second} must come after {first} in the buffer")
+        return self.ints.as_strided((2, size), (b - a, 1), self.ints.storage_offset() + a)
 
 
 @dataclass
@@ -285,19 +331,27 @@ class MTPGraphRunner:
         """Write the step's rows (segment name -> values; PASS_FIELDS when the pass replays, CHAIN_FIELDS when the
         chain does, and any of PASS_EXTRA / CHAIN_EXTRA given) and pad each segment up to its bucket with inert rows;
         then one copy to the device."""
+        groups = []
+        for names, extra, bucket in ((PASS_FIELDS, PASS_EXTRA, pass_bucket), (CHAIN_FIELDS, CHAIN_EXTRA, chain_bucket)):
+            if bucket is not None:
+                names = names + tuple(n for n in extra if n in values)
+                groups.append((names, [values[n] for n in names], bucket))
+        self._stage(groups)
+
+    def stage_all(self, pass_rows: list[list[int]], chain_rows: list[list[int]], pass_bucket: int,
+                  chain_bucket: int) -> None:
+        """`stage` of every segment, the lists in buffer order (PASS_FIELDS + PASS_EXTRA, CHAIN_FIELDS +
+        CHAIN_EXTRA): what the one-sync step stages, without a dict of names to build and look up."""
+        self._stage([(PASS_FIELDS + PASS_EXTRA, pass_rows, pass_bucket),
+                     (CHAIN_FIELDS + CHAIN_EXTRA, chain_rows, chain_bucket)])
+
+    def _stage(self, groups: list[tuple[tuple[str, ...], list[list[int]], int]]) -> None:
+        """Write each (names, their lists, bucket) into the host buffer, then one copy to the device."""
         if self._event is not None:
             self._event.synchronize()  # the last step's copy has read the host buffer (long done, in practice)
         st = self.static
-        for names, extra, bucket in ((PASS_FIELDS, PASS_EXTRA, pass_bucket), (CHAIN_FIELDS, CHAIN_EXTRA, chain_bucket)):
-            if bucket is None:
-                continue
-            for name in names + tuple(n for n in extra if n in values):
-                data = values[name]
-                o, n = st.offsets[name], len(data)
-                if n > bucket:
-                    raise ValueError(f"MTPGraphRunner.stage: {n} {name} rows for a bucket of {bucket}")
-                st.host_np[o : o + n] = data  # numpy over the (pinned) host buffer: no tensor per segment
-                st.host_np[o + n : o + bucket] = PAD[name]
+        for names, data, bucket in groups:
+            st.write_host(names, data, bucket)
         st.ints.copy_(st.host, non_blocking=True)
         if st.ints.device.type != "cpu":
             self._event = torch.Event(device=st.ints.device)

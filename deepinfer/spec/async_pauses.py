@@ -179,10 +179,12 @@ class AsyncPauses:
         decode cannot occur here (delegable); its sequence's kept rows would no longer be contiguous, so they go."""
         rows: list[tuple[Sequence, int, int]] = []
         r = 0
+        paused = self.spec.paused_rows
         for item, q in zip(sched.scheduled, batch.query_lens_cpu):
-            if item.samples and item.num_tokens == 1 and not item.draft:
-                rows.append((item.seq, r, item.context_len))
+            seq, c = item.seq, item.context_len
+            if q == 1 and not item.draft and c + 1 == seq.num_tokens:  # a decode that samples (ScheduledSeq.samples)
+                rows.append((seq, r, c))
             else:
-                self.spec.paused_rows.drop(item.seq)
+                paused.drop(seq)
             r += q
-        self.spec.paused_rows.keep(rows, hidden)
+        paused.keep(rows, hidden)

@@ -296,7 +296,8 @@ def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager,
             n = clip(item.seq, held.tokens)
             if n == 0:
                 continue
-            held.tokens, held.confidence = held.tokens[:n], held.confidence[:n]
+            if n < len(held.tokens):  # (the usual n = all: no copies)
+                held.tokens, held.confidence = held.tokens[:n], held.confidence[:n]
         cands.append((index, item, held, length_cap(item.seq, policy.max_model_len)))
     confidence: dict[int, list[float]] = {}
     if not cands:
@@ -310,8 +311,9 @@ def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager,
         while k > 0 and not cover_tokens(kv, item.seq, 1 + k):
             k -= 1
         if k > 0:
-            item.draft = held.tokens[:k]
+            whole = k == len(held.tokens)  # the held lists are the step's own (the book gave them up): no copies
+            item.draft = held.tokens if whole else held.tokens[:k]
             item.num_tokens = 1 + k
-            confidence[index] = held.confidence[:k]
+            confidence[index] = held.confidence if whole else held.confidence[:k]
             left -= k
     return confidence

@@ -26,9 +26,11 @@ class SpecMetrics:
         self.reached = [0] * self.max_slots
         self.accepted = [0] * self.max_slots
 
-    def record(self, verified: torch.Tensor, num_accepted: torch.Tensor, drafted: int) -> None:
-        """verified [B]: slots verified per request this step; num_accepted [B] of them accepted."""
-        v, a = verified.tolist(), num_accepted.tolist()
+    def record(self, verified: torch.Tensor | list[int], num_accepted: torch.Tensor | list[int], drafted: int) -> None:
+        """verified [B]: slots verified per request this step; num_accepted [B] of them accepted (tensors or host
+        lists: the engine passes the lists it holds, with no tensor built to be read back)."""
+        v = verified.tolist() if isinstance(verified, torch.Tensor) else verified
+        a = num_accepted.tolist() if isinstance(num_accepted, torch.Tensor) else num_accepted
         self.steps += 1
         self.request_steps += len(v)
         self.drafted_slots += drafted

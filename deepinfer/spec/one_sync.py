@@ -12,18 +12,20 @@ What runs where, for a step that qualifies (`OneSyncStep.prepare`):
 1. before the forward (host, known then): each sequence's KV room for its chain's lookahead is covered for the
    worst case, every draft accepted, without preempting anyone (`cover_room`); the pass's and chain's host-known
    inputs are staged with the MTP graphs' inputs, in their one host-to-device copy: every verify row r of sequence
-   b (j = 0..d_b: its real token and its d_b drafts) as a pass row at position c_b + j, with b and j; per
+   b (j = 0..d_b: its real token and its d_b drafts) as a pass row at position c_b + j, with b, j and its draft; per
    sequence its first row, drafts verified, context length, room and wanted chain length;
-2. after the draw (`finish`, device): `greedy_verify` over the chosen tokens (the same function and rule the host
-   path applies: drafts accepted while they equal the target's token, then the target's token); from each
+2. after the draw (`finish`, device, one replay of a captured graph per pass bucket: spec/one_sync_graphs.py, since
+   2026-12-04; eager ops before): the accepted counts of `greedy_verify`'s rule over the chosen tokens and the staged
+   drafts (`greedy_accepted`, the function greedy_verify counts with: drafts accepted while they equal the target's
+   token, then the target's token; the emitted tokens are the draw's rows start_b .. start_b + a_b); from each
    accepted count a_b: the token after pass row j is the chosen token there (for j <= a_b, the emitted token j:
    exactly the host path's next ids), rows past a_b become padding (KV table row -1: read nothing, write nothing,
    so the pass writes the MTP KV of positions c_b .. c_b + a_b, as the host path's pass over a_b + 1 rows does);
    draft 1 is read at row start_b + a_b (position c_b + a_b); the chain length is min(wanted, room_b - a_b), the
    host path's rule (`SpecStepPipeline._chain_room`: the lookahead must be allocated and inside max_model_len);
 3. the pass graph and the chain graph (one replay for a full chain of k, backend/mtp_graph_runner.py);
-4. one device-to-host copy behind one event: the chosen tokens, accepted counts, emitted tokens, chain lengths,
-   drafts and confidences (and the sampler's logprob tensors). `num_host_reads` counts these waits.
+4. one device-to-host copy behind one event: the chosen tokens, accepted counts, chain lengths, drafts and
+   confidences (and the sampler's logprob tensors). `num_host_reads` counts these waits.
 
 Output is unchanged: the emitted tokens are the host path's (same draw, same rule); the drafts are the host path's
 up to the pass's bucket size (the pass runs over every verify row, its padded rows masked: decode rows are
@@ -42,13 +44,13 @@ ran over the whole accepted run).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.sample.sampler import DeviceSample, SamplerOutput
 from deepinfer.spec.draft_slots import cover_tokens
-from deepinfer.spec.rejection import greedy_verify
+from deepinfer.spec.one_sync_graphs import VerifyGraphs
 from deepinfer.worker.transfer import HostCopy
 
 
@@ -62,6 +64,7 @@ class OneSyncPlan:
     links: int  # the chain length wanted (the policy's k)
     pass_bucket: int
     chain_bucket: int
+    starts: list[int] = field(default_factory=list)  # each sequence's first verify row
 
 
 @dataclass
@@ -95,6 +98,8 @@ class OneSyncStep:
         self.device = device
         self.num_steps = 0  # steps run this way
         self.num_host_reads = 0  # waits for the device (one per step)
+        # step 2 (verification and derivation) captured per pass bucket (spec/one_sync_graphs.py)
+        self.verify = VerifyGraphs.capture(graphs, device)
 
     def prepare(self, items, kv, want: int, max_model_len: int) -> OneSyncPlan | None:
         """For the step's scheduled sequences (ScheduledSeq, the draft slots added): None unless every one is a
@@ -102,11 +107,13 @@ class OneSyncStep:
         else cover each sequence's room and stage the host-known inputs (one copy), and return the plan."""
         if not items or want < 1:
             return None
+        t = 0
         for it in items:
-            if not it.samples or it.num_tokens - len(it.draft) != 1 or it.seq.grammar is not None:
+            d = len(it.draft)
+            if not it.samples or it.num_tokens - d != 1 or it.seq.grammar is not None:
                 return None
+            t += 1 + d
         g = self.graphs
-        t = sum(it.num_tokens for it in items)
         pb, cb = g.pass_bucket(t), g.chain_bucket(len(items))
         if pb is None or cb is None:
             return None
@@ -114,6 +121,7 @@ class OneSyncStep:
         p_row: list[int] = []
         f_seq: list[int] = []
         f_j: list[int] = []
+        f_tok: list[int] = []
         starts: list[int] = []
         rows: list[int] = []
         ctxs: list[int] = []
@@ -126,52 +134,44 @@ class OneSyncStep:
             p_row.extend([row] * (1 + d))
             f_seq.extend([b] * (1 + d))
             f_j.extend(range(1 + d))
+            f_tok.append(0)  # the row of the real token (its draft is the first drafted row's)
+            f_tok.extend(it.draft)
             rows.append(row)
             ctxs.append(c)
             dlens.append(d)
             rooms.append(cover_room(kv, it.seq, d, want, max_model_len))
-        zeros = [0] * t
-        g.stage(dict(p_src=list(range(t)), p_ids=zeros, p_pos=p_pos, p_row=p_row, f_seq=f_seq, f_j=f_j,
-                     c_src=starts, c_row=rows, c_pos=ctxs, c_len=[want] * len(items), f_start=starts, f_dlen=dlens,
-                     f_ctx=ctxs, f_room=rooms), pb, cb)
-        return OneSyncPlan(t, len(items), max(dlens), want, pb, cb)
+        # in buffer order: p_src, p_ids, p_pos, p_row, f_seq, f_j, f_tok; c_src, c_row, c_pos, c_len, f_start, f_dlen,
+        # f_ctx, f_room (backend/mtp_graph_runner.py: PASS_FIELDS + PASS_EXTRA, CHAIN_FIELDS + CHAIN_EXTRA)
+        g.stage_all([list(range(t)), [0] * t, p_pos, p_row, f_seq, f_j, f_tok],
+                    [starts, rows, ctxs, [want] * len(items), starts, dlens, ctxs, rooms], pb, cb)
+        return OneSyncPlan(t, len(items), max(dlens), want, pb, cb, starts)
 
     @torch.inference_mode()
     def finish(self, plan: OneSyncPlan, sample: DeviceSample, input_ids: torch.Tensor,
                hidden: torch.Tensor) -> OneSyncResult:
         """Verify, pass and chain on the device after the draw (`sample`: one row per verify row, in order;
-        input_ids: the step's input ids on the device, drafts after each real token; hidden: the forward's hidden
-        states, row r = verify row r), then the one read-back."""
-        g, st = self.graphs, self.graphs.static
-        t, b, k, links = plan.t, plan.b, plan.k, plan.links
+        input_ids: the step's input ids on the device, drafts after each real token, which the staged f_tok holds
+        too; hidden: the forward's hidden states, row r = verify row r), then the one read-back. The verification
+        and derivation replay verify[pass bucket] (spec/one_sync_graphs.py); the emitted tokens are the draw's rows
+        start .. start + accepted (the accepted drafts equal the draw there), which the read-back brings anyway."""
+        g = self.graphs
+        t, b, links = plan.t, plan.b, plan.links
         chosen = sample.token_ids
         if chosen.shape[0] != t:
             raise ValueError(f"OneSyncStep.finish: a draw of {chosen.shape[0]} rows for {t} verify rows")
-        starts, dlens = st.seg("f_start")[:b], st.seg("f_dlen")[:b]
-        idx = (starts.unsqueeze(1) + torch.arange(k + 1, device=chosen.device)).clamp(max=t - 1)  # [B, k + 1]
-        verdict = greedy_verify(chosen[idx], input_ids[idx[:, 1:]], dlens)
-        acc = verdict.num_accepted
-        p_row = st.seg("p_row")[:t]
-        p_row.copy_(torch.where(st.seg("f_j")[:t] <= acc[st.seg("f_seq")[:t]], p_row, -1))
-        st.seg("p_ids")[:t].copy_(chosen)
-        st.seg("c_src")[:b].copy_(starts + acc)
-        st.seg("c_pos")[:b].copy_(st.seg("f_ctx")[:b] + acc)
-        c_len = st.seg("c_len")[:b]
-        c_len.copy_(torch.minimum(c_len, st.seg("f_room")[:b] - acc).clamp(min=0))
+        acc = self.verify.run(chosen, plan.pass_bucket)[:b]
+        c_len = g.static.seg("c_len")[:b]
         state = g.run_pass(hidden, t, plan.pass_bucket)
         ids, conf = g.run_chain(state, b, plan.chain_bucket, links)
-        ints = torch.cat([chosen, acc, c_len, verdict.tokens.reshape(-1), ids[:, :links].reshape(-1)])
+        ints = torch.cat([chosen, acc, c_len, ids[:, :links].reshape(-1)])
         host = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device).wait()
         self.num_host_reads += 1
         self.num_steps += 1
         flat = host[0].tolist()
-        o = t
-        num_acc, lens = flat[o : o + b], flat[o + b : o + 2 * b]
-        o += 2 * b
-        toks = [flat[o + i * (k + 1) : o + (i + 1) * (k + 1)] for i in range(b)]
-        o += b * (k + 1)
+        num_acc, lens = flat[t : t + b], flat[t + b : t + 2 * b]
+        o = t + 2 * b
         conf_h = host[1].tolist()
         drafts = [flat[o + i * links : o + i * links + n] for i, n in enumerate(lens)]
         return OneSyncResult(out=sample.output([host[0][:t], *host[2:]]), num_accepted=num_acc,
-                             emitted=[row[: a + 1] for row, a in zip(toks, num_acc)], drafts=drafts,
+                             emitted=[flat[s : s + a + 1] for s, a in zip(plan.starts, num_acc)], drafts=drafts,
                              confidence=[conf_h[i][:n] for i, n in enumerate(lens)])

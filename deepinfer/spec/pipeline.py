@@ -203,7 +203,9 @@ class SpecStepPipeline:
             sampling = [i for i in sampling if i not in self._failed]
         sample = None
         if sampling:  # a sequence whose rows the sampler cannot take fails alone (spec/verify_sampling.py)
-            logits = runner.model.compute_logits(hidden[logits_indices]).float()
+            # a one-sync step's rows all sample, in order: its logits rows are hidden's rows (no gather)
+            rows = hidden if plan is not None and not self._failed else hidden[logits_indices]
+            logits = runner.model.compute_logits(rows).float()
             sample, sampling, failed = sample_isolated(runner.sampler, logits, verified_rows(items, sampling), items,
                                                        sampling, grammar)
             self._failed.update(failed)
@@ -229,13 +231,18 @@ class SpecStepPipeline:
         """Each sampling sequence's emitted tokens and logprobs (into emitted / logprobs, by index into items), and
         the metrics and calibration of its verification (k: the most drafts a sequence verified)."""
         r = 0
+        decodes: list[int] = []
+        any_logprobs = any(x is not None for x in out.logprobs)  # most steps: none asked for, no per-row scan
         for b, i in enumerate(sampling):
             a = num_acc[b]
             emitted[i] = toks[b]
-            lp = out.logprobs[r : r + a + 1]
-            logprobs[i] = lp if any(x is not None for x in lp) else None
-            r += len(items[i].draft) + 1
-        decodes = [b for b, i in enumerate(sampling) if items[i].num_tokens - len(items[i].draft) == 1]
+            d = len(items[i].draft)
+            if any_logprobs:
+                lp = out.logprobs[r : r + a + 1]
+                logprobs[i] = lp if any(x is not None for x in lp) else None
+            r += d + 1
+            if items[i].num_tokens - d == 1:
+                decodes.append(b)
         if not k:  # nothing verified: the decodes count as steps of one token
             if decodes:
                 self.metrics.record_plain(len(decodes))
@@ -254,8 +261,8 @@ class SpecStepPipeline:
 
     def _observe(self, idx: list[int], items, num_acc: list[int], conf: dict[int, list[float]]) -> None:
         """Metrics, and the calibrator's outcomes: slot j counts when slots < j were all accepted."""
-        verified = torch.tensor([len(items[i].draft) for i in idx], dtype=torch.int64)
-        self.metrics.record(verified, torch.tensor(num_acc, dtype=torch.int64), int(verified.sum()))
+        verified = [len(items[i].draft) for i in idx]
+        self.metrics.record(verified, num_acc, sum(verified))
         cal = self.policy.calibrator
         if cal is None:
             return

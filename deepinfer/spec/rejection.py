@@ -60,18 +60,26 @@ class Verdict:
     tokens: torch.Tensor  # int64 [B, K + 1]
 
 
-def _accept_prefix(accept: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: leading True run of accept [B, K], capped at each row's draft length."""
-    k = accept.shape[1]
-    valid = torch.arange(k, device=accept.device).unsqueeze(0) < draft_lens.unsqueeze(1)
-    run = (accept & valid).to(torch.int64).cumprod(dim=1)
-    return run.sum(dim=1)
+def _accept_prefix(accept: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    """int64 [B]: leading True run of accept [B, K], capped at each row's draft length (None: every row holds K)."""
+    if draft_lens is not None:
+        k = accept.shape[1]
+        accept = accept & (torch.arange(k, device=accept.device).unsqueeze(0) < draft_lens.unsqueeze(1))
+    return accept.cumprod(dim=1, dtype=torch.int64).sum(dim=1)
 
 
-def greedy_verify(target_argmax: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor) -> Verdict:
-    """target_argmax [B, K+1], draft [B, K] (entries past draft_lens ignored), draft_lens [B]."""
-    b, k1 = target_argmax.shape
-    num = _accept_prefix(target_argmax[:, : k1 - 1] == draft, draft_lens)
+def greedy_accepted(target_argmax: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    """int64 [B]: the greedy rule's accepted drafts per row (target_argmax [B, K+1], draft [B, K], draft_lens [B] or
+    None when every row holds K drafts). Row b emits target_argmax[b, : num[b] + 1]: its accepted drafts equal the
+    target's tokens there, so the one-sync step (spec/one_sync.py) reads its emitted tokens from the draw itself."""
+    k1 = target_argmax.shape[1]
+    return _accept_prefix(target_argmax[:, : k1 - 1] == draft, draft_lens)
+
+
+def greedy_verify(target_argmax: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor | None) -> Verdict:
+    """target_argmax [B, K+1], draft [B, K] (entries past draft_lens ignored), draft_lens [B] (None: all K)."""
+    b = target_argmax.shape[0]
+    num = greedy_accepted(target_argmax, draft, draft_lens)
     tokens = torch.cat([draft, draft.new_zeros(b, 1)], dim=1)
     tokens.scatter_(1, num.unsqueeze(1), target_argmax.gather(1, num.unsqueeze(1)))
     return Verdict(num, tokens)

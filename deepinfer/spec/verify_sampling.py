@@ -27,14 +27,16 @@ def verified_rows(items, sampling: list[int]) -> list[SamplingRow]:
     """The sampler rows of the sampling items (indices into items, the step's ScheduledSeqs): for each, the target's
     token at positions n .. n + len(draft), the drafts before each position as its context."""
     rows: list[SamplingRow] = []
-    for i in sampling:
+    append = rows.append
+    for i in sampling:  # per sequence its fields once, then a row per position (the sampler reads ~4 per step)
         seq, draft = items[i].seq, items[i].draft
         req = seq.request
-        n = seq.num_tokens
-        for j in range(len(draft) + 1):
-            out = seq.output_token_ids + draft[:j] if (j and req.needs_host_tokens) else seq.output_token_ids
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.seed, n + j,
-                                    num_outputs=n - len(req.prompt_token_ids) + j))
+        n, params, prompt, outs, seed = seq.num_tokens, req.params, req.prompt_token_ids, seq.output_token_ids, seq.seed
+        drawn = n - len(prompt)
+        append(SamplingRow(params, prompt, outs, seed, n, drawn))
+        host = req.needs_host_tokens
+        for j in range(1, len(draft) + 1):
+            append(SamplingRow(params, prompt, outs + draft[:j] if host else outs, seed, n + j, drawn + j))
     return rows
 
 

@@ -10,9 +10,10 @@ context copies a few dozen bytes of tables to the device, not B x 500 entries.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from deepinfer.backend import ForwardBatch, KVCacheSpec, token_slots
+from deepinfer.backend import DECODE_ROWS, TOKEN_REQUESTS, ForwardBatch, KVCacheSpec, token_slots_host
 from deepinfer.errors import DeepInferError
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.sched.scheduler import SchedulerOutput
@@ -28,6 +29,8 @@ class BatchBuilder:
         self.kv = kv
         self.device = device
         self.specs: dict[str, KVCacheSpec] = {s.name: s for s in kv.specs}
+        # numpy views of the host tables (the manager writes them in place): each token's KV slot comes from them
+        self.tables_np = {name: t.numpy() for name, t in kv.block_tables.items()}
         self.separate = device.type != "cpu" if separate_mirror is None else separate_mirror
         self.mirror: dict[str, torch.Tensor] = (
             {g: t.clone().to(device) for g, t in kv.block_tables.items()} if self.separate else dict(kv.block_tables)
@@ -62,15 +65,21 @@ class BatchBuilder:
         qsl = [0]
         logits_idx: list[int] = []
         sampling: list[int] = []
+        row_list: list[int] = []
         fill_dst: list[int] = []  # input rows whose id is a pending token ...
         fill_src: list[int] = []  # ... and its row in last_tokens
         total = 0
+        verifies = False  # a draft is verified (spec/): the step's forward runs as decode rows
+        state_slot = self.kv.state_slot
         for i, it in enumerate(items):  # one pass; a decode's input is its last output token (no slice)
-            seq, c, q = it.seq, it.context_len, it.num_tokens - len(it.draft)  # drafts go after (spec/)
+            seq, c, draft = it.seq, it.context_len, it.draft
+            d = len(draft)
+            q = it.num_tokens - d  # drafts go after (spec/)
             n = seq.num_tokens
-            query_lens.append(q + len(it.draft))
+            query_lens.append(q + d)
             ctx_lens.append(c)
-            seq_lens.append(c + q + len(it.draft))
+            seq_lens.append(c + q + d)
+            row_list.append(state_slot(seq.seq_id))
             if seq.num_pending:
                 if seq.num_pending != 1 or c + q != n or last_tokens is None:
                     raise DeepInferError(
@@ -87,60 +96,60 @@ class BatchBuilder:
             else:
                 input_ids.extend(seq.token_ids_slice(c, c + q))
             total += q
-            if it.draft:  # verified in one forward: logits for the last real token and every drafted one
-                input_ids.extend(it.draft)
-                logits_idx.extend(range(total - 1, total + len(it.draft)))
-                total += len(it.draft)
-            elif it.samples:
+            samples = c + q == n  # ScheduledSeq.samples, without its property lookups
+            if d:  # verified in one forward: logits for the last real token and every drafted one
+                verifies = True
+                input_ids.extend(draft)
+                logits_idx.extend(range(total - 1, total + d))
+                total += d
+            elif samples:
                 logits_idx.append(total - 1)
             qsl.append(total)
-            if it.samples:
+            if samples:
                 sampling.append(i)
 
-        ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
-        if total == len(items):  # decode-only: one token per sequence
-            req_idx = torch.arange(len(items))
-            positions = ctx_t
-        else:
-            q_t = torch.tensor(query_lens, dtype=torch.int64)
-            req_idx = torch.repeat_interleave(torch.arange(len(items)), q_t)
-            starts = torch.repeat_interleave(torch.tensor(qsl[:-1], dtype=torch.int64), q_t)
-            positions = ctx_t[req_idx] + torch.arange(total, dtype=torch.int64) - starts
-
         bs = self.kv.block_size
-        row_list = [self.kv.state_slot(it.seq.seq_id) for it in items]
-        rows = torch.tensor(row_list, dtype=torch.int64)
         longest = max(seq_lens, default=0)
         dev = self.device
         self.sync_tables()
-        token_rows = rows[req_idx]
         # every integer input in ONE host tensor and ONE host-to-device copy (each copy from the host costs a pinned
-        # staging buffer and a launch): ids, then the int32 fields, logits rows, table rows, pending-token indices,
-        # positions and each group's KV slots (these from the host tables: O(tokens), not O(context))
-        n, t = len(items), total
-        head = torch.tensor(input_ids + qsl + seq_lens + ctx_lens + logits_idx + row_list + fill_dst + fill_src,
-                            dtype=torch.int64)
-        slots = [token_slots(self.kv.block_tables[name], token_rows, positions, spec.tokens_per_entry, bs)
+        # staging buffer and a launch): ids, logits rows, table rows, pending-token indices, the int32 fields,
+        # positions and each group's KV slots (these from the host tables: O(tokens), not O(context)). All of it is
+        # numpy on the host, one torch tensor at the end: torch.tensor of a list is ~3x slower than np.array (0.42
+        # against 0.13 ms for 8k ints), and every small torch op costs a dispatch of a few us (the positions,
+        # table rows and slots took ~20 of them, ~60 us of every verify step's build on this CPU). The int32 fields
+        # (query starts, sequence and context lengths) travel as int32 words (`int32_words`): the device views them,
+        # no cast (three casts a step before).
+        n, t, nl, nf = len(items), total, len(logits_idx), len(fill_dst)
+        head = np.array(input_ids + logits_idx + row_list + fill_dst + fill_src, dtype=np.int64)
+        rows_np = head[t + nl : t + nl + n]
+        ctx_np = np.array(ctx_lens, dtype=np.int64)
+        words = int32_words(qsl, seq_lens, ctx_lens)
+        extra: list[np.ndarray] = []  # batches that are not decode-only: the memo's TOKEN_REQUESTS (, DECODE_ROWS)
+        if total == n:  # decode-only: one token per sequence
+            positions_np, token_rows_np = ctx_np, rows_np
+        else:
+            q_np = np.array(query_lens, dtype=np.int64)
+            positions_np = np.arange(t, dtype=np.int64) + np.repeat(ctx_np - np.array(qsl[:-1], dtype=np.int64), q_np)
+            token_rows_np = np.repeat(rows_np, q_np)
+            extra.append(np.repeat(np.arange(n, dtype=np.int64), q_np))
+            if verifies:  # a verify step runs as decode rows (spec/verify_batch.py): their int32 fields, in the copy
+                extra.append(int32_words(np.arange(t + 1), positions_np + 1, positions_np))
+        slots = [token_slots_host(self.tables_np[name], token_rows_np, positions_np, spec.tokens_per_entry, bs)
                  for name, spec in self.specs.items()]
-        packed = to_device(torch.cat([head, positions, *slots]), dev)
-        o = 0
-
-        def take(m: int) -> torch.Tensor:
-            nonlocal o
-            o += m
-            return packed[o - m : o]
-
-        ids, qsl_d, seq_d, ctx_d = take(t), take(n + 1), take(n), take(n)
-        logits_d, rows_dev = take(len(logits_idx)), take(n)
-        fill = take(2 * len(fill_dst)).view(2, -1)
-        positions_d = take(t)
+        packed = to_device(torch.from_numpy(np.concatenate([head, words, positions_np, *slots, *extra])), dev)
+        ids, logits_d, rows_dev, fill, words_d, positions_d, *slot_d = packed.split_with_sizes(
+            [t, nl, n, 2 * nf, len(words), t] + [t] * len(slots) + [len(e) for e in extra])
+        extra_d = slot_d[len(slots) :]
+        qsl_d, seq_d, ctx_d = int32_views(words_d, [n + 1, n, n])
+        fill = fill.view(2, -1)
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
-        for name, spec in self.specs.items():
+        for (name, spec), slot in zip(self.specs.items(), slot_d):
             width = max(self.kv.table_len(spec, longest), 1)  # tables cover seq_lens exactly
             # a copy (index_select): the mirror changes under later steps
             block_tables[name] = self.mirror[name][:, :width].index_select(0, rows_dev)
-            slot_mapping[name] = take(t)
+            slot_mapping[name] = slot
 
         state_slots_cpu: list[int] = []
         state_slots = None
@@ -153,9 +162,9 @@ class BatchBuilder:
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions_d,
-            query_start_loc=qsl_d.to(torch.int32),
-            seq_lens=seq_d.to(torch.int32),
-            context_lens=ctx_d.to(torch.int32),
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            context_lens=ctx_d,
             block_tables=block_tables,
             slot_mapping=slot_mapping,
             logits_indices=logits_d,
@@ -166,4 +175,35 @@ class BatchBuilder:
             state_slots_cpu=state_slots_cpu,
             block_size=bs,
         )
+        if extra_d:
+            batch.derived[TOKEN_REQUESTS] = extra_d[0]
+        if len(extra_d) > 1:
+            batch.derived[DECODE_ROWS] = tuple(int32_views(extra_d[1], [t + 1, t, t]))
         return batch, sampling
+
+
+def int32_words(*fields) -> np.ndarray:
+    """int32 fields (lists, or numpy arrays, of values that fit int32) packed into int64 words for the step's one
+    int64 copy, each field starting on a word (an odd-length field gets one int32 of padding): `int32_views` on the
+    device gives them back as int32 tensors without a cast."""
+    if all(isinstance(f, list) for f in fields):  # one conversion of one list
+        flat: list[int] = []
+        for f in fields:
+            flat += f
+            if len(f) % 2:
+                flat.append(0)
+        return np.array(flat, dtype=np.int32).view(np.int64)
+    parts = []
+    for f in fields:
+        parts.append(np.asarray(f, dtype=np.int32))
+        if len(f) % 2:
+            parts.append(np.zeros(1, dtype=np.int32))
+    return np.concatenate(parts).view(np.int64)
+
+
+def int32_views(words: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
+    """The int32 fields of lengths `lens` that `int32_words` packed, as views of the int64 `words` (on the device)."""
+    sizes = []
+    for m in lens:  # each field, then its padding (0 or 1): one split, no slice per field
+        sizes += (m, m % 2)
+    return list(words.view(torch.int32).split_with_sizes(sizes)[::2])

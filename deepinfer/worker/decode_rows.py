@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import ForwardBatch, GraphRunner
+from deepinfer.backend import DECODE_ROWS, TOKEN_REQUESTS, ForwardBatch, GraphRunner
 from deepinfer.errors import ConfigError
 from deepinfer.worker.transfer import tensor_to
 
@@ -49,24 +49,28 @@ def decode_shaped(batch: ForwardBatch) -> ForwardBatch:
         raise ValueError("decode_shaped: a batch with per-sequence state rows cannot be split into decode rows")
     qlens = batch.query_lens_cpu
     ctx_rows: list[int] = []
-    req_rows: list[int] = []
     for i, (q, c, s) in enumerate(zip(qlens, batch.context_lens_cpu, batch.seq_lens_cpu)):
         if s != c + q:
             raise ValueError(f"decode_shaped: request {i} has seq_len {s} != context_len {c} + query_len {q}")
         ctx_rows.extend(range(c, c + q))
-        req_rows.extend([i] * q)
     t = len(ctx_rows)
     if t != batch.num_tokens:
         raise ValueError(f"decode_shaped: query lengths sum to {t}, the batch has {batch.num_tokens} tokens")
     dev = batch.input_ids.device
-    req = tensor_to(req_rows, torch.int64, dev)
+    # each row's request: the batch builder's, from its one copy (TOKEN_REQUESTS), else a copy of our own
+    req = batch.memo(TOKEN_REQUESTS, lambda: tensor_to([i for i, q in enumerate(qlens) for _ in range(q)],
+                                                       torch.int64, dev))
     positions = batch.positions
+    # the rows' int32 fields: the batch builder's for a step that verifies drafts (DECODE_ROWS), else three ops
+    qsl, seq_lens, ctx_lens = batch.memo(DECODE_ROWS, lambda: (torch.arange(t + 1, dtype=torch.int32, device=dev),
+                                                               (positions + 1).to(torch.int32),
+                                                               positions.to(torch.int32)))
     return ForwardBatch(
         input_ids=batch.input_ids,
         positions=positions,
-        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=dev),
-        seq_lens=(positions + 1).to(torch.int32),
-        context_lens=positions.to(torch.int32),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=ctx_lens,
         block_tables={g: tab.index_select(0, req) for g, tab in batch.block_tables.items()},
         slot_mapping=batch.slot_mapping,
         logits_indices=batch.logits_indices,
