@@ -147,11 +147,10 @@ class OneSyncStep:
         return OneSyncPlan(t, len(items), max(dlens), want, pb, cb, starts)
 
     @torch.inference_mode()
-    def finish(self, plan: OneSyncPlan, sample: DeviceSample, input_ids: torch.Tensor,
-               hidden: torch.Tensor) -> OneSyncResult:
-        """Verify, pass and chain on the device after the draw (`sample`: one row per verify row, in order;
-        input_ids: the step's input ids on the device, drafts after each real token, which the staged f_tok holds
-        too; hidden: the forward's hidden states, row r = verify row r), then the one read-back. The verification
+    def finish(self, plan: OneSyncPlan, sample: DeviceSample, hidden: torch.Tensor) -> OneSyncResult:
+        """Verify, pass and chain on the device after the draw (`sample`: one row per verify row, in order; the
+        drafts are the staged f_tok; hidden: the forward's hidden states, row r = verify row r), then the one
+        read-back. The verification
         and derivation replay verify[pass bucket] (spec/one_sync_graphs.py); the emitted tokens are the draw's rows
         start .. start + accepted (the accepted drafts equal the draw there), which the read-back brings anyway."""
         g = self.graphs

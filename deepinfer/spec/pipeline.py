@@ -211,7 +211,7 @@ class SpecStepPipeline:
             self._failed.update(failed)
         if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
             t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)
-            res = self.one_sync.finish(plan, sample, batch.input_ids, hidden)
+            res = self.one_sync.finish(plan, sample, hidden)
             self._emit(items, sampling, res.out, res.num_accepted, res.emitted, conf, emitted, logprobs, plan.k)
             self._advance(sched, emitted)
             self._book_one_sync(sched, res)

@@ -64,9 +64,8 @@ def test_finish_equals_the_host_paths_verification_and_drafter(parts):  # noqa: 
     assert (plan.t, plan.b, plan.k, plan.links) == (10, 3, 3, 3)
     # the draw at each verify row: s1 draws 30 for 7; s3 accepts 20, 21, then the bonus 31; s0 accepts 50, draws 60
     chosen = torch.tensor([30, 40, 41, 42, 20, 21, 31, 50, 60, 43], device=DEVICE)
-    input_ids = torch.tensor([100, 7, 8, 9, 101, 20, 21, 102, 50, 51], device=DEVICE)
     hidden = torch.randn(10, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    res = step.finish(plan, DeviceSample(chosen, [], [], []), input_ids, hidden)
+    res = step.finish(plan, DeviceSample(chosen, [], [], []), hidden)
     assert res.num_accepted == [0, 2, 1]
     assert res.emitted == [[30], [20, 21, 31], [50, 60]]
     assert step.num_host_reads == step.num_steps == 1
