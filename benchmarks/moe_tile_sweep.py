@@ -32,6 +32,8 @@ from benchmarks import quant_gemm as qg
 ALIGNED_BLOCK_M = (16, 32, 64, 128)
 ALIGNED_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
 DIRECT_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 4))]
+# the int4 GEMV mainloop at one token (fused_moe_gemv.py): narrower tiles, more programs (no MMA minimum)
+GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (2, 4), (1, 2))]
 COPY_BYTES = 1 << 30  # weight copies up to this many bytes in all (at least 2)
 
 
@@ -181,7 +183,10 @@ def direct(scheme: str, tokens: int, out: list[dict]) -> None:
         rows = []
         default_cfg = direct_config(dual, sch, 128)
         default_us = _time(lambda i, fn=fn, c=default_cfg: fn(i, c), copies, 20)
-        for cfg in _tiles(DIRECT_TILES, scheme, dual, 128, swap_ab=True):
+        cfgs = _tiles(DIRECT_TILES, scheme, dual, 128, swap_ab=True)
+        if scheme == "int4_awq" and tokens == 1:
+            cfgs += [dict(c, gemv=True) for c in _tiles(GEMV_TILES, scheme, dual, 128)]
+        for cfg in cfgs:
             us = _time(lambda i, cfg=cfg, fn=fn: fn(i, cfg), copies, 20)
             row = {"scheme": scheme, "schedule": "direct", "tokens": tokens, "gemm": gemm, "block_m": 0, "cfg": cfg,
                    "us": us}
@@ -200,12 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no timing")
     args = ap.parse_args(argv)
-    global ALIGNED_TILES, DIRECT_TILES, ALIGNED_BLOCK_M
+    global ALIGNED_TILES, DIRECT_TILES, ALIGNED_BLOCK_M, GEMV_TILES
     if args.dry_run:
         qg._dry_run_shapes()
         ALIGNED_BLOCK_M = (16,)
         ALIGNED_TILES = [(32, 16, 4, 1), (128, 128, 4, 1)]
         DIRECT_TILES = [(32, 16, 4, 1), (128, 128, 4, 1)]
+        GEMV_TILES = [(16, 64, 2, 1)]
         args.aligned_tokens, args.direct_tokens = "40", "1"
     out: list[dict] = []
     toks = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731

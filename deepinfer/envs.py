@@ -276,6 +276,12 @@ MOE_W8A8_SWAP_AB = EnvVar(
     "`0` as activations x weight^T",
     "nvidia", default_text="per BLOCK_M, as measured",
 )
+MOE_INT4_GEMV = EnvVar(
+    "DEEPINFER_MOE_INT4_GEMV", "bool", False,
+    "`1`: int4 routed experts at one token run the direct MoE GEMMs' GEMV mainloop (no 16-row MMA tile; not "
+    "measured on a GPU yet)",
+    "nvidia",
+)
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",

@@ -72,7 +72,7 @@ def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
               "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
               "SHARED_STACKED": scheme is not None, "COMBINE": combine,
               "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
-              "SWAP_AB": cfg.get("swap_ab", False)}
+              "SWAP_AB": cfg.get("swap_ab", False), "GEMV": cfg.get("gemv", False)}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
                 g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
@@ -120,6 +120,9 @@ def main() -> None:
         unswapped = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4, "swap_ab": False}
         aligned("bf16", dual, 32, unswapped, scheme="fp8_w8a8")
         direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "fp8_w8a8"), swap_ab=True), scheme="fp8_w8a8")
+        # int4 at one token: the GEMV mainloop (fused_moe_gemv.py)
+        direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "int4_awq"), gemv=True), scheme="int4_awq",
+               combine=not dual)
     sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
     compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)

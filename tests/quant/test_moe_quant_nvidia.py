@@ -133,3 +133,49 @@ def test_fused_moe_quantized_real_shapes(scheme):
         else:
             ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
         assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("scheme,inter", [("int4_awq", 32), ("int4_gptq", 64)])
+@pytest.mark.parametrize("stacked", [0, 1])
+def test_int4_gemv_mainloop_matches_dense_twin(scheme, inter, stacked, monkeypatch):
+    """DEEPINFER_MOE_INT4_GEMV=1: one token's int4 direct GEMMs run the GEMV mainloop (fused_moe_gemv.py), routed
+    experts and a stacked shared expert alike, against the dense twin (fp32: summation order only)."""
+    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
+    from deepinfer.backends.nvidia.fused_moe_config import direct_config
+    from deepinfer.backends.nvidia.fused_moe_gemm import use_int4_gemv
+
+    monkeypatch.setenv("DEEPINFER_MOE_INT4_GEMV", "1")
+    assert use_int4_gemv(direct_config(True, scheme), 3, 1) and not use_int4_gemv(direct_config(True, scheme), 3, 2)
+    q, w13, w2 = make_experts(scheme, inter, device=DEVICE, num_experts=4 + stacked)
+    x = torch.randn(1, w13.shape[2], generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    wts, ids = routing(1, device=DEVICE)
+    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=True, scheme=scheme, w13_scale=q.w13_scale,
+                    w2_scale=q.w2_scale, stacked_shared=stacked, counters=counters_for(x.shape[1], DEVICE),
+                    **int4_args(q))
+    ref = experts_forward(x, w13[:4], w2[:4], wts, ids)
+    if stacked:
+        ref = ref + experts_forward(x, w13, w2, torch.ones(1, 1, device=DEVICE), torch.full((1, 1), 4, device=DEVICE))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception, match="GEMV mainloop is int4"):
+        use_int4_gemv({"gemv": True}, 1, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="real shapes need the GPU")
+def test_int4_gemv_mainloop_real_shapes(monkeypatch):
+    """The int4 GEMV mainloop at V2-Lite's expert shapes (D 2048, I 1408, 64 experts, top-6) and one token, in bf16:
+    against the dense twin in bf16 and against the MMA mainloop (the GEMV does not round the weight to bf16)."""
+    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
+
+    q, w13, w2 = make_experts("int4_awq", 1408, device=DEVICE, num_experts=64, hidden=2048)
+    x = torch.randn(1, 2048, device=DEVICE).bfloat16()
+    wts, ids = routing(1, k=6, device=DEVICE, num_experts=64)
+    args = dict(direct=True, scheme="int4_awq", w13_scale=q.w13_scale, w2_scale=q.w2_scale,
+                counters=counters_for(2048, DEVICE), **int4_args(q))
+    mma = fused_moe(x, q.w13, q.w2, wts, ids, **args)
+    monkeypatch.setenv("DEEPINFER_MOE_INT4_GEMV", "1")
+    gemv = fused_moe(x, q.w13, q.w2, wts, ids, **args)
+    ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
+    for got in (gemv, mma):
+        assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    assert (gemv.float() - mma.float()).norm() / mma.float().norm() < 2e-2

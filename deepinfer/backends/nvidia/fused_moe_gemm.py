@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.backends.nvidia.fused_moe_config import (  # noqa: F401  (interpreting, _tile_env: re-exported)
     FP8_ACT,
     _tile_env,
@@ -42,6 +43,7 @@ from deepinfer.backends.nvidia.fused_moe_config import (  # noqa: F401  (interpr
     prec,
     quant_args,
 )
+from deepinfer.backends.nvidia.fused_moe_gemv import int4_gemv
 from deepinfer.backends.nvidia.fused_moe_mainloop import _epilogue, _mainloop, _store_fp8_rows
 from deepinfer.errors import BackendError
 
@@ -94,8 +96,10 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
                  DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                  QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
                  ROUND_FIRST: tl.constexpr, SHARED_STACKED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
-    """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                 GEMV: tl.constexpr):
+    """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice. GEMV (int4,
+    one token: each expert has one pair): fused_moe_gemv.int4_gemv on that row, the tile's other rows zero."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
     offs_m = tl.arange(0, BLOCK_M)
     sel = match[None, :] & (rank[None, :] == offs_m[:, None])
@@ -111,10 +115,18 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
         q_off = expert.to(tl.int64) * stride_qe
     else:  # dense shared experts carry no scale
         q_off = tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_qe
-    acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off), offs_n,
-                             nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off, z_ptr + q_off, uq_off,
-                             stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+    if GEMV:
+        first = offs_m == 0
+        g, u = int4_gemv(a_ptr, tl.sum(tl.where(first, rows, 0), 0), stride_am, base,
+                         tl.where(shared, us_off, u_off), offs_n, nmask, tl.where(shared, stride_sn, stride_bn), K,
+                         q_ptr + q_off, z_ptr + q_off, uq_off, stride_qn, stride_qk, DUAL, GROUP, BLOCK_N, BLOCK_K)
+        acc_g = tl.where(first[:, None], g[None, :], 0.0)
+        acc_u = tl.where(first[:, None], u[None, :], 0.0)
+    else:
+        acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off),
+                                 offs_n, nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off,
+                                 z_ptr + q_off, uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP,
+                                 A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
         p_slot = pairs % SLOTS
         p_routed = p_slot < TOP_K
@@ -165,7 +177,7 @@ def _direct_gemm_kernel(
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
     SHARED_STACKED: tl.constexpr, COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, GEMV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -185,7 +197,7 @@ def _direct_gemm_kernel(
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
                      stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
                      MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, SHARED_STACKED, BLOCK_M,
-                     BLOCK_N, BLOCK_K, SWAP_AB)
+                     BLOCK_N, BLOCK_K, SWAP_AB, GEMV)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -216,6 +228,18 @@ def _swap_ab(cfg: dict, a_mode: int) -> bool:
     if swap and a_mode == 0:
         raise BackendError("MoE grouped GEMM: swap_ab is a tile option of fp8 W8A8 weights only")
     return swap
+
+
+def use_int4_gemv(cfg: dict, quant: int, num_tokens: int) -> bool:
+    """The direct int4 GEMMs at one token take the GEMV mainloop (fused_moe_gemv.py) when cfg["gemv"] says so (tile
+    sweeps) or, without that key, DEEPINFER_MOE_INT4_GEMV (off by default: not measured on a GPU yet). One token
+    only: each expert then has exactly one pair."""
+    want = cfg.get("gemv")
+    if want and quant != 3:
+        raise BackendError("MoE direct GEMM: the GEMV mainloop is int4's (AWQ / GPTQ) only")
+    if want is None:
+        want = quant == 3 and envs.MOE_INT4_GEMV.get()
+    return bool(want) and num_tokens == 1
 
 
 def aligned_gemm(
@@ -310,6 +334,7 @@ def direct_gemm(
     cfg = cfg or direct_config(dual, scheme, group_size)
     a_mode = _a_mode(scheme, a, None)
     swap = _swap_ab(cfg, a_mode)
+    gemv = use_int4_gemv(cfg, quant, T)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
     final, shared_out, counters = combine_into if combine_into is not None else (out, None, out)
@@ -326,5 +351,6 @@ def direct_gemm(
         GROUP=group_size, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
+        GEMV=gemv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
