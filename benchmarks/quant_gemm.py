@@ -149,6 +149,9 @@ def dense_rows(ms: list[int], sweep: bool) -> list[dict]:
             for key, (fn, c) in ops.items():
                 row[f"{key}_us"] = graph_us(fn, c)
                 row[f"{key}_eager_us"] = eager_us(fn, c)
+            if m == 1:  # the opt-in one-token GEMV (DEEPINFER_INT4_GEMV; int4_gemm.py)
+                row["int4_gemv_us"] = graph_us(lambda i: int4_gemm(x, i4[i].qweight_nk, i4[i].zeros_ng,
+                                                                   i4[i].scales_ng, None, group, gemv=True), len(i4))
             row["int4_path"] = "dq" if m >= dequant_min_m() else "k"  # what TritonInt4Linear.apply runs
             row["int4_us"] = row[f"int4_{row['int4_path']}_us"]
             if sweep:
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
             cell = lambda key: f"{r[key + '_us']:7.1f} [{r[key + '_eager_us']:6.1f}]"  # noqa: E731
             print(f"{r['shape']:>15} {r['m']:>6} {cell('bf16'):>16} {cell('fp8'):>16} {cell('int4_k'):>16} "
                   f"{cell('int4_dq'):>16} {r['bf16_us'] / r['fp8_us']:6.2f} {r['bf16_us'] / r['int4_us']:6.2f}")
+            if "int4_gemv_us" in r:
+                print(f"{'':>15} {'':>6} int4 GEMV (DEEPINFER_INT4_GEMV): {r['int4_gemv_us']:.1f} us")
             for key in ("fp8_best", "int4_best"):
                 if r.get(key):
                     print(f"{'':>15} {'':>6} best {key[:-5]} tile {r[key]['tile']}: {r[key]['us']:.1f} us")

@@ -276,10 +276,10 @@ MOE_W8A8_SWAP_AB = EnvVar(
     "`0` as activations x weight^T",
     "nvidia", default_text="per BLOCK_M, as measured",
 )
-MOE_INT4_GEMV = EnvVar(
-    "DEEPINFER_MOE_INT4_GEMV", "bool", False,
-    "`1`: int4 routed experts at one token run the direct MoE GEMMs' GEMV mainloop (no 16-row MMA tile; not "
-    "measured on a GPU yet)",
+INT4_GEMV = EnvVar(
+    "DEEPINFER_INT4_GEMV", "bool", False,
+    "`1`: int4 weights at one token (dense linears with contiguous groups, and the direct MoE GEMMs) run GEMV "
+    "mainloops instead of a 16-row MMA tile (not measured on a GPU yet)",
     "nvidia",
 )
 MOE_FUSED_COMBINE = EnvVar(

@@ -67,6 +67,11 @@ def main() -> None:
         consts = {"HAS_BIAS": False, "UPCAST": False, "PREC": None, "GIDX": gidx, "GROUP": 128, "BLOCK_M": bm,
                   "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}
         compile_one(f"int4_gemm gidx={gidx} M={m} BM={bm}", int4_gemm._int4_gemm_kernel, sig, consts, warps, stages)
+    compile_one("int4_gemv", int4_gemm._int4_gemv_kernel,
+                {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+                 **{n: "i32" for n in ("N", "K", "stride_wn", "stride_sn")}},
+                {"HAS_BIAS": False, "GROUP": 128, "BLOCK_N": int4_gemm.GEMV_BLOCK_N, "BLOCK_K": 128}, 4, 1,
+                aligned=("N", "K"))
     compile_one("int4_dequant", int4_gemm._int4_dequant_kernel,
                 {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "out_ptr": "*bf16",
                  **{n: "i32" for n in ("N", "stride_wn", "stride_sn", "stride_on")}},

@@ -138,13 +138,13 @@ def test_fused_moe_quantized_real_shapes(scheme):
 @pytest.mark.parametrize("scheme,inter", [("int4_awq", 32), ("int4_gptq", 64)])
 @pytest.mark.parametrize("stacked", [0, 1])
 def test_int4_gemv_mainloop_matches_dense_twin(scheme, inter, stacked, monkeypatch):
-    """DEEPINFER_MOE_INT4_GEMV=1: one token's int4 direct GEMMs run the GEMV mainloop (fused_moe_gemv.py), routed
+    """DEEPINFER_INT4_GEMV=1: one token's int4 direct GEMMs run the GEMV mainloop (fused_moe_gemv.py), routed
     experts and a stacked shared expert alike, against the dense twin (fp32: summation order only)."""
     from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
     from deepinfer.backends.nvidia.fused_moe_config import direct_config
     from deepinfer.backends.nvidia.fused_moe_gemm import use_int4_gemv
 
-    monkeypatch.setenv("DEEPINFER_MOE_INT4_GEMV", "1")
+    monkeypatch.setenv("DEEPINFER_INT4_GEMV", "1")
     assert use_int4_gemv(direct_config(True, scheme), 3, 1) and not use_int4_gemv(direct_config(True, scheme), 3, 2)
     q, w13, w2 = make_experts(scheme, inter, device=DEVICE, num_experts=4 + stacked)
     x = torch.randn(1, w13.shape[2], generator=torch.Generator().manual_seed(7)).to(DEVICE)
@@ -173,7 +173,7 @@ def test_int4_gemv_mainloop_real_shapes(monkeypatch):
     args = dict(direct=True, scheme="int4_awq", w13_scale=q.w13_scale, w2_scale=q.w2_scale,
                 counters=counters_for(2048, DEVICE), **int4_args(q))
     mma = fused_moe(x, q.w13, q.w2, wts, ids, **args)
-    monkeypatch.setenv("DEEPINFER_MOE_INT4_GEMV", "1")
+    monkeypatch.setenv("DEEPINFER_INT4_GEMV", "1")
     gemv = fused_moe(x, q.w13, q.w2, wts, ids, **args)
     ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
     for got in (gemv, mma):

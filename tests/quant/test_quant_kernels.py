@@ -103,8 +103,8 @@ def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: b
                                                     ("gptq", 64, False)])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_int4_gemm_paths_match_native(method, group, act_order, m):
-    """Both paths of the dense int4 linear (in-register dequantization; dequantize-then-matmul, the prefill
-    path) against the native reference: group sizes 32 / 64 / 128, act-order g_idx, ragged M and N (40: a
+    """The paths of the dense int4 linear (in-register dequantization; dequantize-then-matmul, the prefill
+    path; at one token the GEMV) against the native reference: group sizes 32 / 64 / 128, act-order g_idx, ragged M and N (40: a
     partial N tile), a bias. The dequantized weight is bit-exact; products within fp32 summation order."""
     from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
     from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
@@ -124,10 +124,12 @@ def test_int4_gemm_paths_match_native(method, group, act_order, m):
     want = ref.apply(rl, x)
     dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
     assert torch.equal(dense.cpu(), rl.weight)
-    for dequant in (False, True):
-        y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, lay.bias,
-                      dequant=dequant)
-        assert _rel(y.cpu(), want) < 1e-5, dequant
+    paths = [{"dequant": False}, {"dequant": True}]
+    if m == 1 and not act_order:  # the one-token GEMV (DEEPINFER_INT4_GEMV), contiguous groups only
+        paths.append({"gemv": True})
+    for path in paths:
+        y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, lay.bias, **path)
+        assert _rel(y.cpu(), want) < 1e-5, path
 
 
 def test_int4_gemm_fp16_activations():
@@ -273,3 +275,14 @@ def test_fp8_w8a8_cublas_path_matches_native(m, n, k, monkeypatch):
     monkeypatch.setenv("DEEPINFER_FP8_CUBLAS", "0")
     yt = ours.apply(lay, xb)
     assert _rel(y, yt) < 2e-2
+
+
+def test_int4_gemv_is_taken_only_where_it_applies(monkeypatch):
+    """DEEPINFER_INT4_GEMV: one token and contiguous groups (an act-order g_idx keeps the MMA path); off by default."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import use_gemv
+
+    assert not use_gemv(1, None, None)
+    monkeypatch.setenv("DEEPINFER_INT4_GEMV", "1")
+    assert use_gemv(1, None, None) and not use_gemv(2, None, None)
+    assert not use_gemv(1, torch.zeros(8, dtype=torch.int32), None)
+    assert not use_gemv(1, None, False)

@@ -232,13 +232,13 @@ def _swap_ab(cfg: dict, a_mode: int) -> bool:
 
 def use_int4_gemv(cfg: dict, quant: int, num_tokens: int) -> bool:
     """The direct int4 GEMMs at one token take the GEMV mainloop (fused_moe_gemv.py) when cfg["gemv"] says so (tile
-    sweeps) or, without that key, DEEPINFER_MOE_INT4_GEMV (off by default: not measured on a GPU yet). One token
+    sweeps) or, without that key, DEEPINFER_INT4_GEMV (off by default: not measured on a GPU yet). One token
     only: each expert then has exactly one pair."""
     want = cfg.get("gemv")
     if want and quant != 3:
         raise BackendError("MoE direct GEMM: the GEMV mainloop is int4's (AWQ / GPTQ) only")
     if want is None:
-        want = quant == 3 and envs.MOE_INT4_GEMV.get()
+        want = quant == 3 and envs.INT4_GEMV.get()
     return bool(want) and num_tokens == 1
 
 

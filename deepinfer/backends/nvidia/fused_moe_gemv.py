@@ -6,14 +6,12 @@ int4 weight whatever their tile, a quarter of the copy bandwidth: each K step de
 tile, rounds it to the activation dtype, moves it through shared memory into the MMA operand layout and multiplies
 15 rows of zeros with it. Here the tile stays in registers and is reduced against the row with FMAs.
 
-Arithmetic per K tile (BLOCK_K divides the group, so one zero point and scale per output row, as in
-quant/tiles.py int4_tile): the nibbles are OR-ed into the mantissa of 2^23 (exact 2^23 + q, no int -> float
-conversion), (2^23 + q) - (2^23 + z) = q - z exactly, times the row's activations summed in fp32, then times the
-group's scale once. So the weight is not rounded to the activation dtype before the product, as the MMA path and
-the native oracle do (they densify to that dtype): in bf16 the result differs from theirs by that rounding
-(relative ~2^-9 per weight, averaging out over K); in fp32 (the interpreter tests) only by summation order.
+Arithmetic per K tile: quant/tiles.py int4_row_dot (q - z exact in fp32, times the row's activations summed in
+fp32, times the group's scale once). The weight is not rounded to the activation dtype before the product, as the
+MMA path and the native oracle do (they densify to that dtype): in bf16 the result differs from theirs by that
+rounding (relative ~2^-9 per weight, averaging out over K); in fp32 (the interpreter tests) only by summation order.
 
-Not measured on a GPU yet: off by default (DEEPINFER_MOE_INT4_GEMV, or cfg["gemv"] in tile sweeps).
+Not measured on a GPU yet: off by default (DEEPINFER_INT4_GEMV, or cfg["gemv"] in tile sweeps).
 """
 
 from __future__ import annotations
@@ -21,20 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _int4_gemv_step(b_base, s_base, z_base, brows, nmask, k0, x, stride_bn, stride_qn, stride_qk,
-                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k (q[n, k] - z[n]) * x[k] * s[n] over the K tile at k0 (x: its BLOCK_K activations, fp32): [BLOCK_N]."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    offs_b = k0 // 2 + tl.arange(0, HALF)
-    byte = tl.load(b_base + brows[:, None] * stride_bn + offs_b[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    q = tl.interleave(byte & 0xF, byte >> 4)  # channel 2b = low nibble, 2b + 1 = high (int4_tile's order)
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
-    off = brows * stride_qn + (k0 // GROUP) * stride_qk
-    z = tl.load(z_base + off, mask=nmask, other=0).to(tl.float32)
-    s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
-    return tl.sum((qf - (z + 8388608.0)[:, None]) * x[None, :], axis=1) * s
+from deepinfer.backends.nvidia.quant.tiles import int4_row_dot
 
 
 @triton.jit
@@ -50,10 +35,10 @@ def int4_gemv(a_ptr, row, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(a_row + k0 + offs_k).to(tl.float32)
-        acc_g += _int4_gemv_step(b_base, s_base, z_base, brows, nmask, k0, x, stride_bn, stride_qn, stride_qk,
-                                 GROUP, BLOCK_K)
+        acc_g += int4_row_dot(b_base, s_base, z_base, brows, nmask, k0, x, stride_bn, stride_qn, stride_qk,
+                              GROUP, BLOCK_K)
         if DUAL:
-            acc_u += _int4_gemv_step(b_base + u_off, s_base + uq_off, z_base + uq_off, brows, nmask, k0, x,
-                                     stride_bn, stride_qn, stride_qk, GROUP, BLOCK_K)
+            acc_u += int4_row_dot(b_base + u_off, s_base + uq_off, z_base + uq_off, brows, nmask, k0, x,
+                                  stride_bn, stride_qn, stride_qk, GROUP, BLOCK_K)
     return acc_g, acc_u
 

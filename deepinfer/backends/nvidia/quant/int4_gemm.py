@@ -5,7 +5,7 @@ value): uint8 [N, K/2] with two input channels per byte (low nibble = the even o
 fp16 scales [N, K/G] (GPTQ v1's zero offset already added), and for an act-order GPTQ weight only, g_idx
 int32 [K] (the group of each input channel; contiguous groups need none). W = (q - z) * s.
 
-Two paths, picked from M (a Python int, so fixed per captured CUDA graph):
+Two paths, picked from M (a Python int, so fixed per captured CUDA graph), and a third, opt-in:
 - M < DEEPINFER_INT4_DEQUANT_MIN_M (decode): `_int4_gemm_kernel` dequantizes each weight tile in registers
   (quant/tiles.py int4_tile) and feeds the tensor cores; DRAM carries the 4-bit stream, which is what
   small-M GEMMs wait on. The dequantization is paid once per (M tile, weight tile), so its cost grows with
@@ -13,6 +13,8 @@ Two paths, picked from M (a Python int, so fixed per captured CUDA graph):
 - larger M (prefill): `int4_dequantize` writes the dense weight in the compute dtype (one pass: N*K/2 bytes
   read, N*K*2 written), then cuBLAS multiplies. At M >= 512 the GEMM's own time dwarfs that pass (vLLM's
   AWQ method makes the same switch at 256 tokens), and cuBLAS beats a dequantizing Triton GEMM there.
+- one token, contiguous groups, DEEPINFER_INT4_GEMV=1: `_int4_gemv_kernel`, the weight tiles reduced against the
+  token with FMAs (no 16-row MMA tile, no trip through shared memory); not measured on a GPU yet.
 
 UPCAST (the interpreter: bf16 tl.dot is wrong there, NOTES.md): both operands go to fp32 instead.
 """
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
-from deepinfer.backends.nvidia.quant.tiles import int4_tile
+from deepinfer.backends.nvidia.quant.tiles import int4_row_dot, int4_tile
 from deepinfer.errors import BackendError
 
 
@@ -65,6 +67,24 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, 
 
 
 @triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, N, K, stride_wn, stride_sn,
+                      HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token (M = 1): c[offs_n] = x . W[offs_n]^T, the int4 tile reduced against x with FMAs (tiles.py
+    int4_row_dot), no 16-row MMA tile; contiguous groups only (no g_idx)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+        acc += int4_row_dot(w_ptr, s_ptr, z_ptr, rows, nmask, k0, x, stride_wn, stride_sn, 1, GROUP, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride_sn, stride_on,
                          GIDX: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +121,16 @@ def dequant_min_m() -> int:
     return envs.INT4_DEQUANT_MIN_M.get()
 
 
+GEMV_BLOCK_N = 16  # output rows per GEMV program: o_proj (N 2048) is 128 programs, about one per SM
+
+
+def use_gemv(m: int, g_idx: torch.Tensor | None, gemv: bool | None) -> bool:
+    """The GEMV path (one token, contiguous groups): `gemv` when given (sweeps), else DEEPINFER_INT4_GEMV (off by
+    default: not measured on a GPU yet)."""
+    want = envs.INT4_GEMV.get() if gemv is None else gemv
+    return bool(want) and m == 1 and g_idx is None
+
+
 def _block_k(group: int, on_gpu: bool) -> int:
     return min(128 if on_gpu else 32, group)
 
@@ -134,9 +164,11 @@ def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
               g_idx: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
-              tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None) -> torch.Tensor:
+              tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None,
+              gemv: bool | None = None) -> torch.Tensor:
     """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring).
-    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant (force a path): for the benchmark's sweeps."""
+    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv (force a path): for the benchmark's sweeps. One token
+    with contiguous groups may take `_int4_gemv_kernel` (use_gemv)."""
     m, k_x = x.shape
     n, k = _check(qweight, zeros, scales, g_idx, group)
     if k_x != k:
@@ -149,6 +181,14 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         return torch.nn.functional.linear(x, w, bias)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
+        return c
+    if use_gemv(m, g_idx, gemv):
+        bn = tile[1] if tile else GEMV_BLOCK_N
+        _int4_gemv_kernel[(triton.cdiv(n, bn),)](x, qweight, scales, zeros, c, bias if bias is not None else c, n, k,
+                                                  qweight.stride(0), scales.stride(0), HAS_BIAS=bias is not None,
+                                                  GROUP=group, BLOCK_N=bn, BLOCK_K=_block_k(group, on_gpu),
+                                                  num_warps=tile[2] if tile else 4,
+                                                  num_stages=tile[3] if tile else 1)
         return c
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)

@@ -6,6 +6,8 @@
   that quantizes its A tile as it loads it gets the same values and scales as the separate kernel, so the
   two paths give the same product; it saves a launch and the fp8 copy's round trip where the tile is
   re-quantized few times (decode-sized M: one program per 32-128 output columns re-reads A anyway).
+- `int4_row_dot`: the same weight tile reduced against one token's activations (a GEMV step, no MMA), with the
+  scale applied once per tile; the int4 GEMV mainloops' step (int4_gemm.py, fused_moe_gemv.py).
 - `int4_tile`: a [BLOCK_N, BLOCK_K] tile of an int4 weight in the row layout shared by the dense linears
   and the routed experts (uint8 [N, K/2], two per byte, low nibble = even input channel; fp16 / fp32 scales
   and uint8 zero points [N, K/G]), dequantized in registers as (q - z) * s in fp32 and rounded once to the
@@ -73,3 +75,22 @@ def int4_tile(w_base, s_base, z_base, g_ptr, offs_n, nmask, k0, stride_wn, strid
         s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
         w = (qf - (z + 8388608.0)[:, None]) * s[:, None]
     return w.to(ACT)
+
+
+@triton.jit
+def int4_row_dot(w_base, s_base, z_base, rows, nmask, k0, x, stride_wn, stride_sn, stride_sk,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32: sum over the K tile at k0 of W[rows, k] * x[k] (x: the tile's BLOCK_K activations of one
+    token, fp32), for a GEMV (one token: no MMA tile). The int4_tile layout and nibble order; BLOCK_K divides GROUP
+    (one zero point and scale per row and tile): (2^23 + q) - (2^23 + z) = q - z exactly, times x summed in fp32,
+    then times the scale once. The weight is not rounded to the activation dtype first (int4_tile's callers round
+    it: their MMA takes that dtype), so in bf16 the product differs from theirs by that rounding."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_b = k0 // 2 + tl.arange(0, HALF)
+    byte = tl.load(w_base + rows[:, None] * stride_wn + offs_b[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    q = tl.interleave(byte & 0xF, byte >> 4)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
+    off = rows * stride_sn + (k0 // GROUP) * stride_sk
+    z = tl.load(z_base + off, mask=nmask, other=0).to(tl.float32)
+    s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
+    return tl.sum((qf - (z + 8388608.0)[:, None]) * x[None, :], axis=1) * s
