@@ -14,28 +14,11 @@ fp8 (activation quant included: the same quant kernel, then the GEMM).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 
 import torch
 
 from benchmarks import quant_gemm as qg
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    from deepinfer import envs
-
-    old = envs.BY_NAME[name].raw()
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _layouts(xs: torch.Tensor, ws: torch.Tensor):
@@ -74,11 +57,10 @@ def probe(ms: list[int]) -> list[dict]:
     from deepinfer.backend import quantize_weight_fp8_block
     from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
     from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_linear
-    from deepinfer.backends.nvidia.quant.linear_methods import TritonFp8W8A8Linear
+    from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm, fused_act_quant
 
     rows = []
     g = torch.Generator().manual_seed(0)
-    fp8m = TritonFp8W8A8Linear()
     for name, (n, k) in qg.DENSE.items():
         if k % 128:
             print(json.dumps({"shape": name, "skip": f"K {k} is not a multiple of 128"}), flush=True)
@@ -116,8 +98,10 @@ def probe(ms: list[int]) -> list[dict]:
 
                 row["cublas_us"] = qg.graph_us(cublas, copies)
             row["bf16_us"] = qg.graph_us(lambda i, x=x, wb=wb: torch.nn.functional.linear(x, wb[i]), len(wb))
-            with _env("DEEPINFER_FP8_CUBLAS", "0"):  # the Triton GEMM, whatever the engine's default
-                row["triton_fp8_us"] = qg.graph_us(lambda i, x=x, ls=layers: fp8m.apply(ls[i], x), copies)
+            # the Triton GEMM as the engine ran it before cuBLAS (act quant then fp8_block_gemm; fused up to 64 rows)
+            row["triton_fp8_us"] = qg.graph_us(lambda i, x=x, m=m, ls=layers: fp8_block_gemm(
+                *((x, None) if fused_act_quant(m) else quantize_act_fp8(x)), ls[i].weight, ls[i].weight_scale_inv,
+                torch.bfloat16), copies)
             rows.append(row)
             print(json.dumps(row), flush=True)
         layers = wb = None
