@@ -27,14 +27,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer import envs
+from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
 
 
 @functools.cache
 def _available(device_index: int) -> bool:
-    import torch.nn.functional as F
-
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
         return False
     return torch.cuda.get_device_capability(device_index) == (9, 0)
@@ -67,10 +67,6 @@ def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_k4: t
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] in the compute dtype -> [M, N]: x quantized per token per 128 (rows padded to ROW_ALIGN, scales
     column-major), times the e4m3 weight [N, K] with its k4_scales, in out_dtype (+ bias)."""
-    import torch.nn.functional as F
-
-    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
-
     m = x.shape[0]
     xq, xs = quantize_act_fp8(x, scales_col_major=True, pad_rows_to=ROW_ALIGN)
     st = F.ScalingType
