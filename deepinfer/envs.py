@@ -289,8 +289,8 @@ MOE_FUSED_COMBINE = EnvVar(
 )
 MOE_BLOCK_M = EnvVar(
     "DEEPINFER_MOE_BLOCK_M", "int", None,
-    "rows per aligned MoE tile: `16`, `32` or `64`",
-    "nvidia", choices=(16, 32, 64), default_text="from routed pairs per expert", error=BackendError,
+    "rows per aligned MoE tile: `16`, `32`, `64` or `128`",
+    "nvidia", choices=(16, 32, 64, 128), default_text="from routed pairs per expert", error=BackendError,
 )
 INVARIANT_TILE_FOLLOW_M = EnvVar(
     "DEEPINFER_INVARIANT_TILE_FOLLOW_M", "bool", True,

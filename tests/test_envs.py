@@ -227,8 +227,8 @@ def test_bool_values(clean, raw, value):
          r"DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS='65' must be an integer in \[0, 64\]"),
         (envs.MOE_FUSED_ROUTER_MAX_TOKENS, "-1", BackendError, r"DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS='-1' must be"),
         (envs.MOE_DIRECT_MAX_PAIRS, "many", BackendError, r"DEEPINFER_MOE_DIRECT_MAX_PAIRS='many' is not an integer"),
-        (envs.MOE_BLOCK_M, "8", BackendError, r"DEEPINFER_MOE_BLOCK_M='8' must be 16, 32 or 64"),
-        (envs.MOE_BLOCK_M, "wide", BackendError, r"DEEPINFER_MOE_BLOCK_M='wide' is not an integer: use 16, 32 or 64"),
+        (envs.MOE_BLOCK_M, "8", BackendError, r"DEEPINFER_MOE_BLOCK_M='8' must be 16, 32, 64 or 128"),
+        (envs.MOE_BLOCK_M, "wide", BackendError, r"DEEPINFER_MOE_BLOCK_M='wide' is not an integer: use 16, 32, 64 or 128"),
         (envs.DEVICE, " ", ConfigError, r"DEEPINFER_DEVICE is empty: set auto, cpu, cuda, npu or a backend name"),
     ],
 )

@@ -104,7 +104,7 @@ def main() -> None:
     for dual in (True, False):
         direct("bf16", dual, 8, 16, g.direct_config(dual))  # batch 1: 6 routed + 2 shared pairs
         direct("bf16", dual, 128, 16, g.direct_config(dual))  # batch 10
-        for bm in (16, 32, 64):
+        for bm in (16, 32, 64, 128):  # 128: the 16-bit prefill tile (fused_moe.pick_block_m)
             aligned("bf16", dual, bm, g.gemm_config(bm, dual))
     direct("bf16", False, 8, 16, g.direct_config(False), combine=True)
     direct("bf16", False, 128, 16, g.direct_config(False), combine=True)

@@ -23,7 +23,7 @@ op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
@@ -104,15 +104,27 @@ def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) ->
     return out
 
 
-def pick_block_m(num_pairs: int, num_experts: int) -> int:
+# bf16 experts take 128-row tiles above this many routed pairs per expert (prefill): on the H200 (2026-12-04,
+# benchmarks/moe_tile_sweep.py at 16384 tokens, 1536 pairs an expert) gate_up 2585 -> 2102 us and down 1607 ->
+# 1190 us a layer against BLOCK_M 64. Sizes between 64 and this were not swept with 128: they keep 64.
+BF16_BLOCK_M_128_MIN_PAIRS = 512
+
+
+def pick_block_m(num_pairs: int, num_experts: int, scheme: str | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> int:
     """Rows per aligned tile: an expert with more routed pairs than this re-reads its weights per tile.
-    DEEPINFER_MOE_BLOCK_M (16, 32 or 64) overrides it for A/B runs on skewed routing."""
+    16-bit experts (scheme None, bf16 / fp16) go to 128 at prefill sizes (fp32 tiles of that size would not fit
+    shared memory); the quantized schemes stay at 64 there (W8A8's gate_up at BLOCK_M 128 ran at half the speed
+    of 64 in the same sweep: its dual fp8 accumulators spill).
+    DEEPINFER_MOE_BLOCK_M (16, 32, 64 or 128) overrides it for A/B runs on skewed routing."""
     if interpreting():
         return 16
-    block_m = envs.MOE_BLOCK_M.get()  # BackendError unless 16, 32 or 64
+    block_m = envs.MOE_BLOCK_M.get()  # BackendError unless 16, 32, 64 or 128
     if block_m is not None:
         return block_m
     per_expert = num_pairs / max(1, num_experts)
+    if scheme is None and dtype in (torch.bfloat16, torch.float16) and per_expert > BF16_BLOCK_M_128_MIN_PAIRS:
+        return 128
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
@@ -191,7 +203,7 @@ def fused_moe(
         direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False, **q2)
         return combine(y.view(T, slots, D), shared_out, x.dtype)
     n = T * k
-    block_m = pick_block_m(n, E)
+    block_m = pick_block_m(n, E, scheme, x.dtype)
     if skip_unrouted:
         sorted_ids, expert_ids, num_padded = align_skipping(align, topk_ids, E, block_m)
     else:

@@ -73,8 +73,9 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     gate_up program keeps BN = 128 per half: its epilogue quantizes the SiLU-and-mul output per token per
     128 channels, one channel group per program, so the down GEMM reads e4m3 (half the bytes) and needs no
     quantization pass. 8 warps: with 4, the gate_up program spills at BLOCK_M 32 and 64 (sm_90 compile of
-    Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack), and the
-    down program needs 241 registers at BLOCK_M 64 (160 with 8). BLOCK_M 64 runs QGMMA (fp8 wgmma). Below 64
+    Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack). The
+    down program takes 4 warps at BLOCK_M 64 (241 registers, no stack; 160 with 8, but 1.45x slower at 16384
+    tokens in the H200 sweep of 2026-12-04). BLOCK_M 64 runs QGMMA (fp8 wgmma). Below 64
     the unswapped tile would convert the e4m3 tiles to fp16 for mma.sync (HMMA); those tiles swap their operands
     instead (w8a8_swap_ab: QGMMA with the routed rows as N) and take W8A8_SWAPPED_TILES, the sweep's best
     (gate_up at 4 warps: 255 registers, no stack, in the sm_90 compile of Triton 3.9).
@@ -90,14 +91,17 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
         swap = w8a8_swap_ab(block_m)
         if cfg is None and swap and block_m <= SWAP_AB_MAX_BLOCK_M:
             cfg = W8A8_SWAPPED_TILES[dual]
-        elif cfg is None:
-            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4}
+        elif cfg is None:  # down at 4 warps: 1984 -> 1370 us a layer at 16384 tokens (sweep, H200 2026-12-04)
+            cfg = ({"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3} if dual
+                   else {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3})
         cfg = dict(cfg, swap_ab=swap)
         if dual:
             cfg = dict(cfg, block_n=128)
         return _fit_scheme(cfg, scheme, group_size)
     if cfg is None:
-        if block_m <= 32:  # decode: H200 sweep (docs/perf-log/2026-11-29-first-h200-baseline.md): all tiles within ~10%, this one best at 1 token
+        if block_m >= 128:  # 16-bit prefill tiles (fused_moe.pick_block_m): the sweep's best at 16384 tokens
+            cfg = {"block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4}
+        elif block_m <= 32:  # decode: H200 sweep (docs/perf-log/2026-11-29-first-h200-baseline.md): all tiles within ~10%, this one best at 1 token
             cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
         else:
             cfg = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
