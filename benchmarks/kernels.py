@@ -343,7 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHES), metavar="NAME[,NAME]",
                         help=f"comma-separated subset of {', '.join(BENCHES)} (the d2d copy, the ceiling, always runs)")
-    names = set(parser.parse_args(argv).only.split(","))
+    parser.add_argument("--router-tokens", default="1,4,16,32,64", metavar="T[,T]",
+                        help="token counts of the router benchmark (above DEEPINFER_ROUTER_GEMV_MAX_TOKENS, 64 by "
+                             "default, the engine's router_logits sends a size to cuBLAS: raise it to time the GEMVs)")
+    args = parser.parse_args(argv)
+    names = set(args.only.split(","))
+    router_tokens = tuple(int(t) for t in args.router_tokens.split(",") if t)
     if names - set(BENCHES):
         parser.error(f"--only: unknown benchmark(s) {sorted(names - set(BENCHES))}; choose from {', '.join(BENCHES)}")
     torch.manual_seed(0)
@@ -351,7 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     copy_bandwidth()
     if "mla" in names:
         mla_decode_bench()
-    for fn in (f for key, f in (("moe", moe_bench), ("router", router_bench)) if key in names):
+
+    def router() -> None:
+        router_bench(router_tokens)
+
+    for fn in (f for key, f in (("moe", moe_bench), ("router", router)) if key in names):
         try:  # a failure is a result row, the later benchmarks still run
             fn()
         except Exception as exc:
