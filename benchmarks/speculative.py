@@ -98,12 +98,10 @@ def print_drafting(mode: str, engine) -> None:
     if policy.cost is not None:
         print(f"{mode}, step table: " + ", ".join(f"{n} tok {x * 1e3:.3f} ms ({shape})" for n, x, shape in
                                                  zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
-        ratio = {name: "unseen" if r is None else f"{r:.2f}"
-                 for name, r in (("plain", policy.plain_ratio), ("speculative", policy.spec_ratio))}
-        over = {name: "unseen" if o is None else f"{o * 1e3:+.3f} ms"
-                for name, o in (("plain", policy.plain_overhead), ("speculative", policy.spec_overhead))}
-        print(f"{mode}, measured / table step time: plain {ratio['plain']}, speculative {ratio['speculative']}; "
-              f"measured - table: plain {over['plain']}, speculative {over['speculative']}")
+        rows = policy.step_times.rows()
+        print(f"{mode}, measured / table step time by kind and load bucket (spec/step_times.py): " + (", ".join(
+            f"{kind} <={bucket} seqs {ratio:.2f} ({over * 1e3:+.3f} ms, {n} steps)"
+            for kind, bucket, ratio, over, n in rows) if rows else "none seen"))
 
 
 def main(argv: list[str] | None = None) -> int:

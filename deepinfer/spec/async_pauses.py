@@ -150,7 +150,9 @@ class AsyncPauses:
                 self.spec.paused_rows.drop(seq)
         self._resolved(got)
         if resolves and launched is not None:  # a steady-state call: one step launched, one resolved
-            self.spec.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in launched.sched.scheduled))
+            scheduled = launched.sched.scheduled
+            self.spec.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in scheduled),
+                                          len(scheduled))
         return got
 
     def drain(self) -> list[Sequence]:

@@ -27,6 +27,7 @@ from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.scheduler import StepCostTable, admit
+from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios
 
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
@@ -133,16 +134,9 @@ class SlotPolicy:
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
-    # measured / table-predicted seconds of the engine's decode-row steps (moving averages, `observe_step`): plain
-    # steps, and steps that verified or drafted; None until such a step was seen (then the other stands in: most of
-    # a step's overhead is host work both kinds pay, so the other's ratio is a better guess than 1; 1 if neither).
-    # plan_drafting scales the tables' prices by them.
-    plain_ratio: float | None = None
-    spec_ratio: float | None = None
-    # the same steps as measured - predicted seconds (reported, benchmarks/speculative.py; not used to plan: an
-    # additive model was tried on 2026-12-03 and lost to the ratios on the CPU, see docs/speculative.md)
-    plain_overhead: float | None = None
-    spec_overhead: float | None = None
+    # measured / table-predicted seconds of the engine's decode-row steps, per kind (plain / speculative) and load
+    # bucket (spec/step_times.py, fed by `observe_step`); plan_drafting scales the tables' prices by them
+    step_times: StepTimeRatios = field(default_factory=StepTimeRatios)
 
     @property
     def adaptive(self) -> bool:
@@ -207,33 +201,21 @@ class SlotPolicy:
                         self._short_chains, self.explore = 0, True
         return self.chain
 
-    def observe_step(self, seconds: float, num_tokens: int, drafted_seqs: int = 0, chain: int = 0,
-                     verified: bool = False, weight: float = 0.1) -> None:
-        """A decode-row step's wall time (schedule to output processing) against what the tables predict for it:
-        the step table at its tokens, plus the drafting table for what it drafted. The tables time the forward and
-        the drafter alone, over no context; the engine's steps also pay the sampler, verification, output
-        processing, batch building and attention over real contexts, and a speculative step pays more of them than
-        a plain one (on the cpu backend with the embedded model, static k = 1 at one sequence was priced 20 ms a step
-        and ran at ~29). plan_drafting scales its prices by these ratios. On the H200 (2026-12-03) a step's excess is
-        mostly per-step host work (a plain step ~1.2 ms for a 0.23 ms graph replay), which a ratio also applies to
-        the drafting table; adding the measured differences instead made the adaptive mode draft there but lost to
-        the ratios on this CPU (docs/speculative.md). Both are kept; the ratios plan. Past steps only:
-        non-anticipating."""
+    def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
+                     verified: bool = False) -> None:
+        """A decode-row step's wall time (schedule to output processing) of num_seqs sequences against what the
+        tables predict for it: the step table at its tokens, plus the drafting table for what it drafted. The tables
+        time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
+        verification, output processing, batch building and attention over real contexts, and that excess depends
+        on the load and on the kind of step (spec/step_times.py has the H200 numbers), so the correction is kept
+        per kind and per load bucket. Past steps only: non-anticipating."""
         if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
             return
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
             predicted += self.drafting_seconds(drafted_seqs, chain)
-        # clamped: a GC pause or a stall is not the model's error
-        x = min(max(seconds / predicted, 0.1), 10.0)
-        over = (x - 1.0) * predicted
-        if verified or drafted_seqs:
-            self.spec_ratio = x if self.spec_ratio is None else (1 - weight) * self.spec_ratio + weight * x
-            self.spec_overhead = over if self.spec_overhead is None else (1 - weight) * self.spec_overhead + weight * over
-        else:
-            self.plain_ratio = x if self.plain_ratio is None else (1 - weight) * self.plain_ratio + weight * x
-            self.plain_overhead = (over if self.plain_overhead is None
-                                   else (1 - weight) * self.plain_overhead + weight * over)
+        kind = SPECULATIVE if verified or drafted_seqs else PLAIN
+        self.step_times.observe(kind, num_seqs, seconds, predicted)
 
     def _choose_chain(self, num_seqs: int) -> int:
         """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
@@ -241,14 +223,14 @@ class SlotPolicy:
         the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
-        drafting of chains of L, each side scaled by its measured ratio (`observe_step`). Plain floats: this runs
+        drafting of chains of L, each side scaled by its measured ratio at this load (`observe_step`). Plain floats: this runs
         every step. Reads calibration counts, past confidences and past step times only."""
         k, b = self.k, float(num_seqs)
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
                             dtype=torch.float64)
         survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
-        plain = next((r for r in (self.plain_ratio, self.spec_ratio) if r is not None), 1.0)
-        spec = next((r for r in (self.spec_ratio, self.plain_ratio) if r is not None), 1.0)
+        plain = self.step_times.ratio(PLAIN, num_seqs)
+        spec = self.step_times.ratio(SPECULATIVE, num_seqs)
         best, best_rate = 0, b / (self.cost.at(b) * plain) * (1 + 1e-9)
         reach, expected = 1.0, b
         for chain in range(1, k + 1):

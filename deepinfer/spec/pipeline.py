@@ -165,7 +165,8 @@ class SpecStepPipeline:
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
-                                     *self._drafted, verified=any(it.draft for it in sched.scheduled))
+                                     len(sched.scheduled), *self._drafted,
+                                     verified=any(it.draft for it in sched.scheduled))
         return got
 
     def _clip(self, seq: Sequence, draft: list[int]) -> int:

@@ -14,6 +14,7 @@ from deepinfer.spec.cost_profile import profile_step_costs
 from deepinfer.spec.draft_cost import DraftCostTable, profile_draft_costs
 from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
 from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
 
 class SpyModel:
@@ -195,21 +196,66 @@ def test_measured_step_times_correct_the_tables_prices():
     stands in for the plain one: most overhead is host work both pay); plain steps measured alike leave the choice
     to the model again."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    times = policy.step_times
     assert policy.plan_drafting(1) == 1
     for _ in range(30):
-        policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, verified=True)
-    assert policy.spec_ratio == pytest.approx(2.0, rel=0.05) and policy.plain_ratio is None
+        policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, 1, verified=True)
+    assert times.ratio(SPECULATIVE, 1) == pytest.approx(2.0, rel=0.05) and not times.seen(PLAIN, 1)
+    assert times.ratio(PLAIN, 1) == times.ratio(SPECULATIVE, 1)  # the other kind stands in
     assert policy.plan_drafting(1) == 1  # no plain step seen: the speculative ratio stands in for it
     for _ in range(30):
-        policy.observe_step(policy.cost.at(1), 1)
-    assert policy.plain_ratio == pytest.approx(1.0)
+        policy.observe_step(policy.cost.at(1), 1, 1)
+    assert times.ratio(PLAIN, 1) == pytest.approx(1.0)
     assert policy.plan_drafting(1) == 0
     policy.paused, policy.probe = 0, False
     for _ in range(60):
-        policy.observe_step(2 * policy.cost.at(1), 1)
-    assert policy.plain_ratio == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
-    policy.observe_step(100.0, 1)  # a stall: clamped at 10x, one step cannot swing the ratio further
-    assert policy.plain_ratio == pytest.approx(0.9 * 2.0 + 0.1 * 10, rel=0.02)
+        policy.observe_step(2 * policy.cost.at(1), 1, 1)
+    assert times.ratio(PLAIN, 1) == pytest.approx(2.0, rel=0.01) and policy.plan_drafting(1) == 1
+    policy.observe_step(100.0, 1, 1)  # a stall: clamped at 10x, one step cannot swing the ratio further
+    assert times.ratio(PLAIN, 1) == pytest.approx(0.9 * 2.0 + 0.1 * 10, rel=0.02)
+
+
+def test_step_time_corrections_are_kept_per_load():
+    """The H200's shape (2026-12-04): at one sequence a plain step ran ~2x its table price and a speculative one
+    ~1.5x; at 64 sequences plain ~1x here and speculative ~4x. With the tables of chain_policy a chain of 1 pays
+    when speculative / plain < ~1.6: at one sequence but not at 64. One ratio per kind over both loads (the model
+    this replaced) took whichever load it saw last and planned the other load by it: after the 64-sequence steps
+    it drafted nothing at one sequence."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    for _ in range(30):  # one sequence: plain and k = 1 steps
+        policy.observe_step(2.0 * policy.cost.at(1), 1, 1)
+        policy.observe_step(1.5 * (policy.cost.at(2) + 0.004), 2, 1, 1, 1, verified=True)
+    for _ in range(30):  # then 64 sequences
+        policy.observe_step(1.0 * policy.cost.at(64), 64, 64)
+        policy.observe_step(4.0 * (policy.cost.at(128) + 0.004), 128, 64, 64, 1, verified=True)
+    times = policy.step_times
+    assert times.ratio(PLAIN, 1) == pytest.approx(2.0) and times.ratio(SPECULATIVE, 1) == pytest.approx(1.5)
+    assert times.ratio(PLAIN, 64) == pytest.approx(1.0) and times.ratio(SPECULATIVE, 33) == pytest.approx(4.0)
+    assert policy.plan_drafting(1) == 1
+    assert policy.plan_drafting(64) == 0 and policy.paused > 0
+    rows = [(kind, bucket, round(r, 3)) for kind, bucket, r, _, _ in times.rows()]
+    assert rows == [(PLAIN, 1, 2.0), (PLAIN, 64, 1.0), (SPECULATIVE, 1, 1.5), (SPECULATIVE, 64, 4.0)]
+
+
+def test_step_time_buckets_and_their_fallbacks():
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 256)] == [1, 1, 2, 4, 4, 8, 64, 128, 256]
+    times = StepTimeRatios(weight=0.5)
+    assert times.ratio(PLAIN, 8) == 1.0 and times.overhead(PLAIN, 8) is None  # nothing seen: trust the tables
+    times.observe(PLAIN, 1, 0.003, 0.001)
+    assert times.ratio(PLAIN, 64) == pytest.approx(3.0) and times.ratio(SPECULATIVE, 64) == pytest.approx(3.0)
+    assert times.overhead(PLAIN, 1) == pytest.approx(0.002)
+    times.observe(SPECULATIVE, 64, 0.008, 0.002)
+    assert times.ratio(PLAIN, 64) == pytest.approx(4.0)  # the same bucket's other kind before a far bucket
+    assert times.ratio(SPECULATIVE, 2) == pytest.approx(4.0)  # the nearest bucket of the same kind
+    times.observe(SPECULATIVE, 2, 0.001, 0.001)
+    assert times.ratio(SPECULATIVE, 4) == pytest.approx(1.0)  # 4 is as near 2 as 8; then nearer than 64
+    assert times.ratio(SPECULATIVE, 16) == pytest.approx(4.0)  # 16 is nearer 64 (2 doublings) than 2 (3)
+    times.observe(SPECULATIVE, 2, 0.003, 0.001)
+    assert times.ratio(SPECULATIVE, 2) == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)
+    times.observe(PLAIN, 1, 1.0, 0.001)  # clamped at 10x
+    assert times.ratio(PLAIN, 1) == pytest.approx(0.5 * 3.0 + 0.5 * 10.0)
+    with pytest.raises(ValueError, match="step kind"):
+        times.observe("verify", 1, 1.0, 1.0)
 
 
 def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
