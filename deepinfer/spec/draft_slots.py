@@ -97,8 +97,8 @@ class SlotPolicy:
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
     - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
       survival; the drafts are made, so their cost is not in it);
-    - `plan_drafting`, after the step: how long a chain the MTP module drafts for the next step, 0 for none (a
-      pause). For each L in 1..k it evaluates the steady state of every sampling sequence holding a draft of L at
+    - `plan_drafting`, before the step's forward (from past steps only, so that the one-sync step can run it): how
+      long a chain the MTP module drafts for the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling sequence holding a draft of L at
       each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
       for those sequences (the drafting table, spec/draft_cost.py); the best L wins if it beats plain decoding,
       else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
@@ -208,13 +208,22 @@ class SlotPolicy:
         time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
         verification, output processing, batch building and attention over real contexts, and that excess depends
         on the load and on the kind of step (spec/step_times.py has the H200 numbers), so the correction is kept
-        per kind and per load bucket. Past steps only: non-anticipating."""
+        per kind and per load bucket. Past steps only: non-anticipating.
+
+        Only the two steady states are observed: a plain step (nothing verified, nothing drafted) and a speculative
+        one (verified and drafted). A step that verified and drafted nothing (the last before a pause: a probe's
+        verification) or drafted without verifying (the first after a prompt or a pause) is a transition, priced
+        by neither steady state; on the H200 (2026-12-04, 8734169) three such probe verifications (host path, two
+        waits) at 4.6x their price were all the speculative side ever saw at one sequence, and kept every later
+        plan paused (tau 1.04) where static k = 5 ran 2.12x."""
         if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
+            return
+        if verified != bool(drafted_seqs and chain):
             return
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
             predicted += self.drafting_seconds(drafted_seqs, chain)
-        kind = SPECULATIVE if verified or drafted_seqs else PLAIN
+        kind = SPECULATIVE if verified else PLAIN
         self.step_times.observe(kind, num_seqs, seconds, predicted)
 
     def _choose_chain(self, num_seqs: int) -> int:

@@ -35,9 +35,9 @@ as the host path's lookahead blocks are), so under memory pressure a later seque
 
 Which steps qualify: every scheduled sequence is a decode or a verify row (no prompt chunk) and samples; none has a
 grammar (its drafts are drawn under its mask, link by link, on the host: spec/grammar_drafts.py) and none failed its
-draw; the slot policy is static (the confidence scheduler plans the chain after it sees the step's outcome and keeps
-paused rows for the MTP-KV catch-up); nothing is kept for a catch-up; the MTP graphs cover the step's rows and
-sequences. Every other step takes the host path, as before (spec/pipeline.py). Stop strings, EOS and max_tokens
+draw; every sequence drafts the step's planned chain (static k, or the confidence scheduler's plan, made before the
+forward, when it is not a pause, nor a probe or exploration of a subset: SpecStepPipeline._uniform_chain); nothing
+is kept for a catch-up; the MTP graphs cover the step's rows and sequences. Every other step takes the host path, as before (spec/pipeline.py). Stop strings, EOS and max_tokens
 inside an accepted run are applied by output processing after the read-back, as on the host path (whose pass also
 ran over the whole accepted run).
 """

@@ -95,6 +95,7 @@ class SpecStepPipeline:
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
         self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
+        self._chain_plan = 0  # the chain this step drafts (policy.plan_drafting, called once a step before its forward)
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
@@ -155,9 +156,15 @@ class SpecStepPipeline:
         self._failed = {}
         self._drafted = (0, 0)
         self._caught_up = False
+        # the chain this step drafts for the next one, planned before its forward: from the calibration, confidences
+        # and step times of past steps (non-anticipating; adaptive: one step older than planning after the draw),
+        # so that the one-sync step can run the adaptive mode's chains too
+        samplers = sum(1 for it in sched.scheduled if it.samples)
+        self._chain_plan = self.policy.plan_drafting(samplers)
         plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
-        if self.one_sync is not None and not self.policy.adaptive and not len(self.paused_rows):
-            plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self.policy.chain_length(),
+        if self.one_sync is not None and self._chain_plan > 0 and not len(self.paused_rows) \
+                and self._uniform_chain(samplers):
+            plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self._chain_plan,
                                          self.scheduler.kv.max_model_len)
         emitted, logprobs = self._launch(sched, conf, plan)
         got = self._process(sched, emitted, logprobs)
@@ -168,6 +175,12 @@ class SpecStepPipeline:
                                      len(sched.scheduled), *self._drafted,
                                      verified=any(it.draft for it in sched.scheduled))
         return got
+
+    def _uniform_chain(self, samplers: int) -> bool:
+        """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or
+        an adaptive plan that is neither a probe nor an exploration over fewer than all the sequences."""
+        p = self.policy
+        return not p.adaptive or samplers <= p.probe_seqs or not (p.probe or p.explore)
 
     def _clip(self, seq: Sequence, draft: list[int]) -> int:
         """Draft tokens a sequence may verify: all, or for structured output the grammar-allowed prefix."""
@@ -252,7 +265,7 @@ class SpecStepPipeline:
 
     def _book_one_sync(self, sched: SchedulerOutput, res) -> None:
         """A one-sync step's drafts (spec/one_sync.py): every sequence drafted, its chain as long as its room let."""
-        chain_len = self.policy.plan_drafting(len(sched.scheduled))  # static: k, what the step drafted for
+        chain_len = self._chain_plan  # planned before the step (_step), what it drafted for
         self._drafting = True
         self.metrics.record_chain(chain_len)
         self.drafter.num_graph_passes += 1
@@ -292,7 +305,7 @@ class SpecStepPipeline:
         decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""
         self._next_drafts = []
         samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)
-        chain_len = self.policy.plan_drafting(samplers)
+        chain_len = self._chain_plan  # planned before the step (_step)
         self._drafting = chain_len > 0
         if not isinstance(self.drafter, MTPDrafter):
             return  # n-gram drafts are proposed after output processing, from the tokens then known

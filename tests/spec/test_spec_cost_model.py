@@ -237,6 +237,20 @@ def test_step_time_corrections_are_kept_per_load():
     assert rows == [(PLAIN, 1, 2.0), (PLAIN, 64, 1.0), (SPECULATIVE, 1, 1.5), (SPECULATIVE, 64, 4.0)]
 
 
+def test_transition_steps_are_not_observed():
+    """A probe's verification (verified, drafted nothing: the step that enters a pause) and a drafting step that
+    verified nothing (after a prompt or a pause) are transitions; only the steady states set the ratios. The H200's
+    trap (2026-12-04): probe verifications at 4.6x their price were the speculative side's only observations at one
+    sequence and kept every plan paused; here, priced by them, no chain would pay (test above)."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    for _ in range(10):
+        policy.observe_step(2.0 * policy.cost.at(1), 1, 1)  # plain
+        policy.observe_step(4.6 * policy.cost.at(6), 6, 1, verified=True)  # a probe's verification, no drafts
+        policy.observe_step(4.6 * (policy.cost.at(1) + 0.2), 1, 1, 1, 5)  # drafted, nothing verified
+    assert [(kind, bucket) for kind, bucket, *_ in policy.step_times.rows()] == [(PLAIN, 1)]
+    assert policy.plan_drafting(1) == 1  # the plain ratio stands in for the unseen speculative side
+
+
 def test_step_time_buckets_and_their_fallbacks():
     assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 256)] == [1, 1, 2, 4, 4, 8, 64, 128, 256]
     times = StepTimeRatios(weight=0.5)

@@ -108,6 +108,46 @@ def test_engine_one_sync_equals_off_and_the_host_path(parts):  # noqa: F811
     assert a.kv_blocks_used == 0
 
 
+def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts):  # noqa: F811
+    """The confidence scheduler plans each step's chain before its forward (spec/pipeline.py `_step`), so its
+    steps qualify for the one-sync step as static k's do. mtp k = 2 adaptive, tables where a chain of 1 pays and a
+    chain of 2 never does: the first drafting is the probe (full chains, drafted by the prompts' step on the host
+    path), every later step plans chains of 1 (one-sync with 1 link: the chain graph's head alone, fewer links than
+    the graphs were captured for). Greedy and seeded output equals speculation off; no verify step took the host
+    path."""
+    from dataclasses import replace
+
+    from deepinfer.spec.draft_cost import DraftCostTable
+    from deepinfer.spec.scheduler import StepCostTable
+
+    ps = parts[4][:2]
+    params = [replace(GREEDY, max_tokens=10), replace(SEEDED, max_tokens=10)]
+    want, _ = run(make(parts, enforce_eager=True), ps, params)
+    # token budget 16: both prompts in one step (a step with a prompt chunk takes the host path), and the step-cost
+    # profile at start-up times 1..16 tokens only (cheap under the interpreter)
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=True,
+              max_num_batched_tokens=16)
+    spec = on._spec
+    assert spec.one_sync is not None and spec.policy.adaptive
+    spec.policy.cost = StepCostTable([1, 4096], [0.01, 0.0101])  # verified tokens almost free
+    spec.policy.draft_cost = DraftCostTable(2, StepCostTable([1, 64], [1e-4, 1e-4]), StepCostTable([1, 64], [1.0, 1.0]))
+    links: list[int] = []
+    prepare = spec.one_sync.prepare
+
+    def recording_prepare(items, kv, want_links, max_model_len):
+        plan = prepare(items, kv, want_links, max_model_len)
+        if plan is not None:
+            links.append(plan.links)
+        return plan
+
+    spec.one_sync.prepare = recording_prepare
+    got, _ = run(on, ps, params)
+    assert got == want
+    assert len(links) >= 3 and set(links) == {1}, links  # (the probe's full chains: drafted by the prompts' step)
+    assert spec.one_sync.num_steps == len(links) == spec.metrics.steps  # every verify step one-sync
+    assert on.stats().spec_accepted_tokens > 0 and on.stats().kv_blocks_used == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 def test_gpu_one_sync_steps_make_no_other_synchronizing_call(parts):  # noqa: F811
