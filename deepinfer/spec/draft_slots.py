@@ -232,20 +232,21 @@ class SlotPolicy:
         the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
-        drafting of chains of L, each side scaled by its measured ratio at this load (`observe_step`). Plain floats: this runs
+        drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
+        spec/step_times.py). Plain floats: this runs
         every step. Reads calibration counts, past confidences and past step times only."""
         k, b = self.k, float(num_seqs)
         conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
                             dtype=torch.float64)
         survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
-        plain = self.step_times.ratio(PLAIN, num_seqs)
-        spec = self.step_times.ratio(SPECULATIVE, num_seqs)
-        best, best_rate = 0, b / (self.cost.at(b) * plain) * (1 + 1e-9)
+        times = self.step_times
+        best, best_rate = 0, b / times.seconds(PLAIN, num_seqs, self.cost.at(b)) * (1 + 1e-9)
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
-            rate = expected / ((self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)) * spec)
+            price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
+            rate = expected / times.seconds(SPECULATIVE, num_seqs, price)
             if rate > best_rate:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best

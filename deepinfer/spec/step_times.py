@@ -9,10 +9,14 @@ averaged those into plain 4.08 / speculative 5.90 in a benchmark that swept the 
 adaptive mode drafted nothing at one sequence (tau 1.00-1.09), where static k = 3 ran 1.44x.
 
 So the correction is kept per sequence-count bucket (the next power of two at or above the count) and per kind
-(plain: a step that neither verified nor drafted; speculative: one that did). Lookup for a bucket never seen:
-the same bucket's other kind (at one load both kinds pay the same per-step host work, and the two kinds' ratios
-were within 1.3x of each other on the H200 where loads differed 2.3x), then the nearest seen bucket of the same
-kind, then of the other kind, then 1 (trust the tables).
+(plain: a step that neither verified nor drafted; speculative: one that did both). `seconds` corrects a table price:
+- the same kind and bucket seen: price x its ratio;
+- else the same bucket's other kind seen: price + that kind's excess (measured - predicted). At one load both kinds
+  pay about the same per-step host work, which does not scale with the price: on the H200 (2026-12-04, f7bf36c,
+  one sequence) a plain step ran 0.295 + 0.88 ms (x3.97) and a static k = 5 step 1.03 + 1.19 ms (x2.15); the
+  plain ratio would have priced the k = 5 step at 4.1 ms, its excess at 1.91 ms. This is what the adaptive mode
+  plans by until it has drafted at a load (probe steps are transitions, not observed: SlotPolicy.observe_step);
+- else the nearest seen bucket of the same kind, then of the other kind (their ratios), then 1 (trust the tables).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ SPECULATIVE = "speculative"
 KINDS = (PLAIN, SPECULATIVE)
 
 
+def _other(kind: str) -> str:
+    return SPECULATIVE if kind == PLAIN else PLAIN
+
+
 def load_bucket(num_seqs: int) -> int:
     """The power of two at or above num_seqs (1 for 0 or 1)."""
     return 1 << max(int(num_seqs) - 1, 0).bit_length()
@@ -32,8 +40,9 @@ def load_bucket(num_seqs: int) -> int:
 @dataclass
 class StepTimeRatios:
     """Moving averages (weight `weight`) of measured / predicted seconds and of measured - predicted seconds, by
-    (kind, load bucket). The ratio plans (SlotPolicy._choose_chain); the difference is reported only (an additive
-    model lost to the ratios in an A/B on 2026-12-03, docs/speculative.md)."""
+    (kind, load bucket). A kind's own ratio corrects its prices where it was seen; the other kind's difference stands
+    in where only that one was (module docstring; a purely additive model lost to the ratios in an A/B on the CPU on
+    2026-12-03, docs/speculative.md)."""
 
     weight: float = 0.1
     min_ratio: float = 0.1  # clamp of one observation: a GC pause or a stall is not the model's error
@@ -58,26 +67,31 @@ class StepTimeRatios:
     def seen(self, kind: str, num_seqs: int) -> bool:
         return (kind, load_bucket(num_seqs)) in self.ratios
 
+    def seconds(self, kind: str, num_seqs: int, predicted: float) -> float:
+        """A step of this kind at this load that the tables price at `predicted` seconds, corrected (module
+        docstring: the order of the fallbacks)."""
+        bucket = load_bucket(num_seqs)
+        if (kind, bucket) in self.ratios:
+            return predicted * self.ratios[(kind, bucket)]
+        other = _other(kind)
+        if (other, bucket) in self.ratios:
+            return max(predicted + self.overheads[(other, bucket)], self.min_ratio * predicted)
+        return predicted * self.ratio(kind, num_seqs)
+
     def ratio(self, kind: str, num_seqs: int) -> float:
-        """The correction for a step of this kind at this load (see the module docstring for the fallbacks)."""
-        key = self._lookup(kind, load_bucket(num_seqs))
-        return 1.0 if key is None else self.ratios[key]
-
-    def overhead(self, kind: str, num_seqs: int) -> float | None:
-        key = self._lookup(kind, load_bucket(num_seqs))
-        return None if key is None else self.overheads[key]
-
-    def _lookup(self, kind: str, bucket: int) -> tuple[str, int] | None:
-        other = SPECULATIVE if kind == PLAIN else PLAIN
-        for key in ((kind, bucket), (other, bucket)):
-            if key in self.ratios:
-                return key
-        for k in (kind, other):
+        """This kind's ratio at the load's bucket, else at the nearest seen bucket of this kind, then of the other
+        kind, else 1."""
+        bucket = load_bucket(num_seqs)
+        for k in (kind, _other(kind)):
             seen = [b for (kk, b) in self.ratios if kk == k]
             if seen:  # nearest on the log scale; ties: the smaller load
                 near = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-                return (k, near)
-        return None
+                return self.ratios[(k, near)]
+        return 1.0
+
+    def overhead(self, kind: str, num_seqs: int) -> float | None:
+        """This kind's measured - predicted seconds at the load's bucket (None: not seen)."""
+        return self.overheads.get((kind, load_bucket(num_seqs)))
 
     def rows(self) -> list[tuple[str, int, float, float, int]]:
         """(kind, bucket, ratio, overhead seconds, observations), sorted: what benchmarks print."""

@@ -201,8 +201,11 @@ def test_measured_step_times_correct_the_tables_prices():
     for _ in range(30):
         policy.observe_step(2 * (policy.cost.at(2) + 0.004), 2, 1, 1, 1, verified=True)
     assert times.ratio(SPECULATIVE, 1) == pytest.approx(2.0, rel=0.05) and not times.seen(PLAIN, 1)
-    assert times.ratio(PLAIN, 1) == times.ratio(SPECULATIVE, 1)  # the other kind stands in
-    assert policy.plan_drafting(1) == 1  # no plain step seen: the speculative ratio stands in for it
+    # no plain step seen: the speculative steps' excess stands in for it (per-step work both kinds pay)
+    excess = times.overhead(SPECULATIVE, 1)
+    assert excess == pytest.approx(policy.cost.at(2) + 0.004, rel=0.05)
+    assert times.seconds(PLAIN, 1, policy.cost.at(1)) == pytest.approx(policy.cost.at(1) + excess)
+    assert policy.plan_drafting(1) == 1
     for _ in range(30):
         policy.observe_step(policy.cost.at(1), 1, 1)
     assert times.ratio(PLAIN, 1) == pytest.approx(1.0)
@@ -237,6 +240,34 @@ def test_step_time_corrections_are_kept_per_load():
     assert rows == [(PLAIN, 1, 2.0), (PLAIN, 64, 1.0), (SPECULATIVE, 1, 1.5), (SPECULATIVE, 64, 4.0)]
 
 
+def test_an_unseen_kind_is_priced_by_the_other_kinds_excess_at_that_load():
+    """The H200 at one sequence (2026-12-04, f7bf36c): plain steps ran 0.295 + 0.88 ms (x3.97) and a static
+    k = 5 step 1.03 + 1.19 ms (x2.15, 2.46x off's tokens per second). Before the adaptive mode has drafted at a load
+    it knows only the plain steps; with the per-slot acceptance its probes saw there (a chain of 5 yields ~3.2
+    tokens), their excess added to a k = 5 step's price (1.91 ms) says the chain pays, where their ratio (4.1 ms)
+    said it did not and the mode never drafted (tau 1.00)."""
+    k = 5
+    cal = SurvivalCalibrator(num_slots=k)
+    for j, rate in enumerate([0.60, 0.78, 1.00, 0.71, 1.00]):  # what the adaptive mode's probes saw on the H200
+        cal.observe(torch.full((1000,), j), torch.full((1000,), 0.9, dtype=torch.float64),
+                    (torch.arange(1000) < rate * 1000).to(torch.float64))
+    drafts = DraftCostTable(k, StepCostTable([1, 64], [0.382e-3, 0.551e-3]), StepCostTable([1, 64], [0.738e-3, 1.145e-3]))
+    policy = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False,
+                        cost=StepCostTable([1, 8, 512], [0.295e-3, 0.295e-3, 0.436e-3]), mean_confidence=[0.9] * k)
+    for _ in range(50):
+        policy.observe_step(policy.cost.at(1) + 0.88e-3, 1, 1)
+    assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(3.98, rel=0.01)
+    assert policy.step_times.seconds(SPECULATIVE, 1, 1.033e-3) == pytest.approx(1.913e-3, rel=0.01)
+    assert policy.plan_drafting(1) == k
+    by_ratio = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False, cost=policy.cost,
+                          mean_confidence=[0.9] * k)
+    by_ratio.step_times.ratios[(SPECULATIVE, 1)] = policy.step_times.ratio(PLAIN, 1)  # the old stand-in
+    by_ratio.step_times.overheads[(SPECULATIVE, 1)] = 0.0
+    by_ratio.step_times.ratios[(PLAIN, 1)] = policy.step_times.ratio(PLAIN, 1)
+    by_ratio.step_times.overheads[(PLAIN, 1)] = 0.88e-3
+    assert by_ratio.plan_drafting(1) == 0
+
+
 def test_transition_steps_are_not_observed():
     """A probe's verification (verified, drafted nothing: the step that enters a pause) and a drafting step that
     verified nothing (after a prompt or a pause) are transitions; only the steady states set the ratios. The H200's
@@ -254,12 +285,18 @@ def test_transition_steps_are_not_observed():
 def test_step_time_buckets_and_their_fallbacks():
     assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 256)] == [1, 1, 2, 4, 4, 8, 64, 128, 256]
     times = StepTimeRatios(weight=0.5)
-    assert times.ratio(PLAIN, 8) == 1.0 and times.overhead(PLAIN, 8) is None  # nothing seen: trust the tables
+    assert times.seconds(PLAIN, 8, 0.5) == 0.5 and times.overhead(PLAIN, 8) is None  # nothing seen: the tables
     times.observe(PLAIN, 1, 0.003, 0.001)
     assert times.ratio(PLAIN, 64) == pytest.approx(3.0) and times.ratio(SPECULATIVE, 64) == pytest.approx(3.0)
-    assert times.overhead(PLAIN, 1) == pytest.approx(0.002)
+    assert times.seconds(SPECULATIVE, 64, 0.01) == pytest.approx(0.03)  # a far bucket: its ratio
+    assert times.seconds(SPECULATIVE, 1, 0.01) == pytest.approx(0.012)  # the same bucket: its excess, added
+    assert times.overhead(PLAIN, 1) == pytest.approx(0.002) and times.overhead(PLAIN, 2) is None
     times.observe(SPECULATIVE, 64, 0.008, 0.002)
-    assert times.ratio(PLAIN, 64) == pytest.approx(4.0)  # the same bucket's other kind before a far bucket
+    assert times.seconds(PLAIN, 64, 0.001) == pytest.approx(0.007)  # the same bucket's other kind before a far one
+    assert times.seconds(PLAIN, 64, 0.010) == pytest.approx(0.016)
+    times.observe(SPECULATIVE, 32, 0.001, 0.002)  # excess -1 ms: a price is never corrected below 0.1x
+    assert times.seconds(PLAIN, 32, 0.0005) == pytest.approx(0.00005)
+    del times.ratios[(SPECULATIVE, 32)], times.overheads[(SPECULATIVE, 32)], times.counts[(SPECULATIVE, 32)]
     assert times.ratio(SPECULATIVE, 2) == pytest.approx(4.0)  # the nearest bucket of the same kind
     times.observe(SPECULATIVE, 2, 0.001, 0.001)
     assert times.ratio(SPECULATIVE, 4) == pytest.approx(1.0)  # 4 is as near 2 as 8; then nearer than 64
