@@ -130,6 +130,7 @@ class SlotPolicy:
     chain: int = 0  # the chain drafted after the last step (0: none); static: k
     explore_every: int = 64
     explore: bool = False  # this drafting lengthens probe_seqs sequences' chains to k (set by plan_drafting)
+    verifying_probe: bool = False  # this step's admission verified a probe (set by counts, cleared by plan_drafting)
     _short_chains: int = 0
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
@@ -165,7 +166,7 @@ class SlotPolicy:
         lens = torch.tensor(lens_list, dtype=torch.int64)
         self._track_confidence(conf, lens)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
-            self.probe = False
+            self.probe, self.verifying_probe = False, True
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
         counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
@@ -173,10 +174,18 @@ class SlotPolicy:
         self._admitted_any = any(counts)
         return counts
 
+    def plans_before_the_draw(self) -> bool:
+        """Whether this step's chain may be planned before its forward (so that the one-sync step can run it): static
+        k, or an adaptive policy drafting steadily. A step that verifies a probe, or one in a pause, plans after its
+        draw (the host path): the probe's outcome is what the plan after a pause must see (planned before it, each
+        plan would read the calibration of the probe before, 32 to 1024 steps old; on the H200 the first plan then
+        saw no calibration at all and paused)."""
+        return not self.adaptive or (self.chain > 0 and self.paused == 0 and not self.verifying_probe)
+
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
         self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
-        self.explore = False
+        self.explore = self.verifying_probe = False
         if not self.adaptive:
             self.chain = self.k
         elif self.paused > 0:

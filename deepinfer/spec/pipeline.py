@@ -95,7 +95,8 @@ class SpecStepPipeline:
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
         self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
-        self._chain_plan = 0  # the chain this step drafts (policy.plan_drafting, called once a step before its forward)
+        # the chain this step drafts (policy.plan_drafting, once a step: before its forward, or None until after it)
+        self._chain_plan: int | None = 0
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
@@ -156,13 +157,14 @@ class SpecStepPipeline:
         self._failed = {}
         self._drafted = (0, 0)
         self._caught_up = False
-        # the chain this step drafts for the next one, planned before its forward: from the calibration, confidences
-        # and step times of past steps (non-anticipating; adaptive: one step older than planning after the draw),
-        # so that the one-sync step can run the adaptive mode's chains too
+        # the chain this step drafts for the next one, planned before its forward where the policy allows it (static
+        # k; adaptive drafting steadily: from the calibration, confidences and step times of past steps, one step
+        # older than planning after the draw; non-anticipating either way), so that the one-sync step can run the
+        # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
         samplers = sum(1 for it in sched.scheduled if it.samples)
-        self._chain_plan = self.policy.plan_drafting(samplers)
+        self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
         plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
-        if self.one_sync is not None and self._chain_plan > 0 and not len(self.paused_rows) \
+        if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
                 and self._uniform_chain(samplers):
             plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self._chain_plan,
                                          self.scheduler.kv.max_model_len)
@@ -305,7 +307,9 @@ class SpecStepPipeline:
         decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""
         self._next_drafts = []
         samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)
-        chain_len = self._chain_plan  # planned before the step (_step)
+        if self._chain_plan is None:  # not planned before the step (_step)
+            self._chain_plan = self.policy.plan_drafting(samplers)
+        chain_len = self._chain_plan
         self._drafting = chain_len > 0
         if not isinstance(self.drafter, MTPDrafter):
             return  # n-gram drafts are proposed after output processing, from the tokens then known

@@ -17,6 +17,7 @@ So the correction is kept per sequence-count bucket (the next power of two at or
   plain ratio would have priced the k = 5 step at 4.1 ms, its excess at 1.91 ms. This is what the adaptive mode
   plans by until it has drafted at a load (probe steps are transitions, not observed: SlotPolicy.observe_step);
 - else the nearest seen bucket of the same kind, then of the other kind (their ratios), then 1 (trust the tables).
+Seen means min_count observations (3): one step is not a steady state.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ class StepTimeRatios:
     in where only that one was (module docstring; a purely additive model lost to the ratios in an A/B on the CPU on
     2026-12-03, docs/speculative.md)."""
 
-    weight: float = 0.1
+    weight: float = 0.1  # of a new observation, once 1/n is below it (a running mean over the first ones)
+    # observations of a (kind, bucket) before its own numbers price steps: on the H200 (2026-12-04, fd509cb) one
+    # speculative step at x2.86 its price was all the adaptive mode had seen at one sequence, and it paused there
+    min_count: int = 3
     min_ratio: float = 0.1  # clamp of one observation: a GC pause or a stall is not the model's error
     max_ratio: float = 10.0
     ratios: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -59,31 +63,36 @@ class StepTimeRatios:
         key = (kind, load_bucket(num_seqs))
         x = min(max(seconds / predicted, self.min_ratio), self.max_ratio)
         over = (x - 1.0) * predicted
-        w = self.weight
-        self.ratios[key] = x if key not in self.ratios else (1 - w) * self.ratios[key] + w * x
-        self.overheads[key] = over if key not in self.overheads else (1 - w) * self.overheads[key] + w * over
-        self.counts[key] = self.counts.get(key, 0) + 1
+        n = self.counts.get(key, 0) + 1
+        w = max(1.0 / n, self.weight)
+        self.ratios[key] = x if n == 1 else (1 - w) * self.ratios[key] + w * x
+        self.overheads[key] = over if n == 1 else (1 - w) * self.overheads[key] + w * over
+        self.counts[key] = n
 
     def seen(self, kind: str, num_seqs: int) -> bool:
-        return (kind, load_bucket(num_seqs)) in self.ratios
+        """Whether this kind's own numbers at this load price its steps (min_count observations)."""
+        return self._trusted((kind, load_bucket(num_seqs)))
+
+    def _trusted(self, key: tuple[str, int]) -> bool:
+        return self.counts.get(key, 0) >= self.min_count
 
     def seconds(self, kind: str, num_seqs: int, predicted: float) -> float:
         """A step of this kind at this load that the tables price at `predicted` seconds, corrected (module
         docstring: the order of the fallbacks)."""
         bucket = load_bucket(num_seqs)
-        if (kind, bucket) in self.ratios:
+        if self._trusted((kind, bucket)):
             return predicted * self.ratios[(kind, bucket)]
         other = _other(kind)
-        if (other, bucket) in self.ratios:
+        if self._trusted((other, bucket)):
             return max(predicted + self.overheads[(other, bucket)], self.min_ratio * predicted)
         return predicted * self.ratio(kind, num_seqs)
 
     def ratio(self, kind: str, num_seqs: int) -> float:
         """This kind's ratio at the load's bucket, else at the nearest seen bucket of this kind, then of the other
-        kind, else 1."""
+        kind, else 1 (seen: min_count observations)."""
         bucket = load_bucket(num_seqs)
         for k in (kind, _other(kind)):
-            seen = [b for (kk, b) in self.ratios if kk == k]
+            seen = [b for (kk, b) in self.ratios if kk == k and self._trusted((kk, b))]
             if seen:  # nearest on the log scale; ties: the smaller load
                 near = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
                 return self.ratios[(k, near)]

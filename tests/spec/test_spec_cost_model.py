@@ -282,9 +282,44 @@ def test_transition_steps_are_not_observed():
     assert policy.plan_drafting(1) == 1  # the plain ratio stands in for the unseen speculative side
 
 
+def test_the_chain_is_planned_before_the_draw_only_while_drafting_steadily():
+    """Static k always; adaptive after a plan that drafted, not when the step verifies a probe (the plan must see
+    its outcome), not in a pause, not before the first plan."""
+    assert SlotPolicy(k=3, max_model_len=512).plans_before_the_draw()
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    assert not policy.plans_before_the_draw()  # no chain planned yet
+    assert policy.plan_drafting(1) == 1 and policy.plans_before_the_draw()
+    policy.probe = True
+    assert policy.counts(held(1), [3], 1, 1) == [3]  # the probe: verified in full
+    assert not policy.plans_before_the_draw()
+    assert policy.plan_drafting(1) == 1 and policy.plans_before_the_draw()
+    policy.paused = 3
+    assert policy.plan_drafting(1) == 0 and not policy.plans_before_the_draw()
+
+
+def test_one_step_is_not_a_steady_state():
+    """A kind's own numbers at a load price its steps after min_count (3) observations, averaged as a running mean
+    until 1/n falls below the weight: one slow step (the H200's x2.86 speculative step at one sequence) does not
+    decide alone."""
+    times = StepTimeRatios()
+    times.observe(PLAIN, 1, 0.002, 0.001)
+    times.observe(PLAIN, 1, 0.002, 0.001)
+    times.observe(SPECULATIVE, 1, 0.006, 0.002)
+    assert not times.seen(SPECULATIVE, 1) and not times.seen(PLAIN, 1)
+    assert times.seconds(SPECULATIVE, 1, 0.002) == 0.002  # nothing trusted yet: the tables
+    times.observe(PLAIN, 1, 0.005, 0.001)
+    assert times.seen(PLAIN, 1) and times.ratio(PLAIN, 1) == pytest.approx(3.0)  # (2 + 2 + 5) / 3
+    assert times.seconds(SPECULATIVE, 1, 0.002) == pytest.approx(0.004)  # the plain excess (2 ms), added
+    for _ in range(2):
+        times.observe(SPECULATIVE, 1, 0.003, 0.002)
+    assert times.seen(SPECULATIVE, 1) and times.ratio(SPECULATIVE, 1) == pytest.approx(2.0)  # (3 + 1.5 + 1.5) / 3
+    assert times.seconds(SPECULATIVE, 1, 0.002) == pytest.approx(0.004)
+
+
 def test_step_time_buckets_and_their_fallbacks():
+
     assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 256)] == [1, 1, 2, 4, 4, 8, 64, 128, 256]
-    times = StepTimeRatios(weight=0.5)
+    times = StepTimeRatios(weight=0.5, min_count=1)
     assert times.seconds(PLAIN, 8, 0.5) == 0.5 and times.overhead(PLAIN, 8) is None  # nothing seen: the tables
     times.observe(PLAIN, 1, 0.003, 0.001)
     assert times.ratio(PLAIN, 64) == pytest.approx(3.0) and times.ratio(SPECULATIVE, 64) == pytest.approx(3.0)

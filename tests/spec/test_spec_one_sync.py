@@ -112,9 +112,9 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     """The confidence scheduler plans each step's chain before its forward (spec/pipeline.py `_step`), so its
     steps qualify for the one-sync step as static k's do. mtp k = 2 adaptive, tables where a chain of 1 pays and a
     chain of 2 never does: the first drafting is the probe (full chains, drafted by the prompts' step on the host
-    path), every later step plans chains of 1 (one-sync with 1 link: the chain graph's head alone, fewer links than
-    the graphs were captured for). Greedy and seeded output equals speculation off; no verify step took the host
-    path."""
+    path), its verification plans after the draw (host path: the plan must see the probe's outcome), and every later
+    step plans chains of 1 before its forward (one-sync with 1 link: the chain graph's head alone, fewer links than
+    the graphs were captured for). Greedy and seeded output equals speculation off."""
     from dataclasses import replace
 
     from deepinfer.spec.draft_cost import DraftCostTable
@@ -144,7 +144,9 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     got, _ = run(on, ps, params)
     assert got == want
     assert len(links) >= 3 and set(links) == {1}, links  # (the probe's full chains: drafted by the prompts' step)
-    assert spec.one_sync.num_steps == len(links) == spec.metrics.steps  # every verify step one-sync
+    # every verify step one-sync but the probe's verification (planned after its draw: spec/draft_slots.py
+    # plans_before_the_draw)
+    assert spec.one_sync.num_steps == len(links) == spec.metrics.steps - 1
     assert on.stats().spec_accepted_tokens > 0 and on.stats().kv_blocks_used == 0
 
 
