@@ -237,13 +237,13 @@ NVIDIA_CUDA_EXT = EnvVar(
 ROUTER_GEMV = EnvVar(
     "DEEPINFER_ROUTER_GEMV", "str", None,
     "router-logits GEMV tile: `BLOCK_E,BLOCK_D,num_warps` (the per-token GEMV, then at every size) or "
-    "`BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]` (the token-tiled GEMV, 2..64 tokens)",
+    "`BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]` (the token-tiled GEMV, 2..512 tokens)",
     "nvidia", default_text="per-size pick",
 )
 ROUTER_GEMV_MAX_TOKENS = EnvVar(
     "DEEPINFER_ROUTER_GEMV_MAX_TOKENS", "int", None,
     "most tokens whose router logits take the GEMV kernels; `0` sends every size to cuBLAS",
-    "nvidia", default_text="`64`", error=BackendError,
+    "nvidia", default_text="`512`", error=BackendError,
 )
 MOE_FUSED_ROUTER = EnvVar(
     "DEEPINFER_MOE_FUSED_ROUTER", "bool", True,

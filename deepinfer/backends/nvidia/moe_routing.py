@@ -193,7 +193,11 @@ ROUTER_GEMV_MAX_TOKENS = 64  # the most tokens gate_route takes (its per-token c
 # with the in-kernel MLA merge at 16 splits) had batch 16 at 8.66 ms/step against 8.00: kept at 16
 # until an A/B run separates the two.
 FUSED_ROUTER_MAX_TOKENS = 16
-ROUTER_LOGITS_GEMV_MAX_TOKENS = 64  # router_logits alone
+# router_logits alone. 512: in graph replay on the H200 (2026-12-04, 8734169, benchmarks.kernels --only router
+# --router-tokens 64,128,256,512 with DEEPINFER_ROUTER_GEMV_MAX_TOKENS=4096) the token-tiled GEMV took 4.4 / 5.1 /
+# 7.3 / 12.5 us at 64 / 128 / 256 / 512 tokens against cuBLAS on x.float() 11.6 / 11.7 / 12.3 / 18.7 us (V2-Lite's
+# 64 x 2048 fp32 gate); was 64. Not yet measured end to end.
+ROUTER_LOGITS_GEMV_MAX_TOKENS = 512
 
 
 def fused_router_max_tokens() -> int:
@@ -215,11 +219,12 @@ def _logits_gemv_max_tokens() -> int:
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] of the fp32 router gate without an fp32 copy of x: one launch at decode sizes.
 
-    One token: the per-token GEMV (BLOCK_E experts per program). 2..64 tokens: the token-tiled kernel
+    One token: the per-token GEMV (BLOCK_E experts per program). 2..512 tokens: the token-tiled kernel
     (a BLOCK_T x BLOCK_E tile per program, so the fp32 gate, 512 KB at V2-Lite, is read T / BLOCK_T times
-    instead of T times, by ~128 programs instead of 2048 short latency-bound ones). Above 64 tokens cuBLAS
-    on x.float(). At 64 tokens on the H200 the cuBLAS path was a copy kernel plus a SIMT fp32 GEMM on the
-    MoE layer's critical path, and the per-token GEMV 13.7 us per layer (a profile of the session that wrote it; not kept in docs/perf-log).
+    instead of T times, by ~128 programs instead of 2048 short latency-bound ones). Above 512 tokens cuBLAS
+    on x.float() (ROUTER_LOGITS_GEMV_MAX_TOKENS: the measurements). At 64 tokens on the H200 the cuBLAS path
+    was a copy kernel plus a SIMT fp32 GEMM on the MoE layer's critical path, and the per-token GEMV 13.7 us
+    per layer (a profile of the session that wrote it; not kept in docs/perf-log).
     """
     T, D = x.shape
     E = gate_weight.shape[0]

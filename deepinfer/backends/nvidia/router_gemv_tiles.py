@@ -10,7 +10,7 @@ import triton
 from deepinfer import envs
 
 ROUTER_GEMV_ENV_FORMATS = ("'BLOCK_E,BLOCK_D,num_warps' (the per-token GEMV, then used at every size) or "
-                           "'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]' (the token-tiled GEMV, 2..64 tokens)")
+                           "'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]' (the token-tiled GEMV, 2..512 tokens)")
 TILED_MIN_PROGRAMS = 128  # about one wave on the H200's 132 SMs
 TILED_STAGES = 4  # chunks in flight per program (cp.async pipeline of the D loop)
 
@@ -19,7 +19,7 @@ def _router_gemv_env() -> tuple[int, ...] | None:
     """DEEPINFER_ROUTER_GEMV, checked (tuning / A/B runs). Three values, 'BLOCK_E,BLOCK_D,num_warps': the
     per-token GEMV's tile (gate_route's too), and router_logits uses the per-token GEMV at every size, as
     before the tiled kernel. Four or five, 'BLOCK_T,BLOCK_E,BLOCK_D,num_warps[,num_stages]': the token-tiled
-    kernel's tile for 2..64 tokens; the per-token GEMV (one token, gate_route) keeps its default."""
+    kernel's tile for 2..512 tokens; the per-token GEMV (one token, gate_route) keeps its default."""
     env = envs.ROUTER_GEMV.get()  # the raw string; checked here
     if not env:
         return None
