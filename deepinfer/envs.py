@@ -324,6 +324,12 @@ MLA_FUSED_MERGE = EnvVar(
     "`0` / `1`: force the MLA decode's in-kernel split merge off / on",
     "nvidia", default_text="auto: on up to 4 splits",
 )
+MLA_FP8_KV_DOT = EnvVar(
+    "DEEPINFER_MLA_FP8_KV_DOT", "str", "bf16",
+    "MLA decode over an fp8 KV cache with bf16 q: the dots in `bf16` (the cache converted through fp32) or "
+    "`fp16` (q scaled by a power of two; not yet timed on a GPU)",
+    "nvidia", choices=("bf16", "fp16"), error=BackendError,
+)
 MLA_SPLITS = EnvVar(
     "DEEPINFER_MLA_SPLITS", "int", None,
     "MLA decode: splits launched per sequence (read once per process)",

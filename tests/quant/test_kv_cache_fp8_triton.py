@@ -158,13 +158,45 @@ def test_mla_decode_fp8_vs_dequantized(splits):
     assert _rel(got, want) < 2e-6
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 1e5, 1e-3])
+def test_mla_decode_fp8_fp16_dots(monkeypatch, q_scale):
+    """DEEPINFER_MLA_FP8_KV_DOT=fp16: bf16 q against the e4m3 cache in fp16 dots, q scaled by a power of two into
+    fp16's range. Against the fp32 oracle on the dequantized cache it is within the bf16 output's rounding, as
+    close as the default path (which the interpreter runs in fp32) to within 4e-3, for q of unit size, of 1e5
+    (past fp16's 65504: unscaled it would be inf) and of 1e-3. Mutations tried: the scale left out of the scores
+    fails all three; no scaling at all fails the 1e5 case."""
+    from deepinfer.backends.nvidia.mla_decode import mla_decode
+
+    g = torch.Generator().manual_seed(11)
+    B, H, L, R = 3, 4, 32, 16
+    stored = quantize_kv((torch.randn(12, PAGE, L + R, generator=g) * 3), FP8, 0.375).to(DEVICE)
+    table = torch.randperm(12, generator=g)[:12].view(3, 4).int().to(DEVICE)
+    seq = torch.tensor([13, 1, 16], dtype=torch.int32, device=DEVICE)
+    q32 = torch.randn(B, H, L + R, generator=g) * q_scale
+    q = q32.to(torch.bfloat16).to(DEVICE)
+    scale = 0.2 / q_scale  # softmax logits of unit size whatever q's
+    want = mla_decode(q.float(), dequantize_kv(stored, 0.375), table, seq, L, scale, num_splits=3, block_n=16)
+    monkeypatch.setenv("DEEPINFER_MLA_FP8_KV_DOT", "bf16")
+    bf16 = mla_decode(q, stored, table, seq, L, scale, num_splits=3, block_n=16, kv_scale=0.375)
+    monkeypatch.setenv("DEEPINFER_MLA_FP8_KV_DOT", "fp16")
+    got = mla_decode(q, stored, table, seq, L, scale, num_splits=3, block_n=16, kv_scale=0.375)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got.float(), want) <= max(_rel(bf16.float(), want), 4e-3)
+    assert _rel(got.float(), want) < 8e-3  # bf16 output rounding (2^-9) and fp16 probabilities
+    monkeypatch.setenv("DEEPINFER_MLA_FP8_KV_DOT", "fp32")
+    with pytest.raises(Exception, match="DEEPINFER_MLA_FP8_KV_DOT"):
+        mla_decode(q, stored, table, seq, L, scale, num_splits=3, block_n=16, kv_scale=0.375)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dot", ["bf16", "fp16"])  # DEEPINFER_MLA_FP8_KV_DOT: the decode's dots
 @pytest.mark.parametrize("ctx,qlen", [([300, 0, 1500, 37], [64, 200, 1, 1]), ([511, 2047, 5, 900] * 4, [1] * 16)])
-def test_fp8_layer_v3_shapes_gpu(ctx, qlen):
+def test_fp8_layer_v3_shapes_gpu(ctx, qlen, dot, monkeypatch):
     """DeepSeek-V3 shapes (16 local heads, latent 512, rope 64), bf16 compute, an fp8 cache: the Triton layer's
     writes match the reference's (>99% the same bytes, the rest one e4m3 step) and its output is within bf16
-    error of the fp32 oracle on the same cache."""
+    error of the fp32 oracle on the same cache, with the decode's dots in bf16 (default) or fp16."""
+    monkeypatch.setenv("DEEPINFER_MLA_FP8_KV_DOT", dot)
     spec = MLASpec(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
                    softmax_scale=0.1147)
     num_blocks = sum(-(-(c + n) // PAGE) for c, n in zip(ctx, qlen)) + 8

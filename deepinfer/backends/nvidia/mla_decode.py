@@ -71,7 +71,7 @@ def _mla_decode_split_kernel(
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    MERGE_L: tl.constexpr, KV_FP8: tl.constexpr,
+    MERGE_L: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -94,7 +94,20 @@ def _mla_decode_split_kernel(
         q_nope = tl.load(q_base + offs_l[None, :], mask=hmask[:, None], other=0.0)
         pe_base = qpe_ptr + b.to(tl.int64) * stride_eb + heads[:, None] * stride_eh
         q_pe = tl.load(pe_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
-        if UPCAST:
+        s_log2 = scale_log2
+        if KV_F16:  # bf16 q, e4m3 cache: fp16 dots (DEEPINFER_MLA_FP8_KV_DOT, mla_decode's docstring)
+            qf = q_nope.to(tl.float32)
+            pf = q_pe.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), tl.max(tl.max(tl.abs(pf), 1), 0))
+            # a power of two 2^e putting amax in [2^14, 2^15): fp16's range, its precision kept for small values;
+            # built from its exponent bits (exact), its inverse folded into the scores' scale
+            e = tl.where(amax > 0, tl.floor(tl.log2(16384.0 / tl.maximum(amax, 1e-30))), 0.0)
+            e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+            qs = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            q_nope = (qf * qs).to(tl.float16)
+            q_pe = (pf * qs).to(tl.float16)
+            s_log2 = scale_log2 / qs
+        elif UPCAST:
             q_nope = q_nope.to(tl.float32)
             q_pe = q_pe.to(tl.float32)
 
@@ -117,7 +130,7 @@ def _mla_decode_split_kernel(
                 kpe = kpe.to(tl.float32)
             qk = tl.dot(q_nope, tl.trans(kv), input_precision=PREC)
             qk += tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
-            qk = tl.where(nmask[None, :], qk * scale_log2, float("-inf"))
+            qk = tl.where(nmask[None, :], qk * s_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -296,7 +309,15 @@ def mla_decode(
     """Unset num_splits / block_n / min_split / warps / stages come from decode_params (heuristic + env).
 
     With w_uv_t the result is o_lat @ W_UV^T per head: merged in the same launch for up to
-    MERGE_UV_MAX_BATCH rows (host-known, so graph-safe), else a cuBLAS batched GEMM after the merge."""
+    MERGE_UV_MAX_BATCH rows (host-known, so graph-safe), else a cuBLAS batched GEMM after the merge.
+
+    An e4m3 cache is converted in registers to q's dtype, per tile. With bf16 q that conversion goes through fp32
+    on sm_90 (e4m3 -> fp16 is one cvt per pair of values, -> bf16 is not), and on the H200 (session 12) the fp8
+    cache made batch-256 decode slower than the bf16 cache. DEEPINFER_MLA_FP8_KV_DOT=fp16 runs those dots in fp16:
+    each program scales its q tile by a power of two into fp16's range (exact), the cache converts exactly, the
+    probabilities round to fp16 (finer than bf16); the scale's inverse is folded into the scores. At least as
+    accurate as the bf16 dots (tests/quant/test_kv_cache_fp8_triton.py); its speed is not measured yet, so bf16
+    stays the default."""
     from deepinfer.errors import BackendError
 
     L = kv_lora_rank
@@ -326,6 +347,7 @@ def mla_decode(
     interpret = envs.TRITON_INTERPRET.get() == "1"
     upcast = interpret and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    kv_f16 = kv_fp8 and q.dtype == torch.bfloat16 and envs.MLA_FP8_KV_DOT.get() == "fp16"
     direct = num_splits == 1
     fuse_uv = w_uv_t is not None and not direct and B <= MERGE_UV_MAX_BATCH
     fused_merge = not direct and not fuse_uv and fused_merge_enabled(num_splits)
@@ -348,9 +370,9 @@ def mla_decode(
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if not direct else 0, part_lse.stride(0),
         part_lse.stride(1), out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
         softmax_scale * _LOG2E * (kv_scale if kv_fp8 else 1.0), min_split, num_splits, float(kv_scale),
-        L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast, PREC=_prec(q.dtype), DIRECT=direct,
+        L=L, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, UPCAST=upcast and not kv_f16, PREC=_prec(q.dtype), DIRECT=direct,
         FUSED_MERGE=fused_merge, BLOCK_S=block_s, MERGE_L=min(L, max(16, 4096 // (BLOCK_H * block_s))),
-        KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=kv_fp8, KV_F16=kv_f16, num_warps=num_warps, num_stages=num_stages,
     )
     if fuse_uv:
         V = w_uv_t.shape[-1]
