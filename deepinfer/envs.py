@@ -243,7 +243,7 @@ ROUTER_GEMV = EnvVar(
 ROUTER_GEMV_MAX_TOKENS = EnvVar(
     "DEEPINFER_ROUTER_GEMV_MAX_TOKENS", "int", None,
     "most tokens whose router logits take the GEMV kernels; `0` sends every size to cuBLAS",
-    "nvidia", default_text="`512`", error=BackendError,
+    "nvidia", default_text="`512` for gates of <= 64 x 2048 (V2-Lite), else `64`", error=BackendError,
 )
 MOE_FUSED_ROUTER = EnvVar(
     "DEEPINFER_MOE_FUSED_ROUTER", "bool", True,

@@ -181,7 +181,10 @@ def test_documented_defaults_match_the_backend_constants():
 
     assert envs.MOE_FUSED_ROUTER_MAX_TOKENS.default_text == f"`{moe_routing.FUSED_ROUTER_MAX_TOKENS}`"
     assert envs.MOE_FUSED_ROUTER_MAX_TOKENS.maximum == moe_routing.ROUTER_GEMV_MAX_TOKENS
-    assert envs.ROUTER_GEMV_MAX_TOKENS.default_text == f"`{moe_routing.ROUTER_LOGITS_GEMV_MAX_TOKENS}`"
+    assert envs.ROUTER_GEMV_MAX_TOKENS.default_text == (
+        f"`{moe_routing.ROUTER_LOGITS_GEMV_MAX_TOKENS_SMALL_GATE}` for gates of <= 64 x 2048 (V2-Lite), else "
+        f"`{moe_routing.ROUTER_LOGITS_GEMV_MAX_TOKENS}`")
+    assert moe_routing.SMALL_GATE_ELEMENTS == 64 * 2048
     assert envs.MOE_DIRECT_MAX_PAIRS.default_text == f"`{fused_moe.DIRECT_MAX_PAIRS}`"
 
 

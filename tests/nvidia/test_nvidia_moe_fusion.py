@@ -161,8 +161,20 @@ def test_combine_kernel():
         combine(y, shared[:, :10], torch.float16)
 
 
+def test_router_gemv_token_limit_by_gate_size(monkeypatch):
+    """The GEMV takes up to 512 tokens for V2-Lite's gate and smaller (timed against cuBLAS there), 64 for larger
+    gates (V3's 256 x 7168: not timed); DEEPINFER_ROUTER_GEMV_MAX_TOKENS overrides both."""
+    from deepinfer.backends.nvidia.moe_routing import _logits_gemv_max_tokens
+
+    monkeypatch.delenv("DEEPINFER_ROUTER_GEMV_MAX_TOKENS", raising=False)
+    assert _logits_gemv_max_tokens(64 * 2048) == 512 and _logits_gemv_max_tokens(67 * 300) == 512
+    assert _logits_gemv_max_tokens(64 * 2048 + 1) == 64 and _logits_gemv_max_tokens(256 * 7168) == 64
+    monkeypatch.setenv("DEEPINFER_ROUTER_GEMV_MAX_TOKENS", "0")
+    assert _logits_gemv_max_tokens(64 * 2048) == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 3, 17, 65, 512, 513])  # 512: the GEMV's token limit; 513: cuBLAS on x.float()
+@pytest.mark.parametrize("t", [1, 3, 17, 65, 512, 513])  # 512: the GEMV's token limit (small gates); 513: cuBLAS
 def test_router_logits_fp32_without_copy(dtype, t):
     spec = MoESpec(router=RouterSpec(E, K, "softmax", "greedy"), hidden_size=300, intermediate_size=I)
     g = torch.Generator().manual_seed(9)

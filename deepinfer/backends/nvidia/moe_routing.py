@@ -193,11 +193,15 @@ ROUTER_GEMV_MAX_TOKENS = 64  # the most tokens gate_route takes (its per-token c
 # with the in-kernel MLA merge at 16 splits) had batch 16 at 8.66 ms/step against 8.00: kept at 16
 # until an A/B run separates the two.
 FUSED_ROUTER_MAX_TOKENS = 16
-# router_logits alone. 512: in graph replay on the H200 (2026-12-04, 8734169, benchmarks.kernels --only router
-# --router-tokens 64,128,256,512 with DEEPINFER_ROUTER_GEMV_MAX_TOKENS=4096) the token-tiled GEMV took 4.4 / 5.1 /
-# 7.3 / 12.5 us at 64 / 128 / 256 / 512 tokens against cuBLAS on x.float() 11.6 / 11.7 / 12.3 / 18.7 us (V2-Lite's
-# 64 x 2048 fp32 gate); was 64. Not yet measured end to end.
-ROUTER_LOGITS_GEMV_MAX_TOKENS = 512
+# router_logits alone: the GEMV up to 64 tokens, and up to 512 for a gate of at most SMALL_GATE_ELEMENTS (V2-Lite's
+# 64 x 2048). On the H200 (2026-12-04, 8734169, benchmarks.kernels --only router --router-tokens 64,128,256,512
+# with DEEPINFER_ROUTER_GEMV_MAX_TOKENS=4096) at V2-Lite's gate the token-tiled GEMV took 4.4 / 5.1 / 7.3 / 12.5 us
+# at 64 / 128 / 256 / 512 tokens against cuBLAS on x.float() 11.6 / 11.7 / 12.3 / 18.7 us. Not timed at V3's gate
+# (256 x 7168, 14x the elements: the tiles re-read x and the gate from L2 T / 8 and E / 4 times, ~0.9 GB at 512
+# tokens, where cuBLAS tiles both), so larger gates keep 64. Not yet measured end to end.
+ROUTER_LOGITS_GEMV_MAX_TOKENS = 64
+ROUTER_LOGITS_GEMV_MAX_TOKENS_SMALL_GATE = 512
+SMALL_GATE_ELEMENTS = 64 * 2048
 
 
 def fused_router_max_tokens() -> int:
@@ -210,25 +214,30 @@ def fused_router_max_tokens() -> int:
     return FUSED_ROUTER_MAX_TOKENS if value is None else value
 
 
-def _logits_gemv_max_tokens() -> int:
-    """DEEPINFER_ROUTER_GEMV_MAX_TOKENS overrides (A/B runs); 0 sends every size to cuBLAS."""
+def _logits_gemv_max_tokens(gate_elements: int) -> int:
+    """The most tokens whose logits take the GEMV kernels for a gate of gate_elements (E x D; the constants above
+    say why); DEEPINFER_ROUTER_GEMV_MAX_TOKENS overrides (A/B runs); 0 sends every size to cuBLAS."""
     value = envs.ROUTER_GEMV_MAX_TOKENS.get()  # BackendError on a non-integer
-    return ROUTER_LOGITS_GEMV_MAX_TOKENS if value is None else value
+    if value is not None:
+        return value
+    if gate_elements <= SMALL_GATE_ELEMENTS:
+        return ROUTER_LOGITS_GEMV_MAX_TOKENS_SMALL_GATE
+    return ROUTER_LOGITS_GEMV_MAX_TOKENS
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] of the fp32 router gate without an fp32 copy of x: one launch at decode sizes.
 
-    One token: the per-token GEMV (BLOCK_E experts per program). 2..512 tokens: the token-tiled kernel
-    (a BLOCK_T x BLOCK_E tile per program, so the fp32 gate, 512 KB at V2-Lite, is read T / BLOCK_T times
-    instead of T times, by ~128 programs instead of 2048 short latency-bound ones). Above 512 tokens cuBLAS
-    on x.float() (ROUTER_LOGITS_GEMV_MAX_TOKENS: the measurements). At 64 tokens on the H200 the cuBLAS path
+    One token: the per-token GEMV (BLOCK_E experts per program). 2..512 tokens (V2-Lite's gate and smaller;
+    2..64 for larger gates): the token-tiled kernel (a BLOCK_T x BLOCK_E tile per program, so the fp32 gate,
+    512 KB at V2-Lite, is read T / BLOCK_T times instead of T times, by ~128 programs instead of 2048 short
+    latency-bound ones). Above, cuBLAS on x.float() (ROUTER_LOGITS_GEMV_MAX_TOKENS: the measurements). At 64 tokens on the H200 the cuBLAS path
     was a copy kernel plus a SIMT fp32 GEMM on the MoE layer's critical path, and the per-token GEMV 13.7 us
     per layer (a profile of the session that wrote it; not kept in docs/perf-log).
     """
     T, D = x.shape
     E = gate_weight.shape[0]
-    if T > _logits_gemv_max_tokens() or x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
+    if T > _logits_gemv_max_tokens(E * D) or x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
         return torch.nn.functional.linear(x.float(), gate_weight.float())
     w = gate_weight.float()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
