@@ -26,11 +26,16 @@ from deepinfer.kv.manager import KVCacheManager
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer.spec.confidence import SurvivalCalibrator
-from deepinfer.spec.scheduler import StepCostTable, admit
+from deepinfer.spec.scheduler import StepCostTable, admit, admit_lists
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios
 
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
+
+# most verified slots (sum of the drafts' lengths) admitted in plain floats (SlotPolicy._counts_small); above, the
+# tensor path. On this CPU (2026-12-04, k = 5) the tensor path cost ~610-780 us a step whatever the load, the
+# plain-float one 38 us at one sequence and ~6 us more a slot (352 us at 60 slots)
+SMALL_ADMISSION = 96
 
 
 @dataclass
@@ -160,6 +165,8 @@ class SlotPolicy:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        if sum(lens_list) <= SMALL_ADMISSION:  # plain floats: the tensor path's small ops cost more than it does
+            return self._counts_small(held, lens_list, base_tokens, base_yield)
         width = max(max(lens_list, default=0), 1)
         conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
                             dtype=torch.float64).view(len(held), width)
@@ -181,6 +188,19 @@ class SlotPolicy:
         plan would read the calibration of the probe before, 32 to 1024 steps old; on the H200 the first plan then
         saw no calibration at all and paused)."""
         return not self.adaptive or (self.chain > 0 and self.paused == 0 and not self.verifying_probe)
+
+    def _counts_small(self, held: list[HeldDraft], lens: list[int], base_tokens: int, base_yield: int) -> list[int]:
+        """counts for a few slots, in plain floats (spec/scheduler.py admit_lists: the same choice as `admit`)."""
+        self._track_confidence_lists([h.confidence for h in held], lens)
+        if self.probe:
+            self.probe, self.verifying_probe = False, True
+            return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens)]
+        cal = self.calibrator
+        survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens)]
+        counts = admit_lists(survival, self.cost, base_tokens, float(base_yield),
+                             speculation_seconds=self.draft_seconds if self.draft_cost is None else 0.0)
+        self._admitted_any = any(counts)
+        return counts
 
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
@@ -211,7 +231,7 @@ class SlotPolicy:
         return self.chain
 
     def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
-                     verified: bool = False) -> None:
+                     verified: bool = False, off_path: bool = False) -> None:
         """A decode-row step's wall time (schedule to output processing) of num_seqs sequences against what the
         tables predict for it: the step table at its tokens, plus the drafting table for what it drafted. The tables
         time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
@@ -224,10 +244,13 @@ class SlotPolicy:
         verification) or drafted without verifying (the first after a prompt or a pause) is a transition, priced
         by neither steady state; on the H200 (2026-12-04, 8734169) three such probe verifications (host path, two
         waits) at 4.6x their price were all the speculative side ever saw at one sequence, and kept every later
-        plan paused (tau 1.04) where static k = 5 ran 2.12x."""
+        plan paused (tau 1.04) where static k = 5 ran 2.12x. off_path: a speculative step that took the host path
+        (two waits) where the steady state runs one-sync (spec/one_sync.py); not observed either: on the H200
+        (2026-12-04, fd509cb) the one speculative step seen at one sequence ran 2.25 ms, x2.86 its price, where the
+        one-sync k = 5 steps ran ~1.8 ms, x1.8."""
         if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
             return
-        if verified != bool(drafted_seqs and chain):
+        if verified != bool(drafted_seqs and chain) or (verified and off_path):
             return
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
@@ -245,9 +268,8 @@ class SlotPolicy:
         spec/step_times.py). Plain floats: this runs
         every step. Reads calibration counts, past confidences and past step times only."""
         k, b = self.k, float(num_seqs)
-        conf = torch.tensor([self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)],
-                            dtype=torch.float64)
-        survival = self.calibrator.estimate(torch.arange(k), conf).clamp(0, 1).tolist()
+        conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
+        survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
         times = self.step_times
         best, best_rate = 0, b / times.seconds(PLAIN, num_seqs, self.cost.at(b)) * (1 + 1e-9)
         reach, expected = 1.0, b
@@ -259,6 +281,17 @@ class SlotPolicy:
             if rate > best_rate:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best
+
+    def _track_confidence_lists(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
+        """_track_confidence over plain lists (conf[i][:lens[i]] valid)."""
+        width = max(lens, default=0)
+        for j in range(width):
+            vals = [c[j] for c, n in zip(conf, lens) if n > j]
+            m = sum(vals) / len(vals)
+            if j < len(self.mean_confidence):
+                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
+            elif j == len(self.mean_confidence):
+                self.mean_confidence.append(m)
 
     def _track_confidence(self, conf: torch.Tensor, lens: torch.Tensor, decay: float = 0.9) -> None:
         """Moving average per slot of the held drafts' confidences (conf [B, W], valid below lens)."""

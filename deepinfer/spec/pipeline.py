@@ -95,6 +95,7 @@ class SpecStepPipeline:
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
         self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
+        self._one_sync_ran = False  # whether this step ran one-sync (spec/one_sync.py)
         # the chain this step drafts (policy.plan_drafting, once a step: before its forward, or None until after it)
         self._chain_plan: int | None = 0
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
@@ -157,6 +158,7 @@ class SpecStepPipeline:
         self._failed = {}
         self._drafted = (0, 0)
         self._caught_up = False
+        self._one_sync_ran = False
         # the chain this step drafts for the next one, planned before its forward where the policy allows it (static
         # k; adaptive drafting steadily: from the calibration, confidences and step times of past steps, one step
         # older than planning after the draw; non-anticipating either way), so that the one-sync step can run the
@@ -173,9 +175,11 @@ class SpecStepPipeline:
         # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
+            # where the steady state runs one-sync, a speculative step that took the host path is not one of it
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
                                      len(sched.scheduled), *self._drafted,
-                                     verified=any(it.draft for it in sched.scheduled))
+                                     verified=any(it.draft for it in sched.scheduled),
+                                     off_path=self.one_sync is not None and not self._one_sync_ran)
         return got
 
     def _uniform_chain(self, samplers: int) -> bool:
@@ -228,6 +232,7 @@ class SpecStepPipeline:
         if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
             t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)
             res = self.one_sync.finish(plan, sample, hidden)
+            self._one_sync_ran = True
             self._emit(items, sampling, res.out, res.num_accepted, res.emitted, conf, emitted, logprobs, plan.k)
             self._advance(sched, emitted)
             self._book_one_sync(sched, res)
@@ -292,7 +297,7 @@ class SpecStepPipeline:
                 confs.append(held[j])
                 acc.append(1.0 if j < a else 0.0)
         if slots:
-            cal.observe(torch.tensor(slots), torch.tensor(confs, dtype=torch.float64), torch.tensor(acc))
+            cal.observe_lists(slots, confs, acc)
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
         """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the

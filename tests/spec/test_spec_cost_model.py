@@ -282,6 +282,29 @@ def test_transition_steps_are_not_observed():
     assert policy.plan_drafting(1) == 1  # the plain ratio stands in for the unseen speculative side
 
 
+def test_small_admissions_in_plain_floats_choose_as_the_tensor_path(monkeypatch):
+    """SlotPolicy.counts takes plain floats up to SMALL_ADMISSION slots; the tensor path (forced with the limit at
+    0) chooses the same counts and tracks the same mean confidences over a run of random drafts."""
+    import random
+
+    import deepinfer.spec.draft_slots as ds
+
+    rng = random.Random(2)
+    fast = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)
+    slow = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)
+    for step in range(60):
+        b = rng.randint(1, 6)
+        drafts = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * n, confidence=[rng.random() for _ in range(n)])
+                  for n in (rng.randint(1, 5) for _ in range(b))]
+        caps = [rng.randint(0, 5) for _ in range(b)]
+        got = fast.counts(drafts, caps, b, b)
+        monkeypatch.setattr(ds, "SMALL_ADMISSION", 0)
+        want = slow.counts(drafts, caps, b, b)
+        monkeypatch.setattr(ds, "SMALL_ADMISSION", 64)
+        assert got == want, step
+    assert fast.mean_confidence == pytest.approx(slow.mean_confidence, rel=1e-12)
+
+
 def test_the_chain_is_planned_before_the_draw_only_while_drafting_steadily():
     """Static k always; adaptive after a plan that drafted, not when the step verifies a probe (the plan must see
     its outcome), not in a pause, not before the first plan."""
@@ -295,6 +318,36 @@ def test_the_chain_is_planned_before_the_draw_only_while_drafting_steadily():
     assert policy.plan_drafting(1) == 1 and policy.plans_before_the_draw()
     policy.paused = 3
     assert policy.plan_drafting(1) == 0 and not policy.plans_before_the_draw()
+
+
+def test_host_path_speculative_steps_are_not_observed_where_the_steady_state_is_one_sync():
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    for _ in range(5):
+        policy.observe_step(2.86 * (policy.cost.at(2) + 0.004), 2, 1, 1, 1, verified=True, off_path=True)
+    assert not policy.step_times.rows()
+    for _ in range(5):
+        policy.observe_step(1.5 * (policy.cost.at(2) + 0.004), 2, 1, 1, 1, verified=True)
+        policy.observe_step(2.0 * policy.cost.at(1), 1, 1, off_path=True)  # a plain step: observed either way
+    assert policy.step_times.ratio(SPECULATIVE, 1) == pytest.approx(1.5)
+    assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(2.0)
+
+
+def test_the_calibrator_refits_early_while_observations_are_few():
+    """At one sequence an adaptive engine observes ~5 slots a probe, probes 32 to 1024 steps apart: the table must
+    leave its prior (survival = confidence) after the first probes, not after 64 observations. The embedded model's
+    deeper drafts have confidence ~0.5 and are accepted ~80% of the time (H200, k = 5)."""
+    cal = SurvivalCalibrator(num_slots=5)
+    conf = torch.tensor([0.79, 0.57, 0.55, 0.49, 0.51], dtype=torch.float64)
+    prior = cal.estimate(torch.arange(5), conf).clone()
+    for _ in range(3):  # three probes, every slot accepted
+        cal.observe(torch.arange(5), conf, torch.ones(5))
+    now = cal.estimate(torch.arange(5), conf)
+    assert (now > prior + 0.1).all(), (prior, now)
+    fits = 0
+    for _ in range(200):  # later refits are spaced out: at most one per eighth of what was seen, and every 64
+        cal.observe(torch.arange(5), conf, torch.ones(5))
+        fits += cal._since_fit == 0
+    assert 10 <= fits <= 40
 
 
 def test_one_step_is_not_a_steady_state():

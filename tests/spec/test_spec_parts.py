@@ -70,6 +70,46 @@ def test_isotonic_and_calibrator_converge_to_observed_rates():
     assert abs(cal.conditional_acceptance()[0] - 0.25) < 0.02
 
 
+def test_plain_float_admission_equals_the_tensor_admission():
+    """admit_lists (the per-step path for a few slots) chooses exactly what admit does: random survivals of ragged
+    drafts, with ties (repeated and zero survivals), across cost tables where none, some or all slots pay."""
+    import random
+
+    from deepinfer.spec.scheduler import admit, admit_lists
+
+    rng = random.Random(5)
+    tables = [StepCostTable([1, 4096], [0.1, 0.101]), StepCostTable([1, 8, 64], [0.010, 0.020, 0.2]),
+              StepCostTable([1, 2, 4096], [0.010, 0.020, 40.0])]
+    admitted = set()
+    for trial in range(400):
+        b, k = rng.randint(1, 8), rng.randint(1, 5)
+        lens = [rng.randint(0, k) for _ in range(b)]
+        pool = [0.0, 0.5, 0.9, 1.0, rng.random(), rng.random()]
+        rows = [[rng.choice(pool) if rng.random() < 0.5 else rng.random() for _ in range(n)] for n in lens]
+        surv = torch.tensor([r + [0.0] * (k - len(r)) for r in rows], dtype=torch.float64).view(b, k)
+        cost = tables[trial % 3]
+        spec_s = rng.choice([0.0, 0.002])
+        want = admit(surv, torch.tensor(lens), cost, b, float(b), speculation_seconds=spec_s).num_slots.tolist()
+        assert admit_lists(rows, cost, b, float(b), speculation_seconds=spec_s) == want, (rows, trial)
+        admitted.add(sum(want) == 0 if sum(lens) else None)
+    assert admitted >= {True, False}  # both "nothing pays" and "something pays" were compared
+
+
+def test_calibrator_list_paths_equal_the_tensor_paths():
+    a, b = SurvivalCalibrator(3, refit_every=1), SurvivalCalibrator(3, refit_every=1)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randint(0, 3, (300,), generator=g)
+    conf = torch.rand(300, generator=g, dtype=torch.float64)
+    conf[:5] = torch.tensor([0.0, 1.0, 0.1, 0.7, 0.9999], dtype=torch.float64)  # bin edges
+    acc = (torch.rand(300, generator=g) < 0.7).to(torch.float64)
+    for i in range(0, 300, 5):
+        a.observe(slots[i:i + 5], conf[i:i + 5], acc[i:i + 5])
+        b.observe_lists(slots[i:i + 5].tolist(), conf[i:i + 5].tolist(), acc[i:i + 5].tolist())
+    assert torch.equal(a.table, b.table) and a.conditional_acceptance() == b.conditional_acceptance()
+    est = a.estimate(slots, conf).tolist()
+    assert [b.survival(int(s), float(c)) for s, c in zip(slots, conf)] == est
+
+
 def test_metrics_tau_and_conditional_acceptance():
     m = SpecMetrics(3)
     m.record(torch.tensor([3, 2, 0]), torch.tensor([3, 0, 0]), drafted=9)

@@ -1,0 +1,179 @@
+"""The confidence scheduler in closed loop against a modelled device: the real SlotPolicy and SurvivalCalibrator
+(spec/draft_slots.py, spec/confidence.py), driven in the order SpecStepPipeline calls them, with step times from a
+model fitted to H200 measurements instead of a GPU. What it answers: given a device's cost structure, does the
+adaptive mode find the chain that pays, and how close does it get to the best static k?
+
+It is a model, not the engine: the pipeline's order (admission, plan before the forward while drafting steadily,
+else after the draw; the draw; transition steps not observed; a catch-up step after a pause) is re-stated here, and
+the device's step time is `table + drafting + h0 + h_tok * tokens emitted`, plus `host_path` seconds for a step
+that verifies or drafts off the one-sync path. Per-slot acceptance rises with the draft's confidence around the
+measured conditional rates.
+
+    python -m benchmarks.spec_policy_sim [--steps 3000] [--model h200-b1 h200-b64 cpu-like]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+from deepinfer.spec.confidence import SurvivalCalibrator
+from deepinfer.spec.draft_cost import DraftCostTable
+from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
+from deepinfer.spec.scheduler import StepCostTable
+
+
+@dataclass
+class DeviceModel:
+    """Profiled tables (what the engine prices by) and the true step time's extra terms (what it measures)."""
+
+    seqs: int
+    table: StepCostTable  # step seconds by tokens (the start-up profile)
+    drafting: DraftCostTable  # drafting seconds by sequences, chains of 1 and k
+    h0: float  # per-step host seconds the tables do not see
+    h_tok: float  # per emitted token
+    host_path: float  # a verify / draft step off the one-sync path (two waits)
+    catch_up: float  # the first drafting step after a pause (its pass over the kept rows)
+    accept: tuple[float, ...]  # conditional acceptance per slot at the drafts' mean confidence
+    confidence: tuple[float, ...]  # the drafts' mean confidence per slot (each drawn within +-0.2 of it)
+    noise: float = 0.05  # multiplicative jitter of a step
+
+
+def _ms(*xs: float) -> list[float]:
+    return [x * 1e-3 for x in xs]
+
+
+# Fitted to session 12 call 7 (2026-12-04, fd509cb; docs/perf-log/2026-12-04-session12-h200.md), embedded model:
+# one sequence: plain 0.88 ms a step (table 0.321), static k5 1.82 ms (tau 5.08), probe verifications ~1.9 ms;
+# 64 sequences: plain 2.29 ms, k5 6.79 ms (tau 4.11). k5's per-slot acceptance 0.82 / 0.79 / 0.88 / 0.83 / 0.88.
+K5_ACCEPT = (0.82, 0.79, 0.88, 0.83, 0.88)
+# the embedded model's MTP drafts' mean confidence per slot (cpu, fp32, adaptive k = 5, one greedy sequence,
+# 2026-12-04): below their acceptance past slot 1, so a calibrator at its prior (survival = confidence) underprices
+# them
+EMBEDDED_CONFIDENCE = (0.79, 0.57, 0.55, 0.49, 0.51)
+MODELS = {
+    "h200-b1": DeviceModel(1, StepCostTable([1, 128, 512], _ms(0.321, 0.321, 0.423)),
+                           DraftCostTable(5, StepCostTable([1, 64], _ms(0.399, 0.483)),
+                                          StepCostTable([1, 64], _ms(0.680, 1.259))),
+                           h0=0.50e-3, h_tok=0.064e-3, host_path=0.9e-3, catch_up=0.3e-3, accept=K5_ACCEPT,
+                           confidence=EMBEDDED_CONFIDENCE),
+    "h200-b64": DeviceModel(64, StepCostTable([1, 128, 512], _ms(0.321, 0.321, 0.423)),
+                            DraftCostTable(5, StepCostTable([1, 64], _ms(0.399, 0.483)),
+                                           StepCostTable([1, 64], _ms(0.680, 1.259))),
+                            h0=0.95e-3, h_tok=0.016e-3, host_path=2.0e-3, catch_up=0.5e-3, accept=K5_ACCEPT,
+                            confidence=EMBEDDED_CONFIDENCE),
+    # a compute-bound device (this CPU's shape: every verified token and draft link costs about a step's share)
+    "cpu-like": DeviceModel(1, StepCostTable([1, 2, 4, 8], _ms(13.0, 16.7, 24.4, 29.6)),
+                            DraftCostTable(5, StepCostTable([1, 4], _ms(5.0, 8.9)), StepCostTable([1, 4], _ms(29.0, 59.0))),
+                            h0=0.0, h_tok=0.5e-3, host_path=0.5e-3, catch_up=5e-3, accept=(0.62, 0.6, 0.6, 0.6, 0.6),
+                            confidence=EMBEDDED_CONFIDENCE),
+}
+
+
+def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0) -> dict:
+    """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
+    The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
+    (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
+    path."""
+    rng = random.Random(seed)
+    clock = time.perf_counter
+    k = len(model.accept)
+    B = model.seqs
+    if mode == "adaptive":
+        policy = SlotPolicy(k=k, max_model_len=1 << 30, calibrator=SurvivalCalibrator(num_slots=k), cost=model.table,
+                            draft_cost=model.drafting)
+    elif mode != "off":
+        policy = SlotPolicy(k=int(mode[1:]), max_model_len=1 << 30)
+    held: list[HeldDraft | None] = [None] * B
+    tokens, seconds, verify_steps, emitted_in_verify, chains = 0, 0.0, 0, 0, []
+    undrafted = False  # rows kept for a catch-up (a step drafted nothing for some sequence)
+    for step in range(steps):
+        if mode == "off":
+            dt = model.table.at(B) + model.h0 + model.h_tok * B
+            tokens += B
+            seconds += dt * (1 + model.noise * (rng.random() - 0.5))
+            continue
+        t_policy = clock()
+        cands = [h for h in held if h is not None]
+        counts = policy.counts(cands, [k] * len(cands), B, B) if cands else []
+        verified = any(counts)
+        before = policy.plans_before_the_draw()
+        chain = policy.plan_drafting(B) if before else 0
+        host = clock() - t_policy
+        emitted, slots, confs, acc = 0, [], [], []
+        for h, n in zip(cands, counts):
+            a = 0
+            while a < n:
+                p = min(max(model.accept[a] + 0.8 * (h.confidence[a] - model.confidence[a]), 0.02), 0.98)
+                ok = rng.random() < p
+                slots.append(a)
+                confs.append(h.confidence[a])
+                acc.append(1.0 if ok else 0.0)
+                if not ok:
+                    break
+                a += 1
+            emitted += a + 1
+        emitted += B - len(cands)
+        t_policy = clock()
+        if slots and policy.calibrator is not None:
+            policy.calibrator.observe_lists(slots, confs, acc)
+        if not before:
+            chain = policy.plan_drafting(B)
+        host += clock() - t_policy
+        drafting = [policy.chain_length(i) if chain else 0 for i in range(B)]
+        if policy.adaptive and policy.probe and chain:
+            drafting = [d if i < policy.probe_seqs else 0 for i, d in enumerate(drafting)]
+        drafted = sum(1 for d in drafting if d)
+        one_sync = before and chain > 0 and len(set(drafting)) == 1 and not undrafted
+        verify_tokens = B + sum(counts)
+        dt = model.table.at(verify_tokens) + model.h0 + model.h_tok * emitted
+        if drafted:
+            dt += model.drafting.cost(drafted, max(drafting))
+        if (verified or drafted) and not one_sync:
+            dt += model.host_path
+        caught_up = drafted > 0 and undrafted
+        if caught_up:
+            dt += model.catch_up
+        dt *= 1 + model.noise * (rng.random() - 0.5)
+        if policy.adaptive:
+            dt += host * host_factor
+        if not caught_up:
+            policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync)
+        undrafted = drafted < B  # rows of sequences that drafted nothing wait for their catch-up
+        tokens += emitted
+        seconds += dt
+        if verified:
+            verify_steps += 1
+            emitted_in_verify += emitted
+        if drafted:
+            chains.append(max(drafting))
+        held = [HeldDraft(None, 0, [0] * d, [min(max(model.confidence[j] + rng.uniform(-0.2, 0.2), 0.0), 1.0)
+                                             for j in range(d)]) if d else None for d in drafting]
+    tau = emitted_in_verify / (verify_steps * B) if verify_steps else 1.0
+    return {"mode": mode, "per_seq_tok_s": tokens / B / seconds, "tau": tau,
+            "mean_chain": sum(chains) / len(chains) if chains else 0.0, "drafting_steps": len(chains)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--host-factor", type=float, default=1.0,
+                    help="the device host's speed against this one for the policy's own host time (0: leave it out)")
+    args = ap.parse_args(argv)
+    for name in args.model:
+        model = MODELS[name]
+        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor)
+                for mode in ("off", "k1", "k3", "k5", "adaptive")]
+        off = rows[0]["per_seq_tok_s"]
+        print(f"{name} ({model.seqs} sequences):")
+        for r in rows:
+            print(f"  {r['mode']:>8}  {r['per_seq_tok_s']:9.1f} tok/s a sequence  {r['per_seq_tok_s'] / off:5.2f}x  "
+                  f"tau {r['tau']:.2f}  mean chain {r['mean_chain']:.2f} over {r['drafting_steps']} drafting steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
