@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -80,24 +81,32 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
     if b == 0 or k == 0:
         secs = float(cost.cost(torch.tensor(float(base_tokens)))) + draft_seconds
         return Admission(torch.zeros(b, dtype=torch.int64), base_yield, secs)
-    valid = torch.arange(k).unsqueeze(0) < draft_lens.cpu().unsqueeze(1)
-    s = torch.where(valid, survival.cpu().to(torch.float64).clamp(0, 1), torch.zeros((), dtype=torch.float64))
-    reach = s.cumprod(dim=1)  # [B, K], non-increasing along a row
-    flat = reach.reshape(-1)
-    slot = torch.arange(k).repeat(b)
-    # order by reach descending, ties by slot index (keeps every request's admitted slots a prefix)
-    by_slot = torch.sort(slot, stable=True).indices
-    order = by_slot[torch.sort(-flat[by_slot], stable=True).indices]
+    # numpy, not torch: ~20 small ops a step on the host path, each ~10x cheaper (2026-12-04, this CPU: 0.45 ms of
+    # torch ops a call at one sequence)
+    lens = draft_lens.cpu().numpy()
+    valid = np.arange(k)[None, :] < lens[:, None]
+    s = np.where(valid, np.clip(survival.cpu().to(torch.float64).numpy(), 0.0, 1.0), 0.0)
+    flat = np.cumprod(s, axis=1).reshape(-1)  # reach, non-increasing along a row
+    # order by reach descending, ties by slot index, then request (keeps every request's admitted slots a prefix)
+    order = np.lexsort((np.arange(b * k), np.tile(np.arange(k), b), -flat))
     order = order[valid.reshape(-1)[order]]
     gains = flat[order]
-    n = torch.arange(order.numel() + 1, dtype=torch.float64)
-    expected = base_yield + torch.cat([torch.zeros(1, dtype=torch.float64), gains.cumsum(0)])
-    seconds = cost.cost(base_tokens + n) + draft_seconds + speculation_seconds * (n > 0).to(torch.float64)
+    n = np.arange(order.size + 1, dtype=np.float64)
+    expected = base_yield + np.concatenate([np.zeros(1), np.cumsum(gains)])
+    seconds = _cost_np(cost, base_tokens + n) + draft_seconds + speculation_seconds * (n > 0).astype(np.float64)
     rate = expected / seconds
-    best = int(torch.argmax(rate))  # first maximum: the fewest slots for the best rate
-    counts = torch.zeros(b * k, dtype=torch.int64)
-    counts[order[:best]] = 1
-    return Admission(counts.view(b, k).sum(dim=1), float(expected[best]), float(seconds[best]))
+    best = int(np.argmax(rate))  # first maximum: the fewest slots for the best rate
+    counts = np.bincount(order[:best] // k, minlength=b)
+    return Admission(torch.from_numpy(counts.astype(np.int64)), float(expected[best]), float(seconds[best]))
+
+
+def _cost_np(cost: StepCostTable, t: np.ndarray) -> np.ndarray:
+    """StepCostTable.cost over a numpy array (the same interpolation and arithmetic)."""
+    x = np.asarray(cost.tokens, dtype=np.float64)
+    y = np.asarray(cost.seconds, dtype=np.float64)
+    i = np.clip(np.searchsorted(x, np.clip(t, x[0], x[-1]), side="left"), 1, len(x) - 1)
+    x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+    return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,

@@ -108,6 +108,13 @@ def test_calibrator_list_paths_equal_the_tensor_paths():
     assert torch.equal(a.table, b.table) and a.conditional_acceptance() == b.conditional_acceptance()
     est = a.estimate(slots, conf).tolist()
     assert [b.survival(int(s), float(c)) for s, c in zip(slots, conf)] == est
+    for _ in range(3):  # batches past 64 slots: observe_lists' numpy bincounts
+        a.observe(slots, conf, acc)
+        b.observe_lists(slots.tolist(), conf.tolist(), acc.tolist())
+    a._refit()
+    b._refit()
+    assert torch.equal(a.trials, b.trials) and torch.allclose(a.accepts, b.accepts, rtol=0, atol=1e-9)
+    assert torch.allclose(a.table, b.table, rtol=0, atol=1e-12)
 
 
 def test_metrics_tau_and_conditional_acceptance():
