@@ -3,31 +3,18 @@ TRITON_INTERPRET, with at most a few bytes of stack (no real register spilling) 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+from sm90_compile_run import needs_ptxas, run_compile_script
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this triton has no bundled ptxas (no NVIDIA backend)")
+@needs_ptxas
 def test_moe_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DEEPINFER_MOE_TILE",
-                                                             "DEEPINFER_MOE_DIRECT_TILE", "DEEPINFER_ROUTER_GEMV")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # this tree, not an installed copy
-    script = Path(__file__).with_name("moe_sm90_compile.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows, out = run_compile_script(Path(__file__).with_name("moe_sm90_compile.py"),
+                                   drop_env=("DEEPINFER_MOE_TILE", "DEEPINFER_MOE_DIRECT_TILE", "DEEPINFER_ROUTER_GEMV"))
     # 20 dense kernels (BLOCK_M 16 / 32 / 64 / 128 aligned among them) + fp8 / fp4 / int4 / fp8 W8A8 routed experts (direct + aligned, both GEMMs) + W8A8 at BLOCK_M 64
     # + W8A8 swap-AB (aligned BLOCK_M 16 / 32, direct; both GEMMs) + the int4 GEMV mainloop (both GEMMs)
-    assert len(rows) == 46, run.stdout
+    assert len(rows) == 46, out
     for row in rows:
         # Triton 3.6 (the H200 image) gives the direct down GEMM without the combine an 8-byte stack
         # frame where 3.9 gives none: allow a few bytes, fail on real spilling.

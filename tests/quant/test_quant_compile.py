@@ -5,28 +5,16 @@ contiguous-group int4 tile with no per-element integer -> float conversion (a ha
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+from sm90_compile_run import needs_ptxas, run_compile_script
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this triton has no bundled ptxas (no NVIDIA backend)")
+@needs_ptxas
 def test_quant_kernels_compile_for_sm90_on_their_paths():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # this tree, not an installed copy
-    script = Path(__file__).with_name("quant_sm90_compile.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["kernel"]: r for r in (json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{"))}
-    assert len(rows) == 9, run.stdout
+    found, out = run_compile_script(Path(__file__).with_name("quant_sm90_compile.py"))
+    rows = {r["kernel"]: r for r in found}
+    assert len(rows) == 9, out
     for row in rows.values():
         assert row["stack"] <= 16 and row["LDL"] == 0 and row["shared"] <= 227 * 1024 and row["regs"] <= 255, row
     for label, row in rows.items():
