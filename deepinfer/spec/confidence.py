@@ -72,35 +72,40 @@ class SurvivalCalibrator:
 
     def survival(self, slot: int, conf: float) -> float:
         """`estimate` for one (slot, confidence) in plain floats (the per-step host path)."""
-        s = min(max(int(slot), 0), self.num_slots - 1)
-        return self._rows[s][min(int(min(max(float(conf), 0.0), 1.0) * self.num_bins), self.num_bins - 1)]
+        return self._rows[min(max(int(slot), 0), self.num_slots - 1)][self._bin(conf)]
+
+    def _bin(self, conf: float) -> int:
+        """`_bins` for one plain float (the same clamp, scale and truncation)."""
+        return min(int(min(max(float(conf), 0.0), 1.0) * self.num_bins), self.num_bins - 1)
 
     def observe_lists(self, slots: list[int], conf: list[float], accepted: list[float]) -> None:
-        """`observe` from plain lists (a few slots a step at low concurrency; no tensor ops until the refit). Many
-        slots take the tensor path (its bincounts beat this loop above ~64 on this CPU)."""
+        """`observe` from plain lists: a few slots (a step at low concurrency) wait in a dict until the refit (no
+        array ops); more go straight to the counts (numpy bincounts beat that loop above ~64 on this CPU)."""
         if not slots:
             return
-        if len(slots) > 64:  # numpy bincounts (torch.tensor from 320-item lists cost ~0.1 ms each on this CPU)
-            nb, n = self.num_bins, self.num_slots * self.num_bins
-            s = np.clip(np.asarray(slots, dtype=np.int64), 0, self.num_slots - 1)
-            b = np.minimum((np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0) * nb).astype(np.int64), nb - 1)
-            flat = s * nb + b
-            self.trials += torch.from_numpy(np.bincount(flat, minlength=n).astype(np.float64)).view(self.num_slots, nb)
-            self.accepts += torch.from_numpy(np.bincount(flat, weights=np.asarray(accepted, dtype=np.float64),
-                                                         minlength=n)).view(self.num_slots, nb)
-            self._since_fit += len(slots)
-            self._observed += len(slots)
-            if self._refit_due():
-                self._refit()
+        if len(slots) > 64:
+            self._add(np.asarray(slots, dtype=np.int64), np.asarray(conf, dtype=np.float64),
+                      np.asarray(accepted, dtype=np.float64))
             return
         pending = self._pending
         for s, c, a in zip(slots, conf, accepted):
-            key = (min(max(int(s), 0), self.num_slots - 1), min(int(min(max(float(c), 0.0), 1.0) * self.num_bins),
-                                                                self.num_bins - 1))
+            key = (min(max(int(s), 0), self.num_slots - 1), self._bin(c))
             n, acc = pending.get(key, (0, 0.0))
             pending[key] = (n + 1, acc + float(a))
-        self._since_fit += len(slots)
-        self._observed += len(slots)
+        self._counted(len(slots))
+
+    def _add(self, slots: np.ndarray, conf: np.ndarray, accepted: np.ndarray) -> None:
+        """Add outcomes to the counts (numpy: its small ops cost a tenth of torch's on the host path)."""
+        nb, n = self.num_bins, self.num_slots * self.num_bins
+        b = np.minimum((np.clip(conf, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+        flat = np.clip(slots, 0, self.num_slots - 1) * nb + b
+        self.trials += torch.from_numpy(np.bincount(flat, minlength=n).astype(np.float64)).view(self.num_slots, nb)
+        self.accepts += torch.from_numpy(np.bincount(flat, weights=accepted, minlength=n)).view(self.num_slots, nb)
+        self._counted(int(slots.size))
+
+    def _counted(self, n: int) -> None:
+        self._since_fit += n
+        self._observed += n
         if self._refit_due():
             self._refit()
 
@@ -127,17 +132,8 @@ class SurvivalCalibrator:
         """Record outcomes of verified slots whose predecessors were all accepted (flat tensors)."""
         if slots.numel() == 0:
             return
-        s = slots.to(torch.int64).clamp(0, self.num_slots - 1).cpu()
-        b = self._bins(conf).cpu()
-        flat = s * self.num_bins + b
-        n = self.num_slots * self.num_bins
-        self.trials += torch.bincount(flat, minlength=n).view(self.num_slots, self.num_bins).to(torch.float64)
-        self.accepts += torch.bincount(flat, weights=accepted.to(torch.float64).cpu(), minlength=n).view(
-            self.num_slots, self.num_bins)
-        self._since_fit += int(slots.numel())
-        self._observed += int(slots.numel())
-        if self._refit_due():
-            self._refit()
+        self._add(slots.to(torch.int64).cpu().numpy(), conf.to(torch.float64).cpu().numpy(),
+                  accepted.to(torch.float64).cpu().numpy())
 
     def _refit(self) -> None:
         self._flush()

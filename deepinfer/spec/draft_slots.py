@@ -32,9 +32,10 @@ from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
 
-# most verified slots (sum of the drafts' lengths) admitted in plain floats (SlotPolicy._counts_small); above, the
-# tensor path. On this CPU (2026-12-04, k = 5) the tensor path cost ~610-780 us a step whatever the load, the
-# plain-float one 38 us at one sequence and ~6 us more a slot (352 us at 60 slots)
+# most verified slots (sum of the drafts' lengths) admitted in plain floats (SlotPolicy.counts); above, tensors and
+# numpy (spec/scheduler.py admit). On this CPU (2026-12-04, k = 5): the plain-float path 38 us at one sequence and
+# ~6 us more a slot (352 us at 60 slots); the array path ~490 us at 320 slots (the all-torch one was 610-780 us at
+# any load)
 SMALL_ADMISSION = 96
 
 
@@ -102,9 +103,10 @@ class SlotPolicy:
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
     - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
       survival; the drafts are made, so their cost is not in it);
-    - `plan_drafting`, before the step's forward (from past steps only, so that the one-sync step can run it): how
-      long a chain the MTP module drafts for the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling sequence holding a draft of L at
-      each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
+    - `plan_drafting`, before the step's forward while drafting steadily (from past steps only, so that the one-sync
+      step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
+      the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
+      sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
       for those sequences (the drafting table, spec/draft_cost.py); the best L wins if it beats plain decoding,
       else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
@@ -165,19 +167,27 @@ class SlotPolicy:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        if sum(lens_list) <= SMALL_ADMISSION:  # plain floats: the tensor path's small ops cost more than it does
-            return self._counts_small(held, lens_list, base_tokens, base_yield)
-        width = max(max(lens_list, default=0), 1)
-        conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
-                            dtype=torch.float64).view(len(held), width)
-        lens = torch.tensor(lens_list, dtype=torch.int64)
-        self._track_confidence(conf, lens)
+        small = sum(lens_list) <= SMALL_ADMISSION  # plain floats: below it the array path's ops cost more
+        if small:
+            self._track_confidence_lists([h.confidence for h in held], lens_list)
+        else:
+            width = max(max(lens_list, default=0), 1)
+            conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
+                                dtype=torch.float64).view(len(held), width)
+            lens = torch.tensor(lens_list, dtype=torch.int64)
+            self._track_confidence(conf, lens)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe, self.verifying_probe = False, True
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
-        survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
-        counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
-                       speculation_seconds=self.draft_seconds if self.draft_cost is None else 0.0).num_slots.tolist()
+        spec_s = self.draft_seconds if self.draft_cost is None else 0.0
+        if small:  # spec/scheduler.py admit_lists: the same choice as `admit`
+            cal = self.calibrator
+            survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
+            counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s)
+        else:
+            survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
+            counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
+                           speculation_seconds=spec_s).num_slots.tolist()
         self._admitted_any = any(counts)
         return counts
 
@@ -188,19 +198,6 @@ class SlotPolicy:
         plan would read the calibration of the probe before, 32 to 1024 steps old; on the H200 the first plan then
         saw no calibration at all and paused)."""
         return not self.adaptive or (self.chain > 0 and self.paused == 0 and not self.verifying_probe)
-
-    def _counts_small(self, held: list[HeldDraft], lens: list[int], base_tokens: int, base_yield: int) -> list[int]:
-        """counts for a few slots, in plain floats (spec/scheduler.py admit_lists: the same choice as `admit`)."""
-        self._track_confidence_lists([h.confidence for h in held], lens)
-        if self.probe:
-            self.probe, self.verifying_probe = False, True
-            return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens)]
-        cal = self.calibrator
-        survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens)]
-        counts = admit_lists(survival, self.cost, base_tokens, float(base_yield),
-                             speculation_seconds=self.draft_seconds if self.draft_cost is None else 0.0)
-        self._admitted_any = any(counts)
-        return counts
 
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
@@ -265,8 +262,8 @@ class SlotPolicy:
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
-        spec/step_times.py). Plain floats: this runs
-        every step. Reads calibration counts, past confidences and past step times only."""
+        spec/step_times.py). Plain floats: this runs every step. Reads calibration counts, past confidences and
+        past step times only."""
         k, b = self.k, float(num_seqs)
         conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
         survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
