@@ -90,6 +90,9 @@ def print_drafting(mode: str, engine) -> None:
               + f"; {pauses.num_drains} drains, {pauses.inner.num_sync_fallbacks} async fallbacks")
     elif policy.adaptive:
         print(f"{mode}, pause steps: all sync")
+    if spec.policy_steps:
+        print(f"{mode}, slot policy host time: {spec.policy_seconds / spec.policy_steps * 1e6:.0f} us a step over "
+              f"{spec.policy_steps} speculative-path steps (admission, plan, calibration)")
     if policy.draft_cost is not None:
         t = policy.draft_cost
         print(f"{mode}, drafting table (chain 1 / {t.k}): " + ", ".join(

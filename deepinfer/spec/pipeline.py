@@ -110,6 +110,10 @@ class SpecStepPipeline:
         graphs = drafter.graphs if isinstance(drafter, MTPDrafter) else None
         self.one_sync = OneSyncStep(graphs, runner.device) if graphs is not None and envs.SPEC_ONE_SYNC.get() else None
         self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
+        # host seconds of the slot policy (admission, plan, calibration) over policy_steps speculative-path steps:
+        # static k pays only the draft slots' bookkeeping; reported by benchmarks/speculative.py
+        self.policy_seconds = 0.0
+        self.policy_steps = 0
 
     def host_reads(self) -> int:
         """Waits for the device so far: the host path's draws and drafts, and the one-sync steps' read-backs."""
@@ -165,6 +169,8 @@ class SpecStepPipeline:
         # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
         samplers = sum(1 for it in sched.scheduled if it.samples)
         self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
+        self.policy_seconds += time.perf_counter() - t0  # (with the draft slots' KV cover, a few us)
+        self.policy_steps += 1
         plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
         if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
                 and self._uniform_chain(samplers):
@@ -297,7 +303,9 @@ class SpecStepPipeline:
                 confs.append(held[j])
                 acc.append(1.0 if j < a else 0.0)
         if slots:
+            t0 = time.perf_counter()
             cal.observe_lists(slots, confs, acc)
+            self.policy_seconds += time.perf_counter() - t0
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
         """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the
@@ -313,7 +321,9 @@ class SpecStepPipeline:
         self._next_drafts = []
         samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)
         if self._chain_plan is None:  # not planned before the step (_step)
+            t0 = time.perf_counter()
             self._chain_plan = self.policy.plan_drafting(samplers)
+            self.policy_seconds += time.perf_counter() - t0
         chain_len = self._chain_plan
         self._drafting = chain_len > 0
         if not isinstance(self.drafter, MTPDrafter):

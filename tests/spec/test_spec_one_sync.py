@@ -147,6 +147,7 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     # every verify step one-sync but the probe's verification (planned after its draw: spec/draft_slots.py
     # plans_before_the_draw)
     assert spec.one_sync.num_steps == len(links) == spec.metrics.steps - 1
+    assert spec.policy_steps > spec.metrics.steps and spec.policy_seconds > 0  # (and the prompts' step)
     assert on.stats().spec_accepted_tokens > 0 and on.stats().kv_blocks_used == 0
 
 
