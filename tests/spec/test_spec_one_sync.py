@@ -123,10 +123,10 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     ps = parts[4][:2]
     params = [replace(GREEDY, max_tokens=10), replace(SEEDED, max_tokens=10)]
     want, _ = run(make(parts, enforce_eager=True), ps, params)
-    # token budget 16: both prompts in one step (a step with a prompt chunk takes the host path), and the step-cost
-    # profile at start-up times 1..16 tokens only (cheap under the interpreter)
+    # token budget 16: both prompts in one step (a step with a prompt chunk takes the host path), and the start-up
+    # profiles time 1..16 tokens and 1..2 drafting sequences only (cheap under the interpreter)
     on = make(parts, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=True,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, max_num_seqs=2)
     spec = on._spec
     assert spec.one_sync is not None and spec.policy.adaptive
     spec.policy.cost = StepCostTable([1, 4096], [0.01, 0.0101])  # verified tokens almost free
