@@ -167,24 +167,20 @@ class SlotPolicy:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        small = sum(lens_list) <= SMALL_ADMISSION  # plain floats: below it the array path's ops cost more
-        if small:
-            self._track_confidence_lists([h.confidence for h in held], lens_list)
-        else:
-            width = max(max(lens_list, default=0), 1)
-            conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
-                                dtype=torch.float64).view(len(held), width)
-            lens = torch.tensor(lens_list, dtype=torch.int64)
-            self._track_confidence(conf, lens)
+        self._track_confidence([h.confidence for h in held], lens_list)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe, self.verifying_probe = False, True
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
-        if small:  # spec/scheduler.py admit_lists: the same choice as `admit`
+        if sum(lens_list) <= SMALL_ADMISSION:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
             cal = self.calibrator
             survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
             counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s)
         else:
+            width = max(lens_list)
+            conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
+                                dtype=torch.float64).view(len(held), width)
+            lens = torch.tensor(lens_list, dtype=torch.int64)
             survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
             counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
                            speculation_seconds=spec_s).num_slots.tolist()
@@ -279,27 +275,12 @@ class SlotPolicy:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best
 
-    def _track_confidence_lists(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
-        """_track_confidence over plain lists (conf[i][:lens[i]] valid)."""
+    def _track_confidence(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
+        """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
         width = max(lens, default=0)
         for j in range(width):
             vals = [c[j] for c, n in zip(conf, lens) if n > j]
             m = sum(vals) / len(vals)
-            if j < len(self.mean_confidence):
-                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
-            elif j == len(self.mean_confidence):
-                self.mean_confidence.append(m)
-
-    def _track_confidence(self, conf: torch.Tensor, lens: torch.Tensor, decay: float = 0.9) -> None:
-        """Moving average per slot of the held drafts' confidences (conf [B, W], valid below lens)."""
-        if conf.numel() == 0:
-            return
-        valid = (torch.arange(conf.shape[1]).unsqueeze(0) < lens.unsqueeze(1)).to(torch.float64)
-        count = valid.sum(dim=0)
-        mean = ((conf * valid).sum(dim=0) / count.clamp(min=1)).tolist()
-        for j, (m, c) in enumerate(zip(mean, count.tolist())):
-            if c == 0:
-                continue
             if j < len(self.mean_confidence):
                 self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
             elif j == len(self.mean_confidence):

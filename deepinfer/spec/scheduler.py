@@ -54,10 +54,14 @@ class StepCostTable:
 
     def cost(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """fp64 seconds for each token count in num_tokens (any shape)."""
-        x = torch.tensor(self.tokens, dtype=torch.float64)
-        y = torch.tensor(self.seconds, dtype=torch.float64)
-        t = num_tokens.to(torch.float64)
-        i = torch.searchsorted(x, t.clamp(x[0], x[-1])).clamp(1, len(x) - 1)
+        return torch.from_numpy(np.asarray(self.cost_array(num_tokens.to(torch.float64).cpu().numpy())))
+
+    def cost_array(self, t: np.ndarray) -> np.ndarray:
+        """fp64 seconds for each token count of a numpy array (the interpolation of `at`, vectorised)."""
+        x = np.asarray(self.tokens, dtype=np.float64)
+        y = np.asarray(self.seconds, dtype=np.float64)
+        t = np.asarray(t, dtype=np.float64)
+        i = np.clip(np.searchsorted(x, np.clip(t, x[0], x[-1]), side="left"), 1, len(x) - 1)
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
@@ -79,7 +83,7 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
     admitted (drafting that stops when speculation does not pay: the engine's adaptive mode)."""
     b, k = survival.shape
     if b == 0 or k == 0:
-        secs = float(cost.cost(torch.tensor(float(base_tokens)))) + draft_seconds
+        secs = cost.at(base_tokens) + draft_seconds
         return Admission(torch.zeros(b, dtype=torch.int64), base_yield, secs)
     # numpy, not torch: ~20 small ops a step on the host path, each ~10x cheaper (2026-12-04, this CPU: 0.45 ms of
     # torch ops a call at one sequence)
@@ -93,20 +97,11 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
     gains = flat[order]
     n = np.arange(order.size + 1, dtype=np.float64)
     expected = base_yield + np.concatenate([np.zeros(1), np.cumsum(gains)])
-    seconds = _cost_np(cost, base_tokens + n) + draft_seconds + speculation_seconds * (n > 0).astype(np.float64)
+    seconds = cost.cost_array(base_tokens + n) + draft_seconds + speculation_seconds * (n > 0).astype(np.float64)
     rate = expected / seconds
     best = int(np.argmax(rate))  # first maximum: the fewest slots for the best rate
     counts = np.bincount(order[:best] // k, minlength=b)
     return Admission(torch.from_numpy(counts.astype(np.int64)), float(expected[best]), float(seconds[best]))
-
-
-def _cost_np(cost: StepCostTable, t: np.ndarray) -> np.ndarray:
-    """StepCostTable.cost over a numpy array (the same interpolation and arithmetic)."""
-    x = np.asarray(cost.tokens, dtype=np.float64)
-    y = np.asarray(cost.seconds, dtype=np.float64)
-    i = np.clip(np.searchsorted(x, np.clip(t, x[0], x[-1]), side="left"), 1, len(x) - 1)
-    x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
-    return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,
