@@ -72,20 +72,33 @@ MODELS = {
 }
 
 
-def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0) -> dict:
+def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0,
+             before: list[tuple[DeviceModel, int]] = ()) -> dict:
     """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
     The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
     (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
-    path."""
+    path. before: (model, steps) phases the same policy runs first, untimed (the benchmark's warm-up over every
+    concurrency: a policy carries its pauses, calibration and step times from one load to the next)."""
     rng = random.Random(seed)
-    clock = time.perf_counter
     k = len(model.accept)
-    B = model.seqs
     if mode == "adaptive":
         policy = SlotPolicy(k=k, max_model_len=1 << 30, calibrator=SurvivalCalibrator(num_slots=k), cost=model.table,
                             draft_cost=model.drafting)
     elif mode != "off":
         policy = SlotPolicy(k=int(mode[1:]), max_model_len=1 << 30)
+    else:
+        policy = None
+    for warm, n in before:
+        _run(warm, mode, policy, n, rng, host_factor)
+    return _run(model, mode, policy, steps, rng, host_factor)
+
+
+def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, rng: random.Random,
+         host_factor: float) -> dict:
+    """One phase: model.seqs sequences (new ones: no draft held) for `steps` steps under `policy`."""
+    clock = time.perf_counter
+    k = len(model.accept)
+    B = model.seqs
     held: list[HeldDraft | None] = [None] * B
     tokens, seconds, verify_steps, emitted_in_verify, chains = 0, 0.0, 0, 0, []
     undrafted = False  # rows kept for a catch-up (a step drafted nothing for some sequence)
@@ -139,8 +152,11 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
         dt *= 1 + model.noise * (rng.random() - 0.5)
         if policy.adaptive:
             dt += host * host_factor
+        if policy.adaptive:  # the engine times its output processing (SpecStepPipeline._step): h_tok a token here
+            policy.observe_output(model.h_tok * emitted, emitted)
         if not caught_up:
-            policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync)
+            policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync,
+                                emitted=emitted)
         undrafted = drafted < B  # rows of sequences that drafted nothing wait for their catch-up
         tokens += emitted
         seconds += dt
@@ -162,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--host-factor", type=float, default=1.0,
                     help="the device host's speed against this one for the policy's own host time (0: leave it out)")
+    ap.add_argument("--warm-up", type=int, default=0, metavar="STEPS",
+                    help="first run every chosen model's load for STEPS steps with the same policy, untimed, as "
+                         "benchmarks/speculative.py's warm-up does (16 tokens a concurrency)")
     args = ap.parse_args(argv)
+    warm = [(MODELS[name], args.warm_up) for name in args.model] if args.warm_up else []
     for name in args.model:
         model = MODELS[name]
-        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor)
+        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm)
                 for mode in ("off", "k1", "k3", "k5", "adaptive")]
         off = rows[0]["per_seq_tok_s"]
         print(f"{name} ({model.seqs} sequences):")

@@ -179,9 +179,11 @@ class AsyncPauses:
         """ModelRunner.hidden_tap of a delegated step: keep its decode rows (by sequence and position) for the
         MTP-KV catch-up, as a paused spec step keeps them (spec/pipeline.py _draft_next). A row that is not a
         decode cannot occur here (delegable); its sequence's kept rows would no longer be contiguous, so they go."""
+        paused = self.spec.paused_rows
+        if not paused.worth_keeping(len(sched.scheduled), self.spec.policy.paused):
+            return  # dropped before the pause ends (PausedRows.worth_keeping); the next kept rows start afresh
         rows: list[tuple[Sequence, int, int]] = []
         r = 0
-        paused = self.spec.paused_rows
         for item, q in zip(sched.scheduled, batch.query_lens_cpu):
             seq, c = item.seq, item.context_len
             if q == 1 and not item.draft and c + 1 == seq.num_tokens:  # a decode that samples (ScheduledSeq.samples)

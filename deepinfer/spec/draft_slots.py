@@ -27,7 +27,7 @@ from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.scheduler import StepCostTable, admit, admit_lists
-from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios
+from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
@@ -112,7 +112,16 @@ class SlotPolicy:
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
     them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
-    Each pause in a row doubles the next one (up to max_probe_every); a chain that pays resets it. While the chain
+    Each pause in a row at a load (its bucket, spec/step_times.py) doubles the next one there (up to
+    max_probe_every); a chain that pays resets it. A pause is the decision of its load: once the load falls to a
+    lower bucket it ends with a probe, and the plan is made again at the new load (on the H200, 2026-12-04,
+    dbb32fd: the benchmark's warm-up paused at 256 sequences, and the timed runs at one sequence that followed
+    spent their whole length in that pause, tau 1.04, where static k = 5 ran 1.67x).
+    Measured before modelled: at a load where no speculative step has been seen (spec/step_times.py: min_count),
+    the first measure_steps plans draft full chains for every sequence and their next admission verifies them in
+    full (`verify_all`), so that the plan compares measured step times and a calibration of every slot rather than
+    the tables' prices, which on the H200 put a plain step at 0.234 ms where it ran 0.52, and a k = 5 step at
+    0.88 where it ran 1.33 (the plan with no step seen paused at one sequence). While the chain
     is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
     so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
     The n-gram drafter (no drafting table, draft_cost None) keeps the rule it had: its proposals cost host time
@@ -128,7 +137,7 @@ class SlotPolicy:
     draft_seconds: float = 0.0  # the last steps' drafting time (moving average; reported, n-gram's host time)
     # MTP drafting seconds by drafting sequences and chain length, profiled at start-up (spec/draft_cost.py)
     draft_cost: DraftCostTable | None = None
-    probe_every: int = 32
+    probe_every: int = 32  # the length of the last pause (next_pause: the next one's at a load)
     min_probe_every: int = 32
     max_probe_every: int = 1024
     paused: int = 0
@@ -138,6 +147,12 @@ class SlotPolicy:
     explore_every: int = 64
     explore: bool = False  # this drafting lengthens probe_seqs sequences' chains to k (set by plan_drafting)
     verifying_probe: bool = False  # this step's admission verified a probe (set by counts, cleared by plan_drafting)
+    # drafting steps a load (bucket) measures, full chains verified in full, before its plan is modelled (0: none)
+    measure_steps: int = 8
+    verify_all: bool = False  # the held drafts were drafted to be measured: the next admission verifies them all
+    pause_bucket: int = 0  # the load bucket the current pause was decided at
+    _measured: dict[int, int] = field(default_factory=dict)  # measuring plans made, by load bucket
+    _backoff: dict[int, int] = field(default_factory=dict)  # the next pause's length, by load bucket
     _short_chains: int = 0
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
@@ -145,6 +160,10 @@ class SlotPolicy:
     # measured / table-predicted seconds of the engine's decode-row steps, per kind (plain / speculative) and load
     # bucket (spec/step_times.py, fed by `observe_step`); plan_drafting scales the tables' prices by them
     step_times: StepTimeRatios = field(default_factory=StepTimeRatios)
+    # host seconds of output processing per emitted token (moving average, `observe_output`): taken out of the
+    # observed step times, because every emitted token pays it once whichever way it is emitted (module docstring of
+    # observe_step)
+    token_seconds: float = 0.0
 
     @property
     def adaptive(self) -> bool:
@@ -169,8 +188,11 @@ class SlotPolicy:
         lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         self._track_confidence([h.confidence for h in held], lens_list)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
-            self.probe, self.verifying_probe = False, True
+            self.probe, self.verifying_probe, self.verify_all = False, True, False
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
+        if self.verify_all:  # drafted to be measured (plan_drafting): every slot, chosen before any draw
+            self.verify_all = False
+            return lens_list
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
         if sum(lens_list) <= SMALL_ADMISSION:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
             cal = self.calibrator
@@ -198,9 +220,13 @@ class SlotPolicy:
     def plan_drafting(self, num_seqs: int) -> int:
         """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
         self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
-        self.explore = self.verifying_probe = False
+        self.explore = self.verifying_probe = self.verify_all = False
+        bucket = load_bucket(num_seqs)
         if not self.adaptive:
             self.chain = self.k
+        elif self.paused > 0 and num_seqs > 0 and bucket < self.pause_bucket:
+            self.paused = 0  # the load fell below the pause's: probe, then plan at this load (class docstring)
+            self.probe, self.chain = True, self.k
         elif self.paused > 0:
             self.paused -= 1
             self.chain = 0
@@ -208,23 +234,50 @@ class SlotPolicy:
                 self.probe, self.chain = True, self.k
         elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
             self.chain = self.k
+        elif self.draft_cost is not None and self._measuring(num_seqs):
+            self.chain = self.k  # a load not measured yet: full chains, verified in full (class docstring)
+            self.verify_all = True
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             if self.chain == 0:
-                self.paused = self.probe_every - 1  # this step drafts nothing either
-                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+                self.probe_every = self._backoff.get(bucket, self.min_probe_every)
+                self.paused, self.pause_bucket = self.probe_every - 1, bucket  # this step drafts nothing either
+                self._backoff[bucket] = min(2 * self.probe_every, self.max_probe_every)
                 if self.paused == 0:
                     self.probe, self.chain = True, self.k
             else:
-                self.probe_every = self.min_probe_every
+                self.probe_every = self._backoff[bucket] = self.min_probe_every
                 if self.chain < self.k:
                     self._short_chains += 1
                     if self._short_chains >= self.explore_every:
                         self._short_chains, self.explore = 0, True
         return self.chain
 
+    def next_pause(self, num_seqs: int) -> int:
+        """Steps the next pause decided at this load would last (doubling per pause in a row there)."""
+        return self._backoff.get(load_bucket(num_seqs), self.min_probe_every)
+
+    def _measuring(self, num_seqs: int) -> bool:
+        """Whether this plan measures its load (class docstring): no speculative step seen there yet, and fewer than
+        measure_steps measuring plans made there (a load whose speculative steps are never observed, e.g. all off the
+        one-sync path, is modelled after those)."""
+        if self.step_times.seen(SPECULATIVE, num_seqs):
+            return False
+        bucket = load_bucket(num_seqs)
+        n = self._measured.get(bucket, 0)
+        if n >= self.measure_steps:
+            return False
+        self._measured[bucket] = n + 1
+        return True
+
+    def observe_output(self, seconds: float, tokens: int) -> None:
+        """One step's output processing: `seconds` of host time for `tokens` emitted tokens."""
+        if tokens > 0:
+            x = seconds / tokens
+            self.token_seconds = x if self.token_seconds == 0 else 0.9 * self.token_seconds + 0.1 * x
+
     def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
-                     verified: bool = False, off_path: bool = False) -> None:
+                     verified: bool = False, off_path: bool = False, emitted: int | None = None) -> None:
         """A decode-row step's wall time (schedule to output processing) of num_seqs sequences against what the
         tables predict for it: the step table at its tokens, plus the drafting table for what it drafted. The tables
         time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
@@ -240,11 +293,20 @@ class SlotPolicy:
         plan paused (tau 1.04) where static k = 5 ran 2.12x. off_path: a speculative step that took the host path
         (two waits) where the steady state runs one-sync (spec/one_sync.py); not observed either: on the H200
         (2026-12-04, fd509cb) the one speculative step seen at one sequence ran 2.25 ms, x2.86 its price, where the
-        one-sync k = 5 steps ran ~1.8 ms, x1.8."""
+        one-sync k = 5 steps ran ~1.8 ms, x1.8.
+
+        emitted: the tokens the step emitted (default num_seqs: a plain step's one each). Their output processing
+        (token_seconds each, measured) is taken out of the step's time before it is compared with the tables: it is
+        paid once per token however the token is emitted, so it is no cost of speculation, and left in, it made a
+        speculative step's ratio (~5 tokens a sequence) price a longer chain by the ratio of a shorter one (x4.9 at 64
+        sequences in benchmarks/spec_policy_sim.py, where k = 3 was planned and k = 5 ran 1.17x faster). Plans
+        compare time per token without it (its share is the same for every choice)."""
         if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
             return
         if verified != bool(drafted_seqs and chain) or (verified and off_path):
             return
+        out = self.token_seconds * (num_seqs if emitted is None else emitted)
+        seconds = max(seconds - out, 0.1 * seconds)
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
             predicted += self.drafting_seconds(drafted_seqs, chain)

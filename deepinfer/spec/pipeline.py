@@ -177,7 +177,10 @@ class SpecStepPipeline:
             plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self._chain_plan,
                                          self.scheduler.kv.max_model_len)
         emitted, logprobs = self._launch(sched, conf, plan)
+        t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
+        num_emitted = sum(len(toks) for toks in emitted)
+        self.policy.observe_output(time.perf_counter() - t1, num_emitted)
         # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
@@ -185,7 +188,8 @@ class SpecStepPipeline:
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
                                      len(sched.scheduled), *self._drafted,
                                      verified=any(it.draft for it in sched.scheduled),
-                                     off_path=self.one_sync is not None and not self._one_sync_ran)
+                                     off_path=self.one_sync is not None and not self._one_sync_ran,
+                                     emitted=num_emitted)
         return got
 
     def _uniform_chain(self, samplers: int) -> bool:
@@ -365,7 +369,8 @@ class SpecStepPipeline:
             self.num_grammar_masked += mask.num_masked if mask is not None else 0
             self._drafted = (len(drafting), max(chain, default=0))
             self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
-        self.paused_rows.keep(keep, hidden)
+        if keep and self.paused_rows.worth_keeping(len(keep), self.policy.paused + 1):
+            self.paused_rows.keep(keep, hidden)
         if drafting:
             self._time_drafting(time.perf_counter() - t0)
 

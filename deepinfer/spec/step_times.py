@@ -10,6 +10,11 @@ adaptive mode drafted nothing at one sequence (tau 1.00-1.09), where static k = 
 
 So the correction is kept per sequence-count bucket (the next power of two at or above the count) and per kind
 (plain: a step that neither verified nor drafted; speculative: one that did both). `seconds` corrects a table price:
+- a speculative price where both kinds were seen at the bucket: the plain steps' excess (the per-step work every
+  step pays: scheduling, batch building, the sampler's launch) plus the price scaled by what is left of the
+  speculative steps' own excess, a + price x r. The excess of a step is mostly host work that does not grow with its
+  price; scaled whole by the ratio of the chain observed, a longer chain was overpriced (benchmarks/spec_policy_sim.py
+  at 64 sequences, 2026-12-04: k = 3 planned at x4.9 where k = 5 ran 1.17x faster);
 - the same kind and bucket seen: price x its ratio;
 - else the same bucket's other kind seen: price + that kind's excess (measured - predicted). At one load both kinds
   pay about the same per-step host work, which does not scale with the price: on the H200 (2026-12-04, f7bf36c,
@@ -53,6 +58,7 @@ class StepTimeRatios:
     max_ratio: float = 10.0
     ratios: dict[tuple[str, int], float] = field(default_factory=dict)
     overheads: dict[tuple[str, int], float] = field(default_factory=dict)
+    predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # moving average of the table prices
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
@@ -67,6 +73,7 @@ class StepTimeRatios:
         w = max(1.0 / n, self.weight)
         self.ratios[key] = x if n == 1 else (1 - w) * self.ratios[key] + w * x
         self.overheads[key] = over if n == 1 else (1 - w) * self.overheads[key] + w * over
+        self.predicted[key] = predicted if n == 1 else (1 - w) * self.predicted[key] + w * predicted
         self.counts[key] = n
 
     def seen(self, kind: str, num_seqs: int) -> bool:
@@ -81,6 +88,10 @@ class StepTimeRatios:
         docstring: the order of the fallbacks)."""
         bucket = load_bucket(num_seqs)
         if self._trusted((kind, bucket)):
+            if kind == SPECULATIVE and self._trusted((PLAIN, bucket)):  # a + price x r (module docstring)
+                a, at = self.overheads[(PLAIN, bucket)], self.predicted[(kind, bucket)]
+                r = max((at + self.overheads[(kind, bucket)] - a) / at, self.min_ratio)
+                return max(a + predicted * r, self.min_ratio * predicted)
             return predicted * self.ratios[(kind, bucket)]
         other = _other(kind)
         if self._trusted((other, bucket)):

@@ -18,6 +18,7 @@ from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.models.registry import load_model
 from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.step_times import SPECULATIVE
 from deepinfer.text.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -167,16 +168,19 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off():
 def test_adaptive_stops_speculating_where_the_cost_model_says_it_does_not_pay(parts, off):
     """With step costs that grow with every verified token (a compute-bound device, such as this CPU on the
     tiny model) the confidence scheduler admits no drafts and pauses drafting: the engine runs plain decode
-    steps, probing again (one step verifying the full drafts) every probe_every steps; the output is unchanged."""
+    steps, probing again (one step verifying the full drafts) every probe_every steps, after the measure_steps
+    drafting steps that measure the load first (SlotPolicy); the output is unchanged."""
     on = make(parts, speculative_method="mtp", num_speculative_tokens=3, speculative_adaptive=True)
     on._spec.policy.cost = StepCostTable([1, 2, 4096], [0.010, 0.020, 40.0])
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert ids(on.generate(PROMPTS[:2], params, use_tqdm=False)) == ids(off.generate(PROMPTS[:2], params,
                                                                                      use_tqdm=False))
     st = on.stats()
-    probes = 1 + st.spec_steps // on._spec.policy.min_probe_every
-    # 64 tokens each for two sequences: ~64 steps, fewer by what the probes' accepted drafts emitted
-    assert st.spec_steps > 48 and 0 < st.spec_drafted_tokens <= 3 * 2 * probes and st.spec_mean_budget < 1
+    policy = on._spec.policy
+    probes = 1 + st.spec_steps // policy.min_probe_every
+    # 64 tokens each for two sequences: ~64 steps, fewer by what the probes' and measuring steps' drafts emitted
+    assert st.spec_steps > 40 and 0 < st.spec_drafted_tokens <= 3 * 2 * (probes + policy.measure_steps)
+    assert st.spec_mean_budget < 1 and policy.step_times.seen(SPECULATIVE, 2) and policy.pause_bucket == 2
 
 
 def test_ngram_drafts_equal_off_with_accepted_copies(parts, off):

@@ -13,6 +13,7 @@ from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.cost_profile import profile_step_costs
 from deepinfer.spec.draft_cost import DraftCostTable, profile_draft_costs
 from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
+from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
@@ -104,7 +105,7 @@ def test_drafting_is_planned_at_the_drafting_cost_of_this_steps_sequences():
     cal = SurvivalCalibrator(num_slots=3)
     cal.observe(torch.tensor([0, 1, 2] * 200), torch.full((600,), 0.95, dtype=torch.float64), torch.ones(600))
     policy = SlotPolicy(k=3, max_model_len=512, calibrator=cal, cost=StepCostTable([1, 4096], [0.1, 0.101]),
-                        probe=False)
+                        probe=False, measure_steps=0)
     policy.draft_cost = DraftCostTable(3, StepCostTable([1, 64], [0.004, 4.0]), StepCostTable([1, 64], [0.01, 10.0]))
     assert policy.drafting_seconds(64) == pytest.approx(10.0) and policy.drafting_seconds(64, 1) == pytest.approx(4)
     assert policy.counts(held(1), [3], 1, 1) == [3] and policy.counts(held(64), [3] * 64, 64, 64) == [3] * 64
@@ -112,7 +113,8 @@ def test_drafting_is_planned_at_the_drafting_cost_of_this_steps_sequences():
     assert policy.plan_drafting(1) == 3 and policy.paused == 0
     assert policy.plan_drafting(64) == 0 and policy.paused == policy.min_probe_every - 1
     assert [policy.plan_drafting(64) for _ in range(policy.paused)] == [0] * 30 + [3]  # then the probe drafts
-    assert policy.probe and policy.probe_every == 2 * policy.min_probe_every
+    assert policy.probe and policy.next_pause(64) == 2 * policy.min_probe_every
+    assert policy.next_pause(1) == policy.min_probe_every  # the backoff is the load's own
 
 
 def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows():
@@ -133,7 +135,8 @@ def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows()
 def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step: float = 0.04) -> SlotPolicy:
     """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9, the
     drafts' mean confidence), a flat step cost (verified tokens almost free) and drafting that costs `one` for a
-    chain of 1, `full` for k, at any load."""
+    chain of 1, `full` for k, at any load. It plans by the model from its first plan (measure_steps 0: the measuring
+    plans have tests of their own)."""
     cal = SurvivalCalibrator(num_slots=k)
     for j, rate in enumerate(accept):
         n = 1000
@@ -141,7 +144,7 @@ def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step:
                     (torch.arange(n) < rate * n).to(torch.float64))
     drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
     return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [step, step * 1.01]),
-                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k)
+                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0)
 
 
 def test_adaptive_chooses_a_short_chain_when_deep_slots_do_not_pay_for_their_links():
@@ -253,14 +256,15 @@ def test_an_unseen_kind_is_priced_by_the_other_kinds_excess_at_that_load():
                     (torch.arange(1000) < rate * 1000).to(torch.float64))
     drafts = DraftCostTable(k, StepCostTable([1, 64], [0.382e-3, 0.551e-3]), StepCostTable([1, 64], [0.738e-3, 1.145e-3]))
     policy = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False,
-                        cost=StepCostTable([1, 8, 512], [0.295e-3, 0.295e-3, 0.436e-3]), mean_confidence=[0.9] * k)
+                        cost=StepCostTable([1, 8, 512], [0.295e-3, 0.295e-3, 0.436e-3]), mean_confidence=[0.9] * k,
+                        measure_steps=0)
     for _ in range(50):
         policy.observe_step(policy.cost.at(1) + 0.88e-3, 1, 1)
     assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(3.98, rel=0.01)
     assert policy.step_times.seconds(SPECULATIVE, 1, 1.033e-3) == pytest.approx(1.913e-3, rel=0.01)
     assert policy.plan_drafting(1) == k
     by_ratio = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False, cost=policy.cost,
-                          mean_confidence=[0.9] * k)
+                          mean_confidence=[0.9] * k, measure_steps=0)
     by_ratio.step_times.ratios[(SPECULATIVE, 1)] = policy.step_times.ratio(PLAIN, 1)  # the old stand-in
     by_ratio.step_times.overheads[(SPECULATIVE, 1)] = 0.0
     by_ratio.step_times.ratios[(PLAIN, 1)] = policy.step_times.ratio(PLAIN, 1)
@@ -409,3 +413,76 @@ def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
     policy.draft_seconds = 10.0  # proposals that cost more than any verified token yields
     assert policy.counts(held(2), [3, 3], 2, 2) == [0, 0]
     assert policy.plan_drafting(2) == 0 and policy.paused == policy.min_probe_every - 1
+
+
+def test_a_load_is_measured_before_it_is_modelled():
+    """Where no speculative step has been seen at a load, the plan drafts full chains and the next admission
+    verifies them all (whatever the model says: here drafting costs 5x a step and would pause); once min_count
+    speculative steps are seen there, or after measure_steps measuring plans, the model plans. The H200's trap
+    (2026-12-04, dbb32fd): with nothing seen, the tables priced a plain step at 0.234 ms (it ran 0.52) and a k = 5
+    step at 0.88 ms (it ran 1.33), and the first plan at one sequence paused."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.2, full=0.2)
+    policy.measure_steps = 4
+    assert policy.plan_drafting(1) == 5 and policy.verify_all and policy.plans_before_the_draw()
+    low = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.05] * 5)]
+    assert policy.counts(low, [5], 1, 1) == [5] and not policy.verify_all  # every slot, however unlikely
+    for _ in range(3):  # speculative steps measured at their price: the model (drafting does not pay) decides
+        policy.observe_step(policy.cost.at(6) + 0.2, 6, 1, 1, 5, verified=True)
+    assert policy.step_times.seen(SPECULATIVE, 1)
+    assert policy.plan_drafting(1) == 0 and policy.paused > 0 and not policy.verify_all
+    # a load where speculative steps are never observed is measured measure_steps times, then modelled
+    policy.paused = 0
+    for _ in range(4):
+        assert policy.plan_drafting(64) == 5 and policy.verify_all
+        policy.paused = 0
+    assert policy.plan_drafting(64) == 0 and not policy.verify_all
+    assert not policy.step_times.seen(SPECULATIVE, 64)
+
+
+def test_a_pause_ends_when_the_load_falls_below_the_load_it_was_decided_at():
+    """A pause decided at 64 sequences goes on at 64 and above, and ends with a probe once the load is in a lower
+    bucket (the benchmark's warm-up paused at 256 and its one-sequence runs never drafted); the next pause at
+    a load doubles only that load's length."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    policy.draft_cost = DraftCostTable(5, StepCostTable([1, 32, 64], [0.004, 0.004, 4.0]),
+                                       StepCostTable([1, 32, 64], [0.2, 0.2, 10.0]))
+    assert policy.plan_drafting(64) == 0 and policy.paused == 31 and policy.pause_bucket == 64
+    assert policy.plan_drafting(100) == 0 and policy.plan_drafting(33) == 0 and policy.paused == 29
+    assert policy.plan_drafting(32) == 5 and policy.probe and policy.paused == 0
+    assert policy.counts(held(4), [3] * 4, 4, 4) == [3] * 4 and policy.verifying_probe  # the probe, in full
+    assert policy.plan_drafting(32) == 1 and policy.next_pause(32) == 32
+    assert policy.next_pause(64) == 64
+
+
+def test_paused_rows_that_would_be_dropped_before_the_pause_ends_are_not_kept():
+    rows = PausedRows(max_rows=4096)
+    assert rows.worth_keeping(256, 16) and not rows.worth_keeping(256, 17)
+    assert rows.worth_keeping(1, 1024) and rows.worth_keeping(4096, 0) and not rows.worth_keeping(4097, 1)
+
+
+def test_a_speculative_price_is_the_plain_steps_excess_plus_the_price_scaled_by_the_rest():
+    """Both kinds seen at a load: plain steps priced 1 ms ran 2 (1 ms of per-step work), speculative ones priced 2 ms
+    ran 3.2. A 4 ms chain is then 1 + 4 x 1.1 = 5.4 ms (its own observed price gives back its observed time), where
+    the speculative ratio alone said 6.4: the per-step work does not grow with the chain."""
+    times = StepTimeRatios()
+    for _ in range(3):
+        times.observe(PLAIN, 8, 2e-3, 1e-3)
+        times.observe(SPECULATIVE, 8, 3.2e-3, 2e-3)
+    assert times.seconds(SPECULATIVE, 8, 2e-3) == pytest.approx(3.2e-3)
+    assert times.seconds(SPECULATIVE, 8, 4e-3) == pytest.approx(5.4e-3)
+    assert times.seconds(PLAIN, 8, 1e-3) == pytest.approx(2e-3)
+    assert times.seconds(SPECULATIVE, 16, 4e-3) == pytest.approx(4e-3 * 1.6)  # elsewhere: the nearest ratio
+
+
+def test_output_processing_per_token_is_taken_out_of_the_observed_step_times():
+    """A step's output processing (measured per emitted token) is paid once per token however it is emitted: a
+    speculative step emitting 5 tokens at 0.1 ms each is compared with the tables after taking 0.5 ms out."""
+    policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
+    policy.observe_output(0.5e-3, 5)
+    assert policy.token_seconds == pytest.approx(0.1e-3)
+    price = policy.cost.at(6) + policy.drafting_seconds(1, 5)
+    for _ in range(3):
+        policy.observe_step(price + 0.5e-3, 6, 1, 1, 5, verified=True, emitted=5)
+        policy.observe_step(policy.cost.at(1) + 0.1e-3, 1, 1)
+    assert policy.step_times.ratio(SPECULATIVE, 1) == pytest.approx(1.0)
+    assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(1.0)
