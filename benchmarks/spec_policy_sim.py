@@ -153,7 +153,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         if policy.adaptive:
             dt += host * host_factor
         if policy.adaptive:  # the engine times its output processing (SpecStepPipeline._step): h_tok a token here
-            policy.observe_output(model.h_tok * emitted, emitted)
+            policy.observe_output(model.h_tok * emitted, emitted, B)
         if not caught_up:
             policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync,
                                 emitted=emitted)

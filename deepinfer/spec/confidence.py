@@ -59,6 +59,7 @@ class SurvivalCalibrator:
     _observed: int = field(init=False, default=0)
     _pending: dict = field(init=False, default_factory=dict)  # (slot, bin) -> (trials, accepts) not yet counted
     _rows: list = field(init=False, default_factory=list)  # the table as lists (survival's lookups)
+    _array: np.ndarray = field(init=False)  # the table in numpy (estimate_array's lookups)
     accepts: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
     table: torch.Tensor = field(init=False)  # [num_slots, num_bins] fitted survival
@@ -123,6 +124,13 @@ class SurvivalCalibrator:
     def _bins(self, conf: torch.Tensor) -> torch.Tensor:
         return (conf.to(torch.float64).clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
 
+    def estimate_array(self, conf: np.ndarray) -> np.ndarray:
+        """fp64 survival of a [B, W] numpy array of confidences, column j at slot j (slots past the table: its last)."""
+        nb = self.num_bins
+        bins = np.minimum((np.clip(conf, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+        slots = np.minimum(np.arange(conf.shape[1]), self.num_slots - 1)
+        return self._array[slots[None, :], bins]
+
     def estimate(self, slots: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """fp64 survival per (slot index, confidence) pair (same shapes; slots clamped to the table)."""
         s = slots.to(torch.int64).clamp(0, self.num_slots - 1)
@@ -140,6 +148,7 @@ class SurvivalCalibrator:
         rates = self.accepts / self.trials
         self.table = torch.stack([isotonic_increasing(rates[j], self.trials[j]) for j in range(self.num_slots)])
         self._rows = self.table.tolist()
+        self._array = self.table.numpy()
         self._since_fit = 0
 
     def conditional_acceptance(self) -> list[float]:

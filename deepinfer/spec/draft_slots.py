@@ -20,23 +20,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from deepinfer.kv.manager import KVCacheManager
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer.spec.confidence import SurvivalCalibrator
-from deepinfer.spec.scheduler import StepCostTable, admit, admit_lists
+from deepinfer.spec.scheduler import StepCostTable, admit_array, admit_lists
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
 
-# most verified slots (sum of the drafts' lengths) admitted in plain floats (SlotPolicy.counts); above, tensors and
-# numpy (spec/scheduler.py admit). On this CPU (2026-12-04, k = 5): the plain-float path 38 us at one sequence and
-# ~6 us more a slot (352 us at 60 slots); the array path ~490 us at 320 slots (the all-torch one was 610-780 us at
-# any load)
-SMALL_ADMISSION = 96
+# most slots (sequences x k) admitted in plain floats (SlotPolicy.counts); above, numpy (spec/scheduler.py
+# admit_array). On this CPU (2026-12-04, k = 5): the plain-float path 37 us at 5 slots, ~5 us more a slot (385 us at
+# 80); the numpy path ~130 us at 5-40 slots, ~170 at 80, ~500 at 1,280 (the all-torch one was 610-780 us at any load)
+SMALL_ADMISSION = 24
 
 
 @dataclass
@@ -113,15 +112,16 @@ class SlotPolicy:
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
     them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
     Each pause in a row at a load (its bucket, spec/step_times.py) doubles the next one there (up to
-    max_probe_every); a chain that pays resets it. A pause is the decision of its load: once the load falls to a
-    lower bucket it ends with a probe, and the plan is made again at the new load (on the H200, 2026-12-04,
+    max_probe_every); a chain that pays resets it. A pause is the decision of its load: once the load is in a
+    lower bucket for load_fall_steps steps it ends with a probe, and the plan is made again at the new load (on the H200, 2026-12-04,
     dbb32fd: the benchmark's warm-up paused at 256 sequences, and the timed runs at one sequence that followed
     spent their whole length in that pause, tau 1.04, where static k = 5 ran 1.67x).
     Measured before modelled: at a load where no speculative step has been seen (spec/step_times.py: min_count),
     the first measure_steps plans draft full chains for every sequence and their next admission verifies them in
-    full (`verify_all`), so that the plan compares measured step times and a calibration of every slot rather than
-    the tables' prices, which on the H200 put a plain step at 0.234 ms where it ran 0.52, and a k = 5 step at
-    0.88 where it ran 1.33 (the plan with no step seen paused at one sequence). While the chain
+    full (`verify_all`); where no plain step has been seen, a pause of measure_steps steps times them. So the plan
+    compares measured step times and a calibration of every slot rather than the tables' prices, which on the H200
+    put a plain step at 0.234 ms where it ran 0.52, and a k = 5 step at 0.88 where it ran 1.33 (the plan with no
+    step seen paused at one sequence). While the chain
     is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
     so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
     The n-gram drafter (no drafting table, draft_cost None) keeps the rule it had: its proposals cost host time
@@ -151,7 +151,10 @@ class SlotPolicy:
     measure_steps: int = 8
     verify_all: bool = False  # the held drafts were drafted to be measured: the next admission verifies them all
     pause_bucket: int = 0  # the load bucket the current pause was decided at
-    _measured: dict[int, int] = field(default_factory=dict)  # measuring plans made, by load bucket
+    load_fall_steps: int = 4  # steps in a row in a lower bucket that end a pause
+    num_load_ends: int = 0  # pauses ended by a fall in load (engine life)
+    _low_steps: int = 0
+    _measured: dict[tuple[str, int], int] = field(default_factory=dict)  # measuring plans made, by kind and load
     _backoff: dict[int, int] = field(default_factory=dict)  # the next pause's length, by load bucket
     _short_chains: int = 0
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
@@ -160,10 +163,10 @@ class SlotPolicy:
     # measured / table-predicted seconds of the engine's decode-row steps, per kind (plain / speculative) and load
     # bucket (spec/step_times.py, fed by `observe_step`); plan_drafting scales the tables' prices by them
     step_times: StepTimeRatios = field(default_factory=StepTimeRatios)
-    # host seconds of output processing per emitted token (moving average, `observe_output`): taken out of the
-    # observed step times, because every emitted token pays it once whichever way it is emitted (module docstring of
-    # observe_step)
-    token_seconds: float = 0.0
+    # host seconds of output processing per emitted token by load bucket (moving averages, `observe_output`): taken
+    # out of the observed step times, because every emitted token pays it once whichever way it is emitted
+    # (observe_step); per load, since a step's processing also has per-step parts that a token's share hides
+    token_seconds: dict[int, float] = field(default_factory=dict)
 
     @property
     def adaptive(self) -> bool:
@@ -185,8 +188,19 @@ class SlotPolicy:
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        self._track_confidence([h.confidence for h in held], lens_list)
+        confs = [h.confidence for h in held]
+        big = len(held) * self.k > SMALL_ADMISSION
+        if big:  # numpy: at 256 sequences the list paths cost ~1 ms of host time a step on the H200's host (fc4c856)
+            lens = np.minimum(np.minimum(np.asarray(caps, dtype=np.int64), self.k),
+                              np.fromiter(map(len, confs), dtype=np.int64, count=len(confs)))
+            lens_list = lens.tolist()
+            width = max(lens_list)
+            conf = _matrix(confs, width)
+            if width:
+                self._track_confidence_array(conf, np.arange(width)[None, :] < lens[:, None])
+        else:
+            lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+            self._track_confidence(confs, lens_list)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe, self.verifying_probe, self.verify_all = False, True, False
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
@@ -194,18 +208,15 @@ class SlotPolicy:
             self.verify_all = False
             return lens_list
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
-        if sum(lens_list) <= SMALL_ADMISSION:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
+        if not big:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
             cal = self.calibrator
             survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
             counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s)
+        elif width:
+            counts = admit_array(self.calibrator.estimate_array(conf), lens, self.cost, base_tokens,
+                                 float(base_yield), speculation_seconds=spec_s)[0].tolist()
         else:
-            width = max(lens_list)
-            conf = torch.tensor([h.confidence[:n] + [0.0] * (width - n) for h, n in zip(held, lens_list)],
-                                dtype=torch.float64).view(len(held), width)
-            lens = torch.tensor(lens_list, dtype=torch.int64)
-            survival = self.calibrator.estimate(torch.arange(width).expand(len(held), width), conf)
-            counts = admit(survival, lens, self.cost, base_tokens, float(base_yield),
-                           speculation_seconds=spec_s).num_slots.tolist()
+            counts = lens_list
         self._admitted_any = any(counts)
         return counts
 
@@ -224,9 +235,10 @@ class SlotPolicy:
         bucket = load_bucket(num_seqs)
         if not self.adaptive:
             self.chain = self.k
-        elif self.paused > 0 and num_seqs > 0 and bucket < self.pause_bucket:
+        elif self.paused > 0 and self._load_fell(num_seqs, bucket):
             self.paused = 0  # the load fell below the pause's: probe, then plan at this load (class docstring)
             self.probe, self.chain = True, self.k
+            self.num_load_ends += 1
         elif self.paused > 0:
             self.paused -= 1
             self.chain = 0
@@ -237,6 +249,9 @@ class SlotPolicy:
         elif self.draft_cost is not None and self._measuring(num_seqs):
             self.chain = self.k  # a load not measured yet: full chains, verified in full (class docstring)
             self.verify_all = True
+        elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
+            self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
+            self.paused, self.pause_bucket = max(self.measure_steps - 1, 1), bucket
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             if self.chain == 0:
@@ -253,28 +268,38 @@ class SlotPolicy:
                         self._short_chains, self.explore = 0, True
         return self.chain
 
+    def _load_fell(self, num_seqs: int, bucket: int) -> bool:
+        """Whether a pause's load has been in a lower bucket than the pause's for load_fall_steps steps in a row (a
+        sequence finishing while a waiting one is admitted the step after is no change of load)."""
+        self._low_steps = self._low_steps + 1 if 0 < num_seqs and bucket < self.pause_bucket else 0
+        return self._low_steps >= self.load_fall_steps
+
     def next_pause(self, num_seqs: int) -> int:
         """Steps the next pause decided at this load would last (doubling per pause in a row there)."""
         return self._backoff.get(load_bucket(num_seqs), self.min_probe_every)
 
-    def _measuring(self, num_seqs: int) -> bool:
-        """Whether this plan measures its load (class docstring): no speculative step seen there yet, and fewer than
-        measure_steps measuring plans made there (a load whose speculative steps are never observed, e.g. all off the
-        one-sync path, is modelled after those)."""
-        if self.step_times.seen(SPECULATIVE, num_seqs):
+    def _measuring(self, num_seqs: int, kind: str = SPECULATIVE) -> bool:
+        """Whether this plan measures its load (class docstring). Speculative: none of its speculative steps seen there
+        yet, and fewer than measure_steps measuring plans made there (a load whose speculative steps are never
+        observed, e.g. all off the one-sync path, is modelled after those). Plain: none of its plain steps seen, and
+        fewer than two measuring pauses there. On the H200 (2026-12-04, fc4c856) an engine that measured speculative
+        steps at every load and never paused priced plain steps by the speculative steps' excess (12.9 ms at 256
+        sequences, where an off step took ~1.7) and drafted at every load, at 0.88x of off at 64 and 256."""
+        if self.measure_steps <= 0 or self.step_times.seen(kind, num_seqs):
             return False
-        bucket = load_bucket(num_seqs)
-        n = self._measured.get(bucket, 0)
-        if n >= self.measure_steps:
+        key = (kind, load_bucket(num_seqs))
+        n = self._measured.get(key, 0)
+        if n >= (self.measure_steps if kind == SPECULATIVE else 2):
             return False
-        self._measured[bucket] = n + 1
+        self._measured[key] = n + 1
         return True
 
-    def observe_output(self, seconds: float, tokens: int) -> None:
-        """One step's output processing: `seconds` of host time for `tokens` emitted tokens."""
+    def observe_output(self, seconds: float, tokens: int, num_seqs: int) -> None:
+        """One step's output processing: `seconds` of host time for `tokens` emitted tokens of num_seqs sequences."""
         if tokens > 0:
-            x = seconds / tokens
-            self.token_seconds = x if self.token_seconds == 0 else 0.9 * self.token_seconds + 0.1 * x
+            x, b = seconds / tokens, load_bucket(num_seqs)
+            old = self.token_seconds.get(b)
+            self.token_seconds[b] = x if old is None else 0.9 * old + 0.1 * x
 
     def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
                      verified: bool = False, off_path: bool = False, emitted: int | None = None) -> None:
@@ -305,7 +330,7 @@ class SlotPolicy:
             return
         if verified != bool(drafted_seqs and chain) or (verified and off_path):
             return
-        out = self.token_seconds * (num_seqs if emitted is None else emitted)
+        out = self.token_seconds.get(load_bucket(num_seqs), 0.0) * (num_seqs if emitted is None else emitted)
         seconds = max(seconds - out, 0.1 * seconds)
         predicted = self.cost.at(num_tokens)
         if drafted_seqs and chain:
@@ -337,6 +362,15 @@ class SlotPolicy:
                 best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
         return best
 
+    def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray, decay: float = 0.9) -> None:
+        """`_track_confidence` over a [B, W] array, valid [B, W] marking the held slots (every column has one)."""
+        means = (np.where(valid, conf, 0.0).sum(0) / valid.sum(0)).tolist()
+        for j, m in enumerate(means):
+            if j < len(self.mean_confidence):
+                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
+            elif j == len(self.mean_confidence):
+                self.mean_confidence.append(m)
+
     def _track_confidence(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
         """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
         width = max(lens, default=0)
@@ -347,6 +381,14 @@ class SlotPolicy:
                 self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
             elif j == len(self.mean_confidence):
                 self.mean_confidence.append(m)
+
+
+def _matrix(rows: list[list[float]], width: int) -> np.ndarray:
+    """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""
+    if width and all(len(r) == len(rows[0]) for r in rows) and len(rows[0]) >= width:
+        return np.array(rows, dtype=np.float64)[:, :width]  # the usual step: every draft as long (one array call)
+    return np.array([r[:width] + [0.0] * (width - len(r[:width])) for r in rows],
+                    dtype=np.float64).reshape(len(rows), width)
 
 
 def add_draft_slots(sched: SchedulerOutput, book: DraftBook, kv: KVCacheManager, policy: SlotPolicy,

@@ -180,7 +180,7 @@ class SpecStepPipeline:
         t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
         num_emitted = sum(len(toks) for toks in emitted)
-        self.policy.observe_output(time.perf_counter() - t1, num_emitted)
+        self.policy.observe_output(time.perf_counter() - t1, num_emitted, len(sched.scheduled))
         # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):

@@ -81,15 +81,22 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
     tokens the step runs anyway; base_yield: tokens it yields anyway (one per decoding request);
     draft_seconds: drafting time every choice pays; speculation_seconds: time paid only when some slot is
     admitted (drafting that stops when speculation does not pay: the engine's adaptive mode)."""
+    counts, expected, seconds = admit_array(survival.cpu().to(torch.float64).numpy(), draft_lens.cpu().numpy(), cost,
+                                            base_tokens, base_yield, draft_seconds, speculation_seconds)
+    return Admission(torch.from_numpy(counts), expected, seconds)
+
+
+def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, base_tokens: int, base_yield: float,
+                draft_seconds: float = 0.0, speculation_seconds: float = 0.0) -> tuple[np.ndarray, float, float]:
+    """`admit` on numpy arrays (the per-step host path at many slots: SlotPolicy.counts): survival [B, K] fp64,
+    lens [B]; returns (int64 counts [B], expected tokens, seconds)."""
     b, k = survival.shape
     if b == 0 or k == 0:
-        secs = cost.at(base_tokens) + draft_seconds
-        return Admission(torch.zeros(b, dtype=torch.int64), base_yield, secs)
+        return np.zeros(b, dtype=np.int64), base_yield, cost.at(base_tokens) + draft_seconds
     # numpy, not torch: ~20 small ops a step on the host path, each ~10x cheaper (2026-12-04, this CPU: 0.45 ms of
     # torch ops a call at one sequence)
-    lens = draft_lens.cpu().numpy()
-    valid = np.arange(k)[None, :] < lens[:, None]
-    s = np.where(valid, np.clip(survival.cpu().to(torch.float64).numpy(), 0.0, 1.0), 0.0)
+    valid = np.arange(k)[None, :] < np.asarray(lens)[:, None]
+    s = np.where(valid, np.clip(survival, 0.0, 1.0), 0.0)
     flat = np.cumprod(s, axis=1).reshape(-1)  # reach, non-increasing along a row
     # order by reach descending, ties by slot index, then request (keeps every request's admitted slots a prefix)
     order = np.lexsort((np.arange(b * k), np.tile(np.arange(k), b), -flat))
@@ -101,7 +108,7 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
     rate = expected / seconds
     best = int(np.argmax(rate))  # first maximum: the fewest slots for the best rate
     counts = np.bincount(order[:best] // k, minlength=b)
-    return Admission(torch.from_numpy(counts.astype(np.int64)), float(expected[best]), float(seconds[best]))
+    return counts.astype(np.int64), float(expected[best]), float(seconds[best])
 
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,

@@ -38,6 +38,9 @@ def make(parts, monkeypatch, async_pauses: bool | None = True, cost=NO_PAY, **kw
     engine = DeepInferenceEngine.from_components(EngineConfig(**settings), model, tok, backend)
     if engine._spec is not None and cost is not None:
         engine._spec.policy.cost = cost
+        # plans by the table from the first plan (the measuring plans of a new load would draft full chains first):
+        # NO_PAY pauses at once
+        engine._spec.policy.measure_steps = 0
     return engine
 
 
@@ -59,6 +62,9 @@ def test_pauses_run_async_with_the_output_and_stats_of_sync_pauses(parts, monkey
     off = make(parts, monkeypatch, cost=None)
     on, sync = adaptive(parts, monkeypatch), adaptive(parts, monkeypatch, async_pauses=False)
     assert on._spec.async_pauses is not None and sync._spec.async_pauses is None
+    # pauses end only at their length here: a fall in load ends one a step later in async (its steps are scheduled
+    # before the step in flight resolves), which would move every later count by a step; the seeded run below has it
+    on._spec.policy.load_fall_steps = sync._spec.policy.load_fall_steps = 10**9
     # greedy with stops inside the pause (max_tokens 20 and 33: their sequences finish while steps are in flight)
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (48, 20, 33)]
     want = ids(off.generate(PROMPTS, greedy, use_tqdm=False))
@@ -78,6 +84,10 @@ def test_pauses_run_async_with_the_output_and_stats_of_sync_pauses(parts, monkey
     n0 = pauses.num_steps
     assert ids(on.generate(PROMPTS, seeded, use_tqdm=False)) == ids(off.generate(PROMPTS, seeded, use_tqdm=False))
     assert pauses.num_steps > n0 and on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
+    # a pause ended by a fall in load (a delegated step ends it; the next step probes on the spec path)
+    on._spec.policy.load_fall_steps = 4
+    assert ids(on.generate(PROMPTS, greedy, use_tqdm=False)) == want
+    assert on._spec.policy.num_load_ends >= 1 and on.stats().kv_blocks_used == 0 and len(on._spec.paused_rows) == 0
 
 
 PAUSE = 12

@@ -286,9 +286,10 @@ def test_transition_steps_are_not_observed():
     assert policy.plan_drafting(1) == 1  # the plain ratio stands in for the unseen speculative side
 
 
-def test_small_admissions_in_plain_floats_choose_as_the_tensor_path(monkeypatch):
-    """SlotPolicy.counts takes plain floats up to SMALL_ADMISSION slots; the tensor path (forced with the limit at
-    0) chooses the same counts and tracks the same mean confidences over a run of random drafts."""
+def test_small_admissions_in_plain_floats_choose_as_the_numpy_path(monkeypatch):
+    """SlotPolicy.counts takes plain floats up to SMALL_ADMISSION slots; the numpy path (forced with the limit at
+    0) chooses the same counts and tracks the same mean confidences over a run of random drafts (ragged, all of one
+    length, caps of 0)."""
     import random
 
     import deepinfer.spec.draft_slots as ds
@@ -296,15 +297,16 @@ def test_small_admissions_in_plain_floats_choose_as_the_tensor_path(monkeypatch)
     rng = random.Random(2)
     fast = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)
     slow = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)
-    for step in range(60):
+    for step in range(90):
         b = rng.randint(1, 6)
+        same = step % 3 == 1  # every draft as long (the numpy path's one-call matrix)
         drafts = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * n, confidence=[rng.random() for _ in range(n)])
-                  for n in (rng.randint(1, 5) for _ in range(b))]
-        caps = [rng.randint(0, 5) for _ in range(b)]
+                  for n in ((4 if same else rng.randint(1, 5)) for _ in range(b))]
+        caps = [0] * b if step % 15 == 7 else [rng.randint(0, 5) for _ in range(b)]
+        monkeypatch.setattr(ds, "SMALL_ADMISSION", 10**6)
         got = fast.counts(drafts, caps, b, b)
         monkeypatch.setattr(ds, "SMALL_ADMISSION", 0)
         want = slow.counts(drafts, caps, b, b)
-        monkeypatch.setattr(ds, "SMALL_ADMISSION", 64)
         assert got == want, step
     assert fast.mean_confidence == pytest.approx(slow.mean_confidence, rel=1e-12)
 
@@ -426,29 +428,38 @@ def test_a_load_is_measured_before_it_is_modelled():
     assert policy.plan_drafting(1) == 5 and policy.verify_all and policy.plans_before_the_draw()
     low = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.05] * 5)]
     assert policy.counts(low, [5], 1, 1) == [5] and not policy.verify_all  # every slot, however unlikely
-    for _ in range(3):  # speculative steps measured at their price: the model (drafting does not pay) decides
+    for _ in range(3):  # speculative steps measured at their price
         policy.observe_step(policy.cost.at(6) + 0.2, 6, 1, 1, 5, verified=True)
     assert policy.step_times.seen(SPECULATIVE, 1)
-    assert policy.plan_drafting(1) == 0 and policy.paused > 0 and not policy.verify_all
-    # a load where speculative steps are never observed is measured measure_steps times, then modelled
-    policy.paused = 0
-    for _ in range(4):
-        assert policy.plan_drafting(64) == 5 and policy.verify_all
+    # no plain step seen: a pause of measure_steps steps times them (the backoff is not touched)
+    assert policy.plan_drafting(1) == 0 and policy.paused == 3 and not policy.verify_all
+    for _ in range(3):
+        policy.observe_step(policy.cost.at(1), 1, 1)
+        assert policy.plan_drafting(1) == (5 if policy.paused == 0 else 0)
+    assert policy.probe and policy.next_pause(1) == policy.min_probe_every
+    policy.counts(held(1), [3], 1, 1)  # the probe's verification, then the model (drafting does not pay) decides
+    assert policy.plan_drafting(1) == 0 and policy.paused == policy.min_probe_every - 1
+    # a load where speculative steps are never observed is measured measure_steps times, plain steps twice, then
+    # modelled
+    plans = []
+    for _ in range(7):
         policy.paused = 0
-    assert policy.plan_drafting(64) == 0 and not policy.verify_all
+        plans.append((policy.plan_drafting(64), policy.verify_all, policy.paused))
+    assert plans == [(5, True, 0)] * 4 + [(0, False, 3)] * 2 + [(0, False, policy.min_probe_every - 1)]
     assert not policy.step_times.seen(SPECULATIVE, 64)
 
 
 def test_a_pause_ends_when_the_load_falls_below_the_load_it_was_decided_at():
     """A pause decided at 64 sequences goes on at 64 and above, and ends with a probe once the load is in a lower
-    bucket (the benchmark's warm-up paused at 256 and its one-sequence runs never drafted); the next pause at
-    a load doubles only that load's length."""
+    bucket for load_fall_steps (4) steps in a row (the benchmark's warm-up paused at 256 and its one-sequence runs
+    never drafted); the next pause at a load doubles only that load's length."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
     policy.draft_cost = DraftCostTable(5, StepCostTable([1, 32, 64], [0.004, 0.004, 4.0]),
                                        StepCostTable([1, 32, 64], [0.2, 0.2, 10.0]))
     assert policy.plan_drafting(64) == 0 and policy.paused == 31 and policy.pause_bucket == 64
     assert policy.plan_drafting(100) == 0 and policy.plan_drafting(33) == 0 and policy.paused == 29
-    assert policy.plan_drafting(32) == 5 and policy.probe and policy.paused == 0
+    assert [policy.plan_drafting(n) for n in (32, 32, 32, 64, 32, 32, 32)] == [0] * 7  # 4 in a row end it
+    assert policy.plan_drafting(32) == 5 and policy.probe and policy.paused == 0 and policy.num_load_ends == 1
     assert policy.counts(held(4), [3] * 4, 4, 4) == [3] * 4 and policy.verifying_probe  # the probe, in full
     assert policy.plan_drafting(32) == 1 and policy.next_pause(32) == 32
     assert policy.next_pause(64) == 64
@@ -478,8 +489,9 @@ def test_output_processing_per_token_is_taken_out_of_the_observed_step_times():
     """A step's output processing (measured per emitted token) is paid once per token however it is emitted: a
     speculative step emitting 5 tokens at 0.1 ms each is compared with the tables after taking 0.5 ms out."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.004, full=0.2)
-    policy.observe_output(0.5e-3, 5)
-    assert policy.token_seconds == pytest.approx(0.1e-3)
+    policy.observe_output(0.5e-3, 5, 1)
+    policy.observe_output(0.5e-3, 50, 20)  # another load's: not this one's
+    assert policy.token_seconds == pytest.approx({1: 0.1e-3, 32: 0.01e-3})
     price = policy.cost.at(6) + policy.drafting_seconds(1, 5)
     for _ in range(3):
         policy.observe_step(price + 0.5e-3, 6, 1, 1, 5, verified=True, emitted=5)
