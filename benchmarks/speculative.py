@@ -104,6 +104,10 @@ def print_drafting(mode: str, engine) -> None:
     if policy.cost is not None:
         print(f"{mode}, step table: " + ", ".join(f"{n} tok {x * 1e3:.3f} ms ({shape})" for n, x, shape in
                                                  zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
+        if policy.adaptive and policy.draft_cost is not None:  # what the plan would choose now, by load
+            seen = sorted({b for _, b, *_ in policy.step_times.rows()})
+            print(f"{mode}, plan now (tok/s of plain, chains 1..{policy.k}): " + "; ".join(
+                f"{b} seqs " + " / ".join(f"{r:.0f}" for r in policy.chain_rates(b)) for b in seen))
         rows = policy.step_times.rows()
         print(f"{mode}, measured / table step time by kind and load bucket (spec/step_times.py): " + (", ".join(
             f"{kind} <={bucket} seqs {ratio:.2f} ({over * 1e3:+.3f} ms, {n} steps)"

@@ -347,20 +347,28 @@ class SlotPolicy:
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
         spec/step_times.py). Plain floats: this runs every step. Reads calibration counts, past confidences and
         past step times only."""
+        rates = self.chain_rates(num_seqs)
+        best, best_rate = 0, rates[0] * (1 + 1e-9)
+        for chain in range(1, len(rates)):
+            if rates[chain] > best_rate:
+                best, best_rate = chain, rates[chain] * (1 + 1e-9)  # ties: the shorter chain
+        return best
+
+    def chain_rates(self, num_seqs: int) -> list[float]:
+        """Expected tokens per second of plain decoding (index 0) and of chains of 1..k (`_choose_chain`'s model)
+        at num_seqs sampling sequences. No side effect (benchmarks print it)."""
         k, b = self.k, float(num_seqs)
         conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
         survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
         times = self.step_times
-        best, best_rate = 0, b / times.seconds(PLAIN, num_seqs, self.cost.at(b)) * (1 + 1e-9)
+        rates = [b / times.seconds(PLAIN, num_seqs, self.cost.at(b))]
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
             price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
-            rate = expected / times.seconds(SPECULATIVE, num_seqs, price)
-            if rate > best_rate:
-                best, best_rate = chain, rate * (1 + 1e-9)  # ties: the shorter chain
-        return best
+            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
+        return rates
 
     def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray, decay: float = 0.9) -> None:
         """`_track_confidence` over a [B, W] array, valid [B, W] marking the held slots (every column has one)."""
