@@ -179,13 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-factor", type=float, default=1.0,
                     help="the device host's speed against this one for the policy's own host time (0: leave it out)")
     ap.add_argument("--warm-up", type=int, default=0, metavar="STEPS",
-                    help="first run every chosen model's load for STEPS steps with the same policy, untimed, as "
-                         "benchmarks/speculative.py's warm-up does (16 tokens a concurrency)")
+                    help="first run every chosen model of the same device (h200-*) for STEPS steps with the same "
+                         "policy, untimed, as benchmarks/speculative.py's warm-up does (16 tokens a concurrency)")
     args = ap.parse_args(argv)
-    warm = [(MODELS[name], args.warm_up) for name in args.model] if args.warm_up else []
+    def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
+        same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
+        return [(MODELS[m], args.warm_up) for m in same] if args.warm_up else []
+
     for name in args.model:
         model = MODELS[name]
-        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm)
+        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm(name))
                 for mode in ("off", "k1", "k3", "k5", "adaptive")]
         off = rows[0]["per_seq_tok_s"]
         print(f"{name} ({model.seqs} sequences):")

@@ -50,31 +50,47 @@ class StepTimeRatios:
     in where only that one was (module docstring; a purely additive model lost to the ratios in an A/B on the CPU on
     2026-12-03, docs/speculative.md)."""
 
-    weight: float = 0.1  # of a new observation, once 1/n is below it (a running mean over the first ones)
+    weight: float = 0.1  # of a new observation after the first min_count (which start the averages at their medians)
     # observations of a (kind, bucket) before its own numbers price steps: on the H200 (2026-12-04, fd509cb) one
     # speculative step at x2.86 its price was all the adaptive mode had seen at one sequence, and it paused there
     min_count: int = 3
     min_ratio: float = 0.1  # clamp of one observation: a GC pause or a stall is not the model's error
     max_ratio: float = 10.0
+    spread: float = 2.0  # after the first min_count: one observation moves the ratio by at most this factor's pull
+    _first: dict[tuple[str, int], list[tuple[float, float, float]]] = field(default_factory=dict)
     ratios: dict[tuple[str, int], float] = field(default_factory=dict)
     overheads: dict[tuple[str, int], float] = field(default_factory=dict)
     predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # moving average of the table prices
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
+        """One step. The first min_count observations of a (kind, bucket) start its averages at their medians, and
+        later ones are clamped to within `spread` of the running ratio: a step that compiled a kernel or met a
+        collector pause (tens of ms) is not what the next steps cost. On the H200 (2026-12-04, 3f48dc7) the
+        adaptive mode paused at 4 sequences for its whole run where its own end-of-run plan drafted chains of 5 at
+        1.5x plain decoding; a mean over the first three steps lets one such step decide."""
         if kind not in KINDS:
             raise ValueError(f"step kind must be one of {KINDS}, got {kind!r}")
         if predicted <= 0:
             return
         key = (kind, load_bucket(num_seqs))
         x = min(max(seconds / predicted, self.min_ratio), self.max_ratio)
-        over = (x - 1.0) * predicted
         n = self.counts.get(key, 0) + 1
-        w = max(1.0 / n, self.weight)
-        self.ratios[key] = x if n == 1 else (1 - w) * self.ratios[key] + w * x
-        self.overheads[key] = over if n == 1 else (1 - w) * self.overheads[key] + w * over
-        self.predicted[key] = predicted if n == 1 else (1 - w) * self.predicted[key] + w * predicted
         self.counts[key] = n
+        if n <= self.min_count:
+            first = self._first.setdefault(key, [])
+            first.append((x, (x - 1.0) * predicted, predicted))
+            mid = [sorted(v)[(len(first) - 1) // 2] for v in zip(*first)]  # the lower median of each
+            self.ratios[key], self.overheads[key], self.predicted[key] = mid
+            if n == self.min_count:
+                del self._first[key]
+            return
+        r = self.ratios[key]
+        x = min(max(x, r / self.spread), r * self.spread)
+        w = self.weight
+        self.ratios[key] = (1 - w) * r + w * x
+        self.overheads[key] = (1 - w) * self.overheads[key] + w * (x - 1.0) * predicted
+        self.predicted[key] = (1 - w) * self.predicted[key] + w * predicted
 
     def seen(self, kind: str, num_seqs: int) -> bool:
         """Whether this kind's own numbers at this load price its steps (min_count observations)."""
