@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from deepinfer.spec.confidence import SurvivalCalibrator, isotonic_increasing
@@ -105,9 +107,12 @@ def test_calibrator_list_paths_equal_the_tensor_paths():
     for i in range(0, 300, 5):
         a.observe(slots[i:i + 5], conf[i:i + 5], acc[i:i + 5])
         b.observe_lists(slots[i:i + 5].tolist(), conf[i:i + 5].tolist(), acc[i:i + 5].tolist())
-    assert torch.equal(a.table, b.table) and a.conditional_acceptance() == b.conditional_acceptance()
+    # the same counts; the slots' summed confidences (the prior's offset) add in another order: equal to 1e-12
+    assert torch.equal(a.trials, b.trials) and a.conditional_acceptance() == b.conditional_acceptance()
+    assert np.allclose(a.conf_sums, b.conf_sums, rtol=1e-12, atol=0)
+    assert torch.allclose(a.table, b.table, rtol=0, atol=1e-12)
     est = a.estimate(slots, conf).tolist()
-    assert [b.survival(int(s), float(c)) for s, c in zip(slots, conf)] == est
+    assert [b.survival(int(s), float(c)) for s, c in zip(slots, conf)] == pytest.approx(est, rel=0, abs=1e-12)
     for _ in range(3):  # batches past 64 slots: observe_lists' numpy bincounts
         a.observe(slots, conf, acc)
         b.observe_lists(slots.tolist(), conf.tolist(), acc.tolist())
@@ -115,6 +120,27 @@ def test_calibrator_list_paths_equal_the_tensor_paths():
     b._refit()
     assert torch.equal(a.trials, b.trials) and torch.allclose(a.accepts, b.accepts, rtol=0, atol=1e-9)
     assert torch.allclose(a.table, b.table, rtol=0, atol=1e-12)
+
+
+def test_the_calibrators_prior_is_shifted_by_the_slots_observed_offset():
+    """Drafts of confidence ~0.55 accepted 90% of the time (the embedded model's MTP past slot 1): after 40
+    observations every bin of that slot, seen or not, is priced up (the unseen 0.35 bin from its centre 0.35 to
+    ~0.6), not only the bin they fell in; a slot whose drafts are calibrated keeps its centres; a slot never
+    observed stays at them."""
+    cal = SurvivalCalibrator(3, refit_every=1)
+    g = torch.Generator().manual_seed(0)
+    n = 40
+    conf = 0.5 + 0.1 * torch.rand(n, generator=g, dtype=torch.float64)
+    cal.observe(torch.zeros(n, dtype=torch.int64), conf, (torch.arange(n) % 10 != 0).to(torch.float64))
+    cal.observe(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.95, dtype=torch.float64),
+                (torch.arange(n) % 20 != 0).to(torch.float64))  # accepted 95% at 0.95: calibrated
+    cal._refit()
+    offset = (0.9 * n - float(conf.sum())) / (n + 2.0 * 10)
+    assert offset == pytest.approx(0.23, abs=0.03)
+    assert cal.survival(0, 0.35) == pytest.approx(0.35 + offset, abs=0.01)  # never observed in that bin
+    assert cal.survival(0, 0.55) > 0.8 and cal.survival(0, 0.05) < 0.35
+    assert cal.survival(1, 0.35) == pytest.approx(0.35, abs=0.01)
+    assert cal.survival(2, 0.35) == pytest.approx(0.35) and cal.survival(2, 0.75) == pytest.approx(0.75)
 
 
 def test_metrics_tau_and_conditional_acceptance():
