@@ -1,5 +1,5 @@
 """The confidence scheduler in closed loop against a modelled device: the real SlotPolicy and SurvivalCalibrator
-(spec/draft_slots.py, spec/confidence.py), driven in the order SpecStepPipeline calls them, with step times from a
+(spec/slot_policy.py, spec/confidence.py), driven in the order SpecStepPipeline calls them, with step times from a
 model fitted to H200 measurements instead of a GPU. What it answers: given a device's cost structure, does the
 adaptive mode find the chain that pays, and how close does it get to the best static k?
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_cost import DraftCostTable
-from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
+from deepinfer.spec.draft_slots import HeldDraft
+from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.scheduler import StepCostTable
 
 

@@ -74,7 +74,7 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
 
 def print_drafting(mode: str, engine) -> None:
     """How the MTP drafter ran (graph replays vs eager), and for adaptive its cost tables and measured step-time
-    ratios: what the confidence scheduler priced drafting at (spec/draft_cost.py, spec/draft_slots.py)."""
+    ratios: what the confidence scheduler priced drafting at (spec/draft_cost.py, spec/slot_policy.py)."""
     spec = getattr(engine, "_spec", None)
     drafter = getattr(spec, "drafter", None)
     if drafter is None or not hasattr(drafter, "num_graph_passes"):

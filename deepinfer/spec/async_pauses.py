@@ -1,7 +1,7 @@
 """The plain steps of an adaptive drafting pause, through async scheduling.
 
 Why. A speculative engine's steps run sync (spec/pipeline.py): the host waits for each step's draw, verifies,
-drafts, then builds the next step. When the confidence scheduler pauses drafting (spec/draft_slots.py: SlotPolicy,
+drafts, then builds the next step. When the confidence scheduler pauses drafting (spec/slot_policy.py: SlotPolicy,
 32 to 1024 plain steps), those steps would gain nothing from the spec path, yet still ran sync, while the engine
 without speculation runs async scheduling (sched/step_pipeline.py: step N + 1's host work overlaps step N's device
 work). On the H200 (2026-12-03) the adaptive engine's plain steps cost about twice an off step (docs/speculative.md,

@@ -16,7 +16,7 @@ eager drafter on a throw-away cache. On the H200 the eager drafter cost ~8 ms of
 replays the engine now runs, and the scheduler drafts nothing: every point the graphs cover must be a replay
 (`DraftCostTable.shapes` says how each was timed; the start-up log prints it).
 
-Why a chain-length axis. The adaptive scheduler also picks how long the next chain is (spec/draft_slots.py:
+Why a chain-length axis. The adaptive scheduler also picks how long the next chain is (spec/slot_policy.py:
 `SlotPolicy.chain`): drafting k = 5 for 16 sequences costs ~71 ms on the cpu backend where k = 1 costs ~14 ms, and
 a step whose verification pays only for the first slot should not pay for four more links. So the table holds two
 profiled rows, chains of 1 and of k, and prices a chain of L in between linearly (each link is one more one-token

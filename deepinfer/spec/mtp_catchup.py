@@ -1,7 +1,7 @@
 """MTP-KV catch-up after an adaptive pause: the MTP layer's KV of the positions decoded while drafting was paused.
 
 Why. The MTP module attends over its own KV cache (spec/mtp_drafter.py), written by each step's pass. While the
-confidence scheduler pauses drafting (spec/draft_slots.py: no slot pays at this load), no pass runs, so the
+confidence scheduler pauses drafting (spec/slot_policy.py: no slot pays at this load), no pass runs, so the
 positions decoded in the pause would hold no MTP KV: whatever the block held before (zeros, or another sequence's
 entries from a reused block). Drafts after the pause attend over those holes; on the embedded model the probe
 drafts' first-slot acceptance fell from ~0.85 to 0.14-0.58, so a load that would pay again was judged not to.

@@ -58,13 +58,14 @@ from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.async_pauses import AsyncPauses
-from deepinfer.spec.draft_slots import DraftBook, SlotPolicy, add_draft_slots, cover_tokens
+from deepinfer.spec.draft_slots import DraftBook, add_draft_slots, cover_tokens
 from deepinfer.spec.grammar_drafts import DraftGrammarMask, verify_masks
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
+from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.verify_batch import VerifyShapes
 from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
@@ -320,7 +321,7 @@ class SpecStepPipeline:
 
     def _draft_next(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
         """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. The policy
-        plans the chain (spec/draft_slots.py: 0 in an adaptive pause; a probe drafts for probe_seqs sequences);
+        plans the chain (spec/slot_policy.py: 0 in an adaptive pause; a probe drafts for probe_seqs sequences);
         decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""
         self._next_drafts = []
         samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)

@@ -9,7 +9,7 @@ from deepinfer.backend import DecodeGraphRunner, MTPGraphRunner
 from deepinfer.errors import ConfigError
 from deepinfer.spec.async_pauses import AsyncPauses, use_async_pauses
 from deepinfer.spec.confidence import SurvivalCalibrator
-from deepinfer.spec.draft_slots import SlotPolicy
+from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.spec.ngram import NgramDrafter

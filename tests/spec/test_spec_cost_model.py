@@ -12,9 +12,10 @@ from deepinfer.models.registry import load_model
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.cost_profile import profile_step_costs
 from deepinfer.spec.draft_cost import DraftCostTable, profile_draft_costs
-from deepinfer.spec.draft_slots import HeldDraft, SlotPolicy
+from deepinfer.spec.draft_slots import HeldDraft
 from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
 
@@ -292,7 +293,7 @@ def test_small_admissions_in_plain_floats_choose_as_the_numpy_path(monkeypatch):
     length, caps of 0)."""
     import random
 
-    import deepinfer.spec.draft_slots as ds
+    import deepinfer.spec.slot_policy as ds
 
     rng = random.Random(2)
     fast = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)

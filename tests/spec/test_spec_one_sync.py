@@ -145,7 +145,7 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     got, _ = run(on, ps, params)
     assert got == want
     assert len(links) >= 3 and set(links) == {1}, links  # (the probe's full chains: drafted by the prompts' step)
-    # every verify step one-sync but the probe's verification (planned after its draw: spec/draft_slots.py
+    # every verify step one-sync but the probe's verification (planned after its draw: spec/slot_policy.py
     # plans_before_the_draw)
     assert spec.one_sync.num_steps == len(links) == spec.metrics.steps - 1
     assert spec.policy_steps > spec.metrics.steps and spec.policy_seconds > 0  # (and the prompts' step)

@@ -1,0 +1,327 @@
+"""SlotPolicy: static k, or the confidence scheduler's two per-step decisions (which held draft slots to verify,
+and how long a chain to draft next), with the measured step times and pauses they rest on (docs/speculative.md,
+"The confidence scheduler"). Used by spec/draft_slots.py (verification) and spec/pipeline.py (drafting)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from deepinfer.spec.confidence import SurvivalCalibrator
+from deepinfer.spec.draft_slots import HeldDraft
+from deepinfer.spec.scheduler import StepCostTable, admit_array, admit_lists
+from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
+
+if TYPE_CHECKING:
+    from deepinfer.spec.draft_cost import DraftCostTable
+
+# most slots (sequences x k) admitted in plain floats (SlotPolicy.counts); above, numpy (spec/scheduler.py
+# admit_array). On this CPU (2026-12-04, k = 5): the plain-float path 37 us at 5 slots, ~5 us more a slot (385 us at
+# 80); the numpy path ~130 us at 5-40 slots, ~170 at 80, ~500 at 1,280 (the all-torch one was 610-780 us at any load)
+SMALL_ADMISSION = 24
+
+
+@dataclass
+class SlotPolicy:
+    """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
+
+    Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
+    - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
+      survival; the drafts are made, so their cost is not in it);
+    - `plan_drafting`, before the step's forward while drafting steadily (from past steps only, so that the one-sync
+      step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
+      the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
+      sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
+      for those sequences (the drafting table, spec/draft_cost.py); the best L wins if it beats plain decoding,
+      else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
+    A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
+    spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
+    them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
+    Each pause in a row at a load (its bucket, spec/step_times.py) doubles the next one there (up to
+    max_probe_every); a chain that pays resets it. A pause is the decision of its load: once the load is in a
+    lower bucket for load_fall_steps steps it ends with a probe, and the plan is made again at the new load (on the H200, 2026-12-04,
+    dbb32fd: the benchmark's warm-up paused at 256 sequences, and the timed runs at one sequence that followed
+    spent their whole length in that pause, tau 1.04, where static k = 5 ran 1.67x).
+    Measured before modelled: at a load where no speculative step has been seen (spec/step_times.py: min_count),
+    the first measure_steps plans draft full chains for every sequence and their next admission verifies them in
+    full (`verify_all`); where no plain step has been seen, a pause of measure_steps steps times them. So the plan
+    compares measured step times and a calibration of every slot rather than the tables' prices, which on the H200
+    put a plain step at 0.234 ms where it ran 0.52, and a k = 5 step at 0.88 where it ran 1.33 (the plan with no
+    step seen paused at one sequence). While the chain
+    is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
+    so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
+    The n-gram drafter (no drafting table, draft_cost None) keeps the rule it had: its proposals cost host time
+    (the moving average draft_seconds, charged by the admission), and once an admission verifies nothing, drafting
+    pauses as above.
+    """
+
+    k: int
+    max_model_len: int
+    calibrator: SurvivalCalibrator | None = None
+    cost: StepCostTable | None = None
+    cost_shapes: list[str] = field(default_factory=list)  # per profiled count: how it was timed (spec/cost_profile.py)
+    draft_seconds: float = 0.0  # the last steps' drafting time (moving average; reported, n-gram's host time)
+    # MTP drafting seconds by drafting sequences and chain length, profiled at start-up (spec/draft_cost.py)
+    draft_cost: DraftCostTable | None = None
+    probe_every: int = 32  # the length of the last pause (next_pause: the next one's at a load)
+    min_probe_every: int = 32
+    max_probe_every: int = 1024
+    paused: int = 0
+    probe: bool = True  # the next step with drafts verifies probe_seqs sequences' drafts in full (the first one does)
+    probe_seqs: int = 4  # adaptive probes draft and verify at most this many sequences (a bounded cost)
+    chain: int = 0  # the chain drafted after the last step (0: none); static: k
+    explore_every: int = 64
+    explore: bool = False  # this drafting lengthens probe_seqs sequences' chains to k (set by plan_drafting)
+    verifying_probe: bool = False  # this step's admission verified a probe (set by counts, cleared by plan_drafting)
+    # drafting steps a load (bucket) measures, full chains verified in full, before its plan is modelled (0: none)
+    measure_steps: int = 8
+    verify_all: bool = False  # the held drafts were drafted to be measured: the next admission verifies them all
+    pause_bucket: int = 0  # the load bucket the current pause was decided at
+    load_fall_steps: int = 4  # steps in a row in a lower bucket that end a pause
+    num_load_ends: int = 0  # pauses ended by a fall in load (engine life)
+    _low_steps: int = 0
+    _measured: dict[tuple[str, int], int] = field(default_factory=dict)  # measuring plans made, by kind and load
+    _backoff: dict[int, int] = field(default_factory=dict)  # the next pause's length, by load bucket
+    _short_chains: int = 0
+    _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
+    # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
+    mean_confidence: list[float] = field(default_factory=list)
+    # measured / table-predicted seconds of the engine's decode-row steps, per kind (plain / speculative) and load
+    # bucket (spec/step_times.py, fed by `observe_step`); plan_drafting scales the tables' prices by them
+    step_times: StepTimeRatios = field(default_factory=StepTimeRatios)
+    # host seconds of output processing per emitted token by load bucket (moving averages, `observe_output`): taken
+    # out of the observed step times, because every emitted token pays it once whichever way it is emitted
+    # (observe_step); per load, since a step's processing also has per-step parts that a token's share hides
+    token_seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.calibrator is not None
+
+    def chain_length(self, index: int = 0) -> int:
+        """Drafts of the index-th drafting sequence's chain (valid after plan_drafting): the planned chain, or k for
+        the first probe_seqs sequences of an exploring step."""
+        if not self.adaptive:
+            return self.k
+        return self.k if self.explore and index < self.probe_seqs else self.chain
+
+    def drafting_seconds(self, num_seqs: int, chain: int | None = None) -> float:
+        """What drafting chains of `chain` (default k) for num_seqs sequences costs."""
+        if self.draft_cost is None:
+            return self.draft_seconds
+        return self.draft_cost.cost(num_seqs, chain)
+
+    def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
+        if not self.adaptive:
+            return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        confs = [h.confidence for h in held]
+        big = len(held) * self.k > SMALL_ADMISSION
+        if big:  # numpy: at 256 sequences the list paths cost ~1 ms of host time a step on the H200's host (fc4c856)
+            lens = np.minimum(np.minimum(np.asarray(caps, dtype=np.int64), self.k),
+                              np.fromiter(map(len, confs), dtype=np.int64, count=len(confs)))
+            lens_list = lens.tolist()
+            width = max(lens_list)
+            conf = _matrix(confs, width)
+            if width:
+                self._track_confidence_array(conf, np.arange(width)[None, :] < lens[:, None])
+        else:
+            lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+            self._track_confidence(confs, lens_list)
+        if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
+            self.probe, self.verifying_probe, self.verify_all = False, True, False
+            return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
+        if self.verify_all:  # drafted to be measured (plan_drafting): every slot, chosen before any draw
+            self.verify_all = False
+            return lens_list
+        spec_s = self.draft_seconds if self.draft_cost is None else 0.0
+        if not big:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
+            cal = self.calibrator
+            survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
+            counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s)
+        elif width:
+            counts = admit_array(self.calibrator.estimate_array(conf), lens, self.cost, base_tokens,
+                                 float(base_yield), speculation_seconds=spec_s)[0].tolist()
+        else:
+            counts = lens_list
+        self._admitted_any = any(counts)
+        return counts
+
+    def plans_before_the_draw(self) -> bool:
+        """Whether this step's chain may be planned before its forward (so that the one-sync step can run it): static
+        k, or an adaptive policy drafting steadily. A step that verifies a probe, or one in a pause, plans after its
+        draw (the host path): the probe's outcome is what the plan after a pause must see (planned before it, each
+        plan would read the calibration of the probe before, 32 to 1024 steps old; on the H200 the first plan then
+        saw no calibration at all and paused)."""
+        return not self.adaptive or (self.chain > 0 and self.paused == 0 and not self.verifying_probe)
+
+    def plan_drafting(self, num_seqs: int) -> int:
+        """The chain length to draft after this step for num_seqs sampling sequences (0: no drafting). Sets
+        self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
+        self.explore = self.verifying_probe = self.verify_all = False
+        bucket = load_bucket(num_seqs)
+        if not self.adaptive:
+            self.chain = self.k
+        elif self.paused > 0 and self._load_fell(num_seqs, bucket):
+            self.paused = 0  # the load fell below the pause's: probe, then plan at this load (class docstring)
+            self.probe, self.chain = True, self.k
+            self.num_load_ends += 1
+        elif self.paused > 0:
+            self.paused -= 1
+            self.chain = 0
+            if self.paused == 0:  # the pause ends: draft the probe
+                self.probe, self.chain = True, self.k
+        elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
+            self.chain = self.k
+        elif self.draft_cost is not None and self._measuring(num_seqs):
+            self.chain = self.k  # a load not measured yet: full chains, verified in full (class docstring)
+            self.verify_all = True
+        elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
+            self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
+            self.paused, self.pause_bucket = max(self.measure_steps - 1, 1), bucket
+        else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
+            self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
+            if self.chain == 0:
+                self.probe_every = self._backoff.get(bucket, self.min_probe_every)
+                self.paused, self.pause_bucket = self.probe_every - 1, bucket  # this step drafts nothing either
+                self._backoff[bucket] = min(2 * self.probe_every, self.max_probe_every)
+                if self.paused == 0:
+                    self.probe, self.chain = True, self.k
+            else:
+                self.probe_every = self._backoff[bucket] = self.min_probe_every
+                if self.chain < self.k:
+                    self._short_chains += 1
+                    if self._short_chains >= self.explore_every:
+                        self._short_chains, self.explore = 0, True
+        return self.chain
+
+    def _load_fell(self, num_seqs: int, bucket: int) -> bool:
+        """Whether a pause's load has been in a lower bucket than the pause's for load_fall_steps steps in a row (a
+        sequence finishing while a waiting one is admitted the step after is no change of load)."""
+        self._low_steps = self._low_steps + 1 if 0 < num_seqs and bucket < self.pause_bucket else 0
+        return self._low_steps >= self.load_fall_steps
+
+    def next_pause(self, num_seqs: int) -> int:
+        """Steps the next pause decided at this load would last (doubling per pause in a row there)."""
+        return self._backoff.get(load_bucket(num_seqs), self.min_probe_every)
+
+    def _measuring(self, num_seqs: int, kind: str = SPECULATIVE) -> bool:
+        """Whether this plan measures its load (class docstring). Speculative: none of its speculative steps seen there
+        yet, and fewer than measure_steps measuring plans made there (a load whose speculative steps are never
+        observed, e.g. all off the one-sync path, is modelled after those). Plain: none of its plain steps seen, and
+        fewer than two measuring pauses there. On the H200 (2026-12-04, fc4c856) an engine that measured speculative
+        steps at every load and never paused priced plain steps by the speculative steps' excess (12.9 ms at 256
+        sequences, where an off step took ~1.7) and drafted at every load, at 0.88x of off at 64 and 256."""
+        if self.measure_steps <= 0 or self.step_times.seen(kind, num_seqs):
+            return False
+        key = (kind, load_bucket(num_seqs))
+        n = self._measured.get(key, 0)
+        if n >= (self.measure_steps if kind == SPECULATIVE else 2):
+            return False
+        self._measured[key] = n + 1
+        return True
+
+    def observe_output(self, seconds: float, tokens: int, num_seqs: int) -> None:
+        """One step's output processing: `seconds` of host time for `tokens` emitted tokens of num_seqs sequences."""
+        if tokens > 0:
+            x, b = seconds / tokens, load_bucket(num_seqs)
+            old = self.token_seconds.get(b)
+            self.token_seconds[b] = x if old is None else 0.9 * old + 0.1 * x
+
+    def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
+                     verified: bool = False, off_path: bool = False, emitted: int | None = None) -> None:
+        """A decode-row step's wall time (schedule to output processing) of num_seqs sequences against what the
+        tables predict for it: the step table at its tokens, plus the drafting table for what it drafted. The tables
+        time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
+        verification, output processing, batch building and attention over real contexts, and that excess depends
+        on the load and on the kind of step (spec/step_times.py has the H200 numbers), so the correction is kept
+        per kind and per load bucket. Past steps only: non-anticipating.
+
+        Only the two steady states are observed: a plain step (nothing verified, nothing drafted) and a speculative
+        one (verified and drafted). A step that verified and drafted nothing (the last before a pause: a probe's
+        verification) or drafted without verifying (the first after a prompt or a pause) is a transition, priced
+        by neither steady state; on the H200 (2026-12-04, 8734169) three such probe verifications (host path, two
+        waits) at 4.6x their price were all the speculative side ever saw at one sequence, and kept every later
+        plan paused (tau 1.04) where static k = 5 ran 2.12x. off_path: a speculative step that took the host path
+        (two waits) where the steady state runs one-sync (spec/one_sync.py); not observed either: on the H200
+        (2026-12-04, fd509cb) the one speculative step seen at one sequence ran 2.25 ms, x2.86 its price, where the
+        one-sync k = 5 steps ran ~1.8 ms, x1.8.
+
+        emitted: the tokens the step emitted (default num_seqs: a plain step's one each). Their output processing
+        (token_seconds each, measured) is taken out of the step's time before it is compared with the tables: it is
+        paid once per token however the token is emitted, so it is no cost of speculation, and left in, it made a
+        speculative step's ratio (~5 tokens a sequence) price a longer chain by the ratio of a shorter one (x4.9 at 64
+        sequences in benchmarks/spec_policy_sim.py, where k = 3 was planned and k = 5 ran 1.17x faster). Plans
+        compare time per token without it (its share is the same for every choice)."""
+        if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
+            return
+        if verified != bool(drafted_seqs and chain) or (verified and off_path):
+            return
+        out = self.token_seconds.get(load_bucket(num_seqs), 0.0) * (num_seqs if emitted is None else emitted)
+        seconds = max(seconds - out, 0.1 * seconds)
+        predicted = self.cost.at(num_tokens)
+        if drafted_seqs and chain:
+            predicted += self.drafting_seconds(drafted_seqs, chain)
+        kind = SPECULATIVE if verified else PLAIN
+        self.step_times.observe(kind, num_seqs, seconds, predicted)
+
+    def _choose_chain(self, num_seqs: int) -> int:
+        """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
+        decoding (see the class docstring). Every sequence's slots share one survival (the calibrated estimate at
+        the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
+        than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
+        B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
+        drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
+        spec/step_times.py). Plain floats: this runs every step. Reads calibration counts, past confidences and
+        past step times only."""
+        rates = self.chain_rates(num_seqs)
+        best, best_rate = 0, rates[0] * (1 + 1e-9)
+        for chain in range(1, len(rates)):
+            if rates[chain] > best_rate:
+                best, best_rate = chain, rates[chain] * (1 + 1e-9)  # ties: the shorter chain
+        return best
+
+    def chain_rates(self, num_seqs: int) -> list[float]:
+        """Expected tokens per second of plain decoding (index 0) and of chains of 1..k (`_choose_chain`'s model)
+        at num_seqs sampling sequences. No side effect (benchmarks print it)."""
+        k, b = self.k, float(num_seqs)
+        conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
+        survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
+        times = self.step_times
+        rates = [b / times.seconds(PLAIN, num_seqs, self.cost.at(b))]
+        reach, expected = 1.0, b
+        for chain in range(1, k + 1):
+            reach *= survival[chain - 1]
+            expected += b * reach
+            price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
+            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
+        return rates
+
+    def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray, decay: float = 0.9) -> None:
+        """`_track_confidence` over a [B, W] array, valid [B, W] marking the held slots (every column has one)."""
+        means = (np.where(valid, conf, 0.0).sum(0) / valid.sum(0)).tolist()
+        for j, m in enumerate(means):
+            if j < len(self.mean_confidence):
+                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
+            elif j == len(self.mean_confidence):
+                self.mean_confidence.append(m)
+
+    def _track_confidence(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
+        """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
+        width = max(lens, default=0)
+        for j in range(width):
+            vals = [c[j] for c, n in zip(conf, lens) if n > j]
+            m = sum(vals) / len(vals)
+            if j < len(self.mean_confidence):
+                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
+            elif j == len(self.mean_confidence):
+                self.mean_confidence.append(m)
+
+
+def _matrix(rows: list[list[float]], width: int) -> np.ndarray:
+    """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""
+    if width and all(len(r) == len(rows[0]) for r in rows) and len(rows[0]) >= width:
+        return np.array(rows, dtype=np.float64)[:, :width]  # the usual step: every draft as long (one array call)
+    return np.array([r[:width] + [0.0] * (width - len(r[:width])) for r in rows],
+                    dtype=np.float64).reshape(len(rows), width)
