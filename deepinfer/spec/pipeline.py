@@ -21,7 +21,7 @@ cached block ever holds a rejected token's KV). A preempted sequence's draft is 
 recomputes as usual (the recompute's MTP pass rebuilds its MTP KV).
 
 Drafters: the MTP module (spec/mtp_drafter.py: its pass and chain run right after verification, on the
-step's hidden states; in an adaptive pause its decode rows are kept and replayed by the next pass,
+step's hidden states, spec/next_drafts.py; in an adaptive pause its decode rows are kept and replayed by the next pass,
 spec/mtp_catchup.py) or prompt lookup (spec/ngram.py: after output processing, no model work).
 
 With batch invariance on (the cpu backend's invariant ops compute a token the same way in a prefill
@@ -58,11 +58,12 @@ from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.async_pauses import AsyncPauses
-from deepinfer.spec.draft_slots import DraftBook, add_draft_slots, cover_tokens
-from deepinfer.spec.grammar_drafts import DraftGrammarMask, verify_masks
+from deepinfer.spec.draft_slots import DraftBook, add_draft_slots
+from deepinfer.spec.grammar_drafts import verify_masks
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_catchup import PausedRows
-from deepinfer.spec.mtp_drafter import MTPDrafter, MTPRows, step_pass_rows
+from deepinfer.spec.mtp_drafter import MTPDrafter
+from deepinfer.spec.next_drafts import NextDrafts
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
 from deepinfer.spec.slot_policy import SlotPolicy
@@ -75,7 +76,7 @@ from deepinfer.worker.transfer import tensor_to
 logger = logging.getLogger("deepinfer")
 
 
-class SpecStepPipeline:
+class SpecStepPipeline(NextDrafts):
     """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
     steps handed to async_pauses (spec/async_pauses.py; None: every step here)."""
 
@@ -281,16 +282,6 @@ class SpecStepPipeline:
         elif decodes:
             self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
 
-    def _book_one_sync(self, sched: SchedulerOutput, res) -> None:
-        """A one-sync step's drafts (spec/one_sync.py): every sequence drafted, its chain as long as its room let."""
-        chain_len = self._chain_plan  # planned before the step (_step), what it drafted for
-        self._drafting = True
-        self.metrics.record_chain(chain_len)
-        self.drafter.num_graph_passes += 1
-        self.drafter.num_graph_chains += 1
-        self._drafted = (len(sched.scheduled), max((len(d) for d in res.drafts), default=0))
-        self._next_drafts = [(it.seq, d, c) for it, d, c in zip(sched.scheduled, res.drafts, res.confidence)]
-
     def _observe(self, idx: list[int], items, num_acc: list[int], conf: dict[int, list[float]]) -> None:
         """Metrics, and the calibrator's outcomes: slot j counts when slots < j were all accepted."""
         verified = [len(items[i].draft) for i in idx]
@@ -318,76 +309,6 @@ class SpecStepPipeline:
         for item, toks in zip(sched.scheduled, emitted):
             accepted = max(len(toks) - 1, 0) if item.draft else 0
             item.seq.num_computed_tokens = item.context_len + item.num_tokens - len(item.draft) + accepted
-
-    def _draft_next(self, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
-        """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. The policy
-        plans the chain (spec/slot_policy.py: 0 in an adaptive pause; a probe drafts for probe_seqs sequences);
-        decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""
-        self._next_drafts = []
-        samplers = sum(1 for it, toks in zip(sched.scheduled, emitted) if it.samples and toks)
-        if self._chain_plan is None:  # not planned before the step (_step)
-            t0 = time.perf_counter()
-            self._chain_plan = self.policy.plan_drafting(samplers)
-            self.policy_seconds += time.perf_counter() - t0
-        chain_len = self._chain_plan
-        self._drafting = chain_len > 0
-        if not isinstance(self.drafter, MTPDrafter):
-            return  # n-gram drafts are proposed after output processing, from the tokens then known
-        t0 = time.perf_counter()
-        limit = self.policy.probe_seqs if self.policy.adaptive and self.policy.probe else samplers
-        rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
-        now: list[MTPRows] = []
-        now_seqs: list[Sequence] = []
-        keep: list[tuple[Sequence, int, int]] = []
-        chain: list[int] = []
-        drafting: list[Sequence] = []
-        drafted_after: list[list[int]] = []  # per drafting sequence: its tokens emitted this step
-        for item, row, seq, toks in zip(sched.scheduled, rows, seqs, emitted):
-            if row.drafts and chain_len > 0 and len(drafting) < limit:
-                chain.append(self._chain_room(seq, self.policy.chain_length(len(drafting))))
-                drafting.append(seq)
-                drafted_after.append(toks)
-            elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
-                keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
-                continue
-            else:  # a prompt chunk (or recompute), or a row whose next token is unknown: its pass now, no draft
-                self.paused_rows.drop(seq)
-                row = MTPRows(row.start, row.count, row.next_ids, row.context_len, False, row.state_row)
-            now.append(row)
-            now_seqs.append(seq)
-        if now:
-            rows_before = sum(r.count for r in now)
-            merged, now = self.paused_rows.plan(now, now_seqs, hidden)
-            self._caught_up = sum(r.count for r in now) > rows_before
-            self.runner.builder.sync_tables()
-            if chain:
-                self.metrics.record_chain(chain_len)
-            mask = None
-            if DraftGrammarMask.needed(drafting):  # structured requests draft under their grammar
-                mask = DraftGrammarMask(drafting, drafted_after, self.runner.grammar_facts,
-                                        self.runner.grammar_forbidden, self.runner.sampler)
-            drafts = self.drafter.run(merged, now, chain, self.runner.builder.mirror, mask)
-            self.num_grammar_masked += mask.num_masked if mask is not None else 0
-            self._drafted = (len(drafting), max(chain, default=0))
-            self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
-        if keep and self.paused_rows.worth_keeping(len(keep), self.policy.paused + 1):
-            self.paused_rows.keep(keep, hidden)
-        if drafting:
-            self._time_drafting(time.perf_counter() - t0)
-
-    def _time_drafting(self, dt: float) -> None:
-        """The admission's drafting cost: a moving average of the measured drafting time per step."""
-        self.policy.draft_seconds = dt if self.policy.draft_seconds == 0 else 0.8 * self.policy.draft_seconds + 0.2 * dt
-
-    def _chain_room(self, seq: Sequence, want: int) -> int:
-        """Drafts the sequence can make, at most `want` (the policy's chain length for it): the chain writes MTP KV
-        at positions up to num_computed + n - 2, which must be allocated (without preempting anyone) and inside
-        max_model_len."""
-        kv = self.scheduler.kv
-        n = min(want, kv.max_model_len - seq.num_computed_tokens + 1)
-        while n > 1 and not cover_tokens(kv, seq, n - 1):
-            n -= 1
-        return max(n, 0)
 
     # ------------------------------------------------------------ host work
 
