@@ -164,14 +164,14 @@ class SlotPolicy:
         if not self.adaptive:
             self.chain = self.k
         elif self.paused > 0 and self._load_fell(num_seqs, bucket):
-            self.paused = 0  # the load fell below the pause's: probe, then plan at this load (class docstring)
+            self.paused = self._low_steps = 0  # the load fell below the pause's: probe, then plan at this load
             self.probe, self.chain = True, self.k
             self.num_load_ends += 1
         elif self.paused > 0:
             self.paused -= 1
             self.chain = 0
             if self.paused == 0:  # the pause ends: draft the probe
-                self.probe, self.chain = True, self.k
+                self.probe, self.chain, self._low_steps = True, self.k, 0
         elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
             self.chain = self.k
         elif self.draft_cost is not None and self._measuring(num_seqs):
@@ -179,12 +179,13 @@ class SlotPolicy:
             self.verify_all = True
         elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
             self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
-            self.paused, self.pause_bucket = max(self.measure_steps - 1, 1), bucket
+            self.paused, self.pause_bucket, self._low_steps = max(self.measure_steps - 1, 1), bucket, 0
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             if self.chain == 0:
                 self.probe_every = self._backoff.get(bucket, self.min_probe_every)
-                self.paused, self.pause_bucket = self.probe_every - 1, bucket  # this step drafts nothing either
+                # this step drafts nothing either; a new pause counts its own steps at a lower load
+                self.paused, self.pause_bucket, self._low_steps = self.probe_every - 1, bucket, 0
                 self._backoff[bucket] = min(2 * self.probe_every, self.max_probe_every)
                 if self.paused == 0:
                     self.probe, self.chain = True, self.k

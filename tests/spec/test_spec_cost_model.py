@@ -466,6 +466,13 @@ def test_a_pause_ends_when_the_load_falls_below_the_load_it_was_decided_at():
     assert policy.counts(held(4), [3] * 4, 4, 4) == [3] * 4 and policy.verifying_probe  # the probe, in full
     assert policy.plan_drafting(32) == 1 and policy.next_pause(32) == 32
     assert policy.next_pause(64) == 64
+    # a new pause counts its own steps at a lower load: a pause at 64 whose last 3 steps ran at 32 ends by its length
+    policy.paused, policy.pause_bucket = 3, 64
+    assert [policy.plan_drafting(32) for _ in range(3)] == [0, 0, 5] and policy.num_load_ends == 1
+    policy.probe = False
+    assert policy.plan_drafting(64) == 0 and policy.pause_bucket == 64  # the next pause there (64 steps)
+    assert [policy.plan_drafting(32) for _ in range(3)] == [0] * 3 and policy.paused > 0  # not 1 step at 32
+    assert policy.plan_drafting(32) == 5 and policy.num_load_ends == 2
 
 
 def test_paused_rows_that_would_be_dropped_before_the_pause_ends_are_not_kept():
