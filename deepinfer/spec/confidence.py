@@ -66,6 +66,7 @@ class SurvivalCalibrator:
     # (slot, bin) -> (trials, accepts, sum of confidences) not yet counted
     _pending: dict = field(init=False, default_factory=dict)
     conf_sums: np.ndarray = field(init=False)  # [num_slots] observed confidences summed (the offset's)
+    _centers: torch.Tensor = field(init=False)  # [num_bins] each bin's centre (the prior before any offset)
     _rows: list = field(init=False, default_factory=list)  # the table as lists (survival's lookups)
     _array: np.ndarray = field(init=False)  # the table in numpy (estimate_array's lookups)
     accepts: torch.Tensor = field(init=False)

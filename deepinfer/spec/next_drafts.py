@@ -36,7 +36,8 @@ class NextDrafts:
         self._drafted = (len(sched.scheduled), max((len(d) for d in res.drafts), default=0))
         self._next_drafts = [(it.seq, d, c) for it, d, c in zip(sched.scheduled, res.drafts, res.confidence)]
 
-    def _draft_next(self: SpecStepPipeline, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]], batch) -> None:
+    def _draft_next(self: SpecStepPipeline, sched: SchedulerOutput, hidden: torch.Tensor, emitted: list[list[int]],
+                    batch) -> None:
         """The MTP pass over the rows whose next token is known, then the chain; drafts go to the book. The policy
         plans the chain (spec/slot_policy.py: 0 in an adaptive pause; a probe drafts for probe_seqs sequences);
         decode rows that get no pass are kept for their sequence's next one (spec/mtp_catchup.py)."""

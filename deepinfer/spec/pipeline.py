@@ -21,8 +21,8 @@ cached block ever holds a rejected token's KV). A preempted sequence's draft is 
 recomputes as usual (the recompute's MTP pass rebuilds its MTP KV).
 
 Drafters: the MTP module (spec/mtp_drafter.py: its pass and chain run right after verification, on the
-step's hidden states, spec/next_drafts.py; in an adaptive pause its decode rows are kept and replayed by the next pass,
-spec/mtp_catchup.py) or prompt lookup (spec/ngram.py: after output processing, no model work).
+step's hidden states, spec/next_drafts.py; in an adaptive pause its decode rows are kept and replayed by the next
+pass, spec/mtp_catchup.py) or prompt lookup (spec/ngram.py: after output processing, no model work).
 
 With batch invariance on (the cpu backend's invariant ops compute a token the same way in a prefill
 chunk and in a decode), speculation on gives bitwise the tokens and logprobs of speculation off
@@ -181,8 +181,10 @@ class SpecStepPipeline(NextDrafts):
         emitted, logprobs = self._launch(sched, conf, plan)
         t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
-        num_emitted = sum(len(toks) for toks in emitted)
-        self.policy.observe_output(time.perf_counter() - t1, num_emitted, len(sched.scheduled))
+        num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
+        if self.policy.adaptive:
+            num_emitted = sum(len(toks) for toks in emitted)
+            self.policy.observe_output(time.perf_counter() - t1, num_emitted, len(sched.scheduled))
         # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):

@@ -33,17 +33,17 @@ class SlotPolicy:
     - `plan_drafting`, before the step's forward while drafting steadily (from past steps only, so that the one-sync
       step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
       the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
-      sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those slots, and chains of L drafted
-      for those sequences (the drafting table, spec/draft_cost.py); the best L wins if it beats plain decoding,
-      else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
+      sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those
+      slots, and chains of L drafted for those sequences (the drafting table, spec/draft_cost.py); the best L wins
+      if it beats plain decoding, else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
     them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).
     Each pause in a row at a load (its bucket, spec/step_times.py) doubles the next one there (up to
     max_probe_every); a chain that pays resets it. A pause is the decision of its load: once the load is in a
-    lower bucket for load_fall_steps steps it ends with a probe, and the plan is made again at the new load (on the H200, 2026-12-04,
-    dbb32fd: the benchmark's warm-up paused at 256 sequences, and the timed runs at one sequence that followed
-    spent their whole length in that pause, tau 1.04, where static k = 5 ran 1.67x).
+    lower bucket for load_fall_steps steps it ends with a probe, and the plan is made again at the new load (on
+    the H200, 2026-12-04, dbb32fd: the benchmark's warm-up paused at 256 sequences, and the timed runs at one
+    sequence that followed spent their whole length in that pause, tau 1.04, where static k = 5 ran 1.67x).
     Measured before modelled: at a load where no speculative step has been seen (spec/step_times.py: min_count),
     the first measure_steps plans draft full chains for every sequence and their next admission verifies them in
     full (`verify_all`); where no plain step has been seen, a pause of measure_steps steps times them. So the plan
@@ -299,26 +299,25 @@ class SlotPolicy:
             rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
         return rates
 
-    def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray, decay: float = 0.9) -> None:
+    def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray) -> None:
         """`_track_confidence` over a [B, W] array, valid [B, W] marking the held slots (every column has one)."""
-        means = (np.where(valid, conf, 0.0).sum(0) / valid.sum(0)).tolist()
+        self._track_means((np.where(valid, conf, 0.0).sum(0) / valid.sum(0)).tolist())
+
+    def _track_confidence(self, conf: list[list[float]], lens: list[int]) -> None:
+        """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
+        means = []
+        for j in range(max(lens, default=0)):
+            vals = [c[j] for c, n in zip(conf, lens) if n > j]
+            means.append(sum(vals) / len(vals))
+        self._track_means(means)
+
+    def _track_means(self, means: list[float], decay: float = 0.9) -> None:
+        """Fold one step's per-slot mean confidences into mean_confidence (a slot seen first starts at its mean)."""
         for j, m in enumerate(means):
             if j < len(self.mean_confidence):
                 self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
             elif j == len(self.mean_confidence):
                 self.mean_confidence.append(m)
-
-    def _track_confidence(self, conf: list[list[float]], lens: list[int], decay: float = 0.9) -> None:
-        """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
-        width = max(lens, default=0)
-        for j in range(width):
-            vals = [c[j] for c, n in zip(conf, lens) if n > j]
-            m = sum(vals) / len(vals)
-            if j < len(self.mean_confidence):
-                self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
-            elif j == len(self.mean_confidence):
-                self.mean_confidence.append(m)
-
 
 def _matrix(rows: list[list[float]], width: int) -> np.ndarray:
     """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""
