@@ -54,11 +54,16 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
+    policy = getattr(getattr(engine, "_spec", None), "policy", None)
+    d0 = dict(policy.decisions) if policy is not None else {}
     s0 = engine.stats()
     t0 = time.monotonic()
     outs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.monotonic() - t0
     s1 = engine.stats()
+    # the adaptive plan's decisions in this cell (SlotPolicy.decisions: steps by chain, pause, probe, measure, ...)
+    plan = {k: v - d0.get(k, 0) for k, v in (policy.decisions if policy is not None else {}).items()
+            if v != d0.get(k, 0)}
     acc = s1.spec_accepted_tokens - s0.spec_accepted_tokens
     drafted = s1.spec_drafted_tokens - s0.spec_drafted_tokens
     steps = s1.spec_request_steps - s0.spec_request_steps
@@ -69,7 +74,7 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
     tokens = [len(o.outputs[0].token_ids) for o in outs]
     per_user = [n / (o.metrics["finished_time"] - o.metrics["arrival_time"]) for n, o in zip(tokens, outs)]
     return {"total_tok_s": sum(tokens) / wall, "per_user_tok_s": sum(per_user) / len(per_user), "wall_s": wall,
-            "tokens": sum(tokens), **spec}, [o.outputs[0].token_ids for o in outs]
+            "tokens": sum(tokens), **spec, **({"plan": plan} if plan else {})}, [o.outputs[0].token_ids for o in outs]
 
 
 def print_drafting(mode: str, engine) -> None:
@@ -108,6 +113,10 @@ def print_drafting(mode: str, engine) -> None:
             seen = sorted({b for _, b, *_ in policy.step_times.rows()})
             print(f"{mode}, plan now (tok/s of plain, chains 1..{policy.k}): " + "; ".join(
                 f"{b} seqs " + " / ".join(f"{r:.0f}" for r in policy.chain_rates(b)) for b in seen))
+        if policy.adaptive:
+            print(f"{mode}, realized tok/s of steady steps by load bucket and chain (spec/realized_rates.py): " + (
+                ", ".join(f"<={b} seqs chain {c} {r:.0f} ({n} steps)" for b, c, r, n in policy.realized.rows())
+                or "none"))
         rows = policy.step_times.rows()
         print(f"{mode}, measured / table step time by kind and load bucket (spec/step_times.py): " + (", ".join(
             f"{kind} <={bucket} seqs {ratio:.2f} ({over * 1e3:+.3f} ms, {n} steps)"
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.concurrency:
         best: dict[str, dict] = {}
         seen: dict[str, list[float]] = {}  # every repeat's per-user tok/s: the spread the best one hides
+        plans: dict[str, list[dict]] = {}  # every repeat's adaptive plan decisions (run_cell's "plan")
         ref = None
         for r in range(args.repeats):
             order = args.modes if r % 2 == 0 else args.modes[::-1]
@@ -179,11 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"note: {mode} at concurrency {c}: {same}/{sum(map(len, ref))} tokens equal the "
                           f"off run's ({dtype})", flush=True)
                 seen.setdefault(mode, []).append(cell["per_user_tok_s"])
+                if "plan" in cell:
+                    plans.setdefault(mode, []).append(cell["plan"])
                 if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
                     best[mode] = cell
         for mode in args.modes:
-            row = {"concurrency": c, "mode": mode, **{k: round(v, 3) for k, v in best[mode].items()},
-                   "per_user_repeats": [round(v, 1) for v in seen[mode]]}
+            row = {"concurrency": c, "mode": mode,
+                   **{k: round(v, 3) if isinstance(v, float) else v for k, v in best[mode].items()},
+                   "per_user_repeats": [round(v, 1) for v in seen[mode]],
+                   **({"plan_repeats": plans[mode]} if mode in plans else {})}
             results.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'conc':>5} {'mode':>9} {'per-user tok/s':>15} {'total tok/s':>12} {'vs off':>7} {'tau':>5} "

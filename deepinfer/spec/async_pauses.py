@@ -32,8 +32,8 @@ state is kept).
 Bookkeeping. Sequences finished (EOS, stop, length, failed) or preempted in delegated steps lose their held draft
 and kept rows, as on the spec path; every resolved step is recorded in the speculation metrics as a step of
 plain decodes (0 drafts verified), and its wall time (from the call that launched it and resolved the one before:
-what a pause step costs with the overlap) is observed by the policy as a plain step, so the drafting plan compares
-drafting with async plain decoding.
+what a pause step costs with the overlap) is observed by the policy as a plain step (and as plain decoding's
+realized rate, spec/realized_rates.py), so the drafting plan compares drafting with async plain decoding.
 
 Where. `use_async_pauses` (start-up): adaptive MTP engines, where async scheduling would run by default (not the
 CPU), unless async_scheduling=False was asked for; DEEPINFER_SPEC_ASYNC_PAUSES forces it on (also on the CPU:
@@ -149,10 +149,14 @@ class AsyncPauses:
                 self.spec.book.discard(seq)
                 self.spec.paused_rows.drop(seq)
         self._resolved(got)
+        self.spec._steady_chain = 0  # (RealizedRates.step: a delegated step drafts nothing)
         if resolves and launched is not None:  # a steady-state call: one step launched, one resolved
             scheduled = launched.sched.scheduled
-            self.spec.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in scheduled),
-                                          len(scheduled))
+            dt = time.perf_counter() - t0
+            self.spec.policy.observe_step(dt, sum(it.num_tokens for it in scheduled), len(scheduled))
+            self.spec.policy.realized.step(len(scheduled), 0, 0, False, len(scheduled), dt)
+        else:
+            self.spec.policy.realized.tick()
         return got
 
     def drain(self) -> list[Sequence]:

@@ -96,6 +96,7 @@ class SpecStepPipeline(NextDrafts):
         self._next_drafts: list[tuple[Sequence, list[int], list[float]]] = []  # booked after output processing
         self._drafting = True  # whether this step drafts for the next (adaptive mode pauses it)
         self._drafted = (0, 0)  # (sequences, longest chain) this step drafted for (the policy's step timing)
+        self._steady_chain = 0  # the chain the last spec-path step drafted for all its sequences (RealizedRates.step)
         self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
         self._one_sync_ran = False  # whether this step ran one-sync (spec/one_sync.py)
         # the chain this step drafts (policy.plan_drafting, once a step: before its forward, or None until after it)
@@ -151,6 +152,7 @@ class SpecStepPipeline(NextDrafts):
         return done + self._step()
 
     def _step(self) -> list[Sequence]:
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             if self.scheduler.has_unfinished():
@@ -194,7 +196,23 @@ class SpecStepPipeline(NextDrafts):
                                      verified=any(it.draft for it in sched.scheduled),
                                      off_path=self.one_sync is not None and not self._one_sync_ran,
                                      emitted=num_emitted)
+            self._observe_realized(sched, num_emitted, time.perf_counter() - t_start)
+        elif self.policy.adaptive:  # a prompt chunk or a catch-up: no steady step, nor the next one
+            self._steady_chain = -1
+            self.policy.realized.tick()
         return got
+
+    def _observe_realized(self, sched: SchedulerOutput, emitted: int | None, seconds: float) -> None:
+        """The adaptive policy's realized rates (spec/realized_rates.py): this step's chain for every sequence (0:
+        none, -1: a probe's or an exploration's few, or a step some sequence drafted nothing in) against the last."""
+        if not self.policy.adaptive or emitted is None:
+            return
+        seqs, chain = self._drafted
+        live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
+        now = 0 if seqs == 0 else chain if seqs >= live and not self.policy.explore else -1
+        before, self._steady_chain = self._steady_chain, now
+        self.policy.realized.step(len(sched.scheduled), before, now, any(it.draft for it in sched.scheduled),
+                                  emitted, seconds)
 
     def _uniform_chain(self, samplers: int) -> bool:
         """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or

@@ -19,7 +19,7 @@ For random (non-greedy) drafts the confidence must not depend on the token drawn
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ class StepCostTable:
 
     tokens: list[int]
     seconds: list[float]
+    # `at`'s answers by token count (the policy asks the same few counts every step: ~25 lookups a step at one
+    # sequence, half its host time on this CPU, 2026-12-04); emptied when `seconds` is replaced
+    _memo: dict[float, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _memo_of: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) < 2 or sorted(self.tokens) != list(self.tokens) or len(set(self.tokens)) != len(self.tokens):
@@ -46,8 +50,15 @@ class StepCostTable:
 
     def at(self, num_tokens: float) -> float:
         """Seconds at one token count (the same interpolation as `cost`, in plain floats: the per-step host path)."""
+        if self._memo_of is not self.seconds or len(self._memo) > 4096:
+            self._memo, self._memo_of = {}, self.seconds
+        got = self._memo.get(num_tokens)
+        if got is None:
+            got = self._memo[num_tokens] = self._interpolate(float(num_tokens))
+        return got
+
+    def _interpolate(self, t: float) -> float:
         xs, ys = self.tokens, self.seconds
-        t = float(num_tokens)
         i = min(max(bisect.bisect_left(xs, min(max(t, xs[0]), xs[-1])), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (t - x0) / (x1 - x0)

@@ -11,6 +11,7 @@ import numpy as np
 
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_slots import HeldDraft
+from deepinfer.spec.realized_rates import RealizedRates
 from deepinfer.spec.scheduler import StepCostTable, admit_array, admit_lists
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
@@ -95,6 +96,16 @@ class SlotPolicy:
     # out of the observed step times, because every emitted token pays it once whichever way it is emitted
     # (observe_step); per load, since a step's processing also has per-step parts that a token's share hides
     token_seconds: dict[int, float] = field(default_factory=dict)
+    # realized tokens per second of the steady steps by load and chain (spec/realized_rates.py, fed by the
+    # pipeline's observe_realized): where measured and fresh, they decide the plan in place of the model
+    realized: RealizedRates = field(default_factory=RealizedRates)
+    # while drafting steadily at one load, the chain is planned again every replan_every steps (its inputs are
+    # moving averages; planning every step cost ~70 us of the policy's ~140 us a step at one sequence on this CPU)
+    replan_every: int = 8  # (the hold ends early once the held chain's realized rate is first measured there)
+    _plan_age: int = 0  # steps the current plan has run (a plan is made when it reaches replan_every)
+    _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
+    _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
+    decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
 
     @property
     def adaptive(self) -> bool:
@@ -161,27 +172,40 @@ class SlotPolicy:
         self.chain; with self.probe set on return, only probe_seqs sequences draft (the caller's choice)."""
         self.explore = self.verifying_probe = self.verify_all = False
         bucket = load_bucket(num_seqs)
+        decision = "paused"
         if not self.adaptive:
             self.chain = self.k
-        elif self.paused > 0 and self._load_fell(num_seqs, bucket):
+            return self.chain
+        steady, self._plan_age = self._plan_age, 0  # any decision but a plan's or its hold's: the next plans afresh
+        if self.paused > 0 and self._load_fell(num_seqs, bucket):
             self.paused = self._low_steps = 0  # the load fell below the pause's: probe, then plan at this load
             self.probe, self.chain = True, self.k
             self.num_load_ends += 1
+            decision = "load_end"
         elif self.paused > 0:
             self.paused -= 1
             self.chain = 0
             if self.paused == 0:  # the pause ends: draft the probe
                 self.probe, self.chain, self._low_steps = True, self.k, 0
         elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
-            self.chain = self.k
+            self.chain, decision = self.k, "full"
         elif self.draft_cost is not None and self._measuring(num_seqs):
             self.chain = self.k  # a load not measured yet: full chains, verified in full (class docstring)
-            self.verify_all = True
+            self.verify_all, decision = True, "measure"
         elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
             self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
             self.paused, self.pause_bucket, self._low_steps = max(self.measure_steps - 1, 1), bucket, 0
+            decision = "measure_plain"
+        elif steady and self._plan_bucket == bucket and steady < self.replan_every \
+                and (self.realized.rate(num_seqs, self.chain) is None) != self._plan_trusted:
+            self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (replan_every)
+            decision = f"chain{self.chain}"
+            self._count_short()
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
+            decision = f"chain{self.chain}" if self.chain else "pause"
+            self._plan_age, self._plan_bucket = (1, bucket) if self.chain and self.draft_cost is not None else (0, 0)
+            self._plan_trusted = self.realized.rate(num_seqs, self.chain) is not None
             if self.chain == 0:
                 self.probe_every = self._backoff.get(bucket, self.min_probe_every)
                 # this step drafts nothing either; a new pause counts its own steps at a lower load
@@ -191,11 +215,16 @@ class SlotPolicy:
                     self.probe, self.chain = True, self.k
             else:
                 self.probe_every = self._backoff[bucket] = self.min_probe_every
-                if self.chain < self.k:
-                    self._short_chains += 1
-                    if self._short_chains >= self.explore_every:
-                        self._short_chains, self.explore = 0, True
+                self._count_short()
+        self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
+
+    def _count_short(self) -> None:
+        """A drafting step with a chain shorter than k: every explore_every of them, one explores (class docstring)."""
+        if self.chain < self.k:
+            self._short_chains += 1
+            if self._short_chains >= self.explore_every:
+                self._short_chains, self.explore = 0, True
 
     def _load_fell(self, num_seqs: int, bucket: int) -> bool:
         """Whether a pause's load has been in a lower bucket than the pause's for load_fall_steps steps in a row (a
@@ -268,8 +297,15 @@ class SlotPolicy:
         self.step_times.observe(kind, num_seqs, seconds, predicted)
 
     def _choose_chain(self, num_seqs: int) -> int:
-        """The L in 1..k with the best expected tokens per second in steady state, or 0 where none beats plain
-        decoding (see the class docstring). Every sequence's slots share one survival (the calibrated estimate at
+        """The L in 1..k with the best tokens per second in steady state, or 0 where none beats plain decoding:
+        each chain's gain over plain decoding is its realized one where it and plain decoding were measured at this
+        load (spec/realized_rates.py), else the model's (below, `chain_rates`) times the model's error at the nearest
+        measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
+        corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
+        proposes another chain only where it beats the measure by more than the model's error (counted in
+        decisions["overruled"] where the choice differs from the model's alone).
+
+        The model (see the class docstring). Every sequence's slots share one survival (the calibrated estimate at
         the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
@@ -277,10 +313,18 @@ class SlotPolicy:
         spec/step_times.py). Plain floats: this runs every step. Reads calibration counts, past confidences and
         past step times only."""
         rates = self.chain_rates(num_seqs)
-        best, best_rate = 0, rates[0] * (1 + 1e-9)
-        for chain in range(1, len(rates)):
-            if rates[chain] > best_rate:
-                best, best_rate = chain, rates[chain] * (1 + 1e-9)  # ties: the shorter chain
+        model = _best([r / rates[0] for r in rates])
+        measured = self.realized.gains(num_seqs, self.k)
+        if not measured:
+            return model
+        modelled = [r / rates[0] for r in rates]
+        gains = list(modelled)
+        for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
+            near = min(measured, key=lambda m: (abs(m - chain), m))
+            gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
+        best = _best(gains)
+        if best != model:
+            self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return best
 
     def chain_rates(self, num_seqs: int) -> list[float]:
@@ -318,6 +362,15 @@ class SlotPolicy:
                 self.mean_confidence[j] = decay * self.mean_confidence[j] + (1 - decay) * m
             elif j == len(self.mean_confidence):
                 self.mean_confidence.append(m)
+
+def _best(gains: list[float]) -> int:
+    """The chain with the best gain over plain decoding (index 0, gain 1): 0 where none beats it; ties: shorter."""
+    best, best_gain = 0, 1.0 + 1e-9
+    for chain in range(1, len(gains)):
+        if gains[chain] > best_gain:
+            best, best_gain = chain, gains[chain] * (1 + 1e-9)
+    return best
+
 
 def _matrix(rows: list[list[float]], width: int) -> np.ndarray:
     """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""

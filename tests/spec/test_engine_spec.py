@@ -62,6 +62,7 @@ def test_greedy_equals_off_and_reports_acceptance(parts, off, kw):
     on = make(parts, speculative_method="mtp", **kw)
     if kw.get("speculative_adaptive"):
         on._spec.policy.cost = FLAT  # as on a memory-bound device, so the scheduler admits drafts
+        on._spec.policy.realized.decides = False  # (the CPU's measured rates would overrule that stand-in)
     got = on.generate(PROMPTS, params, use_tqdm=False)
     assert ids(got) == ids(want)
     for a, b in zip(want, got):  # the verify forward and the decode forward differ only in fp32 rounding
@@ -154,6 +155,7 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off():
     base = make(bi, batch_invariant=True)
     on = make(bi, batch_invariant=True, speculative_method="mtp", num_speculative_tokens=3, speculative_adaptive=True)
     on._spec.policy.cost = FLAT
+    on._spec.policy.realized.decides = False  # the stand-in tables plan, not the CPU's measured rates
     for params in (SamplingParams(temperature=0.0, max_tokens=24, logprobs=2),
                    SamplingParams(temperature=0.8, max_tokens=24, logprobs=2, seed=5)):
         a, b = base.generate(PROMPTS, params, use_tqdm=False), on.generate(PROMPTS, params, use_tqdm=False)

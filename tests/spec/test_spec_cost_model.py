@@ -137,7 +137,7 @@ def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step:
     """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9, the
     drafts' mean confidence), a flat step cost (verified tokens almost free) and drafting that costs `one` for a
     chain of 1, `full` for k, at any load. It plans by the model from its first plan (measure_steps 0: the measuring
-    plans have tests of their own)."""
+    plans have tests of their own), at every step (replan_every 1: the plan's hold has a test of its own)."""
     cal = SurvivalCalibrator(num_slots=k)
     for j, rate in enumerate(accept):
         n = 1000
@@ -145,7 +145,7 @@ def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step:
                     (torch.arange(n) < rate * n).to(torch.float64))
     drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
     return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [step, step * 1.01]),
-                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0)
+                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0, replan_every=1)
 
 
 def test_adaptive_chooses_a_short_chain_when_deep_slots_do_not_pay_for_their_links():

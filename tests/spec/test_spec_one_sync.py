@@ -132,6 +132,7 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     spec.policy.cost = StepCostTable([1, 4096], [0.01, 0.0101])  # verified tokens almost free
     spec.policy.draft_cost = DraftCostTable(2, StepCostTable([1, 64], [1e-4, 1e-4]), StepCostTable([1, 64], [1.0, 1.0]))
     spec.policy.measure_steps = 0  # plans by these tables from the first (a measuring plan would draft full chains)
+    spec.policy.realized.decides = False  # and by them only (the interpreter's measured rates would overrule them)
     links: list[int] = []
     prepare = spec.one_sync.prepare
 

@@ -1,0 +1,108 @@
+"""Realized tokens per second of the engine's steady steps, by load bucket and chain length (0: plain decoding).
+
+Why. The adaptive plan (spec/slot_policy.py: SlotPolicy.chain_rates) models each chain length's tokens per second
+from the calibrated survival of the drafts and the step tables corrected by measured step times
+(spec/step_times.py). A model can be wrong in ways its own corrections do not see: on the H200 (2026-12-04,
+c32592e) its plan at 256 sequences priced a chain of 5 at 1.26x plain decoding where the static k = 5 rows ran
+1.04x, so it drafted and ran 0.84x of speculation off; at one sequence the plan landed on either side of the
+break-even from run to run (tau 5.08, 2.49, 1.04) where static k = 5 ran ~2x. What a plan actually gave at a
+load is measured by the steps that ran it: the tokens they emitted over their wall time, every cost included
+(verification, drafting, the admission's own host time, output processing).
+
+What. For each (bucket, chain) a moving average of tokens and of seconds over its steady steps (a step that
+verified the previous step's chain of L and drafted a chain of L again for every sequence; for plain decoding,
+one that neither verified nor drafted); their quotient is the realized rate. `gains` gives each measured chain's
+realized rate over plain decoding's at the same bucket, where both are measured and fresh (observed within max_age
+steps of the engine's: a measure at a load left long ago is not trusted, so the plan models it again, and
+drafting it measures it afresh). SlotPolicy._choose_chain puts those gains in place of the model's: the model
+proposes what was not measured, the measure decides what was. Non-anticipating: past steps only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.spec.step_times import load_bucket
+
+
+@dataclass
+class RealizedRates:
+    """Moving averages of tokens and seconds per steady step, by (load bucket, chain); chain 0 is plain decoding."""
+
+    weight: float = 0.2  # of a new step, after the first min_count (which start the averages at their medians)
+    min_count: int = 3  # steps of a (bucket, chain) before its rate is trusted
+    max_age: int = 2048  # engine steps after its last step that a (bucket, chain) stays trusted
+    spread: float = 2.0  # a later step's seconds move the average by at most this factor's pull (a stall)
+    # False: measured and reported, never deciding (tests that stand a memory-bound device's tables in for the
+    # CPU's, where the CPU's own measure would overrule them)
+    decides: bool = True
+    tokens: dict[tuple[int, int], float] = field(default_factory=dict)
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    counts: dict[tuple[int, int], int] = field(default_factory=dict)
+    last: dict[tuple[int, int], int] = field(default_factory=dict)  # the engine step of the last observation
+    now: int = 0  # engine steps observed or skipped (`tick`)
+    _first: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)
+
+    def tick(self) -> None:
+        """One engine step passed (observed or not): ages every measure."""
+        self.now += 1
+
+    def step(self, num_seqs: int, before: int, now: int, verified: bool, tokens: int, seconds: float) -> None:
+        """One engine step of decode rows (a step that caught up a pause's MTP rows, or ran a prompt chunk, is not
+        passed): before / now are the chains drafted for every sampling sequence by the step before and by this
+        one (0: none; -1: some sequences only, a probe or an exploration, or mixed lengths). Observed where steady:
+        the same chain before and now (drafting's cost and its verification's yield are of one plan), and for
+        plain decoding nothing verified. Every step ages the measures."""
+        self.tick()
+        if before != now or now < 0 or (now == 0 and verified):
+            return
+        self.observe(num_seqs, now, tokens, seconds)
+
+    def observe(self, num_seqs: int, chain: int, tokens: int, seconds: float) -> None:
+        """A steady step at num_seqs sampling sequences that ran a chain of `chain` (0: plain), emitting `tokens`
+        in `seconds` of wall time (output processing included: every token pays it, however it is emitted)."""
+        if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
+            return
+        key = (load_bucket(num_seqs), chain)
+        n = self.counts.get(key, 0) + 1
+        self.counts[key] = n
+        self.last[key] = self.now
+        if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
+            first = self._first.setdefault(key, [])
+            first.append((float(tokens), seconds))
+            rates = sorted(first, key=lambda ts: ts[0] / ts[1])
+            self.tokens[key], self.seconds[key] = rates[(len(rates) - 1) // 2]
+            if n == self.min_count:
+                del self._first[key]
+            return
+        avg_t, avg_s = self.tokens[key], self.seconds[key]
+        per_token = avg_s / avg_t
+        s = min(max(seconds, tokens * per_token / self.spread), tokens * per_token * self.spread)
+        w = self.weight
+        self.tokens[key] = (1 - w) * avg_t + w * tokens
+        self.seconds[key] = (1 - w) * avg_s + w * s
+
+    def rate(self, num_seqs: int, chain: int) -> float | None:
+        """Realized tokens per second of a chain at this load, or None where not measured or stale."""
+        key = (load_bucket(num_seqs), chain)
+        if not self.decides or self.counts.get(key, 0) < self.min_count or self.now - self.last[key] > self.max_age:
+            return None
+        return self.tokens[key] / self.seconds[key]
+
+    def gains(self, num_seqs: int, k: int) -> dict[int, float]:
+        """Realized rate over plain decoding's, for each chain 1..k measured at this load (empty: plain not
+        measured)."""
+        plain = self.rate(num_seqs, 0)
+        if plain is None:
+            return {}
+        out = {}
+        for chain in range(1, k + 1):
+            r = self.rate(num_seqs, chain)
+            if r is not None:
+                out[chain] = r / plain
+        return out
+
+    def rows(self) -> list[tuple[int, int, float, int]]:
+        """(bucket, chain, tokens per second, steps), sorted: what benchmarks print."""
+        return [(b, c, self.tokens[(b, c)] / self.seconds[(b, c)], self.counts[(b, c)])
+                for b, c in sorted(self.tokens)]

@@ -1,0 +1,143 @@
+"""The adaptive plan's measured side (spec/realized_rates.py) and its cadence (SlotPolicy.replan_every): realized
+tokens per second of steady steps decide the chain where measured, the model proposes where not, and a plan holds
+for replan_every steps at its load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.spec.confidence import SurvivalCalibrator
+from deepinfer.spec.draft_cost import DraftCostTable
+from deepinfer.spec.realized_rates import RealizedRates
+from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.slot_policy import SlotPolicy
+
+
+def policy_with(accept: list[float], one: float, full: float, replan_every: int = 1, k: int = 5) -> SlotPolicy:
+    """An adaptive policy whose calibrator saw slot j accepted at accept[j] (confidence 0.9), a flat step cost and
+    drafting at `one` / `full` seconds for chains of 1 / k; planning by the model from its first plan."""
+    cal = SurvivalCalibrator(num_slots=k)
+    for j, rate in enumerate(accept):
+        n = 1000
+        cal.observe(torch.full((n,), j), torch.full((n,), 0.9, dtype=torch.float64),
+                    (torch.arange(n) < rate * n).to(torch.float64))
+    drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
+    return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [0.04, 0.0404]),
+                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0,
+                      replan_every=replan_every)
+
+
+def test_realized_rates_start_at_the_median_and_need_min_count_steps():
+    r = RealizedRates()
+    r.observe(4, 0, 4, 0.001)
+    r.observe(4, 0, 4, 0.100)  # a stall (a kernel compiled): the median of three ignores it
+    assert r.rate(4, 0) is None  # two steps are not a steady state
+    r.observe(4, 0, 4, 0.002)
+    assert r.rate(4, 0) == pytest.approx(4 / 0.002)
+    assert r.rate(3, 0) == pytest.approx(4 / 0.002)  # the same bucket (4)
+    assert r.rate(5, 0) is None and r.rate(4, 1) is None
+
+
+def test_a_later_stall_pulls_the_average_at_most_spread_times():
+    r = RealizedRates()
+    for _ in range(3):
+        r.observe(1, 2, 3, 0.001)
+    r.observe(1, 2, 3, 1.0)  # 1000x the steady step: clamped to 2x before it is averaged
+    assert r.rate(1, 2) == pytest.approx(3 / (0.8 * 0.001 + 0.2 * 0.002))
+
+
+def test_step_observes_steady_steps_only():
+    r = RealizedRates()
+    r.step(8, 0, 3, False, 8, 0.01)  # drafting starts: drafted now, nothing verified of it yet
+    r.step(8, 3, 1, True, 30, 0.01)  # the chain changed: its cost and its yield are of two plans
+    r.step(8, 1, -1, True, 20, 0.01)  # a probe's few
+    r.step(8, 0, 0, True, 20, 0.01)  # verified but drafted nothing (the last step before a pause)
+    assert r.counts == {} and r.now == 4
+    for _ in range(3):
+        r.step(8, 3, 3, True, 30, 0.01)
+        r.step(8, 0, 0, False, 8, 0.004)
+    assert r.rate(8, 3) == pytest.approx(3000) and r.rate(8, 0) == pytest.approx(2000)
+    assert r.gains(8, 5) == {3: pytest.approx(1.5)}
+
+
+def test_a_measure_goes_stale_after_max_age_steps():
+    r = RealizedRates(max_age=10)
+    for _ in range(3):
+        r.observe(2, 0, 2, 0.001)
+        r.observe(2, 4, 6, 0.002)
+    assert r.gains(2, 5) == {4: pytest.approx(1.5)}
+    for _ in range(11):
+        r.tick()
+    assert r.rate(2, 4) is None and r.gains(2, 5) == {}
+
+
+def test_measured_gains_overrule_the_model_both_ways():
+    """The model drafts (every slot accepted, drafting cheap) where the measure says plain decoding was faster:
+    the plan pauses; and the model pauses (drafting dear) where a measured chain of 5 ran 1.5x: it drafts 5."""
+    drafts = policy_with([1.0] * 5, one=0.001, full=0.002)
+    assert drafts.chain_rates(4)[5] > drafts.chain_rates(4)[0]  # the model's view
+    for _ in range(3):
+        drafts.realized.observe(4, 0, 4, 0.001)
+        drafts.realized.observe(4, 5, 20, 0.008)  # 2,500 tok/s against plain's 4,000
+    assert drafts.plan_drafting(4) == 0 and drafts.paused > 0 and drafts.decisions["overruled"] == 1
+
+    pauses = policy_with([0.1] * 5, one=0.2, full=0.2)
+    assert pauses.plan_drafting(4) == 0  # the model alone
+    pauses = policy_with([0.1] * 5, one=0.2, full=0.2)
+    for _ in range(3):
+        pauses.realized.observe(4, 0, 4, 0.001)
+        pauses.realized.observe(4, 5, 12, 0.002)  # 6,000 tok/s: 1.5x
+    assert pauses.plan_drafting(4) == 5 and pauses.decisions == {"overruled": 1, "chain5": 1}
+
+
+def test_unmeasured_chains_are_priced_by_the_models_error_at_the_nearest_measure():
+    """Chain 5 measured at 0.9x plain where the model said more: every unmeasured chain's modelled gain is scaled by
+    that error. With every slot accepted (longer is better by the model's shape) nothing else beats plain decoding
+    either: a pause. Where the fifth slot is rarely accepted and its link is dear, the model's chain of 4 beats its
+    chain of 5 by more than that error: the plan tries 4."""
+    flat = policy_with([1.0] * 5, one=0.001, full=0.0012)
+    for _ in range(3):
+        flat.realized.observe(4, 0, 4, 0.001)
+        flat.realized.observe(4, 5, 18, 0.005)  # 3,600 tok/s: 0.9x
+    assert flat.plan_drafting(4) == 0
+
+    shaped = policy_with([0.95, 0.95, 0.95, 0.95, 0.02], one=0.001, full=0.03)
+    rates = shaped.chain_rates(4)
+    assert rates[4] / rates[5] > 1 / 0.9 and rates[5] > rates[0]
+    for _ in range(3):
+        shaped.realized.observe(4, 0, 4, 0.001)
+        shaped.realized.observe(4, 5, 18, 0.005)
+    assert shaped.plan_drafting(4) == 4 and "overruled" not in shaped.decisions  # the model's own choice
+
+
+def test_a_plan_holds_for_replan_every_steps_at_its_load():
+    policy = policy_with([1.0] * 5, one=0.02, full=0.04, replan_every=4)
+    assert policy.plan_drafting(4) == 5
+    policy.mean_confidence = [0.05] * 5  # the drafts' confidence collapses: the model would pause now
+    assert [policy.plan_drafting(4) for _ in range(3)] == [5, 5, 5]  # the plan holds (steps 2-4)
+    assert policy.plan_drafting(4) == 0 and policy.paused > 0  # step 5 plans again: a pause
+
+    moved = policy_with([1.0] * 5, one=0.001, full=0.002, replan_every=4)
+    assert moved.plan_drafting(4) == 5
+    for _ in range(3):
+        moved.realized.observe(16, 0, 16, 0.001)
+        moved.realized.observe(16, 5, 40, 0.005)
+    assert moved.plan_drafting(16) == 0  # another load: planned at once
+
+    fresh = policy_with([1.0] * 5, one=0.001, full=0.002, replan_every=4)
+    assert fresh.plan_drafting(4) == 5
+    for _ in range(2):
+        fresh.realized.observe(4, 0, 4, 0.001)
+        fresh.realized.observe(4, 5, 10, 0.005)
+    assert fresh.plan_drafting(4) == 5  # held: chain 5 not measured yet (2 steps)
+    fresh.realized.observe(4, 0, 4, 0.001)
+    fresh.realized.observe(4, 5, 10, 0.005)
+    assert fresh.plan_drafting(4) == 0  # its first measure ends the hold: planned again, a pause
+
+
+def test_step_cost_table_lookups_are_remembered_until_the_seconds_are_replaced():
+    table = StepCostTable([1, 8], [0.001, 0.008])
+    assert table.at(4) == pytest.approx(0.004) and table.at(4.0) == pytest.approx(0.004)
+    table.seconds = [0.002, 0.016]
+    assert table.at(4) == pytest.approx(0.008)
