@@ -82,6 +82,18 @@ class RealizedRates:
         self.tokens[key] = (1 - w) * avg_t + w * tokens
         self.seconds[key] = (1 - w) * avg_s + w * s
 
+    def forget_drafting(self, num_seqs: int) -> None:
+        """Forget this load's drafting measures (plain decoding's stays): a pause that ends probes the load again,
+        and the plan after it is the model's until drafting is measured afresh. A pause decided on a drafting measure
+        would otherwise never end in drafting (its chain does not run, so its measure is never refreshed): on the
+        H200 (2026-12-04, 1d0d68c) three measuring steps in the benchmark's warm-up put a chain of 5 at one sequence
+        at 1,200 tok/s against plain decoding's 1,808, and the adaptive mode paused through every timed run there,
+        where static k = 5 ran 3,640."""
+        bucket = load_bucket(num_seqs)
+        for key in [key for key in self.counts if key[0] == bucket and key[1] > 0]:
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
+                table.pop(key, None)
+
     def rate(self, num_seqs: int, chain: int) -> float | None:
         """Realized tokens per second of a chain at this load, or None where not measured or stale."""
         key = (load_bucket(num_seqs), chain)

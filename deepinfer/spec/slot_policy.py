@@ -185,8 +185,9 @@ class SlotPolicy:
         elif self.paused > 0:
             self.paused -= 1
             self.chain = 0
-            if self.paused == 0:  # the pause ends: draft the probe
+            if self.paused == 0:  # the pause ends: draft the probe, and measure drafting afresh (RealizedRates)
                 self.probe, self.chain, self._low_steps = True, self.k, 0
+                self.realized.forget_drafting(self.pause_bucket)
         elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
             self.chain, decision = self.k, "full"
         elif self.draft_cost is not None and self._measuring(num_seqs):

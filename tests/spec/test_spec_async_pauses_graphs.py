@@ -112,6 +112,7 @@ def test_gpu_async_pauses_are_on_by_default_and_equal_sync_pauses(monkeypatch):
                            speculative_adaptive=True)
         e = DeepInferenceEngine.from_components(cfg, model, tok, backend)
         e._spec.policy.cost = NO_PAY
+        e._spec.policy.realized.decides = False  # the tables pause both alike (measured rates differ run to run)
         e._spec.book = MTPSnapshots(e)
         return e
 

@@ -141,3 +141,21 @@ def test_step_cost_table_lookups_are_remembered_until_the_seconds_are_replaced()
     assert table.at(4) == pytest.approx(0.004) and table.at(4.0) == pytest.approx(0.004)
     table.seconds = [0.002, 0.016]
     assert table.at(4) == pytest.approx(0.008)
+
+
+def test_a_pause_ends_by_forgetting_its_loads_drafting_measures():
+    """A pause decided on a measure (chain 5 below plain decoding) ends with a probe, and the plan after it is the
+    model's again (which drafts), so a measure taken once, in a warm-up, cannot keep the load paused."""
+    policy = policy_with([1.0] * 5, one=0.001, full=0.002)
+    for _ in range(3):
+        policy.realized.observe(4, 0, 4, 0.001)
+        policy.realized.observe(4, 5, 10, 0.005)
+        policy.realized.observe(16, 5, 10, 0.005)
+    assert policy.plan_drafting(4) == 0 and policy.paused == policy.min_probe_every - 1
+    for _ in range(policy.min_probe_every - 1):
+        policy.plan_drafting(4)
+    assert policy.probe and policy.chain == 5  # the pause's end: a probe
+    assert policy.realized.rate(4, 5) is None and policy.realized.rate(4, 0) is not None
+    assert policy.realized.rate(16, 5) is not None  # another load's measures stay
+    policy.probe = False  # (its verification, counts)
+    assert policy.plan_drafting(4) == 5  # the model's plan
