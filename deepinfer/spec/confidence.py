@@ -73,6 +73,9 @@ class SurvivalCalibrator:
     trials: torch.Tensor = field(init=False)
     table: torch.Tensor = field(init=False)  # [num_slots, num_bins] fitted survival
     _since_fit: int = field(init=False, default=0)
+    # (slots, confidences, accepted) arrays not yet counted: `_add` only appends, the refit counts them all at once
+    # (the counts are read by the refit only; three bincounts a step cost ~50 us of host time at 256 sequences)
+    _pending_arrays: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         centers = (torch.arange(self.num_bins, dtype=torch.float64) + 0.5) / self.num_bins
@@ -106,8 +109,40 @@ class SurvivalCalibrator:
             pending[key] = (n + 1, acc + float(a), cs + min(max(float(c), 0.0), 1.0))
         self._counted(len(slots))
 
+    def observe_verified(self, conf: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+        """One verification's outcomes, request by request: request i verified verified[i] drafts whose confidences
+        lead conf[i], and accepted accepted[i] of them; slot j is an outcome where every slot before it was accepted
+        (j <= accepted[i]), accepted where j < accepted[i]. Up to 16 outcomes go through `observe_lists`; more through
+        one [B, W] array (at 256 sequences the per-slot Python loop cost ~0.6 ms of host time a step on this CPU, and
+        ~0.15 ms at 16 sequences against ~40 us for the array)."""
+        reached = [v if v <= a else a + 1 for v, a in zip(verified, accepted)]
+        if sum(reached) <= 16:
+            slots, confs, acc = [], [], []
+            for row, n, a in zip(conf, reached, accepted):
+                for j in range(n):
+                    slots.append(j)
+                    confs.append(row[j])
+                    acc.append(1.0 if j < a else 0.0)
+            self.observe_lists(slots, confs, acc)
+            return
+        width = max(reached)
+        c = conf_matrix(conf, width)
+        j = np.arange(width)[None, :]
+        a = np.asarray(accepted, dtype=np.int64)[:, None]
+        mask = j < np.asarray(reached, dtype=np.int64)[:, None]
+        self._add(np.broadcast_to(j, c.shape)[mask], c[mask], (j < a).astype(np.float64)[mask])
+
     def _add(self, slots: np.ndarray, conf: np.ndarray, accepted: np.ndarray) -> None:
-        """Add outcomes to the counts (numpy: its small ops cost a tenth of torch's on the host path)."""
+        """Add outcomes (flat arrays) to the counts, at the next refit (`_flush`)."""
+        self._pending_arrays.append((slots, conf, accepted))
+        self._counted(int(slots.size))
+
+    def _flush_arrays(self) -> None:
+        """Count the arrays `_add` kept (numpy: its small ops cost a tenth of torch's on the host path)."""
+        if not self._pending_arrays:
+            return
+        slots, conf, accepted = (np.concatenate(parts) for parts in zip(*self._pending_arrays))
+        self._pending_arrays.clear()
         nb, n = self.num_bins, self.num_slots * self.num_bins
         b = np.minimum((np.clip(conf, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
         flat = np.clip(slots, 0, self.num_slots - 1) * nb + b
@@ -115,7 +150,6 @@ class SurvivalCalibrator:
         self.accepts += torch.from_numpy(np.bincount(flat, weights=accepted, minlength=n)).view(self.num_slots, nb)
         self.conf_sums += np.bincount(np.clip(slots, 0, self.num_slots - 1), weights=np.clip(conf, 0.0, 1.0),
                                       minlength=self.num_slots)
-        self._counted(int(slots.size))
 
     def _counted(self, n: int) -> None:
         self._since_fit += n
@@ -128,7 +162,8 @@ class SurvivalCalibrator:
         return self._since_fit >= min(self.refit_fraction * seen, max(self.refit_every, self.refit_lag * seen))
 
     def _flush(self) -> None:
-        """Add the list observations to the counts."""
+        """Add the pending observations (lists and arrays) to the counts."""
+        self._flush_arrays()
         for (s, b), (n, acc, cs) in self._pending.items():
             self.trials[s, b] += n
             self.accepts[s, b] += acc
@@ -179,3 +214,16 @@ class SurvivalCalibrator:
         t = self.trials.sum(1) - prior_trials
         a = self.accepts.sum(1) - prior_acc
         return [float(x) / float(y) if y > 0 else float("nan") for x, y in zip(a, t)]
+
+
+def conf_matrix(rows: list[list[float]], width: int) -> np.ndarray:
+    """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""
+    if width and rows and len(rows[0]) == width:
+        try:  # the usual step: every row as long (one array call; a ragged list raises)
+            out = np.array(rows, dtype=np.float64)
+            if out.ndim == 2:
+                return out
+        except ValueError:
+            pass
+    return np.array([r[:width] + [0.0] * (width - len(r[:width])) for r in rows],
+                    dtype=np.float64).reshape(len(rows), width)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -36,10 +37,17 @@ class SpecMetrics:
         self.drafted_slots += drafted
         self.verified_slots += sum(v)
         self.accepted_slots += sum(a)
-        for vi, ai in zip(v, a):
-            for j in range(min(vi, ai + 1)):
-                self.reached[j] += 1
-                self.accepted[j] += 1 if j < ai else 0
+        if len(v) <= 16:
+            for vi, ai in zip(v, a):
+                for j in range(min(vi, ai + 1)):
+                    self.reached[j] += 1
+                    self.accepted[j] += 1 if j < ai else 0
+        else:  # slot j is reached by the requests with min(v, a + 1) > j, accepted by those with min(v, a) > j
+            vv, aa = np.asarray(v, dtype=np.int64), np.asarray(a, dtype=np.int64)
+            for counts, n in ((self.reached, np.minimum(vv, aa + 1)), (self.accepted, np.minimum(vv, aa))):
+                above = np.cumsum(np.bincount(n, minlength=self.max_slots + 1)[::-1])[::-1]  # above[j]: n >= j
+                for j, x in enumerate(above[1:self.max_slots + 1].tolist()):
+                    counts[j] += x
         self.budgets.append(sum(v))
         del self.budgets[:-1024]
 

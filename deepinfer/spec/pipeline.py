@@ -309,19 +309,12 @@ class SpecStepPipeline(NextDrafts):
         cal = self.policy.calibrator
         if cal is None:
             return
-        slots, confs, acc = [], [], []
-        for i, a in zip(idx, num_acc):
-            held = conf.get(i)
-            if held is None:
-                continue
-            for j in range(min(len(items[i].draft), a + 1)):
-                slots.append(j)
-                confs.append(held[j])
-                acc.append(1.0 if j < a else 0.0)
-        if slots:
-            t0 = time.perf_counter()
-            cal.observe_lists(slots, confs, acc)
-            self.policy_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows = [(conf.get(i), v, a) for i, v, a in zip(idx, verified, num_acc)]
+        rows = [r for r in rows if r[0] is not None]
+        if rows:
+            cal.observe_verified([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        self.policy_seconds += time.perf_counter() - t0
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
         """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the

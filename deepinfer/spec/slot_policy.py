@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from deepinfer.spec.confidence import SurvivalCalibrator
+from deepinfer.spec.confidence import SurvivalCalibrator, conf_matrix
 from deepinfer.spec.draft_slots import HeldDraft
 from deepinfer.spec.realized_rates import RealizedRates
 from deepinfer.spec.scheduler import StepCostTable, admit_array, admit_lists
@@ -134,7 +134,7 @@ class SlotPolicy:
                               np.fromiter(map(len, confs), dtype=np.int64, count=len(confs)))
             lens_list = lens.tolist()
             width = max(lens_list)
-            conf = _matrix(confs, width)
+            conf = conf_matrix(confs, width)
             if width:
                 self._track_confidence_array(conf, np.arange(width)[None, :] < lens[:, None])
         else:
@@ -371,11 +371,3 @@ def _best(gains: list[float]) -> int:
         if gains[chain] > best_gain:
             best, best_gain = chain, gains[chain] * (1 + 1e-9)
     return best
-
-
-def _matrix(rows: list[list[float]], width: int) -> np.ndarray:
-    """[len(rows), width] fp64 of each row's first width entries (rows shorter than width: zeros after them)."""
-    if width and all(len(r) == len(rows[0]) for r in rows) and len(rows[0]) >= width:
-        return np.array(rows, dtype=np.float64)[:, :width]  # the usual step: every draft as long (one array call)
-    return np.array([r[:width] + [0.0] * (width - len(r[:width])) for r in rows],
-                    dtype=np.float64).reshape(len(rows), width)

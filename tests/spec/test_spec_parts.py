@@ -158,3 +158,34 @@ def test_cost_table_interpolates_and_is_monotone():
     c = StepCostTable([1, 8, 64], [1.0, 0.9, 4.0])  # a timing dip is flattened
     got = c.cost(torch.tensor([1.0, 8.0, 36.0, 128.0]))
     assert torch.allclose(got, torch.tensor([1.0, 1.0, 2.5, 4.0 + 3.0 / 56 * 64], dtype=torch.float64))
+
+
+def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
+    """The array paths for many requests (SpecMetrics.record past 16 requests, SurvivalCalibrator.observe_verified
+    past 64 outcomes) count what the per-request, per-slot loops count."""
+    from deepinfer.spec.metrics import SpecMetrics
+
+    g = np.random.default_rng(5)
+    for b in (3, 17, 256):
+        verified = g.integers(0, 6, b).tolist()
+        accepted = [int(g.integers(0, v + 1)) for v in verified]
+        conf = [g.random(5).tolist() for _ in range(b)]
+        m = SpecMetrics(5)
+        m.record(verified, accepted, sum(verified))
+        reached, acc = [0] * 5, [0] * 5
+        slots, confs, outcome = [], [], []
+        for row, v, a in zip(conf, verified, accepted):
+            for j in range(min(v, a + 1)):
+                reached[j] += 1
+                acc[j] += 1 if j < a else 0
+                slots.append(j)
+                confs.append(row[j])
+                outcome.append(1.0 if j < a else 0.0)
+        assert m.reached == reached and m.accepted == acc
+        x, y = SurvivalCalibrator(5, refit_every=1), SurvivalCalibrator(5, refit_every=1)
+        x.observe_verified(conf, verified, accepted)
+        y.observe_lists(slots, confs, outcome)
+        x._refit()
+        y._refit()
+        assert torch.equal(x.trials, y.trials) and torch.allclose(x.accepts, y.accepts, rtol=0, atol=1e-9)
+        assert np.allclose(x.conf_sums, y.conf_sums, rtol=1e-12, atol=0)
