@@ -184,8 +184,11 @@ class AsyncPauses:
         MTP-KV catch-up, as a paused spec step keeps them (spec/pipeline.py _draft_next). A row that is not a
         decode cannot occur here (delegable); its sequence's kept rows would no longer be contiguous, so they go."""
         paused = self.spec.paused_rows
-        if not paused.worth_keeping(len(sched.scheduled), self.spec.policy.paused):
+        steps = self.spec.policy.paused
+        if not paused.worth_keeping(len(sched.scheduled), steps):
             return  # dropped before the pause ends (PausedRows.worth_keeping); the next kept rows start afresh
+        if paused.all_finish_within((it.seq for it in sched.scheduled), steps, self.spec.scheduler.kv.max_model_len):
+            return  # read by no pass (PausedRows.all_finish_within)
         rows: list[tuple[Sequence, int, int]] = []
         r = 0
         for item, q in zip(sched.scheduled, batch.query_lens_cpu):

@@ -88,7 +88,9 @@ class NextDrafts:
             self.num_grammar_masked += mask.num_masked if mask is not None else 0
             self._drafted = (len(drafting), max(chain, default=0))
             self._next_drafts = list(zip(drafting, drafts.tokens, drafts.confidence))
-        if keep and self.paused_rows.worth_keeping(len(keep), self.policy.paused + 1):
+        steps = self.policy.paused + 1
+        if keep and self.paused_rows.worth_keeping(len(keep), steps) and not self.paused_rows.all_finish_within(
+                (seq for seq, _, _ in keep), steps, self.scheduler.kv.max_model_len):
             self.paused_rows.keep(keep, hidden)
         if drafting:
             self._time_drafting(time.perf_counter() - t0)

@@ -31,6 +31,10 @@ class RealizedRates:
 
     weight: float = 0.2  # of a new step, after the first min_count (which start the averages at their medians)
     min_count: int = 3  # steps of a (bucket, chain) before its rate is trusted
+    # a (bucket, chain)'s first steady steps are not counted: on the H200 (2026-12-04, 1d0d68c, 7d1d4c1) the first
+    # three of a chain at a load ran 0.5-0.6x of its later ones (first replays, allocations), and a trusted measure
+    # from them paused loads where the chain ran 1.6x plain decoding later
+    warm_steps: int = 2
     max_age: int = 2048  # engine steps after its last step that a (bucket, chain) stays trusted
     spread: float = 2.0  # a later step's seconds move the average by at most this factor's pull (a stall)
     # False: measured and reported, never deciding (tests that stand a memory-bound device's tables in for the
@@ -42,6 +46,7 @@ class RealizedRates:
     last: dict[tuple[int, int], int] = field(default_factory=dict)  # the engine step of the last observation
     now: int = 0  # engine steps observed or skipped (`tick`)
     _first: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)
+    _warm: dict[tuple[int, int], int] = field(default_factory=dict)  # steady steps not counted yet (warm_steps)
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
@@ -64,9 +69,13 @@ class RealizedRates:
         if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
             return
         key = (load_bucket(num_seqs), chain)
+        self.last[key] = self.now
+        warm = self._warm.get(key, 0)
+        if warm < self.warm_steps:
+            self._warm[key] = warm + 1
+            return
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
-        self.last[key] = self.now
         if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
             first = self._first.setdefault(key, [])
             first.append((float(tokens), seconds))
@@ -90,8 +99,8 @@ class RealizedRates:
         at 1,200 tok/s against plain decoding's 1,808, and the adaptive mode paused through every timed run there,
         where static k = 5 ran 3,640."""
         bucket = load_bucket(num_seqs)
-        for key in [key for key in self.counts if key[0] == bucket and key[1] > 0]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
+        for key in [key for key in self.last if key[0] == bucket and key[1] > 0]:
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._warm):
                 table.pop(key, None)
 
     def rate(self, num_seqs: int, chain: int) -> float | None:

@@ -127,3 +127,19 @@ def test_a_sequence_not_in_the_pass_keeps_its_rows_and_the_cap_drops_the_oldest_
     assert merged is step and not kept.blocks  # dropped: its own rows only, the copies freed
     with pytest.raises(ValueError, match="max_rows"):
         PausedRows(max_rows=0)
+
+
+def test_rows_of_sequences_that_finish_within_the_pause_are_not_worth_keeping():
+    """PausedRows.all_finish_within: every sequence ends (max_tokens, else max_model_len) within the steps left."""
+    from types import SimpleNamespace
+
+    def seq(max_tokens, out, prompt=10):
+        params = SimpleNamespace(max_tokens=max_tokens)
+        return SimpleNamespace(request=SimpleNamespace(params=params), output_token_ids=[0] * out, num_pending=0,
+                               num_tokens=prompt + out)
+
+    finishing = [seq(128, 100), seq(128, 120)]  # 28 and 8 tokens left
+    assert PausedRows.all_finish_within(finishing, 32, 4096)
+    assert not PausedRows.all_finish_within(finishing, 16, 4096)
+    assert not PausedRows.all_finish_within([*finishing, seq(None, 5)], 32, 4096)  # no max_tokens
+    assert PausedRows.all_finish_within([seq(None, 5)], 32, 40)  # max_model_len: 25 tokens left

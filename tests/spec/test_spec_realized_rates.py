@@ -25,11 +25,11 @@ def policy_with(accept: list[float], one: float, full: float, replan_every: int 
     drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
     return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [0.04, 0.0404]),
                       draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0,
-                      replan_every=replan_every)
+                      replan_every=replan_every, realized=RealizedRates(warm_steps=0))
 
 
 def test_realized_rates_start_at_the_median_and_need_min_count_steps():
-    r = RealizedRates()
+    r = RealizedRates(warm_steps=0)
     r.observe(4, 0, 4, 0.001)
     r.observe(4, 0, 4, 0.100)  # a stall (a kernel compiled): the median of three ignores it
     assert r.rate(4, 0) is None  # two steps are not a steady state
@@ -39,8 +39,20 @@ def test_realized_rates_start_at_the_median_and_need_min_count_steps():
     assert r.rate(5, 0) is None and r.rate(4, 1) is None
 
 
+def test_a_chains_first_steps_at_a_load_are_not_counted():
+    r = RealizedRates(warm_steps=2)
+    r.observe(4, 5, 20, 0.050)  # first replays: slow
+    r.observe(4, 5, 20, 0.040)
+    for _ in range(3):
+        r.observe(4, 5, 20, 0.005)
+    assert r.rate(4, 5) == pytest.approx(4000) and r.counts[(4, 5)] == 3
+    r.forget_drafting(4)
+    r.observe(4, 5, 20, 0.005)
+    assert (4, 5) not in r.counts  # forgotten: warm again
+
+
 def test_a_later_stall_pulls_the_average_at_most_spread_times():
-    r = RealizedRates()
+    r = RealizedRates(warm_steps=0)
     for _ in range(3):
         r.observe(1, 2, 3, 0.001)
     r.observe(1, 2, 3, 1.0)  # 1000x the steady step: clamped to 2x before it is averaged
@@ -48,7 +60,7 @@ def test_a_later_stall_pulls_the_average_at_most_spread_times():
 
 
 def test_step_observes_steady_steps_only():
-    r = RealizedRates()
+    r = RealizedRates(warm_steps=0)
     r.step(8, 0, 3, False, 8, 0.01)  # drafting starts: drafted now, nothing verified of it yet
     r.step(8, 3, 1, True, 30, 0.01)  # the chain changed: its cost and its yield are of two plans
     r.step(8, 1, -1, True, 20, 0.01)  # a probe's few
@@ -62,7 +74,7 @@ def test_step_observes_steady_steps_only():
 
 
 def test_a_measure_goes_stale_after_max_age_steps():
-    r = RealizedRates(max_age=10)
+    r = RealizedRates(max_age=10, warm_steps=0)
     for _ in range(3):
         r.observe(2, 0, 2, 0.001)
         r.observe(2, 4, 6, 0.002)
