@@ -44,6 +44,7 @@ ran over the whole accepted run).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -147,10 +148,11 @@ class OneSyncStep:
         return OneSyncPlan(t, len(items), max(dlens), want, pb, cb, starts)
 
     @torch.inference_mode()
-    def finish(self, plan: OneSyncPlan, sample: DeviceSample, hidden: torch.Tensor) -> OneSyncResult:
+    def finish(self, plan: OneSyncPlan, sample: DeviceSample, hidden: torch.Tensor,
+               while_waiting: Callable[[], None] | None = None) -> OneSyncResult:
         """Verify, pass and chain on the device after the draw (`sample`: one row per verify row, in order; the
         drafts are the staged f_tok; hidden: the forward's hidden states, row r = verify row r), then the one
-        read-back. The verification
+        read-back (while_waiting runs before it, as the device works). The verification
         and derivation replay verify[pass bucket] (spec/one_sync_graphs.py); the emitted tokens are the draw's rows
         start .. start + accepted (the accepted drafts equal the draw there), which the read-back brings anyway."""
         g = self.graphs
@@ -163,7 +165,10 @@ class OneSyncStep:
         state = g.run_pass(hidden, t, plan.pass_bucket)
         ids, conf = g.run_chain(state, b, plan.chain_bucket, links)
         ints = torch.cat([chosen, acc, c_len, ids[:, :links].reshape(-1)])
-        host = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device).wait()
+        copy = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device)
+        if while_waiting is not None:  # host work that needs nothing of this step, while the device runs it
+            while_waiting()
+        host = copy.wait()
         self.num_host_reads += 1
         self.num_steps += 1
         flat = host[0].tolist()
