@@ -95,6 +95,14 @@ class AsyncPauses:
         self.num_steps = 0  # delegated steps launched (engine life)
         self.num_drains = 0  # times a step in flight was resolved to hand the next step to the spec path
         self.sync_steps: dict[str, int] = {LAST: 0, DRAFTS: 0, GRAMMAR: 0, PROMPT: 0}  # pause steps kept sync, why
+        # the running sequences were all checked (no grammar, none part-way through its prompt) since the last step
+        # of the spec path: delegated steps admit no sequence and a running one stays a decode, so the check holds
+        # until the spec path runs again (it may admit). At 256 sequences the per-sequence check every step cost
+        # ~0.2 ms of host time a step here, part of why a paused cell ran 0.72x of off on the H200 (8cd3124).
+        self._running_checked = False
+        # (pause key, answer) of PausedRows.all_finish_within for the pause's rows: a sequence's tokens left and
+        # the pause's steps left both fall by one a step, so the answer holds for a whole pause (key below)
+        self._finish_answer: tuple[tuple[int, int], bool] | None = None
 
     def has_pending(self) -> bool:
         return self.inner.has_pending()
@@ -116,11 +124,14 @@ class AsyncPauses:
             return DRAFTS
         if self.spec.scheduler.waiting and not self._admits_none():
             return PROMPT
+        if self._running_checked:
+            return None
         for seq in self.spec.scheduler.running:
             if seq.grammar is not None:
                 return GRAMMAR
             if seq.num_uncomputed_tokens > 1:
                 return PROMPT
+        self._running_checked = True
         return None
 
     def _admits_none(self) -> bool:
@@ -153,7 +164,7 @@ class AsyncPauses:
         if resolves and launched is not None:  # a steady-state call: one step launched, one resolved
             scheduled = launched.sched.scheduled
             dt = time.perf_counter() - t0
-            self.spec.policy.observe_step(dt, sum(it.num_tokens for it in scheduled), len(scheduled))
+            self.spec.policy.observe_step(dt, len(scheduled), len(scheduled))  # (decodes only: one token each)
             self.spec.policy.realized.step(len(scheduled), 0, 0, False, len(scheduled), dt)
         else:
             self.spec.policy.realized.tick()
@@ -161,6 +172,7 @@ class AsyncPauses:
 
     def drain(self) -> list[Sequence]:
         """Resolve the step in flight, if any (before a spec step, or when the engine drains)."""
+        self._running_checked = False  # the spec path runs next (it may admit)
         if not self.inner.has_pending():
             return []
         self.num_drains += 1
@@ -171,13 +183,14 @@ class AsyncPauses:
     def _resolved(self, got: list[Sequence]) -> None:
         """After a step resolved: its decodes in the metrics (as a spec step with no draft records them), and the
         finished sequences' drafts and kept rows dropped."""
-        n = sum(1 for seq in got if seq.finish_reason != "error")
-        if n:
-            self.spec.metrics.record_plain(n)
+        n = len(got)
         for seq in got:
             if seq.finished:
+                n -= seq.finish_reason == "error"
                 self.spec.book.discard(seq)
                 self.spec.paused_rows.drop(seq)
+        if n:
+            self.spec.metrics.record_plain(n)
 
     def _tap(self, sched: SchedulerOutput, batch, hidden: torch.Tensor) -> None:
         """ModelRunner.hidden_tap of a delegated step: keep its decode rows (by sequence and position) for the
@@ -187,7 +200,12 @@ class AsyncPauses:
         steps = self.spec.policy.paused
         if not paused.worth_keeping(len(sched.scheduled), steps):
             return  # dropped before the pause ends (PausedRows.worth_keeping); the next kept rows start afresh
-        if paused.all_finish_within((it.seq for it in sched.scheduled), steps, self.spec.scheduler.kv.max_model_len):
+        # constant through a pause: each delegated step counts one down, one up
+        key = (self.spec.policy.num_pauses, steps + self.num_steps)
+        if self._finish_answer is None or self._finish_answer[0] != key:
+            self._finish_answer = (key, paused.all_finish_within((it.seq for it in sched.scheduled), steps,
+                                                                 self.spec.scheduler.kv.max_model_len))
+        if self._finish_answer[1]:
             return  # read by no pass (PausedRows.all_finish_within)
         rows: list[tuple[Sequence, int, int]] = []
         r = 0

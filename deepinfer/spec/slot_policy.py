@@ -82,6 +82,7 @@ class SlotPolicy:
     pause_bucket: int = 0  # the load bucket the current pause was decided at
     load_fall_steps: int = 4  # steps in a row in a lower bucket that end a pause
     num_load_ends: int = 0  # pauses ended by a fall in load (engine life)
+    num_pauses: int = 0  # pauses started (engine life; a pause's serial number)
     _low_steps: int = 0
     _measured: dict[tuple[str, int], int] = field(default_factory=dict)  # measuring plans made, by kind and load
     _backoff: dict[int, int] = field(default_factory=dict)  # the next pause's length, by load bucket
@@ -196,6 +197,7 @@ class SlotPolicy:
         elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
             self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
             self.paused, self.pause_bucket, self._low_steps = max(self.measure_steps - 1, 1), bucket, 0
+            self.num_pauses += 1
             decision = "measure_plain"
         elif steady and self._plan_bucket == bucket and steady < self.replan_every \
                 and (self.realized.rate(num_seqs, self.chain) is None) != self._plan_trusted:
@@ -211,6 +213,7 @@ class SlotPolicy:
                 self.probe_every = self._backoff.get(bucket, self.min_probe_every)
                 # this step drafts nothing either; a new pause counts its own steps at a lower load
                 self.paused, self.pause_bucket, self._low_steps = self.probe_every - 1, bucket, 0
+                self.num_pauses += 1
                 self._backoff[bucket] = min(2 * self.probe_every, self.max_probe_every)
                 if self.paused == 0:
                     self.probe, self.chain = True, self.k
