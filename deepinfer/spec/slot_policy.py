@@ -107,6 +107,10 @@ class SlotPolicy:
     _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
     _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
     decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
+    _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
+    _remeasure_chain: int = 0
+    _remeasure_bucket: int = 0
+    _measuring_pause: bool = False  # the current pause times plain steps (measure_steps), not a plan's
 
     @property
     def adaptive(self) -> bool:
@@ -188,7 +192,8 @@ class SlotPolicy:
             self.chain = 0
             if self.paused == 0:  # the pause ends: draft the probe, and measure drafting afresh (RealizedRates)
                 self.probe, self.chain, self._low_steps = True, self.k, 0
-                self.realized.forget_drafting(self.pause_bucket)
+                if not self._measuring_pause:  # (a measuring pause's drafting measures are fresh)
+                    self._start_remeasure(self.pause_bucket)
         elif self.probe or num_seqs == 0 or (self.draft_cost is None and self._admitted_any):
             self.chain, decision = self.k, "full"
         elif self.draft_cost is not None and self._measuring(num_seqs):
@@ -197,8 +202,11 @@ class SlotPolicy:
         elif self.draft_cost is not None and self._measuring(num_seqs, PLAIN):
             self.chain = 0  # nor its plain steps: a short pause (its length does not back off)
             self.paused, self.pause_bucket, self._low_steps = max(self.measure_steps - 1, 1), bucket, 0
-            self.num_pauses += 1
+            self.num_pauses, self._measuring_pause = self.num_pauses + 1, True
             decision = "measure_plain"
+        elif self._remeasure_left > 0 and self._remeasure_bucket == bucket:
+            self._remeasure_left -= 1  # after a pause: the chain measured best before it, measured again
+            self.chain, decision = self._remeasure_chain, "remeasure"
         elif steady and self._plan_bucket == bucket and steady < self.replan_every \
                 and (self.realized.rate(num_seqs, self.chain) is None) != self._plan_trusted:
             self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (replan_every)
@@ -213,7 +221,7 @@ class SlotPolicy:
                 self.probe_every = self._backoff.get(bucket, self.min_probe_every)
                 # this step drafts nothing either; a new pause counts its own steps at a lower load
                 self.paused, self.pause_bucket, self._low_steps = self.probe_every - 1, bucket, 0
-                self.num_pauses += 1
+                self.num_pauses, self._measuring_pause = self.num_pauses + 1, False
                 self._backoff[bucket] = min(2 * self.probe_every, self.max_probe_every)
                 if self.paused == 0:
                     self.probe, self.chain = True, self.k
@@ -222,6 +230,18 @@ class SlotPolicy:
                 self._count_short()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
+
+    def _start_remeasure(self, bucket: int) -> None:
+        """A pause at this load ends: its drafting measures are forgotten (RealizedRates.forget_drafting), and the
+        chain that measured best before (else k) drafts for the steps a fresh measure takes, so the plan after it
+        compares measures again. Where the plan were the model's alone, a model that prices drafting below plain
+        decoding would keep the load paused for good: on the H200 (2026-12-04, 951726e) the adaptive mode paused
+        through whole runs at 64 and 256 sequences, where static k = 3 ran 1.12x and 1.01x of speculation off."""
+        gains = self.realized.gains(bucket, self.k)
+        self._remeasure_chain = max(gains, key=lambda c: (gains[c], -c)) if gains else self.k
+        self._remeasure_bucket = bucket
+        self._remeasure_left = self.realized.warm_steps + self.realized.min_count + 1
+        self.realized.forget_drafting(bucket)
 
     def _count_short(self) -> None:
         """A drafting step with a chain shorter than k: every explore_every of them, one explores (class docstring)."""

@@ -470,6 +470,9 @@ def test_a_pause_ends_when_the_load_falls_below_the_load_it_was_decided_at():
     policy.paused, policy.pause_bucket = 3, 64
     assert [policy.plan_drafting(32) for _ in range(3)] == [0, 0, 5] and policy.num_load_ends == 1
     policy.probe = False
+    # the pause's end measures drafting at its load afresh (SlotPolicy._start_remeasure), then the model pauses there
+    steps = policy.realized.warm_steps + policy.realized.min_count + 1
+    assert [policy.plan_drafting(64) for _ in range(steps)] == [5] * steps
     assert policy.plan_drafting(64) == 0 and policy.pause_bucket == 64  # the next pause there (64 steps)
     assert [policy.plan_drafting(32) for _ in range(3)] == [0] * 3 and policy.paused > 0  # not 1 step at 32
     assert policy.plan_drafting(32) == 5 and policy.num_load_ends == 2

@@ -155,19 +155,31 @@ def test_step_cost_table_lookups_are_remembered_until_the_seconds_are_replaced()
     assert table.at(4) == pytest.approx(0.008)
 
 
-def test_a_pause_ends_by_forgetting_its_loads_drafting_measures():
-    """A pause decided on a measure (chain 5 below plain decoding) ends with a probe, and the plan after it is the
-    model's again (which drafts), so a measure taken once, in a warm-up, cannot keep the load paused."""
-    policy = policy_with([1.0] * 5, one=0.001, full=0.002)
-    for _ in range(3):
-        policy.realized.observe(4, 0, 4, 0.001)
-        policy.realized.observe(4, 5, 10, 0.005)
-        policy.realized.observe(16, 5, 10, 0.005)
+def test_a_pause_ends_by_measuring_drafting_afresh():
+    """A pause decided on a measure (chain 5 below plain decoding) ends with a probe; its load's drafting measures
+    are forgotten, and the chain that measured best before drafts for the steps a fresh measure takes (even where
+    the model alone would pause), then the plan compares the fresh measures. So neither a measure taken once (in a
+    warm-up) nor a model that prices drafting too dear keeps a load paused for good."""
+    policy = policy_with([0.1] * 5, one=0.2, full=0.2)  # the model alone pauses
+    policy.realized = RealizedRates(warm_steps=2)
+    r = policy.realized
+    for _ in range(5):
+        r.observe(4, 0, 4, 0.001)
+        r.observe(4, 3, 10, 0.004)  # chain 3: 2,500 tok/s
+        r.observe(4, 5, 10, 0.005)  # chain 5: 2,000 tok/s
+        r.observe(16, 5, 10, 0.005)
     assert policy.plan_drafting(4) == 0 and policy.paused == policy.min_probe_every - 1
     for _ in range(policy.min_probe_every - 1):
         policy.plan_drafting(4)
     assert policy.probe and policy.chain == 5  # the pause's end: a probe
-    assert policy.realized.rate(4, 5) is None and policy.realized.rate(4, 0) is not None
-    assert policy.realized.rate(16, 5) is not None  # another load's measures stay
+    assert r.rate(4, 5) is None and r.rate(4, 3) is None and r.rate(4, 0) is not None
+    assert r.rate(16, 5) is not None  # another load's measures stay
     policy.probe = False  # (its verification, counts)
-    assert policy.plan_drafting(4) == 5  # the model's plan
+    steps = r.warm_steps + r.min_count + 1
+    assert [policy.plan_drafting(4) for _ in range(steps)] == [3] * steps  # chain 3 measured best before
+    assert policy.decisions["remeasure"] == steps
+    for _ in range(5):  # measured again: now chain 3 runs 2x plain decoding
+        r.observe(4, 3, 16, 0.004)
+    # drafting: chain 5 is no longer measured, and the model's shape (a flat drafting cost: longer is better)
+    # scaled by its error at chain 3 puts it above chain 3's 2x
+    assert policy.plan_drafting(4) == 5 and policy.decisions["overruled"] == 1
