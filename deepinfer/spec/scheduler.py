@@ -123,10 +123,10 @@ def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, bas
 
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,
-                speculation_seconds: float = 0.0) -> list[int]:
+                speculation_seconds: float = 0.0, draft_seconds: float = 0.0) -> list[int]:
     """`admit` in plain floats for a few slots (the per-step host path at low concurrency, where the tensor
     version's ~20 small ops cost ~0.5 ms of host time a step on this CPU): survival[i] holds request i's conditional
-    survival per slot (its draft's length). The same order (reach descending, ties by slot index, then request),
+    survival per slot (its draft's length); draft_seconds: time every choice pays (admit's). The same order (reach descending, ties by slot index, then request),
     the same fp64 arithmetic and the same first maximum, so the same counts (tests/spec/test_scheduler_lossless.py
     compares them)."""
     items: list[tuple[float, int, int]] = []
@@ -137,10 +137,10 @@ def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: i
             items.append((-reach, j, i))
     items.sort()
     best, gained = 0, 0.0
-    best_rate = float(base_yield) / cost.at(base_tokens)
+    best_rate = float(base_yield) / (cost.at(base_tokens) + draft_seconds)
     for n, (neg, _, _) in enumerate(items, 1):
         gained += -neg  # as admit's cumsum, then added to the base yield
-        rate = (base_yield + gained) / (cost.at(base_tokens + n) + speculation_seconds)
+        rate = (base_yield + gained) / (cost.at(base_tokens + n) + draft_seconds + speculation_seconds)
         if rate > best_rate:
             best, best_rate = n, rate
     counts = [0] * len(survival)

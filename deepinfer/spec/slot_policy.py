@@ -152,17 +152,32 @@ class SlotPolicy:
             self.verify_all = False
             return lens_list
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
+        fixed = self._step_fixed_seconds(len(held))
         if not big:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
             cal = self.calibrator
             survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
-            counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s)
+            counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s,
+                                 draft_seconds=fixed)
         elif width:
             counts = admit_array(self.calibrator.estimate_array(conf), lens, self.cost, base_tokens,
-                                 float(base_yield), speculation_seconds=spec_s)[0].tolist()
+                                 float(base_yield), draft_seconds=fixed, speculation_seconds=spec_s)[0].tolist()
         else:
             counts = lens_list
         self._admitted_any = any(counts)
         return counts
+
+    def _step_fixed_seconds(self, num_seqs: int) -> float:
+        """Seconds a step of MTP drafting pays whatever the admission verifies: the measured excess of this load's
+        steps over the step table (spec/step_times.py: the speculative kind's, else the plain kind's; 0 where
+        neither was seen) and the drafting of the next chain. The step table times the forward alone; priced by it,
+        a verified slot's marginal cost is its share of a 0.3 ms forward where the H200's steps at 4 sequences ran
+        ~2.5 ms (2026-12-04, 373807e), and the admission verified 12 of 20 drafted slots a step, where static k = 5
+        verified all and ran 1.34x of speculation off against the adaptive mode's 1.02x. Past steps only."""
+        if self.draft_cost is None:
+            return 0.0
+        over = self.step_times.overhead(SPECULATIVE, num_seqs) if self.step_times.seen(SPECULATIVE, num_seqs) \
+            else self.step_times.overhead(PLAIN, num_seqs) if self.step_times.seen(PLAIN, num_seqs) else 0.0
+        return max(over or 0.0, 0.0) + self.drafting_seconds(num_seqs, self.chain or self.k)
 
     def plans_before_the_draw(self) -> bool:
         """Whether this step's chain may be planned before its forward (so that the one-sync step can run it): static

@@ -74,7 +74,8 @@ def test_isotonic_and_calibrator_converge_to_observed_rates():
 
 def test_plain_float_admission_equals_the_tensor_admission():
     """admit_lists (the per-step path for a few slots) chooses exactly what admit does: random survivals of ragged
-    drafts, with ties (repeated and zero survivals), across cost tables where none, some or all slots pay."""
+    drafts, with ties (repeated and zero survivals), across cost tables where none, some or all slots pay, with and
+    without the seconds every choice pays."""
     import random
 
     from deepinfer.spec.scheduler import admit, admit_lists
@@ -91,8 +92,11 @@ def test_plain_float_admission_equals_the_tensor_admission():
         surv = torch.tensor([r + [0.0] * (k - len(r)) for r in rows], dtype=torch.float64).view(b, k)
         cost = tables[trial % 3]
         spec_s = rng.choice([0.0, 0.002])
-        want = admit(surv, torch.tensor(lens), cost, b, float(b), speculation_seconds=spec_s).num_slots.tolist()
-        assert admit_lists(rows, cost, b, float(b), speculation_seconds=spec_s) == want, (rows, trial)
+        fixed = rng.choice([0.0, 0.003])  # a step's fixed seconds (SlotPolicy._step_fixed_seconds)
+        want = admit(surv, torch.tensor(lens), cost, b, float(b), draft_seconds=fixed,
+                     speculation_seconds=spec_s).num_slots.tolist()
+        assert admit_lists(rows, cost, b, float(b), speculation_seconds=spec_s, draft_seconds=fixed) == want, \
+            (rows, trial)
         admitted.add(sum(want) == 0 if sum(lens) else None)
     assert admitted >= {True, False}  # both "nothing pays" and "something pays" were compared
 

@@ -183,3 +183,26 @@ def test_a_pause_ends_by_measuring_drafting_afresh():
     # drafting: chain 5 is no longer measured, and the model's shape (a flat drafting cost: longer is better)
     # scaled by its error at chain 3 puts it above chain 3's 2x
     assert policy.plan_drafting(4) == 5 and policy.decisions["overruled"] == 1
+
+
+def test_the_admission_charges_the_steps_measured_fixed_seconds():
+    """Drafts of middling survival where a verified token costs 1% of the table's step: priced by the table alone
+    the deeper slots do not pay; with the step's measured excess (here 10x the table's step, a host-bound device)
+    every slot does, as on the H200 where a step at 4 sequences ran ~2.5 ms against the table's 0.3."""
+    from deepinfer.spec.draft_slots import HeldDraft
+    from deepinfer.spec.step_times import SPECULATIVE
+
+    def policy() -> SlotPolicy:
+        p = policy_with([0.5] * 5, one=1e-6, full=1e-6)
+        p.cost = StepCostTable([1, 4096], [0.001, 0.001 + 4095 * 1e-5])
+        p.mean_confidence, p.probe = [0.9] * 5, False
+        return p
+
+    held = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.9] * 5) for _ in range(4)]  # 0.5 each
+    table_only = policy()
+    assert sum(table_only.counts(held, [5] * 4, 4, 4)) < 20
+    measured = policy()
+    for _ in range(3):
+        measured.step_times.observe(SPECULATIVE, 4, 0.010 + measured.cost.at(24), measured.cost.at(24))
+    assert measured._step_fixed_seconds(4) == pytest.approx(0.010, rel=1e-3)
+    assert measured.counts(held, [5] * 4, 4, 4) == [5] * 4
