@@ -53,6 +53,10 @@ class SlotPolicy:
     step seen paused at one sequence). While the chain
     is shorter than k, once every explore_every drafting steps probe_seqs sequences draft full chains (`explore`),
     so the deeper slots' confidences are seen again (the admission then decides on them like on any draft).
+    Measured rates decide where they exist (session 14, spec/realized_rates.py): the plan takes each chain's
+    realized gain over plain decoding at the load where both were measured, a planned pause ends by measuring the
+    chain that measured best before it again (`_start_remeasure`), and the admission charges the step's measured
+    fixed seconds (`_step_fixed_seconds`).
     The n-gram drafter (no drafting table, draft_cost None) keeps the rule it had: its proposals cost host time
     (the moving average draft_seconds, charged by the admission), and once an admission verifies nothing, drafting
     pauses as above.
@@ -223,7 +227,7 @@ class SlotPolicy:
             self._remeasure_left -= 1  # after a pause: the chain measured best before it, measured again
             self.chain, decision = self._remeasure_chain, "remeasure"
         elif steady and self._plan_bucket == bucket and steady < self.replan_every \
-                and (self.realized.rate(num_seqs, self.chain) is None) != self._plan_trusted:
+                and (self.realized.rate(num_seqs, self.chain) is not None) == self._plan_trusted:
             self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (replan_every)
             decision = f"chain{self.chain}"
             self._count_short()
@@ -349,8 +353,8 @@ class SlotPolicy:
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
-        spec/step_times.py). Plain floats: this runs every step. Reads calibration counts, past confidences and
-        past step times only."""
+        spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
+        other plan). Reads calibration counts, past confidences, past step times and realized rates only."""
         rates = self.chain_rates(num_seqs)
         model = _best([r / rates[0] for r in rates])
         measured = self.realized.gains(num_seqs, self.k)
