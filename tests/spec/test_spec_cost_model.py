@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chain_policies import chain_policy
 
 import deepinfer
 from deepinfer.backends.cpu.backend import CPUBackend
@@ -131,21 +132,6 @@ def test_drafting_cost_is_linear_in_the_chain_length_between_its_profiled_rows()
         DraftCostTable(5, StepCostTable([1, 16], [1.0, 2.0]), StepCostTable([1, 8], [1.0, 2.0]))
     noisy = DraftCostTable(3, StepCostTable([1, 2], [0.01, 0.02]), StepCostTable([1, 2], [0.005, 0.03]))
     assert noisy.full.seconds == [0.01, 0.03]  # a longer chain never priced below a shorter one
-
-
-def chain_policy(accept: list[float], one: float, full: float, k: int = 5, step: float = 0.04) -> SlotPolicy:
-    """An adaptive policy whose calibrator has seen slot j accepted at rate accept[j] (at confidence 0.9, the
-    drafts' mean confidence), a flat step cost (verified tokens almost free) and drafting that costs `one` for a
-    chain of 1, `full` for k, at any load. It plans by the model from its first plan (measure_steps 0: the measuring
-    plans have tests of their own), at every step (replan_every 1: the plan's hold has a test of its own)."""
-    cal = SurvivalCalibrator(num_slots=k)
-    for j, rate in enumerate(accept):
-        n = 1000
-        cal.observe(torch.full((n,), j), torch.full((n,), 0.9, dtype=torch.float64),
-                    (torch.arange(n) < rate * n).to(torch.float64))
-    drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
-    return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [step, step * 1.01]),
-                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0, replan_every=1)
 
 
 def test_adaptive_chooses_a_short_chain_when_deep_slots_do_not_pay_for_their_links():

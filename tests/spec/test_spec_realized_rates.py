@@ -5,27 +5,16 @@ for replan_every steps at its load."""
 from __future__ import annotations
 
 import pytest
-import torch
+from chain_policies import chain_policy
 
-from deepinfer.spec.confidence import SurvivalCalibrator
-from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.realized_rates import RealizedRates
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.slot_policy import SlotPolicy
 
 
-def policy_with(accept: list[float], one: float, full: float, replan_every: int = 1, k: int = 5) -> SlotPolicy:
-    """An adaptive policy whose calibrator saw slot j accepted at accept[j] (confidence 0.9), a flat step cost and
-    drafting at `one` / `full` seconds for chains of 1 / k; planning by the model from its first plan."""
-    cal = SurvivalCalibrator(num_slots=k)
-    for j, rate in enumerate(accept):
-        n = 1000
-        cal.observe(torch.full((n,), j), torch.full((n,), 0.9, dtype=torch.float64),
-                    (torch.arange(n) < rate * n).to(torch.float64))
-    drafts = DraftCostTable(k, StepCostTable([1, 64], [one, one]), StepCostTable([1, 64], [full, full]))
-    return SlotPolicy(k=k, max_model_len=4096, calibrator=cal, cost=StepCostTable([1, 4096], [0.04, 0.0404]),
-                      draft_cost=drafts, probe=False, mean_confidence=[0.9] * k, measure_steps=0,
-                      replan_every=replan_every, realized=RealizedRates(warm_steps=0))
+def policy_with(accept: list[float], one: float, full: float, replan_every: int = 1) -> SlotPolicy:
+    """chain_policy (tests/spec/chain_policies.py) with realized rates counted from their first step."""
+    return chain_policy(accept, one, full, replan_every=replan_every, realized=RealizedRates(warm_steps=0))
 
 
 def test_realized_rates_start_at_the_median_and_need_min_count_steps():
