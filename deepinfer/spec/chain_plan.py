@@ -1,0 +1,73 @@
+"""The adaptive policy's chain plan (spec/slot_policy.py's SlotPolicy inherits it): the modelled tokens per second
+of plain decoding and of chains of 1..k at a load (`chain_rates`), and the choice among them, measured gains first
+(`_choose_chain`, spec/realized_rates.py). Apart from slot_policy.py only to keep each file to one concern; it reads
+the policy's own fields (k, calibrator, cost, step_times, realized, mean_confidence, decisions)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from deepinfer.spec.step_times import PLAIN, SPECULATIVE
+
+if TYPE_CHECKING:
+    from deepinfer.spec.slot_policy import SlotPolicy
+
+
+class ChainPlan:
+    """Methods of SlotPolicy (self is one): the chain length a load drafts."""
+
+    def _choose_chain(self: SlotPolicy, num_seqs: int) -> int:
+        """The L in 1..k with the best tokens per second in steady state, or 0 where none beats plain decoding:
+        each chain's gain over plain decoding is its realized one where it and plain decoding were measured at this
+        load (spec/realized_rates.py), else the model's (below, `chain_rates`) times the model's error at the nearest
+        measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
+        corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
+        proposes another chain only where it beats the measure by more than the model's error (counted in
+        decisions["overruled"] where the choice differs from the model's alone).
+
+        The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the calibrated estimate at
+        the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
+        than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
+        B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
+        drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
+        spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
+        other plan). Reads calibration counts, past confidences, past step times and realized rates only."""
+        rates = self.chain_rates(num_seqs)
+        model = _best([r / rates[0] for r in rates])
+        measured = self.realized.gains(num_seqs, self.k)
+        if not measured:
+            return model
+        modelled = [r / rates[0] for r in rates]
+        gains = list(modelled)
+        for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
+            near = min(measured, key=lambda m: (abs(m - chain), m))
+            gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
+        best = _best(gains)
+        if best != model:
+            self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
+        return best
+
+    def chain_rates(self: SlotPolicy, num_seqs: int) -> list[float]:
+        """Expected tokens per second of plain decoding (index 0) and of chains of 1..k (`_choose_chain`'s model)
+        at num_seqs sampling sequences. No side effect (benchmarks print it)."""
+        k, b = self.k, float(num_seqs)
+        conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
+        survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
+        times = self.step_times
+        rates = [b / times.seconds(PLAIN, num_seqs, self.cost.at(b))]
+        reach, expected = 1.0, b
+        for chain in range(1, k + 1):
+            reach *= survival[chain - 1]
+            expected += b * reach
+            price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
+            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
+        return rates
+
+
+def _best(gains: list[float]) -> int:
+    """The chain with the best gain over plain decoding (index 0, gain 1): 0 where none beats it; ties: shorter."""
+    best, best_gain = 0, 1.0 + 1e-9
+    for chain in range(1, len(gains)):
+        if gains[chain] > best_gain:
+            best, best_gain = chain, gains[chain] * (1 + 1e-9)
+    return best
