@@ -25,8 +25,8 @@ class ChainPlan:
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone).
 
-        The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the calibrated estimate at
-        the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
+        The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the
+        calibrated estimate at the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.sched.request import SeqStatus, Sequence
+from deepinfer.spec.draft_slots import length_cap
 from deepinfer.spec.mtp_drafter import MTPRows
 from deepinfer.worker.transfer import tensor_to
 
@@ -77,14 +78,9 @@ class PausedRows:
         engine's at 4-16 sequences, ~150 us of host time a step, a part of it copying rows that the benchmark's
         128-token requests never read (their pauses last 32-1024 steps). Where a pause ends early (a fall in load),
         such a sequence drafts over the positions not kept (lower acceptance for its last tokens), as past max_rows."""
-        for seq in seqs:
-            left = max_model_len - seq.num_tokens
-            mt = seq.request.params.max_tokens
-            if mt is not None:
-                left = min(left, mt - len(seq.output_token_ids) - seq.num_pending)
-            if left > steps:
-                return False
-        return True
+        # length_cap: the tokens a sequence may still emit, less one (pending tokens not counted: a longer reach,
+        # which only keeps rows)
+        return all(length_cap(seq, max_model_len) + 1 <= steps for seq in seqs)
 
     def keep(self, rows: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
         """rows: (sequence, row in hidden, position) of a step's rows that get no pass, a sequence's in position

@@ -193,12 +193,13 @@ class SpecStepPipeline(NextDrafts):
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
             # where the steady state runs one-sync, a speculative step that took the host path is not one of it
+            verified = any(it.draft for it in sched.scheduled)
             self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
-                                     len(sched.scheduled), *self._drafted,
-                                     verified=any(it.draft for it in sched.scheduled),
+                                     len(sched.scheduled), *self._drafted, verified=verified,
                                      off_path=self.one_sync is not None and not self._one_sync_ran,
                                      emitted=num_emitted)
-            self._observe_realized(sched, num_emitted, time.perf_counter() - t_start)
+            if num_emitted is not None:  # (adaptive)
+                self._observe_realized(sched, num_emitted, verified, time.perf_counter() - t_start)
         elif self.policy.adaptive:  # a prompt chunk or a catch-up: no steady step, nor the next one
             self._steady_chain = -1
             self.policy.realized.tick()
@@ -206,17 +207,14 @@ class SpecStepPipeline(NextDrafts):
             self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 
-    def _observe_realized(self, sched: SchedulerOutput, emitted: int | None, seconds: float) -> None:
+    def _observe_realized(self, sched: SchedulerOutput, emitted: int, verified: bool, seconds: float) -> None:
         """The adaptive policy's realized rates (spec/realized_rates.py): this step's chain for every sequence (0:
         none, -1: a probe's or an exploration's few, or a step some sequence drafted nothing in) against the last."""
-        if not self.policy.adaptive or emitted is None:
-            return
         seqs, chain = self._drafted
         live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
         now = 0 if seqs == 0 else chain if seqs >= live and not self.policy.explore else -1
         before, self._steady_chain = self._steady_chain, now
-        self.policy.realized.step(len(sched.scheduled), before, now, any(it.draft for it in sched.scheduled),
-                                  emitted, seconds)
+        self.policy.realized.step(len(sched.scheduled), before, now, verified, emitted, seconds)
 
     def _uniform_chain(self, samplers: int) -> bool:
         """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or

@@ -124,11 +124,11 @@ def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, bas
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,
                 speculation_seconds: float = 0.0, draft_seconds: float = 0.0) -> list[int]:
-    """`admit` in plain floats for a few slots (the per-step host path at low concurrency, where the tensor
-    version's ~20 small ops cost ~0.5 ms of host time a step on this CPU): survival[i] holds request i's conditional
-    survival per slot (its draft's length); draft_seconds: time every choice pays (admit's). The same order (reach descending, ties by slot index, then request),
-    the same fp64 arithmetic and the same first maximum, so the same counts (tests/spec/test_scheduler_lossless.py
-    compares them)."""
+    """`admit` in plain floats for a few slots (the per-step host path at low concurrency, where the tensor version's
+    ~20 small ops cost ~0.5 ms of host time a step on this CPU): survival[i] holds request i's conditional
+    survival per slot (its draft's length); draft_seconds: time every choice pays (admit's). The same order
+    (reach descending, ties by slot index, then request), the same fp64 arithmetic and the same first maximum,
+    so the same counts (tests/spec/test_scheduler_lossless.py compares them)."""
     items: list[tuple[float, int, int]] = []
     for i, row in enumerate(survival):
         reach = 1.0

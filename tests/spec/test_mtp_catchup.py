@@ -135,8 +135,8 @@ def test_rows_of_sequences_that_finish_within_the_pause_are_not_worth_keeping():
 
     def seq(max_tokens, out, prompt=10):
         params = SimpleNamespace(max_tokens=max_tokens)
-        return SimpleNamespace(request=SimpleNamespace(params=params), output_token_ids=[0] * out, num_pending=0,
-                               num_tokens=prompt + out)
+        return SimpleNamespace(request=SimpleNamespace(params=params), params=params, output_token_ids=[0] * out,
+                               num_pending=0, num_tokens=prompt + out)
 
     finishing = [seq(128, 100), seq(128, 120)]  # 28 and 8 tokens left
     assert PausedRows.all_finish_within(finishing, 32, 4096)
