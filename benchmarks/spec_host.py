@@ -29,6 +29,9 @@ import torch
 
 from deepinfer.backend import BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, default_buckets
 from deepinfer.models.base import CausalLM
+from deepinfer.spec.draft_cost import DraftCostTable
+from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.step_times import StepTimeRatios
 
 VOCAB = 512
 
@@ -125,10 +128,35 @@ MODES = {
     "k1": dict(speculative_method="mtp", num_speculative_tokens=1),
     "k3": dict(speculative_method="mtp", num_speculative_tokens=3),
     "k3-host": dict(speculative_method="mtp", num_speculative_tokens=3),
+    "k5": dict(speculative_method="mtp", num_speculative_tokens=5),
+    # adaptive with the stand-in's partly right drafts, deciding by H200-like tables (`h200_like_tables`): the slot
+    # policy's admission, plan and calibration every step
+    "adaptive": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive with every draft wrong: it pauses, so its steps are plain steps with the speculative engine's host
     # work around them (async pauses where DEEPINFER_SPEC_ASYNC_PAUSES=1)
     "adaptive-paused": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
+
+
+class PricedStepTimes(StepTimeRatios):
+    """Step-time corrections that take every step at its table price (ratio 1), with the bookkeeping's host cost
+    kept: the stand-in's replays are host work that a GPU's steps are not, so measured, they would price drafting
+    out (the adaptive mode here would pause) and its planning would not be timed."""
+
+    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
+        super().observe(kind, num_seqs, predicted, predicted)
+
+
+def h200_like_tables(policy) -> None:
+    """Give an adaptive engine's policy step and drafting prices of the H200's shape (a forward ~0.45 ms, nearly
+    flat in its tokens; a chain of 5 ~0.2 ms), decide by them (no measuring plans, realized rates recorded but not
+    deciding), so that it drafts as it would on the GPU and its admission, plan and bookkeeping run every step."""
+    policy.cost = StepCostTable([1, 64, 4096], [0.45e-3, 0.5e-3, 4e-3])
+    policy.draft_cost = DraftCostTable(policy.k, StepCostTable([1, 256], [0.06e-3, 0.3e-3]),
+                                       StepCostTable([1, 256], [0.2e-3, 1.0e-3]))
+    policy.step_times = PricedStepTimes()
+    policy.measure_steps = 0
+    policy.realized.decides = False
 
 
 def make_engine(tok_dir: str, mode: str, max_seqs: int, max_tokens: int):
@@ -145,6 +173,8 @@ def make_engine(tok_dir: str, mode: str, max_seqs: int, max_tokens: int):
                                                  GraphHostBackend(16))
     if mode == "k3-host":
         engine._spec.one_sync = None
+    if mode == "adaptive":
+        h200_like_tables(engine._spec.policy)
     return engine
 
 
@@ -159,6 +189,7 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
     walls, replays, reads = [], [], []
     tokens = 0
     engine.step()  # the prompts' step
+    p0 = (spec.policy_seconds, spec.policy_steps) if spec else (0.0, 0)
     while engine.has_unfinished_requests():
         r0, h0, g0 = runner.replay_s, spec.host_reads() if spec else 0, engine.stats().generation_tokens_total
         t = time.perf_counter()
@@ -172,6 +203,7 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
     return {"steps": len(walls), "wall_ms": 1e3 * wall, "replay_ms": 1e3 * rep,
             "host_ms": 1e3 * statistics.median(hosts), "tokens_per_step": tokens / max(len(walls), 1),
             "reads_per_step": sum(reads) / max(len(reads), 1),
+            "policy_us": 1e6 * (spec.policy_seconds - p0[0]) / max(spec.policy_steps - p0[1], 1) if spec else 0.0,
             "host_ms_per_token": 1e3 * sum(hosts) / max(tokens, 1)}
 
 
@@ -188,7 +220,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tok_dir:
         write_tokenizer(tok_dir, VOCAB)
         print(f"{'conc':>5} {'mode':>8} {'steps':>6} {'wall ms':>8} {'replay ms':>9} {'host ms':>8} {'tok/step':>8} "
-              f"{'reads/step':>10} {'host ms/tok':>11}")
+              f"{'reads/step':>10} {'host ms/tok':>11} {'policy us':>9}")
         for conc in args.concurrency:
             for mode in args.modes:
                 engine = make_engine(tok_dir, mode, max(conc, 1), args.max_tokens)
@@ -197,7 +229,9 @@ def main() -> None:
                            key=lambda r: r["host_ms_per_token"])
                 print(f"{conc:>5} {mode:>8} {best['steps']:>6} {best['wall_ms']:>8.3f} {best['replay_ms']:>9.3f} "
                       f"{best['host_ms']:>8.3f} {best['tokens_per_step']:>8.2f} {best['reads_per_step']:>10.2f} "
-                      f"{best['host_ms_per_token']:>11.4f}", flush=True)
+                      f"{best['host_ms_per_token']:>11.4f} {best['policy_us']:>9.0f}", flush=True)
+                if mode == "adaptive":
+                    print(f"      adaptive plan decisions: {engine._spec.policy.decisions}", flush=True)
 
 
 if __name__ == "__main__":

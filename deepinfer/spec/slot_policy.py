@@ -160,8 +160,8 @@ class SlotPolicy(ChainPlan):
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
         fixed = self._step_fixed_seconds(len(held))
         if not big:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
-            cal = self.calibrator
-            survival = [[cal.survival(j, h.confidence[j]) for j in range(n)] for h, n in zip(held, lens_list)]
+            row = self.calibrator.survival_row
+            survival = [row(h.confidence, n) for h, n in zip(held, lens_list)]
             counts = admit_lists(survival, self.cost, base_tokens, float(base_yield), speculation_seconds=spec_s,
                                  draft_seconds=fixed)
         elif width:
