@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from deepinfer.spec.step_phases import StepPhases
+
 PROMPTS = [
     "def fibonacci(n):\n",
     "import os\n\n\ndef list_files(path):\n",
@@ -173,11 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         best: dict[str, dict] = {}
         seen: dict[str, list[float]] = {}  # every repeat's per-user tok/s: the spread the best one hides
         plans: dict[str, list[dict]] = {}  # every repeat's adaptive plan decisions (run_cell's "plan")
+        phases: dict[str, StepPhases] = {}  # the spec path's steps over every repeat (spec/step_phases.py)
         ref = None
         for r in range(args.repeats):
             order = args.modes if r % 2 == 0 else args.modes[::-1]
             for mode in order:
+                spec = getattr(engines[mode], "_spec", None)
+                before = spec.phases.snapshot() if spec is not None else None
                 cell, toks = run_cell(engines[mode], c, args.max_tokens)
+                if spec is not None:
+                    phases[mode] = spec.phases.since(before).plus(phases.get(mode))
                 if mode == "off":
                     ref = toks
                 elif ref is not None and toks != ref:
@@ -197,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             row = {"concurrency": c, "mode": mode,
                    **{k: round(v, 3) if isinstance(v, float) else v for k, v in best[mode].items()},
                    "per_user_repeats": [round(v, 1) for v in seen[mode]],
-                   **({"plan_repeats": plans[mode]} if mode in plans else {})}
+                   **({"plan_repeats": plans[mode]} if mode in plans else {}),
+                   **({"phases_ms": {kind: {k: round(v, 4) for k, v in r.items()}
+                                     for kind, r in phases[mode].per_step_ms().items()}} if mode in phases else {})}
             results.append(row)
             print(json.dumps(row), flush=True)
+        for mode in args.modes:  # where the spec path's steps went, every repeat of the cell together
+            if mode in phases:
+                print(f"steps at {c}, {mode}: {phases[mode].describe()}", flush=True)
     print(f"\n{'conc':>5} {'mode':>9} {'per-user tok/s':>15} {'total tok/s':>12} {'vs off':>7} {'tau':>5} "
           f"{'accept':>6} {'verified/step':>13} {'per-user, every repeat':>24}  (machine: "
           f"{os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads)")

@@ -44,6 +44,7 @@ ran over the whole accepted run).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,6 +100,7 @@ class OneSyncStep:
         self.device = device
         self.num_steps = 0  # steps run this way
         self.num_host_reads = 0  # waits for the device (one per step)
+        self.wait_seconds = 0.0  # host seconds spent in those waits (spec/step_phases.py's "wait")
         # step 2 (verification and derivation) captured per pass bucket (spec/one_sync_graphs.py)
         self.verify = VerifyGraphs.capture(graphs, device)
 
@@ -168,7 +170,9 @@ class OneSyncStep:
         copy = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device)
         if while_waiting is not None:  # host work that needs nothing of this step, while the device runs it
             while_waiting()
+        t0 = time.perf_counter()
         host = copy.wait()
+        self.wait_seconds += time.perf_counter() - t0
         self.num_host_reads += 1
         self.num_steps += 1
         flat = host[0].tolist()

@@ -1,7 +1,8 @@
 """One engine step with speculative decoding (sync scheduling): schedule -> draft slots -> one target
 forward over every sequence's tokens and drafts -> the sampler at every verified position -> accept
 the drafts that match -> the MTP pass and chain (next step's drafts) -> KV of rejected tokens rolled
-back -> output processing of several tokens per sequence.
+back -> output processing of several tokens per sequence. The verification's outcomes on the host (emitted tokens,
+metrics, calibration) are spec/verify_outcomes.py's; where each step's wall time went, spec/step_phases.py's.
 
 Verification. The target's token at each verified position is drawn by the ordinary sampler
 (penalties, min-tokens mask, temperature, top-k / top-p / min-p, the draw keyed by (seed, position)),
@@ -67,7 +68,9 @@ from deepinfer.spec.next_drafts import NextDrafts
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
 from deepinfer.spec.slot_policy import SlotPolicy
+from deepinfer.spec.step_phases import StepPhases
 from deepinfer.spec.verify_batch import VerifyShapes
+from deepinfer.spec.verify_outcomes import VerifyOutcomes
 from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner, request_error
@@ -76,7 +79,7 @@ from deepinfer.worker.transfer import tensor_to
 logger = logging.getLogger("deepinfer")
 
 
-class SpecStepPipeline(NextDrafts):
+class SpecStepPipeline(NextDrafts, VerifyOutcomes):
     """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
     steps handed to async_pauses (spec/async_pauses.py; None: every step here)."""
 
@@ -118,6 +121,8 @@ class SpecStepPipeline(NextDrafts):
         self.policy_seconds = 0.0
         self.policy_steps = 0
         self._deferred: list = []  # bookkeeping run while the host waits for the device (`_run_deferred`)
+        self._deferred_s = 0.0  # this step's seconds in `_run_deferred` (its "deferred" phase)
+        self.phases = StepPhases()  # where the steps' wall time went (spec/step_phases.py; benchmarks print it)
 
     def host_reads(self) -> int:
         """Waits for the device so far: the host path's draws and drafts, and the one-sync steps' read-backs."""
@@ -175,8 +180,11 @@ class SpecStepPipeline(NextDrafts):
         # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
         samplers = sum(1 for it in sched.scheduled if it.samples)
         self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
-        self.policy_seconds += time.perf_counter() - t0  # (with the draft slots' KV cover, a few us)
+        t_slots = time.perf_counter()
+        self.policy_seconds += t_slots - t0  # (with the draft slots' KV cover, a few us)
         self.policy_steps += 1
+        self._deferred_s = 0.0
+        wait0 = self.one_sync.wait_seconds if self.one_sync is not None else 0.0
         plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
         if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
                 and self._uniform_chain(samplers):
@@ -185,6 +193,7 @@ class SpecStepPipeline(NextDrafts):
         emitted, logprobs = self._launch(sched, conf, plan)
         t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
+        t2 = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         if self.policy.adaptive:
             num_emitted = sum(len(toks) for toks in emitted)
@@ -203,6 +212,13 @@ class SpecStepPipeline(NextDrafts):
         elif self.policy.adaptive:  # a prompt chunk or a catch-up: no steady step, nor the next one
             self._steady_chain = -1
             self.policy.realized.tick()
+        wait = self.one_sync.wait_seconds - wait0 if self.one_sync is not None else 0.0
+        kind = "one_sync" if self._one_sync_ran else "host" if any(self._drafted) or any(
+            it.draft for it in sched.scheduled) else "plain"
+        self.phases.add(kind, {"schedule": t0 - t_start, "slots": t_slots - t0, "process": t2 - t1,
+                               "launch": t1 - t_slots - self._deferred_s - wait, "deferred": self._deferred_s,
+                               "wait": wait, "observe": time.perf_counter() - t2},
+                        sum(it.num_tokens for it in sched.scheduled))
         if self._deferred and not self.scheduler.has_unfinished():
             self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
@@ -281,57 +297,6 @@ class SpecStepPipeline(NextDrafts):
         self._advance(sched, emitted)
         self._draft_next(sched, hidden, emitted, batch)
         return emitted, logprobs
-
-    def _emit(self, items, sampling: list[int], out, num_acc: list[int], toks: list[list[int]],
-              conf: dict[int, list[float]], emitted: list[list[int]], logprobs: list, k: int) -> None:
-        """Each sampling sequence's emitted tokens and logprobs (into emitted / logprobs, by index into items), and
-        the metrics and calibration of its verification (k: the most drafts a sequence verified)."""
-        r = 0
-        decodes: list[int] = []
-        any_logprobs = any(x is not None for x in out.logprobs)  # most steps: none asked for, no per-row scan
-        for b, i in enumerate(sampling):
-            a = num_acc[b]
-            emitted[i] = toks[b]
-            d = len(items[i].draft)
-            if any_logprobs:
-                lp = out.logprobs[r : r + a + 1]
-                logprobs[i] = lp if any(x is not None for x in lp) else None
-            r += d + 1
-            if items[i].num_tokens - d == 1:
-                decodes.append(b)
-        if not k:  # nothing verified: the decodes count as steps of one token
-            if decodes:
-                self.metrics.record_plain(len(decodes))
-        elif decodes:
-            self._observe([sampling[b] for b in decodes], items, [num_acc[b] for b in decodes], conf)
-
-    def _observe(self, idx: list[int], items, num_acc: list[int], conf: dict[int, list[float]]) -> None:
-        """Metrics, and the calibrator's outcomes (slot j counts when slots < j were all accepted): deferred to the
-        next wait for the device (`_run_deferred`), where the host would idle; the next step's admission then reads
-        the calibration of the steps before this one (non-anticipating either way)."""
-        verified = [len(items[i].draft) for i in idx]
-        rows = [(conf.get(i), v, a) for i, v, a in zip(idx, verified, num_acc)]
-
-        def observe() -> None:
-            self.metrics.record(verified, num_acc, sum(verified))
-            cal = self.policy.calibrator
-            if cal is None:
-                return
-            t0 = time.perf_counter()
-            known = [r for r in rows if r[0] is not None]
-            if known:
-                cal.observe_verified([r[0] for r in known], [r[1] for r in known], [r[2] for r in known])
-            self.policy_seconds += time.perf_counter() - t0
-
-        self._deferred.append(observe)
-
-    def _run_deferred(self) -> None:
-        """Run the bookkeeping `_observe` deferred: called while the host waits for the device (the one-sync step's
-        read-back, the host path's draw), when no request is left after a step, and before the metrics are read.
-        On the H200 (2026-12-04, 733f4eb) the adaptive policy's host work was ~540 us a step against static k's ~150,
-        most of it in the host-bound steps of few sequences, where the device is idle half the step."""
-        while self._deferred:
-            self._deferred.pop(0)()
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
         """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the

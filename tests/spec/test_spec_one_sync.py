@@ -106,6 +106,13 @@ def test_engine_one_sync_equals_off_and_the_host_path(parts):  # noqa: F811
     assert spec.host_reads() == spec.one_sync.num_steps + 2
     assert hs.host_reads() >= 2 * hs.metrics.steps + 2
     assert a.kv_blocks_used == 0
+    # the step phases (spec/step_phases.py) count each path's steps and forward tokens: the one-sync steps' tokens
+    # are their sequences' decode tokens plus every verified draft; only one-sync steps have a read-back wait
+    ph, hph = spec.phases, hs.phases
+    assert ph.steps["one_sync"] == spec.one_sync.num_steps and ph.steps["host"] == 1 and "one_sync" not in hph.steps
+    assert ph.tokens["one_sync"] == a.spec_request_steps + a.spec_drafted_tokens
+    assert hph.steps["host"] == hs.metrics.steps + 1 and hph.seconds.get(("host", "wait"), 0.0) == 0.0
+    assert ph.seconds[("one_sync", "wait")] >= 0.0 and all(v >= 0.0 for v in ph.seconds.values())
 
 
 def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts):  # noqa: F811

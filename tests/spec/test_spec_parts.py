@@ -194,3 +194,29 @@ def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
         y._refit()
         assert np.array_equal(x.trials, y.trials) and np.allclose(x.accepts, y.accepts, rtol=0, atol=1e-9)
         assert np.allclose(x.conf_sums, y.conf_sums, rtol=1e-12, atol=0)
+
+
+def test_step_phases_sum_difference_and_describe():
+    """StepPhases (spec/step_phases.py): per-kind sums, a snapshot's difference, two records together, ms a step by
+    phase with their total, and an unknown phase named in the error."""
+    from deepinfer.spec.step_phases import PHASES, StepPhases
+
+    ph = StepPhases()
+    ph.add("one_sync", {"schedule": 0.001, "wait": 0.003}, 10)
+    before = ph.snapshot()
+    ph.add("one_sync", {"schedule": 0.002, "slots": 0.0005, "wait": 0.001}, 20)
+    ph.add("plain", {"launch": 0.004}, 4)
+    new = ph.since(before)
+    assert new.steps == {"one_sync": 1, "plain": 1} and new.tokens == {"one_sync": 20, "plain": 4}
+    rows = new.per_step_ms()
+    assert rows["one_sync"]["schedule"] == pytest.approx(2.0) and rows["one_sync"]["wait"] == pytest.approx(1.0)
+    assert rows["one_sync"]["total"] == pytest.approx(3.5) and rows["plain"]["total"] == pytest.approx(4.0)
+    both = new.plus(before)
+    assert both.steps == ph.steps and both.tokens == ph.tokens
+    assert both.seconds == pytest.approx(ph.seconds)
+    assert both.per_step_ms()["one_sync"]["tokens"] == pytest.approx(15.0)
+    assert new.plus(None) is new
+    assert "one_sync: 1 steps, 20.0 tok, 3.500 ms" in new.describe() and StepPhases().describe() == "no steps"
+    assert set(rows["plain"]) == {"steps", "tokens", "total", *PHASES}
+    with pytest.raises(ValueError, match="'compile'"):
+        ph.add("host", {"compile": 1.0}, 1)

@@ -1,0 +1,84 @@
+"""Where a speculative step's wall time goes, by phase and kind of step: what a benchmark compares between the
+adaptive mode and a static k at one load (benchmarks/speculative.py prints it per cell).
+
+Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
+- schedule: the scheduler's step;
+- slots: the draft slots (the admission, SlotPolicy.counts, and the KV cover) and the chain plan made before the
+  forward (what the slot policy's host time counts, less the calibration);
+- launch: batch building, the forward's and the sampler's launches, and for a step off the one-sync path its waits
+  for the device (the draw's read-back, the MTP drafter's);
+- deferred: the metrics and calibration run while the host waits for the device (`_run_deferred`): hidden where
+  the device is still busy;
+- wait: a one-sync step's read-back wait (spec/one_sync.py): the device's work not overlapped by the host's;
+- process: output processing, rollback and the book of next drafts;
+- observe: the adaptive policy's step observations (step times, output time, realized rates).
+
+Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "host" (the host path: a probe's
+verification, a step after a pause, a step with prompt chunks), "plain" (nothing verified nor drafted: an adaptive
+pause step run on the spec path; pause steps handed to spec/async_pauses.py are not in it). Non-adaptive and adaptive engines record the same phases, so their steps compare
+directly; the cost is one clock read per phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PHASES = ("schedule", "slots", "launch", "deferred", "wait", "process", "observe")
+
+
+@dataclass
+class StepPhases:
+    """Seconds by (kind, phase) and steps by kind, summed over the engine's life (a benchmark takes differences)."""
+
+    seconds: dict[tuple[str, str], float] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # forward tokens (verify and decode rows) by kind
+
+    def add(self, kind: str, phases: dict[str, float], num_tokens: int) -> None:
+        """One step of this kind: seconds per phase (PHASES' names)."""
+        for phase, s in phases.items():
+            if phase not in PHASES:
+                raise ValueError(f"unknown step phase {phase!r}; phases are {PHASES}")
+            self.seconds[(kind, phase)] = self.seconds.get((kind, phase), 0.0) + s
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        self.tokens[kind] = self.tokens.get(kind, 0) + num_tokens
+
+    def snapshot(self) -> StepPhases:
+        return StepPhases(dict(self.seconds), dict(self.steps), dict(self.tokens))
+
+    def since(self, before: StepPhases) -> StepPhases:
+        """What was recorded after `before` (a snapshot of this one)."""
+        return StepPhases({k: v - before.seconds.get(k, 0.0) for k, v in self.seconds.items()},
+                          {k: v - before.steps.get(k, 0) for k, v in self.steps.items()},
+                          {k: v - before.tokens.get(k, 0) for k, v in self.tokens.items()})
+
+    def plus(self, other: StepPhases | None) -> StepPhases:
+        """This and `other` together (None: this one)."""
+        if other is None:
+            return self
+
+        def add(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+        return StepPhases(add(self.seconds, other.seconds), add(self.steps, other.steps),
+                          add(self.tokens, other.tokens))
+
+    def per_step_ms(self) -> dict[str, dict[str, float]]:
+        """kind -> {"steps", "tokens" (a step's forward tokens), each phase's ms a step, "total"}, kinds with steps."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, n in sorted(self.steps.items()):
+            if n <= 0:
+                continue
+            row = {"steps": float(n), "tokens": self.tokens.get(kind, 0) / n}
+            row.update({p: 1e3 * self.seconds.get((kind, p), 0.0) / n for p in PHASES})
+            row["total"] = sum(row[p] for p in PHASES)
+            out[kind] = row
+        return out
+
+    def describe(self) -> str:
+        """One line per kind: steps, tokens a step and ms a step by phase (what benchmarks print)."""
+        lines = []
+        for kind, row in self.per_step_ms().items():
+            lines.append(f"{kind}: {int(row['steps'])} steps, {row['tokens']:.1f} tok, {row['total']:.3f} ms = "
+                         + " + ".join(f"{p} {row[p]:.3f}" for p in PHASES))
+        return "; ".join(lines) if lines else "no steps"
