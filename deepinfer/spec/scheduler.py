@@ -150,7 +150,8 @@ def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: i
         for j, x in enumerate(row):
             reach *= min(max(x, 0.0), 1.0)
             items.append((-reach, j, i))
-    items.sort()
+    if len(survival) > 1:  # (one request: its reach never rises along the row, so slot order is the order)
+        items.sort()
     best, gained = 0, 0.0
     best_rate = float(base_yield) / (cost.at(base_tokens) + draft_seconds)
     for n, (neg, _, _) in enumerate(items, 1):

@@ -347,8 +347,12 @@ class SlotPolicy(ChainPlan):
 
     def _track_confidence(self, conf: list[list[float]], lens: list[int]) -> None:
         """Moving average per slot of the held drafts' confidences (conf[i][:lens[i]] valid)."""
+        width = max(lens, default=0)
+        if width and min(lens) == width:  # every draft held in full (the usual step): column sums, the same order
+            self._track_means([sum(col) / len(conf) for col in zip(*(c[:width] for c in conf))])
+            return
         means = []
-        for j in range(max(lens, default=0)):
+        for j in range(width):
             vals = [c[j] for c, n in zip(conf, lens) if n > j]
             means.append(sum(vals) / len(vals))
         self._track_means(means)
