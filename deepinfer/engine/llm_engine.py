@@ -169,6 +169,11 @@ class DeepInferenceEngine(RequestIntake):
         if cfg.spec_method() == "mtp":
             spec_kw["include_mtp"] = True
         specs = model.kv_cache_specs(**spec_kw)
+        # per-sequence state (V4's compressor rings) with speculation: rings k positions longer, so a verify step's
+        # rejected drafts (at most k) roll back (KVCacheManager.state_rollback_tokens)
+        state_rollback = cfg.spec_num_tokens() if any(s.state_shape for s in specs) else 0
+        if state_rollback:
+            specs = model.kv_cache_specs(**spec_kw, ring_margin=state_rollback)
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
         self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
@@ -188,6 +193,7 @@ class DeepInferenceEngine(RequestIntake):
         )
         kv = KVCacheManager(specs, plan.num_blocks, block_size, cfg.max_num_seqs, self._max_model_len,
                             prefix_caching=prefix_caching, window_rollback_tokens=rollback,
+                            state_rollback_tokens=state_rollback,
                             cache_salt=cache_salt(model, block_size, backend, cfg.kv_cache_storage())
                             if prefix_caching else b"")
         too_small = kv.fits_alone(self._max_model_len, token_budget)

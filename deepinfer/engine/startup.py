@@ -267,9 +267,9 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     head = (f"speculative decoding (speculative_method={cfg.spec_method()!r}, --speculative-method / "
             "DEEPINFER_ENABLE_MTP_VARLEN / DEEPINFER_USE_NEXTN_DECODE)")
     reasons = []
-    if model_type == "deepseek_v4":
-        reasons.append("V4 models keep their MTP tensors aside (no drafting, no rollback of the sliding-window and "
-                       "compressor state yet)")
+    if model_type == "deepseek_v4" and cfg.spec_method() == "mtp":
+        reasons.append("V4's MTP module is not built (its mtp.* tensors are kept aside); speculative_method='ngram' "
+                       "runs on V4 (its verify steps roll the sliding window and the compressor rings back)")
     elif cfg.spec_method() == "mtp" and not num_mtp_layers:
         reasons.append(f"the model ({model_type}) has no MTP module (config.json num_nextn_predict_layers is 0)")
     if cfg.async_scheduling:

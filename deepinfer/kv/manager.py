@@ -83,6 +83,7 @@ class KVCacheManager(PrefixAdmission, TierTraffic):
         prefix_caching: bool = False,
         cache_salt: bytes = b"",
         window_rollback_tokens: int = 0,
+        state_rollback_tokens: int = 0,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -90,9 +91,15 @@ class KVCacheManager(PrefixAdmission, TierTraffic):
         if isinstance(window_rollback_tokens, bool) or not isinstance(window_rollback_tokens, int) \
                 or window_rollback_tokens < 0:
             raise DeepInferError(f"window_rollback_tokens must be an int >= 0, got {window_rollback_tokens!r}")
+        if isinstance(state_rollback_tokens, bool) or not isinstance(state_rollback_tokens, int) \
+                or state_rollback_tokens < 0:
+            raise DeepInferError(f"state_rollback_tokens must be an int >= 0, got {state_rollback_tokens!r}")
         self.specs = list(specs)
         self.block_size = block_size
         self.window_rollback_tokens = window_rollback_tokens
+        # tokens a sequence with per-sequence state may be rolled back by: the margin its rings were built with
+        # (models/deepseek_v4/model.py v4_kv_cache_specs ring_margin), the caller's promise; 0: no rollback
+        self.state_rollback_tokens = state_rollback_tokens
         self.max_model_len = max_model_len
         reasons = prefix_caching_refusals(specs) if prefix_caching else []
         if reasons:
@@ -287,14 +294,16 @@ class KVCacheManager(PrefixAdmission, TierTraffic):
         them (they held rejected drafts' KV) go back to the pool. Blocks keyed in the prefix cache are never
         taken back (they hold only verified tokens: the caller keys after verification). A sliding window can
         go back as far as it still holds the window of num_tokens: window_rollback_tokens behind the furthest
-        position it was trimmed for. Per-sequence state (V4's compressor rings) cannot roll back: a ring has
-        forgotten the positions a rollback would need again, so such groups are refused."""
+        position it was trimmed for. Per-sequence state (V4's compressor rings) rolls back by at most
+        state_rollback_tokens (tokens covered minus num_tokens): the rings were built that much longer than the
+        compressors need, so the rejected positions overwrote no slot still read; farther is refused."""
         sb = self._seqs.get(seq.seq_id)
         if sb is None:
             return
-        if self.uses_state:
-            raise DeepInferError("KVCacheManager.rollback: groups with per-sequence state (compressor rings) "
-                                 "cannot roll back")
+        if self.uses_state and sb.num_tokens - num_tokens > self.state_rollback_tokens:
+            raise DeepInferError(
+                f"{seq.seq_id!r}: rollback of {sb.num_tokens - num_tokens} tokens past what the per-sequence state "
+                f"(compressor rings) allows (state_rollback_tokens={self.state_rollback_tokens})")
         if num_tokens < sb.num_keyed * self.block_size:
             raise DeepInferError(f"{seq.seq_id!r}: rollback to {num_tokens} tokens would drop blocks keyed in the "
                                  f"prefix cache ({sb.num_keyed} blocks)")

@@ -43,7 +43,9 @@ graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cov
 
 Async: an adaptive engine's pause steps (plain decodes) run through async scheduling where spec/async_pauses.py
 says; the spec path itself runs sync. Not here (refused at start-up, engine/startup.py: check_speculation): async
-scheduling asked for (speculative steps async), V4, backends other than cpu and nvidia, tensor parallelism.
+scheduling asked for (speculative steps async), MTP drafting on V4 (n-gram runs: its rollback of the window and
+the compressor rings is the KV manager's, docs/speculative.md "V4"), backends other than cpu and nvidia, tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -253,6 +255,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         runner = self.runner
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
+        runner.plan_snapshots(sched)  # (V4 with prefix caching: the rings at the block boundaries it crosses)
         runner.reset_state_rows(batch)
         # decode rows through the decode graphs where they cover the step, else eagerly (spec/verify_batch.py)
         hidden = runner.run_model(self.shapes.run_batch(batch, sched.scheduled, runner))

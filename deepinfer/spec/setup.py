@@ -40,7 +40,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     # the cpu MLA op batches decode rows and takes a multi-token row through a per-request prefill: verify rows as
     # decode rows compute the same (causal by construction) and measured 0-45% faster there (docs/speculative.md).
     # The step-cost table is profiled in the same form, or it would price a verify step the engine never runs.
-    decode_rows_eager = backend.name == "cpu"
+    decode_rows_eager = backend.name == "cpu" and not kv.uses_state  # (V4: state rows are per request)
     if cfg.speculative_adaptive:
         from deepinfer.spec.cost_profile import profile_step_costs
 

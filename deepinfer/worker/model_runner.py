@@ -195,6 +195,13 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
+    def plan_snapshots(self, sched: SchedulerOutput) -> None:
+        """Prefix caching on V4: where this step's compressors save their rings (the block boundaries it crosses,
+        kv/state_snapshots.py); every path that runs a step's forward calls it (this one's launch, the speculative
+        step's, spec/pipeline.py)."""
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.plan = self.kv.snapshot_plan(sched.scheduled)
+
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue the step's forward and draw on the device and the copy of the drawn ids to the
@@ -204,8 +211,7 @@ class ModelRunner:
             timer.begin()
         self.kv.fence_tier_copies()  # the KV tiers' copies of this step's blocks: a device-side wait, no host sync
         batch, sampling = self.builder.build(sched, self._last_tokens)
-        if self.kv.snapshots is not None:  # prefix caching on V4: where the compressors save their rings
-            self.kv.snapshots.plan = self.kv.snapshot_plan(sched.scheduled)
+        self.plan_snapshots(sched)
         if timer is not None:
             timer.mark("inputs")
         logits = self._forward_logits(batch, timer, sched)

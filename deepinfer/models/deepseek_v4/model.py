@@ -56,9 +56,16 @@ def canonical_name(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
-def v4_kv_cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype) -> list[KVCacheSpec]:
+def v4_kv_cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype, ring_margin: int = 0) -> list[KVCacheSpec]:
     """The hybrid cache: sliding-window keys (every layer), compressed entries per rate, indexer keys, with
-    the compressors' per-sequence rings as state of the compressed groups. Depends on the config only."""
+    the compressors' per-sequence rings as state of the compressed groups. Depends on the config only.
+
+    ring_margin: positions each ring holds beyond what the compressor needs (ring_len), so that a step may write
+    that many positions past those later kept and be rolled back (speculative decoding's rejected drafts,
+    KVCacheManager.state_rollback_tokens): the ring is indexed by position modulo its length, and a margin of k
+    keeps the rejected positions' writes off every slot the position rolled back to still reads."""
+    if ring_margin < 0:
+        raise ValueError(f"ring_margin must be >= 0, got {ring_margin}")
     D, Di = cfg.head_dim, cfg.index_head_dim
     specs = [KVCacheSpec(name=SWA_GROUP, layer_ids=tuple(range(cfg.num_hidden_layers)), entry_shape=(D,),
                          dtype=dtype, sliding_window=cfg.sliding_window)]
@@ -69,10 +76,12 @@ def v4_kv_cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype) -> list[KVCache
         m, overlap = cfg.compress_rates[t], t == CSA
         width = (2 if overlap else 1) * D
         specs.append(KVCacheSpec(name=COMP_GROUPS[t], layer_ids=layers, entry_shape=(D,), dtype=dtype,
-                                 tokens_per_entry=m, state_shape=(ring_len(m, overlap), 2 * width), state_dtype=dtype))
+                                 tokens_per_entry=m, state_shape=(ring_len(m, overlap) + ring_margin, 2 * width),
+                                 state_dtype=dtype))
         if overlap:
             specs.append(KVCacheSpec(name=INDEX_GROUP, layer_ids=layers, entry_shape=(Di,), dtype=dtype,
-                                     tokens_per_entry=m, state_shape=(ring_len(m, True), 4 * Di), state_dtype=dtype))
+                                     tokens_per_entry=m, state_shape=(ring_len(m, True) + ring_margin, 4 * Di),
+                                     state_dtype=dtype))
     return specs
 
 
@@ -164,8 +173,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     # ------------------------------------------------------------ cache layout
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return v4_kv_cache_specs(self.config, self.dtype)
+    def kv_cache_specs(self, ring_margin: int = 0) -> list[KVCacheSpec]:
+        """v4_kv_cache_specs; ring_margin: the rollback the compressors' rings allow (speculative decoding)."""
+        return v4_kv_cache_specs(self.config, self.dtype, ring_margin)
 
     # ------------------------------------------------------------ weights
 
