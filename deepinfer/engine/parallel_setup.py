@@ -15,9 +15,15 @@ logger = logging.getLogger("deepinfer")
 def parallel_refusals(cfg: EngineConfig) -> list[str]:
     """What cannot run with several ranks yet, each with its reason (checked on every rank alike)."""
     reasons = []
-    if cfg.spec_method():
-        reasons.append("speculative decoding (speculative_method / DEEPINFER_ENABLE_MTP_VARLEN) runs in one "
-                       "process only: the verification step is not wired through the leader's step commands")
+    layout = cfg.parallel_layout()
+    if cfg.spec_method() and layout.data_parallel_size > 1:  # (context parallelism: cp_forward.py refuses it)
+        reasons.append("speculative decoding (speculative_method / DEEPINFER_ENABLE_MTP_VARLEN) with data-parallel "
+                       "replicas: a replica's speculative step runs several forwards (verify, MTP pass, chain) whose "
+                       "collectives the other replicas' steps would not meet, and the replicas' outputs are merged "
+                       "one token a step; it runs with tensor parallelism (one replica)")
+    if cfg.spec_method() and cfg.speculative_adaptive:
+        reasons.append("speculative_adaptive with several ranks: each rank's plan reads its own measured step times, "
+                       "so the ranks' batches would part; static k (num_speculative_tokens) runs")
     if cfg.kv_disk_cache_dir is not None:
         reasons.append("kv_disk_cache_dir: the disk tier's files are per process; several ranks would share "
                        "one directory")

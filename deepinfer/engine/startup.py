@@ -278,8 +278,6 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     if backend.caps.device_type != "cpu" and backend.name not in SPEC_BACKENDS:
         reasons.append(f"backend {backend.name!r}: verification steps are built and tested on the "
                        f"{' and '.join(SPEC_BACKENDS)} backends only")
-    if cfg.tensor_parallel_size != 1:
-        reasons.append("tensor_parallel_size > 1")
     if reasons:
         raise ConfigError(f"{head} cannot run: " + "; ".join(reasons))
     if backend.name == "nvidia" and backend.caps.device_type != "cpu":

@@ -44,8 +44,9 @@ graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cov
 Async: an adaptive engine's pause steps (plain decodes) run through async scheduling where spec/async_pauses.py
 says; the spec path itself runs sync. Not here (refused at start-up, engine/startup.py: check_speculation): async
 scheduling asked for (speculative steps async), MTP drafting on V4 (n-gram runs: its rollback of the window and
-the compressor rings is the KV manager's, docs/speculative.md "V4"), backends other than cpu and nvidia, tensor
-parallelism.
+the compressor rings is the KV manager's, docs/speculative.md "V4"), backends other than cpu and nvidia, and with
+several ranks data-parallel replicas or the adaptive scheduler (engine/parallel_setup.py; tensor parallelism runs:
+every rank runs this step alike over its shard).
 """
 
 from __future__ import annotations

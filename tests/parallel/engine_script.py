@@ -23,12 +23,13 @@ def run(mode: str, path: str, settings: dict) -> dict:
 
     kw = dict(device="cpu", load_progress=False, max_model_len=128, dist_timeout_s=20.0)
     serve = settings.pop("serve", False)
+    max_tokens = settings.pop("max_tokens", 6)
     kw.update(settings)
     t0 = time.monotonic()
     llm = LLM(path, **kw)
     out: dict = {"start_s": time.monotonic() - t0}
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    seeded = SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=1234)
     if mode == "generate":
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         out["greedy"] = [o.outputs[0].token_ids for o in outs]
@@ -40,7 +41,8 @@ def run(mode: str, path: str, settings: dict) -> dict:
             out["served"] = serve_completions(llm)
         st = llm.stats()
         out["stats"] = {"prompt_tokens_total": st.prompt_tokens_total, "num_requests_finished": st.num_requests_finished,
-                        "kv_blocks_total": st.kv_blocks_total, "local_kv_blocks_total": llm._local_stats().kv_blocks_total}
+                        "kv_blocks_total": st.kv_blocks_total, "local_kv_blocks_total": llm._local_stats().kv_blocks_total,
+                        "spec_drafted_tokens": st.spec_drafted_tokens, "spec_accepted_tokens": st.spec_accepted_tokens}
         out["rebalances"] = llm._leader.num_rebalances
         cpf = getattr(llm, "runner", None) and llm.runner.context_parallel  # the leader's cp forward, if any
         out["cp_split_steps"] = cpf.num_split_steps if cpf else 0

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from deepinfer.backend import SingleProcessCommunicator
 from deepinfer.checkpoints import PRESETS, make_checkpoint
@@ -27,6 +26,7 @@ from deepinfer.models.registry import load_model
 from deepinfer.models.weights import OTHER_RANK
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from mtp_checkpoint import with_mtp as _with_mtp
 from paged_batch_util import PagedKV
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12, 600], [8, 300, 2, 45, 77]]
@@ -55,28 +55,6 @@ def _config_only(root: str, preset: str, name: str, **changes) -> str:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({**PRESETS[preset].hf_config(), **changes}, f)
-    return out
-
-
-def _with_mtp(root: str, src: str, name: str) -> str:
-    """tiny-v3 plus one MTP module (layer 3): its decoder layer a copy of layer 2's tensors, random eh_proj,
-    and its own copy of the output head (shared_head.head), as the released V3 files store them."""
-    out = os.path.join(root, name)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**cfg, "num_nextn_predict_layers": 1}, f)
-    t = load_file(os.path.join(src, "model.safetensors"))
-    n, D = cfg["num_hidden_layers"], cfg["hidden_size"]
-    for k in [k for k in t if k.startswith(f"model.layers.{n - 1}.")]:
-        t[k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = t[k].clone()
-    g = torch.Generator().manual_seed(3)
-    t[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(D, 2 * D, generator=g) * 0.05).to(torch.bfloat16)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        t[f"model.layers.{n}.{norm}.weight"] = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16)
-    t[f"model.layers.{n}.shared_head.head.weight"] = t["lm_head.weight"].clone()
-    save_file(t, os.path.join(out, "model.safetensors"))
     return out
 
 

@@ -1,0 +1,78 @@
+"""Speculative decoding with tensor parallelism on the CPU (gloo): every rank runs the same speculative step (its
+shard of the verify forward, the MTP module's pass and chain, split like the main model's layers), the logits are
+gathered over "tp" before the draw and the drafts' argmax, so the ranks draft, verify and roll back alike, in
+lockstep. Static k only: the adaptive plan reads each rank's own step times (refused), and data-parallel replicas
+are refused (a replica's step runs several forwards the other replicas would not meet)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from script_runner import run_script
+
+import deepinfer
+
+
+@pytest.fixture(scope="module")
+def v3_mtp(tmp_path_factory) -> str:
+    """tiny-v3 with an MTP module (tests/parallel/mtp_checkpoint.py)."""
+    from mtp_checkpoint import with_mtp
+
+    from deepinfer.checkpoints import make_checkpoint
+
+    root = str(tmp_path_factory.mktemp("tp-spec"))
+    make_checkpoint("tiny-v3", os.path.join(root, "tiny-v3"), seed=0)
+    return with_mtp(root, os.path.join(root, "tiny-v3"), "v3-mtp")
+
+
+def _one_process(path: str, max_tokens: int) -> tuple[list, list]:
+    """Greedy and seeded tokens of engine_script's prompts, one process, no speculation."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from engine_script import PROMPTS
+
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(path, device="cpu", load_progress=False, max_model_len=128)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    seeded = SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=1234)
+    return ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)],
+            [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)])
+
+
+@pytest.mark.parametrize("method,max_tokens,ep", [("mtp", 6, False), ("ngram", 40, False), ("ngram", 40, True)])
+def test_tp2_speculation_equals_one_process_without_it(v3_mtp, method, max_tokens, ep):
+    """TP=2 with drafts of 3: greedy and seeded tokens equal the one-process engine without speculation. MTP: the
+    module split like the main model's layers (its random eh_proj drafts what the model rejects: every draft rolled
+    back); n-gram over 40 tokens: tiny-v3 repeats itself enough that some drafts are accepted; and with the experts
+    spread over the two ranks (expert parallelism inside the one replica: every forward's dispatch meets)."""
+    want_greedy, want_seeded = _one_process(v3_mtp, max_tokens)
+    got = run_script("generate", v3_mtp, {"tensor_parallel_size": 2, "speculative_method": method,
+                                          "num_speculative_tokens": 3, "max_tokens": max_tokens,
+                                          "enable_expert_parallel": ep})
+    assert got["greedy"] == want_greedy
+    assert got["seeded"] == want_seeded
+    assert got["alone"] == want_greedy[0]
+    st = got["stats"]
+    assert st["spec_drafted_tokens"] > 0, st
+    if method == "ngram":
+        assert 0 < st["spec_accepted_tokens"] < st["spec_drafted_tokens"], st
+
+
+@pytest.mark.parametrize("settings,why", [
+    ({"tensor_parallel_size": 2, "speculative_adaptive": True}, "speculative_adaptive with several ranks"),
+    ({"data_parallel_size": 2}, "with data-parallel replicas"),
+])
+def test_what_speculation_cannot_run_with_several_ranks_is_refused(settings, why):
+    """Refused before any process starts, each with its reason."""
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.config import EngineConfig
+    from deepinfer.engine.parallel_setup import join_parallel_job
+    from deepinfer.errors import ConfigError
+    from deepinfer.models.registry import load_hf_config
+
+    path = deepinfer.embedded_model_path()  # (the refusals come before any shape is read)
+    cfg = EngineConfig(path, speculative_method="mtp", **settings)
+    with pytest.raises(ConfigError, match=why):
+        join_parallel_job(cfg, CPUBackend(), load_hf_config(path))
