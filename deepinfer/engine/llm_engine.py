@@ -7,6 +7,7 @@ and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -173,6 +174,9 @@ class DeepInferenceEngine(RequestIntake):
         # rejected drafts (at most k) roll back (KVCacheManager.state_rollback_tokens)
         state_rollback = cfg.spec_num_tokens() if any(s.state_shape for s in specs) else 0
         if state_rollback:
+            if "ring_margin" not in inspect.signature(model.kv_cache_specs).parameters:
+                raise ConfigError(f"speculative decoding on {type(model).__name__}: its KV groups keep per-sequence "
+                                  "state, and its kv_cache_specs takes no ring_margin (the rollback its state allows)")
             specs = model.kv_cache_specs(**spec_kw, ring_margin=state_rollback)
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
         self._kv_layouts = layouts
