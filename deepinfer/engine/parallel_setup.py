@@ -21,9 +21,6 @@ def parallel_refusals(cfg: EngineConfig) -> list[str]:
                        "replicas: a replica's speculative step runs several forwards (verify, MTP pass, chain) whose "
                        "collectives the other replicas' steps would not meet, and the replicas' outputs are merged "
                        "one token a step; it runs with tensor parallelism (one replica)")
-    if cfg.spec_method() and cfg.speculative_adaptive:
-        reasons.append("speculative_adaptive with several ranks: each rank's plan reads its own measured step times, "
-                       "so the ranks' batches would part; static k (num_speculative_tokens) runs")
     if cfg.kv_disk_cache_dir is not None:
         reasons.append("kv_disk_cache_dir: the disk tier's files are per process; several ranks would share "
                        "one directory")

@@ -163,7 +163,7 @@ class AsyncPauses:
         self.spec._steady_chain = 0  # (RealizedRates.step: a delegated step drafts nothing)
         if resolves and launched is not None:  # a steady-state call: one step launched, one resolved
             scheduled = launched.sched.scheduled
-            dt = time.perf_counter() - t0
+            dt = self.spec.times.agree([time.perf_counter() - t0])[0]  # (tp rank 0's, spec/shared_times.py)
             self.spec.policy.observe_step(dt, len(scheduled), len(scheduled))  # (decodes only: one token each)
             self.spec.policy.realized.step(len(scheduled), 0, 0, False, len(scheduled), dt)
         else:

@@ -93,7 +93,7 @@ class NextDrafts:
                 (seq for seq, _, _ in keep), steps, self.scheduler.kv.max_model_len):
             self.paused_rows.keep(keep, hidden)
         if drafting:
-            self._time_drafting(time.perf_counter() - t0)
+            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, SpecStepPipeline._step)
 
     def _time_drafting(self: SpecStepPipeline, dt: float) -> None:
         """The admission's drafting cost: a moving average of the measured drafting time per step."""

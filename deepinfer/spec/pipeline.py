@@ -45,8 +45,8 @@ Async: an adaptive engine's pause steps (plain decodes) run through async schedu
 says; the spec path itself runs sync. Not here (refused at start-up, engine/startup.py: check_speculation): async
 scheduling asked for (speculative steps async), MTP drafting on V4 (n-gram runs: its rollback of the window and
 the compressor rings is the KV manager's, docs/speculative.md "V4"), backends other than cpu and nvidia, and with
-several ranks data-parallel replicas or the adaptive scheduler (engine/parallel_setup.py; tensor parallelism runs:
-every rank runs this step alike over its shard).
+several ranks data-parallel replicas (engine/parallel_setup.py; tensor parallelism runs: every rank runs this step
+alike over its shard, the adaptive policy's measured times agreed first, spec/shared_times.py).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.spec.next_drafts import NextDrafts
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
+from deepinfer.spec.shared_times import SharedTimes
 from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.step_phases import StepPhases
 from deepinfer.spec.verify_batch import VerifyShapes
@@ -125,6 +126,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         self.policy_steps = 0
         self._deferred: list = []  # bookkeeping run while the host waits for the device (`_run_deferred`)
         self._deferred_s = 0.0  # this step's seconds in `_run_deferred` (its "deferred" phase)
+        self._draft_s: float | None = None  # this step's drafting seconds, observed at its end (`_time_drafting`)
+        self.times = SharedTimes()  # the policy's measured times agreed over the tp ranks (spec/setup.py sets it)
         self.phases = StepPhases()  # where the steps' wall time went (spec/step_phases.py; benchmarks print it)
 
     def host_reads(self) -> int:
@@ -198,20 +201,27 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         got = self._process(sched, emitted, logprobs)
         t2 = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
-        if self.policy.adaptive:
+        now = time.perf_counter()
+        draft_s, self._draft_s = self._draft_s, None
+        if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
             num_emitted = sum(len(toks) for toks in emitted)
-            self.policy.observe_output(time.perf_counter() - t1, num_emitted, len(sched.scheduled))
+            out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
+                                                               -1.0 if draft_s is None else draft_s])
+            draft_s = None if draft_s < 0 else draft_s
+            self.policy.observe_output(out_s, num_emitted, len(sched.scheduled))
+        if draft_s is not None:
+            self._time_drafting(draft_s)
         # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
         # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
         if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
             # where the steady state runs one-sync, a speculative step that took the host path is not one of it
             verified = any(it.draft for it in sched.scheduled)
-            self.policy.observe_step(time.perf_counter() - t0, sum(it.num_tokens for it in sched.scheduled),
-                                     len(sched.scheduled), *self._drafted, verified=verified,
-                                     off_path=self.one_sync is not None and not self._one_sync_ran,
-                                     emitted=num_emitted)
             if num_emitted is not None:  # (adaptive)
-                self._observe_realized(sched, num_emitted, verified, time.perf_counter() - t_start)
+                self.policy.observe_step(step_s, sum(it.num_tokens for it in sched.scheduled),
+                                         len(sched.scheduled), *self._drafted, verified=verified,
+                                         off_path=self.one_sync is not None and not self._one_sync_ran,
+                                         emitted=num_emitted)
+                self._observe_realized(sched, num_emitted, verified, real_s)
         elif self.policy.adaptive:  # a prompt chunk or a catch-up: no steady step, nor the next one
             self._steady_chain = -1
             self.policy.realized.tick()
@@ -290,7 +300,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             self._emit(items, sampling, res.out, res.num_accepted, res.emitted, conf, emitted, logprobs, plan.k)
             self._advance(sched, emitted)
             self._book_one_sync(sched, res)
-            self._time_drafting(time.perf_counter() - t0)
+            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, `_step`)
             return emitted, logprobs
         if sample is not None:
             self._run_deferred()  # (before the draw's read-back waits for the device)
@@ -362,7 +372,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
                 if not seq.finished:
                     p = self.drafter.propose(seq.prompt_token_ids + seq.output_token_ids, self.policy.k)
                     self._next_drafts.append((seq, p.tokens, p.confidence))
-            self._time_drafting(time.perf_counter() - t0)
+            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, `_step`)
         for seq, toks, conf in self._next_drafts:
             self.book.put(seq, toks, conf)
         self._next_drafts = []

@@ -9,6 +9,7 @@ from deepinfer.backend import DecodeGraphRunner, MTPGraphRunner
 from deepinfer.errors import ConfigError
 from deepinfer.spec.async_pauses import AsyncPauses, use_async_pauses
 from deepinfer.spec.confidence import SurvivalCalibrator
+from deepinfer.spec.shared_times import SharedTimes
 from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.metrics import SpecMetrics
 from deepinfer.spec.mtp_drafter import MTPDrafter
@@ -61,9 +62,16 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
         logger.info("speculative decoding: step costs %s", ", ".join(
             f"{n} tok {s * 1e3:.2f} ms ({shape})"
             for n, s, shape in zip(policy.cost.tokens, policy.cost.seconds, policy.cost_shapes)))
+    times = SharedTimes.for_backend(backend) if cfg.speculative_adaptive else SharedTimes()
+    if policy.cost is not None:  # tp rank 0's profiles on every rank (spec/shared_times.py)
+        policy.cost.seconds = times.agree(policy.cost.seconds)
+    if policy.draft_cost is not None:
+        policy.draft_cost.one.seconds = times.agree(policy.draft_cost.one.seconds)
+        policy.draft_cost.full.seconds = times.agree(policy.draft_cost.full.seconds)
     logger.info("speculative decoding: %s, k=%d, %s", method, k,
                 "adaptive (confidence scheduler)" if cfg.speculative_adaptive else "static")
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
+    pipeline.times = times
     pipeline.shapes.decode_rows_eager = decode_rows_eager
     if async_pauses:
         pipeline.async_pauses = AsyncPauses(pipeline)
