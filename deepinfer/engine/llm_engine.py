@@ -182,6 +182,10 @@ class DeepInferenceEngine(RequestIntake):
         self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
         rollback = cfg.window_rollback_tokens(any(s.sliding_window for s in specs))
+        if cfg.spec_method() and any(s.sliding_window for s in specs) and rollback < cfg.spec_num_tokens():
+            raise ConfigError(f"kv_window_rollback_tokens={rollback} (--kv-window-rollback-tokens) is below "
+                              f"num_speculative_tokens={cfg.spec_num_tokens()}: a verify step's rejected drafts roll "
+                              "a sliding window back by up to that many tokens (leave it unset: 140)")
         plan = plan_kv_cache(
             specs,
             block_size,

@@ -122,9 +122,12 @@ def test_v4_speculation_under_preemption_and_adaptive(tiny_dir, off_run):
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens
 
 
-def test_v4_mtp_drafting_is_refused_naming_ngram(tiny_dir):
+def test_v4_mtp_drafting_and_a_window_margin_below_k_are_refused(tiny_dir):
     with pytest.raises(ConfigError, match="V4's MTP module is not built.*speculative_method='ngram'"):
         _engine(tiny_dir, speculative_method="mtp", num_kv_blocks=64)
+    with pytest.raises(ConfigError, match="kv_window_rollback_tokens=2 .* below num_speculative_tokens=4"):
+        _engine(tiny_dir, speculative_method="ngram", num_speculative_tokens=K, kv_window_rollback_tokens=2,
+                num_kv_blocks=64)
 
 
 def test_state_rollback_within_the_rings_margin_only():
