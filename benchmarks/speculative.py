@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
                     help="adaptive_sync (not in the default): adaptive with DEEPINFER_SPEC_ASYNC_PAUSES=0")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engines' max_num_seqs (default: the largest --concurrency). A run at one concurrency "
+                         "alone builds graphs of that many rows; a sweep's engines cover its largest, so give the "
+                         "sweep's value to compare a lone concurrency with it")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (the engine shares one loaded model) or cuda")
     ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = Tokenizer.from_pretrained(path)
     for mode in args.modes:
         cfg = EngineConfig(model_name_or_path=path, device=args.device, dtype=dtype, max_model_len=512,
-                           max_num_seqs=max(args.concurrency), load_progress=False, **MODES[mode])
+                           max_num_seqs=args.max_num_seqs or max(args.concurrency), load_progress=False,
+                           **MODES[mode])
         saved = {v.name: v.raw() for v in envs.ALL if v.name in MODE_ENV.get(mode, {})}
         os.environ.update(MODE_ENV.get(mode, {}))
         try:  # On a GPU each mode builds its own engine (its own graphs and KV pool); the cpu shares one model.
