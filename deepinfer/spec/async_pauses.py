@@ -152,6 +152,7 @@ class AsyncPauses:
             got = self.inner.step()
         finally:
             self.spec.runner.hidden_tap = None
+        t_inner = time.perf_counter()
         launched = self.inner.pending
         if launched is not None:
             self.num_steps += 1
@@ -168,6 +169,9 @@ class AsyncPauses:
             self.spec.policy.realized.step(len(scheduled), 0, 0, False, len(scheduled), dt)
         else:
             self.spec.policy.realized.tick()
+        # (spec/step_phases.py: the inner async step whole as "launch", this wrapper's bookkeeping as "observe")
+        self.spec.phases.add("async_pause", {"launch": t_inner - t0, "observe": time.perf_counter() - t_inner},
+                             len(launched.sched.scheduled) if launched is not None else 0)
         return got
 
     def drain(self) -> list[Sequence]:

@@ -15,7 +15,9 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
 
 Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "host" (the host path: a probe's
 verification, a step after a pause, a step with prompt chunks), "plain" (nothing verified nor drafted: an adaptive
-pause step run on the spec path; pause steps handed to spec/async_pauses.py are not in it). Non-adaptive and adaptive engines record the same phases, so their steps compare
+pause step run on the spec path), "async_pause" (a pause step handed to spec/async_pauses.py: its inner async step,
+schedule to the previous step's output processing, all in "launch", the pause's bookkeeping in "observe";
+tokens: the step launched). Non-adaptive and adaptive engines record the same phases, so their steps compare
 directly; the cost is one clock read per phase.
 """
 

@@ -74,6 +74,10 @@ def test_pauses_run_async_with_the_output_and_stats_of_sync_pauses(parts, monkey
     # one pause of 32 steps (30 delegated, the last sync), then a probe and the next pause, to the end of the run
     assert pauses.num_steps >= 30 and pauses.sync_steps[LAST] >= 1 and pauses.num_drains >= 1
     assert on.stats().spec_async_steps == pauses.num_steps and sync.stats().spec_async_steps == 0
+    # every delegated call is a step phase of its own kind (spec/step_phases.py); the sync engine has none
+    ph = on._spec.phases.per_step_ms()
+    assert on._spec.phases.steps["async_pause"] >= pauses.num_steps and ph["async_pause"]["launch"] > 0
+    assert "async_pause" not in sync._spec.phases.steps and sync._spec.phases.steps["plain"] >= pauses.num_steps
     assert spec_counts(on.stats()) == spec_counts(sync.stats())  # every resolved step recorded as a sync one is
     assert not on.has_unfinished_requests() and on.stats().kv_blocks_used == 0
     assert len(on._spec.paused_rows) == 0 and not on._spec.paused_rows.kept  # finished sequences' rows dropped
