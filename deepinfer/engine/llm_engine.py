@@ -7,7 +7,6 @@ and its capabilities -> tokenizer -> weights -> KV cache sized and allocated.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
@@ -30,6 +29,7 @@ from deepinfer.engine.startup import (
     check_backend,
     check_speculation,
     dtype_name,
+    engine_kv_specs,
     freeze_startup_objects,
     generation_eos_ids,
     kv_budget_bytes,
@@ -37,6 +37,7 @@ from deepinfer.engine.startup import (
     snapshot_bytes,
     use_async_scheduling,
     use_prefix_caching,
+    window_rollback,
 )
 from deepinfer.engine.stats import EngineStats, merge_replica_stats
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
@@ -166,26 +167,11 @@ class DeepInferenceEngine(RequestIntake):
         from deepinfer.backend.kv_spec import KV_CACHE_DTYPES
 
         kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_storage()]  # None: the compute dtype (V4 refuses fp8 at check_backend)
-        spec_kw = {"kv_cache_dtype": kv_dtype} if kv_dtype is not None else {}
-        if cfg.spec_method() == "mtp":
-            spec_kw["include_mtp"] = True
-        specs = model.kv_cache_specs(**spec_kw)
-        # per-sequence state (V4's compressor rings) with speculation: rings k positions longer, so a verify step's
-        # rejected drafts (at most k) roll back (KVCacheManager.state_rollback_tokens)
-        state_rollback = cfg.spec_num_tokens() if any(s.state_shape for s in specs) else 0
-        if state_rollback:
-            if "ring_margin" not in inspect.signature(model.kv_cache_specs).parameters:
-                raise ConfigError(f"speculative decoding on {type(model).__name__}: its KV groups keep per-sequence "
-                                  "state, and its kv_cache_specs takes no ring_margin (the rollback its state allows)")
-            specs = model.kv_cache_specs(**spec_kw, ring_margin=state_rollback)
+        specs, state_rollback = engine_kv_specs(cfg, model, kv_dtype)
         layouts = {s.name: backend.kv_cache_layout(s) for s in specs}  # the backend says the shape
         self._kv_layouts = layouts
         prefix_caching = use_prefix_caching(cfg, specs, model)
-        rollback = cfg.window_rollback_tokens(any(s.sliding_window for s in specs))
-        if cfg.spec_method() and any(s.sliding_window for s in specs) and rollback < cfg.spec_num_tokens():
-            raise ConfigError(f"kv_window_rollback_tokens={rollback} (--kv-window-rollback-tokens) is below "
-                              f"num_speculative_tokens={cfg.spec_num_tokens()}: a verify step's rejected drafts roll "
-                              "a sliding window back by up to that many tokens (leave it unset: 140)")
+        rollback = window_rollback(cfg, specs)
         plan = plan_kv_cache(
             specs,
             block_size,

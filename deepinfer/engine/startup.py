@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -9,7 +10,7 @@ import os
 import torch
 
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from deepinfer.errors import BackendError, ModelLoadError
+from deepinfer.errors import BackendError, ConfigError, ModelLoadError
 
 logger = logging.getLogger("deepinfer")
 
@@ -289,3 +290,32 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
         logger.info("speculative decoding: verify steps replay the decode graphs as decode rows where the buckets "
                     "cover them (spec/verify_batch.py); the MTP pass and chain replay their own graphs "
                     "(backend/mtp_graph_runner.py)")
+
+
+def engine_kv_specs(cfg: EngineConfig, model, kv_dtype) -> tuple[list, int]:
+    """The engine's KV groups (model.kv_cache_specs: the MTP layers' with MTP drafts, the storage dtype), and the
+    tokens a per-sequence state may roll back (KVCacheManager.state_rollback_tokens). With speculation on a model
+    whose groups keep per-sequence state (V4's compressor rings), the rings are built k positions longer
+    (ring_margin), so a verify step's rejected drafts (at most k) roll back; a model that cannot is refused."""
+    kw = {"kv_cache_dtype": kv_dtype} if kv_dtype is not None else {}
+    if cfg.spec_method() == "mtp":
+        kw["include_mtp"] = True
+    specs = model.kv_cache_specs(**kw)
+    state_rollback = cfg.spec_num_tokens() if any(s.state_shape for s in specs) else 0
+    if state_rollback:
+        if "ring_margin" not in inspect.signature(model.kv_cache_specs).parameters:
+            raise ConfigError(f"speculative decoding on {type(model).__name__}: its KV groups keep per-sequence "
+                              "state, and its kv_cache_specs takes no ring_margin (the rollback its state allows)")
+        specs = model.kv_cache_specs(**kw, ring_margin=state_rollback)
+    return specs, state_rollback
+
+
+def window_rollback(cfg: EngineConfig, specs) -> int:
+    """The sliding-window groups' rollback margin (EngineConfig.window_rollback_tokens); with speculation, one below
+    k is refused (a verify step's rejected drafts roll a window back by up to k tokens)."""
+    rollback = cfg.window_rollback_tokens(any(s.sliding_window for s in specs))
+    if cfg.spec_method() and any(s.sliding_window for s in specs) and rollback < cfg.spec_num_tokens():
+        raise ConfigError(f"kv_window_rollback_tokens={rollback} (--kv-window-rollback-tokens) is below "
+                          f"num_speculative_tokens={cfg.spec_num_tokens()}: a verify step's rejected drafts roll "
+                          "a sliding window back by up to that many tokens (leave it unset: 140)")
+    return rollback
