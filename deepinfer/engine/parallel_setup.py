@@ -19,8 +19,9 @@ def parallel_refusals(cfg: EngineConfig) -> list[str]:
     if cfg.spec_method() and layout.data_parallel_size > 1:  # (context parallelism: cp_forward.py refuses it)
         reasons.append("speculative decoding (speculative_method / DEEPINFER_ENABLE_MTP_VARLEN) with data-parallel "
                        "replicas: a replica's speculative step runs several forwards (verify, MTP pass, chain) whose "
-                       "collectives the other replicas' steps would not meet, and the replicas' outputs are merged "
-                       "one token a step; it runs with tensor parallelism (one replica)")
+                       "collectives (the MoE layers' under expert parallelism) the other replicas' steps would not "
+                       "meet, and the replicas' speculation statistics are not merged; it runs with tensor "
+                       "parallelism (one replica)")
     if cfg.kv_disk_cache_dir is not None:
         reasons.append("kv_disk_cache_dir: the disk tier's files are per process; several ranks would share "
                        "one directory")

@@ -199,9 +199,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         emitted, logprobs = self._launch(sched, conf, plan)
         t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
-        t2 = time.perf_counter()
+        t2 = now = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
-        now = time.perf_counter()
         draft_s, self._draft_s = self._draft_s, None
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
             num_emitted = sum(len(toks) for toks in emitted)
