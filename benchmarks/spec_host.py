@@ -27,7 +27,14 @@ from types import SimpleNamespace
 
 import torch
 
-from deepinfer.backend import BackendCaps, DecodeGraphRunner, KVCacheSpec, KVLayout, default_buckets
+from deepinfer.backend import (
+    BackendCaps,
+    DecodeGraphRunner,
+    KVCacheSpec,
+    KVLayout,
+    SingleProcessCommunicator,
+    default_buckets,
+)
 from deepinfer.models.base import CausalLM
 from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.scheduler import StepCostTable
@@ -113,6 +120,9 @@ class GraphHostBackend:
 
     def synchronize(self) -> None:  # the adaptive engine's cost profiling times with it; nothing is in flight here
         return None
+
+    def communicator(self, group: str = "tp"):  # one process: the adaptive policy's times need no agreeing
+        return SingleProcessCommunicator()
 
     def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
         return KVLayout.single(spec)
