@@ -83,7 +83,7 @@ class StepCostTable:
                 self.seconds
         x, y, first, last = self._arrays
         t = np.asarray(t, dtype=np.float64)
-        out = np.interp(t, x, y)
+        out = np.asarray(np.interp(t, x, y))  # (an array for a 0-d t too: np.interp gives a scalar there)
         if t.size and t.max() > x[-1]:
             hi = t > x[-1]
             out[hi] = last * (t[hi] - x[-2]) + y[-2]

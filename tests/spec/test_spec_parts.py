@@ -163,6 +163,10 @@ def test_cost_table_interpolates_and_is_monotone():
     c = StepCostTable([1, 8, 64], [1.0, 0.9, 4.0])  # a timing dip is flattened
     got = c.cost(torch.tensor([1.0, 8.0, 36.0, 128.0]))
     assert torch.allclose(got, torch.tensor([1.0, 1.0, 2.5, 4.0 + 3.0 / 56 * 64], dtype=torch.float64))
+    # any shape, 0-d included, inside and past both ends; the array path gives `at`'s floats exactly
+    for t in (torch.tensor(128.0), torch.tensor(0.5), torch.tensor(8.0), torch.tensor([[0.0, 3.0], [64.0, 70.0]])):
+        got = c.cost(t)
+        assert got.shape == t.shape and got.reshape(-1).tolist() == [c.at(x) for x in t.reshape(-1).tolist()], t
 
 
 def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
