@@ -129,7 +129,8 @@ def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, bas
     order = np.argsort(-flat, kind="stable")
     order = order[valid.T.reshape(-1)[order]]
     n = np.arange(order.size + 1, dtype=np.float64)
-    expected = np.cumsum(np.concatenate(([float(base_yield)], flat[order])))
+    # base + (running sum of the gains): admit_lists' association, so both paths compare the same floats
+    expected = base_yield + np.concatenate(([0.0], np.cumsum(flat[order])))
     seconds = cost.cost_array(base_tokens + n) + draft_seconds
     seconds[1:] += speculation_seconds
     best = int(np.argmax(expected / seconds))  # first maximum: the fewest slots for the best rate
