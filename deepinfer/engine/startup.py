@@ -163,7 +163,6 @@ _unfreeze_registered = False
 def use_prefix_caching(cfg: EngineConfig, specs, model=None) -> bool:
     """EngineConfig.enable_prefix_caching resolved: None = on where every KV group allows it (and, for
     per-sequence state, where the model saves that state at block boundaries: `use_state_snapshots`)."""
-    from deepinfer.errors import ConfigError
     from deepinfer.kv.prefix_cache import prefix_caching_refusals
 
     reasons = prefix_caching_refusals(specs)
@@ -228,7 +227,6 @@ def attach_state_snapshots(kv, model, caches, num_slots: int) -> None:
 def attach_lower_tiers(cfg: EngineConfig, kv, caches) -> None:
     """The prefix cache's host tier (EngineConfig.kv_host_cache_gib) and disk tier (kv_disk_cache_dir),
     keyed by the same salt as the cache."""
-    from deepinfer.errors import ConfigError
     from deepinfer.kv.disk_tier import DiskTier
     from deepinfer.kv.host_tier import HostTier
     from deepinfer.worker.kv_block_io import KVBlockIO
@@ -261,7 +259,6 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     """What speculative decoding cannot run with yet: a ConfigError naming the flag, never a fallback.
 
     num_mtp_layers: the checkpoint's MTP modules (config.json num_nextn_predict_layers)."""
-    from deepinfer.errors import ConfigError
 
     if cfg.spec_method() is None:
         return
