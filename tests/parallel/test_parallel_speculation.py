@@ -61,8 +61,8 @@ def test_tp2_speculation_equals_one_process_without_it(v3_mtp, method, max_token
     assert got["alone"] == want_greedy[0]
     st = got["stats"]
     assert st["spec_drafted_tokens"] > 0, st
-    if method == "ngram":
-        assert 0 < st["spec_accepted_tokens"] < st["spec_drafted_tokens"], st
+    if method == "ngram" and not adaptive:  # (adaptive verifies what its measured times say pays: on a busy
+        assert 0 < st["spec_accepted_tokens"] < st["spec_drafted_tokens"], st  # machine possibly nothing)
 
 
 def test_speculation_with_data_parallel_replicas_is_refused():
