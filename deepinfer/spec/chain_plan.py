@@ -25,6 +25,12 @@ class ChainPlan:
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone).
 
+        A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin). Why: on the H200 (2026-12-05, d14f347) a drafting
+        step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7 / 1.4x the tokens per second of a pause step
+        (spec/step_phases.py), yet the first timed run at each load paused 36-45 of its ~50 steps on a plan that
+        put plain decoding ahead (the model: 2x ahead at 256 sequences; a chain's first measures: a few points), and
+        each pause's end paid a catch-up pass and a probe on the host path (2-40 ms a step at 64 sequences).
+
         The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the
         calibrated estimate at the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
         than what is verified only costs: the steady state of L is B sequences verifying L slots each, yielding
@@ -33,16 +39,17 @@ class ChainPlan:
         spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
         other plan). Reads calibration counts, past confidences, past step times and realized rates only."""
         rates = self.chain_rates(num_seqs)
-        model = _best([r / rates[0] for r in rates])
+        modelled = [r / rates[0] for r in rates]
+        floor = 1.0 / (1.0 + self.pause_margin)
+        model = _hold(modelled, floor)
         measured = self.realized.gains(num_seqs, self.k)
         if not measured:
             return model
-        modelled = [r / rates[0] for r in rates]
         gains = list(modelled)
         for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
             near = min(measured, key=lambda m: (abs(m - chain), m))
             gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
-        best = _best(gains)
+        best = _hold(gains, floor)
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return best
@@ -64,10 +71,9 @@ class ChainPlan:
         return rates
 
 
-def _best(gains: list[float]) -> int:
-    """The chain with the best gain over plain decoding (index 0, gain 1): 0 where none beats it; ties: shorter."""
-    best, best_gain = 0, 1.0 + 1e-9
-    for chain in range(1, len(gains)):
-        if gains[chain] > best_gain:
-            best, best_gain = chain, gains[chain] * (1 + 1e-9)
-    return best
+def _hold(gains: list[float], floor: float) -> int:
+    """The chain with the best gain over plain decoding (ties: shorter), or 0 (a pause) only where that gain is
+    below `floor`: a pause costs more than its plain steps (the MTP catch-up of its rows, a probe and a re-measure
+    at its end), so a chain about as fast as plain decoding keeps drafting."""
+    best = max(range(1, len(gains)), key=lambda c: (gains[c], -c), default=0)
+    return best if best and gains[best] > floor * (1 + 1e-9) else 0

@@ -113,6 +113,9 @@ class SlotPolicy(ChainPlan):
     _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
     _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
     decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
+    # a plan pauses only on a clear loss (spec/chain_plan.py `_hold`): the best chain's gain over plain decoding
+    # (measured, else modelled) below 1 / (1 + pause_margin); a chain within it keeps drafting
+    pause_margin: float = 0.1
     _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
     _remeasure_chain: int = 0
     _remeasure_bucket: int = 0

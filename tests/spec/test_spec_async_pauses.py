@@ -38,9 +38,10 @@ def make(parts, monkeypatch, async_pauses: bool | None = True, cost=NO_PAY, **kw
     engine = DeepInferenceEngine.from_components(EngineConfig(**settings), model, tok, backend)
     if engine._spec is not None and cost is not None:
         engine._spec.policy.cost = cost
-        # plans by the table from the first plan (the measuring plans of a new load would draft full chains first):
-        # NO_PAY pauses at once
+        # plans by the table from the first plan (the measuring plans of a new load would draft full chains first),
+        # pausing wherever drafting does not pay at all (no margin): NO_PAY pauses at once
         engine._spec.policy.measure_steps = 0
+        engine._spec.policy.pause_margin = 0.0
     return engine
 
 

@@ -244,14 +244,14 @@ def test_an_unseen_kind_is_priced_by_the_other_kinds_excess_at_that_load():
     drafts = DraftCostTable(k, StepCostTable([1, 64], [0.382e-3, 0.551e-3]), StepCostTable([1, 64], [0.738e-3, 1.145e-3]))
     policy = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False,
                         cost=StepCostTable([1, 8, 512], [0.295e-3, 0.295e-3, 0.436e-3]), mean_confidence=[0.9] * k,
-                        measure_steps=0)
+                        measure_steps=0, pause_margin=0.0)
     for _ in range(50):
         policy.observe_step(policy.cost.at(1) + 0.88e-3, 1, 1)
     assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(3.98, rel=0.01)
     assert policy.step_times.seconds(SPECULATIVE, 1, 1.033e-3) == pytest.approx(1.913e-3, rel=0.01)
     assert policy.plan_drafting(1) == k
     by_ratio = SlotPolicy(k=k, max_model_len=4096, calibrator=cal, draft_cost=drafts, probe=False, cost=policy.cost,
-                          mean_confidence=[0.9] * k, measure_steps=0)
+                          mean_confidence=[0.9] * k, measure_steps=0, pause_margin=0.0)
     by_ratio.step_times.ratios[(SPECULATIVE, 1)] = policy.step_times.ratio(PLAIN, 1)  # the old stand-in
     by_ratio.step_times.overheads[(SPECULATIVE, 1)] = 0.0
     by_ratio.step_times.ratios[(PLAIN, 1)] = policy.step_times.ratio(PLAIN, 1)

@@ -12,9 +12,9 @@ from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.slot_policy import SlotPolicy
 
 
-def policy_with(accept: list[float], one: float, full: float, replan_every: int = 1) -> SlotPolicy:
+def policy_with(accept: list[float], one: float, full: float, replan_every: int = 1, **fields) -> SlotPolicy:
     """chain_policy (tests/spec/chain_policies.py) with realized rates counted from their first step."""
-    return chain_policy(accept, one, full, replan_every=replan_every, realized=RealizedRates(warm_steps=0))
+    return chain_policy(accept, one, full, replan_every=replan_every, realized=RealizedRates(warm_steps=0), **fields)
 
 
 def test_realized_rates_start_at_the_median_and_need_min_count_steps():
@@ -90,6 +90,33 @@ def test_measured_gains_overrule_the_model_both_ways():
         pauses.realized.observe(4, 0, 4, 0.001)
         pauses.realized.observe(4, 5, 12, 0.002)  # 6,000 tok/s: 1.5x
     assert pauses.plan_drafting(4) == 5 and pauses.decisions == {"overruled": 1, "chain5": 1}
+
+
+def test_a_pause_needs_drafting_to_lose_by_the_margin():
+    """pause_margin 0.1: chains measured at 0.95x plain decoding keep drafting (the best of them, ties: shorter),
+    at 0.85x the load pauses; the model alone follows the same floor; with no margin, 0.95x pauses."""
+    def measured(gain: float, margin: float) -> int:
+        p = policy_with([1.0] * 5, one=0.001, full=0.002, pause_margin=margin)
+        for _ in range(3):
+            p.realized.observe(4, 0, 4, 0.001)  # plain: 4,000 tok/s
+            for chain in range(1, 6):
+                p.realized.observe(4, chain, 4 * gain * (1 if chain != 2 else 1.01), 0.001)
+        return p.plan_drafting(4)
+
+    assert measured(0.95, 0.1) == 2  # the best measured chain, within the margin
+    assert measured(0.85, 0.1) == 0
+    assert measured(0.95, 0.0) == 0
+    assert measured(1.05, 0.0) == 2
+
+    def model(margin: float) -> SlotPolicy:  # a verified token costs 1 ms, as a plain step's token: drafting loses a bit
+        return policy_with([1.0] * 5, one=0.001, full=0.002, pause_margin=margin,
+                           cost=StepCostTable([1, 4096], [0.001, 4.096]))
+
+    rates = model(0.0).chain_rates(4)
+    assert 1 / 1.1 < max(rates[1:]) / rates[0] < 1  # (what the two plans below decide on)
+    assert model(0.1).plan_drafting(4) > 0
+    lost = model(0.0)
+    assert lost.plan_drafting(4) == 0 and lost.paused > 0
 
 
 def test_unmeasured_chains_are_priced_by_the_models_error_at_the_nearest_measure():
