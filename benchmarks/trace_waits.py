@@ -35,8 +35,10 @@ def summarize(path: str, top: int = 12) -> str:
             gaps.append((s - end) / 1e3)
         end = t if end is None else max(end, t)
     span = (dev[-1][1] - dev[0][0]) / 1e3 if dev else 0.0
-    lines = [f"{path}: device span {span:.2f} ms, idle {sum(gaps):.2f} ms in {len(gaps)} gaps "
-             f"(gaps > 0.05 ms: {sum(1 for g in gaps if g > 0.05)}, their sum {sum(g for g in gaps if g > 0.05):.2f} ms)"]
+    big = [g for g in gaps if g > 0.05]
+    head = (f"{path}: device span {span:.2f} ms, idle {sum(gaps):.2f} ms in {len(gaps)} gaps "
+            f"(gaps > 0.05 ms: {len(big)}, their sum {sum(big):.2f} ms)")
+    lines = [head]
     waits = sorted(((n, v) for n, v in agg.items() if any(w in n for w in _WAITS)), key=lambda kv: -kv[1][0])
     lines.append("  host waits (CUDA runtime calls that block): "
                  + ("; ".join(f"{n} {v[0]:.2f} ms / {int(v[1])}" for n, v in waits) or "none"))

@@ -298,6 +298,53 @@ def test_small_admissions_in_plain_floats_choose_as_the_numpy_path(monkeypatch):
     assert fast.mean_confidence == pytest.approx(slow.mean_confidence, rel=1e-12)
 
 
+def test_slots_that_cost_nearly_nothing_are_all_verified_within_the_bound():
+    """admit_all_below: where verifying every held slot costs at most that fraction of the step without them, the
+    admission verifies them all (counted in num_admitted_all); priced (admit_all_below 0), the same held drafts
+    lose their unlikely slots. Over random drafts and tables, whenever it verifies all, the modelled rate of all
+    is within the bound of the best admission's (spec/scheduler.py admit_array's optimum)."""
+    import random
+
+    import numpy as np
+
+    from deepinfer.spec.scheduler import admit_array
+
+    def policy(below: float, rise: float) -> SlotPolicy:
+        return chain_policy([0.9, 0.5, 0.2, 0.1, 0.05], one=0.004, full=0.02, admit_all_below=below,
+                            cost=StepCostTable([1, 4096], [0.001, 0.001 + 4095 * rise]))
+
+    held = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.9] * 5) for _ in range(4)]
+    cheap = policy(0.02, 1e-5)  # 20 slots: 0.2 ms on a step of 21 ms (its drafting included), < 2%
+    assert cheap.counts(held, [5] * 4, 4, 4) == [5] * 4 and cheap.num_admitted_all == 1
+    priced = policy(0.0, 1e-5)  # the fifth slots (reach 0.9 x 0.5 x 0.2 x 0.1 x 0.05) do not pay for their 10 us
+    assert sum(priced.counts(held, [5] * 4, 4, 4)) < 20 and priced.num_admitted_all == 0
+    dear = policy(0.02, 1e-3)  # 20 ms for the 20 slots: priced
+    assert sum(dear.counts(held, [5] * 4, 4, 4)) < 20 and dear.num_admitted_all == 0
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(300):
+        below, b = rng.choice([0.01, 0.02, 0.05]), rng.randint(1, 8)
+        p = policy(below, rng.choice([1e-7, 1e-6, 1e-5, 1e-4]))
+        p.calibrator = SurvivalCalibrator(num_slots=5)
+        lens = [rng.randint(1, 5) for _ in range(b)]
+        drafts = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * n, confidence=[rng.random() for _ in range(n)])
+                  for n in lens]
+        if p.counts(drafts, lens, b, b) != lens or not p.num_admitted_all:
+            continue
+        checked += 1
+        surv = np.zeros((b, 5))
+        for i, d in enumerate(drafts):
+            surv[i, : lens[i]] = p.calibrator.survival_row(d.confidence, lens[i])
+        fixed = p._step_fixed_seconds(b)
+        _, best_tokens, best_seconds = admit_array(surv, np.asarray(lens), p.cost, b, float(b), draft_seconds=fixed)
+        reach = np.cumprod(surv, axis=1)
+        all_tokens = b + sum(reach[i, : lens[i]].sum() for i in range(b))
+        all_seconds = p.cost.at(b + sum(lens)) + fixed
+        assert all_tokens / all_seconds >= best_tokens / best_seconds / (1 + below) * (1 - 1e-12)
+    assert checked >= 100
+
+
 def test_the_chain_is_planned_before_the_draw_only_while_drafting_steadily():
     """Static k always; adaptive after a plan that drafted, not when the step verifies a probe (the plan must see
     its outcome), not in a pause, not before the first plan."""
