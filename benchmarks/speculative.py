@@ -45,10 +45,14 @@ MODES = {
     "ngram3": dict(speculative_method="ngram", num_speculative_tokens=3),
     # adaptive with its pause steps sync (as before spec/async_pauses.py), for an A/B in one process
     "adaptive_sync": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive with session 15's policy (any loss pauses; every slot priced), for an A/B in one process
+    "adaptive_s15": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}}
-DEFAULT_MODES = [m for m in MODES if m != "adaptive_sync"]
+# SlotPolicy fields set on a mode's engine once built
+MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}}
+DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
-                    help="adaptive_sync (not in the default): adaptive with DEEPINFER_SPEC_ASYNC_PAUSES=0")
+                    help="adaptive_sync (not in the default): adaptive with DEEPINFER_SPEC_ASYNC_PAUSES=0; "
+                         "adaptive_s15 (not in the default): adaptive with session 15's policy (MODE_POLICY)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engines' max_num_seqs (default: the largest --concurrency). A run at one concurrency "
@@ -173,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        for field_name, value in MODE_POLICY.get(mode, {}).items():
+            setattr(engines[mode]._spec.policy, field_name, value)
     for engine in engines.values():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
         for c in args.concurrency:
             run_cell(engine, c, 16)
