@@ -14,7 +14,12 @@ import json
 import sys
 from collections import defaultdict
 
-_WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyHtoD", "cudaStreamWaitEvent")
+
+def _blocks(name: str) -> bool:
+    """A CUDA runtime / driver call that makes the host wait for the device: a synchronize, or a copy that is not
+    the async form (cudaMemcpy, cuMemcpyDtoH_v2; cudaMemcpyAsync returns at once into pinned memory)."""
+    return "Synchronize" in name or ("Memcpy" in name and "Async" not in name)
+
 _DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
@@ -39,7 +44,7 @@ def summarize(path: str, top: int = 12) -> str:
     head = (f"{path}: device span {span:.2f} ms, idle {sum(gaps):.2f} ms in {len(gaps)} gaps "
             f"(gaps > 0.05 ms: {len(big)}, their sum {sum(big):.2f} ms)")
     lines = [head]
-    waits = sorted(((n, v) for n, v in agg.items() if any(w in n for w in _WAITS)), key=lambda kv: -kv[1][0])
+    waits = sorted(((n, v) for n, v in agg.items() if _blocks(n)), key=lambda kv: -kv[1][0])
     lines.append("  host waits (CUDA runtime calls that block): "
                  + ("; ".join(f"{n} {v[0]:.2f} ms / {int(v[1])}" for n, v in waits) or "none"))
     busiest = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
