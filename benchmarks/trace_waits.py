@@ -14,13 +14,12 @@ import json
 import sys
 from collections import defaultdict
 
+_DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 def _blocks(name: str) -> bool:
     """A CUDA runtime / driver call that makes the host wait for the device: a synchronize, or a copy that is not
     the async form (cudaMemcpy, cuMemcpyDtoH_v2; cudaMemcpyAsync returns at once into pinned memory)."""
     return "Synchronize" in name or ("Memcpy" in name and "Async" not in name)
-
-_DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
 def summarize(path: str, top: int = 12) -> str:
