@@ -25,11 +25,12 @@ class ChainPlan:
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone).
 
-        A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin). Why: on the H200 (2026-12-05, d14f347) a drafting
-        step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7 / 1.4x the tokens per second of a pause step
-        (spec/step_phases.py), yet the first timed run at each load paused 36-45 of its ~50 steps on a plan that
-        put plain decoding ahead (the model: 2x ahead at 256 sequences; a chain's first measures: a few points), and
-        each pause's end paid a catch-up pass and a probe on the host path (2-40 ms a step at 64 sequences).
+        A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin). Why: on the H200
+        (2026-12-05, d14f347) a drafting step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7 / 1.4x the
+        tokens per second of a pause step (spec/step_phases.py), yet the first timed run at each load paused 36-45
+        of its ~50 steps on plans that put plain decoding ahead (the model: 2x ahead at 256 sequences, where the
+        realized rates had it 0.94x of a chain of 4), and each pause's end paid a catch-up pass and a probe on the
+        host path (host-path steps of 31.5 ms on average at 64 sequences).
 
         The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the
         calibrated estimate at the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer

@@ -37,8 +37,9 @@ class SlotPolicy(ChainPlan):
       step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
       the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
       sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those
-      slots, and chains of L drafted for those sequences (the drafting table, spec/draft_cost.py); the best L wins
-      if it beats plain decoding, else drafting pauses. So the chain is as long as pays, and a load where no draft pays drafts nothing.
+      slots, and chains of L drafted for those sequences (the drafting table, spec/draft_cost.py); the best L drafts
+      unless plain decoding beats it by more than pause_margin, else drafting pauses. So the chain is as long as
+      pays, and a load where drafting clearly loses drafts nothing.
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
     them in full (the calibrator learns every slot's acceptance, which a step admitting nothing never shows it).

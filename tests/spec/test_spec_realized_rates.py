@@ -108,7 +108,7 @@ def test_a_pause_needs_drafting_to_lose_by_the_margin():
     assert measured(0.95, 0.0) == 0
     assert measured(1.05, 0.0) == 2
 
-    def model(margin: float) -> SlotPolicy:  # a verified token costs 1 ms, as a plain step's token: drafting loses a bit
+    def model(margin: float) -> SlotPolicy:  # a verified token costs 1 ms as a plain step's does: drafting loses a bit
         return policy_with([1.0] * 5, one=0.001, full=0.002, pause_margin=margin,
                            cost=StepCostTable([1, 4096], [0.001, 4.096]))
 
