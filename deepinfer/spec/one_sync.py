@@ -9,11 +9,14 @@ k = 3, concurrency 1) a plain decode step cost ~0.53 ms and a k = 3 step 1.3-1.8
 of 57.9 ms under the profiler).
 
 What runs where, for a step that qualifies (`OneSyncStep.prepare`):
-1. before the forward (host, known then): each sequence's KV room for its chain's lookahead is covered for the
-   worst case, every draft accepted, without preempting anyone (`cover_room`); the pass's and chain's host-known
-   inputs are staged with the MTP graphs' inputs, in their one host-to-device copy: every verify row r of sequence
-   b (j = 0..d_b: its real token and its d_b drafts) as a pass row at position c_b + j, with b, j and its draft; per
-   sequence its first row, drafts verified, context length, room and wanted chain length;
+1. host-known, before the draw: whether the step qualifies (`qualify`, before the forward); then, once the forward
+   is launched (so the device runs it meanwhile: before 2026-12-05 this ran before the batch was built, ~80 us of
+   host time a step at one sequence on this CPU with the device idle), `stage`: each sequence's KV room for its
+   chain's lookahead is covered for the worst case, every draft accepted, without preempting anyone
+   (`cover_room`; the new blocks reach the device's tables with a table sync before the pass), and the pass's and
+   chain's host-known inputs are staged with the MTP graphs' inputs, in their one host-to-device copy: every verify
+   row r of sequence b (j = 0..d_b: its real token and its d_b drafts) as a pass row at position c_b + j, with b, j
+   and its draft; per sequence its first row, drafts verified, context length, room and wanted chain length;
 2. after the draw (`finish`, device, one replay of a captured graph per pass bucket: spec/one_sync_graphs.py, since
    2026-12-04; eager ops before): the accepted counts of `greedy_verify`'s rule over the chosen tokens and the staged
    drafts (`greedy_accepted`, the function greedy_verify counts with: drafts accepted while they equal the target's
@@ -105,33 +108,53 @@ class OneSyncStep:
         self.verify = VerifyGraphs.capture(graphs, device)
 
     def prepare(self, items, kv, want: int, max_model_len: int) -> OneSyncPlan | None:
+        """`qualify`, then `stage` (both halves at once: what a caller that has nothing to overlap them with runs)."""
+        plan = self.qualify(items, want)
+        if plan is not None:
+            self.stage(plan, items, kv, max_model_len)
+        return plan
+
+    def qualify(self, items, want: int) -> OneSyncPlan | None:
         """For the step's scheduled sequences (ScheduledSeq, the draft slots added): None unless every one is a
-        decode or a verify row that samples without a grammar and the graphs cover the step (module docstring);
-        else cover each sequence's room and stage the host-known inputs (one copy), and return the plan."""
+        decode or a verify row that samples without a grammar and the graphs cover the step (module docstring),
+        else the step's plan. Host work only, a pass over the items: what must be known before the forward (the
+        logits rows are the forward's rows). The rooms and the staging (`stage`) wait until the forward is
+        launched: only the pass and the chain read them, and until then the device would idle behind them."""
         if not items or want < 1:
             return None
         t = 0
+        k = 0
         for it in items:
             d = len(it.draft)
             if not it.samples or it.num_tokens - d != 1 or it.seq.grammar is not None:
                 return None
             t += 1 + d
+            k = max(k, d)
         g = self.graphs
         pb, cb = g.pass_bucket(t), g.chain_bucket(len(items))
         if pb is None or cb is None:
             return None
+        return OneSyncPlan(t, len(items), k, want, pb, cb)
+
+    def stage(self, plan: OneSyncPlan, items, kv, max_model_len: int) -> None:
+        """Cover each sequence's room and stage the host-known inputs of the pass and the chain (one copy); fills
+        plan.starts. The rooms' new blocks reach the device's tables with the caller's next table sync, which must
+        come before `finish` (the chain reads them)."""
+        want = plan.links
         p_pos: list[int] = []
         p_row: list[int] = []
         f_seq: list[int] = []
         f_j: list[int] = []
         f_tok: list[int] = []
-        starts: list[int] = []
+        starts = plan.starts
+        starts.clear()
         rows: list[int] = []
         ctxs: list[int] = []
         dlens: list[int] = []
         rooms: list[int] = []
+        state_slot = kv.state_slot
         for b, it in enumerate(items):
-            d, c, row = len(it.draft), it.context_len, kv.state_slot(it.seq.seq_id)
+            d, c, row = len(it.draft), it.context_len, state_slot(it.seq.seq_id)
             starts.append(len(p_pos))
             p_pos.extend(range(c, c + 1 + d))
             p_row.extend([row] * (1 + d))
@@ -143,11 +166,12 @@ class OneSyncStep:
             ctxs.append(c)
             dlens.append(d)
             rooms.append(cover_room(kv, it.seq, d, want, max_model_len))
+        t = plan.t
         # in buffer order: p_src, p_ids, p_pos, p_row, f_seq, f_j, f_tok; c_src, c_row, c_pos, c_len, f_start, f_dlen,
         # f_ctx, f_room (backend/mtp_graph_runner.py: PASS_FIELDS + PASS_EXTRA, CHAIN_FIELDS + CHAIN_EXTRA)
-        g.stage_all([list(range(t)), [0] * t, p_pos, p_row, f_seq, f_j, f_tok],
-                    [starts, rows, ctxs, [want] * len(items), starts, dlens, ctxs, rooms], pb, cb)
-        return OneSyncPlan(t, len(items), max(dlens), want, pb, cb, starts)
+        self.graphs.stage_all([list(range(t)), [0] * t, p_pos, p_row, f_seq, f_j, f_tok],
+                              [starts, rows, ctxs, [want] * len(items), starts, dlens, ctxs, rooms],
+                              plan.pass_bucket, plan.chain_bucket)
 
     @torch.inference_mode()
     def finish(self, plan: OneSyncPlan, sample: DeviceSample, hidden: torch.Tensor,

@@ -191,11 +191,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         self.policy_steps += 1
         self._deferred_s = 0.0
         wait0 = self.one_sync.wait_seconds if self.one_sync is not None else 0.0
-        plan = None  # the one-sync step (spec/one_sync.py): rooms covered and inputs staged before the batch is built
+        plan = None  # the one-sync step (spec/one_sync.py): qualified now, staged once the forward is launched
         if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
                 and self._uniform_chain(samplers):
-            plan = self.one_sync.prepare(sched.scheduled, self.scheduler.kv, self._chain_plan,
-                                         self.scheduler.kv.max_model_len)
+            plan = self.one_sync.qualify(sched.scheduled, self._chain_plan)
         emitted, logprobs = self._launch(sched, conf, plan)
         t1 = time.perf_counter()
         got = self._process(sched, emitted, logprobs)
@@ -270,6 +269,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         # decode rows through the decode graphs where they cover the step, else eagerly (spec/verify_batch.py)
         hidden = runner.run_model(self.shapes.run_batch(batch, sched.scheduled, runner))
         items = sched.scheduled
+        if plan is not None:  # the rooms and the pass's and chain's inputs, while the device runs the forward
+            self.one_sync.stage(plan, items, self.scheduler.kv, self.scheduler.kv.max_model_len)
+            runner.builder.sync_tables()  # the rooms' new blocks, in the device's tables before the chain reads them
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
         grammar, self._failed = verify_masks(items, sampling, runner.grammar_facts, runner.grammar_forbidden)

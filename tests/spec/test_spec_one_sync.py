@@ -11,6 +11,7 @@ checkpoint of test_spec_nvidia_interpreter.py, fp32), and on a GPU with real CUD
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +116,51 @@ def test_engine_one_sync_equals_off_and_the_host_path(parts):  # noqa: F811
     assert ph.seconds[("one_sync", "wait")] >= 0.0 and all(v >= 0.0 for v in ph.seconds.values())
 
 
+def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(parts, monkeypatch):  # noqa: F811
+    """The rooms of a one-sync step are covered once its forward is launched (`OneSyncStep.stage`), after the batch
+    builder synced the device's block tables, so the pipeline syncs them again before the chain reads them. On a
+    GPU the tables live apart from the host's (BatchBuilder's separate mirror); here the builder is made to keep one
+    on the CPU too. 12 new tokens from prompts of 5-10 tokens: lookaheads cross into blocks only a room allocated.
+    Every chain's drafts and confidences equal the shared tables' engine's (without that second sync a confidence
+    differed: checked), and both engines' tokens equal speculation off's."""
+    import deepinfer.worker.model_runner as model_runner
+    from deepinfer.worker.batch_builder import BatchBuilder
+
+    class SeparateMirror(BatchBuilder):
+        def __init__(self, kv, device):
+            super().__init__(kv, device, separate_mirror=True)
+
+    ps = parts[4]
+    params = [replace(GREEDY, max_tokens=12)] * len(ps)
+    want, _ = run(make(parts, enforce_eager=True), ps, params)
+    shared = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    monkeypatch.setattr(model_runner, "BatchBuilder", SeparateMirror)
+    sep = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    assert sep.runner.builder.separate and not shared.runner.builder.separate
+    chains: dict[str, list] = {"shared": [], "sep": []}
+    for name, engine in (("shared", shared), ("sep", sep)):
+        finish = engine._spec.one_sync.finish
+
+        def recording_finish(*args, finish=finish, into=chains[name], **kw):
+            res = finish(*args, **kw)
+            into.append((res.drafts, res.confidence))
+            return res
+
+        engine._spec.one_sync.finish = recording_finish
+    assert run(shared, ps, params)[0] == want
+    assert run(sep, ps, params)[0] == want
+    assert len(chains["sep"]) == len(chains["shared"]) >= 3
+    for (da, ca), (db, cb) in zip(chains["shared"], chains["sep"]):  # every chain's drafts and confidences
+        assert da == db
+        assert torch.allclose(torch.tensor([c for row in ca for c in row]), torch.tensor([c for row in cb for c in row]),
+                              atol=1e-6)
+    a, b = shared.stats(), sep.stats()
+    assert sep._spec.one_sync.num_steps == shared._spec.one_sync.num_steps >= 3
+    assert (b.spec_drafted_tokens, b.spec_accepted_tokens, b.spec_conditional_acceptance) == \
+        (a.spec_drafted_tokens, a.spec_accepted_tokens, a.spec_conditional_acceptance)
+    assert a.spec_accepted_tokens > 0 and b.kv_blocks_used == 0
+
+
 def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts):  # noqa: F811
     """The confidence scheduler plans each step's chain before its forward (spec/pipeline.py `_step`), so its
     steps qualify for the one-sync step as static k's do. mtp k = 2 adaptive, tables where a chain of 1 pays and a
@@ -141,15 +187,15 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     spec.policy.measure_steps = 0  # plans by these tables from the first (a measuring plan would draft full chains)
     spec.policy.realized.decides = False  # and by them only (the interpreter's measured rates would overrule them)
     links: list[int] = []
-    prepare = spec.one_sync.prepare
+    qualify = spec.one_sync.qualify
 
-    def recording_prepare(items, kv, want_links, max_model_len):
-        plan = prepare(items, kv, want_links, max_model_len)
+    def recording_qualify(items, want_links):
+        plan = qualify(items, want_links)
         if plan is not None:
             links.append(plan.links)
         return plan
 
-    spec.one_sync.prepare = recording_prepare
+    spec.one_sync.qualify = recording_qualify
     got, _ = run(on, ps, params)
     assert got == want
     assert len(links) >= 3 and set(links) == {1}, links  # (the probe's full chains: drafted by the prompts' step)
