@@ -177,6 +177,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
         self._failed = {}
+        self._launch_parts: dict[str, float] = {}  # spec/step_phases.py LAUNCH_PARTS, set by _launch
         self._drafted = (0, 0)
         self._caught_up = False
         self._one_sync_ran = False
@@ -228,7 +229,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             it.draft for it in sched.scheduled) else "plain"
         self.phases.add(kind, {"schedule": t0 - t_start, "slots": t_slots - t0, "process": t2 - t1,
                                "launch": t1 - t_slots - self._deferred_s - wait, "deferred": self._deferred_s,
-                               "wait": wait, "observe": time.perf_counter() - t2},
+                               "wait": wait, "observe": time.perf_counter() - t2, **self._launch_parts},
                         sum(it.num_tokens for it in sched.scheduled))
         if self._deferred and not self.scheduler.has_unfinished():
             self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
@@ -262,16 +263,21 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
     @torch.inference_mode()
     def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]], plan: OneSyncPlan | None = None):
         runner = self.runner
+        t_build = time.perf_counter()
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
         batch, sampling = runner.builder.build(sched, None)
         runner.plan_snapshots(sched)  # (V4 with prefix caching: the rings at the block boundaries it crosses)
         runner.reset_state_rows(batch)
         # decode rows through the decode graphs where they cover the step, else eagerly (spec/verify_batch.py)
-        hidden = runner.run_model(self.shapes.run_batch(batch, sched.scheduled, runner))
+        run = self.shapes.run_batch(batch, sched.scheduled, runner)
+        t_forward = time.perf_counter()
+        hidden = runner.run_model(run)
+        t_stage = time.perf_counter()
         items = sched.scheduled
         if plan is not None:  # the rooms and the pass's and chain's inputs, while the device runs the forward
             self.one_sync.stage(plan, items, self.scheduler.kv, self.scheduler.kv.max_model_len)
             runner.builder.sync_tables()  # the rooms' new blocks, in the device's tables before the chain reads them
+        t_sample = time.perf_counter()
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
         grammar, self._failed = verify_masks(items, sampling, runner.grammar_facts, runner.grammar_forbidden)
@@ -294,6 +300,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             sample, sampling, failed = sample_isolated(runner.sampler, logits, verified_rows(items, sampling), items,
                                                        sampling, grammar)
             self._failed.update(failed)
+        self._launch_parts = {"build": t_forward - t_build, "forward": t_stage - t_forward,
+                              "stage": t_sample - t_stage, "sample": time.perf_counter() - t_sample}
         if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
             t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)
             res = self.one_sync.finish(plan, sample, hidden, while_waiting=self._run_deferred)

@@ -13,6 +13,11 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
 - process: output processing, rollback and the book of next drafts;
 - observe: the adaptive policy's step observations (step times, output time, realized rates).
 
+Parts of "launch" (recorded beside the phases, not in their total): build (the batch and its decode-rows form),
+forward (the forward's launch: the graph's inputs loaded, its replay), stage (the one-sync step's rooms and staging,
+once the forward is launched), sample (logits and the draw's launches); the rest of "launch" is the verification,
+pass and chain's launches and the host path's work.
+
 Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "host" (the host path: a probe's
 verification, a step after a pause, a step with prompt chunks), "plain" (nothing verified nor drafted: an adaptive
 pause step run on the spec path), "async_pause" (a pause step handed to spec/async_pauses.py: its inner async step,
@@ -26,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "slots", "launch", "deferred", "wait", "process", "observe")
+LAUNCH_PARTS = ("build", "forward", "stage", "sample")  # parts of "launch" (module docstring)
 
 
 @dataclass
@@ -39,8 +45,8 @@ class StepPhases:
     def add(self, kind: str, phases: dict[str, float], num_tokens: int) -> None:
         """One step of this kind: seconds per phase (PHASES' names)."""
         for phase, s in phases.items():
-            if phase not in PHASES:
-                raise ValueError(f"unknown step phase {phase!r}; phases are {PHASES}")
+            if phase not in PHASES and phase not in LAUNCH_PARTS:
+                raise ValueError(f"unknown step phase {phase!r}; phases are {PHASES}, parts of launch {LAUNCH_PARTS}")
             self.seconds[(kind, phase)] = self.seconds.get((kind, phase), 0.0) + s
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self.tokens[kind] = self.tokens.get(kind, 0) + num_tokens
@@ -66,7 +72,8 @@ class StepPhases:
                           add(self.tokens, other.tokens))
 
     def per_step_ms(self) -> dict[str, dict[str, float]]:
-        """kind -> {"steps", "tokens" (a step's forward tokens), each phase's ms a step, "total"}, kinds with steps."""
+        """kind -> {"steps", "tokens" (a step's forward tokens), each phase's ms a step, "total" (of the phases),
+        and each part of launch recorded for the kind}, kinds with steps."""
         out: dict[str, dict[str, float]] = {}
         for kind, n in sorted(self.steps.items()):
             if n <= 0:
@@ -74,6 +81,7 @@ class StepPhases:
             row = {"steps": float(n), "tokens": self.tokens.get(kind, 0) / n}
             row.update({p: 1e3 * self.seconds.get((kind, p), 0.0) / n for p in PHASES})
             row["total"] = sum(row[p] for p in PHASES)
+            row.update({p: 1e3 * self.seconds[(kind, p)] / n for p in LAUNCH_PARTS if (kind, p) in self.seconds})
             out[kind] = row
         return out
 
@@ -81,6 +89,8 @@ class StepPhases:
         """One line per kind: steps, tokens a step and ms a step by phase (what benchmarks print)."""
         lines = []
         for kind, row in self.per_step_ms().items():
+            parts = [p for p in LAUNCH_PARTS if p in row]
             lines.append(f"{kind}: {int(row['steps'])} steps, {row['tokens']:.1f} tok, {row['total']:.3f} ms = "
-                         + " + ".join(f"{p} {row[p]:.3f}" for p in PHASES))
+                         + " + ".join(f"{p} {row[p]:.3f}" for p in PHASES)
+                         + (" (launch: " + ", ".join(f"{p} {row[p]:.3f}" for p in parts) + ")" if parts else ""))
         return "; ".join(lines) if lines else "no steps"

@@ -222,5 +222,11 @@ def test_step_phases_sum_difference_and_describe():
     assert new.plus(None) is new
     assert "one_sync: 1 steps, 20.0 tok, 3.500 ms" in new.describe() and StepPhases().describe() == "no steps"
     assert set(rows["plain"]) == {"steps", "tokens", "total", *PHASES}
+    # parts of launch: beside the phases, not in their total
+    ph.add("plain", {"launch": 0.004, "build": 0.001, "forward": 0.002}, 4)
+    part = ph.since(before).per_step_ms()["plain"]
+    assert part["build"] == pytest.approx(0.5) and part["forward"] == pytest.approx(1.0) and "stage" not in part
+    assert part["total"] == pytest.approx(4.0)
+    assert "(launch: build 0.500, forward 1.000)" in ph.since(before).describe()
     with pytest.raises(ValueError, match="'compile'"):
         ph.add("host", {"compile": 1.0}, 1)
