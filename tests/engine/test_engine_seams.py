@@ -272,3 +272,45 @@ def test_device_mirror_of_block_tables_follows_only_the_changes():
             assert torch.equal(builder.mirror[name], kv.block_tables[name]), (step, name)
         assert kv.take_table_changes() == {}  # the builder took them all
     assert changed_steps > 10
+
+
+def test_static_inputs_pad_what_earlier_steps_filled_and_nothing_else(monkeypatch):
+    """StaticInputs.load (backend/graph_runner.py): after any sequence of loads (batch sizes up and down, buckets up
+    and down) every row a bucket's graph reads past the batch is padding (ids, positions and lengths 0, KV slots -1),
+    exactly as if every load reset them; steps of one size in a row launch no reset."""
+    from deepinfer.backend import ForwardBatch, StaticInputs
+
+    st = StaticInputs.allocate(8, 3, ["mla"], torch.device("cpu"))
+
+    def batch(b: int, base: int) -> ForwardBatch:
+        v = torch.arange(base, base + b, dtype=torch.int64)
+        return ForwardBatch(input_ids=v, positions=v + 1, query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+                            seq_lens=(v + 2).int(), context_lens=(v + 1).int(),
+                            block_tables={"mla": torch.full((b, 2), 7, dtype=torch.int32)},
+                            slot_mapping={"mla": v + 100}, logits_indices=torch.arange(b), query_lens_cpu=[1] * b,
+                            seq_lens_cpu=[1] * b, context_lens_cpu=[0] * b, state_slots=None, state_slots_cpu=[],
+                            block_size=16)
+
+    resets: list[int] = []
+    zero_, fill_ = torch.Tensor.zero_, torch.Tensor.fill_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: (resets.append(1), zero_(t))[1])
+    monkeypatch.setattr(torch.Tensor, "fill_", lambda t, v: (resets.append(1), fill_(t, v))[1])
+    for step, (b, size) in enumerate([(3, 4), (3, 4), (1, 2), (2, 8), (6, 8), (2, 4), (1, 1), (5, 8), (5, 8)]):
+        before = (st.input_ids.clone(), st.used)
+        resets.clear()
+        st.load(batch(b, 10 * (step + 1)), size, ["mla"])
+        base = 10 * (step + 1)
+        assert st.input_ids[:b].tolist() == list(range(base, base + b))
+        assert st.slot_mapping["mla"][:b].tolist() == list(range(base + 100, base + 100 + b))
+        # the rows this bucket pads
+        assert st.input_ids[b:size].tolist() == [0] * (size - b) and st.positions[b:size].tolist() == [0] * (size - b)
+        assert st.seq_lens[b:size].tolist() == [0] * (size - b) and st.context_lens[b:size].tolist() == [0] * (size - b)
+        assert st.slot_mapping["mla"][b:size].tolist() == [-1] * (size - b)
+        # rows past the bucket keep what they held; `used` covers every row that holds a real row's values
+        assert st.input_ids[size:].tolist() == before[0][size:].tolist()
+        held = [i for i in range(8) if st.slot_mapping["mla"][i] != -1]
+        assert all(i < st.used for i in held), (held, st.used)
+        if step == 1 or step == 8:  # the same batch size as the step before: nothing reset
+            assert resets == [] and st.used == b
+        if step == 2:  # rows 1 of bucket 2 held step 1's row: reset (5 tensors)
+            assert len(resets) == 5
