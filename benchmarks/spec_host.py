@@ -35,6 +35,7 @@ from deepinfer.backend import (
     SingleProcessCommunicator,
     default_buckets,
 )
+from deepinfer.backend.native.decode_rows import decode_rows_meta as native_decode_rows_meta
 from deepinfer.models.base import CausalLM
 from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.scheduler import StepCostTable
@@ -126,6 +127,9 @@ class GraphHostBackend:
 
     def kv_cache_layout(self, spec: KVCacheSpec) -> KVLayout:
         return KVLayout.single(spec)
+
+    def decode_rows_meta(self, *args) -> None:  # the MTP graphs' decode rows' inputs: the contract's torch op
+        native_decode_rows_meta(*args)
 
     def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
         return TimedRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device,

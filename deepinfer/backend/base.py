@@ -117,6 +117,21 @@ class Backend(ABC):
 
         return apply_token_bitmask(logits, bitmask, rows)
 
+    # ------------------------------------------------------------ runtime ops
+
+    def decode_rows_meta(self, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                         tokens_per_entry: int, block_size: int, tables_out: torch.Tensor, slots_out: torch.Tensor,
+                         seq_lens_out: torch.Tensor | None = None, context_lens_out: torch.Tensor | None = None,
+                         positions_out: torch.Tensor | None = None, link: torch.Tensor | None = None,
+                         lens: torch.Tensor | None = None) -> None:
+        """One-token decode rows' table rows, KV slots, lengths and positions from a KV group's tables, in place
+        (what a captured MTP graph runs before each forward; the contract and the rule: backend/native/
+        decode_rows.py). Default: the torch-native op, ~20 small kernels; a backend overrides it with one."""
+        from deepinfer.backend.native.decode_rows import decode_rows_meta
+
+        decode_rows_meta(table, rows, positions, tokens_per_entry, block_size, tables_out, slots_out,
+                         seq_lens_out, context_lens_out, positions_out, link, lens)
+
     # ------------------------------------------------------------ layer ops
 
     @abstractmethod

@@ -29,7 +29,8 @@ step, `stage`; its padded rows are inert, see below):
   head[B] and link[B] as before.
 Block tables and KV slots are computed inside the graphs from the engine's device mirror of the KV manager's
 tables (the batch builder's `mirror`, whose tensors never move) and the staged positions, so nothing per token is
-built on the host. A row is padding when its sequence row is -1: sequence length 0 (reads nothing), KV slot -1
+built on the host: by the backend's `decode_rows_meta` op (one kernel on NVIDIA, since 2026-12-05; ~20 small torch
+ops a forward before, about half the kernels of a speculative step), into static buffers (`RowsMeta`). A row is padding when its sequence row is -1: sequence length 0 (reads nothing), KV slot -1
 (writes nothing). A chain row past its chain length (`c_len`) stays at its last pass position, writes nothing
 and its outputs are ignored; so one replay serves sequences with different chain lengths, and a sequence without
 room for a chain (chain length 0) writes no lookahead KV.
@@ -47,13 +48,15 @@ T_max + 2 * B_max rows and 7 * T_max + 8 * B_max int64.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from deepinfer.backend.forward_batch import ForwardBatch, token_slots
+from deepinfer.backend.forward_batch import ForwardBatch
+from deepinfer.backend.native.decode_rows import decode_rows_meta as native_decode_rows_meta
 
 if TYPE_CHECKING:
     from deepinfer.backend.graph_runner import DecodeGraphRunner
@@ -194,6 +197,27 @@ class MTPStatic:
 
 
 @dataclass
+class RowsMeta:
+    """Where `decode_rows_meta` writes the graphs' decode rows' inputs (T_max rows: the pass's, and at most B_max
+    of a chain link's, which never run at the same time: a forward reads them before the next op rewrites them)."""
+
+    tables: dict[str, torch.Tensor]  # group -> [T_max, W] int32
+    slots: dict[str, torch.Tensor]  # group -> [T_max] int64
+    seq_lens: torch.Tensor  # [T_max] int32
+    context_lens: torch.Tensor  # [T_max] int32
+    positions: torch.Tensor  # [T_max] int64 (a chain link's)
+
+    @classmethod
+    def allocate(cls, rows: int, tables: dict[str, torch.Tensor], device: torch.device) -> RowsMeta:
+        return cls(tables={g: torch.zeros((rows, t.shape[1]), dtype=torch.int32, device=device)
+                           for g, t in tables.items()},
+                   slots={g: torch.full((rows,), -1, dtype=torch.int64, device=device) for g in tables},
+                   seq_lens=torch.zeros(rows, dtype=torch.int32, device=device),
+                   context_lens=torch.zeros(rows, dtype=torch.int32, device=device),
+                   positions=torch.zeros(rows, dtype=torch.int64, device=device))
+
+
+@dataclass
 class MTPGraphRunner:
     """Captured MTP pass / head / link graphs over static inputs; `api` supplies the graph API (module docstring).
 
@@ -209,7 +233,9 @@ class MTPGraphRunner:
     pass_buckets: list[int]
     chain_buckets: list[int]
     k: int
+    meta_op: Callable = native_decode_rows_meta  # Backend.decode_rows_meta (its signature)
     static: MTPStatic | None = None
+    meta: RowsMeta | None = None
     pass_graphs: dict[int, object] = field(default_factory=dict)
     head_graphs: dict[int, object] = field(default_factory=dict)
     link_graphs: dict[int, object] = field(default_factory=dict)
@@ -223,47 +249,50 @@ class MTPGraphRunner:
     @classmethod
     def capture(cls, api: DecodeGraphRunner, model, caches, tables: dict[str, torch.Tensor],
                 tokens_per_entry: dict[str, int], block_size: int, max_seqs: int, k: int,
-                device: torch.device) -> MTPGraphRunner | None:
+                device: torch.device, meta_op: Callable | None = None) -> MTPGraphRunner | None:
         """Graphs for passes of up to the decode graphs' largest bucket of rows (the verify rows a step can
         hold: every sequence's real token and k drafts) and chains of up to max_seqs sequences (the decode
         graphs' buckets up to it, and max_seqs). None when the decode runner captured nothing (per-sequence
-        state: no padding-safe row)."""
+        state: no padding-safe row). meta_op: the backend's decode_rows_meta (None: the native op)."""
         if api.uses_state or not api.buckets or k < 1:
             return None
         pass_buckets = sorted(api.buckets)
         chain_buckets = sorted({b for b in pass_buckets if b < max_seqs} | {min(max_seqs, pass_buckets[-1])})
         runner = cls(api=api, model=model, caches=caches, tables=dict(tables), tokens_per_entry=dict(tokens_per_entry),
-                     block_size=block_size, pass_buckets=pass_buckets, chain_buckets=chain_buckets, k=k)
+                     block_size=block_size, pass_buckets=pass_buckets, chain_buckets=chain_buckets, k=k,
+                     meta_op=meta_op or native_decode_rows_meta)
         runner.static = MTPStatic.allocate(pass_buckets[-1], chain_buckets[-1], k, model.config.hidden_size,
                                            model.dtype, device)
+        runner.meta = RowsMeta.allocate(max(pass_buckets[-1], chain_buckets[-1]), runner.tables, device)
         runner._capture_all()
         return runner
 
     # ------------------------------------------------------------ the captured functions
 
-    def _rows_batch(self, rows: torch.Tensor, positions: torch.Tensor, writes: torch.Tensor | None) -> ForwardBatch:
-        """One-token decode rows over the mirrored tables: rows -1 are padding (length 0, no KV write); writes
-        (None: every valid row) says which rows write their KV slot. Device ops only: capturable."""
+    def _rows_batch(self, rows: torch.Tensor, positions: torch.Tensor, link: torch.Tensor | None = None,
+                    lens: torch.Tensor | None = None) -> ForwardBatch:
+        """One-token decode rows over the mirrored tables: rows -1 are padding (length 0, no KV write); with a
+        chain link's index `link` and the rows' chain lengths `lens`, a row past its chain stays at `positions`
+        and writes nothing, the others sit at positions + link (backend/native/decode_rows.py). One
+        `decode_rows_meta` per KV group into the static `meta` buffers. Device ops only: capturable."""
         n = int(rows.shape[0])
-        valid = rows >= 0
-        r = rows.clamp(min=0)
-        writes = valid if writes is None else writes
-        none = torch.full_like(positions, -1)
-        tables = {g: t.index_select(0, r) for g, t in self.tables.items()}
-        slots = {g: torch.where(writes, token_slots(t, r, positions, self.tokens_per_entry[g], self.block_size), none)
-                 for g, t in self.tables.items()}
+        m = self.meta
+        for i, (g, t) in enumerate(self.tables.items()):
+            first = i == 0  # the lengths and positions are the group's own business only once
+            self.meta_op(t, rows, positions, self.tokens_per_entry[g], self.block_size, m.tables[g], m.slots[g],
+                         m.seq_lens if first else None, m.context_lens if first else None,
+                         m.positions if first and link is not None else None, link, lens)
         st = self.static
         return ForwardBatch(
-            input_ids=st.zeros[:n], positions=positions, query_start_loc=st.qsl[: n + 1],
-            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
-            context_lens=torch.where(valid, positions, 0).to(torch.int32),
-            block_tables=tables, slot_mapping=slots, logits_indices=st.no_logits,
-            query_lens_cpu=[1] * n, seq_lens_cpu=[1] * n, context_lens_cpu=[0] * n,
+            input_ids=st.zeros[:n], positions=m.positions[:n] if link is not None else positions,
+            query_start_loc=st.qsl[: n + 1], seq_lens=m.seq_lens[:n], context_lens=m.context_lens[:n],
+            block_tables={g: t[:n] for g, t in m.tables.items()}, slot_mapping={g: t[:n] for g, t in m.slots.items()},
+            logits_indices=st.no_logits, query_lens_cpu=[1] * n, seq_lens_cpu=[1] * n, context_lens_cpu=[0] * n,
             state_slots=None, state_slots_cpu=[], block_size=self.block_size)
 
     def _pass(self, t: int) -> torch.Tensor:
         st = self.static
-        batch = self._rows_batch(st.seg("p_row")[:t], st.seg("p_pos")[:t], None)
+        batch = self._rows_batch(st.seg("p_row")[:t], st.seg("p_pos")[:t])
         state = self.model.mtp_forward(st.p_hidden[:t], st.seg("p_ids")[:t], batch, self.caches)
         st.p_out[:t].copy_(state)
         return st.p_out[:t]
@@ -279,10 +308,8 @@ class MTPGraphRunner:
 
     def _link(self, b: int) -> torch.Tensor:
         st = self.static
-        rows, pos0, lens = st.seg("c_row")[:b], st.seg("c_pos")[:b], st.seg("c_len")[:b]
-        live = (rows >= 0) & (st.link < lens)  # this link is one of the row's drafts
-        positions = pos0 + torch.where(live, st.link, 0)  # a finished row recomputes its last pass position
-        batch = self._rows_batch(rows, positions, live)
+        # a row whose chain is shorter than this link recomputes its last pass position and writes nothing
+        batch = self._rows_batch(st.seg("c_row")[:b], st.seg("c_pos")[:b], st.link, st.seg("c_len")[:b])
         state = self.model.mtp_forward(st.c_state[:b], st.c_ids[:b], batch, self.caches)
         ids, conf = argmax_confidence(mtp_draft_logits(self.model, state))
         st.c_state[:b].copy_(state)

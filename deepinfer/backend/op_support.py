@@ -41,6 +41,8 @@ SMALL_OPS: tuple[str, ...] = (
 LAYER_OPS: tuple[str, ...] = ("mla_attention", "moe", "v4_attention")
 # Ops of the sampler rather than the model: structured output's grammar mask (Backend.apply_token_bitmask).
 SAMPLING_OPS: tuple[str, ...] = ("apply_token_bitmask",)
+# Ops of the runtime: one-token decode rows' inputs derived on the device (Backend.decode_rows_meta, MTP graphs).
+RUNTIME_OPS: tuple[str, ...] = ("decode_rows_meta",)
 
 # Every op of the contract, as op_coverage(), OpSpec.op and the conformance suite name them.
 OP_NAMES: tuple[str, ...] = (
@@ -48,6 +50,7 @@ OP_NAMES: tuple[str, ...] = (
     *(f"linear:{scheme}" for scheme in LINEAR_SCHEMES),
     *LAYER_OPS,
     *SAMPLING_OPS,
+    *RUNTIME_OPS,
     *COLLECTIVE_OPS,
 )
 
@@ -84,8 +87,8 @@ def contract_reasons(backend: "Backend", op: OpSpec) -> list[str]:
     caps = backend.caps
     reasons = []
     # A sampling op's dtype is the logits' (fp32 in the engine: worker/model_runner.py upcasts them before the
-    # sampler), not a compute dtype of the model, so the caps' dtypes do not limit it.
-    if op.dtype is not None and op.dtype not in caps.dtypes and op.op not in SAMPLING_OPS:
+    # sampler), a runtime op's its integers', not a compute dtype of the model: the caps' dtypes do not limit them.
+    if op.dtype is not None and op.dtype not in caps.dtypes and op.op not in SAMPLING_OPS + RUNTIME_OPS:
         reasons.append(f"dtype {dtype_name(op.dtype)} is not in the backend's caps")
     if op.op.startswith("linear:"):
         scheme = op.op.partition(":")[2]

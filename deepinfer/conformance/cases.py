@@ -1,8 +1,8 @@
 """The conformance cases: one list per op, at "tiny" (CI, Triton interpreter) or "real" (GPU) shapes.
 
 This file holds the small ops, routing, linear methods and collectives; layer_cases.py the
-whole-layer ops (MLA, MoE, V4 attention); bitmask_cases.py the sampling op (the grammar bitmask);
-cases_base.py what a case is.
+whole-layer ops (MLA, MoE, V4 attention); bitmask_cases.py the sampling op (the grammar bitmask); runtime_cases.py
+the runtime op (decode rows' metadata); cases_base.py what a case is.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from deepinfer.backend import Backend, MLASpec, RouterSpec, SingleProcessCommuni
 from deepinfer.backend.native.rope import rope_cos_sin_cache
 from deepinfer.backend.native.v4_rope import v4_cos_sin, v4_inv_freq
 from deepinfer.conformance.bitmask_cases import bitmask_cases
+from deepinfer.conformance.runtime_cases import runtime_cases
 from deepinfer.conformance.cases_base import FP32, Case, router_inputs, router_specs
 from deepinfer.conformance.cases_base import randn as _randn
 from deepinfer.conformance.layer_cases import (
@@ -287,6 +288,7 @@ def cases_for(shapes: str) -> list[Case]:
             *moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
             *v4_attention_cases("tiny"),
             *bitmask_cases("tiny"),
+            *runtime_cases("tiny"),
             *_collective_cases(5, 32),
         ]
     if shapes == "real":
@@ -331,6 +333,7 @@ def cases_for(shapes: str) -> list[Case]:
             *moe_shared_cases(32, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy")),
             *v4_attention_cases("real"),
             *bitmask_cases("real"),
+            *runtime_cases("real"),
             *_collective_cases(64, 2048),
         ]
     raise ValueError(f"unknown conformance shapes {shapes!r} (choose 'tiny' or 'real')")

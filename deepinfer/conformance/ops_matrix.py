@@ -68,6 +68,7 @@ def matrix_rows() -> list[MatrixRow]:
                                   index_n_heads=64, index_head_dim=128, index_topk=512)),
         MatrixRow("v4_attention", "HCA (m=128)", V4AttentionSpec(**v4, compress_rate=128, comp_group="v4_hca")),
         MatrixRow("apply_token_bitmask", "grammar mask (int32 words) on a subset of the logit rows"),
+        MatrixRow("decode_rows_meta", "one-token decode rows' tables, slots and lengths (MTP graphs)"),
         *(MatrixRow(name, "one process") for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                        "broadcast")),
     ]

@@ -34,7 +34,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     if method == "mtp":
         drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device,
-                             graphs=capture_mtp_graphs(cfg, runner, kv, k))
+                             graphs=capture_mtp_graphs(cfg, backend, runner, kv, k))
     else:
         drafter = NgramDrafter()
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
@@ -80,15 +80,16 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     return pipeline
 
 
-def capture_mtp_graphs(cfg, runner, kv, k: int) -> MTPGraphRunner | None:
+def capture_mtp_graphs(cfg, backend, runner, kv, k: int) -> MTPGraphRunner | None:
     """The MTP drafter's graphs (backend/mtp_graph_runner.py), over the engine's decode-graph runner's graph API
-    and buckets, when it has one (a backend that captures graphs and enforce_eager off); else None (eager)."""
+    and buckets, when it has one (a backend that captures graphs and enforce_eager off); else None (eager). Their
+    decode rows' inputs come from the backend's decode_rows_meta op."""
     api = runner.graph_runner
     if not isinstance(api, DecodeGraphRunner):
         return None
     graphs = MTPGraphRunner.capture(api, runner.model, runner.caches, runner.builder.mirror,
                                     {s.name: s.tokens_per_entry for s in kv.specs}, kv.block_size, cfg.max_num_seqs,
-                                    k, runner.device)
+                                    k, runner.device, meta_op=backend.decode_rows_meta)
     if graphs is not None:
         logger.info("speculative decoding: MTP pass graphs for %s rows, chain graphs for %s drafting sequences",
                     graphs.pass_buckets, graphs.chain_buckets)

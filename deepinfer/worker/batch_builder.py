@@ -112,36 +112,37 @@ class BatchBuilder:
         longest = max(seq_lens, default=0)
         dev = self.device
         self.sync_tables()
-        # every integer input in ONE host tensor and ONE host-to-device copy (each copy from the host costs a pinned
-        # staging buffer and a launch): ids, logits rows, table rows, pending-token indices, the int32 fields,
-        # positions and each group's KV slots (these from the host tables: O(tokens), not O(context)). All of it is
-        # numpy on the host, one torch tensor at the end: torch.tensor of a list is ~3x slower than np.array (0.42
-        # against 0.13 ms for 8k ints), and every small torch op costs a dispatch of a few us (the positions,
-        # table rows and slots took ~20 of them, ~60 us of every verify step's build on this CPU). The int32 fields
-        # (query starts, sequence and context lengths) travel as int32 words (`int32_words`): the device views them,
-        # no cast (three casts a step before).
+        # every integer input in ONE host array and ONE host-to-device copy (each copy from the host costs a pinned
+        # staging buffer and a launch): ids, logits rows, table rows, pending-token indices, positions, each
+        # token's request (batches that are not decode-only: the memo's TOKEN_REQUESTS), the int32 words and each
+        # group's KV slots (these from the host tables: O(tokens), not O(context)). Python lists up to the one
+        # np.array, one torch tensor at the end: every small numpy or torch call costs a few us of host time, and
+        # a step's host time before its forward is time its device idles (a one-sync speculative step at one
+        # sequence spent ~0.15 ms here on this CPU with numpy per field, 2026-12-05). The int32 fields (query
+        # starts, sequence and context lengths; for a step that verifies drafts, the same as decode rows: the
+        # memo's DECODE_ROWS) travel as int32 words (`int32_words`) in one block, split once on the device.
         n, t, nl, nf = len(items), total, len(logits_idx), len(fill_dst)
-        head = np.array(input_ids + logits_idx + row_list + fill_dst + fill_src, dtype=np.int64)
-        rows_np = head[t + nl : t + nl + n]
-        ctx_np = np.array(ctx_lens, dtype=np.int64)
-        words = int32_words(qsl, seq_lens, ctx_lens)
-        extra: list[np.ndarray] = []  # batches that are not decode-only: the memo's TOKEN_REQUESTS (, DECODE_ROWS)
         if total == n:  # decode-only: one token per sequence
-            positions_np, token_rows_np = ctx_np, rows_np
+            positions, tail, rows_fields = ctx_lens, [], []
+        else:  # each token's position and request; a verify step runs as decode rows (spec/verify_batch.py)
+            positions, tail, rows_fields = token_fields(query_lens, ctx_lens, t, verifies, t <= SMALL_BATCH_TOKENS)
+        base = input_ids + logits_idx + row_list + fill_dst + fill_src
+        if isinstance(positions, list):  # one conversion of one list
+            head = np.array(base + positions + tail, dtype=np.int64)
         else:
-            q_np = np.array(query_lens, dtype=np.int64)
-            positions_np = np.arange(t, dtype=np.int64) + np.repeat(ctx_np - np.array(qsl[:-1], dtype=np.int64), q_np)
-            token_rows_np = np.repeat(rows_np, q_np)
-            extra.append(np.repeat(np.arange(n, dtype=np.int64), q_np))
-            if verifies:  # a verify step runs as decode rows (spec/verify_batch.py): their int32 fields, in the copy
-                extra.append(int32_words(np.arange(t + 1), positions_np + 1, positions_np))
+            head = np.concatenate([np.array(base, dtype=np.int64), positions, tail])
+        positions_np = head[t + nl + n + 2 * nf : 2 * t + nl + n + 2 * nf]
+        token_rows_np = head[t + nl : t + nl + n]
+        if len(tail):
+            token_rows_np = token_rows_np[head[-t:]]
+        words = int32_words(qsl, seq_lens, ctx_lens, *rows_fields)
         slots = [token_slots_host(self.tables_np[name], token_rows_np, positions_np, spec.tokens_per_entry, bs)
                  for name, spec in self.specs.items()]
-        packed = to_device(torch.from_numpy(np.concatenate([head, words, positions_np, *slots, *extra])), dev)
-        ids, logits_d, rows_dev, fill, words_d, positions_d, *slot_d = packed.split_with_sizes(
-            [t, nl, n, 2 * nf, len(words), t] + [t] * len(slots) + [len(e) for e in extra])
-        extra_d = slot_d[len(slots) :]
-        qsl_d, seq_d, ctx_d = int32_views(words_d, [n + 1, n, n])
+        packed = to_device(torch.from_numpy(np.concatenate([head, words, *slots])), dev)
+        ids, logits_d, rows_dev, fill, positions_d, req_d, words_d, *slot_d = packed.split_with_sizes(
+            [t, nl, n, 2 * nf, t, len(tail), len(words)] + [t] * len(slots))
+        lens = [n + 1, n, n] + ([t + 1, t, t] if rows_fields else [])
+        qsl_d, seq_d, ctx_d, *rows_i32 = int32_views(words_d, lens)
         fill = fill.view(2, -1)
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
@@ -175,11 +176,38 @@ class BatchBuilder:
             state_slots_cpu=state_slots_cpu,
             block_size=bs,
         )
-        if extra_d:
-            batch.derived[TOKEN_REQUESTS] = extra_d[0]
-        if len(extra_d) > 1:
-            batch.derived[DECODE_ROWS] = tuple(int32_views(extra_d[1], [t + 1, t, t]))
+        if len(tail):
+            batch.derived[TOKEN_REQUESTS] = req_d
+        if rows_i32:
+            batch.derived[DECODE_ROWS] = tuple(rows_i32)
         return batch, sampling
+
+
+SMALL_BATCH_TOKENS = 32  # up to this many tokens `token_fields` uses Python lists: numpy's few us a call cost more
+
+
+def token_fields(query_lens: list[int], ctx_lens: list[int], t: int, decode_rows: bool, lists: bool):
+    """(each token's position, each token's request, and for decode rows their int32 fields: query starts 0..t,
+    sequence lengths positions + 1, context lengths positions), for a batch of t tokens that is not decode-only:
+    request i's tokens sit at positions ctx_lens[i] .. ctx_lens[i] + query_lens[i] - 1. As Python lists (`lists`,
+    small batches: a numpy call costs more than the work) or numpy arrays (large ones: a list costs ~40 ns an
+    element to convert); the same values either way."""
+    if lists:
+        positions: list[int] = []
+        req: list[int] = []
+        for i, (q, c) in enumerate(zip(query_lens, ctx_lens)):
+            positions.extend(range(c, c + q))
+            req.extend([i] * q)
+        if not decode_rows:
+            return positions, req, []
+        return positions, req, [list(range(t + 1)), [p + 1 for p in positions], positions]
+    q_np = np.array(query_lens, dtype=np.int64)
+    starts = np.cumsum(q_np) - q_np
+    positions_np = np.arange(t, dtype=np.int64) + np.repeat(np.array(ctx_lens, dtype=np.int64) - starts, q_np)
+    req_np = np.repeat(np.arange(len(query_lens), dtype=np.int64), q_np)
+    if not decode_rows:
+        return positions_np, req_np, []
+    return positions_np, req_np, [np.arange(t + 1), positions_np + 1, positions_np]
 
 
 def int32_words(*fields) -> np.ndarray:
@@ -193,12 +221,13 @@ def int32_words(*fields) -> np.ndarray:
             if len(f) % 2:
                 flat.append(0)
         return np.array(flat, dtype=np.int32).view(np.int64)
-    parts = []
-    for f in fields:
-        parts.append(np.asarray(f, dtype=np.int32))
-        if len(f) % 2:
-            parts.append(np.zeros(1, dtype=np.int32))
-    return np.concatenate(parts).view(np.int64)
+    sizes = [len(f) + len(f) % 2 for f in fields]
+    out = np.zeros(sum(sizes), dtype=np.int32)  # each field written into its slice: no array per field
+    o = 0
+    for f, size in zip(fields, sizes):
+        out[o : o + len(f)] = f
+        o += size
+    return out.view(np.int64)
 
 
 def int32_views(words: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:

@@ -123,7 +123,7 @@ def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(
     on the CPU too. 12 new tokens from prompts of 5-10 tokens: lookaheads cross into blocks only a room allocated.
     Every chain's drafts and confidences equal the shared tables' engine's (without that second sync a confidence
     differed: checked), and both engines' tokens equal speculation off's."""
-    import deepinfer.worker.model_runner as model_runner
+    from deepinfer.worker import model_runner
     from deepinfer.worker.batch_builder import BatchBuilder
 
     class SeparateMirror(BatchBuilder):

@@ -199,6 +199,13 @@ class NvidiaBackend(NativeOps, Backend):
 
         return apply_token_bitmask(logits, bitmask, rows)
 
+    def decode_rows_meta(self, table, rows, positions, tokens_per_entry, block_size, tables_out, slots_out,
+                         seq_lens_out=None, context_lens_out=None, positions_out=None, link=None, lens=None):
+        from deepinfer.backends.nvidia.decode_rows_meta import decode_rows_meta
+
+        decode_rows_meta(table, rows, positions, tokens_per_entry, block_size, tables_out, slots_out, seq_lens_out,
+                         context_lens_out, positions_out, link, lens)
+
     def kv_cache_write(self, cache, slot_mapping, values):
         from deepinfer.backends.nvidia.kv_write import kv_cache_write
 
@@ -275,6 +282,8 @@ class NvidiaBackend(NativeOps, Backend):
             return "triton"
         if name == "apply_token_bitmask":
             return "triton (grammar_bitmask.py: one pass, in place)"
+        if name == "decode_rows_meta":
+            return "triton (decode_rows_meta.py: one program per row)"
         if name == "silu_and_mul":
             return "native (no Triton kernel for the clamped SwiGLU)" if op.option("limit") is not None else "triton"
         if name == "route" and isinstance(spec, RouterSpec):
@@ -313,6 +322,7 @@ class NvidiaBackend(NativeOps, Backend):
         cov["linear:fp8_w8a8"] = "triton fp8 W8A8 block GEMM"
         cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM"
         cov["apply_token_bitmask"] = "triton (grammar_bitmask.py: one pass, in place)"
+        cov["decode_rows_meta"] = "triton (decode_rows_meta.py: one program per row)"
         return cov
 
     def _invariant_coverage(self, cov: dict[str, str]) -> dict[str, str]:
@@ -321,6 +331,7 @@ class NvidiaBackend(NativeOps, Backend):
         cov["mla_attention"] = "triton: batch-invariant (absorbed, fixed split size, invariant GEMMs)"
         cov["route"] = "triton (one program per token)"
         cov["apply_token_bitmask"] = "triton (row-invariant as it stands)"
+        cov["decode_rows_meta"] = "triton (integers: row-invariant as it stands)"
         cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, one K split; the tile follows T where checked)"
         for k in list(cov):
             if k.startswith("linear:"):
