@@ -36,6 +36,7 @@ from deepinfer.backend import (
     default_buckets,
 )
 from deepinfer.backend.native.decode_rows import decode_rows_meta as native_decode_rows_meta
+from deepinfer.backend.native.draft_pick import draft_pick as native_draft_pick
 from deepinfer.models.base import CausalLM
 from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.scheduler import StepCostTable
@@ -130,6 +131,9 @@ class GraphHostBackend:
 
     def decode_rows_meta(self, *args) -> None:  # the MTP graphs' decode rows' inputs: the contract's torch op
         native_decode_rows_meta(*args)
+
+    def draft_pick(self, *args) -> None:  # the MTP drafter's drafts and confidences: the contract's torch op
+        native_draft_pick(*args)
 
     def make_graph_runner(self, model, caches, block_size, max_model_len, max_num_seqs):
         return TimedRunner.capture(model, caches, block_size, max_model_len, max_num_seqs, self.device,

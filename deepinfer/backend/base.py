@@ -132,6 +132,16 @@ class Backend(ABC):
         decode_rows_meta(table, rows, positions, tokens_per_entry, block_size, tables_out, slots_out,
                          seq_lens_out, context_lens_out, positions_out, link, lens)
 
+    def draft_pick(self, logits: torch.Tensor, vocab: int, ids_out: torch.Tensor, conf_out: torch.Tensor,
+                   out_ids: torch.Tensor | None = None, out_conf: torch.Tensor | None = None,
+                   link: torch.Tensor | None = None) -> None:
+        """Each row's draft (argmax) and confidence (its softmax probability) from the drafter's logits, in place,
+        also at a chain link's column (the contract: backend/native/draft_pick.py). Default: the torch-native op,
+        ~6 small kernels; a backend overrides it with one."""
+        from deepinfer.backend.native.draft_pick import draft_pick
+
+        draft_pick(logits, vocab, ids_out, conf_out, out_ids, out_conf, link)
+
     # ------------------------------------------------------------ layer ops
 
     @abstractmethod

@@ -57,6 +57,7 @@ import torch
 
 from deepinfer.backend.forward_batch import ForwardBatch
 from deepinfer.backend.native.decode_rows import decode_rows_meta as native_decode_rows_meta
+from deepinfer.backend.native.draft_pick import draft_pick as native_draft_pick
 
 if TYPE_CHECKING:
     from deepinfer.backend.graph_runner import DecodeGraphRunner
@@ -82,11 +83,14 @@ def mtp_draft_logits(model, state: torch.Tensor) -> torch.Tensor:
     return model.mtp_logits(state)[:, : model.vocab_size].float()
 
 
-def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax ids [N], their probabilities [N]): a draft and its confidence. The eager drafter and the graphs
-    both call this, so replayed drafts are the eager ones."""
-    probs = torch.softmax(logits, dim=-1)
-    conf, ids = probs.max(dim=-1)
+def argmax_confidence(logits: torch.Tensor, pick_op: Callable = native_draft_pick) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """(argmax ids [N], their probabilities [N]): a draft and its confidence, by `pick_op` (Backend.draft_pick,
+    the op the graphs run: so the eager drafter's drafts are the replayed ones; default the native op)."""
+    n = logits.shape[0]
+    ids = torch.empty(n, dtype=torch.int64, device=logits.device)
+    conf = torch.empty(n, dtype=torch.float32, device=logits.device)
+    pick_op(logits, logits.shape[1], ids, conf)
     return ids, conf
 
 
@@ -103,6 +107,7 @@ class MTPStatic:
     p_out: torch.Tensor  # [t_max, D] the pass's output states
     c_state: torch.Tensor  # [b_max, D] the chain's current state
     c_ids: torch.Tensor  # [b_max] int64 the chain's current draft
+    c_conf: torch.Tensor  # [b_max] fp32 its confidence
     link: torch.Tensor  # [1] int64: the next link's index (reset by the head graph)
     out_ids: torch.Tensor  # [b_max, k] int64 drafts
     out_conf: torch.Tensor  # [b_max, k] fp32 confidences
@@ -137,6 +142,7 @@ class MTPStatic:
                  p_out=torch.zeros((t_max, hidden), dtype=dtype, device=device),
                  c_state=torch.zeros((b_max, hidden), dtype=dtype, device=device),
                  c_ids=torch.zeros(b_max, dtype=torch.int64, device=device),
+                 c_conf=torch.zeros(b_max, dtype=torch.float32, device=device),
                  link=torch.ones(1, dtype=torch.int64, device=device),
                  out_ids=torch.zeros((b_max, k), dtype=torch.int64, device=device),
                  out_conf=torch.zeros((b_max, k), dtype=torch.float32, device=device),
@@ -234,6 +240,7 @@ class MTPGraphRunner:
     chain_buckets: list[int]
     k: int
     meta_op: Callable = native_decode_rows_meta  # Backend.decode_rows_meta (its signature)
+    pick_op: Callable = native_draft_pick  # Backend.draft_pick (its signature)
     static: MTPStatic | None = None
     meta: RowsMeta | None = None
     pass_graphs: dict[int, object] = field(default_factory=dict)
@@ -249,18 +256,20 @@ class MTPGraphRunner:
     @classmethod
     def capture(cls, api: DecodeGraphRunner, model, caches, tables: dict[str, torch.Tensor],
                 tokens_per_entry: dict[str, int], block_size: int, max_seqs: int, k: int,
-                device: torch.device, meta_op: Callable | None = None) -> MTPGraphRunner | None:
+                device: torch.device, meta_op: Callable | None = None,
+                pick_op: Callable | None = None) -> MTPGraphRunner | None:
         """Graphs for passes of up to the decode graphs' largest bucket of rows (the verify rows a step can
         hold: every sequence's real token and k drafts) and chains of up to max_seqs sequences (the decode
         graphs' buckets up to it, and max_seqs). None when the decode runner captured nothing (per-sequence
-        state: no padding-safe row). meta_op: the backend's decode_rows_meta (None: the native op)."""
+        state: no padding-safe row). meta_op / pick_op: the backend's decode_rows_meta / draft_pick (None: the
+        native ops)."""
         if api.uses_state or not api.buckets or k < 1:
             return None
         pass_buckets = sorted(api.buckets)
         chain_buckets = sorted({b for b in pass_buckets if b < max_seqs} | {min(max_seqs, pass_buckets[-1])})
         runner = cls(api=api, model=model, caches=caches, tables=dict(tables), tokens_per_entry=dict(tokens_per_entry),
                      block_size=block_size, pass_buckets=pass_buckets, chain_buckets=chain_buckets, k=k,
-                     meta_op=meta_op or native_decode_rows_meta)
+                     meta_op=meta_op or native_decode_rows_meta, pick_op=pick_op or native_draft_pick)
         runner.static = MTPStatic.allocate(pass_buckets[-1], chain_buckets[-1], k, model.config.hidden_size,
                                            model.dtype, device)
         runner.meta = RowsMeta.allocate(max(pass_buckets[-1], chain_buckets[-1]), runner.tables, device)
@@ -299,10 +308,9 @@ class MTPGraphRunner:
 
     def _head(self, b: int) -> torch.Tensor:
         st = self.static
-        ids, conf = argmax_confidence(mtp_draft_logits(self.model, st.c_state[:b]))
-        st.c_ids[:b].copy_(ids)
-        st.out_ids[:b, 0].copy_(ids)
-        st.out_conf[:b, 0].copy_(conf)
+        # draft 1: into the chain's next input (c_ids), the drafts' column 0 and its confidence
+        self.pick_op(self.model.mtp_logits(st.c_state[:b]), self.model.vocab_size, st.c_ids, st.c_conf, st.out_ids,
+                     st.out_conf)
         st.link.fill_(1)
         return st.out_ids[:b]
 
@@ -311,12 +319,10 @@ class MTPGraphRunner:
         # a row whose chain is shorter than this link recomputes its last pass position and writes nothing
         batch = self._rows_batch(st.seg("c_row")[:b], st.seg("c_pos")[:b], st.link, st.seg("c_len")[:b])
         state = self.model.mtp_forward(st.c_state[:b], st.c_ids[:b], batch, self.caches)
-        ids, conf = argmax_confidence(mtp_draft_logits(self.model, state))
         st.c_state[:b].copy_(state)
-        st.c_ids[:b].copy_(ids)
-        col = st.link.clamp(max=self.k - 1).expand(b, 1)  # clamped: warm-ups run it more often than k - 1 times
-        st.out_ids[:b].scatter_(1, col, ids.unsqueeze(1))
-        st.out_conf[:b].scatter_(1, col, conf.unsqueeze(1))
+        # the draft at this link's column (clamped to k - 1: warm-ups run it more often than k - 1 times)
+        self.pick_op(self.model.mtp_logits(state), self.model.vocab_size, st.c_ids, st.c_conf, st.out_ids,
+                     st.out_conf, st.link)
         st.link.add_(1)
         return st.out_ids[:b]
 

@@ -41,8 +41,9 @@ SMALL_OPS: tuple[str, ...] = (
 LAYER_OPS: tuple[str, ...] = ("mla_attention", "moe", "v4_attention")
 # Ops of the sampler rather than the model: structured output's grammar mask (Backend.apply_token_bitmask).
 SAMPLING_OPS: tuple[str, ...] = ("apply_token_bitmask",)
-# Ops of the runtime: one-token decode rows' inputs derived on the device (Backend.decode_rows_meta, MTP graphs).
-RUNTIME_OPS: tuple[str, ...] = ("decode_rows_meta",)
+# Ops of the runtime: one-token decode rows' inputs derived on the device (Backend.decode_rows_meta) and a draft
+# with its confidence from the drafter's logits (Backend.draft_pick), both run inside the MTP graphs.
+RUNTIME_OPS: tuple[str, ...] = ("decode_rows_meta", "draft_pick")
 
 # Every op of the contract, as op_coverage(), OpSpec.op and the conformance suite name them.
 OP_NAMES: tuple[str, ...] = (

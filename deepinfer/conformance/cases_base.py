@@ -25,7 +25,7 @@ class Case:
     name: str
     make: Callable[[torch.Generator, torch.dtype], Inputs]  # CPU tensors
     run: Callable[[Any, Inputs], tuple[torch.Tensor, ...]]  # (backend-like ops, inputs) -> outputs
-    compare: str = "close"  # close | exact | route | bitwise (same bits, -inf and NaN included)
+    compare: str = "close"  # close (integer outputs: exact) | exact | route | bitwise (same bits, -inf and NaN too)
     kind: str = "elementwise"  # elementwise | layer (looser low-precision tolerances)
     dtypes: tuple[torch.dtype, ...] | None = None  # fixed dtypes (route: fp32 logits); None = the run's
     spec: Any = None  # the layer spec the op is built from (MLASpec, MoESpec, RouterSpec, ...)

@@ -69,6 +69,7 @@ def matrix_rows() -> list[MatrixRow]:
         MatrixRow("v4_attention", "HCA (m=128)", V4AttentionSpec(**v4, compress_rate=128, comp_group="v4_hca")),
         MatrixRow("apply_token_bitmask", "grammar mask (int32 words) on a subset of the logit rows"),
         MatrixRow("decode_rows_meta", "one-token decode rows' tables, slots and lengths (MTP graphs)"),
+        MatrixRow("draft_pick", "a draft and its confidence from the drafter's logits (MTP graphs)"),
         *(MatrixRow(name, "one process") for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                        "broadcast")),
     ]

@@ -65,7 +65,7 @@ def time_drafting(model, backend, block_size: int, num_seqs: int, k: int, pass_r
     tables = {s.name: torch.arange(per_seq[s.name] * num_seqs, dtype=torch.int32).view(num_seqs, per_seq[s.name])
               for s in specs}
     device_tables = {name: t.to(backend.device) for name, t in tables.items()}
-    eager = MTPDrafter(model, caches, tables, block_size, specs, backend.device)
+    eager = MTPDrafter(model, caches, tables, block_size, specs, backend.device, pick_op=backend.draft_pick)
     backend.synchronize()
     t0 = time.perf_counter()
     eager.run(hidden, items, [k] * num_seqs, device_tables)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backend import ForwardBatch, KVCaches, MTPGraphRunner, argmax_confidence, mtp_draft_logits, token_slots
+from deepinfer.backend.native.draft_pick import draft_pick as native_draft_pick
 from deepinfer.worker.transfer import tensor_to, to_device
 
 
@@ -68,8 +69,11 @@ class MTPDrafter:
     host at every link) the same math runs as before, the pass as one varlen batch."""
 
     def __init__(self, model, caches: KVCaches, block_tables: dict[str, torch.Tensor], block_size: int,
-                 specs, device: torch.device, graphs: MTPGraphRunner | None = None):
+                 specs, device: torch.device, graphs: MTPGraphRunner | None = None, pick_op=None):
+        """pick_op: the backend's draft_pick (None: the graphs', else the native op), so eager and replayed
+        chains pick drafts alike."""
         self.model = model
+        self.pick_op = pick_op or (graphs.pick_op if graphs is not None else native_draft_pick)
         self.caches = caches
         self.tables = block_tables  # the KV manager's host tables (token slots are read from them)
         self.block_size = block_size
@@ -218,7 +222,7 @@ class MTPDrafter:
             logits = mtp_draft_logits(self.model, state)
             if mask is not None:
                 logits = mask(live, tokens, logits)
-            ids, conf = argmax_confidence(logits)
+            ids, conf = argmax_confidence(logits, self.pick_op)
             if mask is not None:
                 self.num_host_reads += 1
                 for j, tok, c in zip(live, ids.tolist(), conf.tolist()):

@@ -34,7 +34,7 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     if method == "mtp":
         drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device,
-                             graphs=capture_mtp_graphs(cfg, backend, runner, kv, k))
+                             graphs=capture_mtp_graphs(cfg, backend, runner, kv, k), pick_op=backend.draft_pick)
     else:
         drafter = NgramDrafter()
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
@@ -89,7 +89,8 @@ def capture_mtp_graphs(cfg, backend, runner, kv, k: int) -> MTPGraphRunner | Non
         return None
     graphs = MTPGraphRunner.capture(api, runner.model, runner.caches, runner.builder.mirror,
                                     {s.name: s.tokens_per_entry for s in kv.specs}, kv.block_size, cfg.max_num_seqs,
-                                    k, runner.device, meta_op=backend.decode_rows_meta)
+                                    k, runner.device, meta_op=backend.decode_rows_meta,
+                                    pick_op=backend.draft_pick)
     if graphs is not None:
         logger.info("speculative decoding: MTP pass graphs for %s rows, chain graphs for %s drafting sequences",
                     graphs.pass_buckets, graphs.chain_buckets)

@@ -206,6 +206,11 @@ class NvidiaBackend(NativeOps, Backend):
         decode_rows_meta(table, rows, positions, tokens_per_entry, block_size, tables_out, slots_out, seq_lens_out,
                          context_lens_out, positions_out, link, lens)
 
+    def draft_pick(self, logits, vocab, ids_out, conf_out, out_ids=None, out_conf=None, link=None):
+        from deepinfer.backends.nvidia.draft_pick import draft_pick
+
+        draft_pick(logits, vocab, ids_out, conf_out, out_ids, out_conf, link)
+
     def kv_cache_write(self, cache, slot_mapping, values):
         from deepinfer.backends.nvidia.kv_write import kv_cache_write
 
@@ -284,6 +289,8 @@ class NvidiaBackend(NativeOps, Backend):
             return "triton (grammar_bitmask.py: one pass, in place)"
         if name == "decode_rows_meta":
             return "triton (decode_rows_meta.py: one program per row)"
+        if name == "draft_pick":
+            return "triton (draft_pick.py: one program per row)"
         if name == "silu_and_mul":
             return "native (no Triton kernel for the clamped SwiGLU)" if op.option("limit") is not None else "triton"
         if name == "route" and isinstance(spec, RouterSpec):
@@ -323,6 +330,7 @@ class NvidiaBackend(NativeOps, Backend):
         cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM"
         cov["apply_token_bitmask"] = "triton (grammar_bitmask.py: one pass, in place)"
         cov["decode_rows_meta"] = "triton (decode_rows_meta.py: one program per row)"
+        cov["draft_pick"] = "triton (draft_pick.py: one program per row)"
         return cov
 
     def _invariant_coverage(self, cov: dict[str, str]) -> dict[str, str]:
@@ -332,6 +340,7 @@ class NvidiaBackend(NativeOps, Backend):
         cov["route"] = "triton (one program per token)"
         cov["apply_token_bitmask"] = "triton (row-invariant as it stands)"
         cov["decode_rows_meta"] = "triton (integers: row-invariant as it stands)"
+        cov["draft_pick"] = "triton (row-invariant as it stands)"
         cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, one K split; the tile follows T where checked)"
         for k in list(cov):
             if k.startswith("linear:"):
