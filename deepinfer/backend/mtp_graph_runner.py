@@ -30,9 +30,10 @@ step, `stage`; its padded rows are inert, see below):
 Block tables and KV slots are computed inside the graphs from the engine's device mirror of the KV manager's
 tables (the batch builder's `mirror`, whose tensors never move) and the staged positions, so nothing per token is
 built on the host: by the backend's `decode_rows_meta` op (one kernel on NVIDIA, since 2026-12-05; ~20 small torch
-ops a forward before, about half the kernels of a speculative step), into static buffers (`RowsMeta`). A row is padding when its sequence row is -1: sequence length 0 (reads nothing), KV slot -1
-(writes nothing). A chain row past its chain length (`c_len`) stays at its last pass position, writes nothing
-and its outputs are ignored; so one replay serves sequences with different chain lengths, and a sequence without
+ops a forward before, most of a speculative step's small kernels), into static buffers (`RowsMeta`); each head's
+draft and confidence by its `draft_pick` op (one kernel on NVIDIA). A row is padding when its sequence row is -1:
+sequence length 0 (reads nothing), KV slot -1 (writes nothing). A chain row past its chain length (`c_len`) stays
+at its last pass position, writes nothing and its outputs are ignored; so one replay serves sequences with different chain lengths, and a sequence without
 room for a chain (chain length 0) writes no lookahead KV.
 
 Not graphed (the caller runs them eagerly): a pass of more rows than the largest bucket (a prompt chunk, a long
@@ -287,7 +288,7 @@ class MTPGraphRunner:
         n = int(rows.shape[0])
         m = self.meta
         for i, (g, t) in enumerate(self.tables.items()):
-            first = i == 0  # the lengths and positions are the group's own business only once
+            first = i == 0  # lengths and positions are the same for every group: written with the first
             self.meta_op(t, rows, positions, self.tokens_per_entry[g], self.block_size, m.tables[g], m.slots[g],
                          m.seq_lens if first else None, m.context_lens if first else None,
                          m.positions if first and link is not None else None, link, lens)

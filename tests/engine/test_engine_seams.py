@@ -304,7 +304,8 @@ def test_static_inputs_pad_what_earlier_steps_filled_and_nothing_else(monkeypatc
         assert st.slot_mapping["mla"][:b].tolist() == list(range(base + 100, base + 100 + b))
         # the rows this bucket pads
         assert st.input_ids[b:size].tolist() == [0] * (size - b) and st.positions[b:size].tolist() == [0] * (size - b)
-        assert st.seq_lens[b:size].tolist() == [0] * (size - b) and st.context_lens[b:size].tolist() == [0] * (size - b)
+        pad = [0] * (size - b)
+        assert st.seq_lens[b:size].tolist() == pad and st.context_lens[b:size].tolist() == pad
         assert st.slot_mapping["mla"][b:size].tolist() == [-1] * (size - b)
         # rows past the bucket keep what they held; `used` covers every row that holds a real row's values
         assert st.input_ids[size:].tolist() == before[0][size:].tolist()

@@ -152,8 +152,8 @@ def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(
     assert len(chains["sep"]) == len(chains["shared"]) >= 3
     for (da, ca), (db, cb) in zip(chains["shared"], chains["sep"]):  # every chain's drafts and confidences
         assert da == db
-        assert torch.allclose(torch.tensor([c for row in ca for c in row]), torch.tensor([c for row in cb for c in row]),
-                              atol=1e-6)
+        flat_a, flat_b = [c for row in ca for c in row], [c for row in cb for c in row]
+        assert torch.allclose(torch.tensor(flat_a), torch.tensor(flat_b), atol=1e-6)
     a, b = shared.stats(), sep.stats()
     assert sep._spec.one_sync.num_steps == shared._spec.one_sync.num_steps >= 3
     assert (b.spec_drafted_tokens, b.spec_accepted_tokens, b.spec_conditional_acceptance) == \
