@@ -24,8 +24,12 @@ def draft_pick(logits: torch.Tensor, vocab: int, ids_out: torch.Tensor, conf_out
     conf, ids = probs.max(dim=-1)
     ids_out[:b].copy_(ids)
     conf_out[:b].copy_(conf)
-    if out_ids is not None:
-        k = out_ids.shape[1]
-        col = torch.zeros(1, dtype=torch.int64, device=logits.device) if link is None else link.clamp(max=k - 1)
-        out_ids[:b].scatter_(1, col.expand(b, 1), ids.unsqueeze(1))
-        out_conf[:b].scatter_(1, col.expand(b, 1), conf.unsqueeze(1))
+    if out_ids is None:
+        return
+    if link is None:  # the head: column 0, known on the host
+        out_ids[:b, 0].copy_(ids)
+        out_conf[:b, 0].copy_(conf)
+        return
+    col = link.clamp(max=out_ids.shape[1] - 1).expand(b, 1)  # a chain link: its column, on the device
+    out_ids[:b].scatter_(1, col, ids.unsqueeze(1))
+    out_conf[:b].scatter_(1, col, conf.unsqueeze(1))
