@@ -121,9 +121,9 @@ def print_drafting(mode: str, engine) -> None:
             print(f"{mode}, plan now (tok/s of plain, chains 1..{policy.k}): " + "; ".join(
                 f"{b} seqs " + " / ".join(f"{r:.0f}" for r in policy.chain_rates(b)) for b in seen))
         if policy.adaptive:
-            print(f"{mode}, realized tok/s of steady steps by load bucket and chain (spec/realized_rates.py): " + (
-                ", ".join(f"<={b} seqs chain {c} {r:.0f} ({n} steps)" for b, c, r, n in policy.realized.rows())
-                or "none"))
+            rows = [row for row in policy.realized.rows() if row[3] >= policy.realized.min_count]
+            print(f"{mode}, realized tok/s of steady steps by load and chain, where trusted (spec/realized_rates.py): "
+                  + (", ".join(f"{b} seqs chain {c} {r:.0f} ({n} steps)" for b, c, r, n in rows) or "none"))
         rows = policy.step_times.rows()
         print(f"{mode}, measured / table step time by kind and load bucket (spec/step_times.py): " + (", ".join(
             f"{kind} <={bucket} seqs {ratio:.2f} ({over * 1e3:+.3f} ms, {n} steps)"

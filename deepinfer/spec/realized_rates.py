@@ -9,13 +9,23 @@ break-even from run to run (tau 5.08, 2.49, 1.04) where static k = 5 ran ~2x. Wh
 load is measured by the steps that ran it: the tokens they emitted over their wall time, every cost included
 (verification, drafting, the admission's own host time, output processing).
 
-What. For each (bucket, chain) a moving average of tokens and of seconds over its steady steps (a step that
+What. For each (load, chain) a moving average of tokens and of seconds over its steady steps (a step that
 verified the previous step's chain of L and drafted a chain of L again for every sequence; for plain decoding,
 one that neither verified nor drafted); their quotient is the realized rate. `gains` gives each measured chain's
-realized rate over plain decoding's at the same bucket, where both are measured and fresh (observed within max_age
-steps of the engine's: a measure at a load left long ago is not trusted, so the plan models it again, and
-drafting it measures it afresh). SlotPolicy._choose_chain puts those gains in place of the model's: the model
-proposes what was not measured, the measure decides what was. Non-anticipating: past steps only.
+realized rate over plain decoding's at one load where both are measured and fresh (observed within max_age steps
+of the engine's: a measure at a load left long ago is not trusted, so the plan models it again, and drafting it
+measures it afresh): the load in the asked load's bucket nearest to it. SlotPolicy._choose_chain puts those gains
+in place of the model's: the model proposes what was not measured, the measure decides what was.
+Non-anticipating: past steps only.
+
+Why by the exact load (since 2026-12-05, session 18; before, by load bucket). A bucket spans loads up to 2x apart,
+and where a step's time is mostly per-step host work (the H200 at these shapes: plain steps ~0.9 ms at 32
+sequences, ~1.4 ms at 64) its tokens per second grow with the load. The moving averages follow the latest steps, and
+drafting's latest steps at a load are the run's tail: a draft of 3-5 tokens ends each sequence at its own step, so
+the load falls step by step, while a pause's plain steps keep the batch whole. On the H200 (2026-12-05, 6829d96) the
+measures at 33-64 sequences ended at 0.89x plain decoding for a chain of 5 (31,462 against 35,415 tok/s), below the
+pause margin, where static k5 ran 1.22x of off at 64 sequences, and the adaptive mode's third timed run there paused
+108 steps (97 tok/s per user against 705 in the run before). Compared at one load, the load's own speed cancels.
 """
 
 from __future__ import annotations
@@ -27,26 +37,27 @@ from deepinfer.spec.step_times import load_bucket
 
 @dataclass
 class RealizedRates:
-    """Moving averages of tokens and seconds per steady step, by (load bucket, chain); chain 0 is plain decoding."""
+    """Moving averages of tokens and seconds per steady step, by (load, chain); chain 0 is plain decoding."""
 
     weight: float = 0.2  # of a new step, after the first min_count (which start the averages at their medians)
-    min_count: int = 3  # steps of a (bucket, chain) before its rate is trusted
+    min_count: int = 3  # steps of a (load, chain) before its rate is trusted
     # a (bucket, chain)'s first steady steps are not counted: on the H200 (2026-12-04, 1d0d68c, 7d1d4c1) the first
     # three of a chain at a load ran 0.5-0.6x of its later ones (first replays, allocations), and a trusted measure
     # from them paused loads where the chain ran 1.6x plain decoding later
     warm_steps: int = 2
-    max_age: int = 2048  # engine steps after its last step that a (bucket, chain) stays trusted
+    max_age: int = 2048  # engine steps after its last step that a (load, chain) stays trusted
     spread: float = 2.0  # a later step's seconds move the average by at most this factor's pull (a stall)
     # False: measured and reported, never deciding (tests that stand a memory-bound device's tables in for the
     # CPU's, where the CPU's own measure would overrule them)
     decides: bool = True
-    tokens: dict[tuple[int, int], float] = field(default_factory=dict)
+    tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # by (load, chain)
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     counts: dict[tuple[int, int], int] = field(default_factory=dict)
     last: dict[tuple[int, int], int] = field(default_factory=dict)  # the engine step of the last observation
     now: int = 0  # engine steps observed or skipped (`tick`)
     _first: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)
-    _warm: dict[tuple[int, int], int] = field(default_factory=dict)  # steady steps not counted yet (warm_steps)
+    _warm: dict[tuple[int, int], int] = field(default_factory=dict)  # by (bucket, chain): steps not counted yet
+    _loads: dict[int, set[int]] = field(default_factory=dict)  # bucket -> the loads counted there
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
@@ -68,14 +79,17 @@ class RealizedRates:
         in `seconds` of wall time (output processing included: every token pays it, however it is emitted)."""
         if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
             return
-        key = (load_bucket(num_seqs), chain)
+        key = (int(num_seqs), chain)
         self.last[key] = self.now
-        warm = self._warm.get(key, 0)
+        warm_key = (load_bucket(num_seqs), chain)
+        warm = self._warm.get(warm_key, 0)
         if warm < self.warm_steps:
-            self._warm[key] = warm + 1
+            self._warm[warm_key] = warm + 1
             return
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
+        if n == 1:
+            self._loads.setdefault(warm_key[0], set()).add(key[0])
         if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
             first = self._first.setdefault(key, [])
             first.append((float(tokens), seconds))
@@ -92,38 +106,56 @@ class RealizedRates:
         self.seconds[key] = (1 - w) * avg_s + w * s
 
     def forget_drafting(self, num_seqs: int) -> None:
-        """Forget this load's drafting measures (plain decoding's stays): a pause that ends probes the load again,
-        and the plan after it is the model's until drafting is measured afresh. A pause decided on a drafting measure
-        would otherwise never end in drafting (its chain does not run, so its measure is never refreshed): on the
-        H200 (2026-12-04, 1d0d68c) three measuring steps in the benchmark's warm-up put a chain of 5 at one sequence
-        at 1,200 tok/s against plain decoding's 1,808, and the adaptive mode paused through every timed run there,
-        where static k = 5 ran 3,640."""
+        """Forget the drafting measures of this load's bucket (plain decoding's stay): a pause that ends probes the
+        load again, and the plan after it is the model's until drafting is measured afresh. A pause decided on a
+        drafting measure would otherwise never end in drafting (its chain does not run, so its measure is never
+        refreshed): on the H200 (2026-12-04, 1d0d68c) three measuring steps in the benchmark's warm-up put a chain
+        of 5 at one sequence at 1,200 tok/s against plain decoding's 1,808, and the adaptive mode paused through
+        every timed run there, where static k = 5 ran 3,640."""
         bucket = load_bucket(num_seqs)
-        for key in [key for key in self.last if key[0] == bucket and key[1] > 0]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._warm):
+        for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] > 0]:
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
                 table.pop(key, None)
+        for key in [key for key in self._warm if key[0] == bucket and key[1] > 0]:
+            del self._warm[key]
+
+    def _trusted(self, key: tuple[int, int]) -> bool:
+        return self.counts.get(key, 0) >= self.min_count and self.now - self.last[key] <= self.max_age
+
+    def _loads_near(self, num_seqs: int) -> list[int]:
+        """The measured loads of num_seqs's bucket, nearest to it first (ties: the higher)."""
+        loads = self._loads.get(load_bucket(num_seqs), ())
+        return sorted(loads, key=lambda load: (abs(load - num_seqs), -load))
 
     def rate(self, num_seqs: int, chain: int) -> float | None:
-        """Realized tokens per second of a chain at this load, or None where not measured or stale."""
-        key = (load_bucket(num_seqs), chain)
-        if not self.decides or self.counts.get(key, 0) < self.min_count or self.now - self.last[key] > self.max_age:
+        """Realized tokens per second of a chain at the load of num_seqs's bucket nearest to it where the chain is
+        measured and fresh, or None (not measured there, or stale)."""
+        if not self.decides:
             return None
-        return self.tokens[key] / self.seconds[key]
+        key = (int(num_seqs), chain)
+        if key in self.counts and self._trusted(key):  # (every drafting step asks: the common case first)
+            return self.tokens[key] / self.seconds[key]
+        for load in self._loads_near(num_seqs):
+            if self._trusted((load, chain)):
+                return self.tokens[(load, chain)] / self.seconds[(load, chain)]
+        return None
 
     def gains(self, num_seqs: int, k: int) -> dict[int, float]:
-        """Realized rate over plain decoding's, for each chain 1..k measured at this load (empty: plain not
-        measured)."""
-        plain = self.rate(num_seqs, 0)
-        if plain is None:
+        """Realized rate over plain decoding's, for each chain 1..k measured at one load with plain decoding (the
+        load of num_seqs's bucket nearest to it where both are measured and fresh); empty where none is."""
+        if not self.decides:
             return {}
         out = {}
+        loads = self._loads_near(num_seqs)
         for chain in range(1, k + 1):
-            r = self.rate(num_seqs, chain)
-            if r is not None:
-                out[chain] = r / plain
+            for load in loads:
+                if self._trusted((load, chain)) and self._trusted((load, 0)):
+                    out[chain] = (self.tokens[(load, chain)] / self.seconds[(load, chain)]) / (
+                        self.tokens[(load, 0)] / self.seconds[(load, 0)])
+                    break
         return out
 
     def rows(self) -> list[tuple[int, int, float, int]]:
-        """(bucket, chain, tokens per second, steps), sorted: what benchmarks print."""
+        """(load, chain, tokens per second, steps), sorted: what benchmarks print."""
         return [(b, c, self.tokens[(b, c)] / self.seconds[(b, c)], self.counts[(b, c)])
                 for b, c in sorted(self.tokens)]

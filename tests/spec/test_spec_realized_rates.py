@@ -62,6 +62,62 @@ def test_step_observes_steady_steps_only():
     assert r.gains(8, 5) == {3: pytest.approx(1.5)}
 
 
+def host_bound_step(num_seqs: int, tokens_per_seq: float, fixed: float, per_seq: float) -> tuple[float, float]:
+    """(tokens, seconds) of a step whose time is a fixed host part plus a part per sequence (the H200's shape)."""
+    return num_seqs * tokens_per_seq, fixed + per_seq * num_seqs
+
+
+def test_gains_compare_chains_and_plain_decoding_at_one_load():
+    """A closed batch: plain decoding measured where the batch is whole (64 sequences), a chain of 5 there too (1.3x
+    plain decoding) and then, for many steps, in the run's tail (34 sequences, near their max_tokens: drafts clipped
+    to 2.5 tokens a step). A step at 34 sequences emits fewer tokens per second than one at 64 whatever it runs:
+    mixed in one bucket, the tail's steps read as a loss (below the 10% pause margin); compared at one load, the
+    chain's gain is 1.3 at 48 sequences (the nearest load of the bucket measured both ways)."""
+    r = RealizedRates(warm_steps=0)
+    plain = host_bound_step(64, 1.0, 0.45e-3, 0.015e-3)
+    chain5 = host_bound_step(64, 3.0, 0.45e-3 * 3.0 / 1.3, 0.015e-3 * 3.0 / 1.3)
+    for _ in range(4):
+        r.observe(64, 0, *plain)
+        r.observe(64, 5, *chain5)
+    for _ in range(20):
+        r.observe(34, 5, *host_bound_step(34, 2.5, 0.45e-3 * 3.0 / 1.3, 0.015e-3 * 3.0 / 1.3))
+    assert r.gains(48, 5) == {5: pytest.approx(1.3)}
+    assert r.gains(34, 5) == {5: pytest.approx(1.3)}  # plain decoding is not measured at 34: the load measured both
+    mixed = (r.tokens[(34, 5)] / r.seconds[(34, 5)]) / (r.tokens[(64, 0)] / r.seconds[(64, 0)])
+    assert mixed < 1 / 1.1  # what one bucket's averages compared (the tail's chain against the whole batch's plain)
+    assert r.rate(34, 5) == pytest.approx(r.tokens[(34, 5)] / r.seconds[(34, 5)])  # the load itself first
+    assert r.rate(48, 0) == pytest.approx(plain[0] / plain[1])  # else the bucket's nearest measured load
+
+
+def test_a_chain_measured_only_where_plain_decoding_is_not_has_no_gain():
+    r = RealizedRates(warm_steps=0)
+    for _ in range(3):
+        r.observe(64, 0, 64, 0.0014)
+        r.observe(40, 3, 100, 0.0014)
+        r.observe(20, 3, 50, 0.001)  # another bucket
+    assert r.gains(40, 5) == {} and r.gains(64, 5) == {}
+    for _ in range(3):
+        r.observe(40, 0, 40, 0.001)
+    assert r.gains(64, 5) == {3: pytest.approx((100 / 0.0014) / (40 / 0.001))}
+    r.forget_drafting(33)  # the bucket's drafting measures, at every load of it
+    assert r.gains(40, 5) == {} and r.rate(40, 3) is None and r.rate(20, 3) is not None
+    assert r.rate(64, 0) is not None and r.rate(40, 0) is not None
+
+
+def test_the_plan_drafts_where_only_the_tail_measured_drafting_below_plain():
+    """The plan at 48 sequences: plain decoding measured at the whole batch (64), a chain of 5 at the same load
+    running 1.3x, and the tail's chain steps (34 sequences, clipped drafts) slower per second than the whole batch's
+    plain steps. The policy keeps drafting (by one bucket's averages it paused: 0.85x plain decoding)."""
+    policy = policy_with([1.0] * 5, one=0.001, full=0.002)
+    r = policy.realized
+    for _ in range(4):
+        r.observe(64, 0, *host_bound_step(64, 1.0, 0.45e-3, 0.015e-3))
+        r.observe(64, 5, *host_bound_step(64, 3.0, 0.45e-3 * 3.0 / 1.3, 0.015e-3 * 3.0 / 1.3))
+    for _ in range(20):
+        r.observe(34, 5, *host_bound_step(34, 2.5, 0.45e-3 * 3.0 / 1.3, 0.015e-3 * 3.0 / 1.3))
+    assert policy.plan_drafting(48) == 5 and policy.paused == 0
+
+
 def test_a_measure_goes_stale_after_max_age_steps():
     r = RealizedRates(max_age=10, warm_steps=0)
     for _ in range(3):
