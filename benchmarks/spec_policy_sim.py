@@ -10,6 +10,7 @@ that verifies or drafts off the one-sync path. Per-slot acceptance rises with th
 measured conditional rates.
 
     python -m benchmarks.spec_policy_sim [--steps 3000] [--model h200-b1 h200-b64 cpu-like]
+    python -m benchmarks.spec_policy_sim --model h200-b64 --max-tokens 128 --repeats 3   # closed batches
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ MODELS = {
 
 
 def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0,
-             before: list[tuple[DeviceModel, int]] = ()) -> dict:
+             before: list[tuple[DeviceModel, int]] = (), max_tokens: int | None = None, repeats: int = 1) -> dict:
     """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
     The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
     (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
@@ -90,34 +91,56 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
     else:
         policy = None
     for warm, n in before:
-        _run(warm, mode, policy, n, rng, host_factor)
-    return _run(model, mode, policy, steps, rng, host_factor)
+        _run(warm, mode, policy, n, rng, host_factor, max_tokens=n if max_tokens else None)
+    if not max_tokens:
+        return _run(model, mode, policy, steps, rng, host_factor)
+    runs = [_run(model, mode, policy, steps, rng, host_factor, max_tokens) for _ in range(repeats)]
+    out = dict(runs[-1])
+    out["repeats"] = runs
+    for key in ("per_seq_tok_s", "total_tok_s", "tau", "mean_chain"):
+        out[key] = sum(r[key] for r in runs) / len(runs)
+    out["paused_steps"] = sum(r["paused_steps"] for r in runs)
+    out["drafting_steps"] = sum(r["drafting_steps"] for r in runs)
+    out["decisions"] = dict(policy.decisions) if policy is not None and policy.adaptive else {}
+    return out
 
 
 def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, rng: random.Random,
-         host_factor: float) -> dict:
-    """One phase: model.seqs sequences (new ones: no draft held) for `steps` steps under `policy`."""
+         host_factor: float, max_tokens: int | None = None) -> dict:
+    """One phase: model.seqs sequences (new ones: no draft held) for `steps` steps under `policy`. With max_tokens,
+    a closed batch instead (as benchmarks/speculative.py runs a cell): each sequence ends after max_tokens tokens,
+    its drafts clipped to what it may still emit, so the load falls step by step once the first ones end, and the
+    phase ends with the last (steps: at most). Each steady step's emitted tokens and time go to the policy's
+    realized rates, as SpecStepPipeline passes them."""
     clock = time.perf_counter
     k = len(model.accept)
-    B = model.seqs
-    held: list[HeldDraft | None] = [None] * B
-    tokens, seconds, verify_steps, emitted_in_verify, chains = 0, 0.0, 0, 0, []
+    left = [max_tokens if max_tokens else 1 << 60] * model.seqs
+    held: list[HeldDraft | None] = [None] * model.seqs
+    tokens, seconds, verify_seq_steps, emitted_in_verify, chains = 0, 0.0, 0, 0, []
     undrafted = False  # rows kept for a catch-up (a step drafted nothing for some sequence)
+    steady = 0  # the chain the last step drafted for every sequence (pipeline._observe_realized)
+    paused_steps = 0
     for step in range(steps):
+        B = len(left)
+        if B == 0:
+            break
         if mode == "off":
-            dt = model.table.at(B) + model.h0 + model.h_tok * B
+            dt = (model.table.at(B) + model.h0 + model.h_tok * B) * (1 + model.noise * (rng.random() - 0.5))
             tokens += B
-            seconds += dt * (1 + model.noise * (rng.random() - 0.5))
+            seconds += dt
+            left = [n - 1 for n in left if n > 1]
             continue
         t_policy = clock()
-        cands = [h for h in held if h is not None]
-        counts = policy.counts(cands, [k] * len(cands), B, B) if cands else []
+        cands = [(i, h) for i, h in enumerate(held) if h is not None]
+        caps = [min(k, left[i] - 1) for i, _ in cands]
+        counts = policy.counts([h for _, h in cands], caps, B, B) if cands else []
         verified = any(counts)
         before = policy.plans_before_the_draw()
         chain = policy.plan_drafting(B) if before else 0
         host = clock() - t_policy
         emitted, slots, confs, acc = 0, [], [], []
-        for h, n in zip(cands, counts):
+        emit = [1] * B
+        for (i, h), n in zip(cands, counts):
             a = 0
             while a < n:
                 p = min(max(model.accept[a] + 0.8 * (h.confidence[a] - model.confidence[a]), 0.02), 0.98)
@@ -128,19 +151,22 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
                 if not ok:
                     break
                 a += 1
-            emitted += a + 1
-        emitted += B - len(cands)
+            emit[i] = a + 1
+        emitted = sum(emit)
         t_policy = clock()
         if slots and policy.calibrator is not None:
             policy.calibrator.observe_lists(slots, confs, acc)
         if not before:
             chain = policy.plan_drafting(B)
         host += clock() - t_policy
-        drafting = [policy.chain_length(i) if chain else 0 for i in range(B)]
+        left = [n - e for n, e in zip(left, emit)]  # (a sequence that ends here drafts nothing)
+        drafting = [policy.chain_length(i) if chain and left[i] > 0 else 0 for i in range(B)]
         if policy.adaptive and policy.probe and chain:
             drafting = [d if i < policy.probe_seqs else 0 for i, d in enumerate(drafting)]
         drafted = sum(1 for d in drafting if d)
-        one_sync = before and chain > 0 and len(set(drafting)) == 1 and not undrafted
+        live = sum(1 for n in left if n > 0)
+        paused_steps += drafted == 0
+        one_sync = before and chain > 0 and len({d for d, n in zip(drafting, left) if n > 0}) == 1 and not undrafted
         verify_tokens = B + sum(counts)
         dt = model.table.at(verify_tokens) + model.h0 + model.h_tok * emitted
         if drafted:
@@ -158,19 +184,28 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         if not caught_up:
             policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync,
                                 emitted=emitted)
-        undrafted = drafted < B  # rows of sequences that drafted nothing wait for their catch-up
+            now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
+            steady, before_chain = now, steady
+            policy.realized.step(B, before_chain, now, verified, emitted, dt)
+        else:  # (a catch-up step: no steady step, nor the next one)
+            steady = -1
+            policy.realized.tick()
+        undrafted = drafted < live  # rows of sequences that drafted nothing wait for their catch-up
         tokens += emitted
         seconds += dt
         if verified:
-            verify_steps += 1
+            verify_seq_steps += B
             emitted_in_verify += emitted
         if drafted:
             chains.append(max(drafting))
-        held = [HeldDraft(None, 0, [0] * d, [min(max(model.confidence[j] + rng.uniform(-0.2, 0.2), 0.0), 1.0)
-                                             for j in range(d)]) if d else None for d in drafting]
-    tau = emitted_in_verify / (verify_steps * B) if verify_steps else 1.0
-    return {"mode": mode, "per_seq_tok_s": tokens / B / seconds, "tau": tau,
-            "mean_chain": sum(chains) / len(chains) if chains else 0.0, "drafting_steps": len(chains)}
+        nxt = [HeldDraft(None, 0, [0] * d, [min(max(model.confidence[j] + rng.uniform(-0.2, 0.2), 0.0), 1.0)
+                                            for j in range(d)]) if d else None for d in drafting]
+        held = [h for h, n in zip(nxt, left) if n > 0]
+        left = [n for n in left if n > 0]
+    tau = emitted_in_verify / verify_seq_steps if verify_seq_steps else 1.0
+    return {"mode": mode, "per_seq_tok_s": tokens / model.seqs / seconds, "total_tok_s": tokens / seconds,
+            "tau": tau, "mean_chain": sum(chains) / len(chains) if chains else 0.0, "drafting_steps": len(chains),
+            "paused_steps": paused_steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-up", type=int, default=0, metavar="STEPS",
                     help="first run every chosen model of the same device (h200-*) for STEPS steps with the same "
                          "policy, untimed, as benchmarks/speculative.py's warm-up does (16 tokens a concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="closed batches (as benchmarks/speculative.py's cells): every sequence ends after this many "
+                         "tokens, so the load falls as they end; 0: a constant load for --steps steps")
+    ap.add_argument("--repeats", type=int, default=3, help="closed batches a mode runs, one policy throughout")
     args = ap.parse_args(argv)
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
@@ -189,13 +228,18 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in args.model:
         model = MODELS[name]
-        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm(name))
+        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm(name),
+                         max_tokens=args.max_tokens or None, repeats=args.repeats)
                 for mode in ("off", "k1", "k3", "k5", "adaptive")]
         off = rows[0]["per_seq_tok_s"]
         print(f"{name} ({model.seqs} sequences):")
         for r in rows:
             print(f"  {r['mode']:>8}  {r['per_seq_tok_s']:9.1f} tok/s a sequence  {r['per_seq_tok_s'] / off:5.2f}x  "
-                  f"tau {r['tau']:.2f}  mean chain {r['mean_chain']:.2f} over {r['drafting_steps']} drafting steps")
+                  f"tau {r['tau']:.2f}  mean chain {r['mean_chain']:.2f} over {r['drafting_steps']} drafting steps"
+                  + (f", {r['paused_steps']} steps drafting nothing" if r["mode"] != "off" else "")
+                  + (" (per repeat: " + " / ".join(f"{x['per_seq_tok_s'] / off:.2f}x" for x in r["repeats"]) + ")"
+                     if "repeats" in r else "")
+                  + (f"\n            plan decisions {r['decisions']}" if r.get("decisions") else ""))
     return 0
 
 

@@ -318,6 +318,8 @@ class SlotPolicy(ChainPlan):
         sequences, where an off step took ~1.7) and drafted at every load, at 0.88x of off at 64 and 256."""
         if self.measure_steps <= 0 or self.step_times.seen(kind, num_seqs):
             return False
+        if kind == PLAIN and self.step_times.neighbour_ratio(PLAIN, num_seqs) is not None:
+            return False  # priced by the next bucket's plain steps (StepTimeRatios.neighbour_ratio): no pause
         key = (kind, load_bucket(num_seqs))
         n = self._measured.get(key, 0)
         if n >= (self.measure_steps if kind == SPECULATIVE else 2):

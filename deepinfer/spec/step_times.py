@@ -16,6 +16,8 @@ So the correction is kept per sequence-count bucket (the next power of two at or
   price; scaled whole by the ratio of the chain observed, a longer chain was overpriced (benchmarks/spec_policy_sim.py
   at 64 sequences, 2026-12-04: k = 3 planned at x4.9 where k = 5 ran 1.17x faster);
 - the same kind and bucket seen: price x its ratio;
+- a plain step where plain steps were seen at a neighbouring bucket (half or twice this one): price x their ratio
+  (`neighbour_ratio`, since 2026-12-05);
 - else the same bucket's other kind seen: price + that kind's excess (measured - predicted). At one load both kinds
   pay about the same per-step host work, which does not scale with the price: on the H200 (2026-12-04, f7bf36c,
   one sequence) a plain step ran 0.295 + 0.88 ms (x3.97) and a static k = 5 step 1.03 + 1.19 ms (x2.15); the
@@ -109,10 +111,27 @@ class StepTimeRatios:
                 r = max((at + self.overheads[(kind, bucket)] - a) / at, self.min_ratio)
                 return max(a + predicted * r, self.min_ratio * predicted)
             return predicted * self.ratios[(kind, bucket)]
+        near = self.neighbour_ratio(kind, num_seqs) if kind == PLAIN else None
+        if near is not None:
+            return predicted * near
         other = _other(kind)
         if self._trusted((other, bucket)):
             return max(predicted + self.overheads[(other, bucket)], self.min_ratio * predicted)
         return predicted * self.ratio(kind, num_seqs)
+
+    def neighbour_ratio(self, kind: str, num_seqs: int) -> float | None:
+        """This kind's ratio at the buckets next to the load's (half and twice it; the mean where both are seen), or
+        None. It prices plain steps at a load they were not seen at before the other kind's excess does (since
+        2026-12-05; a speculative step keeps the order above: its own ratio from a neighbour would scale the
+        drafting table by it, which the plain steps' excess does not): a
+        closed batch's load falls bucket by bucket as its sequences end, and with plain steps priced by the
+        speculative steps' excess at the new bucket (or timed by a measuring pause there, SlotPolicy._measuring),
+        each bucket paid 8 paused steps (spec_policy_sim --max-tokens 128: 1.18x of off at 64 sequences against
+        1.22x measured at the neighbours, static k5 1.26x)."""
+        bucket = load_bucket(num_seqs)
+        near = [self.ratios[(kind, b)] for b in (bucket // 2, 2 * bucket) if b >= 1 and b != bucket
+                and self._trusted((kind, b))]
+        return sum(near) / len(near) if near else None
 
     def ratio(self, kind: str, num_seqs: int) -> float:
         """This kind's ratio at the load's bucket, else at the nearest seen bucket of this kind, then of the other

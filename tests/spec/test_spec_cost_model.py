@@ -439,6 +439,38 @@ def test_step_time_buckets_and_their_fallbacks():
         times.observe("verify", 1, 1.0, 1.0)
 
 
+def test_plain_steps_at_an_unseen_load_are_priced_by_the_neighbouring_buckets_plain_steps():
+    """A plain step at a bucket where only speculative steps were seen: priced by the plain ratio of the bucket
+    next to it (half or twice; the mean of both) before the speculative steps' excess; two buckets away, the
+    excess as before. A speculative step keeps its order (the plain steps' excess at its own bucket)."""
+    times = StepTimeRatios(min_count=1)
+    times.observe(PLAIN, 64, 0.003, 0.001)  # x3
+    times.observe(SPECULATIVE, 32, 0.007, 0.002)  # +5 ms
+    times.observe(SPECULATIVE, 16, 0.007, 0.002)
+    assert times.neighbour_ratio(PLAIN, 32) == pytest.approx(3.0) and times.neighbour_ratio(PLAIN, 16) is None
+    assert times.seconds(PLAIN, 32, 0.001) == pytest.approx(0.003)  # not 0.001 + 5 ms
+    assert times.seconds(PLAIN, 16, 0.001) == pytest.approx(0.006)  # no plain neighbour: the excess
+    times.observe(PLAIN, 16, 0.001, 0.001)  # x1
+    assert times.seconds(PLAIN, 32, 0.001) == pytest.approx(0.002)  # both neighbours: their mean
+    times.observe(PLAIN, 8, 0.002, 0.001)  # +1 ms
+    # a speculative step at 8 (speculative steps seen at 16, x3.5): the plain steps' excess at 8, not 16's ratio
+    assert times.seconds(SPECULATIVE, 8, 0.001) == pytest.approx(0.002)
+
+
+def test_a_load_next_to_one_whose_plain_steps_were_timed_needs_no_measuring_pause():
+    """Closed batches lose sequences step by step: each new bucket of plain steps paid a measuring pause
+    (measure_steps plain steps). Where the bucket next to it timed plain steps, the plan models the load at once."""
+    policy = chain_policy([0.9] * 5, one=0.0002, full=0.0004)
+    policy.measure_steps = 4
+    for n in (64, 32, 16):  # speculative steps seen at every load
+        for _ in range(3):
+            policy.observe_step(policy.cost.at(6 * n) + 0.002, 6 * n, n, n, 5, verified=True)
+    for _ in range(3):
+        policy.observe_step(policy.cost.at(64) + 0.001, 64, 64)  # plain steps at 64 only
+    assert policy.plan_drafting(32) == 5 and policy.paused == 0 and "measure_plain" not in policy.decisions
+    assert policy.plan_drafting(16) == 0 and policy.paused == 3 and policy.decisions["measure_plain"] == 1
+
+
 def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
     """The n-gram drafter has no drafting table: its proposals cost host time (draft_seconds, a moving average of
     the measured proposal time, charged by the admission). Once an admission verifies nothing, drafting pauses;
