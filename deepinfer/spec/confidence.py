@@ -59,9 +59,10 @@ class SurvivalCalibrator:
     # 1024 steps apart, and waiting for 64 kept the table at its prior for a whole H200 run, 2026-12-04)
     refit_every: int = 64
     refit_fraction: float = 0.125
-    # and late, seldom: not before the observations since the last fit reach 2% of all seen (at 64 sequences a
-    # step brings ~320, and a refit each step cost ~0.2 ms of host time on this CPU for a table that barely moves)
-    refit_lag: float = 0.02
+    # and late, seldom: not before the observations since the last fit reach a tenth of all seen (at 64 sequences a
+    # step brings ~320, and a refit each step cost ~0.2 ms of host time on this CPU for a table that barely moves;
+    # at 2% (until 2026-12-05) a refit still ran every ~3 steps at 16 sequences, ~30 us a step of host time)
+    refit_lag: float = 0.1
     _observed: int = field(init=False, default=0)
     # (slot, bin) -> (trials, accepts, sum of confidences) not yet counted
     _pending: dict = field(init=False, default_factory=dict)
@@ -85,6 +86,11 @@ class SurvivalCalibrator:
         self.conf_sums = np.zeros(self.num_slots)
         self._centers = centers
         self._refit()
+
+    @property
+    def num_observed(self) -> int:
+        """Outcomes counted (engine life)."""
+        return self._observed
 
     def survival(self, slot: int, conf: float) -> float:
         """`estimate` for one (slot, confidence) in plain floats (the per-step host path)."""

@@ -121,6 +121,13 @@ class SlotPolicy(ChainPlan):
     # a plan pauses only on a clear loss (spec/chain_plan.py `_hold`): the best chain's gain over plain decoding
     # (measured, else modelled) below 1 / (1 + pause_margin); a chain within it keeps drafting
     pause_margin: float = 0.1
+    # once the calibrator has counted calibrated_after outcomes, a verification's outcomes are counted one in
+    # calibrate_stride (`calibrates`; a probe's always): its counts never decay, so past ~8k outcomes (~160 a bin)
+    # a step moves the table by nothing the plan can see, and counting them was most of the adaptive mode's deferred
+    # host work over static k's (+43 / +94 / +259 us a step at 1 / 4 / 64 sequences, benchmarks/spec_host.py)
+    calibrated_after: int = 8192
+    calibrate_stride: int = 4
+    _verifications: int = 0
     _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
     _remeasure_chain: int = 0
     _remeasure_bucket: int = 0
@@ -182,6 +189,18 @@ class SlotPolicy(ChainPlan):
             counts = lens_list
         self._admitted_any = any(counts)
         return counts
+
+    def calibrates(self) -> bool:
+        """Whether this verification's outcomes go to the calibrator (called once a verification, after its
+        admission): every one until the calibrator has counted calibrated_after outcomes, and every probe's; after
+        that one in calibrate_stride. The verification's index decides, never its outcomes (non-anticipating)."""
+        self._verifications += 1
+        cal = self.calibrator
+        if cal is None:
+            return False
+        if self.verifying_probe or cal.num_observed < self.calibrated_after or self.calibrate_stride <= 1:
+            return True
+        return self._verifications % self.calibrate_stride == 0
 
     def _nearly_free(self, lens: list[int], base_tokens: int, fixed: float) -> bool:
         """Whether verifying every held slot costs at most admit_all_below of the step's time without them

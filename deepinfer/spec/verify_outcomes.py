@@ -44,11 +44,12 @@ class VerifyOutcomes:
         the calibration of the steps before this one (non-anticipating either way)."""
         verified = [len(items[i].draft) for i in idx]
         rows = [(conf.get(i), v, a) for i, v, a in zip(idx, verified, num_acc)]
+        calibrates = self.policy.calibrates()  # (decided now: the policy's state is this step's)
 
         def observe() -> None:
             self.metrics.record(verified, num_acc, sum(verified))
             cal = self.policy.calibrator
-            if cal is None:
+            if cal is None or not calibrates:
                 return
             t0 = time.perf_counter()
             known = [r for r in rows if r[0] is not None]

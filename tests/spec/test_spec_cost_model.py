@@ -471,6 +471,20 @@ def test_a_load_next_to_one_whose_plain_steps_were_timed_needs_no_measuring_paus
     assert policy.plan_drafting(16) == 0 and policy.paused == 3 and policy.decisions["measure_plain"] == 1
 
 
+def test_a_calibrated_policy_counts_one_verification_in_calibrate_stride_and_every_probe():
+    """Below calibrated_after outcomes every verification is counted; past it one in calibrate_stride (by the
+    verification's index, whatever it drew), and a probe's always (the plan after a pause reads it)."""
+    policy = chain_policy([0.9] * 5, one=0.001, full=0.002, calibrated_after=10_000, calibrate_stride=4)
+    assert policy.calibrator.num_observed == 5000
+    assert [policy.calibrates() for _ in range(4)] == [True] * 4
+    policy.calibrator.observe_lists([0] * 5000, [0.9] * 5000, [1.0] * 5000)
+    assert [policy.calibrates() for _ in range(8)] == [False, False, False, True] * 2
+    policy.verifying_probe = True
+    assert [policy.calibrates() for _ in range(3)] == [True] * 3
+    static = SlotPolicy(k=3, max_model_len=512)
+    assert not static.calibrates()  # no calibrator: nothing to count
+
+
 def test_ngram_drafting_pauses_once_an_admission_verifies_nothing():
     """The n-gram drafter has no drafting table: its proposals cost host time (draft_seconds, a moving average of
     the measured proposal time, charged by the admission). Once an admission verifies nothing, drafting pauses;
