@@ -225,8 +225,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             self._steady_chain = -1
             self.policy.realized.tick()
         wait = self.one_sync.wait_seconds - wait0 if self.one_sync is not None else 0.0
-        kind = "one_sync" if self._one_sync_ran else "host" if any(self._drafted) or any(
-            it.draft for it in sched.scheduled) else "plain"
+        kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
+            self._drafted) or any(it.draft for it in sched.scheduled) else "plain"
         self.phases.add(kind, {"schedule": t0 - t_start, "slots": t_slots - t0, "process": t2 - t1,
                                "launch": t1 - t_slots - self._deferred_s - wait, "deferred": self._deferred_s,
                                "wait": wait, "observe": time.perf_counter() - t2, **self._launch_parts},
@@ -318,7 +318,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             num_acc, toks, k = verify_on_host(items, sampling, out)
             self._emit(items, sampling, out, num_acc, toks, conf, emitted, logprobs, k)
         self._advance(sched, emitted)
+        t_draft = time.perf_counter()
         self._draft_next(sched, hidden, emitted, batch)
+        self._launch_parts["draft"] = time.perf_counter() - t_draft
         return emitted, logprobs
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:

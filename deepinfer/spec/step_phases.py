@@ -15,11 +15,14 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
 
 Parts of "launch" (recorded beside the phases, not in their total): build (the batch and its decode-rows form),
 forward (the forward's launch: the graph's inputs loaded, its replay), stage (the one-sync step's rooms and staging,
-once the forward is launched), sample (logits and the draw's launches); the rest of "launch" is the verification,
-pass and chain's launches and the host path's work.
+once the forward is launched), sample (logits and the draw's launches), draft (a host-path step's MTP pass and
+chain after its draw, their read-back included: spec/next_drafts.py); the rest of "launch" is the one-sync step's
+verification, pass and chain's launches, and the host path's draw and verification.
 
 Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "host" (the host path: a probe's
-verification, a step after a pause, a step with prompt chunks), "plain" (nothing verified nor drafted: an adaptive
+verification, a step with prompt chunks), "catch_up" (a host-path step whose MTP pass also ran a pause's kept rows,
+spec/mtp_catchup.py: since 2026-12-05, apart from "host", whose steps at 64 sequences averaged 79 ms on the H200 in
+session 17's sweep with their forward at 1.3 ms; "draft" says how much of that is the catch-up pass), "plain" (nothing verified nor drafted: an adaptive
 pause step run on the spec path), "async_pause" (a pause step handed to spec/async_pauses.py: its inner async step,
 schedule to the previous step's output processing, all in "launch", the pause's bookkeeping in "observe";
 tokens: the step launched). Non-adaptive and adaptive engines record the same phases, so their steps compare
@@ -31,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "slots", "launch", "deferred", "wait", "process", "observe")
-LAUNCH_PARTS = ("build", "forward", "stage", "sample")  # parts of "launch" (module docstring)
+LAUNCH_PARTS = ("build", "forward", "stage", "sample", "draft")  # parts of "launch" (module docstring)
 
 
 @dataclass

@@ -40,10 +40,15 @@ def run(engine, pause: int) -> dict:
 
 
 def test_drafts_after_a_pause_see_the_mtp_kv_of_the_paused_positions(parts):
-    ref = run(make(parts), 0)
+    ref_engine = make(parts)
+    ref = run(ref_engine, 0)
     paused_engine = make(parts)
     got = run(paused_engine, PAUSE)
     assert paused_engine._spec.paused_rows.num_caught_up >= 2 * (PAUSE - 2)  # the decodes of the pause, both seqs
+    # the step whose pass caught up is a step phase of its own kind, its pass and chain timed (spec/step_phases.py)
+    phases = paused_engine._spec.phases.per_step_ms()
+    assert phases["catch_up"]["steps"] >= 1 and phases["catch_up"]["draft"] > 0
+    assert "catch_up" not in ref_engine._spec.phases.per_step_ms()  # never paused: nothing to catch up
     for prompt in PROMPTS:
         n = first_after_pause(got, prompt)
         want_n = min(m for p, m in ref if p == prompt and m >= n)  # the reference's first put covering them
