@@ -207,23 +207,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
                                                                -1.0 if draft_s is None else draft_s])
             draft_s = None if draft_s < 0 else draft_s
-            self.policy.observe_output(out_s, num_emitted, len(sched.scheduled))
         if draft_s is not None:
             self._time_drafting(draft_s)
-        # decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off
-        # pass over them (spec/mtp_catchup.py), which is the pause's cost, not the step's
-        if not self._caught_up and all(it.num_tokens - len(it.draft) == 1 for it in sched.scheduled):
-            # where the steady state runs one-sync, a speculative step that took the host path is not one of it
-            verified = any(it.draft for it in sched.scheduled)
-            if num_emitted is not None:  # (adaptive)
-                self.policy.observe_step(step_s, sum(it.num_tokens for it in sched.scheduled),
-                                         len(sched.scheduled), *self._drafted, verified=verified,
-                                         off_path=self.one_sync is not None and not self._one_sync_ran,
-                                         emitted=num_emitted)
-                self._observe_realized(sched, num_emitted, verified, real_s)
-        elif self.policy.adaptive:  # a prompt chunk or a catch-up: no steady step, nor the next one
-            self._steady_chain = -1
-            self.policy.realized.tick()
+        if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
+            self._observe_policy(sched, out_s, step_s, real_s, num_emitted)
         wait = self.one_sync.wait_seconds - wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"
@@ -235,14 +222,44 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 
-    def _observe_realized(self, sched: SchedulerOutput, emitted: int, verified: bool, seconds: float) -> None:
-        """The adaptive policy's realized rates (spec/realized_rates.py): this step's chain for every sequence (0:
-        none, -1: a probe's or an exploration's few, or a step some sequence drafted nothing in) against the last."""
-        seqs, chain = self._drafted
+    def _observe_policy(self, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
+                        emitted: int) -> None:
+        """The adaptive policy's observations of this step: its output processing, its time against the tables
+        (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
+        over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
+        one-sync, a speculative step that took the host path is not one of it) and its realized rate
+        (spec/realized_rates.py: this step's chain for every sequence, 0: none, -1: a probe's or an exploration's
+        few, or a step some sequence drafted nothing in, against the last step's).
+
+        Their inputs are read now; the policy's updates run at the next wait for the device with the metrics and
+        calibration (`_run_deferred`), so a plan reads the observations of the steps before the last one (past
+        steps only either way). On the H200 (2026-12-05, session 17) they cost an adaptive one-sync step ~0.03 ms
+        after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms."""
+        n = len(sched.scheduled)
+        policy = self.policy
+        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
+            self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
+
+            def observe_output() -> None:
+                policy.observe_output(out_s, emitted, n)
+                policy.realized.tick()
+
+            self._deferred.append(observe_output)
+            return
+        verified = any(it.draft for it in sched.scheduled)
+        tokens = sum(it.num_tokens for it in sched.scheduled)
+        seqs, chain = drafted = self._drafted
+        off_path = self.one_sync is not None and not self._one_sync_ran
         live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
-        now = 0 if seqs == 0 else chain if seqs >= live and not self.policy.explore else -1
+        now = 0 if seqs == 0 else chain if seqs >= live and not policy.explore else -1
         before, self._steady_chain = self._steady_chain, now
-        self.policy.realized.step(len(sched.scheduled), before, now, verified, emitted, seconds)
+
+        def observe() -> None:
+            policy.observe_output(out_s, emitted, n)
+            policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
+            policy.realized.step(n, before, now, verified, emitted, real_s)
+
+        self._deferred.append(observe)
 
     def _uniform_chain(self, samplers: int) -> bool:
         """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or
