@@ -41,6 +41,10 @@ class DeviceModel:
     accept: tuple[float, ...]  # conditional acceptance per slot at the drafts' mean confidence
     confidence: tuple[float, ...]  # the drafts' mean confidence per slot (each drawn within +-0.2 of it)
     noise: float = 0.05  # multiplicative jitter of a step
+    # the true cost of a chain's links over the drafting table's (1: the table is right). On the H200 (2026-12-05,
+    # session 17, 4 sequences) a one-sync step of k5 ran 0.31 ms over k3's where the table priced the two more links
+    # at 0.15 ms: ~2x
+    link_factor: float = 1.0
 
 
 def _ms(*xs: float) -> list[float]:
@@ -66,6 +70,14 @@ MODELS = {
                                            StepCostTable([1, 64], _ms(0.680, 1.259))),
                             h0=0.95e-3, h_tok=0.016e-3, host_path=2.0e-3, catch_up=0.5e-3, accept=K5_ACCEPT,
                             confidence=EMBEDDED_CONFIDENCE),
+    # 4 sequences (session 17's sweep, 6829d96): deeper slots accepted less often than at one sequence (k5
+    # acceptance 0.50 against k3's 0.71; k3 ran 1.27x of off, k5 1.23x), plain steps ~0.75 ms, the links dearer
+    # than the drafting table prices them
+    "h200-b4": DeviceModel(4, StepCostTable([1, 128, 512], _ms(0.275, 0.364, 0.376)),
+                           DraftCostTable(5, StepCostTable([1, 64], _ms(0.275, 0.364)),
+                                          StepCostTable([1, 64], _ms(0.583, 0.828))),
+                           h0=0.42e-3, h_tok=0.02e-3, host_path=0.9e-3, catch_up=0.3e-3,
+                           accept=(0.80, 0.72, 0.75, 0.55, 0.50), confidence=EMBEDDED_CONFIDENCE, link_factor=2.0),
     # a compute-bound device (this CPU's shape: every verified token and draft link costs about a step's share)
     "cpu-like": DeviceModel(1, StepCostTable([1, 2, 4, 8], _ms(13.0, 16.7, 24.4, 29.6)),
                             DraftCostTable(5, StepCostTable([1, 4], _ms(5.0, 8.9)), StepCostTable([1, 4], _ms(29.0, 59.0))),
@@ -170,7 +182,9 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         verify_tokens = B + sum(counts)
         dt = model.table.at(verify_tokens) + model.h0 + model.h_tok * emitted
         if drafted:
-            dt += model.drafting.cost(drafted, max(drafting))
+            links = max(drafting)
+            dt += model.drafting.cost(drafted, links) + (model.link_factor - 1.0) * (
+                model.drafting.cost(drafted, links) - model.drafting.cost(drafted, 1))
         if (verified or drafted) and not one_sync:
             dt += model.host_path
         caught_up = drafted > 0 and undrafted
