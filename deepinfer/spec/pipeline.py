@@ -222,45 +222,6 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 
-    def _observe_policy(self, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
-                        emitted: int) -> None:
-        """The adaptive policy's observations of this step: its output processing, its time against the tables
-        (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
-        over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
-        one-sync, a speculative step that took the host path is not one of it) and its realized rate
-        (spec/realized_rates.py: this step's chain for every sequence, 0: none, -1: a probe's or an exploration's
-        few, or a step some sequence drafted nothing in, against the last step's).
-
-        Their inputs are read now; the policy's updates run at the next wait for the device with the metrics and
-        calibration (`_run_deferred`), so a plan reads the observations of the steps before the last one (past
-        steps only either way). On the H200 (2026-12-05, session 17) they cost an adaptive one-sync step ~0.03 ms
-        after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms."""
-        n = len(sched.scheduled)
-        policy = self.policy
-        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
-            self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
-
-            def observe_output() -> None:
-                policy.observe_output(out_s, emitted, n)
-                policy.realized.tick()
-
-            self._deferred.append(observe_output)
-            return
-        verified = any(it.draft for it in sched.scheduled)
-        tokens = sum(it.num_tokens for it in sched.scheduled)
-        seqs, chain = drafted = self._drafted
-        off_path = self.one_sync is not None and not self._one_sync_ran
-        live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
-        now = 0 if seqs == 0 else chain if seqs >= live and not policy.explore else -1
-        before, self._steady_chain = self._steady_chain, now
-
-        def observe() -> None:
-            policy.observe_output(out_s, emitted, n)
-            policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
-            policy.realized.step(n, before, now, verified, emitted, real_s)
-
-        self._deferred.append(observe)
-
     def _uniform_chain(self, samplers: int) -> bool:
         """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or
         an adaptive plan that is neither a probe nor an exploration over fewer than all the sequences."""

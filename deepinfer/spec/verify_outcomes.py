@@ -1,7 +1,8 @@
 """A speculative step's verification outcomes on the host (spec/pipeline.py's SpecStepPipeline inherits it): each
 sequence's emitted tokens and logprobs (`_emit`), and the metrics and calibration of what was verified, deferred to
 the next wait for the device (`_observe`, `_run_deferred`). Apart from the pipeline's step only to keep each file to
-one concern; it reads and sets the pipeline's own fields (metrics, policy, deferred work)."""
+one concern; it reads and sets the pipeline's own fields (metrics, policy, deferred work). The adaptive policy's step
+observations are deferred the same way (`_observe_policy`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from deepinfer.sched.scheduler import SchedulerOutput
     from deepinfer.spec.pipeline import SpecStepPipeline
 
 
@@ -56,6 +58,45 @@ class VerifyOutcomes:
             if known:
                 cal.observe_verified([r[0] for r in known], [r[1] for r in known], [r[2] for r in known])
             self.policy_seconds += time.perf_counter() - t0
+
+        self._deferred.append(observe)
+
+    def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
+                        emitted: int) -> None:
+        """The adaptive policy's observations of this step: its output processing, its time against the tables
+        (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
+        over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
+        one-sync, a speculative step that took the host path is not one of it) and its realized rate
+        (spec/realized_rates.py: this step's chain for every sequence, 0: none, -1: a probe's or an exploration's
+        few, or a step some sequence drafted nothing in, against the last step's).
+
+        Their inputs are read now; the policy's updates run at the next wait for the device with the metrics and
+        calibration (`_run_deferred`), so a plan reads the observations of the steps before the last one (past
+        steps only either way). On the H200 (2026-12-05, session 17) they cost an adaptive one-sync step ~0.03 ms
+        after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms."""
+        n = len(sched.scheduled)
+        policy = self.policy
+        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
+            self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
+
+            def observe_output() -> None:
+                policy.observe_output(out_s, emitted, n)
+                policy.realized.tick()
+
+            self._deferred.append(observe_output)
+            return
+        verified = any(it.draft for it in sched.scheduled)
+        tokens = sum(it.num_tokens for it in sched.scheduled)
+        seqs, chain = drafted = self._drafted
+        off_path = self.one_sync is not None and not self._one_sync_ran
+        live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
+        now = 0 if seqs == 0 else chain if seqs >= live and not policy.explore else -1
+        before, self._steady_chain = self._steady_chain, now
+
+        def observe() -> None:
+            policy.observe_output(out_s, emitted, n)
+            policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
+            policy.realized.step(n, before, now, verified, emitted, real_s)
 
         self._deferred.append(observe)
 
