@@ -123,11 +123,11 @@ class StepTimeRatios:
         """This kind's ratio at the buckets next to the load's (half and twice it; the mean where both are seen), or
         None. It prices plain steps at a load they were not seen at before the other kind's excess does (since
         2026-12-05; a speculative step keeps the order above: its own ratio from a neighbour would scale the
-        drafting table by it, which the plain steps' excess does not): a
-        closed batch's load falls bucket by bucket as its sequences end, and with plain steps priced by the
-        speculative steps' excess at the new bucket (or timed by a measuring pause there, SlotPolicy._measuring),
-        each bucket paid 8 paused steps (spec_policy_sim --max-tokens 128: 1.18x of off at 64 sequences against
-        1.22x measured at the neighbours, static k5 1.26x)."""
+        drafting table by it, which the plain steps' excess does not): a closed batch's load falls bucket by bucket
+        as its sequences end, and with plain steps priced by the speculative steps' excess at the new bucket (or
+        timed by a measuring pause there, SlotPolicy._measuring), each bucket paid 8 paused steps
+        (benchmarks/spec_policy_sim.py closed batches of 128 tokens, six seeds: 1.180x of off at 64 sequences
+        without it, 1.211x with it; static k5 1.261x)."""
         bucket = load_bucket(num_seqs)
         near = [self.ratios[(kind, b)] for b in (bucket // 2, 2 * bucket) if b >= 1 and b != bucket
                 and self._trusted((kind, b))]
