@@ -359,6 +359,8 @@ class DeepInferenceEngine(RequestIntake):
         for seq in req.seqs:
             self.output_processor.abort(seq)
             self.scheduler.remove(seq)
+        if self._spec is not None:
+            self._spec.flush_if_idle()  # (the last request gone: its metrics complete, on every rank)
         return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:

@@ -146,9 +146,19 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         return self.async_pauses.drain() if self.async_pauses is not None else []
 
     def stats_fields(self) -> dict:
-        """The EngineStats spec_* fields."""
-        self._run_deferred()
+        """The EngineStats spec_* fields, as of the deferred bookkeeping run so far: a step's metrics land at the
+        next wait for the device, or when the engine idles (`flush_if_idle`). Reading them runs nothing: the
+        server reads EngineStats after every step and a parallel engine's tp rank 0 after every step (its replica
+        report); run there, the deferred work (calibration, the policy's observations) left the next step's wait
+        for the host's critical path, and on tp rank 0 only, a step before the other ranks ran it, so that the
+        ranks' admissions and plans, which read it, could part."""
         return self.metrics.stats_fields(self.method, self.async_pauses.num_steps if self.async_pauses else 0)
+
+    def flush_if_idle(self) -> None:
+        """Run the deferred bookkeeping when no request is left (every rank reaches this at the same point: the
+        end of a step, an abort)."""
+        if self._deferred and not self.scheduler.has_unfinished():
+            self._run_deferred()
 
     def take_extra_tokens(self) -> int:
         n, self._extra_tokens = self._extra_tokens, 0
@@ -218,8 +228,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
                                "launch": t1 - t_slots - self._deferred_s - wait, "deferred": self._deferred_s,
                                "wait": wait, "observe": time.perf_counter() - t2, **self._launch_parts},
                         sum(it.num_tokens for it in sched.scheduled))
-        if self._deferred and not self.scheduler.has_unfinished():
-            self._run_deferred()  # nothing left to overlap with: the metrics are complete when the engine idles
+        self.flush_if_idle()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 
     def _uniform_chain(self, samplers: int) -> bool:

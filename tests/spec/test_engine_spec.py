@@ -77,6 +77,36 @@ def test_greedy_equals_off_and_reports_acceptance(parts, off, kw):
     assert 0 < st.spec_mean_budget <= k * len(PROMPTS)
 
 
+def test_reading_stats_mid_run_leaves_the_deferred_bookkeeping_to_the_step(parts):
+    """EngineStats read between steps (the server does after every step, a parallel engine's tp rank 0 too) does not
+    run the speculative pipeline's deferred work (metrics, calibration, the adaptive policy's observations): a step
+    runs it while it waits for the device, and on every rank at the same point. The metrics are complete once the
+    engine idles, after its last step or the abort of its last request."""
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=3, speculative_adaptive=True)
+    on._spec.policy.cost = FLAT
+    on._spec.policy.realized.decides = False
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        on.add_request(f"r{i}", prompt, params)
+    pending = 0
+    while on.has_unfinished_requests():
+        on.step()
+        if on.has_unfinished_requests() and on._spec._deferred:
+            before = len(on._spec._deferred)
+            on.stats()
+            assert len(on._spec._deferred) == before  # still the next step's
+            pending += 1
+    assert pending > 0 and not on._spec._deferred  # idle: run
+    st = on.stats()
+    assert st.spec_steps > 0 and st.generation_tokens_total == 24
+    on.add_request("a", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=50))
+    for _ in range(4):
+        on.step()
+    assert on._spec._deferred
+    on.abort_request("a")
+    assert not on._spec._deferred and on.stats().spec_steps > st.spec_steps  # the abort left it idle: run
+
+
 def test_seeded_sampling_is_reproducible_and_equals_off(parts, off):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=11)
     on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
@@ -174,6 +204,9 @@ def test_adaptive_stops_speculating_where_the_cost_model_says_it_does_not_pay(pa
     drafting steps that measure the load first (SlotPolicy); the output is unchanged."""
     on = make(parts, speculative_method="mtp", num_speculative_tokens=3, speculative_adaptive=True)
     on._spec.policy.cost = StepCostTable([1, 2, 4096], [0.010, 0.020, 40.0])
+    # a pause on any measured loss: on this CPU a chain of 1 runs ~0.9-1.0x of plain decoding, inside the default
+    # margin (SlotPolicy.pause_margin), where the policy drafts on by design, as much as the machine's load says
+    on._spec.policy.pause_margin = 0.0
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert ids(on.generate(PROMPTS[:2], params, use_tqdm=False)) == ids(off.generate(PROMPTS[:2], params,
                                                                                      use_tqdm=False))
