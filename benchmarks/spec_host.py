@@ -207,8 +207,8 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
     walls, replays, reads = [], [], []
     engine.step()  # the prompts' step
     p0 = (spec.policy_seconds, spec.policy_steps) if spec else (0.0, 0)
-    # tokens counted once, after the loop: EngineStats runs the speculative pipeline's deferred bookkeeping (metrics,
-    # calibration), which a step runs while it waits for the device; read between steps, it left the steps' timing
+    # tokens counted once, after the loop (no EngineStats between the timed steps: until 2026-12-05 a read ran the
+    # speculative pipeline's deferred bookkeeping there, outside the steps that run it while they wait for the device)
     g0 = engine.stats().generation_tokens_total
     while engine.has_unfinished_requests():
         r0, h0 = runner.replay_s, spec.host_reads() if spec else 0

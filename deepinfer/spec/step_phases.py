@@ -7,8 +7,8 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
   forward (what the slot policy's host time counts, less the calibration);
 - launch: batch building, the forward's and the sampler's launches, and for a step off the one-sync path its waits
   for the device (the draw's read-back, the MTP drafter's);
-- deferred: the metrics and calibration run while the host waits for the device (`_run_deferred`): hidden where
-  the device is still busy;
+- deferred: the metrics, calibration and (adaptive) the policy's step observations, run while the host waits for
+  the device (`_run_deferred`): hidden where the device is still busy;
 - wait: a one-sync step's read-back wait (spec/one_sync.py): the device's work not overlapped by the host's;
 - process: output processing, rollback and the book of next drafts;
 - observe: the adaptive policy's step observations (step times, output time, realized rates).

@@ -101,8 +101,9 @@ class VerifyOutcomes:
         self._deferred.append(observe)
 
     def _run_deferred(self: SpecStepPipeline) -> None:
-        """Run the bookkeeping `_observe` deferred: called while the host waits for the device (the one-sync step's
-        read-back, the host path's draw), when no request is left after a step, and before the metrics are read.
+        """Run the bookkeeping `_observe` (and `_observe_policy`) deferred: called while the host waits for the device
+        (the one-sync step's read-back, the host path's draw), and when no request is left after a step or an abort
+        (`flush_if_idle`); not when the metrics are read (`stats_fields`).
         On the H200 (2026-12-04, 733f4eb) the adaptive policy's host work was ~540 us a step against static k's ~150,
         most of it in the host-bound steps of few sequences, where the device is idle half the step."""
         t0 = time.perf_counter()
