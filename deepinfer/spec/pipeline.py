@@ -143,7 +143,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         return self.async_pauses is not None and self.async_pauses.has_pending()
 
     def drain(self) -> list[Sequence]:
-        return self.async_pauses.drain() if self.async_pauses is not None else []
+        done = self.async_pauses.drain() if self.async_pauses is not None else []
+        self.flush_if_idle()  # (the step in flight was the last)
+        return done
 
     def stats_fields(self) -> dict:
         """The EngineStats spec_* fields, as of the deferred bookkeeping run so far: a step's metrics land at the
@@ -156,7 +158,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
 
     def flush_if_idle(self) -> None:
         """Run the deferred bookkeeping when no request is left (every rank reaches this at the same point: the
-        end of a step, an abort)."""
+        end of a step, a delegated async pause step or a drain, an abort)."""
         if self._deferred and not self.scheduler.has_unfinished():
             self._run_deferred()
 
@@ -170,7 +172,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         pauses, done = self.async_pauses, []
         if pauses is not None:
             if pauses.delegable():
-                return pauses.step()
+                got = pauses.step()
+                self.flush_if_idle()  # (the last spec-path step's bookkeeping, once the pause's last step resolved)
+                return got
             done = pauses.drain()  # the spec path starts with every token on the host
         return done + self._step()
 
