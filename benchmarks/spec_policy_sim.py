@@ -182,9 +182,8 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         verify_tokens = B + sum(counts)
         dt = model.table.at(verify_tokens) + model.h0 + model.h_tok * emitted
         if drafted:
-            links = max(drafting)
-            dt += model.drafting.cost(drafted, links) + (model.link_factor - 1.0) * (
-                model.drafting.cost(drafted, links) - model.drafting.cost(drafted, 1))
+            priced, pass_only = model.drafting.cost(drafted, max(drafting)), model.drafting.cost(drafted, 1)
+            dt += priced + (model.link_factor - 1.0) * (priced - pass_only)  # the links at link_factor their price
         if (verified or drafted) and not one_sync:
             dt += model.host_path
         caught_up = drafted > 0 and undrafted

@@ -33,8 +33,8 @@ built on the host: by the backend's `decode_rows_meta` op (one kernel on NVIDIA,
 ops a forward before, most of a speculative step's small kernels), into static buffers (`RowsMeta`); each head's
 draft and confidence by its `draft_pick` op (one kernel on NVIDIA). A row is padding when its sequence row is -1:
 sequence length 0 (reads nothing), KV slot -1 (writes nothing). A chain row past its chain length (`c_len`) stays
-at its last pass position, writes nothing and its outputs are ignored; so one replay serves sequences with different chain lengths, and a sequence without
-room for a chain (chain length 0) writes no lookahead KV.
+at its last pass position, writes nothing and its outputs are ignored; so one replay serves sequences with
+different chain lengths, and a sequence without room for a chain (chain length 0) writes no lookahead KV.
 
 Not graphed (the caller runs them eagerly): a pass of more rows than the largest bucket (a prompt chunk, a long
 catch-up), and chain links under a grammar mask (host work between links: the mask depends on the drafts so far).

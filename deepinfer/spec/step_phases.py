@@ -23,9 +23,9 @@ Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "
 verification, a step with prompt chunks), "catch_up" (a host-path step whose MTP pass also ran a pause's kept rows,
 spec/mtp_catchup.py; since 2026-12-05 apart from "host", whose steps at 64 sequences averaged 79 ms on the H200 in
 session 17's sweep with their forward at 1.3 ms: "draft" says how much of that is the catch-up pass), "plain"
-(nothing verified nor drafted: an adaptive pause step run on the spec path), "async_pause" (a pause step handed to spec/async_pauses.py: its inner async step,
-schedule to the previous step's output processing, all in "launch", the pause's bookkeeping in "observe";
-tokens: the step launched). Non-adaptive and adaptive engines record the same phases, so their steps compare
+(nothing verified nor drafted: an adaptive pause step run on the spec path), "async_pause" (a pause step handed to
+spec/async_pauses.py: its inner async step, schedule to the previous step's output processing, all in "launch", the
+pause's bookkeeping in "observe"; tokens: the step launched). Non-adaptive and adaptive engines record the same phases, so their steps compare
 directly; the cost is one clock read per phase.
 """
 

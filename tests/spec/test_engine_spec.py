@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import deepinfer
+from benchmarks.spec_host import PricedStepTimes
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.backends.cpu.backend import CPUBackend
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.models.registry import load_model
 from deepinfer.spec.scheduler import StepCostTable
-from deepinfer.spec.step_times import SPECULATIVE, StepTimeRatios
+from deepinfer.spec.step_times import SPECULATIVE
 from deepinfer.text.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -197,13 +198,6 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off():
     assert on.stats().spec_accepted_tokens > 0
 
 
-class AtTablePrice(StepTimeRatios):
-    """Step-time corrections that observe every step at its table price (ratio 1): the plan is the tables'."""
-
-    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
-        super().observe(kind, num_seqs, predicted, predicted)
-
-
 def test_adaptive_stops_speculating_where_the_cost_model_says_it_does_not_pay(parts, off):
     """With step costs that grow with every verified token (a compute-bound device, such as this CPU on the
     tiny model) the confidence scheduler admits no drafts and pauses drafting: the engine runs plain decode
@@ -215,7 +209,7 @@ def test_adaptive_stops_speculating_where_the_cost_model_says_it_does_not_pay(pa
     # the tables decide, as the docstring says: this CPU's measured step times and realized rates (a chain of 1 at
     # ~0.9-1.0x of plain decoding here, inside the pause margin) move with the machine's load, and under a CI run's
     # load they made it draft on in some runs (chains of 1 to 3)
-    on._spec.policy.step_times = AtTablePrice()
+    on._spec.policy.step_times = PricedStepTimes()  # every step observed at its table price
     on._spec.policy.realized.decides = False
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert ids(on.generate(PROMPTS[:2], params, use_tqdm=False)) == ids(off.generate(PROMPTS[:2], params,
