@@ -303,6 +303,12 @@ MOE_SHARED_STREAM = EnvVar(
     "`0`: run the aligned mode's shared experts inline instead of on a second CUDA stream",
     "nvidia",
 )
+MOE_FOLD_SHARED_ALIGNED = EnvVar(
+    "DEEPINFER_MOE_FOLD_SHARED_ALIGNED", "bool", False,
+    "`1`: quantized shared experts ride in the aligned MoE's grouped GEMMs as extra experts (every token, weight "
+    "1.0) instead of running as a dense MLP beside them (off until timed on the GPU: docs/quantization.md)",
+    "nvidia",
+)
 INT4_DEQUANT_MIN_M = EnvVar(
     "DEEPINFER_INT4_DEQUANT_MIN_M", "int", 512,
     "tokens from which a dense int4 linear dequantizes its weight and runs cuBLAS instead of the int4 GEMM",

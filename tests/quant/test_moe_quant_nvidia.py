@@ -74,10 +74,11 @@ def test_fused_moe_w8a8_matches_native_oracle(direct, t, drop, dtype, swap_ab, m
 
 
 @pytest.mark.parametrize("scheme,inter", [("fp8_w8a8", 128), ("fp8_block", 48), ("int4_gptq", 64)])
-@pytest.mark.parametrize("combine", [False, True])
-def test_direct_gemms_fold_stacked_quantized_shared_experts(scheme, inter, combine):
+@pytest.mark.parametrize("schedule", ["direct", "direct+combine", "aligned"])
+def test_gemms_fold_stacked_quantized_shared_experts(scheme, inter, schedule):
     """fused_moe(stacked_shared=1): the last expert slot is a shared expert every token takes with weight 1.0,
-    equal to the oracle's routed sum plus that expert run alone (with and without the fused combine)."""
+    equal to the oracle's routed sum plus that expert run alone: the direct GEMMs (with and without the fused
+    combine) and the aligned ones (its routing extended by with_shared_slots)."""
     from deepinfer.backend import QuantizedExperts
     from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
 
@@ -85,8 +86,9 @@ def test_direct_gemms_fold_stacked_quantized_shared_experts(scheme, inter, combi
     t, d = 3, 64
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     wts, ids = routing(t, device=DEVICE)
-    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=True, stacked_shared=1, scheme=scheme, w13_scale=q.w13_scale,
-                    w2_scale=q.w2_scale, counters=counters_for(d, DEVICE) if combine else None, **int4_args(q))
+    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=schedule != "aligned", stacked_shared=1, scheme=scheme,
+                    w13_scale=q.w13_scale, w2_scale=q.w2_scale,
+                    counters=counters_for(d, DEVICE) if schedule == "direct+combine" else None, **int4_args(q))
     fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
     routed = QuantizedExperts(scheme, *(None if getattr(q, f) is None else getattr(q, f)[:4] for f in fields),
                               q.group_size)
@@ -179,3 +181,63 @@ def test_int4_gemv_mainloop_real_shapes(monkeypatch):
     for got in (gemv, mma):
         assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
     assert (gemv.float() - mma.float()).norm() / mma.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_aligned_batches_fold_the_stacked_shared_experts_when_asked(fold, monkeypatch):
+    """DEEPINFER_MOE_FOLD_SHARED_ALIGNED=1: an aligned batch (direct mode off) beside fp8_w8a8 experts runs the shared
+    experts stacked by fuse_shared_quantized in the grouped GEMMs and never calls the model's shared MLP; =0 calls
+    it (its add fused into the combine). Both against the oracle: routed experts plus the shared expert (fp32)."""
+    from deepinfer.backend import QuantizedExperts, RouterSpec
+    from deepinfer.backend.specs import MoESpec
+    from deepinfer.backends.nvidia.backend import NvidiaBackend
+
+    monkeypatch.setenv("DEEPINFER_MOE_FOLD_SHARED_ALIGNED", fold)
+    monkeypatch.setenv("DEEPINFER_MOE_DIRECT_MAX_PAIRS", "0")
+    q, _, _ = make_experts("fp8_w8a8", 128, device=DEVICE, num_experts=5)
+    fields = ("w13", "w13_scale", "w2", "w2_scale")
+    routed = QuantizedExperts("fp8_w8a8", *(getattr(q, f)[:4] for f in fields))
+    shared = QuantizedExperts("fp8_w8a8", *(getattr(q, f)[4:] for f in fields))
+    op = NvidiaBackend(device=DEVICE).make_moe(MoESpec(router=RouterSpec(4, 2, "softmax", "greedy"), hidden_size=64,
+                                                       intermediate_size=128))
+    op.load_quantized_experts(routed)
+    assert op.fuse_shared_quantized(shared)
+    calls = []
+
+    def shared_mlp(x):  # the model's shared MLP: the stacked expert run alone through the oracle
+        calls.append(x.shape[0])
+        return experts_forward(x, None, None, torch.ones(x.shape[0], 1, device=DEVICE),
+                               torch.full((x.shape[0], 1), 4, device=DEVICE), quant=q)
+
+    t = 5
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    gate = torch.randn(4, 64, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    got = op.forward(x, x @ gate.t(), shared_experts=shared_mlp)
+    assert calls == ([] if fold == "1" else [t])
+    wts, ids = op.route_fn(x @ gate.t(), op.spec.router, None, None, None)
+    ref = experts_forward(x, None, None, wts, ids, quant=routed) + shared_mlp(x)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="real shapes need the GPU")
+@pytest.mark.parametrize("scheme", ["fp8_w8a8", "int4_awq"])
+def test_aligned_gemms_fold_stacked_shared_experts_real_shapes(scheme):
+    """V2-Lite's expert shapes (D 2048, I 1408; 16 routed + 2 stacked shared, top-6) at 256 tokens in bf16, the shared
+    experts in the aligned GEMMs: against the oracle's routed experts plus the two shared ones."""
+    from deepinfer.backend import QuantizedExperts
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    q, _, _ = make_experts(scheme, 1408, device=DEVICE, num_experts=18, hidden=2048)
+    x = torch.randn(256, 2048, device=DEVICE).bfloat16()
+    wts, ids = routing(256, k=6, device=DEVICE, num_experts=16)
+    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=False, stacked_shared=2, scheme=scheme, w13_scale=q.w13_scale,
+                    w2_scale=q.w2_scale, **int4_args(q))
+    fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
+    routed = QuantizedExperts(scheme, *(None if getattr(q, f) is None else getattr(q, f)[:16] for f in fields),
+                              q.group_size)
+    ones = torch.ones(256, 2, device=DEVICE)
+    shared_ids = torch.tensor([[16, 17]], device=DEVICE).expand(256, 2)
+    ref = experts_forward(x, None, None, wts, ids, quant=routed).float() + experts_forward(
+        x, None, None, ones, shared_ids, quant=q).float()
+    assert (got.float() - ref).norm() / ref.norm() < 2e-2

@@ -10,7 +10,9 @@ captured CUDA graph):
   batch 1 the experts are two launches: gate_up (+SiLU) and down (+combine).
 - aligned (larger batches): moe_align's expert-sorted, block-padded layout,
   tuned for prefill / large decode; the shared MLP runs densely outside and
-  only its add is fused into the combine.
+  only its add is fused into the combine, or (quantized experts with the
+  shared ones stacked after them, `stacked_shared`) the shared experts take
+  every token's last slots and run in the grouped GEMMs too.
 
 Quantized experts (QuantizedExperts schemes) run through the same schedules; under "fp8_w8a8" the direct
 GEMMs quantize their few rows as they load them, and the aligned path quantizes x once (fp8_act_quant.py)
@@ -138,6 +140,16 @@ def align_skipping(align: Callable, topk_ids: torch.Tensor, num_experts: int, bl
     return sorted_ids, expert_ids, num_padded
 
 
+def with_shared_slots(topk_ids: torch.Tensor, weights: torch.Tensor, first: int,
+                      count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing with `count` shared experts (stacked as experts first..first+count-1) appended to every token's
+    slots at weight 1.0: the aligned schedule then runs them as routed experts, and the combine sums their slots in
+    fp32 with the routed ones (as the direct schedule's folded shared experts are summed)."""
+    t = topk_ids.shape[0]
+    extra = torch.arange(first, first + count, dtype=topk_ids.dtype, device=topk_ids.device).expand(t, count)
+    return torch.cat([topk_ids, extra], 1), torch.cat([weights, weights.new_ones(t, count)], 1)
+
+
 def _slot_buffer(rows: int, d: int, device, zeroed: bool) -> torch.Tensor:
     """The fp32 [pairs, D] weighted-slot buffer; zeroed when some pairs are skipped (the combine sums every
     slot), else left uninitialized (every row is written)."""
@@ -165,7 +177,7 @@ def fused_moe(
     w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
-    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (direct mode only)
+    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones, every token's
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -181,8 +193,10 @@ def fused_moe(
         direct = use_direct(T, k)
     if direct and T > DIRECT_MAX_TOKENS:
         raise BackendError(f"fused_moe: direct mode takes at most {DIRECT_MAX_TOKENS} tokens, got {T}")
-    if (shared_w is not None or stacked_shared) and (not direct or shared_out is not None):
+    if shared_w is not None and (not direct or shared_out is not None):
         raise BackendError("fused_moe: shared-expert weights fold in only in direct mode, and not with shared_out")
+    if stacked_shared and shared_out is not None:
+        raise BackendError("fused_moe: stacked shared experts and shared_out both add the shared experts")
     if stacked_shared and (scheme is None or shared_w is not None):
         raise BackendError("fused_moe: stacked shared experts are quantized routed experts' extra slots")
     x = x.contiguous()
@@ -202,6 +216,10 @@ def fused_moe(
             return out
         direct_gemm(act, w2, shared_w[1] if shared_w else None, y, ids, weights, n_shared, 1, dual=False, **q2)
         return combine(y.view(T, slots, D), shared_out, x.dtype)
+    if stacked_shared:  # every token takes the shared experts as its last slots (weight 1.0), aligned like the rest
+        topk_ids, weights = with_shared_slots(topk_ids, weights, E, stacked_shared)
+        k += stacked_shared
+        E += stacked_shared
     n = T * k
     block_m = pick_block_m(n, E, scheme, x.dtype)
     if skip_unrouted:

@@ -4,7 +4,10 @@ Small batches run fused_moe's direct mode, with the shared experts (when
 offered through fuse_shared_experts, or fuse_shared_quantized beside quantized
 routed experts) folded in as extra experts; larger ones
 the expert-aligned mode with the shared MLP run densely by the model's
-module (one read of its weights) and only its add fused into the combine.
+module (one read of its weights) and only its add fused into the combine
+(DEEPINFER_MOE_FOLD_SHARED_ALIGNED=1: quantized shared experts stacked by
+fuse_shared_quantized take every token's last slots in the aligned GEMMs too,
+which saves the MLP's own launches and, under W8A8, its activation quant).
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
 Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
 (moe_routing.fused_router_max_tokens: DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS up to 64 for A/B runs,
@@ -118,7 +121,8 @@ class TritonMoE(NativeMoE):
     def fuse_shared_quantized(self, shared: QuantizedExperts) -> bool:
         """Quantized shared experts as extra slots after the routed ones, in one set of tensors (one copy of the
         routed experts: self.quant becomes views of its first E slots), which the direct GEMMs index as routed
-        experts E..E+S-1 with weight 1.0. The model's shared MLP still runs the aligned schedule."""
+        experts E..E+S-1 with weight 1.0. The model's shared MLP still runs the aligned schedule unless
+        DEEPINFER_MOE_FOLD_SHARED_ALIGNED folds them there too."""
         q = self.quant
         fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
         if q is None or shared.scheme != q.scheme or shared.group_size != q.group_size:
@@ -176,14 +180,21 @@ class TritonMoE(NativeMoE):
         return self._experts(x, weights, ids, shared_experts, shared)
 
     def _folds_shared(self, x: torch.Tensor, top_k: int, shared_experts) -> bool:
-        return use_direct(x.shape[0], top_k) and shared_experts is not None and (
-            self.shared_w is not None or self.quant_shared is not None)
+        """Whether this batch runs the shared experts inside the grouped GEMMs: the direct schedule folds dense or
+        quantized ones; the aligned one folds quantized ones under DEEPINFER_MOE_FOLD_SHARED_ALIGNED."""
+        if shared_experts is None:
+            return False
+        if use_direct(x.shape[0], top_k):
+            return self.shared_w is not None or self.quant_shared is not None
+        return self.quant_shared is not None and envs.MOE_FOLD_SHARED_ALIGNED.get()
 
     def _start_shared(self, x: torch.Tensor, shared_experts):
         """(shared output, join) with the dense shared MLP queued on the side stream (aligned mode only),
         or None: run inline by _experts (no CUDA stream, turned off) or folded into the direct GEMMs."""
         if shared_experts is None or use_direct(x.shape[0], self.spec.router.top_k):
             return None  # direct mode folds it in, or its fused combine reads it mid-GEMM: no overlap there
+        if self._folds_shared(x, self.spec.router.top_k, shared_experts):
+            return None  # the aligned GEMMs run it
         if self.side_stream is None or not x.is_cuda or not envs.MOE_SHARED_STREAM.get():
             return None
         main, side = torch.cuda.current_stream(x.device), self.side_stream
@@ -197,8 +208,8 @@ class TritonMoE(NativeMoE):
         direct = use_direct(x.shape[0], ids.shape[1])
         if self._folds_shared(x, ids.shape[1], shared_experts):
             if self.quant_shared is not None:
-                return fused_moe(x, topk_weights=weights, topk_ids=ids, direct=True, counters=self.counters,
-                                 **self._gemm_weights(with_shared=True))
+                return fused_moe(x, topk_weights=weights, topk_ids=ids, align=self.align_fn, direct=direct,
+                                 counters=self.counters, **self._gemm_weights(with_shared=True))
             return fused_moe(x, topk_weights=weights, topk_ids=ids, shared_w=self.shared_w, direct=True,
                              counters=self.counters, **self._gemm_weights())
         join = None
