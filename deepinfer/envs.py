@@ -304,10 +304,11 @@ MOE_SHARED_STREAM = EnvVar(
     "nvidia",
 )
 MOE_FOLD_SHARED_ALIGNED = EnvVar(
-    "DEEPINFER_MOE_FOLD_SHARED_ALIGNED", "bool", False,
-    "`1`: quantized shared experts ride in the aligned MoE's grouped GEMMs as extra experts (every token, weight "
-    "1.0) instead of running as a dense MLP beside them (off until timed on the GPU: docs/quantization.md)",
-    "nvidia",
+    "DEEPINFER_MOE_FOLD_SHARED_ALIGNED", "int", 0,
+    "up to this many tokens, quantized shared experts ride in the aligned MoE's grouped GEMMs as extra experts "
+    "(every token, weight 1.0) instead of running as a dense MLP beside them; `0`: never (the default until timed "
+    "on the GPU: docs/quantization.md)",
+    "nvidia", minimum=0, error=BackendError,
 )
 INT4_DEQUANT_MIN_M = EnvVar(
     "DEEPINFER_INT4_DEQUANT_MIN_M", "int", 512,

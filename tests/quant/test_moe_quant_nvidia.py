@@ -183,11 +183,12 @@ def test_int4_gemv_mainloop_real_shapes(monkeypatch):
     assert (gemv.float() - mma.float()).norm() / mma.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("fold", ["0", "4", "5"])
 def test_aligned_batches_fold_the_stacked_shared_experts_when_asked(fold, monkeypatch):
-    """DEEPINFER_MOE_FOLD_SHARED_ALIGNED=1: an aligned batch (direct mode off) beside fp8_w8a8 experts runs the shared
-    experts stacked by fuse_shared_quantized in the grouped GEMMs and never calls the model's shared MLP; =0 calls
-    it (its add fused into the combine). Both against the oracle: routed experts plus the shared expert (fp32)."""
+    """DEEPINFER_MOE_FOLD_SHARED_ALIGNED=5: an aligned batch (direct mode off) of 5 tokens beside fp8_w8a8 experts
+    runs the shared experts stacked by fuse_shared_quantized in the grouped GEMMs and never calls the model's shared
+    MLP; =0 and =4 (fewer tokens than the batch) call it (its add fused into the combine). Each against the oracle:
+    routed experts plus the shared expert (fp32)."""
     from deepinfer.backend import QuantizedExperts, RouterSpec
     from deepinfer.backend.specs import MoESpec
     from deepinfer.backends.nvidia.backend import NvidiaBackend
@@ -213,7 +214,7 @@ def test_aligned_batches_fold_the_stacked_shared_experts_when_asked(fold, monkey
     x = torch.randn(t, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     gate = torch.randn(4, 64, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     got = op.forward(x, x @ gate.t(), shared_experts=shared_mlp)
-    assert calls == ([] if fold == "1" else [t])
+    assert calls == ([] if fold == "5" else [t])
     wts, ids = op.route_fn(x @ gate.t(), op.spec.router, None, None, None)
     ref = experts_forward(x, None, None, wts, ids, quant=routed) + shared_mlp(x)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -5,8 +5,8 @@ offered through fuse_shared_experts, or fuse_shared_quantized beside quantized
 routed experts) folded in as extra experts; larger ones
 the expert-aligned mode with the shared MLP run densely by the model's
 module (one read of its weights) and only its add fused into the combine
-(DEEPINFER_MOE_FOLD_SHARED_ALIGNED=1: quantized shared experts stacked by
-fuse_shared_quantized take every token's last slots in the aligned GEMMs too,
+(DEEPINFER_MOE_FOLD_SHARED_ALIGNED=N: up to N tokens, quantized shared experts stacked
+by fuse_shared_quantized take every token's last slots in the aligned GEMMs too,
 which saves the MLP's own launches and, under W8A8, its activation quant).
 The choice depends on the batch size alone, so it is fixed per CUDA graph.
 Up to 16 tokens `forward_hidden` also fuses the router GEMV with the top-k
@@ -181,12 +181,13 @@ class TritonMoE(NativeMoE):
 
     def _folds_shared(self, x: torch.Tensor, top_k: int, shared_experts) -> bool:
         """Whether this batch runs the shared experts inside the grouped GEMMs: the direct schedule folds dense or
-        quantized ones; the aligned one folds quantized ones under DEEPINFER_MOE_FOLD_SHARED_ALIGNED."""
+        quantized ones up to DEEPINFER_MOE_FOLD_SHARED_ALIGNED tokens (decode sizes: at prefill sizes the dense
+        shared MLP runs cuBLAS's GEMMs, faster than the grouped ones there)."""
         if shared_experts is None:
             return False
         if use_direct(x.shape[0], top_k):
             return self.shared_w is not None or self.quant_shared is not None
-        return self.quant_shared is not None and envs.MOE_FOLD_SHARED_ALIGNED.get()
+        return self.quant_shared is not None and x.shape[0] <= envs.MOE_FOLD_SHARED_ALIGNED.get()
 
     def _start_shared(self, x: torch.Tensor, shared_experts):
         """(shared output, join) with the dense shared MLP queued on the side stream (aligned mode only),
