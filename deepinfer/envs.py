@@ -321,6 +321,12 @@ FP8_CUBLAS = EnvVar(
     "block-scaled fp8 GEMM (Hopper, K a multiple of 512)",
     "nvidia",
 )
+QUANT_SPLIT_K = EnvVar(
+    "DEEPINFER_QUANT_SPLIT_K", "bool", False,
+    "`1`: the fp8 and int4 dense GEMMs at up to 16 tokens split K over more programs where their grid would leave "
+    "SMs idle (quant/split_k.py; off until timed on a GPU)",
+    "nvidia",
+)
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(
     "DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M", "int", 64,
     "largest token count whose fp8 W8A8 GEMM quantizes the activations as it loads them (no separate kernel)",

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer.backends.nvidia.quant import fp8_act_quant, fp8_gemm, int4_gemm
+from deepinfer.backends.nvidia.quant import fp8_act_quant, fp8_gemm, int4_gemm, split_k
 
 OPS = ("QGMMA", "HGMMA", "HMMA", "I2F", "LDL", "STL")
 
@@ -47,7 +47,7 @@ def compile_one(label, fn, sig, consts, warps, stages, aligned=("N", "K")):
 
 def main() -> None:
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16",
-           "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "stride_am", "stride_bn", "stride_cm",
+           "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "KB_PER", "stride_am", "stride_bn", "stride_cm",
                                                        "stride_as", "stride_bs")}}
     for mode, m in ((2, 1), (2, 64), (1, 1024)):  # decode (A quantized on load), prefill (A e4m3 given)
         bm, bn, warps, stages = fp8_gemm.tiles(m, 3072, True)
@@ -55,12 +55,19 @@ def main() -> None:
                   "BLOCK_K": 128, "GROUP_M": 8}
         compile_one(f"fp8_gemm mode={mode} M={m} BM={bm}", fp8_gemm._fp8_gemm_kernel,
                     {**sig, "a_ptr": "*fp8e4nv" if mode == 1 else "*bf16"}, consts, warps, stages)
+    bm, bn, warps, stages = fp8_gemm.tiles(1, 2048, True)  # a split of K (quant/split_k.py): fp32 partials
+    compile_one(f"fp8_gemm split M=1 BM={bm}", fp8_gemm._fp8_gemm_kernel, {**sig, "a_ptr": "*bf16", "c_ptr": "*fp32"},
+                {"HAS_BIAS": False, "A_MODE": 2, "ROUND_FIRST": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128,
+                 "GROUP_M": 8}, warps, stages)
+    compile_one("split_k reduce", split_k._reduce_kernel, {"ws_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+                                                            "MN": "i32", "N": "i32"},
+                {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": 1024}, 4, 1, aligned=())
     compile_one("act_quant", fp8_act_quant._act_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                  **{n: "i32" for n in ("M", "M_OUT", "K", "stride_x", "stride_q", "stride_sm", "stride_sg")}},
                 {"ROUND_FIRST": False, "ROWS": 16, "GROUP": 128}, 4, 1, aligned=("K",))
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "c_ptr": "*bf16",
-           "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_cm", "stride_wn",
+           "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "KB_PER", "stride_xm", "stride_cm", "stride_wn",
                                                        "stride_sn")}}
     for gidx, m in ((False, 1), (False, 256), (True, 1)):
         bm, bn, warps, stages = int4_gemm.tiles(m, 3072, True)

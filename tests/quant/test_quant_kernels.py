@@ -82,6 +82,44 @@ def test_fp8_gemm_fused_act_quant_equals_separate(m):
     assert _rel(fused.cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("m,split", [(1, 2), (5, 3), (19, 2)])
+def test_fp8_gemm_split_k_equals_one_split(m, split):
+    """K split over programs (quant/split_k.py: fp32 partials, summed in a fixed order, the bias added once): the
+    unsplit product up to fp32 summation order, with the activations quantized in the GEMM (each split its own
+    128-channel groups) and separately. K 300 (3 blocks, the last partial), N 200, a bias."""
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as kq
+    from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm
+
+    g = torch.Generator().manual_seed(10 + m)
+    wq, ws = quantize_weight_fp8_block(torch.randn(200, 300, generator=g) * 300**-0.5)
+    x = torch.randn(m, 300, generator=g).to(DEV)
+    bias = torch.randn(200, generator=g).to(DEV)
+    wq, ws = wq.to(DEV), ws.to(DEV)
+    one = fp8_block_gemm(x, None, wq, ws, torch.float32, bias, split=1)
+    for a, a_s in ((x, None), kq(x)):
+        got = fp8_block_gemm(a, a_s, wq, ws, torch.float32, bias, split=split)
+        assert _rel(got.cpu(), one.cpu()) < 1e-6 and not torch.equal(got, torch.zeros_like(got))
+    ref = w8a8_block_linear_ref(x.cpu(), dequant_fp8_block(wq.cpu(), ws.cpu())) + bias.cpu()
+    assert _rel(one.cpu(), ref) < 1e-5
+
+
+def test_split_k_choice(monkeypatch):
+    """pick_split: off unless DEEPINFER_QUANT_SPLIT_K (or forced), only at decode-sized M on a GPU, only where the
+    grid is short of two programs an SM, enough to reach it but at least two K blocks a split; forced splits are
+    capped at the K blocks."""
+    from deepinfer.backends.nvidia.quant.split_k import pick_split
+
+    monkeypatch.delenv("DEEPINFER_QUANT_SPLIT_K", raising=False)
+    assert pick_split(1, 64, 16, on_gpu=True) == 1
+    assert pick_split(1, 64, 16, on_gpu=False, split=4) == 4 and pick_split(1, 64, 3, on_gpu=True, split=8) == 3
+    monkeypatch.setenv("DEEPINFER_QUANT_SPLIT_K", "1")
+    assert pick_split(1, 64, 16, on_gpu=True) == 5  # o_proj at one token: 64 programs -> 320
+    assert pick_split(1, 64, 86, on_gpu=True) == 5 and pick_split(1, 18, 16, on_gpu=True) == 8  # kv_a: 8 x 2 blocks
+    assert pick_split(1, 64, 3, on_gpu=True) == 1  # too few K blocks for two a split
+    assert pick_split(17, 64, 16, on_gpu=True) == 1 and pick_split(1, 300, 16, on_gpu=True) == 1
+    assert pick_split(1, 64, 16, on_gpu=False) == 1
+
+
 def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: bool = False):
     """A TritonInt4Linear layer (fp32 compute) and the native reference layer of the same packed weight."""
     from deepinfer.backend import Int4Weight
@@ -124,7 +162,7 @@ def test_int4_gemm_paths_match_native(method, group, act_order, m):
     want = ref.apply(rl, x)
     dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
     assert torch.equal(dense.cpu(), rl.weight)
-    paths = [{"dequant": False}, {"dequant": True}]
+    paths = [{"dequant": False}, {"dequant": True}, {"dequant": False, "split": 3}]  # split: K blocks 3 + 3 + 2
     if m == 1 and not act_order:  # the one-token GEMV (DEEPINFER_INT4_GEMV), contiguous groups only
         paths.append({"gemv": True})
     for path in paths:

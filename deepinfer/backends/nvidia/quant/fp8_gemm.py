@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
+from deepinfer.backends.nvidia.quant import split_k
 from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows
 
 BLOCK_K = 128
@@ -32,10 +33,16 @@ SM_COUNT = 132  # H200 / H100 SXM; only steers the narrow-tile choice
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-                     stride_as, stride_bs, HAS_BIAS: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, KB_PER, stride_am, stride_bn,
+                     stride_cm, stride_as, stride_bs, HAS_BIAS: tl.constexpr, A_MODE: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Program (tile, s): K blocks [s * KB_PER, (s + 1) * KB_PER) of one output tile; with one split (grid dim 1 of
+    size 1, KB_PER all of K) c is the output, else c is split s's fp32 partial [M, N] in split_k's workspace."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kb_lo = pid_k * KB_PER
+    kb_hi = tl.minimum(kb_lo + KB_PER, tl.cdiv(K, BLOCK_K))
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
@@ -51,12 +58,13 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, str
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of B^T
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
+    # [BLOCK_K, BLOCK_N] view of B^T
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + (kb_lo * BLOCK_K + offs_k)[:, None]
     as_ptrs = as_ptr + offs_m * stride_as
     bs_ptrs = bs_ptr + (offs_n // 128) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_lo, kb_hi):
         kmask = offs_k < K - kb * BLOCK_K
         if A_MODE == 1:
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -71,7 +79,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, str
         b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -97,11 +105,12 @@ def fused_act_quant(m: int) -> bool:
 
 def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b_q: torch.Tensor, b_s: torch.Tensor,
                    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                   tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                   tile: tuple[int, int, int, int] | None = None, split: int | None = None) -> torch.Tensor:
     """[M, K] x [N, K]^T with both scales applied per 128-wide K block; returns [M, N] in out_dtype.
 
     a_s given: `a` is e4m3 with those scales (fp8_act_quant.py); a_s None: `a` is in the compute dtype and is
-    quantized inside the GEMM (the same values). tile: (BLOCK_M, BLOCK_N, warps, stages), for sweeps."""
+    quantized inside the GEMM (the same values: each split quantizes its own 128-channel groups). tile: (BLOCK_M,
+    BLOCK_N, warps, stages), for sweeps; split: K splits (quant/split_k.py; None: its choice)."""
     m, k = a.shape
     n = b_q.shape[0]
     if a.stride(1) != 1:
@@ -111,10 +120,16 @@ def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b_q: torch.Tensor,
         return c
     on_gpu = a.device.type == "cuda"
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _fp8_gemm_kernel[grid](a, a_s if a_s is not None else a, b_q, b_s, c, bias if bias is not None else c, m, n, k,
-                           a.stride(0), b_q.stride(0), c.stride(0), a_s.stride(0) if a_s is not None else 0,
-                           b_s.stride(0), HAS_BIAS=bias is not None, A_MODE=1 if a_s is not None else 2,
-                           ROUND_FIRST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8,
-                           num_warps=warps, num_stages=stages)
-    return c
+    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    splits = split_k.pick_split(m, programs, k_blocks, on_gpu, split)
+    per = split_k.k_range(k_blocks, splits)
+    splits = triton.cdiv(k_blocks, per)  # no empty split
+    out = c if splits == 1 else split_k.workspace(splits, m, n, a.device)
+    _fp8_gemm_kernel[(programs, splits)](
+        a, a_s if a_s is not None else a, b_q, b_s, out, bias if bias is not None and splits == 1 else out, m, n, k,
+        per, a.stride(0), b_q.stride(0), n if splits > 1 else c.stride(0), a_s.stride(0) if a_s is not None else 0,
+        b_s.stride(0), HAS_BIAS=bias is not None and splits == 1, A_MODE=1 if a_s is not None else 2,
+        ROUND_FIRST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps,
+        num_stages=stages)
+    return c if splits == 1 else split_k.reduce_partials(out, c, bias)

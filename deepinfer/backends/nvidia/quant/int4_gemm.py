@@ -26,16 +26,22 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
+from deepinfer.backends.nvidia.quant import split_k
 from deepinfer.backends.nvidia.quant.tiles import int4_row_dot, int4_tile
 from deepinfer.errors import BackendError
 
 
 @triton.jit
-def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, stride_xm, stride_cm, stride_wn,
-                      stride_sn, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, KB_PER, stride_xm, stride_cm,
+                      stride_wn, stride_sn, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       GIDX: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program (tile, s): K blocks [s * KB_PER, (s + 1) * KB_PER) of one output tile; with one split c is the output,
+    else split s's fp32 partial [M, N] in split_k's workspace (as fp8_gemm.py)."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * KB_PER * BLOCK_K
+    k_hi = tl.minimum(k_lo + KB_PER * BLOCK_K, K)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n  # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
@@ -49,9 +55,9 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, 
     mmask = offs_m < M
     nmask = offs_n < N
     ACT = x_ptr.dtype.element_ty
-    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
         w = tl.trans(int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, 1,
                                GIDX, GROUP, BLOCK_K, ACT))
@@ -62,6 +68,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, 
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    c_ptr += pid_k.to(tl.int64) * M * N
     tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
@@ -165,10 +172,10 @@ def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
               g_idx: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
               tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None,
-              gemv: bool | None = None) -> torch.Tensor:
+              gemv: bool | None = None, split: int | None = None) -> torch.Tensor:
     """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring).
-    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv (force a path): for the benchmark's sweeps. One token
-    with contiguous groups may take `_int4_gemv_kernel` (use_gemv)."""
+    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv / split (K splits, quant/split_k.py) force a path: for
+    tests and the benchmark's sweeps. One token with contiguous groups may take `_int4_gemv_kernel` (use_gemv)."""
     m, k_x = x.shape
     n, k = _check(qweight, zeros, scales, g_idx, group)
     if k_x != k:
@@ -191,11 +198,19 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                                                   num_stages=tile[3] if tile else 1)
         return c
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _int4_gemm_kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, c,
-                            bias if bias is not None else c, m, n, k, x.stride(0), c.stride(0), qweight.stride(0),
-                            scales.stride(0), HAS_BIAS=bias is not None, UPCAST=not on_gpu,
-                            PREC="ieee" if x.dtype == torch.float32 else None, GIDX=g_idx is not None, GROUP=group,
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_block_k(group, on_gpu), GROUP_M=8,
-                            num_warps=warps, num_stages=stages)
+    bk = _block_k(group, on_gpu)
+    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = k // bk
+    splits = split_k.pick_split(m, programs, k_blocks, on_gpu, split)
+    per = split_k.k_range(k_blocks, splits)
+    splits = triton.cdiv(k_blocks, per)  # no empty split
+    out = c if splits == 1 else split_k.workspace(splits, m, n, x.device)
+    _int4_gemm_kernel[(programs, splits)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+        bias if bias is not None and splits == 1 else out, m, n, k, per, x.stride(0), n if splits > 1 else c.stride(0),
+        qweight.stride(0), scales.stride(0), HAS_BIAS=bias is not None and splits == 1, UPCAST=not on_gpu,
+        PREC="ieee" if x.dtype == torch.float32 else None, GIDX=g_idx is not None, GROUP=group, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        split_k.reduce_partials(out, c, bias)
     return c
