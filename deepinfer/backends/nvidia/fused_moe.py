@@ -177,7 +177,7 @@ def fused_moe(
     w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
-    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones, every token's
+    stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (every token, 1.0)
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape

@@ -181,8 +181,8 @@ class TritonMoE(NativeMoE):
 
     def _folds_shared(self, x: torch.Tensor, top_k: int, shared_experts) -> bool:
         """Whether this batch runs the shared experts inside the grouped GEMMs: the direct schedule folds dense or
-        quantized ones up to DEEPINFER_MOE_FOLD_SHARED_ALIGNED tokens (decode sizes: at prefill sizes the dense
-        shared MLP runs cuBLAS's GEMMs, faster than the grouped ones there)."""
+        quantized ones; the aligned one folds quantized ones in batches of up to DEEPINFER_MOE_FOLD_SHARED_ALIGNED
+        tokens (decode sizes: at prefill sizes the dense shared MLP runs cuBLAS's GEMMs, faster there)."""
         if shared_experts is None:
             return False
         if use_direct(x.shape[0], top_k):

@@ -121,11 +121,8 @@ def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b_q: torch.Tensor,
     on_gpu = a.device.type == "cuda"
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    k_blocks = triton.cdiv(k, BLOCK_K)
-    splits = split_k.pick_split(m, programs, k_blocks, on_gpu, split)
-    per = split_k.k_range(k_blocks, splits)
-    splits = triton.cdiv(k_blocks, per)  # no empty split
-    out = c if splits == 1 else split_k.workspace(splits, m, n, a.device)
+    splits, per, ws = split_k.plan(m, n, programs, triton.cdiv(k, BLOCK_K), a.device, split)
+    out = c if ws is None else ws
     _fp8_gemm_kernel[(programs, splits)](
         a, a_s if a_s is not None else a, b_q, b_s, out, bias if bias is not None and splits == 1 else out, m, n, k,
         per, a.stride(0), b_q.stride(0), n if splits > 1 else c.stride(0), a_s.stride(0) if a_s is not None else 0,

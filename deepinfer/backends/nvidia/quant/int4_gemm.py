@@ -200,11 +200,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
     bk = _block_k(group, on_gpu)
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    k_blocks = k // bk
-    splits = split_k.pick_split(m, programs, k_blocks, on_gpu, split)
-    per = split_k.k_range(k_blocks, splits)
-    splits = triton.cdiv(k_blocks, per)  # no empty split
-    out = c if splits == 1 else split_k.workspace(splits, m, n, x.device)
+    splits, per, ws = split_k.plan(m, n, programs, k // bk, x.device, split)
+    out = c if ws is None else ws
     _int4_gemm_kernel[(programs, splits)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
         bias if bias is not None and splits == 1 else out, m, n, k, per, x.stride(0), n if splits > 1 else c.stride(0),

@@ -39,9 +39,13 @@ def pick_split(m: int, programs: int, k_blocks: int, on_gpu: bool, split: int | 
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // MIN_BLOCKS))
 
 
-def k_range(k_blocks: int, split: int) -> int:
-    """K blocks per split (the last split may get fewer; none gets zero when split <= k_blocks)."""
-    return triton.cdiv(k_blocks, split)
+def plan(m: int, n: int, programs: int, k_blocks: int, device: torch.device,
+         split: int | None = None) -> tuple[int, int, torch.Tensor | None]:
+    """(splits, K blocks per split, the fp32 workspace or None for one split) of a GEMM launch: pick_split's
+    choice, with no empty split (the last may get fewer blocks)."""
+    per = triton.cdiv(k_blocks, pick_split(m, programs, k_blocks, device.type == "cuda", split))
+    splits = triton.cdiv(k_blocks, per) if k_blocks else 1
+    return splits, max(per, 1), workspace(splits, m, n, device) if splits > 1 else None
 
 
 @triton.jit
