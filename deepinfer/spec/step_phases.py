@@ -25,8 +25,8 @@ spec/mtp_catchup.py; since 2026-12-05 apart from "host", whose steps at 64 seque
 session 17's sweep with their forward at 1.3 ms: "draft" says how much of that is the catch-up pass), "plain"
 (nothing verified nor drafted: an adaptive pause step run on the spec path), "async_pause" (a pause step handed to
 spec/async_pauses.py: its inner async step, schedule to the previous step's output processing, all in "launch", the
-pause's bookkeeping in "observe"; tokens: the step launched). Non-adaptive and adaptive engines record the same phases, so their steps compare
-directly; the cost is one clock read per phase.
+pause's bookkeeping in "observe"; tokens: the step launched). Non-adaptive and adaptive engines record the same
+phases, so their steps compare directly; the cost is one clock read per phase.
 """
 
 from __future__ import annotations

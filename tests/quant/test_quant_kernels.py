@@ -141,9 +141,10 @@ def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: b
                                                     ("gptq", 64, False)])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_int4_gemm_paths_match_native(method, group, act_order, m):
-    """The paths of the dense int4 linear (in-register dequantization; dequantize-then-matmul, the prefill
-    path; at one token the GEMV) against the native reference: group sizes 32 / 64 / 128, act-order g_idx, ragged M and N (40: a
-    partial N tile), a bias. The dequantized weight is bit-exact; products within fp32 summation order."""
+    """The paths of the dense int4 linear (in-register dequantization, also with K split over programs;
+    dequantize-then-matmul, the prefill path; at one token the GEMV) against the native reference: group sizes
+    32 / 64 / 128, act-order g_idx, ragged M and N (40: a partial N tile), a bias. The dequantized weight is
+    bit-exact; products within fp32 summation order."""
     from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
     from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
 
