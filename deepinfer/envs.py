@@ -310,6 +310,13 @@ MOE_FOLD_SHARED_ALIGNED = EnvVar(
     "on the GPU: docs/quantization.md)",
     "nvidia", minimum=0, error=BackendError,
 )
+MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS = EnvVar(
+    "DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS", "int", 0,
+    "above this many routed pairs per expert (prefill), the fp8 W8A8 MoE runs gate_up as one GEMM over both halves "
+    "at 128-row tiles, then a SiLU-and-mul + quant kernel, instead of the fused dual GEMM at 64-row tiles; `0`: "
+    "never (the default until timed on the GPU: docs/quantization.md)",
+    "nvidia", minimum=0, error=BackendError,
+)
 INT4_DEQUANT_MIN_M = EnvVar(
     "DEEPINFER_INT4_DEQUANT_MIN_M", "int", 512,
     "tokens from which a dense int4 linear dequantizes its weight and runs cuBLAS instead of the int4 GEMM",

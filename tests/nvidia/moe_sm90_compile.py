@@ -19,6 +19,7 @@ from deepinfer.backends.nvidia import fused_moe as fm
 from deepinfer.backends.nvidia import fused_moe_config as cfgs
 from deepinfer.backends.nvidia import fused_moe_gemm as g
 from deepinfer.backends.nvidia import moe_routing as r
+from deepinfer.backends.nvidia.quant import fp8_act_quant as aq
 
 ALIGNED = ("N", "K", "D", "E", "u_off", "us_off", "shared_step")  # multiples of 16 at DeepSeek shapes
 
@@ -81,22 +82,25 @@ def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
 TL = {"bf16": tl.bfloat16, "fp32": tl.float32}
 
 
-def aligned(dt, dual, BM, cfg, scheme=None):
-    """fp8_w8a8: A e4m3 with scales (mode 1); the gate_up writes e4m3 + scales (ACT_FP8_OUT)."""
+def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False):
+    """fp8_w8a8: A e4m3 with scales (mode 1); the gate_up writes e4m3 + scales (ACT_FP8_OUT). split_gate_up: the
+    W8A8 gate_up as one GEMM over both halves (not dual, no routing weight, out in the compute dtype)."""
     b_type, qsig, qconsts = _weight_args(dt, scheme)
     w8a8 = scheme in cfgs.FP8_ACT
     a_type = "*fp8e4nv" if w8a8 else "*" + dt
-    c_type = ("*fp8e4nv" if w8a8 else "*" + dt) if dual else "*fp32"
+    c_type = ("*fp8e4nv" if w8a8 else "*" + dt) if dual else ("*" + dt if split_gate_up else "*fp32")
     sig = {"a_ptr": a_type, "b_ptr": b_type, "c_ptr": c_type, "w_ptr": "*fp32",
            "sorted_ptr": "*i32", "expert_ptr": "*i32", "npad_ptr": "*i32", **{n: "i32" for n in (
                "N", "K", "num_pairs", "u_off", "stride_am", "stride_be", "stride_bn", "stride_cm")}, **qsig,
            "as_ptr": "*fp32", "stride_as": "i32", "cs_ptr": "*fp32", "stride_cs": "i32"}
-    consts = {"A_DIV": 6 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual, "UPCAST": False,
+    consts = {"A_DIV": 6 if dual or split_gate_up else 1, "DUAL": dual, "MUL_WEIGHT": not (dual or split_gate_up),
+              "UPCAST": False,
               "PREC": "ieee" if dt == "fp32" else None, **qconsts, "A_MODE": 1 if w8a8 else 0,
               "ACT_FP8_OUT": w8a8 and dual, "ACT": TL[dt], "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
               "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False)}
     sig.update({k: "constexpr" for k in consts})
-    compile_one(f"aligned {dt} {scheme or 'dense'} dual={dual} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
+    label = "split gate_up" if split_gate_up else f"dual={dual}"
+    compile_one(f"aligned {dt} {scheme or 'dense'} {label} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
                 consts, cfg["num_warps"], cfg["num_stages"])
 
 
@@ -115,6 +119,15 @@ def main() -> None:
             aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
     for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
+    # the split W8A8 gate_up at prefill sizes (fused_moe.split_gate_up: 128 rows, one accumulator) and the
+    # SiLU-and-mul + quant kernel between it and the down GEMM
+    aligned("bf16", False, fm.SPLIT_GATE_UP_BLOCK_M, cfgs.split_gate_up_config(fm.SPLIT_GATE_UP_BLOCK_M),
+            scheme="fp8_w8a8", split_gate_up=True)
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "I": "i32", "stride_x": "i32",
+           "stride_q": "i32", "stride_s": "i32", "ACT": "constexpr", "ROUND_FIRST": "constexpr", "ROWS": "constexpr",
+           "GROUP": "constexpr"}
+    compile_one("silu_mul_quant_fp8", aq._silu_mul_quant_kernel, sig,
+                {"ACT": tl.bfloat16, "ROUND_FIRST": False, "ROWS": 16, "GROUP": 128}, 4, 1)
     for dual in (True, False):  # W8A8 at decode sizes: swap-AB (the default below BLOCK_M 64), the unswapped tile
         aligned("bf16", dual, 16, g.gemm_config(16, dual, "fp8_w8a8"), scheme="fp8_w8a8")
         unswapped = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4, "swap_ab": False}

@@ -13,8 +13,11 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     rows, out = run_compile_script(Path(__file__).with_name("moe_sm90_compile.py"),
                                    drop_env=("DEEPINFER_MOE_TILE", "DEEPINFER_MOE_DIRECT_TILE", "DEEPINFER_ROUTER_GEMV"))
     # 20 dense kernels (BLOCK_M 16 / 32 / 64 / 128 aligned among them) + fp8 / fp4 / int4 / fp8 W8A8 routed experts (direct + aligned, both GEMMs) + W8A8 at BLOCK_M 64
+    # + the split W8A8 gate_up (BLOCK_M 128) and its SiLU-and-mul + quant kernel
     # + W8A8 swap-AB (aligned BLOCK_M 16 / 32, direct; both GEMMs) + the int4 GEMV mainloop (both GEMMs)
-    assert len(rows) == 46, out
+    assert len(rows) == 48, out
+    split = [r for r in rows if "split gate_up" in r["kernel"]]
+    assert len(split) == 1 and split[0]["wgmma"], split  # the point of 128 rows: QGMMA, one accumulator
     for row in rows:
         # Triton 3.6 (the H200 image) gives the direct down GEMM without the combine an 8-byte stack
         # frame where 3.9 gives none: allow a few bytes, fail on real spilling.

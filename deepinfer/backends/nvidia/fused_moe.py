@@ -16,7 +16,8 @@ captured CUDA graph):
 
 Quantized experts (QuantizedExperts schemes) run through the same schedules; under "fp8_w8a8" the direct
 GEMMs quantize their few rows as they load them, and the aligned path quantizes x once (fp8_act_quant.py)
-and passes the SiLU-and-mul output between its GEMMs as e4m3 + per-128 scales.
+and passes the SiLU-and-mul output between its GEMMs as e4m3 + per-128 scales. At prefill sizes it can split the
+gate_up instead (`split_gate_up`: one GEMM over both halves at 128-row tiles, then a SiLU-and-mul + quant kernel).
 
 The combine sums a token's weighted slots in fp32, rounds to the activation
 dtype, adds the shared experts' output if given and rounds again: the native
@@ -130,6 +131,53 @@ def pick_block_m(num_pairs: int, num_experts: int, scheme: str | None = None,
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
+# the split W8A8 gate_up's rows per tile (the down GEMM keeps 64: W8A8's down at 4 warps, its best in the H200
+# sweep of 2026-12-04 at 16384 tokens); the interpreter's: 32 and 16
+SPLIT_GATE_UP_BLOCK_M = 128
+
+
+def split_gate_up(num_pairs: int, num_experts: int, scheme: str | None, inter: int) -> bool:
+    """Whether the aligned W8A8 experts run gate_up as one GEMM over both halves (2I columns, one fp32 accumulator
+    at 128-row tiles) and a separate SiLU-and-mul + quant kernel, instead of the dual GEMM that quantizes in its
+    epilogue. Why: the dual program holds two accumulators, so at 128 rows it spills (sm_90 compile: 312 bytes at 8
+    warps) and runs at 64 rows, where the W8A8 GEMMs reach about bf16's rate at prefill sizes (2,323 us a layer at
+    16384 tokens, H200 2026-12-04); one accumulator at 128 rows does not spill (251 registers at 8 warps), at the
+    cost of the [pairs, 2I] intermediate's round trip. Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs
+    per expert (0: never, the default until timed), and only where I is whole 128-blocks (the gate's and the up's
+    weight-scale rows then follow one another, so one GEMM reads both halves' scales by row // 128)."""
+    limit = envs.MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS.get()
+    return (scheme in FP8_ACT and limit > 0 and inter % 128 == 0
+            and num_pairs / max(1, num_experts) > limit)
+
+
+def _split_block_m() -> tuple[int, int]:
+    """(gate_up, down) rows per aligned tile of the split W8A8 path; DEEPINFER_MOE_BLOCK_M sets both."""
+    forced = envs.MOE_BLOCK_M.get()
+    if forced is not None:
+        return forced, forced
+    return (32, 16) if interpreting() else (SPLIT_GATE_UP_BLOCK_M, 64)
+
+
+def _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m, weights,
+                      act_dtype, q13, q2, skipping: bool) -> None:
+    """The split W8A8 path (`split_gate_up`): gate_up over both halves in the compute dtype (the values the dual
+    epilogue rounds to), SiLU-and-mul + e4m3 quant per 128 channels, then the down GEMM at down_block_m rows (its
+    tiles subdivide the gate_up's: each 128-row block's expert id repeated). skipping: some pairs are another
+    rank's, never written by gate_up; their rows start zeroed so the quant reads no stale memory (the down GEMM
+    skips them either way)."""
+    from deepinfer.backends.nvidia.fused_moe_config import split_gate_up_config
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import silu_mul_quant_fp8
+
+    make = torch.zeros if skipping else torch.empty
+    inter = make((n, w13.shape[1]), dtype=act_dtype, device=xq.device)
+    aligned_gemm(xq, w13, inter, sorted_ids, expert_ids, num_padded, n, k, block_m, a_scale=xs, act_dtype=act_dtype,
+                 cfg=split_gate_up_config(block_m), **q13)
+    act, act_s = silu_mul_quant_fp8(inter)
+    down_ids = expert_ids.repeat_interleave(block_m // down_block_m) if down_block_m != block_m else expert_ids
+    aligned_gemm(act, w2, y, sorted_ids, down_ids, num_padded, n, 1, down_block_m, weights.view(-1), a_scale=act_s,
+                 act_dtype=act_dtype, **q2)
+
+
 def align_skipping(align: Callable, topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """`align`'s layout with the -1 pairs left out: they go to an extra bucket E whose blocks are marked -1
     (the aligned kernel skips a block of expert -1), so any align with moe_align's signature (the Triton /
@@ -221,22 +269,27 @@ def fused_moe(
         k += stacked_shared
         E += stacked_shared
     n = T * k
-    block_m = pick_block_m(n, E, scheme, x.dtype)
+    split = split_gate_up(n, E, scheme, two_i // 2)
+    block_m, down_block_m = _split_block_m() if split else (pick_block_m(n, E, scheme, x.dtype),) * 2
     if skip_unrouted:
         sorted_ids, expert_ids, num_padded = align_skipping(align, topk_ids, E, block_m)
     else:
         sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
     y = _slot_buffer(n, D, x.device, skip_unrouted)  # weighted slots, summed in fp32
-    if scheme in FP8_ACT:  # W8A8: x quantized once; gate_up writes e4m3 + scales, which down reads as they are
+    if scheme in FP8_ACT:  # W8A8: x quantized once
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
 
         xq, xs = quantize_act_fp8(x)
-        act = torch.empty((n, two_i // 2), dtype=torch.float8_e4m3fn, device=x.device)
-        act_s = torch.empty((n, triton.cdiv(two_i // 2, 128)), dtype=torch.float32, device=x.device)
-        aligned_gemm(xq, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, a_scale=xs,
-                     out_scale=act_s, act_dtype=x.dtype, **q13)
-        aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), a_scale=act_s,
-                     act_dtype=x.dtype, **q2)
+        if split:
+            _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m,
+                              weights, x.dtype, q13, q2, skip_unrouted)
+        else:  # gate_up writes e4m3 + scales, which down reads as they are
+            act = torch.empty((n, two_i // 2), dtype=torch.float8_e4m3fn, device=x.device)
+            act_s = torch.empty((n, triton.cdiv(two_i // 2, 128)), dtype=torch.float32, device=x.device)
+            aligned_gemm(xq, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, a_scale=xs,
+                         out_scale=act_s, act_dtype=x.dtype, **q13)
+            aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1),
+                         a_scale=act_s, act_dtype=x.dtype, **q2)
     else:
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)

@@ -110,6 +110,20 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     return _fit_scheme(cfg, scheme, group_size)
 
 
+# the split W8A8 gate_up (fused_moe.split_gate_up) at 128 rows: one fp32 accumulator, 8 warps (sm_90 compile of
+# Triton 3.9: 251 registers, no stack; not timed yet)
+W8A8_SPLIT_GATE_UP_TILE = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
+
+
+def split_gate_up_config(block_m: int) -> dict:
+    """The split W8A8 gate_up's tile (a single GEMM over both halves); DEEPINFER_MOE_TILE overrides it as it does
+    the others'. Under the interpreter, the aligned single GEMM's tile."""
+    if interpreting():
+        return gemm_config(block_m, False, "fp8_w8a8")
+    cfg = _tile_env("DEEPINFER_MOE_TILE") or W8A8_SPLIT_GATE_UP_TILE
+    return _fit_scheme(dict(cfg, swap_ab=w8a8_swap_ab(block_m)), "fp8_w8a8", 128)
+
+
 def direct_config(dual: bool, scheme: str | None = None, group_size: int = 128) -> dict:
     """Direct-mode tile; DEEPINFER_MOE_DIRECT_TILE="BN,BK,warps,stages" overrides it (BN counts both halves
     of a DUAL program: 128 = 64 gate + 64 up rows)."""

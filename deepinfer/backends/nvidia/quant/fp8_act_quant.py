@@ -60,3 +60,49 @@ def quantize_act_fp8(x: torch.Tensor, scales_col_major: bool = False,
                                                       s.stride(1), ROUND_FIRST=not on_gpu, ROWS=rows, GROUP=GROUP,
                                                       num_warps=4)
     return q, s
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, I, stride_x, stride_q, stride_s,
+                           ACT: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """Program (r, g): rows [r * ROWS, (r + 1) * ROWS) of x [M, 2I] (gate | up, the activation dtype), channel
+    group g of the output: silu(gate) rounded to ACT, times up, rounded to ACT (the values the fused dual gate_up
+    epilogue quantizes, fused_moe_mainloop._epilogue / _store_fp8_rows), then e4m3 per row over the group."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
+    offs = grp * GROUP + tl.arange(0, GROUP)
+    mask = (rows < M)[:, None] & (offs < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    g = tl.load(x_ptr + r64 * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + r64 * stride_x + I + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(ACT).to(tl.float32)
+    y = tl.where(mask, (act * u).to(ACT).to(tl.float32), 0.0)
+    q, scale = fp8_quant_rows(y, ROUND_FIRST)
+    tl.store(q_ptr + r64 * stride_q + offs[None, :], q, mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + grp, scale, mask=rows < M)
+
+
+_TL_ACT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 2I] (gate | up, row-contiguous, the compute dtype) -> (e4m3 [M, I], fp32 scales [M, ceil(I/128)]):
+    silu(gate) * up with the native op's roundings, quantized per row per 128 channels. The W8A8 MoE's split
+    gate_up (fused_moe.py) writes x; the down GEMM reads the result as the fused gate_up's e4m3 output."""
+    m, two_i = x.shape
+    if two_i % 2 or x.stride(1) != 1 or x.dtype not in _TL_ACT:
+        from deepinfer.errors import BackendError
+
+        raise BackendError(f"silu_mul_quant_fp8: x must be [M, 2I], row-contiguous, 16/32-bit float; got "
+                           f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    inter = two_i // 2
+    g = triton.cdiv(inter, GROUP)
+    q = torch.empty((m, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m:
+        on_gpu = x.device.type == "cuda"
+        rows = 16 if on_gpu else 4
+        _silu_mul_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, inter, x.stride(0), q.stride(0), s.stride(0),
+                                                          ACT=_TL_ACT[x.dtype], ROUND_FIRST=not on_gpu, ROWS=rows,
+                                                          GROUP=GROUP, num_warps=4)
+    return q, s
