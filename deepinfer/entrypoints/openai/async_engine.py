@@ -62,6 +62,11 @@ class _Tracked:
     num_tokens: int = 0
 
 
+def _fails(item: RequestOutput | BaseException) -> bool:
+    """An item of a request's queue that ends it in failure: an exception, or an output the engine failed."""
+    return isinstance(item, BaseException) or item.error is not None
+
+
 @dataclass
 class RequestHandle:
     """What add_request returns: iterate outputs(); abort() when the client goes away."""
@@ -77,12 +82,22 @@ class RequestHandle:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield the newest cumulative output each time the request progresses; abort if left early.
 
-        An output with `error` set (the engine failed this request alone) raises RequestFailedError."""
+        An output with `error` set (the engine failed this request alone) raises RequestFailedError. A failure
+        never supersedes the progress queued before it: the tokens streamed before the failure reach the client
+        first (a consumer that lagged a few steps behind once lost them: the error alone was sent)."""
+        pending = None
         try:
             while not self.finished:
-                item = await self.queue.get()
-                while not self.queue.empty() and not isinstance(item, BaseException):
-                    item = self.queue.get_nowait()  # cumulative: the newest supersedes the rest
+                if pending is not None:
+                    item, pending = pending, None
+                else:
+                    item = await self.queue.get()
+                while not self.queue.empty() and not _fails(item):
+                    nxt = self.queue.get_nowait()  # cumulative: the newest supersedes the rest...
+                    if _fails(nxt):  # ... but a failure waits until the progress before it is yielded
+                        pending = nxt
+                        break
+                    item = nxt
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
