@@ -104,15 +104,15 @@ def test_fp8_gemm_split_k_equals_one_split(m, split):
 
 
 def test_split_k_choice(monkeypatch):
-    """pick_split: off unless DEEPINFER_QUANT_SPLIT_K (or forced), only at decode-sized M on a GPU, only where the
-    grid is short of two programs an SM, enough to reach it but at least two K blocks a split; forced splits are
-    capped at the K blocks."""
+    """pick_split: on by default, off with DEEPINFER_QUANT_SPLIT_K=0 (unless forced), only at decode-sized M on a GPU,
+    only where the grid is short of two programs an SM, enough to reach it but at least two K blocks a split; forced
+    splits are capped at the K blocks."""
     from deepinfer.backends.nvidia.quant.split_k import pick_split
 
-    monkeypatch.delenv("DEEPINFER_QUANT_SPLIT_K", raising=False)
+    monkeypatch.setenv("DEEPINFER_QUANT_SPLIT_K", "0")
     assert pick_split(1, 64, 16, on_gpu=True) == 1
     assert pick_split(1, 64, 16, on_gpu=False, split=4) == 4 and pick_split(1, 64, 3, on_gpu=True, split=8) == 3
-    monkeypatch.setenv("DEEPINFER_QUANT_SPLIT_K", "1")
+    monkeypatch.delenv("DEEPINFER_QUANT_SPLIT_K", raising=False)
     assert pick_split(1, 64, 16, on_gpu=True) == 5  # o_proj at one token: 64 programs -> 320
     assert pick_split(1, 64, 86, on_gpu=True) == 5 and pick_split(1, 18, 16, on_gpu=True) == 8  # kv_a: 8 x 2 blocks
     assert pick_split(1, 64, 3, on_gpu=True) == 1  # too few K blocks for two a split
