@@ -19,7 +19,8 @@ class ChainPlan:
     def _choose_chain(self: SlotPolicy, num_seqs: int) -> int:
         """The L in 1..k with the best tokens per second in steady state, or 0 where none beats plain decoding:
         each chain's gain over plain decoding is its realized one where it and plain decoding were measured at this
-        load (spec/realized_rates.py), else the model's (below, `chain_rates`) times the model's error at the nearest
+        load (spec/realized_rates.py; where plain decoding was not but two chains were, their measured ratio around
+        the model's gain for the most-measured one, `_anchored`), else the model's (below, `chain_rates`) times the model's error at the nearest
         measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
         corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
         proposes another chain only where it beats the measure by more than the model's error (counted in
@@ -44,6 +45,8 @@ class ChainPlan:
         floor = 1.0 / (1.0 + self.pause_margin)
         model = _hold(modelled, floor)
         measured = self.realized.gains(num_seqs, self.k)
+        if not measured:
+            measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:
             return model
         gains = list(modelled)
@@ -70,6 +73,20 @@ class ChainPlan:
             price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
             rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
         return rates
+
+
+def _anchored(modelled: list[float], chains: dict[int, tuple[float, int]]) -> dict[int, float]:
+    """Gains over plain decoding for chains measured against each other at one load where plain decoding was not
+    measured: the most-measured chain keeps the model's gain, the others its gain times their realized rate over
+    its. So the measures order the measured chains, and the model only says how far they are from plain decoding.
+    Why: on an H100 (2026-12-05, 2d6a785) the realized rates at 4 sequences had a chain of 3 at 8,946 tok/s and a
+    chain of 5 at 6,524, no plain step there, and the plan (the model's alone without a plain measure) ran chains
+    of 5 for 41 steps where static k = 3 ran 1.42x of off against k = 5's 1.36x."""
+    if len(chains) < 2:
+        return {}
+    anchor = max(chains, key=lambda c: (chains[c][1], -c))
+    base = chains[anchor][0]
+    return {c: modelled[anchor] * rate / base for c, (rate, _) in chains.items()}
 
 
 def _hold(gains: list[float], floor: float) -> int:

@@ -155,6 +155,19 @@ class RealizedRates:
                     break
         return out
 
+    def chains_at_one_load(self, num_seqs: int, k: int) -> dict[int, tuple[float, int]]:
+        """(realized rate, steps) of each chain 1..k measured and fresh at one load, the load of num_seqs's bucket
+        nearest to it where at least two chains are: chains compared with each other where plain decoding was not
+        measured there (`gains` needs it; a load that never paused has none). Empty where no load has two."""
+        if not self.decides:
+            return {}
+        for load in self._loads_near(num_seqs):
+            got = {c: (self.tokens[(load, c)] / self.seconds[(load, c)], self.counts[(load, c)])
+                   for c in range(1, k + 1) if (load, c) in self.counts and self._trusted((load, c))}
+            if len(got) >= 2:
+                return got
+        return {}
+
     def rows(self) -> list[tuple[int, int, float, int]]:
         """(load, chain, tokens per second, steps), sorted: what benchmarks print."""
         return [(b, c, self.tokens[(b, c)] / self.seconds[(b, c)], self.counts[(b, c)])

@@ -195,6 +195,30 @@ def test_unmeasured_chains_are_priced_by_the_models_error_at_the_nearest_measure
     assert shaped.plan_drafting(4) == 4 and "overruled" not in shaped.decisions  # the model's own choice
 
 
+def test_chains_measured_against_each_other_order_the_plan_without_a_plain_measure():
+    """No plain step at 4 sequences (the load never paused), chains of 3 and 5 measured there with 3 faster (the
+    H100's 8,946 against 6,524 tok/s, 2026-12-05) where the model (every slot accepted, links cheap) prefers 5: the
+    plan leaves 5 for 4 (unmeasured, the model's gain scaled by its error at 3: the model's shape proposes it);
+    with 4 measured slower too, it drafts 3. One chain measured alone, or two at different loads, leave the
+    model's choice."""
+    def policy(observed) -> SlotPolicy:
+        p = policy_with([1.0] * 5, one=0.001, full=0.0012)
+        for _ in range(4):
+            for load, chain, tokens in observed:
+                p.realized.observe(load, chain, tokens, 0.001)
+        return p
+
+    assert policy([]).plan_drafting(4) == 5  # the model alone
+    both = policy([(4, 3, 8.946), (4, 5, 6.524), (4, 5, 6.524)])
+    assert both.realized.gains(4, 5) == {} and set(both.realized.chains_at_one_load(4, 5)) == {3, 5}
+    assert both.plan_drafting(4) == 4 and both.decisions.get("overruled") == 1
+    three = policy([(4, 3, 8.946), (4, 4, 7.5), (4, 5, 6.524), (4, 5, 6.524)])
+    assert three.plan_drafting(4) == 3
+    assert policy([(4, 5, 6.524)]).plan_drafting(4) == 5
+    apart = policy([(4, 3, 8.946), (5, 5, 6.524)])
+    assert apart.realized.chains_at_one_load(4, 5) == {} and apart.plan_drafting(4) == 5
+
+
 def test_a_plan_holds_for_replan_every_steps_at_its_load():
     policy = policy_with([1.0] * 5, one=0.02, full=0.04, replan_every=4)
     assert policy.plan_drafting(4) == 5
