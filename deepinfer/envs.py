@@ -306,15 +306,15 @@ MOE_SHARED_STREAM = EnvVar(
 MOE_FOLD_SHARED_ALIGNED = EnvVar(
     "DEEPINFER_MOE_FOLD_SHARED_ALIGNED", "int", 0,
     "up to this many tokens, quantized shared experts ride in the aligned MoE's grouped GEMMs as extra experts "
-    "(every token, weight 1.0) instead of running as a dense MLP beside them; `0`: never (the default until timed "
-    "on the GPU: docs/quantization.md)",
+    "(every token, weight 1.0) instead of running as a dense MLP beside them; `0`: never (the default: slower at "
+    "batch 256 on an H100, docs/quantization.md)",
     "nvidia", minimum=0, error=BackendError,
 )
 MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS = EnvVar(
     "DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS", "int", 0,
     "above this many routed pairs per expert (prefill), the fp8 W8A8 MoE runs gate_up as one GEMM over both halves "
     "at 128-row tiles, then a SiLU-and-mul + quant kernel, instead of the fused dual GEMM at 64-row tiles; `0`: "
-    "never (the default until timed on the GPU: docs/quantization.md)",
+    "never (the default: 2-4% slower on an H100, docs/quantization.md)",
     "nvidia", minimum=0, error=BackendError,
 )
 INT4_DEQUANT_MIN_M = EnvVar(

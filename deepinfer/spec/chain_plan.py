@@ -20,8 +20,8 @@ class ChainPlan:
         """The L in 1..k with the best tokens per second in steady state, or 0 where none beats plain decoding:
         each chain's gain over plain decoding is its realized one where it and plain decoding were measured at this
         load (spec/realized_rates.py; where plain decoding was not but two chains were, their measured ratio around
-        the model's gain for the most-measured one, `_anchored`), else the model's (below, `chain_rates`) times the model's error at the nearest
-        measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
+        the model's gain for the most-measured one, `_anchored`), else the model's (below, `chain_rates`) times the
+        model's error at the nearest measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
         corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone).

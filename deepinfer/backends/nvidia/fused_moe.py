@@ -143,7 +143,8 @@ def split_gate_up(num_pairs: int, num_experts: int, scheme: str | None, inter: i
     warps) and runs at 64 rows, where the W8A8 GEMMs reach about bf16's rate at prefill sizes (2,323 us a layer at
     16384 tokens, H200 2026-12-04); one accumulator at 128 rows does not spill (251 registers at 8 warps), at the
     cost of the [pairs, 2I] intermediate's round trip. Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs
-    per expert (0: never, the default until timed), and only where I is whole 128-blocks (the gate's and the up's
+    per expert (0: never, the default: on an H100, 2026-12-05, the whole fused_moe ran 2-4% slower split at 4,096
+    and 16,384 tokens, docs/perf-log/2026-12-05-session20-h100.md), and only where I is whole 128-blocks (the gate's and the up's
     weight-scale rows then follow one another, so one GEMM reads both halves' scales by row // 128)."""
     limit = envs.MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS.get()
     return (scheme in FP8_ACT and limit > 0 and inter % 128 == 0
