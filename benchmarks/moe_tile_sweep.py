@@ -1,7 +1,7 @@
 """Tile sweep of the MoE grouped GEMMs per weight scheme, each GEMM timed on its own (issue 18).
 
     python -m benchmarks.moe_tile_sweep [--schemes bf16,fp8_w8a8,int4_awq] [--aligned-tokens 256,1024,16384]
-                                        [--direct-tokens 1,4] [--json out.jsonl] [--dry-run]
+                                        [--direct-tokens 1,4] [--block-ms 64,128] [--json out.jsonl] [--dry-run]
 
 Why: quant_gemm's MoE table times the whole fused_moe at the engine's tiles; the fp8 W8A8 aligned GEMMs streamed
 the experts at about half the copy bandwidth at 256 tokens (docs/quantization.md), and the int4 direct GEMMs at
@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--schemes", default="bf16,fp8_w8a8,int4_awq")
     ap.add_argument("--aligned-tokens", default="256,1024,16384")
     ap.add_argument("--direct-tokens", default="1,4")
+    ap.add_argument("--block-ms", default=None, help="aligned BLOCK_M values to sweep (default: those the tokens make "
+                    "sensible out of 16, 32, 64, 128)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no timing")
     args = ap.parse_args(argv)
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         DIRECT_TILES = [(32, 16, 4, 1), (128, 128, 4, 1)]
         GEMV_TILES = [(16, 64, 2, 1)]
         args.aligned_tokens, args.direct_tokens = "40", "1"
+    if args.block_ms:
+        ALIGNED_BLOCK_M = tuple(int(v) for v in args.block_ms.split(","))
     out: list[dict] = []
     toks = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     for scheme in args.schemes.split(","):

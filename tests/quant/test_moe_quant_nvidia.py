@@ -116,6 +116,32 @@ def test_w8a8_oracle_quantizes_the_activations():
     assert 1e-3 < rel < 0.1, rel
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_w8a8_scalar_weight_scale_promotion_is_bitwise_the_per_column_one(swap_ab):
+    """The W8A8 K loop's promotion with one weight scale a tile (fused_moe_mainloop._fp8_b_scale, BS_SCALAR: BLOCK_N
+    divides 128) against the per-column scales a 256-wide tile takes: the same fp32 factor a_s * b_s each element,
+    so the same bits. The down projection, N 320 (three 128-row scale blocks: 32-row tiles read scale rows 0-2),
+    K 200 (two K blocks, the second partial), 8 pairs over 4 experts at BLOCK_M 16."""
+    from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm
+    from deepinfer.backends.nvidia.moe_routing import moe_align
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
+
+    q, _, _ = make_experts("fp8_w8a8", 200, hidden=320, device=DEVICE)
+    _, ids = routing(4, device=DEVICE)
+    n = ids.numel()
+    aq, a_s = quantize_act_fp8(torch.randn(n, 200, generator=torch.Generator().manual_seed(8)).to(DEVICE))
+    sorted_ids, expert_ids, num_padded = moe_align(ids, 4, 16)
+    outs = []
+    for bn in (32, 256):
+        out = torch.full((n, 320), float("nan"), device=DEVICE)
+        aligned_gemm(aq, q.w2, out, sorted_ids, expert_ids, num_padded, n, 1, 16, scale=q.w2_scale,
+                     scheme="fp8_w8a8", a_scale=a_s, act_dtype=torch.float32,
+                     cfg={"block_n": bn, "block_k": 128, "num_warps": 4, "num_stages": 1, "swap_ab": swap_ab})
+        outs.append(out)
+    assert not outs[0].isnan().any() and outs[0].abs().max() > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="real shapes need the GPU")
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_w8a8", "fp4", "int4_awq"])

@@ -56,22 +56,48 @@ def _load_w(b_base, q_base, z_base, rows, k0, kk, kmask, nmask, stride_bn, strid
 
 
 @triton.jit
-def _fp8_step(acc, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk):
-    """acc + (a @ B[brows, kk]^T) * a_s * b_s: one 128-wide K block of the W8A8 product."""
-    b = tl.load(b_base + brows[None, :] * stride_bn + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-    b_s = tl.load(q_base + (brows // 128) * stride_qn + (k0 // 128) * stride_qk, mask=nmask, other=0.0)
-    return acc + tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+def _fp8_b_scale(q_base, brows, n_blk, k0, nmask, stride_qn, stride_qk, BS_SCALAR: tl.constexpr):
+    """The weight's 128x128 block scales b_s of one 128-wide K block, for the promotion of its product.
+
+    BS_SCALAR (BLOCK_N divides 128 and the tile starts at a multiple of BLOCK_N: every caller's offs_n): all the
+    tile's weight rows sit in one 128-row scale block n_blk, so b_s is one scalar, the promotion factor a_s * b_s a
+    vector over the routed rows, and the promotion one FMA an element. Else b_s is one per column and the factor
+    the outer product a_s x b_s, a multiply an element more in the K loop, where the W8A8 mainloop spends its
+    non-MMA time. Both give each element the same fp32 factor a_s[m] * b_s[n]: the same results bit for bit."""
+    if BS_SCALAR:
+        b_s = tl.load(q_base + n_blk * stride_qn + (k0 // 128) * stride_qk)
+    else:
+        b_s = tl.load(q_base + (brows // 128) * stride_qn + (k0 // 128) * stride_qk, mask=nmask, other=0.0)
+    return b_s
 
 
 @triton.jit
-def _fp8_step_swapped(acc, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk):
+def _fp8_step(acc, a, a_s, b_base, q_base, brows, n_blk, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
+              BS_SCALAR: tl.constexpr):
+    """acc + (a @ B[brows, kk]^T) * a_s * b_s: one 128-wide K block of the W8A8 product."""
+    b = tl.load(b_base + brows[None, :] * stride_bn + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+    b_s = _fp8_b_scale(q_base, brows, n_blk, k0, nmask, stride_qn, stride_qk, BS_SCALAR)
+    if BS_SCALAR:
+        out = acc + tl.dot(a, b) * (a_s * b_s)[:, None]
+    else:
+        out = acc + tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+    return out
+
+
+@triton.jit
+def _fp8_step_swapped(acc, a, a_s, b_base, q_base, brows, n_blk, k0, kk, kmask, nmask, stride_bn, stride_qn,
+                      stride_qk, BS_SCALAR: tl.constexpr):
     """_fp8_step with the operands swapped: acc [BLOCK_N, BLOCK_M] + (B[brows, kk] @ a^T) * b_s * a_s. The weight
     rows fill the MMA's M (64 per warpgroup: the fp8 wgmma, QGMMA) and the few routed rows its N (16 / 32), where
     the unswapped tile below BLOCK_M 64 runs mma.sync on e4m3 converted to fp16 (swap-AB, as small-batch fp8 MoE
     kernels do). Both operands stay K-major, as the fp8 wgmma requires."""
     b = tl.load(b_base + brows[:, None] * stride_bn + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    b_s = tl.load(q_base + (brows // 128) * stride_qn + (k0 // 128) * stride_qk, mask=nmask, other=0.0)
-    return acc + tl.dot(b, tl.trans(a)) * (b_s[:, None] * a_s[None, :])
+    b_s = _fp8_b_scale(q_base, brows, n_blk, k0, nmask, stride_qn, stride_qk, BS_SCALAR)
+    if BS_SCALAR:
+        out = acc + tl.dot(b, tl.trans(a)) * (a_s * b_s)[None, :]
+    else:
+        out = acc + tl.dot(b, tl.trans(a)) * (b_s[:, None] * a_s[None, :])
+    return out
 
 
 @triton.jit
@@ -89,6 +115,8 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     brows = offs_n.to(tl.int64)
     ACT = a_ptr.dtype.element_ty
+    BS_SCALAR: tl.constexpr = BLOCK_N <= 128  # BLOCK_N a power of two: it divides 128 (_fp8_b_scale)
+    n_blk = tl.min(brows, 0) // 128  # the tile's scale row when BS_SCALAR
     if SWAP_AB:
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -120,17 +148,17 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
                 x = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                 a, a_s = fp8_quant_rows(x, ROUND_FIRST)
             if SWAP_AB:
-                acc_g = _fp8_step_swapped(acc_g, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn,
-                                          stride_qn, stride_qk)
+                acc_g = _fp8_step_swapped(acc_g, a, a_s, b_base, q_base, brows, n_blk, k0, kk, kmask, nmask,
+                                          stride_bn, stride_qn, stride_qk, BS_SCALAR)
                 if DUAL:
-                    acc_u = _fp8_step_swapped(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, k0, kk, kmask,
-                                              nmask, stride_bn, stride_qn, stride_qk)
+                    acc_u = _fp8_step_swapped(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, n_blk, k0, kk,
+                                              kmask, nmask, stride_bn, stride_qn, stride_qk, BS_SCALAR)
             else:
-                acc_g = _fp8_step(acc_g, a, a_s, b_base, q_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn,
-                                  stride_qk)
+                acc_g = _fp8_step(acc_g, a, a_s, b_base, q_base, brows, n_blk, k0, kk, kmask, nmask, stride_bn,
+                                  stride_qn, stride_qk, BS_SCALAR)
                 if DUAL:
-                    acc_u = _fp8_step(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, k0, kk, kmask, nmask,
-                                      stride_bn, stride_qn, stride_qk)
+                    acc_u = _fp8_step(acc_u, a, a_s, b_base + u_off, q_base + uq_off, brows, n_blk, k0, kk, kmask,
+                                      nmask, stride_bn, stride_qn, stride_qk, BS_SCALAR)
         a_ptrs += BLOCK_K
     if SWAP_AB:  # one return: the compiler types every return statement, even in a constexpr branch not taken
         out_g = tl.trans(acc_g)
