@@ -287,6 +287,12 @@ MOE_FUSED_COMBINE = EnvVar(
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",
     "nvidia",
 )
+MOE_GROUP_M = EnvVar(
+    "DEEPINFER_MOE_GROUP_M", "int", 0,
+    "aligned MoE GEMMs: row tiles that run all their column tiles before the next group (`0`: every row tile "
+    "before the next column tile)",
+    "nvidia", minimum=0, error=BackendError,
+)
 MOE_BLOCK_M = EnvVar(
     "DEEPINFER_MOE_BLOCK_M", "int", None,
     "rows per aligned MoE tile: `16`, `32`, `64` or `128`",

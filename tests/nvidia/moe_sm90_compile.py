@@ -97,8 +97,9 @@ def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False):
               "UPCAST": False,
               "PREC": "ieee" if dt == "fp32" else None, **qconsts, "A_MODE": 1 if w8a8 else 0,
               "ACT_FP8_OUT": w8a8 and dual, "ACT": TL[dt], "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
-              "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False)}
+              "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False), "GROUP_M": cfg.get("group_m", 0)}
     sig.update({k: "constexpr" for k in consts})
+    sig["num_m"] = "i32"
     label = "split gate_up" if split_gate_up else f"dual={dual}"
     compile_one(f"aligned {dt} {scheme or 'dense'} {label} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
                 consts, cfg["num_warps"], cfg["num_stages"])
@@ -119,6 +120,8 @@ def main() -> None:
             aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
     for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
+    # the grouped program order (DEEPINFER_MOE_GROUP_M)
+    aligned("bf16", True, 64, dict(g.gemm_config(64, True, "fp8_w8a8"), group_m=8), scheme="fp8_w8a8")
     # the split W8A8 gate_up at prefill sizes (fused_moe.split_gate_up: 128 rows, one accumulator) and the
     # SiLU-and-mul + quant kernel between it and the down GEMM
     aligned("bf16", False, fm.SPLIT_GATE_UP_BLOCK_M, cfgs.split_gate_up_config(fm.SPLIT_GATE_UP_BLOCK_M),

@@ -120,7 +120,7 @@ def test_w8a8_oracle_quantizes_the_activations():
 def test_w8a8_scalar_weight_scale_promotion_is_bitwise_the_per_column_one(swap_ab):
     """The W8A8 K loop's promotion with one weight scale a tile (fused_moe_mainloop._fp8_b_scale, BS_SCALAR: BLOCK_N
     divides 128) against the per-column scales a 256-wide tile takes: the same fp32 factor a_s * b_s each element,
-    so the same bits. The down projection, N 320 (three 128-row scale blocks: 32-row tiles read scale rows 0-2),
+    so the same bits; so does the grouped program order. The down projection, N 320 (three 128-row scale blocks: 32-row tiles read scale rows 0-2),
     K 200 (two K blocks, the second partial), 8 pairs over 4 experts at BLOCK_M 16."""
     from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm
     from deepinfer.backends.nvidia.moe_routing import moe_align
@@ -132,14 +132,18 @@ def test_w8a8_scalar_weight_scale_promotion_is_bitwise_the_per_column_one(swap_a
     aq, a_s = quantize_act_fp8(torch.randn(n, 200, generator=torch.Generator().manual_seed(8)).to(DEVICE))
     sorted_ids, expert_ids, num_padded = moe_align(ids, 4, 16)
     outs = []
-    for bn in (32, 256):
+    for bn, group_m in ((32, 0), (256, 0), (32, 3)):
         out = torch.full((n, 320), float("nan"), device=DEVICE)
         aligned_gemm(aq, q.w2, out, sorted_ids, expert_ids, num_padded, n, 1, 16, scale=q.w2_scale,
                      scheme="fp8_w8a8", a_scale=a_s, act_dtype=torch.float32,
-                     cfg={"block_n": bn, "block_k": 128, "num_warps": 4, "num_stages": 1, "swap_ab": swap_ab})
+                     cfg={"block_n": bn, "block_k": 128, "num_warps": 4, "num_stages": 1, "swap_ab": swap_ab,
+                          "group_m": group_m})
         outs.append(out)
     assert not outs[0].isnan().any() and outs[0].abs().max() > 0
     assert torch.equal(outs[0], outs[1])
+    # the grouped program order (DEEPINFER_MOE_GROUP_M: 3 row tiles a group, the last group short) computes every
+    # tile once, the same bits
+    assert torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.gpu
