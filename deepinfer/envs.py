@@ -288,9 +288,9 @@ MOE_FUSED_COMBINE = EnvVar(
     "nvidia",
 )
 MOE_GROUP_M = EnvVar(
-    "DEEPINFER_MOE_GROUP_M", "int", 0,
+    "DEEPINFER_MOE_GROUP_M", "int", 8,
     "aligned MoE GEMMs: row tiles that run all their column tiles before the next group (`0`: every row tile "
-    "before the next column tile)",
+    "before the next column tile, slower at prefill sizes)",
     "nvidia", minimum=0, error=BackendError,
 )
 MOE_BLOCK_M = EnvVar(

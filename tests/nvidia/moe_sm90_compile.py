@@ -122,6 +122,7 @@ def main() -> None:
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
     # the grouped program order (DEEPINFER_MOE_GROUP_M)
     aligned("bf16", True, 64, dict(g.gemm_config(64, True, "fp8_w8a8"), group_m=8), scheme="fp8_w8a8")
+    aligned("bf16", True, 128, g.gemm_config(128, True, "fp8_w8a8"), scheme="fp8_w8a8")  # the prefill gate_up
     # the split W8A8 gate_up at prefill sizes (fused_moe.split_gate_up: 128 rows, one accumulator) and the
     # SiLU-and-mul + quant kernel between it and the down GEMM
     aligned("bf16", False, fm.SPLIT_GATE_UP_BLOCK_M, cfgs.split_gate_up_config(fm.SPLIT_GATE_UP_BLOCK_M),

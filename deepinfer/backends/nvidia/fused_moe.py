@@ -111,14 +111,20 @@ def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) ->
 # benchmarks/moe_tile_sweep.py at 16384 tokens, 1536 pairs an expert) gate_up 2585 -> 2102 us and down 1607 ->
 # 1190 us a layer against BLOCK_M 64. Sizes between 64 and this were not swept with 128: they keep 64.
 BF16_BLOCK_M_128_MIN_PAIRS = 512
+# fp8 W8A8 experts: the gate_up takes 128-row tiles above this many routed pairs per expert, the down GEMM keeps 64
+# over the same alignment (w8a8_down_block_m). Since the K loop's promotion is one FMA an element (one weight
+# scale a tile, fused_moe_mainloop._fp8_b_scale) the dual gate_up program fits 128 rows (255 registers, 24 bytes of
+# stack at 8 warps); on an H100 (2026-12-05, benchmarks/moe_tile_sweep.py at 16384 tokens) gate_up 1,885 -> 1,486
+# us a layer against BLOCK_M 64, while the down GEMM ran 1,446 us at 64 rows and 1,528 at 128 (its best tiles).
+W8A8_BLOCK_M_128_MIN_PAIRS = 512
 
 
 def pick_block_m(num_pairs: int, num_experts: int, scheme: str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> int:
     """Rows per aligned tile: an expert with more routed pairs than this re-reads its weights per tile.
-    16-bit experts (scheme None, bf16 / fp16) go to 128 at prefill sizes (fp32 tiles of that size would not fit
-    shared memory); the quantized schemes stay at 64 there (W8A8's gate_up at BLOCK_M 128 ran at half the speed
-    of 64 in the same sweep: its dual fp8 accumulators spill).
+    16-bit experts (scheme None, bf16 / fp16) and fp8 W8A8 ones (its gate_up; the down GEMM: w8a8_down_block_m) go
+    to 128 at prefill sizes (fp32 tiles of that size would not fit shared memory); the weight-only quantized schemes
+    stay at 64 there (not swept at 128).
     DEEPINFER_MOE_BLOCK_M (16, 32, 64 or 128) overrides it for A/B runs on skewed routing."""
     if interpreting():
         return 16
@@ -128,12 +134,21 @@ def pick_block_m(num_pairs: int, num_experts: int, scheme: str | None = None,
     per_expert = num_pairs / max(1, num_experts)
     if scheme is None and dtype in (torch.bfloat16, torch.float16) and per_expert > BF16_BLOCK_M_128_MIN_PAIRS:
         return 128
+    if scheme in FP8_ACT and per_expert > W8A8_BLOCK_M_128_MIN_PAIRS:
+        return 128
     return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
 # the split W8A8 gate_up's rows per tile (the down GEMM keeps 64: W8A8's down at 4 warps, its best in the H200
 # sweep of 2026-12-04 at 16384 tokens); the interpreter's: 32 and 16
 SPLIT_GATE_UP_BLOCK_M = 128
+
+
+def w8a8_down_block_m(block_m: int) -> int:
+    """Rows per tile of the W8A8 down GEMM over an alignment made at block_m: 64 under 128-row gate_up tiles
+    (W8A8_BLOCK_M_128_MIN_PAIRS; each 128-row block's expert id is repeated for its two halves), else block_m.
+    DEEPINFER_MOE_BLOCK_M keeps both GEMMs at the rows it sets."""
+    return 64 if block_m == 128 and envs.MOE_BLOCK_M.get() is None else block_m
 
 
 def split_gate_up(num_pairs: int, num_experts: int, scheme: str | None, inter: int) -> bool:
@@ -289,7 +304,9 @@ def fused_moe(
             act_s = torch.empty((n, triton.cdiv(two_i // 2, 128)), dtype=torch.float32, device=x.device)
             aligned_gemm(xq, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, a_scale=xs,
                          out_scale=act_s, act_dtype=x.dtype, **q13)
-            aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1),
+            down_m = w8a8_down_block_m(block_m)
+            down_ids = expert_ids.repeat_interleave(block_m // down_m) if down_m != block_m else expert_ids
+            aligned_gemm(act, w2, y, sorted_ids, down_ids, num_padded, n, 1, down_m, weights.view(-1),
                          a_scale=act_s, act_dtype=x.dtype, **q2)
     else:
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)

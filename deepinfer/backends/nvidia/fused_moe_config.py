@@ -91,6 +91,10 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
         swap = w8a8_swap_ab(block_m)
         if cfg is None and swap and block_m <= SWAP_AB_MAX_BLOCK_M:
             cfg = W8A8_SWAPPED_TILES[dual]
+        elif cfg is None and block_m >= 128:  # the prefill gate_up (fused_moe.W8A8_BLOCK_M_128_MIN_PAIRS): the H100
+            # sweep's best at 16384 tokens (2026-12-05); the down GEMM's 128-row tile, which fused_moe does not
+            # pick by default, at its best there
+            cfg = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4}
         elif cfg is None:  # down at 4 warps: 1984 -> 1370 us a layer at 16384 tokens (sweep, H200 2026-12-04)
             cfg = ({"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3} if dual
                    else {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3})
