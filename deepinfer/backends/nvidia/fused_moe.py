@@ -154,10 +154,11 @@ def w8a8_down_block_m(block_m: int) -> int:
 def split_gate_up(num_pairs: int, num_experts: int, scheme: str | None, inter: int) -> bool:
     """Whether the aligned W8A8 experts run gate_up as one GEMM over both halves (2I columns, one fp32 accumulator
     at 128-row tiles) and a separate SiLU-and-mul + quant kernel, instead of the dual GEMM that quantizes in its
-    epilogue. Why: the dual program holds two accumulators, so at 128 rows it spills (sm_90 compile: 312 bytes at 8
-    warps) and runs at 64 rows, where the W8A8 GEMMs reach about bf16's rate at prefill sizes (2,323 us a layer at
-    16384 tokens, H200 2026-12-04); one accumulator at 128 rows does not spill (251 registers at 8 warps), at the
-    cost of the [pairs, 2I] intermediate's round trip. Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs
+    epilogue. Why it was built: the dual program holds two accumulators, so at 128 rows it spilled (sm_90 compile:
+    312 bytes at 8 warps) and ran at 64 rows, where the W8A8 GEMMs reached about bf16's rate at prefill sizes
+    (2,323 us a layer at 16384 tokens, H200 2026-12-04); one accumulator at 128 rows does not spill, at the cost of
+    the [pairs, 2I] intermediate's round trip. Since the promotion is one FMA an element (fused_moe_mainloop.
+    _fp8_b_scale) the dual program itself runs 128 rows at prefill sizes (W8A8_BLOCK_M_128_MIN_PAIRS). Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs
     per expert (0: never, the default: on an H100, 2026-12-05, the whole fused_moe ran 2-4% slower split at 4,096
     and 16,384 tokens, docs/perf-log/2026-12-05-session20-h100.md), and only where I is whole 128-blocks (the gate's and the up's
     weight-scale rows then follow one another, so one GEMM reads both halves' scales by row // 128)."""

@@ -73,9 +73,10 @@ def gemm_config(block_m: int, dual: bool = False, scheme: str | None = None, gro
     gate_up program keeps BN = 128 per half: its epilogue quantizes the SiLU-and-mul output per token per
     128 channels, one channel group per program, so the down GEMM reads e4m3 (half the bytes) and needs no
     quantization pass. 8 warps: with 4, the gate_up program spills at BLOCK_M 32 and 64 (sm_90 compile of
-    Triton 3.9: 255 registers + 152 / 472 bytes of stack; 8 warps: 216 / 254 registers, no stack). The
-    down program takes 4 warps at BLOCK_M 64 (241 registers, no stack; 160 with 8, but 1.45x slower at 16384
-    tokens in the H200 sweep of 2026-12-04). BLOCK_M 64 runs QGMMA (fp8 wgmma). Below 64
+    Triton 3.9 before the one-FMA promotion of 2026-12-05: 255 registers + 152 / 472 bytes of stack; 8 warps:
+    216 / 254 registers, no stack; since: 182 at BLOCK_M 64, and BLOCK_M 128 at 255 + 24 bytes, the prefill
+    gate_up). The down program takes 4 warps at BLOCK_M 64 (238 registers, no stack; 8 warps were 1.45x slower at
+    16384 tokens in the H200 sweep of 2026-12-04). BLOCK_M 64 and 128 run QGMMA (fp8 wgmma). Below 64
     the unswapped tile would convert the e4m3 tiles to fp16 for mma.sync (HMMA); those tiles swap their operands
     instead (w8a8_swap_ab: QGMMA with the routed rows as N) and take W8A8_SWAPPED_TILES, the sweep's best
     (gate_up at 4 warps: 255 registers, no stack, in the sm_90 compile of Triton 3.9).
