@@ -319,8 +319,9 @@ MOE_FOLD_SHARED_ALIGNED = EnvVar(
 MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS = EnvVar(
     "DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS", "int", 0,
     "above this many routed pairs per expert (prefill), the fp8 W8A8 MoE runs gate_up as one GEMM over both halves "
-    "at 128-row tiles, then a SiLU-and-mul + quant kernel, instead of the fused dual GEMM at 64-row tiles; `0`: "
-    "never (the default: 2-4% slower on an H100, docs/quantization.md)",
+    "at 128-row tiles, then a SiLU-and-mul + quant kernel, instead of the fused dual GEMM (which quantizes in its "
+    "epilogue); `0`: never (the default: 2-4% slower on an H100 than the dual GEMM at 64-row tiles, "
+    "docs/quantization.md; the dual GEMM runs 128-row tiles there since)",
     "nvidia", minimum=0, error=BackendError,
 )
 INT4_DEQUANT_MIN_M = EnvVar(
