@@ -144,6 +144,12 @@ def pick_block_m(num_pairs: int, num_experts: int, scheme: str | None = None,
 SPLIT_GATE_UP_BLOCK_M = 128
 
 
+def subdivided_ids(expert_ids: torch.Tensor, block_m: int, tile_m: int) -> torch.Tensor:
+    """The expert id of each tile_m-row tile of an alignment made at block_m rows (tile_m divides block_m): each
+    block's id repeated block_m / tile_m times (expert_ids itself when the tiles are the blocks)."""
+    return expert_ids.repeat_interleave(block_m // tile_m) if tile_m != block_m else expert_ids
+
+
 def w8a8_down_block_m(block_m: int) -> int:
     """Rows per tile of the W8A8 down GEMM over an alignment made at block_m: 64 under 128-row gate_up tiles
     (W8A8_BLOCK_M_128_MIN_PAIRS; each 128-row block's expert id is repeated for its two halves), else block_m.
@@ -157,11 +163,12 @@ def split_gate_up(num_pairs: int, num_experts: int, scheme: str | None, inter: i
     epilogue. Why it was built: the dual program holds two accumulators, so at 128 rows it spilled (sm_90 compile:
     312 bytes at 8 warps) and ran at 64 rows, where the W8A8 GEMMs reached about bf16's rate at prefill sizes
     (2,323 us a layer at 16384 tokens, H200 2026-12-04); one accumulator at 128 rows does not spill, at the cost of
-    the [pairs, 2I] intermediate's round trip. Since the promotion is one FMA an element (fused_moe_mainloop.
-    _fp8_b_scale) the dual program itself runs 128 rows at prefill sizes (W8A8_BLOCK_M_128_MIN_PAIRS). Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs
-    per expert (0: never, the default: on an H100, 2026-12-05, the whole fused_moe ran 2-4% slower split at 4,096
-    and 16,384 tokens, docs/perf-log/2026-12-05-session20-h100.md), and only where I is whole 128-blocks (the gate's and the up's
-    weight-scale rows then follow one another, so one GEMM reads both halves' scales by row // 128)."""
+    the [pairs, 2I] intermediate's round trip. Since the promotion is one FMA an element
+    (fused_moe_mainloop._fp8_b_scale) the dual program itself runs 128 rows at prefill sizes
+    (W8A8_BLOCK_M_128_MIN_PAIRS). Above DEEPINFER_MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS routed pairs per expert (0:
+    never, the default: on an H100, 2026-12-05, the whole fused_moe ran 2-4% slower split at 4,096 and 16,384
+    tokens, docs/perf-log/2026-12-05-session20-h100.md), and only where I is whole 128-blocks (the gate's and the
+    up's weight-scale rows then follow one another, so one GEMM reads both halves' scales by row // 128)."""
     limit = envs.MOE_W8A8_SPLIT_GATE_UP_MIN_PAIRS.get()
     return (scheme in FP8_ACT and limit > 0 and inter % 128 == 0
             and num_pairs / max(1, num_experts) > limit)
@@ -190,9 +197,8 @@ def _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n,
     aligned_gemm(xq, w13, inter, sorted_ids, expert_ids, num_padded, n, k, block_m, a_scale=xs, act_dtype=act_dtype,
                  cfg=split_gate_up_config(block_m), **q13)
     act, act_s = silu_mul_quant_fp8(inter)
-    down_ids = expert_ids.repeat_interleave(block_m // down_block_m) if down_block_m != block_m else expert_ids
-    aligned_gemm(act, w2, y, sorted_ids, down_ids, num_padded, n, 1, down_block_m, weights.view(-1), a_scale=act_s,
-                 act_dtype=act_dtype, **q2)
+    aligned_gemm(act, w2, y, sorted_ids, subdivided_ids(expert_ids, block_m, down_block_m), num_padded, n, 1,
+                 down_block_m, weights.view(-1), a_scale=act_s, act_dtype=act_dtype, **q2)
 
 
 def align_skipping(align: Callable, topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -306,9 +312,8 @@ def fused_moe(
             aligned_gemm(xq, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, a_scale=xs,
                          out_scale=act_s, act_dtype=x.dtype, **q13)
             down_m = w8a8_down_block_m(block_m)
-            down_ids = expert_ids.repeat_interleave(block_m // down_m) if down_m != block_m else expert_ids
-            aligned_gemm(act, w2, y, sorted_ids, down_ids, num_padded, n, 1, down_m, weights.view(-1),
-                         a_scale=act_s, act_dtype=x.dtype, **q2)
+            aligned_gemm(act, w2, y, sorted_ids, subdivided_ids(expert_ids, block_m, down_m), num_padded, n, 1,
+                         down_m, weights.view(-1), a_scale=act_s, act_dtype=x.dtype, **q2)
     else:
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)
