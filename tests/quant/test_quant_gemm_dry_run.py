@@ -24,3 +24,22 @@ def test_quant_gemm_dry_run_prints_its_tables():
     for shape, m in (("q_proj", 1), ("q_proj", 70), ("dense_down", 70)):
         assert any(line.split()[:2] == [shape, str(m)] for line in out.splitlines()), out
     assert sum(line.split()[:1] in (["1"], ["40"]) for line in out.splitlines()) == 2, out  # both MoE rows
+
+
+def test_moe_tile_sweep_dry_run_names_each_gemms_default(tmp_path):
+    """benchmarks/moe_tile_sweep.py --dry-run: every tile row and one summary per (scheme, schedule, tokens, GEMM),
+    each aligned summary with the rows the engine would run that GEMM at (the interpreter's 16 for both)."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / "sweep.jsonl"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.moe_tile_sweep", "--dry-run", "--schemes",
+                          "bf16,fp8_w8a8", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    summaries = [r for r in rows if r.get("summary")]
+    assert {(r["scheme"], r["schedule"], r["gemm"]) for r in summaries} == {
+        (s, sched, g) for s in ("bf16", "fp8_w8a8") for sched in ("direct", "aligned") for g in ("gate_up", "down")}
+    assert all(r["default_block_m"] == 16 for r in summaries if r["schedule"] == "aligned")
+    assert any(not r.get("summary") and r["scheme"] == "fp8_w8a8" and r["gemm"] == "down" for r in rows)
