@@ -146,7 +146,8 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
                         default2 = us
             if block_m == default_ms[gemm] and not any(r["cfg"] == default_cfg and r["block_m"] == block_m
                                                        for r in rows):
-                us = _time(lambda i, fn=fn, c=default_cfg: fn(i, c), 1, reps)  # the default is not in the candidate list
+                # the default is not in the candidate list
+                us = _time(lambda i, fn=fn, c=default_cfg: fn(i, c), 1, reps)
                 if gemm == "gate_up":
                     default13 = us
                 else:
