@@ -45,6 +45,7 @@ from deepinfer.backends.nvidia.fused_moe_config import (  # noqa: F401  (interpr
 )
 from deepinfer.backends.nvidia.fused_moe_gemv import int4_gemv
 from deepinfer.backends.nvidia.fused_moe_mainloop import _epilogue, _mainloop, _store_fp8_rows
+from deepinfer.backends.nvidia.quant.tiles import TL_DTYPES
 from deepinfer.errors import BackendError
 
 
@@ -225,9 +226,6 @@ def _direct_gemm_kernel(
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def _a_mode(scheme: str | None, a: torch.Tensor, a_scale: torch.Tensor | None) -> int:
     """0: A in the compute dtype (dense / W8A16 / W4A16); 1: A e4m3 with a_scale; 2: quantized on load."""
     if scheme not in FP8_ACT:
@@ -300,7 +298,7 @@ def aligned_gemm(
         out_scale if fp8_out else q, out_scale.stride(0) if fp8_out else 0,
         A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(act), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=_TL_DTYPES[act],
+        GROUP=group_size, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap, num_m=num_m,
         GROUP_M=group_m, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

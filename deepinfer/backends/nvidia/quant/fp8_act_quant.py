@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows
+from deepinfer.backends.nvidia.quant.tiles import TL_DTYPES, fp8_quant_rows
+from deepinfer.errors import BackendError
 
 GROUP = 128
 
@@ -82,17 +83,12 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, I, stride_x, stride_q, stride
     tl.store(s_ptr + rows.to(tl.int64) * stride_s + grp, scale, mask=rows < M)
 
 
-_TL_ACT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2I] (gate | up, row-contiguous, the compute dtype) -> (e4m3 [M, I], fp32 scales [M, ceil(I/128)]):
     silu(gate) * up with the native op's roundings, quantized per row per 128 channels. The W8A8 MoE's split
     gate_up (fused_moe.py) writes x; the down GEMM reads the result as the fused gate_up's e4m3 output."""
     m, two_i = x.shape
-    if two_i % 2 or x.stride(1) != 1 or x.dtype not in _TL_ACT:
-        from deepinfer.errors import BackendError
-
+    if two_i % 2 or x.stride(1) != 1 or x.dtype not in TL_DTYPES:
         raise BackendError(f"silu_mul_quant_fp8: x must be [M, 2I], row-contiguous, 16/32-bit float; got "
                            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
     inter = two_i // 2
@@ -103,6 +99,6 @@ def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         on_gpu = x.device.type == "cuda"
         rows = 16 if on_gpu else 4
         _silu_mul_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, inter, x.stride(0), q.stride(0), s.stride(0),
-                                                          ACT=_TL_ACT[x.dtype], ROUND_FIRST=not on_gpu, ROWS=rows,
+                                                          ACT=TL_DTYPES[x.dtype], ROUND_FIRST=not on_gpu, ROWS=rows,
                                                           GROUP=GROUP, num_warps=4)
     return q, s

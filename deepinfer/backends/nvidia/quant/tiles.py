@@ -26,8 +26,12 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# the compute dtypes a kernel's ACT constexpr takes, by torch dtype (the MoE GEMMs, the SiLU-and-mul quant)
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
