@@ -2,7 +2,7 @@
 grouped GEMMs (docs/quantization.md "Speed").
 
     python -m benchmarks.quant_gemm [--only dense,moe] [--m 1,16,64,256,1024,16384] [--tokens 1,64,256,1024,16384]
-                                    [--sweep] [--json out.jsonl]
+                                    [--sweep] [--splits 1,2,4,8] [--shapes o_proj,...] [--json out.jsonl]
 
 Times are device time: `reps` calls captured in one CUDA graph and replayed, divided by reps (the engine runs
 decode under CUDA graphs; timing eager calls measures Triton's Python launch path, 20-60 us per launch, which is
@@ -16,7 +16,10 @@ multiple of 128: V2-Lite's dense down_proj, K 10944), both paths timed: `int4 k`
 `int4 dq` dequantize-then-cuBLAS (the engine switches at DEEPINFER_INT4_DEQUANT_MIN_M).
 moe: fused_moe (alignment + both grouped GEMMs + combine, routing excluded) over 64 experts, top-6, hidden
 2048, intermediate 1408, random uniform routing: bf16, fp8 W8A16 (fp8_block), fp8 W8A8 (fp8_w8a8), int4 AWQ g128.
---sweep: per (dense shape, M) also the best of a small tile list for the fp8 and int4 kernels (`tile=`).
+--sweep: per (dense shape, M) also the best of a small tile list for the fp8 and int4 kernels (`tile=`); for fp8
+over the K splits of --splits too (quant/split_k.py, `split=`), twice: x quantized by the separate kernel (its time
+included, as in the `fp8` column above the fused size) and, up to 256 rows, x quantized inside the GEMM.
+--shapes: only these dense shapes (DENSE's names; q_kv_a is q_proj and kv_a_proj fused, as the engine runs them).
 Prints one JSON line per row and a table last.
 """
 
@@ -29,7 +32,8 @@ import torch
 
 from benchmarks.graph_timing import rotating_graph_us
 
-DENSE = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048), "shared_gate_up": (5632, 2048),
+DENSE = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "q_kv_a": (3648, 2048), "o_proj": (2048, 2048),
+         "shared_gate_up": (5632, 2048),
          "shared_down": (2048, 2816), "dense_gate_up": (21888, 2048), "dense_down": (2048, 10944)}
 E, TOP_K, D, INTER = 64, 6, 2048, 1408
 ROTATE_BYTES = 256 << 20
@@ -102,23 +106,26 @@ FP8_TILES = [(16, 32, 4, 5), (16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64
 INT4_TILES = [(16, 32, 4, 4), (16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)]
 
 
-def _sweep(fn_tile, tiles, m: int, copies: int) -> dict | None:
-    """The fastest tile (graph time) of those whose BLOCK_M suits m; None if none compiled."""
+def _sweep(fn_tile, tiles, m: int, copies: int, splits: tuple[int, ...] = (1,)) -> dict | None:
+    """The fastest (tile, split) (graph time) of the tiles whose BLOCK_M suits m (at 64 rows and more, no tile
+    narrower than 64 rows: the MMA's warpgroup tile); None if none compiled. fn_tile(i, tile, split)."""
     best = None
     for t in tiles:
-        if t[0] > max(16, 2 * m) or (m > 256 and t[0] < 64):
+        if t[0] > max(16, 2 * m) or (m >= 64 and t[0] < 64):
             continue
-        try:
-            us = graph_us(lambda i, t=t: fn_tile(i, t), copies)
-        except Exception as exc:  # a tile this GPU / Triton cannot compile (shared memory, registers)
-            print(json.dumps({"tile": t, "error": str(exc)[:160]}), flush=True)
-            continue
-        if best is None or us < best["us"]:
-            best = {"tile": list(t), "us": us}
+        for sp in splits:
+            try:
+                us = graph_us(lambda i, t=t, sp=sp: fn_tile(i, t, sp), copies)
+            except Exception as exc:  # a tile this GPU / Triton cannot compile (shared memory, registers)
+                print(json.dumps({"tile": t, "split": sp, "error": str(exc)[:160]}), flush=True)
+                continue
+            if best is None or us < best["us"]:
+                best = {"tile": list(t), "split": sp, "us": us}
     return best
 
 
-def dense_rows(ms: list[int], sweep: bool) -> list[dict]:
+def dense_rows(ms: list[int], sweep: bool, splits: tuple[int, ...] = (1,),
+               shapes: list[str] | None = None) -> list[dict]:
     from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
     from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm, fused_act_quant
     from deepinfer.backends.nvidia.quant.int4_gemm import dequant_min_m, int4_gemm
@@ -127,6 +134,8 @@ def dense_rows(ms: list[int], sweep: bool) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, (n, k) in DENSE.items():
+        if shapes and name not in shapes:
+            continue
         w = torch.randn(n, k, generator=g) * k**-0.5
         copies = _copies(n * k * 2)
         wb = [w.to(DEV, _act_dtype()) for _ in range(copies)]
@@ -155,12 +164,14 @@ def dense_rows(ms: list[int], sweep: bool) -> list[dict]:
             row["int4_path"] = "dq" if m >= dequant_min_m() else "k"  # what TritonInt4Linear.apply runs
             row["int4_us"] = row[f"int4_{row['int4_path']}_us"]
             if sweep:
-                fused = fused_act_quant(m)
-                xq = None if fused else quantize_act_fp8(x)
-                row["fp8_best"] = _sweep(lambda i, t: fp8_block_gemm(
-                    x if fused else xq[0], None if fused else xq[1], f8[i].weight, f8[i].weight_scale_inv,
-                    _act_dtype(), tile=t), FP8_TILES, m, len(f8))
-                row["int4_best"] = _sweep(lambda i, t: int4_gemm(
+                row["fp8_sep_best"] = _sweep(lambda i, t, sp: fp8_block_gemm(
+                    *quantize_act_fp8(x), f8[i].weight, f8[i].weight_scale_inv, _act_dtype(), tile=t, split=sp),
+                    FP8_TILES, m, len(f8), splits)
+                if m <= 256:
+                    row["fp8_fused_best"] = _sweep(lambda i, t, sp: fp8_block_gemm(
+                        x, None, f8[i].weight, f8[i].weight_scale_inv, _act_dtype(), tile=t, split=sp),
+                        FP8_TILES, m, len(f8), splits)
+                row["int4_best"] = _sweep(lambda i, t, _sp: int4_gemm(
                     x, i4[i].qweight_nk, i4[i].zeros_ng, i4[i].scales_ng, None, group, dequant=False, tile=t),
                     INT4_TILES, m, len(i4))
             rows.append(row)
@@ -251,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", default="1,16,64,256,1024,16384")
     ap.add_argument("--tokens", default="1,64,256,1024,16384")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--splits", default="1", help="K splits the fp8 sweep tries (comma list)")
+    ap.add_argument("--shapes", default="", help="only these dense shapes (comma list of DENSE's names)")
     ap.add_argument("--json", default=None, help="write every row as JSON lines here")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no timing")
     args = ap.parse_args(argv)
@@ -260,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = args.only.split(",")
     rows = []
     if "dense" in parts:
-        rows += dense_rows([int(v) for v in args.m.split(",")], args.sweep)
+        rows += dense_rows([int(v) for v in args.m.split(",")], args.sweep,
+                           tuple(int(v) for v in args.splits.split(",")), [v for v in args.shapes.split(",") if v])
     if "moe" in parts:
         rows += moe_rows([int(v) for v in args.tokens.split(",")])
     if args.json:
@@ -279,9 +293,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{cell('int4_dq'):>16} {r['bf16_us'] / r['fp8_us']:6.2f} {r['bf16_us'] / r['int4_us']:6.2f}")
             if "int4_gemv_us" in r:
                 print(f"{'':>15} {'':>6} int4 GEMV (DEEPINFER_INT4_GEMV): {r['int4_gemv_us']:.1f} us")
-            for key in ("fp8_best", "int4_best"):
+            for key in ("fp8_sep_best", "fp8_fused_best", "int4_best"):
                 if r.get(key):
-                    print(f"{'':>15} {'':>6} best {key[:-5]} tile {r[key]['tile']}: {r[key]['us']:.1f} us")
+                    print(f"{'':>15} {'':>6} best {key[:-5]} tile {r[key]['tile']} split {r[key]['split']}: "
+                          f"{r[key]['us']:.1f} us")
     moe = [r for r in rows if r["part"] == "moe"]
     if moe:
         print(f"\nrouted experts ({E} x [2x{INTER}, {D}], top-{TOP_K}): us per call [eager], weight GB/s of touched experts")

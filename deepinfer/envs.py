@@ -337,8 +337,9 @@ FP8_CUBLAS = EnvVar(
 )
 QUANT_SPLIT_K = EnvVar(
     "DEEPINFER_QUANT_SPLIT_K", "bool", True,
-    "`0`: the fp8 and int4 dense GEMMs at up to 16 tokens never split K over more programs (by default they do "
-    "where their grid would leave SMs idle: quant/split_k.py, 1.13-1.15x at batch 1 on the H100)",
+    "`0`: the fp8 and int4 dense GEMMs never split K over more programs (by default they do where their grid would "
+    "leave SMs idle, up to 16 rows, fp8 with x quantized apart up to 256: quant/split_k.py, 1.13-1.15x at batch 1 on "
+    "the H100)",
     "nvidia",
 )
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(

@@ -118,6 +118,10 @@ def test_split_k_choice(monkeypatch):
     assert pick_split(1, 64, 3, on_gpu=True) == 1  # too few K blocks for two a split
     assert pick_split(17, 64, 16, on_gpu=True) == 1 and pick_split(1, 300, 16, on_gpu=True) == 1
     assert pick_split(1, 64, 16, on_gpu=False) == 1
+    # the fp8 GEMM splits up to 256 rows (split_k.FP8_MAX_M): layer 0's dense down at 256 rows, 64 programs x 86
+    # K blocks (what cuBLAS cannot take, K % 128 != 0) -> 5 splits; the int4 GEMM's default stays at 16
+    assert pick_split(256, 64, 86, on_gpu=True, max_m=256) == 5 and pick_split(257, 64, 86, True, max_m=256) == 1
+    assert pick_split(256, 64, 86, on_gpu=True) == 1
 
 
 def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: bool = False):

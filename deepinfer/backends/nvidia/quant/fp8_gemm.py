@@ -121,7 +121,9 @@ def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b_q: torch.Tensor,
     on_gpu = a.device.type == "cuda"
     bm, bn, warps, stages = tile or tiles(m, n, on_gpu)
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    splits, per, ws = split_k.plan(m, n, programs, triton.cdiv(k, BLOCK_K), a.device, split)
+    # K splits up to 16 rows, and up to FP8_MAX_M with x quantized apart (from 65 rows: the shapes cuBLAS cannot take)
+    max_m = split_k.FP8_MAX_M if a_s is not None else split_k.MAX_M
+    splits, per, ws = split_k.plan(m, n, programs, triton.cdiv(k, BLOCK_K), a.device, split, max_m)
     out = c if ws is None else ws
     _fp8_gemm_kernel[(programs, splits)](
         a, a_s if a_s is not None else a, b_q, b_s, out, bias if bias is not None and splits == 1 else out, m, n, k,

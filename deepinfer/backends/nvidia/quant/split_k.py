@@ -12,8 +12,14 @@ once to the output dtype. No atomics: the result does not depend on the programs
 bit for bit (it differs from the unsplit GEMM by fp32 summation order only). The extra launch (~2 us inside a CUDA
 graph) and the workspace (S * M * N * 4 bytes, under 1 MB at these sizes) are what it costs.
 
-When (`pick_split`): DEEPINFER_QUANT_SPLIT_K (on by default; 0 turns it off), M <= MAX_M, and the unsplit grid
-under TARGET_PROGRAMS; S is the smallest that reaches it, at least MIN_BLOCKS K blocks a split.
+When (`pick_split`): DEEPINFER_QUANT_SPLIT_K (on by default; 0 turns it off), M <= max_m (MAX_M, 16; FP8_MAX_M,
+256, for the fp8 GEMM with x quantized by the separate kernel), and the unsplit grid under TARGET_PROGRAMS; S is the
+smallest that reaches it, at least MIN_BLOCKS K blocks a split. The fp8 GEMM with x quantized apart goes up to 256
+rows because from 65 rows it runs only where cuBLAS's block-scaled kernels cannot (K not a multiple of 128:
+V2-Lite's layer-0 dense down projection, K 10944, whose 64 programs at 256 rows walked 86 K blocks each: 64.6 us
+against bf16 cuBLAS's 29.3, and 31.3 us over four splits on the H100, 2026-12-05 session 22, `benchmarks.quant_gemm
+--only dense --m 256 --sweep --splits 1,2,4,8`); at 17-64 rows (x quantized inside the GEMM) splits were not
+measured, so they stay off there.
 
 Measured (H100 80GB, 2026-12-05, c2c17e1, `benchmarks.quant_gemm --only dense --m 1,16`, graph replays): every
 V2-Lite dense shape got faster or stayed, e.g. dense down (K 10944) fp8 43.4 -> 19.5 us and int4 92.2 -> 23.7 us,
@@ -29,25 +35,27 @@ import triton.language as tl
 from deepinfer import envs
 
 MAX_M = 16  # decode-sized M only: above it the M tiles widen and the grids fill the GPU
+FP8_MAX_M = 256  # the fp8 GEMM, x quantized apart (module docstring: from 65 rows only the shapes cuBLAS cannot take)
 TARGET_PROGRAMS = 264  # two per SM on a 132-SM H100 / H200
 MIN_BLOCKS = 2  # K blocks a split walks at least (fewer: the partial traffic and the reduce outweigh it)
 
 
-def pick_split(m: int, programs: int, k_blocks: int, on_gpu: bool, split: int | None = None) -> int:
+def pick_split(m: int, programs: int, k_blocks: int, on_gpu: bool, split: int | None = None,
+               max_m: int = MAX_M) -> int:
     """Splits of K for an [m, K] product whose unsplit grid has `programs` programs over `k_blocks` K blocks (1:
-    no split). `split` forces it (tests, sweeps), capped at k_blocks."""
+    no split), for a kernel that splits up to max_m rows. `split` forces it (tests, sweeps), capped at k_blocks."""
     if split is not None:
         return max(1, min(split, k_blocks))
-    if not on_gpu or m > MAX_M or programs >= TARGET_PROGRAMS or not envs.QUANT_SPLIT_K.get():
+    if not on_gpu or m > max_m or programs >= TARGET_PROGRAMS or not envs.QUANT_SPLIT_K.get():
         return 1
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // MIN_BLOCKS))
 
 
 def plan(m: int, n: int, programs: int, k_blocks: int, device: torch.device,
-         split: int | None = None) -> tuple[int, int, torch.Tensor | None]:
+         split: int | None = None, max_m: int = MAX_M) -> tuple[int, int, torch.Tensor | None]:
     """(splits, K blocks per split, the fp32 workspace or None for one split) of a GEMM launch: pick_split's
     choice, with no empty split (the last may get fewer blocks)."""
-    per = triton.cdiv(k_blocks, pick_split(m, programs, k_blocks, device.type == "cuda", split))
+    per = triton.cdiv(k_blocks, pick_split(m, programs, k_blocks, device.type == "cuda", split, max_m))
     splits = triton.cdiv(k_blocks, per) if k_blocks else 1
     return splits, max(per, 1), workspace(splits, m, n, device) if splits > 1 else None
 
