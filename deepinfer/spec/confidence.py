@@ -22,6 +22,7 @@ predecessors were all accepted (the conditional event the estimate is of).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -78,6 +79,8 @@ class SurvivalCalibrator:
     # (slots, confidences, accepted) arrays not yet counted: `_add` only appends, the refit counts them all at once
     # (the counts are read by the refit only; three bincounts a step cost ~50 us of host time at 256 sequences)
     _pending_arrays: list = field(init=False, default_factory=list)
+    # (confidences, reached, accepted) lists per verification not yet counted (`observe_verified`)
+    _pending_rows: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         centers = (np.arange(self.num_bins, dtype=np.float64) + 0.5) / self.num_bins
@@ -127,25 +130,34 @@ class SurvivalCalibrator:
     def observe_verified(self, conf: list[list[float]], verified: list[int], accepted: list[int]) -> None:
         """One verification's outcomes, request by request: request i verified verified[i] drafts whose confidences
         lead conf[i], and accepted accepted[i] of them; slot j is an outcome where every slot before it was accepted
-        (j <= accepted[i]), accepted where j < accepted[i]. Up to 16 outcomes go through `observe_lists`; more through
-        one [B, W] array (at 256 sequences the per-slot Python loop cost ~0.6 ms of host time a step on this CPU, and
-        ~0.15 ms at 16 sequences against ~40 us for the array)."""
+        (j <= accepted[i]), accepted where j < accepted[i]. Kept as given until the next refit (`_flush_rows`), which
+        counts every verification since the last one in one [rows, W] array: per verification that array (or, for
+        a few outcomes, the per-slot loop of `observe_lists`) cost ~70-80 us of host time a step at 16-64 sequences
+        on this CPU (2026-12-05, benchmarks/spec_host.py), the largest part of the adaptive mode's deferred work."""
         reached = [v if v <= a else a + 1 for v, a in zip(verified, accepted)]
-        if sum(reached) <= 16:
-            slots, confs, acc = [], [], []
-            for row, n, a in zip(conf, reached, accepted):
-                for j in range(n):
-                    slots.append(j)
-                    confs.append(row[j])
-                    acc.append(1.0 if j < a else 0.0)
-            self.observe_lists(slots, confs, acc)
+        n = sum(reached)
+        if n:
+            self._pending_rows.append((conf, reached, accepted))
+            self._counted(n)
+
+    def _flush_rows(self) -> None:
+        """Count the verifications `observe_verified` kept: slots 0 .. reached - 1 of a row are its outcomes, slot j
+        accepted where j < accepted (flat arrays over all of them: the rows' lengths differ, and a padded matrix of
+        them cost twice as much here)."""
+        if not self._pending_rows:
             return
-        width = max(reached)
-        c = conf_matrix(conf, width)
-        j = np.arange(width)[None, :]
-        a = np.asarray(accepted, dtype=np.int64)[:, None]
-        mask = j < np.asarray(reached, dtype=np.int64)[:, None]
-        self._add(np.broadcast_to(j, c.shape)[mask], c[mask], (j < a).astype(np.float64)[mask])
+        conf, reached, accepted = [], [], []
+        for c, r, a in self._pending_rows:
+            conf += c
+            reached += r
+            accepted += a
+        self._pending_rows.clear()
+        c = np.fromiter(chain.from_iterable(row[:n] for row, n in zip(conf, reached)), dtype=np.float64)
+        r = np.asarray(reached, dtype=np.int64)
+        start = np.repeat(np.cumsum(r) - r, r)  # each outcome's row start in the flat arrays
+        slots = np.arange(c.size, dtype=np.int64) - start
+        acc = (slots < np.repeat(np.asarray(accepted, dtype=np.int64), r)).astype(np.float64)
+        self._pending_arrays.append((slots, c, acc))
 
     def _add(self, slots: np.ndarray, conf: np.ndarray, accepted: np.ndarray) -> None:
         """Add outcomes (flat arrays) to the counts, at the next refit (`_flush`)."""
@@ -177,7 +189,8 @@ class SurvivalCalibrator:
         return self._since_fit >= min(self.refit_fraction * seen, max(self.refit_every, self.refit_lag * seen))
 
     def _flush(self) -> None:
-        """Add the pending observations (lists and arrays) to the counts."""
+        """Add the pending observations (verifications, lists and arrays) to the counts."""
+        self._flush_rows()
         self._flush_arrays()
         for (s, b), (n, acc, cs) in self._pending.items():
             self.trials[s, b] += n
@@ -189,9 +202,11 @@ class SurvivalCalibrator:
         return (conf.to(torch.float64).clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
 
     def estimate_array(self, conf: np.ndarray) -> np.ndarray:
-        """fp64 survival of a [B, W] numpy array of confidences, column j at slot j (slots past the table: its last)."""
+        """fp64 survival of a [B, W] numpy array of confidences, column j at slot j (slots past the table: its last);
+        in [0, 1] (the table is). The bins of `_bin`: conf x bins truncated toward zero, clamped to [0, bins - 1]
+        after the truncation (the same bin as clamping conf first: np.clip on the floats cost ~10 us here)."""
         nb = self.num_bins
-        bins = np.minimum((np.clip(conf, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+        bins = np.minimum(np.maximum((conf * nb).astype(np.int64), 0), nb - 1)
         slots = np.minimum(np.arange(conf.shape[1]), self.num_slots - 1)
         return self.table[slots[None, :], bins]
 
@@ -217,7 +232,9 @@ class SurvivalCalibrator:
         prior = np.clip(self._centers[None, :] + offset[:, None], 0.01, 0.99)
         rates = ((obs_acc + w * prior) / self.trials).tolist()
         weights = self.trials.tolist()
-        self._rows = [isotonic_increasing(rates[j], weights[j]) for j in range(self.num_slots)]
+        # (clamped to [0, 1], as survival is: a rate past 1 by rounding would be priced above certain)
+        self._rows = [[min(max(x, 0.0), 1.0) for x in isotonic_increasing(rates[j], weights[j])]
+                      for j in range(self.num_slots)]
         self.table = np.array(self._rows, dtype=np.float64)
         self._since_fit = 0
 

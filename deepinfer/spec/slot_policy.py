@@ -161,7 +161,9 @@ class SlotPolicy(ChainPlan):
             lens_list = lens.tolist()
             width = max(lens_list)
             conf = conf_matrix(confs, width)
-            if width:
+            if width and min(lens_list) == width:  # every draft held in full (the usual step): column means
+                self._track_means((conf.sum(0) / len(lens_list)).tolist())
+            elif width:
                 self._track_confidence_array(conf, np.arange(width)[None, :] < lens[:, None])
         else:
             lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
@@ -184,7 +186,8 @@ class SlotPolicy(ChainPlan):
                                  draft_seconds=fixed)
         elif width:
             counts = admit_array(self.calibrator.estimate_array(conf), lens, self.cost, base_tokens,
-                                 float(base_yield), draft_seconds=fixed, speculation_seconds=spec_s)[0].tolist()
+                                 float(base_yield), draft_seconds=fixed, speculation_seconds=spec_s,
+                                 in_unit=True)[0].tolist()
         else:
             counts = lens_list
         self._admitted_any = any(counts)

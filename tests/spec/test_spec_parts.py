@@ -79,18 +79,20 @@ def test_plain_float_admission_equals_the_tensor_admission():
     without the seconds every choice pays."""
     import random
 
-    from deepinfer.spec.scheduler import admit, admit_lists
+    from deepinfer.spec.scheduler import admit, admit_array, admit_lists
 
     rng = random.Random(5)
     tables = [StepCostTable([1, 4096], [0.1, 0.101]), StepCostTable([1, 8, 64], [0.010, 0.020, 0.2]),
               StepCostTable([1, 2, 4096], [0.010, 0.020, 40.0])]
-    admitted = set()
+    admitted, admitted_full = set(), set()
     for trial in range(400):
         b, k = rng.randint(1, 8), rng.randint(1, 5)
         lens = [rng.randint(0, k) for _ in range(b)]
         pool = [0.0, 0.5, 0.9, 1.0, rng.random(), rng.random()]
         rows = [[rng.choice(pool) if rng.random() < 0.5 else rng.random() for _ in range(n)] for n in lens]
-        surv = torch.tensor([r + [0.0] * (k - len(r)) for r in rows], dtype=torch.float64).view(b, k)
+        # past a draft's length: zeros, or (a draft capped below what it holds) values the admission must not read
+        pad = 0.0 if trial % 2 else rng.random()
+        surv = torch.tensor([r + [pad] * (k - len(r)) for r in rows], dtype=torch.float64).view(b, k)
         cost = tables[trial % 3]
         spec_s = rng.choice([0.0, 0.002])
         fixed = rng.choice([0.0, 0.003])  # a step's fixed seconds (SlotPolicy._step_fixed_seconds)
@@ -99,7 +101,15 @@ def test_plain_float_admission_equals_the_tensor_admission():
         assert admit_lists(rows, cost, b, float(b), speculation_seconds=spec_s, draft_seconds=fixed) == want, \
             (rows, trial)
         admitted.add(sum(want) == 0 if sum(lens) else None)
+        # every draft held in full, survivals in [0, 1]: admit_array's fast path (no mask; in_unit: no clamp)
+        full = [[rng.choice(pool) if rng.random() < 0.3 else rng.random() for _ in range(k)] for _ in range(b)]
+        got = admit_array(np.asarray(full), np.full(b, k), cost, b, float(b), draft_seconds=fixed,
+                          speculation_seconds=spec_s, in_unit=True)[0].tolist()
+        assert got == admit_lists(full, cost, b, float(b), speculation_seconds=spec_s, draft_seconds=fixed), \
+            (full, trial)
+        admitted_full.add(sum(got) == 0)
     assert admitted >= {True, False}  # both "nothing pays" and "something pays" were compared
+    assert admitted_full == {True, False}
 
 
 def test_calibrator_list_paths_equal_the_tensor_paths():
@@ -170,6 +180,12 @@ def test_cost_table_interpolates_and_is_monotone():
     for t in (torch.tensor(128.0), torch.tensor(0.5), torch.tensor(8.0), torch.tensor([[0.0, 3.0], [64.0, 70.0]])):
         got = c.cost(t)
         assert got.shape == t.shape and got.reshape(-1).tolist() == [c.at(x) for x in t.reshape(-1).tolist()], t
+    # cost_range (the admission's memoised range) is cost_array's floats, read-only, and follows a replaced table
+    r = c.cost_range(60, 9)
+    assert r.tolist() == [c.at(float(x)) for x in range(60, 69)] and not r.flags.writeable
+    assert c.cost_range(60, 9) is r
+    c.seconds = [2.0, 2.0, 8.0]
+    assert c.cost_range(60, 9).tolist() == [c.at(float(x)) for x in range(60, 69)] != r.tolist()
 
 
 def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
@@ -195,7 +211,13 @@ def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
                 outcome.append(1.0 if j < a else 0.0)
         assert m.reached == reached and m.accepted == acc
         x, y = SurvivalCalibrator(5, refit_every=1), SurvivalCalibrator(5, refit_every=1)
-        x.observe_verified(conf, verified, accepted)
+        # in three verifications (kept until the refit, then counted together), each row's confidences cut to what
+        # it verified (as the pipeline passes them), one verification with nothing reached
+        x.observe_verified([], [], [])
+        cut = [row[:v] for row, v in zip(conf, verified)]
+        for lo, hi in ((0, b // 3), (b // 3, b - 1), (b - 1, b)):
+            x.observe_verified(cut[lo:hi], verified[lo:hi], accepted[lo:hi])
+        assert x.num_observed == len(slots)
         y.observe_lists(slots, confs, outcome)
         x._refit()
         y._refit()
