@@ -355,7 +355,7 @@ MLA_FUSED_MERGE = EnvVar(
 MLA_FP8_KV_DOT = EnvVar(
     "DEEPINFER_MLA_FP8_KV_DOT", "str", "bf16",
     "MLA decode over an fp8 KV cache with bf16 q: the dots in `bf16` (the cache converted through fp32) or "
-    "`fp16` (q scaled by a power of two; not yet timed on a GPU)",
+    "`fp16` (q scaled by a power of two; b256 +4.7% over the bf16 cache where bf16 dots cost +6.6%, H200)",
     "nvidia", choices=("bf16", "fp16"), error=BackendError,
 )
 MLA_SPLITS = EnvVar(
