@@ -44,6 +44,7 @@ class ChainPlan:
         modelled = [r / rates[0] for r in rates]
         floor = 1.0 / (1.0 + self.pause_margin)
         model = _hold(modelled, floor)
+        self._plan_gain = max(modelled[1:], default=0.0)
         measured = self.realized.gains(num_seqs, self.k)
         if not measured:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
@@ -54,6 +55,7 @@ class ChainPlan:
             near = min(measured, key=lambda m: (abs(m - chain), m))
             gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
         best = _hold(gains, floor)
+        self._plan_gain = max(gains[1:], default=0.0)
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return best

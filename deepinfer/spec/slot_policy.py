@@ -132,6 +132,13 @@ class SlotPolicy(ChainPlan):
     _remeasure_chain: int = 0
     _remeasure_bucket: int = 0
     _measuring_pause: bool = False  # the current pause times plain steps (measure_steps), not a plan's
+    # a pause the model decides alone (no gain measured against plain decoding at the load) is a check, a short pause
+    # that measures plain decoding, where its best chain's gain is at least 1 / model_error: the model's prices were
+    # off by ~1.7-2x at 64-256 sequences on the H200 (`_checks_pause`); at most max_checks a load bucket; 1: never
+    model_error: float = 2.0
+    max_checks: int = 2
+    _checked: dict[int, int] = field(default_factory=dict)  # checks made, by load bucket
+    _plan_gain: float = 0.0  # the last plan's best chain's gain over plain decoding (modelled or measured)
 
     @property
     def adaptive(self) -> bool:
@@ -288,7 +295,16 @@ class SlotPolicy(ChainPlan):
             decision = f"chain{self.chain}" if self.chain else "pause"
             self._plan_age, self._plan_bucket = (1, bucket) if self.chain and self.draft_cost is not None else (0, 0)
             self._plan_trusted = self.realized.rate(num_seqs, self.chain) is not None
-            if self.chain == 0:
+            if self.chain == 0 and self._checks_pause(num_seqs, bucket):
+                # a pause the model decided alone, by less than its error: a short one that measures plain decoding
+                # at this load, then the re-measure of drafting (`_start_remeasure`) and a plan on both measures
+                r = self.realized
+                self.paused = max(self.measure_steps, r.warm_steps + r.min_count + 2) - 1
+                self.pause_bucket, self._low_steps = bucket, 0
+                self.num_pauses, self._measuring_pause = self.num_pauses + 1, False
+                self._checked[bucket] = self._checked.get(bucket, 0) + 1
+                decision = "pause_check"
+            elif self.chain == 0:
                 self.probe_every = self._backoff.get(bucket, self.min_probe_every)
                 # this step drafts nothing either; a new pause counts its own steps at a lower load
                 self.paused, self.pause_bucket, self._low_steps = self.probe_every - 1, bucket, 0
@@ -301,6 +317,18 @@ class SlotPolicy(ChainPlan):
                 self._count_short()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
+
+    def _checks_pause(self, num_seqs: int, bucket: int) -> bool:
+        """Whether the pause the plan just chose is a check (a short pause measuring plain decoding) rather than a
+        pause of the load's backoff: the plan had no gain measured against plain decoding at this load (the model
+        alone, or chains measured only against each other, `_anchored`), its best chain's gain was within the
+        model's error of plain decoding (at least 1 / model_error), and fewer than max_checks checks ran at this
+        load. Why: on the H200 (2026-12-05, session 22, c38b16e) the model priced the best chain at 0.86x plain
+        decoding at 64 sequences and 0.68x at 256, where the realized rates by the run's end read a chain of 5 at
+        1.46x and 1.27x plain; the 32-step pauses those plans started were a third of the runs' steps there."""
+        return (self.draft_cost is not None and self.realized.decides and self.model_error > 1.0
+                and not self.realized.gains(num_seqs, self.k) and self._plan_gain * self.model_error >= 1.0
+                and self._checked.get(bucket, 0) < self.max_checks)
 
     def _start_remeasure(self, bucket: int) -> None:
         """A pause at this load ends: its drafting measures are forgotten (RealizedRates.forget_drafting), and the

@@ -302,3 +302,52 @@ def test_the_admission_charges_the_steps_measured_fixed_seconds():
         measured.step_times.observe(SPECULATIVE, 4, 0.010 + measured.cost.at(24), measured.cost.at(24))
     assert measured._step_fixed_seconds(4) == pytest.approx(0.010, rel=1e-3)
     assert measured.counts(held, [5] * 4, 4, 4) == [5] * 4
+
+
+def test_a_pause_the_model_decides_within_its_error_is_a_short_check_of_plain_decoding():
+    """No gain measured against plain decoding at a load and the model's best chain at ~0.7x plain (within its
+    error, model_error 2): the pause is a check, long enough to measure plain decoding there, the backoff untouched;
+    it ends re-measuring drafting, and the plan then follows the measures (here a chain of 5 at 1.5x plain). The
+    H200's case (2026-12-05, session 22): modelled 0.86x / 0.68x at 64 / 256 sequences, realized 1.46x / 1.27x."""
+    policy = policy_with([0.3] * 5, one=0.04, full=0.04)
+    r = policy.realized
+    assert 0.5 < max(x / policy.chain_rates(8)[0] for x in policy.chain_rates(8)[1:]) < 1.0
+    assert policy.plan_drafting(8) == 0 and policy.decisions == {"pause_check": 1}
+    check = r.warm_steps + r.min_count + 2
+    assert policy.paused == check - 1 and policy.next_pause(8) == policy.min_probe_every  # no backoff
+    for _ in range(check - 1):  # the check's plain steps, measured
+        r.observe(8, 0, 8, 0.004)
+        r.observe(8, 5, 24, 0.008)  # (a chain of 5 measured before, 3,000 tok/s: 1.5x plain's 2,000)
+        policy.plan_drafting(8)
+    assert policy.probe and policy.chain == 5  # the check's end: a probe, then the re-measure
+    policy.probe = False
+    steps = r.warm_steps + r.min_count + 1
+    assert [policy.plan_drafting(8) for _ in range(steps)] == [5] * steps
+    assert r.rate(8, 5) is None  # forgotten at the check's end: measured afresh
+    for _ in range(3):
+        r.observe(8, 5, 24, 0.008)
+    assert r.gains(8, 5) == {5: pytest.approx(1.5)}
+    assert policy.plan_drafting(8) == 5 and policy.decisions["pause_check"] == 1
+
+
+def test_a_pause_is_not_a_check_past_the_models_error_or_its_checks_or_a_measure():
+    """A full pause (the load's backoff) where the model's best chain is below 1 / model_error of plain decoding,
+    where a gain against plain decoding is measured, after max_checks checks at the load, and with model_error 1."""
+    clear = policy_with([0.3] * 5, one=0.2, full=0.2)  # drafting 5x a step: ~0.24x plain
+    assert clear.plan_drafting(8) == 0 and clear.paused == clear.min_probe_every - 1 and not clear._checked
+    measured = policy_with([0.3] * 5, one=0.04, full=0.04)
+    for _ in range(3):
+        measured.realized.observe(8, 0, 8, 0.004)
+        measured.realized.observe(8, 5, 8, 0.008)  # measured: 0.5x plain
+    assert measured.plan_drafting(8) == 0 and measured.paused == measured.min_probe_every - 1
+    checks = policy_with([0.3] * 5, one=0.04, full=0.04, max_checks=2)
+    lengths = []
+    for _ in range(3):
+        checks.paused = 0
+        checks._remeasure_left = 0
+        checks.plan_drafting(8)
+        lengths.append(checks.paused)
+    check = checks.realized.warm_steps + checks.realized.min_count + 2
+    assert lengths == [check - 1, check - 1, checks.min_probe_every - 1]
+    off = policy_with([0.3] * 5, one=0.04, full=0.04, model_error=1.0)
+    assert off.plan_drafting(8) == 0 and off.paused == off.min_probe_every - 1
