@@ -152,6 +152,8 @@ class SurvivalCalibrator:
             reached += r
             accepted += a
         self._pending_rows.clear()
+        if any(len(row) < n for row, n in zip(conf, reached)):  # (a row shorter than its outcomes: zeros past it)
+            conf = [row + [0.0] * (n - len(row)) for row, n in zip(conf, reached)]
         c = np.fromiter(chain.from_iterable(row[:n] for row, n in zip(conf, reached)), dtype=np.float64)
         r = np.asarray(reached, dtype=np.int64)
         start = np.repeat(np.cumsum(r) - r, r)  # each outcome's row start in the flat arrays

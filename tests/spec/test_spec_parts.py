@@ -223,6 +223,13 @@ def test_many_requests_outcomes_count_as_the_per_slot_loop_does():
         y._refit()
         assert np.array_equal(x.trials, y.trials) and np.allclose(x.accepts, y.accepts, rtol=0, atol=1e-9)
         assert np.allclose(x.conf_sums, y.conf_sums, rtol=1e-12, atol=0)
+    # a row shorter than its outcomes counts zeros past its confidences (as the padded matrix did before)
+    x, y = SurvivalCalibrator(5, refit_every=1), SurvivalCalibrator(5, refit_every=1)
+    x.observe_verified([[0.9], [0.5, 0.4]], [3, 2], [3, 0])
+    y.observe_lists([0, 1, 2, 0], [0.9, 0.0, 0.0, 0.5], [1.0, 1.0, 1.0, 0.0])
+    x._refit()
+    y._refit()
+    assert np.array_equal(x.trials, y.trials) and np.array_equal(x.accepts, y.accepts)
 
 
 def test_step_phases_sum_difference_and_describe():
