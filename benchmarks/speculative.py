@@ -9,7 +9,8 @@ fixed, so every mode does the same work and emits the same tokens: the benchmark
 the off run's) and measures per-user tok/s (the mean over requests of output tokens / time from submission
 to the request's last token) and total tok/s (all output tokens / wall time). The modes run one after the
 other per concurrency, in alternating order over `--repeats`, and the best repeat is kept (the machine's
-other load only slows a run down). One JSON line per cell, then a table. Results go to docs/speculative.md
+other load only slows a run down); `paired` is the median over repeats of each repeat's total tok/s over off's in
+that repeat (`paired_ratio`). One JSON line per cell, then a table. Results go to docs/speculative.md
 with date, machine and command.
 """
 
@@ -130,6 +131,18 @@ def print_drafting(mode: str, engine) -> None:
             for kind, bucket, ratio, over, n in rows) if rows else "none seen"))
 
 
+def paired_ratio(mode_totals: list[float], off_totals: list[float]) -> float:
+    """The median over repeats of a mode's total tok/s over off's in the same repeat (the `paired` column). The
+    repeats interleave the modes, so a repeat's cells ran close in time: on the H200 (2026-12-05, session 22) the
+    off rows of one load moved by up to 43% between runs, and the best-of-repeats ratio (`vs off`) divides two
+    bests that may come from different moments of the machine."""
+    ratios = sorted(m / o for m, o in zip(mode_totals, off_totals) if o > 0)
+    if not ratios:
+        return float("nan")
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.concurrency:
         best: dict[str, dict] = {}
         seen: dict[str, list[float]] = {}  # every repeat's per-user tok/s: the spread the best one hides
+        totals: dict[str, list[float]] = {}  # every repeat's total tok/s (the paired ratio over off's)
         plans: dict[str, list[dict]] = {}  # every repeat's adaptive plan decisions (run_cell's "plan")
         phases: dict[str, StepPhases] = {}  # the spec path's steps over every repeat (spec/step_phases.py)
         ref = None
@@ -209,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"note: {mode} at concurrency {c}: {same}/{sum(map(len, ref))} tokens equal the "
                           f"off run's ({dtype})", flush=True)
                 seen.setdefault(mode, []).append(cell["per_user_tok_s"])
+                totals.setdefault(mode, []).append(cell["total_tok_s"])
                 if "plan" in cell:
                     plans.setdefault(mode, []).append(cell["plan"])
                 if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
@@ -217,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"concurrency": c, "mode": mode,
                    **{k: round(v, 3) if isinstance(v, float) else v for k, v in best[mode].items()},
                    "per_user_repeats": [round(v, 1) for v in seen[mode]],
+                   **({"paired_vs_off": round(paired_ratio(totals[mode], totals["off"]), 3)} if "off" in totals else {}),
                    **({"plan_repeats": plans[mode]} if mode in plans else {}),
                    **({"phases_ms": {kind: {k: round(v, 4) for k, v in r.items()}
                                      for kind, r in phases[mode].per_step_ms().items()}} if mode in phases else {})}
@@ -225,14 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:  # where the spec path's steps went, every repeat of the cell together
             if mode in phases:
                 print(f"steps at {c}, {mode}: {phases[mode].describe()}", flush=True)
-    print(f"\n{'conc':>5} {'mode':>9} {'per-user tok/s':>15} {'total tok/s':>12} {'vs off':>7} {'tau':>5} "
-          f"{'accept':>6} {'verified/step':>13} {'per-user, every repeat':>24}  (machine: "
+    print(f"\n{'conc':>5} {'mode':>9} {'per-user tok/s':>15} {'total tok/s':>12} {'vs off':>7} {'paired':>7} "
+          f"{'tau':>5} {'accept':>6} {'verified/step':>13} {'per-user, every repeat':>24}  (machine: "
           f"{os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads)")
     for row in results:
         base = next(x for x in results if x["concurrency"] == row["concurrency"] and x["mode"] == "off") \
             if "off" in args.modes else row
         print(f"{row['concurrency']:>5} {row['mode']:>9} {row['per_user_tok_s']:>15.1f} {row['total_tok_s']:>12.1f} "
-              f"{row['total_tok_s'] / base['total_tok_s']:>6.2f}x {row['tau']:>5.2f} {row['acceptance']:>6.3f} "
+              f"{row['total_tok_s'] / base['total_tok_s']:>6.2f}x {row.get('paired_vs_off', float('nan')):>6.2f}x "
+              f"{row['tau']:>5.2f} {row['acceptance']:>6.3f} "
               f"{row['verified_per_step']:>13.2f} {' / '.join(f'{v:.0f}' for v in row['per_user_repeats']):>24}")
     for mode in args.modes:
         st = engines[mode].stats()
