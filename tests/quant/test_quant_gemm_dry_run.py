@@ -26,6 +26,20 @@ def test_quant_gemm_dry_run_prints_its_tables():
     assert sum(line.split()[:1] in (["1"], ["40"]) for line in out.splitlines()) == 2, out  # both MoE rows
 
 
+def test_quant_gemm_dry_run_sweeps_tiles_and_k_splits():
+    """--sweep --splits: for each dense shape and M the best (tile, split) with x quantized apart and inside the GEMM,
+    and the int4 tile; --shapes keeps only the shapes named."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.quant_gemm", "--dry-run", "--only", "dense", "--sweep",
+                          "--splits", "1,2", "--shapes", "dense_down"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert not any(line.split()[:1] == ["q_proj"] for line in lines)
+    for key in ("fp8_sep", "fp8_fused", "int4"):
+        assert sum(f"best {key} tile" in line and " split " in line for line in lines) == 2, run.stdout
+
+
 def test_moe_tile_sweep_dry_run_names_each_gemms_default(tmp_path):
     """benchmarks/moe_tile_sweep.py --dry-run: every tile row and one summary per (scheme, schedule, tokens, GEMM),
     each aligned summary with the rows the engine would run that GEMM at (the interpreter's 16 for both)."""
