@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -136,11 +137,8 @@ def paired_ratio(mode_totals: list[float], off_totals: list[float]) -> float:
     repeats interleave the modes, so a repeat's cells ran close in time: on the H200 (2026-12-05, session 22) the
     off rows of one load moved by up to 43% between runs, and the best-of-repeats ratio (`vs off`) divides two
     bests that may come from different moments of the machine."""
-    ratios = sorted(m / o for m, o in zip(mode_totals, off_totals) if o > 0)
-    if not ratios:
-        return float("nan")
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    ratios = [m / o for m, o in zip(mode_totals, off_totals) if o > 0]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ class ChainPlan:
         model = _hold(modelled, floor)
         self._plan_gain = max(modelled[1:], default=0.0)
         measured = self.realized.gains(num_seqs, self.k)
+        self._plan_measured = bool(measured)  # (against plain decoding: SlotPolicy._checks_pause)
         if not measured:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:

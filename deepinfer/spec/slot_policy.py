@@ -139,6 +139,7 @@ class SlotPolicy(ChainPlan):
     max_checks: int = 2
     _checked: dict[int, int] = field(default_factory=dict)  # checks made, by load bucket
     _plan_gain: float = 0.0  # the last plan's best chain's gain over plain decoding (modelled or measured)
+    _plan_measured: bool = False  # whether the last plan had a chain's gain measured against plain decoding
 
     @property
     def adaptive(self) -> bool:
@@ -168,10 +169,8 @@ class SlotPolicy(ChainPlan):
             lens_list = lens.tolist()
             width = max(lens_list)
             conf = conf_matrix(confs, width)
-            if width and min(lens_list) == width:  # every draft held in full (the usual step): column means
-                self._track_means((conf.sum(0) / len(lens_list)).tolist())
-            elif width:
-                self._track_confidence_array(conf, np.arange(width)[None, :] < lens[:, None])
+            if width:
+                self._track_confidence_array(conf, lens)
         else:
             lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
             self._track_confidence(confs, lens_list)
@@ -295,7 +294,7 @@ class SlotPolicy(ChainPlan):
             decision = f"chain{self.chain}" if self.chain else "pause"
             self._plan_age, self._plan_bucket = (1, bucket) if self.chain and self.draft_cost is not None else (0, 0)
             self._plan_trusted = self.realized.rate(num_seqs, self.chain) is not None
-            if self.chain == 0 and self._checks_pause(num_seqs, bucket):
+            if self.chain == 0 and self._checks_pause(bucket):
                 # a pause the model decided alone, by less than its error: a short one that measures plain decoding
                 # at this load, then the re-measure of drafting (`_start_remeasure`) and a plan on both measures
                 r = self.realized
@@ -318,7 +317,7 @@ class SlotPolicy(ChainPlan):
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
 
-    def _checks_pause(self, num_seqs: int, bucket: int) -> bool:
+    def _checks_pause(self, bucket: int) -> bool:
         """Whether the pause the plan just chose is a check (a short pause measuring plain decoding) rather than a
         pause of the load's backoff: the plan had no gain measured against plain decoding at this load (the model
         alone, or chains measured only against each other, `_anchored`), its best chain's gain was within the
@@ -327,7 +326,7 @@ class SlotPolicy(ChainPlan):
         decoding at 64 sequences and 0.68x at 256, where the realized rates by the run's end read a chain of 5 at
         1.46x and 1.27x plain; the 32-step pauses those plans started were a third of the runs' steps there."""
         return (self.draft_cost is not None and self.realized.decides and self.model_error > 1.0
-                and not self.realized.gains(num_seqs, self.k) and self._plan_gain * self.model_error >= 1.0
+                and not self._plan_measured and self._plan_gain * self.model_error >= 1.0
                 and self._checked.get(bucket, 0) < self.max_checks)
 
     def _start_remeasure(self, bucket: int) -> None:
@@ -421,8 +420,13 @@ class SlotPolicy(ChainPlan):
         kind = SPECULATIVE if verified else PLAIN
         self.step_times.observe(kind, num_seqs, seconds, predicted)
 
-    def _track_confidence_array(self, conf: np.ndarray, valid: np.ndarray) -> None:
-        """`_track_confidence` over a [B, W] array, valid [B, W] marking the held slots (every column has one)."""
+    def _track_confidence_array(self, conf: np.ndarray, lens: np.ndarray) -> None:
+        """`_track_confidence` over a [B, W] array, row i's first lens[i] slots held (every column has one): column
+        means where every draft is held in full (the usual step), else over the held slots only."""
+        if int(lens.min()) >= conf.shape[1]:
+            self._track_means((conf.sum(0) / conf.shape[0]).tolist())
+            return
+        valid = np.arange(conf.shape[1])[None, :] < lens[:, None]
         self._track_means((np.where(valid, conf, 0.0).sum(0) / valid.sum(0)).tolist())
 
     def _track_confidence(self, conf: list[list[float]], lens: list[int]) -> None:
