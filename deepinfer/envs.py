@@ -342,6 +342,12 @@ QUANT_SPLIT_K = EnvVar(
     "the H100)",
     "nvidia",
 )
+FP8_NORM_QUANT = EnvVar(
+    "DEEPINFER_FP8_NORM_QUANT", "bool", True,
+    "`0`: a decoder layer's RMSNorm no longer writes the e4m3 quantization of its output for fp8 W8A8 consumers "
+    "(backend/fp8_act.py); each consumer then quantizes its input in its own kernel (A/B runs)",
+    "nvidia",
+)
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(
     "DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M", "int", 64,
     "largest token count whose fp8 W8A8 GEMM quantizes the activations as it loads them (no separate kernel)",

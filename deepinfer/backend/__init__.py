@@ -26,6 +26,7 @@ from deepinfer.backend.communicator import (
 )
 from deepinfer.backend.dist_communicator import TorchDistributedCommunicator
 from deepinfer.backend.forward_batch import DECODE_ROWS, TOKEN_REQUESTS, ForwardBatch, token_slots, token_slots_host
+from deepinfer.backend.fp8_act import ROW_ALIGN, Fp8Act, empty_fp8_act, fp8_act_reference, padded_rows
 from deepinfer.backend.graph_runner import DecodeGraphRunner, GraphRunner, StaticInputs, default_buckets
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
@@ -77,4 +78,6 @@ __all__ = [
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
     "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "dequant_int4_rows", "int4_expert_rows", "int4_values", "quantize_act_fp8", "quantize_fp4",
     "quantize_weight_fp8_block", "w8a8_block_linear_ref",
+    # activations quantized by the norm before their fp8 W8A8 consumers (backend/fp8_act.py)
+    "Fp8Act", "ROW_ALIGN", "empty_fp8_act", "fp8_act_reference", "padded_rows",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.backend.caps import BackendCaps
 from deepinfer.backend.communicator import PROCESS_GROUP_NAMES, SINGLE_PROCESS, Communicator
+from deepinfer.backend.fp8_act import Fp8Act, fp8_act_reference
 from deepinfer.backend.kv_caches import KVLayout
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
@@ -104,6 +105,17 @@ class Backend(ABC):
     def v4_rotary_embedding(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] or [T, D] with its trailing 2 * R/2 channels rotated in interleaved pairs by
         cos / sin [T, R/2] (pass -sin for the inverse rotation); computed in fp32, rounded to x's dtype."""
+
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[Fp8Act, torch.Tensor | None]:
+        """rms_norm (of x + residual when residual is given) whose output is also quantized for fp8 W8A8
+        consumers (backend/fp8_act.py): (Fp8Act, x + residual or None). Its q / s equal the reference's
+        quantization of the returned x, bit for bit. Default: the norm op, then the torch reference quantization;
+        a backend with W8A8 GEMMs overrides it with one pass over each row."""
+        if residual is None:
+            return fp8_act_reference(self.rms_norm(x, weight, eps)), None
+        out, total = self.add_rms_norm(x, residual, weight, eps)
+        return fp8_act_reference(out), total
 
     # ------------------------------------------------------------ sampling ops
 

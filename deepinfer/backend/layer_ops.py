@@ -16,6 +16,7 @@ from deepinfer.errors import BackendError
 if TYPE_CHECKING:
     from deepinfer.backend.base import Backend
     from deepinfer.backend.forward_batch import ForwardBatch
+    from deepinfer.backend.fp8_act import Fp8Act
     from deepinfer.backend.kv_caches import KVCaches
 
 
@@ -40,6 +41,16 @@ class LinearMethod(ABC):
     @abstractmethod
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """The weight as a dense [out, in] tensor in compute dtype (for ops that fold it, e.g. MLA absorb)."""
+
+    def takes_fp8_act(self, layer: torch.nn.Module, num_tokens: int) -> bool:
+        """Whether `apply_fp8_act` reads the pre-quantized activations (backend/fp8_act.py) at this token count,
+        so the norm before it should write them; the default: never (apply_fp8_act then takes their x)."""
+        return False
+
+    def apply_fp8_act(self, layer: torch.nn.Module, act: Fp8Act) -> torch.Tensor:
+        """`apply` on activations that came quantized (per token per 128 channels, Fp8Act); the default reads
+        their compute-dtype values, a W8A8 method its e4m3 values and scales."""
+        return self.apply(layer, act.x)
 
 
 @dataclass(frozen=True)
@@ -350,6 +361,11 @@ class MoEOp(ABC):
         """forward() from the hidden states, so an op may fuse the router GEMV with the top-k; the
         default computes router_logits, then forward."""
         return self.forward(x, self.router_logits(x, gate_weight), correction_bias, shared_experts=shared_experts)
+
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """Whether `forward_hidden` takes its x as Fp8Act (backend/fp8_act.py: quantized by the norm before it, for
+        W8A8 experts) at this token count; the default: never, and forward_hidden is then never given one."""
+        return False
 
     def fuse_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Offer the dense weights of the shared-experts MLP that `forward`'s `shared_experts` computes:

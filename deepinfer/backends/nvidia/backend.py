@@ -182,6 +182,11 @@ class NvidiaBackend(NativeOps, Backend):
 
         return add_rms_norm(x, residual, weight, eps)
 
+    def rms_norm_fp8(self, x, residual, weight, eps):
+        from deepinfer.backends.nvidia.quant.rmsnorm_fp8 import rms_norm_fp8
+
+        return rms_norm_fp8(x, residual, weight, eps)
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, interleaved):
         from deepinfer.backends.nvidia.rope import rotary_embedding
 

@@ -221,6 +221,21 @@ def with_shared_slots(topk_ids: torch.Tensor, weights: torch.Tensor, first: int,
     return torch.cat([topk_ids, extra], 1), torch.cat([weights, weights.new_ones(t, count)], 1)
 
 
+def _check_x_quant(x_quant, x: torch.Tensor, scheme: str | None, direct: bool) -> None:
+    """x_quant is the W8A8 aligned schedule's input only: e4m3 rows (at least x's: padding past them is not read,
+    the kernels index rows by pair) with fp32 scales per 128 channels, row-major."""
+    if scheme not in FP8_ACT or direct:
+        raise BackendError(f"fused_moe: x_quant is the fp8 W8A8 aligned schedule's input, not "
+                           f"{scheme or 'dense'} weights{' in direct mode' if direct else ''}")
+    q, s = x_quant
+    t, d = x.shape
+    if q.dtype != torch.float8_e4m3fn or q.shape[0] < t or q.shape[1] != d or q.stride(1) != 1 \
+            or s.dtype != torch.float32 or s.shape[0] != q.shape[0] or s.shape[1] != triton.cdiv(d, 128) \
+            or s.stride(1) != 1:
+        raise BackendError(f"fused_moe: x_quant {tuple(q.shape)} {q.dtype} / {tuple(s.shape)} {s.dtype} strides "
+                           f"{s.stride()}: expected e4m3 [>= {t}, {d}] and row-major fp32 [rows, {triton.cdiv(d, 128)}]")
+
+
 def _slot_buffer(rows: int, d: int, device, zeroed: bool) -> torch.Tensor:
     """The fp32 [pairs, D] weighted-slot buffer; zeroed when some pairs are skipped (the combine sums every
     slot), else left uninitialized (every row is written)."""
@@ -249,6 +264,7 @@ def fused_moe(
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
     stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (every token, 1.0)
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,  # W8A8 aligned: x's (e4m3 [>=T, D], scales [>=T, G])
 ) -> torch.Tensor:  # [T, D] in x's dtype
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -270,6 +286,8 @@ def fused_moe(
         raise BackendError("fused_moe: stacked shared experts and shared_out both add the shared experts")
     if stacked_shared and (scheme is None or shared_w is not None):
         raise BackendError("fused_moe: stacked shared experts are quantized routed experts' extra slots")
+    if x_quant is not None:
+        _check_x_quant(x_quant, x, scheme, direct)
     x = x.contiguous()
     weights = topk_weights.float().contiguous()
     if direct:
@@ -302,7 +320,7 @@ def fused_moe(
     if scheme in FP8_ACT:  # W8A8: x quantized once
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
 
-        xq, xs = quantize_act_fp8(x)
+        xq, xs = x_quant if x_quant is not None else quantize_act_fp8(x)
         if split:
             _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m,
                               weights, x.dtype, q13, q2, skip_unrouted)

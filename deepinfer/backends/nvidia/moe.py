@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import MOE_QUANT_SCHEMES, MoESpec, NativeMoE, QuantizedExperts
+from deepinfer.backend import MOE_QUANT_SCHEMES, Fp8Act, MoESpec, NativeMoE, QuantizedExperts
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
+from deepinfer.backends.nvidia.fused_moe_config import FP8_ACT
 from deepinfer.backends.nvidia.moe_routing import (
     GROUPING_CODES,
     ROUTER_GEMV_MAX_TOKENS,
@@ -159,14 +160,27 @@ class TritonMoE(NativeMoE):
         return fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, align=self.align_fn, counters=self.counters,
                          skip_unrouted=True, **self._gemm_weights())
 
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """W8A8 routed experts on the aligned schedule (above the fused router's size) read x quantized once, so
+        the norm before may write that quantization (backend/fp8_act.py) for them and the shared MLP's linears;
+        the direct schedule quantizes its few rows on load."""
+        return (self.quant is not None and self.quant.scheme in FP8_ACT and num_tokens > fused_router_max_tokens()
+                and not use_direct(num_tokens, self.spec.router.top_k))
+
     def forward_hidden(self, x, gate_weight, correction_bias=None, shared_experts=None):
         if not self.loaded or self.route_counters is None:
             raise BackendError("MoE forward before load_experts")
+        act = None
+        if isinstance(x, Fp8Act):  # quantized by the norm (takes_fp8_act): the router reads x, the GEMMs act
+            if not self.takes_fp8_act(x.rows):
+                raise BackendError(f"MoE forward_hidden: Fp8Act input at {x.rows} tokens, where this op does not "
+                                   "take one (takes_fp8_act)")
+            act, x = x, x.x
         if x.shape[0] > fused_router_max_tokens():
-            shared = self._start_shared(x, shared_experts)  # before the router: it overlaps the routing kernels
+            shared = self._start_shared(x, shared_experts, act)  # before the router: it overlaps the routing
             logits = self.router_logits(x, gate_weight)
             weights, ids = self.route_fn(logits, self.spec.router, correction_bias, None, None)
-            return self._experts(x, weights, ids, shared_experts, shared)
+            return self._experts(x, weights, ids, shared_experts, shared, act)
         # the fused router is one short launch: nothing for a side stream to overlap, the shared MLP runs inline
         x = x.contiguous()  # no-op for the model's hidden states
         weights, ids = gate_route(x, gate_weight, self.spec.router, correction_bias, self.route_counters)
@@ -189,9 +203,10 @@ class TritonMoE(NativeMoE):
             return self.shared_w is not None or self.quant_shared is not None
         return self.quant_shared is not None and x.shape[0] <= envs.MOE_FOLD_SHARED_ALIGNED.get()
 
-    def _start_shared(self, x: torch.Tensor, shared_experts):
+    def _start_shared(self, x: torch.Tensor, shared_experts, act: Fp8Act | None = None):
         """(shared output, join) with the dense shared MLP queued on the side stream (aligned mode only),
-        or None: run inline by _experts (no CUDA stream, turned off) or folded into the direct GEMMs."""
+        or None: run inline by _experts (no CUDA stream, turned off) or folded into the direct GEMMs. act: x's
+        quantization (the MLP's linears read it)."""
         if shared_experts is None or use_direct(x.shape[0], self.spec.router.top_k):
             return None  # direct mode folds it in, or its fused combine reads it mid-GEMM: no overlap there
         if self._folds_shared(x, self.spec.router.top_k, shared_experts):
@@ -201,22 +216,25 @@ class TritonMoE(NativeMoE):
         main, side = torch.cuda.current_stream(x.device), self.side_stream
         side.wait_stream(main)  # x is ready
         with torch.cuda.stream(side):
-            out = shared_experts(x)
+            out = shared_experts(x if act is None else act)
         return out, lambda: main.wait_stream(side)
 
-    def _experts(self, x, weights, ids, shared_experts, shared=None):
-        """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused."""
+    def _experts(self, x, weights, ids, shared_experts, shared=None, act: Fp8Act | None = None):
+        """Routed experts (+ shared): direct with the shared MLP folded in, or aligned with its add fused. act:
+        x's W8A8 quantization, made by the norm (the aligned GEMMs and the shared MLP read it)."""
         direct = use_direct(x.shape[0], ids.shape[1])
+        x_quant = None if act is None else (act.q, act.s)
         if self._folds_shared(x, ids.shape[1], shared_experts):
             if self.quant_shared is not None:
                 return fused_moe(x, topk_weights=weights, topk_ids=ids, align=self.align_fn, direct=direct,
-                                 counters=self.counters, **self._gemm_weights(with_shared=True))
+                                 counters=self.counters, x_quant=x_quant, **self._gemm_weights(with_shared=True))
             return fused_moe(x, topk_weights=weights, topk_ids=ids, shared_w=self.shared_w, direct=True,
                              counters=self.counters, **self._gemm_weights())
         join = None
         if shared is not None:
             shared_out, join = shared
         else:
-            shared_out = shared_experts(x) if shared_experts is not None else None
+            shared_out = shared_experts(x if act is None else act) if shared_experts is not None else None
         return fused_moe(x, topk_weights=weights, topk_ids=ids, align=self.align_fn, shared_out=shared_out,
-                         direct=direct, counters=self.counters, before_combine=join, **self._gemm_weights())
+                         direct=direct, counters=self.counters, before_combine=join, x_quant=x_quant,
+                         **self._gemm_weights())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, ForwardBatch, KVCaches
+from deepinfer import envs
+from deepinfer.backend import Backend, ForwardBatch, Fp8Act, KVCaches
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mla import MLAAttention
@@ -28,6 +29,7 @@ class DecoderLayer(nn.Module):
             if cfg.is_moe_layer(layer_id)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, backend, dtype, quantized=quant)
         )
+        self.fp8_norm_quant = envs.FP8_NORM_QUANT.get()
         self.input_layernorm: torch.Tensor | None = None
         self.post_attention_layernorm: torch.Tensor | None = None
 
@@ -53,11 +55,20 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         caches: KVCaches,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.backend.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            x, residual = self.backend.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x, residual = self._pre_norm(x, residual, self.input_layernorm, self.self_attn)
         x = self.self_attn(x, positions, rope_cache, batch, caches)
-        x, residual = self.backend.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        x, residual = self._pre_norm(x, residual, self.post_attention_layernorm, self.mlp)
         return self.mlp(x), residual
+
+    def _pre_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  consumer: nn.Module) -> tuple[torch.Tensor | Fp8Act, torch.Tensor]:
+        """(norm(x + residual), x + residual); the first layer has no residual yet (x is it). When the consumer
+        reads fp8 W8A8 activations at this token count, the norm also writes their quantization (Fp8Act: one
+        pass over each row instead of a separate act-quant kernel per consumer; DEEPINFER_FP8_NORM_QUANT=0
+        turns it off). The choice depends on the token count alone, so it is fixed per CUDA graph."""
+        if self.fp8_norm_quant and consumer.takes_fp8_act(x.shape[0]):
+            act, total = self.backend.rms_norm_fp8(x, residual, weight, self.eps)
+            return act, (x if residual is None else total)
+        if residual is None:
+            return self.backend.rms_norm(x, weight, self.eps), x
+        return self.backend.add_rms_norm(x, residual, weight, self.eps)

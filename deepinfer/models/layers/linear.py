@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, Communicator, Int4Weight, LinearMethod
+from deepinfer.backend import Backend, Communicator, Fp8Act, Int4Weight, LinearMethod
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.quant.settings import active_linear_quant
 from deepinfer.models.loader import Int8Weight
@@ -219,7 +219,13 @@ class Linear(nn.Module):
             self.finalize()
         return self.method.dense_weight(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """Whether forward reads an Fp8Act's e4m3 values at this token count (the norm before then writes them)."""
+        return self.method is not None and self.method.takes_fp8_act(self, num_tokens)
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        if isinstance(x, Fp8Act):
+            return self.method.apply_fp8_act(self, x)
         return self.method.apply(self, x)
 
 
@@ -323,7 +329,12 @@ class MergedLinear(nn.Module):
         self.fused = fused
         self.parts = nn.ModuleList()  # the loaded copies are no longer needed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        if self.fused is not None:
+            return self.fused.takes_fp8_act(num_tokens)
+        return any(p.takes_fp8_act(num_tokens) for p in self.parts)
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if self.fused is not None:
             return self.fused(x)
         return torch.cat([p(x) for p in self.parts], dim=-1)

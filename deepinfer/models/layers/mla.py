@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, ForwardBatch, KVCaches, MLAPrologWeights, MLASpec
+from deepinfer.backend import Backend, ForwardBatch, Fp8Act, KVCaches, MLAPrologWeights, MLASpec
 from deepinfer.backend.native.rope import mla_softmax_scale
 from deepinfer.errors import BackendError, ModelLoadError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
@@ -116,8 +116,17 @@ class MLAAttention(nn.Module):
             self.fused_prolog = True
             self.qkv_a_proj = self.q_b_proj = None
 
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """Whether forward takes x as Fp8Act at this token count: x feeds only the first projection (q_kv_a or
+        qkv_a), and that is an fp8 W8A8 linear above the size its GEMM quantizes on load. Not with the fused
+        prolog (the op reads the hidden states)."""
+        if self.fused_prolog:
+            return False
+        first = self.qkv_a_proj if self.q_lora_rank is not None else self.q_kv_a_proj
+        return first.takes_fp8_act(num_tokens)
+
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
+        self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, rope_cache: torch.Tensor, batch: ForwardBatch,
         caches: KVCaches,
     ) -> torch.Tensor:
         split = isinstance(batch, ContextParallelBatch)
@@ -128,7 +137,7 @@ class MLAAttention(nn.Module):
             out = self.attn.forward_from_hidden(x, positions, rope_cache, self.interleaved,
                                                 caches.get(MLA_GROUP, self.layer_id), batch, MLA_GROUP, self.backend)
             return self.comm.all_reduce(self.o_proj(out))
-        T = x.shape[0]
+        T = x.rows if isinstance(x, Fp8Act) else x.shape[0]
         kv_a_out = self.kv_lora_rank + self.qk_rope
         if self.q_lora_rank is not None:
             q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, kv_a_out], dim=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend
+from deepinfer.backend import Backend, Fp8Act
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
 
@@ -61,7 +61,12 @@ class GatedMLP(nn.Module):
             gate_up = torch.cat([p.dense() for p in merged.parts], dim=0)
         return gate_up, self.down_proj.dense()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """Whether forward reads its input as Fp8Act at this token count (its gate_up is fp8 W8A8 above the size
+        that GEMM quantizes on load), so the norm before it writes the e4m3 values."""
+        return self.swiglu_limit is None and self.gate_up_proj.takes_fp8_act(num_tokens)
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         out = self.down_proj(self.backend.silu_and_mul(gate_up, self.swiglu_limit))
         return out if self.comm is None else self.comm.all_reduce(out)

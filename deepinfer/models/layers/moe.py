@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.backend import Backend, MoESpec
+from deepinfer.backend import Backend, Fp8Act, MoESpec
 from deepinfer.errors import ConfigError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.ep_all_to_all import (
@@ -134,7 +134,13 @@ class MoELayer(nn.Module):
         """Between steps (the load balancer): a new placement and this rank's weights (moe_dispatch.py)."""
         install_placement(self, placement, w13, w2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_act(self, num_tokens: int) -> bool:
+        """Whether forward takes its input as Fp8Act at this token count: the op's W8A8 routed experts read it
+        (the shared MLP's linears then read the same quantization: one act quant for both). One rank's path or
+        tensor parallelism only; expert parallelism moves plain hidden states."""
+        return not self.expert_parallel and self.op.takes_fp8_act(num_tokens)
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if not self.expert_parallel:
             # fp32 router gate as the reference; the op may fuse it with the top-k
             out = self.op.forward_hidden(x, self.gate_weight, self.e_score_correction_bias, self.shared_experts)

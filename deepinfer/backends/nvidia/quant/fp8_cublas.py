@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import envs
+from deepinfer.backend import ROW_ALIGN
 from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
 
 
@@ -49,7 +50,6 @@ def use_cublas(x: torch.Tensor, weight: torch.Tensor, fused_act_quant: bool) -> 
     return _available(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-ROW_ALIGN = 16
 
 
 def k4_scales(weight_scale: torch.Tensor) -> torch.Tensor:
@@ -67,9 +67,17 @@ def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_k4: t
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] in the compute dtype -> [M, N]: x quantized per token per 128 (rows padded to ROW_ALIGN, scales
     column-major), times the e4m3 weight [N, K] with its k4_scales, in out_dtype (+ bias)."""
-    m = x.shape[0]
     xq, xs = quantize_act_fp8(x, scales_col_major=True, pad_rows_to=ROW_ALIGN)
+    return blockscaled_mm(xq, xs, x.shape[0], weight, weight_scale_k4, out_dtype, bias)
+
+
+def blockscaled_mm(xq: torch.Tensor, xs_cm: torch.Tensor, rows: int, weight: torch.Tensor,
+                   weight_scale_k4: torch.Tensor, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `rows` rows of xq [Mp, K] e4m3 (Mp a multiple of ROW_ALIGN) with column-major scales xs_cm [Mp,
+    K/128], times the e4m3 weight [N, K] with its k4_scales: [rows, N] in out_dtype (+ bias). For activations that
+    came quantized (backend/fp8_act.py) and for blockscaled_linear."""
     st = F.ScalingType
-    y = F.scaled_mm(xq, weight.t(), xs, st.BlockWise1x128, weight_scale_k4.t(), st.BlockWise128x128,
-                    output_dtype=out_dtype)[:m]
+    y = F.scaled_mm(xq, weight.t(), xs_cm, st.BlockWise1x128, weight_scale_k4.t(), st.BlockWise128x128,
+                    output_dtype=out_dtype)[:rows]
     return y if bias is None else y + bias

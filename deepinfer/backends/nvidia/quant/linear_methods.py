@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backend import (
+    Fp8Act,
     Int4Weight,
     LinearMethod,
     dequant_fp8_block,
@@ -73,6 +74,24 @@ class TritonFp8W8A8Linear(LinearMethod):
         xq, xs = (x2, None) if fused else quantize_act_fp8(x2)
         y = fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale_inv, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def takes_fp8_act(self, layer: torch.nn.Module, num_tokens: int) -> bool:
+        """Above the size whose GEMM quantizes x on load, x is quantized apart anyway: the norm before may do it."""
+        from deepinfer.backends.nvidia.quant.fp8_gemm import fused_act_quant
+
+        return not fused_act_quant(num_tokens)
+
+    def apply_fp8_act(self, layer: torch.nn.Module, act: Fp8Act) -> torch.Tensor:
+        """apply on activations that came quantized: cuBLAS (column-major scales, padded rows) or the Triton GEMM
+        (row-major scales) on act's e4m3 values, the products apply gives for act.x."""
+        from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_mm, use_cublas
+        from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm
+
+        x, m = act.x, act.rows
+        bias = getattr(layer, "bias", None)
+        if use_cublas(x, layer.weight, False):
+            return blockscaled_mm(act.q, act.s_cm, m, layer.weight, layer.weight_scale_k4, x.dtype, bias)
+        return fp8_block_gemm(act.q[:m], act.s[:m], layer.weight, layer.weight_scale_inv, x.dtype, bias)
 
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         return dequant_fp8_block(layer.weight, layer.weight_scale_inv).to(layer.compute_dtype)
