@@ -1,7 +1,8 @@
 """Tile sweep of the MoE grouped GEMMs per weight scheme, each GEMM timed on its own (issue 18).
 
     python -m benchmarks.moe_tile_sweep [--schemes bf16,fp8_w8a8,int4_awq] [--aligned-tokens 256,1024,16384]
-                                        [--direct-tokens 1,4] [--block-ms 64,128] [--json out.jsonl] [--dry-run]
+                                        [--direct-tokens 1,4] [--block-ms 64,128] [--stages 3,4] [--group-ms 0,8]
+                                        [--json out.jsonl] [--dry-run]
 
 Why: quant_gemm's MoE table times the whole fused_moe at the engine's tiles; the fp8 W8A8 aligned GEMMs streamed
 the experts at about half the copy bandwidth at 256 tokens (docs/quantization.md), and the int4 direct GEMMs at
@@ -34,6 +35,7 @@ ALIGNED_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 
 DIRECT_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 4))]
 # the int4 GEMV mainloop at one token (fused_moe_gemv.py): narrower tiles, more programs (no MMA minimum)
 GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (2, 4), (1, 2))]
+GROUP_MS: tuple[int, ...] = ()  # aligned tile orders to sweep (--group-ms); empty: the engine's
 COPY_BYTES = 1 << 30  # weight copies up to this many bytes in all (at least 2)
 
 
@@ -86,6 +88,11 @@ def _report(rows: list[dict], key: dict, default_us: float | None, nbytes_per_ca
     return summary
 
 
+def _with_group_ms(tiles: list[dict]) -> list[dict]:
+    """Each tile at every --group-ms tile order (a cfg's "group_m", which aligned_gemm reads before the env)."""
+    return [dict(t, group_m=g) for t in tiles for g in GROUP_MS] if GROUP_MS else tiles
+
+
 def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
     from deepinfer.backends.nvidia.fused_moe import pick_block_m, w8a8_down_block_m
     from deepinfer.backends.nvidia.fused_moe_config import gemm_config
@@ -132,7 +139,7 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
         gate_up(0, None)  # act holds real values for down's sweep
         for gemm, fn, rows, dual in (("gate_up", gate_up, rows13, True), ("down", down, rows2, False)):
             default_cfg = gemm_config(block_m, dual, kw.get("scheme"), 128)
-            for cfg in _tiles(ALIGNED_TILES, scheme, dual, 128, swap_ab=block_m <= 32):
+            for cfg in _with_group_ms(_tiles(ALIGNED_TILES, scheme, dual, 128, swap_ab=block_m <= 32)):
                 us = _time(lambda i, cfg=cfg, fn=fn: fn(i, cfg), 1, reps)
                 row = {"scheme": scheme, "schedule": "aligned", "tokens": tokens, "gemm": gemm, "block_m": block_m,
                        "cfg": cfg, "us": us}
@@ -209,10 +216,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--direct-tokens", default="1,4")
     ap.add_argument("--block-ms", default=None, help="aligned BLOCK_M values to sweep (default: those the tokens make "
                     "sensible out of 16, 32, 64, 128)")
+    ap.add_argument("--stages", default="3,4", help="aligned num_stages values to sweep (each with every tile)")
+    ap.add_argument("--group-ms", default=None, help="aligned tile orders to sweep (fused_moe_gemm._tile_order's "
+                    "GROUP_M: 0 row tiles first, 8 the default); default: the engine's (DEEPINFER_MOE_GROUP_M)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no timing")
     args = ap.parse_args(argv)
-    global ALIGNED_TILES, DIRECT_TILES, ALIGNED_BLOCK_M, GEMV_TILES
+    global ALIGNED_TILES, DIRECT_TILES, ALIGNED_BLOCK_M, GEMV_TILES, GROUP_MS
+    stages = tuple(int(v) for v in args.stages.split(","))
+    ALIGNED_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), stages)]
+    if args.group_ms:
+        GROUP_MS = tuple(int(v) for v in args.group_ms.split(","))
     if args.dry_run:
         qg._dry_run_shapes()
         ALIGNED_BLOCK_M = (16,)

@@ -48,10 +48,12 @@ def test_moe_tile_sweep_dry_run_names_each_gemms_default(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "sweep.jsonl"
     run = subprocess.run([sys.executable, "-m", "benchmarks.moe_tile_sweep", "--dry-run", "--schemes",
-                          "bf16,fp8_w8a8", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+                          "bf16,fp8_w8a8", "--group-ms", "0,8", "--json", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    aligned_rows = [r for r in rows if not r.get("summary") and r["schedule"] == "aligned"]
+    assert aligned_rows and {r["cfg"]["group_m"] for r in aligned_rows} == {0, 8}  # --group-ms: each tile twice
     summaries = [r for r in rows if r.get("summary")]
     assert {(r["scheme"], r["schedule"], r["gemm"]) for r in summaries} == {
         (s, sched, g) for s in ("bf16", "fp8_w8a8") for sched in ("direct", "aligned") for g in ("gate_up", "down")}
