@@ -342,10 +342,11 @@ QUANT_SPLIT_K = EnvVar(
     "the H100)",
     "nvidia",
 )
-FP8_NORM_QUANT = EnvVar(
-    "DEEPINFER_FP8_NORM_QUANT", "bool", True,
-    "`0`: a decoder layer's RMSNorm no longer writes the e4m3 quantization of its output for fp8 W8A8 consumers "
-    "(backend/fp8_act.py); each consumer then quantizes its input in its own kernel (A/B runs)",
+FP8_EPILOGUE_QUANT = EnvVar(
+    "DEEPINFER_FP8_EPILOGUE_QUANT", "bool", True,
+    "`0`: the op before an fp8 W8A8 linear (a decoder layer's RMSNorm, an MLP's SiLU-and-mul) no longer writes the "
+    "e4m3 quantization of its output (backend/fp8_act.py); each consumer quantizes its input in its own kernel "
+    "(A/B runs)",
     "nvidia",
 )
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(

@@ -11,6 +11,7 @@ runtime needs are here too: the KV cache layout, decode-graph capture, memory an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import torch
@@ -116,6 +117,13 @@ class Backend(ABC):
             return fp8_act_reference(self.rms_norm(x, weight, eps)), None
         out, total = self.add_rms_norm(x, residual, weight, eps)
         return fp8_act_reference(out), total
+
+    def silu_and_mul_fp8(self, x: torch.Tensor, keep_values: bool = False) -> Fp8Act:
+        """silu_and_mul (no clamp) whose output is quantized for an fp8 W8A8 consumer (backend/fp8_act.py): q / s
+        equal the reference's quantization of silu_and_mul(x), bit for bit; keep_values: Fp8Act.x holds those
+        values too (else None). Default: the op, then the torch reference quantization."""
+        act = fp8_act_reference(self.silu_and_mul(x))
+        return act if keep_values else replace(act, x=None)
 
     # ------------------------------------------------------------ sampling ops
 

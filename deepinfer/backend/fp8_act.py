@@ -9,8 +9,8 @@ norm whose output feeds only such consumers writes the e4m3 values and scales in
 one the separate kernel gave, bit for bit.
 
 Layout (the union of what the W8A8 GEMMs read):
-- x [T, K]: the norm's output in the compute dtype, for the consumers that read that (the MoE router; a linear
-  whose GEMM quantizes on load);
+- x [T, K]: the producer's output in the compute dtype, for the consumers that read that (the MoE router; a
+  linear whose GEMM quantizes on load), or None where no consumer does (the SiLU-and-mul before a W8A8 down);
 - q [Tp, K] e4m3: rows padded with zeros to a multiple of ROW_ALIGN (cuBLAS's block-scaled GEMM wants aligned M);
 - s [Tp, ceil(K/128)] fp32 row-major (the Triton GEMMs' scales) and s_cm the same values column-major (a view with
   strides (1, Tp): what cuBLAS reads). Both are written by the producer: 16 KB at 256 tokens, cheaper than a copy
@@ -29,27 +29,33 @@ ROW_ALIGN = 16  # rows of q / s are padded to a multiple of this (cuBLAS's block
 
 @dataclass(frozen=True)
 class Fp8Act:
-    x: torch.Tensor  # [T, K] compute dtype
+    x: torch.Tensor | None  # [T, K] compute dtype; None where the producer's consumers read only q / s
     q: torch.Tensor  # [Tp, K] float8_e4m3fn, Tp = T rounded up to ROW_ALIGN, zero rows past T
     s: torch.Tensor  # [Tp, G] fp32, row-major
     s_cm: torch.Tensor  # [Tp, G] fp32, column-major (strides (1, Tp)): the same values as s
+    rows: int  # T
 
-    @property
-    def rows(self) -> int:
-        return self.x.shape[0]
+    def values(self) -> torch.Tensor:
+        """x, for a consumer that reads the compute-dtype values; an error where the producer did not keep them."""
+        if self.x is None:
+            from deepinfer.errors import BackendError
+
+            raise BackendError("Fp8Act: the compute-dtype values were not kept (x None): only a consumer whose "
+                               "takes_fp8_act said yes may be given these activations")
+        return self.x
 
 
 def padded_rows(rows: int) -> int:
     return -(-rows // ROW_ALIGN) * ROW_ALIGN
 
 
-def empty_fp8_act(x: torch.Tensor) -> Fp8Act:
-    """The buffers a producer fills for x [T, K] (q, s and the column-major s_cm's storage), x as given."""
-    t, k = x.shape
-    tp, g = padded_rows(t), -(-k // FP8_GROUP)
-    return Fp8Act(x=x, q=torch.empty((tp, k), dtype=torch.float8_e4m3fn, device=x.device),
-                  s=torch.empty((tp, g), dtype=torch.float32, device=x.device),
-                  s_cm=torch.empty((g, tp), dtype=torch.float32, device=x.device).t())
+def empty_fp8_act(rows: int, k: int, device, x: torch.Tensor | None = None) -> Fp8Act:
+    """The buffers a producer fills for [rows, k] activations (q, s and the column-major s_cm's storage); x: the
+    compute-dtype values' buffer, or None when they are not kept."""
+    tp, g = padded_rows(rows), -(-k // FP8_GROUP)
+    return Fp8Act(x=x, q=torch.empty((tp, k), dtype=torch.float8_e4m3fn, device=device),
+                  s=torch.empty((tp, g), dtype=torch.float32, device=device),
+                  s_cm=torch.empty((g, tp), dtype=torch.float32, device=device).t(), rows=rows)
 
 
 def fp8_act_reference(x: torch.Tensor) -> Fp8Act:
@@ -59,7 +65,7 @@ def fp8_act_reference(x: torch.Tensor) -> Fp8Act:
         raise ValueError(f"fp8_act_reference takes [T, K], got shape {tuple(x.shape)}")
     from deepinfer.backend.native.quant_fp8 import quantize_act_fp8  # native imports the contract: not at load
 
-    out = empty_fp8_act(x)
+    out = empty_fp8_act(x.shape[0], x.shape[1], x.device, x)
     padded = torch.zeros((out.q.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
     q, s = quantize_act_fp8(padded)

@@ -50,7 +50,7 @@ class LinearMethod(ABC):
     def apply_fp8_act(self, layer: torch.nn.Module, act: Fp8Act) -> torch.Tensor:
         """`apply` on activations that came quantized (per token per 128 channels, Fp8Act); the default reads
         their compute-dtype values, a W8A8 method its e4m3 values and scales."""
-        return self.apply(layer, act.x)
+        return self.apply(layer, act.values())
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ W8A8 model whose logits are the same bits with the fused path on and off while i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from quant_testutil import prefill_logits
@@ -66,6 +68,24 @@ def test_rms_norm_fp8_kernel_matches_the_reference(nv, t, d, dtype, with_residua
     torch.testing.assert_close(cpu_act.x.float(), ref_out.float(), atol=0 if bf16 else 1e-5, rtol=2e-2 if bf16 else 0)
 
 
+@pytest.mark.parametrize("t, inter, dtype", [(3, 128, torch.float32), (18, 200, torch.bfloat16)])
+@pytest.mark.parametrize("keep", [False, True])
+def test_silu_and_mul_fp8_kernel_matches_the_reference(nv, t, inter, dtype, keep):
+    """The SiLU-and-mul that quantizes its output: the values silu_and_mul writes (kept or not), their reference
+    quantization, padded rows zeros; the contract's default gives the same layout."""
+    g = torch.Generator().manual_seed(t + inter)
+    x = (torch.randn(t, 2 * inter, generator=g) * 4).to(dtype)
+    act = nv.silu_and_mul_fp8(x, keep_values=keep)
+    ref = nv.silu_and_mul(x)
+    assert (act.x is None) != keep and act.rows == t
+    _check_act(act if keep else dataclasses.replace(act, x=ref), ref)
+    if not keep:
+        with pytest.raises(BackendError, match="not kept"):
+            act.values()
+    cpu_act = CPUBackend().silu_and_mul_fp8(x, keep_values=True)
+    _check_act(cpu_act, cpu_act.x)
+
+
 def test_fp8_act_reference_layout():
     x = torch.randn(3, 130)
     act = fp8_act_reference(x)
@@ -75,10 +95,15 @@ def test_fp8_act_reference_layout():
 def _counting(base):
     class Counting(base):
         calls = 0
+        silu_calls = 0
 
         def rms_norm_fp8(self, x, residual, weight, eps):
             self.calls += 1
             return super().rms_norm_fp8(x, residual, weight, eps)
+
+        def silu_and_mul_fp8(self, x, keep_values=False):
+            self.silu_calls += 1
+            return super().silu_and_mul_fp8(x, keep_values)
 
     return Counting
 
@@ -90,7 +115,8 @@ def _decoder_layers(model):
 def test_w8a8_model_same_bits_with_the_norm_quant(tmp_path, monkeypatch):
     """tiny-v3-fp8 run W8A8 on the nvidia op (interpreter) at 4 tokens, with every W8A8 consumer past its fused-quant
     size (the linears' GEMMs quantize apart at any M, the MoE runs the aligned schedule): with the norm writing the
-    quantization, each layer's two norms take the fused path (counted) and the logits are the unfused path's bits."""
+    quantization (each layer's two norms and each MLP's SiLU-and-mul take the fused path: counted), the logits are the
+    unfused path's bits."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("DEEPINFER_FP8_FUSED_ACT_QUANT_MAX_M", "0")
     monkeypatch.setenv("DEEPINFER_MOE_FUSED_ROUTER_MAX_TOKENS", "0")
@@ -108,13 +134,16 @@ def test_w8a8_model_same_bits_with_the_norm_quant(tmp_path, monkeypatch):
     assert moes and all(m.op.quant.scheme == "fp8_w8a8" and m.takes_fp8_act(4) for m in moes)
     assert all(layer.self_attn.takes_fp8_act(4) for layer in layers)
     ids = torch.randint(2, 500, (1, 4), generator=torch.Generator().manual_seed(1))
+    mlps = [m for m in model.modules() if type(m).__name__ == "GatedMLP"]  # layer 0's MLP, the shared experts
+    assert len(mlps) == len(layers) and all(m.down_proj.takes_fp8_act(4) for m in mlps)
     logits = {}
     for on in (False, True):
-        for layer in layers:
-            layer.fp8_norm_quant = on
-        backend.calls = 0
+        for module in layers + mlps:
+            module.fp8_norm_quant = module.fp8_epilogue_quant = on
+        backend.calls = backend.silu_calls = 0
         logits[on] = prefill_logits(model, backend, ids)
         assert backend.calls == (2 * len(layers) if on else 0)
+        assert backend.silu_calls == (len(mlps) if on else 0)
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)
 
 

@@ -187,6 +187,11 @@ class NvidiaBackend(NativeOps, Backend):
 
         return rms_norm_fp8(x, residual, weight, eps)
 
+    def silu_and_mul_fp8(self, x, keep_values=False):
+        from deepinfer.backends.nvidia.quant.fp8_act_quant import silu_mul_fp8_act
+
+        return silu_mul_fp8_act(x, keep_values)
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, interleaved):
         from deepinfer.backends.nvidia.rope import rotary_embedding
 

@@ -175,7 +175,7 @@ class TritonMoE(NativeMoE):
             if not self.takes_fp8_act(x.rows):
                 raise BackendError(f"MoE forward_hidden: Fp8Act input at {x.rows} tokens, where this op does not "
                                    "take one (takes_fp8_act)")
-            act, x = x, x.x
+            act, x = x, x.values()
         if x.shape[0] > fused_router_max_tokens():
             shared = self._start_shared(x, shared_experts, act)  # before the router: it overlaps the routing
             logits = self.router_logits(x, gate_weight)

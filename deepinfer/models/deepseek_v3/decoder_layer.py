@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
             if cfg.is_moe_layer(layer_id)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, backend, dtype, quantized=quant)
         )
-        self.fp8_norm_quant = envs.FP8_NORM_QUANT.get()
+        self.fp8_norm_quant = envs.FP8_EPILOGUE_QUANT.get()
         self.input_layernorm: torch.Tensor | None = None
         self.post_attention_layernorm: torch.Tensor | None = None
 
@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
                   consumer: nn.Module) -> tuple[torch.Tensor | Fp8Act, torch.Tensor]:
         """(norm(x + residual), x + residual); the first layer has no residual yet (x is it). When the consumer
         reads fp8 W8A8 activations at this token count, the norm also writes their quantization (Fp8Act: one
-        pass over each row instead of a separate act-quant kernel per consumer; DEEPINFER_FP8_NORM_QUANT=0
+        pass over each row instead of a separate act-quant kernel per consumer; DEEPINFER_FP8_EPILOGUE_QUANT=0
         turns it off). The choice depends on the token count alone, so it is fixed per CUDA graph."""
         if self.fp8_norm_quant and consumer.takes_fp8_act(x.shape[0]):
             act, total = self.backend.rms_norm_fp8(x, residual, weight, self.eps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer import envs
 from deepinfer.backend import Backend, Fp8Act
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
@@ -35,6 +36,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
                                          quantized=quantized, splits=[col, col])
         self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized, split=row)
+        # the SiLU-and-mul writes the W8A8 down's e4m3 input (DEEPINFER_FP8_EPILOGUE_QUANT; backend/fp8_act.py)
+        self.fp8_epilogue_quant = envs.FP8_EPILOGUE_QUANT.get()
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         gate, up, down = self.names
@@ -68,5 +71,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        out = self.down_proj(self.backend.silu_and_mul(gate_up, self.swiglu_limit))
+        if self.fp8_epilogue_quant and self.swiglu_limit is None and gate_up.dim() == 2 \
+                and self.down_proj.takes_fp8_act(gate_up.shape[0]):
+            h = self.backend.silu_and_mul_fp8(gate_up)  # quantized in the same pass for the W8A8 down
+        else:
+            h = self.backend.silu_and_mul(gate_up, self.swiglu_limit)
+        out = self.down_proj(h)
         return out if self.comm is None else self.comm.all_reduce(out)

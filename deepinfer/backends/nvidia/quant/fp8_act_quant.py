@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backend import Fp8Act, empty_fp8_act
 from deepinfer.backends.nvidia.quant.tiles import TL_DTYPES, fp8_quant_rows
 from deepinfer.errors import BackendError
 
@@ -64,23 +65,31 @@ def quantize_act_fp8(x: torch.Tensor, scales_col_major: bool = False,
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, I, stride_x, stride_q, stride_s,
-                           ACT: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scm_ptr, y_ptr, M, M_OUT, I, stride_x, stride_q, stride_s,
+                           stride_cm, stride_y, ACT: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr,
+                           GROUP: tl.constexpr, WRITE_CM: tl.constexpr, WRITE_Y: tl.constexpr):
     """Program (r, g): rows [r * ROWS, (r + 1) * ROWS) of x [M, 2I] (gate | up, the activation dtype), channel
     group g of the output: silu(gate) rounded to ACT, times up, rounded to ACT (the values the fused dual gate_up
-    epilogue quantizes, fused_moe_mainloop._epilogue / _store_fp8_rows), then e4m3 per row over the group."""
+    epilogue quantizes, fused_moe_mainloop._epilogue / _store_fp8_rows, and activation.py's silu_and_mul writes),
+    then e4m3 per row over the group. Rows M..M_OUT are padding (zeros: q 0, the floor scale). WRITE_CM: the scales
+    also column-major to scm_ptr (backend/fp8_act.py); WRITE_Y: the rounded values too, to y_ptr."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, GROUP)
     mask = (rows < M)[:, None] & (offs < I)[None, :]
+    omask = (rows < M_OUT)[:, None] & (offs < I)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(x_ptr + r64 * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + r64 * stride_x + I + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(ACT).to(tl.float32)
     y = tl.where(mask, (act * u).to(ACT).to(tl.float32), 0.0)
+    if WRITE_Y:
+        tl.store(y_ptr + r64 * stride_y + offs[None, :], y.to(ACT), mask=mask)
     q, scale = fp8_quant_rows(y, ROUND_FIRST)
-    tl.store(q_ptr + r64 * stride_q + offs[None, :], q, mask=mask)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_s + grp, scale, mask=rows < M)
+    tl.store(q_ptr + r64 * stride_q + offs[None, :], q, mask=omask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + grp, scale, mask=rows < M_OUT)
+    if WRITE_CM:
+        tl.store(scm_ptr + grp * stride_cm + rows.to(tl.int64), scale, mask=rows < M_OUT)
 
 
 def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +107,30 @@ def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         on_gpu = x.device.type == "cuda"
         rows = 16 if on_gpu else 4
-        _silu_mul_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, inter, x.stride(0), q.stride(0), s.stride(0),
-                                                          ACT=TL_DTYPES[x.dtype], ROUND_FIRST=not on_gpu, ROWS=rows,
-                                                          GROUP=GROUP, num_warps=4)
+        _silu_mul_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, s, q, m, m, inter, x.stride(0), q.stride(0),
+                                                          s.stride(0), 0, 0, ACT=TL_DTYPES[x.dtype],
+                                                          ROUND_FIRST=not on_gpu, ROWS=rows, GROUP=GROUP,
+                                                          WRITE_CM=False, WRITE_Y=False, num_warps=4)
     return q, s
+
+
+def silu_mul_fp8_act(x: torch.Tensor, keep_values: bool = False) -> Fp8Act:
+    """`Backend.silu_and_mul_fp8`: x [M, 2I] (gate | up) -> Fp8Act of silu(gate) * up (the values silu_and_mul
+    writes, quantized per row per 128 channels; rows padded, both scale layouts), one launch. keep_values: also the
+    compute-dtype values (Fp8Act.x), for a consumer that reads them."""
+    m, two_i = x.shape
+    if two_i % 2 or x.stride(1) != 1 or x.dtype not in TL_DTYPES:
+        raise BackendError(f"silu_mul_fp8_act: x must be [M, 2I], row-contiguous, 16/32-bit float; got "
+                           f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    inter = two_i // 2
+    y = torch.empty((m, inter), dtype=x.dtype, device=x.device) if keep_values else None
+    act = empty_fp8_act(m, inter, x.device, y)
+    mp = act.q.shape[0]
+    if m:
+        on_gpu = x.device.type == "cuda"
+        rows = 16 if on_gpu else 4
+        _silu_mul_quant_kernel[(triton.cdiv(mp, rows), triton.cdiv(inter, GROUP))](
+            x, act.q, act.s, act.s_cm, y if y is not None else act.q, m, mp, inter, x.stride(0), act.q.stride(0),
+            act.s.stride(0), act.s_cm.stride(1), y.stride(0) if y is not None else 0, ACT=TL_DTYPES[x.dtype],
+            ROUND_FIRST=not on_gpu, ROWS=rows, GROUP=GROUP, WRITE_CM=True, WRITE_Y=y is not None, num_warps=4)
+    return act

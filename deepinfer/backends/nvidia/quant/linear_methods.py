@@ -83,15 +83,15 @@ class TritonFp8W8A8Linear(LinearMethod):
 
     def apply_fp8_act(self, layer: torch.nn.Module, act: Fp8Act) -> torch.Tensor:
         """apply on activations that came quantized: cuBLAS (column-major scales, padded rows) or the Triton GEMM
-        (row-major scales) on act's e4m3 values, the products apply gives for act.x."""
+        (row-major scales) on act's e4m3 values, the products apply gives for their compute-dtype values."""
         from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_mm, use_cublas
         from deepinfer.backends.nvidia.quant.fp8_gemm import fp8_block_gemm
 
-        x, m = act.x, act.rows
+        m, dtype = act.rows, layer.compute_dtype
         bias = getattr(layer, "bias", None)
-        if use_cublas(x, layer.weight, False):
-            return blockscaled_mm(act.q, act.s_cm, m, layer.weight, layer.weight_scale_k4, x.dtype, bias)
-        return fp8_block_gemm(act.q[:m], act.s[:m], layer.weight, layer.weight_scale_inv, x.dtype, bias)
+        if use_cublas(act.q, layer.weight, False):
+            return blockscaled_mm(act.q, act.s_cm, m, layer.weight, layer.weight_scale_k4, dtype, bias)
+        return fp8_block_gemm(act.q[:m], act.s[:m], layer.weight, layer.weight_scale_inv, dtype, bias)
 
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         return dequant_fp8_block(layer.weight, layer.weight_scale_inv).to(layer.compute_dtype)

@@ -68,7 +68,7 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         raise BackendError(f"rms_norm_fp8 weight shape {tuple(weight.shape)} does not match hidden size {d}")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
         raise BackendError(f"rms_norm_fp8 residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-    act = empty_fp8_act(torch.empty_like(x))
+    act = empty_fp8_act(t, d, x.device, torch.empty_like(x))
     total = torch.empty_like(x) if residual is not None else None
     tp = act.q.shape[0]
     if t:

@@ -46,7 +46,9 @@ def fp8_quant_rows(x, ROUND_FIRST: tl.constexpr):
     if ROUND_FIRST:
         bits = q.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        q = bits.to(tl.float32, bitcast=True)
+        # below e4m3's smallest normal (2^-6) its step is 2^-9: round there instead (adding and subtracting
+        # 1.5 * 2^14, whose fp32 step is 2^-9, rounds half to even); the mantissa rounding above is too fine there
+        q = tl.where(tl.abs(q) < 0.015625, (q + 24576.0) - 24576.0, bits.to(tl.float32, bitcast=True))
     return q.to(tl.float8e4nv), scale
 
 
