@@ -127,11 +127,24 @@ def main() -> None:
     # SiLU-and-mul + quant kernel between it and the down GEMM
     aligned("bf16", False, fm.SPLIT_GATE_UP_BLOCK_M, cfgs.split_gate_up_config(fm.SPLIT_GATE_UP_BLOCK_M),
             scheme="fp8_w8a8", split_gate_up=True)
-    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "I": "i32", "stride_x": "i32",
-           "stride_q": "i32", "stride_s": "i32", "ACT": "constexpr", "ROUND_FIRST": "constexpr", "ROWS": "constexpr",
-           "GROUP": "constexpr"}
-    compile_one("silu_mul_quant_fp8", aq._silu_mul_quant_kernel, sig,
-                {"ACT": tl.bfloat16, "ROUND_FIRST": False, "ROWS": 16, "GROUP": 128}, 4, 1)
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "scm_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
+           "M_OUT": "i32", "I": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_cm": "i32",
+           "stride_y": "i32", "ACT": "constexpr", "ROUND_FIRST": "constexpr", "ROWS": "constexpr",
+           "GROUP": "constexpr", "WRITE_CM": "constexpr", "WRITE_Y": "constexpr"}
+    for write in (False, True):  # the split gate_up's (fused_moe.py); an MLP's, for its W8A8 down (Fp8Act)
+        compile_one(f"silu_mul_quant_fp8{' fp8_act' if write else ''}", aq._silu_mul_quant_kernel, sig,
+                    {"ACT": tl.bfloat16, "ROUND_FIRST": False, "ROWS": 16, "GROUP": 128, "WRITE_CM": write,
+                     "WRITE_Y": write}, 4, 1)
+    # the RMSNorm that writes its e4m3 quantization (quant/rmsnorm_fp8.py) at V2-Lite's hidden 2048
+    from deepinfer.backends.nvidia.quant import rmsnorm_fp8 as rn
+
+    sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+           "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "scm_ptr": "*fp32", "M": "i32", "D": "i32", "stride_x": "i32",
+           "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "stride_q": "i32", "stride_sm": "i32",
+           "stride_cm": "i32", "eps": "fp32", "HAS_RES": "constexpr", "ROUND_FIRST": "constexpr",
+           "BLOCK_D": "constexpr", "GROUP": "constexpr"}
+    compile_one("rms_norm_fp8", rn._rms_norm_fp8_kernel, sig,
+                {"HAS_RES": True, "ROUND_FIRST": False, "BLOCK_D": 2048, "GROUP": 128}, 8, 1)
     for dual in (True, False):  # W8A8 at decode sizes: swap-AB (the default below BLOCK_M 64), the unswapped tile
         aligned("bf16", dual, 16, g.gemm_config(16, dual, "fp8_w8a8"), scheme="fp8_w8a8")
         unswapped = {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3 if dual else 4, "swap_ab": False}
