@@ -104,7 +104,7 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
     q13 = {"scale": kw.get("w13_scale"), "scheme": kw.get("scheme"), "zeros": kw.get("w13_zeros"), "group_size": 128}
     q2 = {"scale": kw.get("w2_scale"), "scheme": kw.get("scheme"), "zeros": kw.get("w2_zeros"), "group_size": 128}
     n = tokens * qg.TOP_K
-    w, ids = _routing(tokens, qg.TOP_K, 1)[0]
+    _, ids = _routing(tokens, qg.TOP_K, 1)[0]
     x = torch.randn(tokens, qg.D, device=qg.DEV, dtype=qg._act_dtype())
     reps = 3 if tokens >= 4096 else 20
     touched = ids.unique().numel()
@@ -128,13 +128,13 @@ def aligned(scheme: str, tokens: int, out: list[dict]) -> None:
         else:
             xq, act = x, torch.empty((n, qg.INTER), dtype=x.dtype, device=qg.DEV)
             a13, a2 = {}, {}
-        y = torch.empty((n, qg.D), dtype=torch.float32, device=qg.DEV)
+        y = torch.empty((n, qg.D), dtype=x.dtype, device=qg.DEV)  # unweighted slots (the combine weights them)
 
         def gate_up(i, cfg, block_m=block_m, s=sorted_ids, e=expert_ids, p=npad, xq=xq, act=act, a13=a13):
             aligned_gemm(xq, kw["w13"], act, s, e, p, n, qg.TOP_K, block_m, dual=True, cfg=cfg, **a13, **q13)
 
         def down(i, cfg, block_m=block_m, s=sorted_ids, e=expert_ids, p=npad, act=act, y=y, a2=a2):
-            aligned_gemm(act, kw["w2"], y, s, e, p, n, 1, block_m, w.view(-1), cfg=cfg, **a2, **q2)
+            aligned_gemm(act, kw["w2"], y, s, e, p, n, 1, block_m, cfg=cfg, **a2, **q2)
 
         gate_up(0, None)  # act holds real values for down's sweep
         for gemm, fn, rows, dual in (("gate_up", gate_up, rows13, True), ("down", down, rows2, False)):

@@ -153,9 +153,11 @@ def main() -> None:
         # int4 at one token: the GEMV mainloop (fused_moe_gemv.py)
         direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "int4_awq"), gemv=True), scheme="int4_awq",
                combine=not dual)
-    sig = {"y_ptr": "*fp32", "s_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
-           "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr", "BLOCK": "constexpr"}
-    compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "BLOCK": 1024}, 4, 1)
+    sig = {"y_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "D": "i32", "stride_y": "i32",
+           "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr",
+           "WEIGHTED": "constexpr", "BLOCK": "constexpr"}  # the aligned schedule's: unweighted bf16 slots
+    compile_one("combine", fm._combine_kernel, sig, {"SLOTS": 8, "HAS_SHARED": True, "WEIGHTED": True, "BLOCK": 1024},
+                4, 1)
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32", "stride_o": "i32", "BLOCK_E": "constexpr", "BLOCK_D": "constexpr"}
     compile_one("router_logits", r._router_logits_kernel, sig, {"BLOCK_E": 2, "BLOCK_D": 1024}, 4, 3)

@@ -75,6 +75,36 @@ def test_fused_moe_layer_matches_native(dtype, name):
     assert rel_err(out, exp) < 5 * tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_weights_unweighted_slots_as_the_native_op(dtype):
+    """The aligned schedule's combine: slots stored unweighted in the compute dtype, each weighted in fp32 as it is
+    summed, give the bits of the fp32 weighted slots the native op sums (value rounded to the dtype, times the
+    weight in fp32, summed in slot order), with and without the shared output; a weights tensor of the wrong shape
+    is an error naming it."""
+    from deepinfer.backends.nvidia.fused_moe import combine
+    from deepinfer.errors import BackendError
+
+    g = torch.Generator().manual_seed(11)
+    t, k, d = 5, 6, 200
+    slots = torch.randn(t, k, d, generator=g).to(DEVICE, dtype)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    shared = torch.randn(t, d, generator=g).to(DEVICE, dtype)
+    for sh in (None, shared):
+        weighted = slots.float() * weights[:, :, None]
+        want = combine(weighted.contiguous(), sh, dtype)
+        got = combine(slots, sh, dtype, weights)
+        assert torch.equal(got, want)
+        if dtype == torch.float16 or DEVICE.type != "cpu":  # (the interpreter's fp32 -> bf16 cast rounds otherwise than
+            # torch's, seen here: 1 ulp toward zero)
+            acc = weighted[:, 0].clone()
+            for j in range(1, k):  # in slot order, as both kernels sum
+                acc += weighted[:, j]
+            ref = (acc.to(dtype).float() + sh.float()).to(dtype) if sh is not None else acc.to(dtype)
+            assert torch.equal(want, ref)
+    with pytest.raises(BackendError, match="weights"):
+        combine(slots, None, dtype, weights[:, :3].contiguous())
+
+
 def test_unsupported_router_uses_native_and_says_so():
     be = backend()
     spec = MoESpec(router=RouterSpec(8, 2, "sqrtsoftplus", "noaux_tc"), hidden_size=16, intermediate_size=16)

@@ -22,6 +22,9 @@ gate_up instead (`split_gate_up`: one GEMM over both halves at 128-row tiles, th
 The combine sums a token's weighted slots in fp32, rounds to the activation
 dtype, adds the shared experts' output if given and rounds again: the native
 op's `out.sum(1).to(dtype)` then the model's `out + shared`, in one kernel.
+In the aligned schedule the down GEMM stores each slot's product rounded to
+the activation dtype, unweighted, and the combine multiplies it by its routing
+weight in fp32 as it sums (the native op's values, from half the slot bytes).
 """
 
 from __future__ import annotations
@@ -77,32 +80,44 @@ def use_direct(num_tokens: int, top_k: int) -> bool:
 
 
 @triton.jit
-def _combine_kernel(y_ptr, s_ptr, out_ptr, D, stride_y, stride_s, stride_o,
-                    SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, s_ptr, out_ptr, w_ptr, D, stride_y, stride_s, stride_o,
+                    SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(SLOTS):  # slot order, as the native sum over k
-        acc += tl.load(y_ptr + t * stride_y + j * D + offs, mask=mask, other=0.0)
+        y = tl.load(y_ptr + t * stride_y + j * D + offs, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:  # the slot's routing weight, in fp32 (the down GEMM stored its rounded product unweighted)
+            y = y * tl.load(w_ptr + t * SLOTS + j)
+        acc += y
     ty = out_ptr.dtype.element_ty
     if HAS_SHARED:
         acc = acc.to(ty).to(tl.float32) + tl.load(s_ptr + t * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + offs, acc.to(ty), mask=mask)
 
 
-def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """y [T, S, D] fp32 weighted slots -> sum over S (fp32) -> dtype (+ shared [T, D], then dtype again)."""
+def combine(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, S, D] fp32 weighted slots -> sum over S (fp32) -> dtype (+ shared [T, D], then dtype again). weights
+    [T, S] fp32: y holds the slots unweighted (the down GEMM's product rounded to the compute dtype, stored in it),
+    and each is multiplied by its weight in fp32 here: the same products and sums as weighted fp32 slots, from half
+    the bytes (the aligned schedule's slot buffer: 805 MB a layer at 16,384 tokens of V2-Lite in fp32)."""
     T, slots, D = y.shape
     if shared is not None and (tuple(shared.shape) != (T, D) or shared.stride(-1) != 1):
         raise BackendError(f"MoE combine: shared output has shape {tuple(shared.shape)}, expected {(T, D)}")
+    if weights is not None and (tuple(weights.shape) != (T, slots) or weights.dtype != torch.float32
+                                or not weights.is_contiguous()):
+        raise BackendError(f"MoE combine: weights {tuple(weights.shape)} {weights.dtype}, expected contiguous fp32 "
+                           f"{(T, slots)}")
     out = torch.empty((T, D), dtype=dtype, device=y.device)
     if T == 0:
         return out
     block = 128 if interpreting() else 1024
     _combine_kernel[(T, triton.cdiv(D, block))](
-        y, shared if shared is not None else y, out, D, y.stride(0), shared.stride(0) if shared is not None else 0,
-        out.stride(0), SLOTS=slots, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4,
+        y, shared if shared is not None else y, out, weights if weights is not None else y, D, y.stride(0),
+        shared.stride(0) if shared is not None else 0, out.stride(0), SLOTS=slots, HAS_SHARED=shared is not None,
+        WEIGHTED=weights is not None, BLOCK=block, num_warps=4,
     )
     return out
 
@@ -182,7 +197,7 @@ def _split_block_m() -> tuple[int, int]:
     return (32, 16) if interpreting() else (SPLIT_GATE_UP_BLOCK_M, 64)
 
 
-def _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m, weights,
+def _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m,
                       act_dtype, q13, q2, skipping: bool) -> None:
     """The split W8A8 path (`split_gate_up`): gate_up over both halves in the compute dtype (the values the dual
     epilogue rounds to), SiLU-and-mul + e4m3 quant per 128 channels, then the down GEMM at down_block_m rows (its
@@ -198,7 +213,7 @@ def _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n,
                  cfg=split_gate_up_config(block_m), **q13)
     act, act_s = silu_mul_quant_fp8(inter)
     aligned_gemm(act, w2, y, sorted_ids, subdivided_ids(expert_ids, block_m, down_block_m), num_padded, n, 1,
-                 down_block_m, weights.view(-1), a_scale=act_s, act_dtype=act_dtype, **q2)
+                 down_block_m, a_scale=act_s, act_dtype=act_dtype, **q2)
 
 
 def align_skipping(align: Callable, topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -236,12 +251,13 @@ def _check_x_quant(x_quant, x: torch.Tensor, scheme: str | None, direct: bool) -
                            f"{s.stride()}: expected e4m3 [>= {t}, {d}] and row-major fp32 [rows, {triton.cdiv(d, 128)}]")
 
 
-def _slot_buffer(rows: int, d: int, device, zeroed: bool) -> torch.Tensor:
-    """The fp32 [pairs, D] weighted-slot buffer; zeroed when some pairs are skipped (the combine sums every
-    slot), else left uninitialized (every row is written)."""
+def _slot_buffer(rows: int, d: int, device, zeroed: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [pairs, D] slot buffer (fp32 weighted slots, or the aligned schedule's unweighted ones in the compute
+    dtype); zeroed when some pairs are skipped (the combine sums every slot), else left uninitialized (every row is
+    written)."""
     if zeroed:
-        return torch.zeros((rows, d), dtype=torch.float32, device=device)
-    return torch.empty((rows, d), dtype=torch.float32, device=device)
+        return torch.zeros((rows, d), dtype=dtype, device=device)
+    return torch.empty((rows, d), dtype=dtype, device=device)
 
 
 def fused_moe(
@@ -316,14 +332,16 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = align_skipping(align, topk_ids, E, block_m)
     else:
         sorted_ids, expert_ids, num_padded = align(topk_ids, E, block_m)
-    y = _slot_buffer(n, D, x.device, skip_unrouted)  # weighted slots, summed in fp32
+    # the down GEMMs store each slot's product rounded to the compute dtype, unweighted; the combine weights and sums
+    # them in fp32 (the native op's arithmetic; half the bytes of fp32 weighted slots)
+    y = _slot_buffer(n, D, x.device, skip_unrouted, x.dtype)
     if scheme in FP8_ACT:  # W8A8: x quantized once
         from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8
 
         xq, xs = x_quant if x_quant is not None else quantize_act_fp8(x)
         if split:
             _w8a8_split_gemms(xq, xs, w13, w2, y, sorted_ids, expert_ids, num_padded, n, k, block_m, down_block_m,
-                              weights, x.dtype, q13, q2, skip_unrouted)
+                              x.dtype, q13, q2, skip_unrouted)
         else:  # gate_up writes e4m3 + scales, which down reads as they are
             act = torch.empty((n, two_i // 2), dtype=torch.float8_e4m3fn, device=x.device)
             act_s = torch.empty((n, triton.cdiv(two_i // 2, 128)), dtype=torch.float32, device=x.device)
@@ -331,11 +349,11 @@ def fused_moe(
                          out_scale=act_s, act_dtype=x.dtype, **q13)
             down_m = w8a8_down_block_m(block_m)
             aligned_gemm(act, w2, y, sorted_ids, subdivided_ids(expert_ids, block_m, down_m), num_padded, n, 1,
-                         down_m, weights.view(-1), a_scale=act_s, act_dtype=x.dtype, **q2)
+                         down_m, a_scale=act_s, act_dtype=x.dtype, **q2)
     else:
         act = torch.empty((n, two_i // 2), dtype=x.dtype, device=x.device)
         aligned_gemm(x, w13, act, sorted_ids, expert_ids, num_padded, n, k, block_m, dual=True, **q13)
-        aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, weights.view(-1), **q2)
+        aligned_gemm(act, w2, y, sorted_ids, expert_ids, num_padded, n, 1, block_m, **q2)
     if before_combine is not None:
         before_combine()
-    return combine(y.view(T, k, D), shared_out, x.dtype)
+    return combine(y.view(T, k, D), shared_out, x.dtype, weights)
