@@ -158,3 +158,53 @@ def test_fp8_act_given_where_the_op_does_not_take_one(nv):
     with pytest.raises(BackendError, match="x_quant"):
         fused_moe(x, w13, w2, torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.int64), direct=False,
                   x_quant=(act.q, act.s))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_act_quant_real_shapes_gpu():
+    """On the GPU at V2-Lite's shapes (256 and 1000 tokens, hidden 2048, expert width 1408): the norm + quant and the
+    SiLU-and-mul + quant equal the unfused kernels bit for bit, cuBLAS's block-scaled GEMM on them equals
+    blockscaled_linear's, and the W8A8 fused MoE on the norm's quantization equals the one that quantizes x itself."""
+    from deepinfer.backend import quantize_weight_fp8_block
+    from deepinfer.backends.nvidia.activation import silu_and_mul
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import quantize_act_fp8 as triton_quant
+    from deepinfer.backends.nvidia.quant.fp8_act_quant import silu_mul_fp8_act
+    from deepinfer.backends.nvidia.quant.fp8_cublas import blockscaled_linear, blockscaled_mm, k4_scales, use_cublas
+    from deepinfer.backends.nvidia.quant.rmsnorm_fp8 import rms_norm_fp8
+    from deepinfer.backends.nvidia.rmsnorm import add_rms_norm
+
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    wq, ws = quantize_weight_fp8_block(torch.randn(3648, 2048, device=dev, generator=g) * 0.05)
+    for t in (256, 1000):
+        x = torch.randn(t, 2048, device=dev, generator=g).to(bf16) * 3
+        r = torch.randn(t, 2048, device=dev, generator=g).to(bf16)
+        w = torch.rand(2048, device=dev, generator=g).to(bf16) + 0.5
+        act, total = rms_norm_fp8(x, r, w, 1e-6)
+        out, tot = add_rms_norm(x, r, w, 1e-6)
+        q, s = triton_quant(out, scales_col_major=True, pad_rows_to=16)
+        assert torch.equal(act.x, out) and torch.equal(total, tot) and torch.equal(act.s_cm, s)
+        assert torch.equal(act.s, s) and torch.equal(act.q.view(torch.uint8), q.view(torch.uint8))
+        if use_cublas(out, wq, False):
+            k4 = k4_scales(ws)
+            assert torch.equal(blockscaled_mm(act.q, act.s_cm, t, wq, k4, bf16), blockscaled_linear(out, wq, k4, bf16))
+        h2 = torch.randn(t, 2 * 1408, device=dev, generator=g).to(bf16) * 3
+        sact = silu_mul_fp8_act(h2, keep_values=True)
+        h = silu_and_mul(h2)
+        q, s = triton_quant(h, scales_col_major=True, pad_rows_to=16)
+        assert torch.equal(sact.x, h) and torch.equal(sact.s_cm, s)
+        assert torch.equal(sact.q.view(torch.uint8), q.view(torch.uint8))
+    e, d, i, k, t = 64, 2048, 1408, 6, 256
+    q13 = [quantize_weight_fp8_block(torch.randn(2 * i, d, device=dev, generator=g) * 0.02) for _ in range(e)]
+    q2 = [quantize_weight_fp8_block(torch.randn(d, i, device=dev, generator=g) * 0.02) for _ in range(e)]
+    kw = {"w13": torch.stack([a for a, _ in q13]), "w13_scale": torch.stack([b for _, b in q13]),
+          "w2": torch.stack([a for a, _ in q2]), "w2_scale": torch.stack([b for _, b in q2]), "scheme": "fp8_w8a8"}
+    x = torch.randn(t, d, device=dev, generator=g).to(bf16)
+    act, _ = rms_norm_fp8(x, None, torch.ones(d, device=dev, dtype=bf16), 1e-6)
+    ids = torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)])
+    tw = torch.rand(t, k, device=dev, generator=g)
+    want = fused_moe(act.x, topk_weights=tw, topk_ids=ids, direct=False, **kw)
+    got = fused_moe(act.x, topk_weights=tw, topk_ids=ids, direct=False, x_quant=(act.q, act.s), **kw)
+    assert torch.equal(got, want)
