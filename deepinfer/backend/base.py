@@ -11,14 +11,13 @@ runtime needs are here too: the KV cache layout, decode-graph capture, memory an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import torch
 
 from deepinfer.backend.caps import BackendCaps
 from deepinfer.backend.communicator import PROCESS_GROUP_NAMES, SINGLE_PROCESS, Communicator
-from deepinfer.backend.fp8_act import Fp8Act, fp8_act_reference
+from deepinfer.backend.fp8_act import Fp8Act, rms_norm_fp8_reference, silu_and_mul_fp8_reference
 from deepinfer.backend.kv_caches import KVLayout
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
@@ -113,17 +112,13 @@ class Backend(ABC):
         consumers (backend/fp8_act.py): (Fp8Act, x + residual or None). Its q / s equal the reference's
         quantization of the returned x, bit for bit. Default: the norm op, then the torch reference quantization;
         a backend with W8A8 GEMMs overrides it with one pass over each row."""
-        if residual is None:
-            return fp8_act_reference(self.rms_norm(x, weight, eps)), None
-        out, total = self.add_rms_norm(x, residual, weight, eps)
-        return fp8_act_reference(out), total
+        return rms_norm_fp8_reference(self, x, residual, weight, eps)
 
     def silu_and_mul_fp8(self, x: torch.Tensor, keep_values: bool = False) -> Fp8Act:
         """silu_and_mul (no clamp) whose output is quantized for an fp8 W8A8 consumer (backend/fp8_act.py): q / s
         equal the reference's quantization of silu_and_mul(x), bit for bit; keep_values: Fp8Act.x holds those
         values too (else None). Default: the op, then the torch reference quantization."""
-        act = fp8_act_reference(self.silu_and_mul(x))
-        return act if keep_values else replace(act, x=None)
+        return silu_and_mul_fp8_reference(self, x, keep_values)
 
     # ------------------------------------------------------------ sampling ops
 

@@ -19,7 +19,7 @@ Layout (the union of what the W8A8 GEMMs read):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,3 +73,20 @@ def fp8_act_reference(x: torch.Tensor) -> Fp8Act:
     out.s.copy_(s)
     out.s_cm.copy_(s)
     return out
+
+
+def rms_norm_fp8_reference(ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[Fp8Act, torch.Tensor | None]:
+    """`rms_norm_fp8` from `ops`' own norm ops (ops: a Backend or NativeOps), then the torch reference quantization:
+    the contract's default and the conformance oracle."""
+    if residual is None:
+        return fp8_act_reference(ops.rms_norm(x, weight, eps)), None
+    out, total = ops.add_rms_norm(x, residual, weight, eps)
+    return fp8_act_reference(out), total
+
+
+def silu_and_mul_fp8_reference(ops, x: torch.Tensor, keep_values: bool = False) -> Fp8Act:
+    """`silu_and_mul_fp8` from `ops`' silu_and_mul, then the torch reference quantization (the default, the
+    oracle)."""
+    act = fp8_act_reference(ops.silu_and_mul(x))
+    return act if keep_values else replace(act, x=None)

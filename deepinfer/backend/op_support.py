@@ -37,6 +37,9 @@ SMALL_OPS: tuple[str, ...] = (
     "route",
     "v4_rms_norm",
     "v4_rotary_embedding",
+    # the norm / SiLU-and-mul that also write their output's fp8 quantization for W8A8 linears (backend/fp8_act.py)
+    "rms_norm_fp8",
+    "silu_and_mul_fp8",
 )
 LAYER_OPS: tuple[str, ...] = ("mla_attention", "moe", "v4_attention")
 # Ops of the sampler rather than the model: structured output's grammar mask (Backend.apply_token_bitmask).

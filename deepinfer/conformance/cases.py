@@ -42,6 +42,41 @@ def _norm_cases(d: int, t: int) -> list[Case]:
     ]
 
 
+def _fp8_act_out(act, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An Fp8Act as the runner compares it: `values` (the op's compute-dtype output: act.x, or the plain op's where
+    it was not kept), compared with the reference's within the dtype's tolerance, and the number of e4m3 values,
+    row-major scales and column-major scales that differ from the torch reference quantization of those same values
+    (int64: compared exactly, so 0 for both). Why not q itself: the values may differ from the reference's by a
+    rounding (the Triton and torch norms round the last bit differently at times), and their e4m3 then by a whole
+    step; the contract is that q / s are the exact quantization of the values the op returns."""
+    from deepinfer.backend import fp8_act_reference
+
+    ref = fp8_act_reference(values)
+    bad_q = (act.q.view(torch.uint8) != ref.q.view(torch.uint8)).sum()
+    return values, bad_q, (act.s != ref.s).sum(), (act.s_cm != ref.s).sum()
+
+
+def _fp8_act_cases(t: int, d: int, i_dim: int) -> list[Case]:
+    """rms_norm_fp8 (with and without the residual) and silu_and_mul_fp8 (values kept or not): the backend's one
+    pass against the contract's reference (the norm / SiLU-and-mul op, then the torch quantization)."""
+    def make(g, dt):
+        return {"x": _randn(g, t, d, dtype=dt, scale=2.0), "r": _randn(g, t, d, dtype=dt),
+                "w": _randn(g, d, dtype=dt, scale=0.5) + 1, "h": _randn(g, t, 2 * i_dim, dtype=dt, scale=2)}
+
+    def norm(o, i, res):
+        act, total = o.rms_norm_fp8(i["x"], i["r"] if res else None, i["w"], 1e-6)
+        return _fp8_act_out(act, act.x) + ((total,) if res else ())
+
+    def silu(o, i, keep):
+        act = o.silu_and_mul_fp8(i["h"], keep)
+        return _fp8_act_out(act, act.x if keep else o.silu_and_mul(i["h"]))
+
+    return [Case("rms_norm_fp8", f"T={t} D={d}", make, lambda o, i: norm(o, i, False)),
+            Case("rms_norm_fp8", f"T={t} D={d} + residual", make, lambda o, i: norm(o, i, True)),
+            *(Case("silu_and_mul_fp8", f"T={t} I={i_dim}{' values kept' if keep else ''}", make,
+                   lambda o, i, keep=keep: silu(o, i, keep)) for keep in (False, True))]
+
+
 def _rope_cases(t: int, hq: int, r: int) -> list[Case]:
     yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
             "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -269,6 +304,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_norm_cases(64, 7),
             *_rope_cases(9, 4, 16),
             *_silu_cases(7, 48, limit=1.5),
+            *_fp8_act_cases(7, 200, 72),
             *_v4_norm_cases(7, 3, 64),
             *_v4_rope_cases(9, 4, 32, 16),
             *_kv_write_cases(6, 16, 40, 11),
@@ -305,6 +341,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_norm_cases(7168, 8),
             *_rope_cases(64, 128, 64),
             *_silu_cases(64, 1408, limit=10.0),
+            *_fp8_act_cases(256, 2048, 1408),
             *_v4_norm_cases(64, 64, 512),
             *_v4_rope_cases(64, 64, 512, 64),
             *_kv_write_cases(64, 16, 576, 200),

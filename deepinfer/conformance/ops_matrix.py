@@ -49,6 +49,8 @@ def matrix_rows() -> list[MatrixRow]:
         MatrixRow("silu_and_mul", "clamped (V4 swiglu_limit)", options=(("limit", 10.0),)),
         MatrixRow("kv_cache_write", "entry 576"),
         *(MatrixRow("route", name, spec) for name, spec in routers.items()),
+        MatrixRow("rms_norm_fp8", "D=7168, + e4m3 per token per 128 (fp8 W8A8 consumers)"),
+        MatrixRow("silu_and_mul_fp8", "plain, + e4m3 per token per 128 (a W8A8 down projection)"),
         MatrixRow("v4_rms_norm", "fp32 weight / unweighted"),
         MatrixRow("v4_rotary_embedding", "trailing 64 channels"),
         MatrixRow("linear:none", "dense"),

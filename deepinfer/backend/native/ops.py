@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.backend.fp8_act import Fp8Act, rms_norm_fp8_reference, silu_and_mul_fp8_reference
 from deepinfer.backend.layer_ops import LinearMethod, MLAAttentionOp, MoEOp, V4AttentionOp
 from deepinfer.backend.native import activation, kv_write, norm, rope, routing, v4_norm, v4_rope
 from deepinfer.backend.native.linear import LINEAR_METHODS, native_linear_method
@@ -31,6 +32,13 @@ class NativeOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return norm.add_rms_norm(x, residual, weight, eps)
+
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[Fp8Act, torch.Tensor | None]:
+        return rms_norm_fp8_reference(self, x, residual, weight, eps)
+
+    def silu_and_mul_fp8(self, x: torch.Tensor, keep_values: bool = False) -> Fp8Act:
+        return silu_and_mul_fp8_reference(self, x, keep_values)
 
     def rotary_embedding(
         self,

@@ -29,6 +29,9 @@ from deepinfer.errors import BackendError
 
 KV_BLOCK_SIZES = (64, 16, 32, 128)
 QUANT_KERNEL_SCHEMES = ("fp8_w8a8", "int4_awq", "int4_gptq")  # linear schemes run by quant/'s Triton kernels
+# the norm / SiLU-and-mul writing their output's fp8 quantization (backend/fp8_act.py): one Triton pass each
+FP8_ACT_OPS = {"rms_norm_fp8": "triton (quant/rmsnorm_fp8.py: the norm and the e4m3 quant in one pass)",
+               "silu_and_mul_fp8": "triton (quant/fp8_act_quant.py: SiLU-and-mul and the e4m3 quant in one pass)"}
 
 
 def _interpreting() -> bool:
@@ -295,6 +298,8 @@ class NvidiaBackend(NativeOps, Backend):
         name, spec = op.op, op.spec
         if name in ("rms_norm", "add_rms_norm", "rotary_embedding", "kv_cache_write", "mla_attention"):
             return "triton"
+        if name in FP8_ACT_OPS:
+            return FP8_ACT_OPS[name]
         if name == "apply_token_bitmask":
             return "triton (grammar_bitmask.py: one pass, in place)"
         if name == "decode_rows_meta":
@@ -341,6 +346,7 @@ class NvidiaBackend(NativeOps, Backend):
         cov["apply_token_bitmask"] = "triton (grammar_bitmask.py: one pass, in place)"
         cov["decode_rows_meta"] = "triton (decode_rows_meta.py: one program per row)"
         cov["draft_pick"] = "triton (draft_pick.py: one program per row)"
+        cov.update(FP8_ACT_OPS)
         return cov
 
     def _invariant_coverage(self, cov: dict[str, str]) -> dict[str, str]:
@@ -351,6 +357,8 @@ class NvidiaBackend(NativeOps, Backend):
         cov["apply_token_bitmask"] = "triton (row-invariant as it stands)"
         cov["decode_rows_meta"] = "triton (integers: row-invariant as it stands)"
         cov["draft_pick"] = "triton (row-invariant as it stands)"
+        cov.update({op: impl.replace("triton (", "triton, row-invariant as it stands (") for op, impl in
+                    FP8_ACT_OPS.items()})
         cov["moe"] = "triton: batch-invariant (aligned grouped GEMM, one K split; the tile follows T where checked)"
         for k in list(cov):
             if k.startswith("linear:"):
