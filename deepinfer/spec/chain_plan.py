@@ -26,7 +26,10 @@ class ChainPlan:
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone).
 
-        A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin). Why: on the H200
+        A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin), or below 1 / (1 +
+        measured_pause_margin) where that chain's gain is a realized one against plain decoding measured at this load
+        (a measure, not the model's guess: on this CPU at 64 sequences, 2026-12-05, the plan kept drafting chains of
+        1 at a realized 0.92x of plain decoding, inside the model's margin, and ran 0.87x of speculation off). Why: on the H200
         (2026-12-05, d14f347) a drafting step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7 / 1.4x the
         tokens per second of a pause step (spec/step_phases.py), yet the first timed run at each load paused 36-45
         of its ~50 steps on plans that put plain decoding ahead (the model: 2x ahead at 256 sequences, where the
@@ -55,6 +58,9 @@ class ChainPlan:
         for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
             near = min(measured, key=lambda m: (abs(m - chain), m))
             gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
+        top = max(range(1, len(gains)), key=lambda c: (gains[c], -c), default=0)
+        if self._plan_measured and top in measured:  # the best chain measured against plain decoding at this load
+            floor = 1.0 / (1.0 + self.measured_pause_margin)
         best = _hold(gains, floor)
         self._plan_gain = max(gains[1:], default=0.0)
         if best != model:

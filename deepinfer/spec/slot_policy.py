@@ -121,6 +121,9 @@ class SlotPolicy(ChainPlan):
     # a plan pauses only on a clear loss (spec/chain_plan.py `_hold`): the best chain's gain over plain decoding
     # (measured, else modelled) below 1 / (1 + pause_margin); a chain within it keeps drafting
     pause_margin: float = 0.1
+    # the same where the best chain's gain is realized against plain decoding measured at the load (a measure, not
+    # the model's guess: the margin need only cover the measure's noise and a pause's own costs)
+    measured_pause_margin: float = 0.03
     # once the calibrator has counted calibrated_after outcomes, a verification's outcomes are counted one in
     # calibrate_stride (`calibrates`; a probe's always): its counts never decay, so past ~8k outcomes (~160 a bin)
     # a step moves the table by nothing the plan can see, and counting them was most of the adaptive mode's deferred
