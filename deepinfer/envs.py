@@ -346,7 +346,7 @@ FP8_EPILOGUE_QUANT = EnvVar(
     "DEEPINFER_FP8_EPILOGUE_QUANT", "bool", True,
     "`0`: the op before an fp8 W8A8 linear (a decoder layer's RMSNorm, an MLP's SiLU-and-mul) no longer writes the "
     "e4m3 quantization of its output (backend/fp8_act.py); each consumer quantizes its input in its own kernel "
-    "(A/B runs)",
+    "(A/B runs). The quantization config file's `fuse_quant_dequant` wins where it is set",
     "nvidia",
 )
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(

@@ -8,10 +8,13 @@ File keys (docs/quantization.md):
     activation_bits: fp8: 8 (W8A8, the default) or 16 (W8A16); int4: 16
     group_size: fp8: 128 (128x128 weight blocks and 1x128 activation groups); int4: the checkpoint's group of
         input channels (32, 64 or 128), checked against its config.json
-    fuse_quant_dequant: false (true asks for the activation quant fused into the preceding norm: not built)
+    fuse_quant_dequant: W8A8 only: true has the op before each W8A8 linear (the RMSNorm, the SiLU-and-mul) write
+        the linear's e4m3 input in its own pass (backend/fp8_act.py; a backend without it refuses at start-up),
+        false quantizes in each consumer's kernel; left out: DEEPINFER_FP8_EPILOGUE_QUANT decides (default on)
 
-An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 is refused
-with its reason until fp4 experts exist. `resolve_linear_quant` puts the file, the `--quantization` flag
+An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 (weight_bits 4,
+activation_bits 16, group_size 32) runs the routed experts of a checkpoint that stores them in fp4 (V4's), as
+stored, on a backend whose MoE op lists fp4 (refused at start-up elsewhere); there is no online fp4. `resolve_linear_quant` puts the file, the `--quantization` flag
 and the checkpoint's own format together: fp8 on a bf16 checkpoint quantizes it at load (online); on an
 fp8 checkpoint it picks W8A8 / W8A16; int4 needs an AWQ / GPTQ checkpoint (no online int4). An msModelSlim
 W8A8 dynamic checkpoint (config.json `quantize: w8a8_dynamic`) runs "int8_w8a8" as stored (no flag or file
@@ -25,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.backend import INT4_EXPERT_GROUPS
+from deepinfer.backend import FP4_GROUP, INT4_EXPERT_GROUPS
 from deepinfer.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from deepinfer.models.layers.quant.settings import LinearQuantSettings
 
@@ -34,8 +37,10 @@ METHODS = ("fp8", "int4", "awq", "gptq", "fp4")
 # int4 groups the engine reads (the dense linears and the routed experts alike): AutoAWQ / AutoGPTQ's 128 and
 # the smaller powers of two some checkpoints use (e.g. 64); every backend's int4 kernel indexes groups per row
 INT4_GROUPS = INT4_EXPERT_GROUPS
-FP4_REASON = ("fp4 (V4's e2m1 routed experts) has no linear method or MoE variant in this engine yet: "
-              "no backend declares it; run the checkpoint as stored")
+# method fp4: the routed experts as DeepSeek-V4 stores them (e2m1 + per-32 e8m0 scales, `expert_dtype: fp4` in
+# config.json), run quantized by MoE ops that list "fp4" (BackendCaps.moe_quant_schemes); no online fp4
+FP4_REASON = ("method fp4 runs routed experts stored in fp4 (DeepSeek-V4's `quantization_config.expert_dtype: "
+              "fp4`); quantizing other weights to fp4 at load is not built")
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,17 @@ class QuantConfig:
     weight_bits: int
     activation_bits: int
     group_size: int | None = 128  # None (int4 only): the checkpoint's
-    fuse_quant_dequant: bool = False
+    fuse_quant_dequant: bool | None = None  # None: not in the file (the env knob decides)
     source: str = "quantization_config"  # where it came from, for error messages
 
     @property
     def int4(self) -> bool:
         return self.method in ("int4", "awq", "gptq")
+
+    @property
+    def moe_scheme(self) -> str | None:
+        """The routed-expert scheme the file asks the backend's MoE op to run quantized (fp4), else None."""
+        return "fp4" if self.method == "fp4" else None
 
 
 def _int(where: str, key: str, v: Any) -> int:
@@ -85,31 +95,32 @@ def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
     method = data.get("method")
     if method not in METHODS:
         raise ConfigError(f"{where}: method must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "fp4":
-        raise ConfigError(f"{where}: method fp4: {FP4_REASON}")
-    int4 = method != "fp8"
+    int4 = method != "fp8"  # fp4 too: 4-bit weights, weight-only
     wb = _int(where, "weight_bits", data.get("weight_bits", 4 if int4 else 8))
     ab = _int(where, "activation_bits", data.get("activation_bits", 16 if int4 else 8))
-    gs = data.get("group_size", None if int4 else 128)  # int4 without it: the checkpoint's group
-    gs = None if gs is None else _int(where, "group_size", gs)
-    fuse = data.get("fuse_quant_dequant", False)
-    if not isinstance(fuse, bool):
+    gs = data.get("group_size", None if method in ("int4", "awq", "gptq") else FP4_GROUP if method == "fp4" else 128)
+    gs = None if gs is None else _int(where, "group_size", gs)  # int4 without it: the checkpoint's group
+    fuse = data.get("fuse_quant_dequant")  # left out: None (the env knob decides)
+    if "fuse_quant_dequant" in data and not isinstance(fuse, bool):
         raise ConfigError(f"{where}: fuse_quant_dequant must be true or false, got {fuse!r}")
     if wb != (4 if int4 else 8):
         raise ConfigError(f"{where}: method {method} with weight_bits {wb}: {method} weights are "
                           f"{4 if int4 else 8}-bit")
     if int4 and ab != 16:
-        raise ConfigError(f"{where}: method {method} with activation_bits {ab}: int4 is weight-only "
-                          "(activation_bits 16)")
+        what = "fp4 experts run W4A16 (e2m1 weights dequantized to the compute dtype)" if method == "fp4" else "int4 is weight-only"
+        raise ConfigError(f"{where}: method {method} with activation_bits {ab}: {what} (activation_bits 16)")
     if not int4 and ab not in (8, 16):
         raise ConfigError(f"{where}: method fp8 with activation_bits {ab}: 8 (W8A8) or 16 (W8A16)")
     if not int4 and gs != 128:
         raise ConfigError(f"{where}: group_size {gs}: fp8 supports only 128 (128x128 weight blocks)")
-    if int4 and gs is not None and gs not in INT4_GROUPS:
+    if method == "fp4" and gs != FP4_GROUP:
+        raise ConfigError(f"{where}: group_size {gs}: fp4 supports only {FP4_GROUP} (one e8m0 scale per "
+                          f"{FP4_GROUP} input channels)")
+    if method in ("int4", "awq", "gptq") and gs is not None and gs not in INT4_GROUPS:
         raise ConfigError(f"{where}: group_size {gs}: int4 supports {', '.join(map(str, INT4_GROUPS))}")
-    if fuse:
-        raise ConfigError(f"{where}: fuse_quant_dequant true: the activation quant fused into the preceding "
-                          "norm / activation is not built; the W8A8 path quantizes in its own kernel (false)")
+    if fuse and ab != 8:
+        raise ConfigError(f"{where}: fuse_quant_dequant true with method {method} and activation_bits {ab}: only "
+                          "fp8 W8A8 (activation_bits 8) quantizes activations, so there is no quant to fuse")
     return QuantConfig(method, wb, ab, gs, fuse, where)
 
 
@@ -245,17 +256,24 @@ def resolve_linear_quant(quantization: str | None, quant_config: QuantConfig | N
     method = quant_config.method if quant_config is not None else flag
     if method is None:
         return LinearQuantSettings(), ckpt
+    if method == "fp4":  # the experts as stored; the other linears as the checkpoint stores them
+        if (_qc(hf_config) or {}).get("expert_dtype") != "fp4":
+            raise ConfigError(f"{quant_config.source}: {FP4_REASON}; this checkpoint's routed experts are "
+                              f"{'not quantized' if ckpt is None else ckpt}")
+        return LinearQuantSettings(), ckpt
     if method == "fp8":
         w8a8 = quant_config is None or quant_config.activation_bits == 8
+        fuse = None if quant_config is None else quant_config.fuse_quant_dequant  # None: the env knob decides
         if ckpt is None:
             if not w8a8:
                 raise ConfigError("EngineConfig.quantization_config: activation_bits 16 on a bf16 checkpoint: online fp8 "
                                   "quantization runs W8A8 (activation_bits 8)")
-            return LinearQuantSettings(online="fp8"), "fp8_w8a8"
+            return LinearQuantSettings(online="fp8", fuse_act_quant=fuse), "fp8_w8a8"
         if ckpt != "fp8_block":
             raise ConfigError(f"EngineConfig.quantization: fp8 asked for, but the checkpoint is {ckpt} (re-quantizing int4 "
                               "weights to fp8 is not supported)")
-        return LinearQuantSettings(fp8_activations=w8a8), "fp8_w8a8" if w8a8 else "fp8_block"
+        return LinearQuantSettings(fp8_activations=w8a8, fuse_act_quant=fuse if w8a8 else None), \
+            "fp8_w8a8" if w8a8 else "fp8_block"
     want = {"int4": ("int4_awq", "int4_gptq"), "awq": ("int4_awq",), "gptq": ("int4_gptq",)}[method]  # int8: no flag
     if ckpt not in want:
         raise ConfigError(f"EngineConfig.quantization_config: method {method}, but the checkpoint is "

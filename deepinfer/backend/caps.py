@@ -34,6 +34,9 @@ class BackendCaps:
         MLA latent cache in float8_e4m3fn with a per-layer scale, docs/quantization.md "fp8 KV cache").
     moe_quant_schemes: routed-expert schemes its MoE op runs quantized (`MoEOp.load_quantized_experts`:
         "fp8_block", "fp4", "int4_awq", "int4_gptq"); others are densified at load (docs/quantization.md "Quantized routed experts").
+    fused_act_quant: its fp8 W8A8 linears and MoE read activations quantized by the op before them (the norm's /
+        SiLU-and-mul's one pass over each row, `Backend.rms_norm_fp8` / `silu_and_mul_fp8`, where their
+        `takes_fp8_act` says so): what the config file's `fuse_quant_dequant: true` asks for.
     """
 
     device_type: str = "cpu"
@@ -49,6 +52,7 @@ class BackendCaps:
     max_tensor_parallel_size: int = 1
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     moe_quant_schemes: tuple[str, ...] = ()
+    fused_act_quant: bool = False
 
     def unsupported(self, req: "FeatureRequest") -> list[str]:
         """Reasons this backend cannot serve `req`; empty means it can."""
@@ -80,6 +84,13 @@ class BackendCaps:
                            "MLA ops read only a compute-dtype cache")
         if req.kv_block_size is not None and req.kv_block_size not in self.kv_block_sizes:
             reasons.append(f"KV block size {req.kv_block_size} not supported (supported: {self.kv_block_sizes})")
+        if req.moe_quantization is not None and req.moe_quantization not in self.moe_quant_schemes:
+            reasons.append(f"quantization_config method {req.moe_quantization}: this backend's MoE op does not run "
+                           f"{req.moe_quantization} experts quantized (it runs: "
+                           f"{', '.join(self.moe_quant_schemes) or 'none'})")
+        if req.fuse_act_quant and not self.fused_act_quant:
+            reasons.append("quantization_config fuse_quant_dequant true: this backend's fp8 W8A8 linears quantize their "
+                           "activations in their own kernels (no fused act quant); set it false or leave it out")
         return reasons
 
 
@@ -94,3 +105,5 @@ class FeatureRequest:
     batch_invariant: bool = False
     kv_block_size: int | None = None
     kv_cache_dtype: str = "auto"  # canonical (EngineConfig.kv_cache_storage()): "auto" | "fp8_e4m3"
+    fuse_act_quant: bool = False  # the config file's fuse_quant_dequant: true (BackendCaps.fused_act_quant)
+    moe_quantization: str | None = None  # the config file's routed-expert scheme (fp4; BackendCaps.moe_quant_schemes)

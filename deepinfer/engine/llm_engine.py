@@ -98,7 +98,9 @@ class DeepInferenceEngine(RequestIntake):
         info = registry.resolve(requested_device(cfg.device))
         backend = load_backend_class(info)()
         dtype = resolve_dtype(cfg, config_dtype(hf_config), backend)
-        check_backend(backend, cfg, dtype, ckpt_quant, model_type)
+        check_backend(backend, cfg, dtype, ckpt_quant, model_type,
+                      fuse_act_quant=quant_settings.fuse_act_quant is True,
+                      moe_quantization=None if qfile is None else qfile.moe_scheme)
         check_speculation(cfg, backend, model_type, int(hf_config.get("num_nextn_predict_layers") or 0))
         job = join_parallel_job(cfg, backend, hf_config)  # None in one process; spawns / joins the other ranks
         try:

@@ -68,8 +68,11 @@ def resolve_dtype(cfg: EngineConfig, ckpt_dtype: torch.dtype | None, backend) ->
 FP8_KV_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
-def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -> None:
-    """BackendError listing every reason the backend cannot serve this configuration."""
+def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type, fuse_act_quant: bool = False,
+                  moe_quantization: str | None = None) -> None:
+    """BackendError listing every reason the backend cannot serve this configuration (fuse_act_quant: the config
+    file asked for the fused act quant, `fuse_quant_dequant: true`; moe_quantization: the routed-expert scheme it
+    asked for, `method: fp4`)."""
     from deepinfer.backend import FeatureRequest
 
     kv_storage = cfg.kv_cache_storage()
@@ -82,6 +85,8 @@ def check_backend(backend, cfg: EngineConfig, dtype, quantization, model_type) -
             batch_invariant=cfg.batch_invariant,
             kv_block_size=cfg.block_size or backend.caps.kv_block_sizes[0],
             kv_cache_dtype=kv_storage,
+            fuse_act_quant=fuse_act_quant,
+            moe_quantization=moe_quantization,
         )
     )
     if kv_storage != "auto" and model_type not in FP8_KV_MODEL_TYPES:

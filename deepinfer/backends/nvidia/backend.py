@@ -82,6 +82,7 @@ class NvidiaBackend(NativeOps, Backend):
             graph_decode_rows=True,  # mla_prep writes every row's latent before the decode kernel reads any
             max_tensor_parallel_size=1,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # fp8: the MLA latent cache (mla_prep / kv_write / mla_decode)
+            fused_act_quant=True,  # quant/rmsnorm_fp8.py, fp8_act_quant.silu_mul_fp8_act (backend/fp8_act.py)
         )
         self._cuda_ext = None
         self._copy_stream = None  # the KV tiers' copy stream, made on first use (copy_stream)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer import envs
 from deepinfer.backend import Backend, ForwardBatch, Fp8Act, KVCaches
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.linear import Loader
 from deepinfer.models.layers.mla import MLAAttention
 from deepinfer.models.layers.mlp import GatedMLP
 from deepinfer.models.layers.moe import MoELayer
+from deepinfer.models.layers.quant import fused_act_quant
 from deepinfer.models.weights import tensor_loader
 
 
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
             if cfg.is_moe_layer(layer_id)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, backend, dtype, quantized=quant)
         )
-        self.fp8_norm_quant = envs.FP8_EPILOGUE_QUANT.get()
+        self.fp8_norm_quant = fused_act_quant()  # the config file's fuse_quant_dequant, else the env knob
         self.input_layernorm: torch.Tensor | None = None
         self.post_attention_layernorm: torch.Tensor | None = None
 
@@ -64,8 +64,9 @@ class DecoderLayer(nn.Module):
                   consumer: nn.Module) -> tuple[torch.Tensor | Fp8Act, torch.Tensor]:
         """(norm(x + residual), x + residual); the first layer has no residual yet (x is it). When the consumer
         reads fp8 W8A8 activations at this token count, the norm also writes their quantization (Fp8Act: one
-        pass over each row instead of a separate act-quant kernel per consumer; DEEPINFER_FP8_EPILOGUE_QUANT=0
-        turns it off). The choice depends on the token count alone, so it is fixed per CUDA graph."""
+        pass over each row instead of a separate act-quant kernel per consumer; fuse_quant_dequant: false in the
+        config file or DEEPINFER_FP8_EPILOGUE_QUANT=0 turns it off). The choice depends on the token count alone,
+        so it is fixed per CUDA graph."""
         if self.fp8_norm_quant and consumer.takes_fp8_act(x.shape[0]):
             act, total = self.backend.rms_norm_fp8(x, residual, weight, self.eps)
             return act, (x if residual is None else total)

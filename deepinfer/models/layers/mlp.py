@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer import envs
 from deepinfer.backend import Backend, Fp8Act
 from deepinfer.errors import ModelLoadError
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
+from deepinfer.models.layers.quant import fused_act_quant
 
 
 class GatedMLP(nn.Module):
@@ -36,8 +36,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], backend, dtype,
                                          quantized=quantized, splits=[col, col])
         self.down_proj = Linear(intermediate_size, hidden_size, backend, dtype, quantized=quantized, split=row)
-        # the SiLU-and-mul writes the W8A8 down's e4m3 input (DEEPINFER_FP8_EPILOGUE_QUANT; backend/fp8_act.py)
-        self.fp8_epilogue_quant = envs.FP8_EPILOGUE_QUANT.get()
+        # the SiLU-and-mul writes the W8A8 down's e4m3 input (backend/fp8_act.py): the config file's
+        # fuse_quant_dequant, else DEEPINFER_FP8_EPILOGUE_QUANT
+        self.fp8_epilogue_quant = fused_act_quant()
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         gate, up, down = self.names
