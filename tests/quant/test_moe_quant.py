@@ -36,6 +36,26 @@ def test_fp4_nibble_order_and_values():
     assert torch.equal(dequant_fp4(packed, scale), w)
 
 
+@pytest.mark.parametrize("dtype", [d for d in (getattr(torch, "float8_e4m3fn", None),
+                                               getattr(torch, "float8_e4m3fnuz", None)) if d is not None])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 5)])
+def test_fp8_dequant_equals_the_elementwise_definition(dtype, shape):
+    """dequant_fp8_block on the CPU (a table of the format's 256 values, scales broadcast over whole blocks) gives
+    the bits of torch's element-wise conversion times the expanded scale grid, for every byte code (NaN codes NaN),
+    whole and partial 128-blocks."""
+    from deepinfer.backend.native.linear import dequant_fp8_block, fp8_values
+
+    g = torch.Generator().manual_seed(shape[0])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes.view(-1)[: min(256, codes.numel())] = torch.arange(min(256, codes.numel()), dtype=torch.uint8)
+    w = codes.view(dtype)
+    scale = torch.rand((-(-shape[0] // 128), -(-shape[1] // 128)), generator=g) + 0.01
+    want = w.float() * scale.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+    got = dequant_fp8_block(w, scale)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert torch.equal(fp8_values(w).nan_to_num(7.0), w.float().nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("scheme,inter", CASES)
 @pytest.mark.parametrize("make", ["native", "cpu"])
 def test_quantized_op_matches_dense_twin(scheme, inter, make):
