@@ -4,21 +4,21 @@ and the checkpoint formats' quantization_config, mapped onto one `LinearQuantSet
 File keys (docs/quantization.md):
 
     method: fp8 | int4 | awq | gptq | fp4
-    weight_bits: 8 for fp8, 4 for int4 / awq / gptq
-    activation_bits: fp8: 8 (W8A8, the default) or 16 (W8A16); int4: 16
-    group_size: fp8: 128 (128x128 weight blocks and 1x128 activation groups); int4: the checkpoint's group of
-        input channels (32, 64 or 128), checked against its config.json
+    weight_bits: 8 for fp8, 4 for int4 / awq / gptq / fp4
+    activation_bits: fp8: 8 (W8A8, the default) or 16 (W8A16); int4, fp4: 16
+    group_size: fp8: 128 (128x128 weight blocks and 1x128 activation groups); fp4: 32; int4: the checkpoint's
+        group of input channels (32, 64 or 128), checked against its config.json
     fuse_quant_dequant: W8A8 only: true has the op before each W8A8 linear (the RMSNorm, the SiLU-and-mul) write
         the linear's e4m3 input in its own pass (backend/fp8_act.py; a backend without it refuses at start-up),
         false quantizes in each consumer's kernel; left out: DEEPINFER_FP8_EPILOGUE_QUANT decides (default on)
 
 An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 (weight_bits 4,
 activation_bits 16, group_size 32) runs the routed experts of a checkpoint that stores them in fp4 (V4's), as
-stored, on a backend whose MoE op lists fp4 (refused at start-up elsewhere); there is no online fp4. `resolve_linear_quant` puts the file, the `--quantization` flag
-and the checkpoint's own format together: fp8 on a bf16 checkpoint quantizes it at load (online); on an
-fp8 checkpoint it picks W8A8 / W8A16; int4 needs an AWQ / GPTQ checkpoint (no online int4). An msModelSlim
-W8A8 dynamic checkpoint (config.json `quantize: w8a8_dynamic`) runs "int8_w8a8" as stored (no flag or file
-selects it; fp8 / int4 asked for on it are refused).
+stored, on a backend whose MoE op lists fp4 (refused at start-up elsewhere); there is no online fp4.
+`resolve_linear_quant` puts the file, the `--quantization` flag and the checkpoint's own format together: fp8
+on a bf16 checkpoint quantizes it at load (online); on an fp8 checkpoint it picks W8A8 / W8A16; int4 needs an
+AWQ / GPTQ checkpoint (no online int4). An msModelSlim W8A8 dynamic checkpoint (config.json `quantize:
+w8a8_dynamic`) runs "int8_w8a8" as stored (no flag or file selects it; fp8 / int4 asked for on it are refused).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
     int4 = method != "fp8"  # fp4 too: 4-bit weights, weight-only
     wb = _int(where, "weight_bits", data.get("weight_bits", 4 if int4 else 8))
     ab = _int(where, "activation_bits", data.get("activation_bits", 16 if int4 else 8))
-    gs = data.get("group_size", None if method in ("int4", "awq", "gptq") else FP4_GROUP if method == "fp4" else 128)
+    default_group = None if method in ("int4", "awq", "gptq") else FP4_GROUP if method == "fp4" else 128
+    gs = data.get("group_size", default_group)
     gs = None if gs is None else _int(where, "group_size", gs)  # int4 without it: the checkpoint's group
     fuse = data.get("fuse_quant_dequant")  # left out: None (the env knob decides)
     if "fuse_quant_dequant" in data and not isinstance(fuse, bool):
@@ -107,7 +108,8 @@ def parse_quant_config(value: str | os.PathLike | dict) -> QuantConfig:
         raise ConfigError(f"{where}: method {method} with weight_bits {wb}: {method} weights are "
                           f"{4 if int4 else 8}-bit")
     if int4 and ab != 16:
-        what = "fp4 experts run W4A16 (e2m1 weights dequantized to the compute dtype)" if method == "fp4" else "int4 is weight-only"
+        what = ("fp4 experts run W4A16 (e2m1 weights dequantized to the compute dtype)" if method == "fp4"
+                else "int4 is weight-only")
         raise ConfigError(f"{where}: method {method} with activation_bits {ab}: {what} (activation_bits 16)")
     if not int4 and ab not in (8, 16):
         raise ConfigError(f"{where}: method fp8 with activation_bits {ab}: 8 (W8A8) or 16 (W8A16)")

@@ -89,8 +89,8 @@ class BackendCaps:
                            f"{req.moe_quantization} experts quantized (it runs: "
                            f"{', '.join(self.moe_quant_schemes) or 'none'})")
         if req.fuse_act_quant and not self.fused_act_quant:
-            reasons.append("quantization_config fuse_quant_dequant true: this backend's fp8 W8A8 linears quantize their "
-                           "activations in their own kernels (no fused act quant); set it false or leave it out")
+            reasons.append("quantization_config fuse_quant_dequant true: this backend's fp8 W8A8 linears quantize "
+                           "their activations in their own kernels (no fused act quant); set it false or leave it out")
         return reasons
 
 

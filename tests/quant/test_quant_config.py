@@ -35,7 +35,8 @@ def test_yaml_file_maps_onto_settings(tmp_path):
     ({"method": "int4", "activation_bits": 8}, "activation_bits 8.*weight-only"),
     ({"method": "fp8", "weight_bits": 4}, "weight_bits 4"),
     ({"method": "fp8", "group_size": 64}, "group_size 64"),
-    ({"method": "fp8", "activation_bits": 16, "fuse_quant_dequant": True}, "fuse_quant_dequant true.*activation_bits 16"),
+    ({"method": "fp8", "activation_bits": 16, "fuse_quant_dequant": True},
+     "fuse_quant_dequant true.*activation_bits 16"),
     ({"method": "awq", "fuse_quant_dequant": True}, "fuse_quant_dequant true with method awq"),
     ({"method": "fp8", "fuse_quant_dequant": None}, "fuse_quant_dequant must be true or false"),
     ({"method": "fp8", "fuse_quant_dequant": "yes"}, "fuse_quant_dequant must be true or false"),
@@ -72,8 +73,8 @@ def test_the_layers_follow_the_file_over_the_env_knob(tiny_v3_dir, monkeypatch, 
     from deepinfer.backends.cpu.backend import CPUBackend
     from deepinfer.models.deepseek_v3.config import parse_deepseek_config
     from deepinfer.models.deepseek_v3.decoder_layer import DecoderLayer
-    from deepinfer.models.registry import load_hf_config
     from deepinfer.models.layers.mlp import GatedMLP
+    from deepinfer.models.registry import load_hf_config
 
     monkeypatch.setenv("DEEPINFER_FP8_EPILOGUE_QUANT", env)
     want = (env == "1") if file_says is None else file_says
