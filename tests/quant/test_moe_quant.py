@@ -56,6 +56,21 @@ def test_fp8_dequant_equals_the_elementwise_definition(dtype, shape):
     assert torch.equal(fp8_values(w).nan_to_num(7.0), w.float().nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("rows,k,group", [(256, 256, 128), (48, 128, 32), (64, 192, 64)])
+def test_int4_rows_dequant_equals_the_elementwise_definition(rows, k, group):
+    """dequant_int4_rows (zero and scale broadcast over whole groups) gives the bits of (q - zero) * scale with
+    both expanded to every input channel, low nibble first."""
+    from deepinfer.backend.native.quant_int4 import dequant_int4_rows
+
+    g = torch.Generator().manual_seed(rows + k)
+    packed = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (rows, k // group), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(rows, k // group, generator=g) * 0.01).half()
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, k).float()
+    want = (q - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    assert torch.equal(dequant_int4_rows(packed, zeros, scales, group), want)
+
+
 @pytest.mark.parametrize("scheme,inter", CASES)
 @pytest.mark.parametrize("make", ["native", "cpu"])
 def test_quantized_op_matches_dense_twin(scheme, inter, make):

