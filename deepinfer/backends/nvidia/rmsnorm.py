@@ -13,14 +13,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    D, stride_x, stride_r, stride_o, stride_s, eps,
-    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
+def rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, offs, mask, w_mask, D, stride_x, stride_r, stride_s, eps,
+                 HAS_RES: tl.constexpr):
+    """One row's RMSNorm, the weight product in fp32 (the caller rounds it to the output dtype): of x + residual
+    when HAS_RES (the sum rounded to x's dtype and stored at sum_ptr), the statistic in fp32, the normalized row
+    rounded to x's dtype. Shared with the norm that also quantizes its output (quant/rmsnorm_fp8.py), so that the
+    two give the same bits."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -29,8 +27,21 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / D
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = y.to(tl.float32) * w.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=w_mask, other=0.0)
+    return y.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    D, stride_x, stride_r, stride_o, stride_s, eps,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    out = rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, offs, mask, mask, D, stride_x, stride_r, stride_s, eps,
+                       HAS_RES)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from deepinfer.backend import Fp8Act, empty_fp8_act
 from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows
+from deepinfer.backends.nvidia.rmsnorm import rms_norm_row
 from deepinfer.errors import BackendError
 
 GROUP = 128
@@ -35,16 +36,8 @@ def _rms_norm_fp8_kernel(
     offs = tl.arange(0, BLOCK_D)
     cmask = offs < D
     mask = offs < tl.where(row < M, D, 0)  # rows M.. are the quantization's padding: nothing read or written
-    x = tl.load(x_ptr + r64 * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_ptr + r64 * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + r64 * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / D
-    y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=cmask, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, r64, offs, mask, cmask, D, stride_x, stride_r, stride_s, eps,
+                       HAS_RES).to(out_ptr.dtype.element_ty)  # rmsnorm.py's arithmetic (the same bits)
     tl.store(out_ptr + r64 * stride_o + offs, out, mask=mask)
     # the rounded output per 128-channel group (masked channels and padding rows are 0, as the act quant reads them)
     groups: tl.constexpr = BLOCK_D // GROUP
