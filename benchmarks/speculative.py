@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"concurrency": c, "mode": mode,
                    **{k: round(v, 3) if isinstance(v, float) else v for k, v in best[mode].items()},
                    "per_user_repeats": [round(v, 1) for v in seen[mode]],
-                   **({"paired_vs_off": round(paired_ratio(totals[mode], totals["off"]), 3)} if "off" in totals else {}),
+                   **({"paired_vs_off": round(paired_ratio(totals[mode], totals["off"]), 3)}
+                      if "off" in totals else {}),
                    **({"plan_repeats": plans[mode]} if mode in plans else {}),
                    **({"phases_ms": {kind: {k: round(v, 4) for k, v in r.items()}
                                      for kind, r in phases[mode].per_step_ms().items()}} if mode in phases else {})}

@@ -27,14 +27,14 @@ class ChainPlan:
         decisions["overruled"] where the choice differs from the model's alone).
 
         A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin), or below 1 / (1 +
-        measured_pause_margin) where that chain's gain is a realized one against plain decoding measured at this load
-        (a measure, not the model's guess: on this CPU at 64 sequences, 2026-12-05, the plan kept drafting chains of
-        1 at a realized 0.92x of plain decoding, inside the model's margin, and ran 0.87x of speculation off). Why: on the H200
-        (2026-12-05, d14f347) a drafting step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7 / 1.4x the
-        tokens per second of a pause step (spec/step_phases.py), yet the first timed run at each load paused 36-45
-        of its ~50 steps on plans that put plain decoding ahead (the model: 2x ahead at 256 sequences, where the
-        realized rates had it 0.94x of a chain of 4), and each pause's end paid a catch-up pass and a probe on the
-        host path (host-path steps of 31.5 ms on average at 64 sequences).
+        measured_pause_margin) where that chain's gain is a realized one against plain decoding measured at this load (a
+        measure, not the model's guess: on this CPU at 64 sequences, 2026-12-05, the plan kept drafting chains of 1 at a
+        realized 0.92x of plain decoding, inside the model's margin, and ran 0.87x of speculation off). Why the margin
+        at all: on the H200 (2026-12-05, d14f347) a drafting step at 4 / 16 / 64 / 256 sequences emitted 1.6 / 1.8 / 1.7
+        / 1.4x the tokens per second of a pause step (spec/step_phases.py), yet the first timed run at each load paused
+        36-45 of its ~50 steps on plans that put plain decoding ahead (the model: 2x ahead at 256 sequences, where the
+        realized rates had it 0.94x of a chain of 4), and each pause's end paid a catch-up pass and a probe on the host
+        path (host-path steps of 31.5 ms on average at 64 sequences).
 
         The model (spec/slot_policy.py: SlotPolicy's docstring). Every sequence's slots share one survival (the
         calibrated estimate at the slot's mean confidence), so the admission of such a step verifies whole slot levels and a chain longer
@@ -62,7 +62,7 @@ class ChainPlan:
         if self._plan_measured and top in measured:  # the best chain measured against plain decoding at this load
             floor = 1.0 / (1.0 + self.measured_pause_margin)
         best = _hold(gains, floor)
-        self._plan_gain = max(gains[1:], default=0.0)
+        self._plan_gain = gains[top] if top else 0.0
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return best

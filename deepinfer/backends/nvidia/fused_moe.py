@@ -248,7 +248,8 @@ def _check_x_quant(x_quant, x: torch.Tensor, scheme: str | None, direct: bool) -
             or s.dtype != torch.float32 or s.shape[0] != q.shape[0] or s.shape[1] != triton.cdiv(d, 128) \
             or s.stride(1) != 1:
         raise BackendError(f"fused_moe: x_quant {tuple(q.shape)} {q.dtype} / {tuple(s.shape)} {s.dtype} strides "
-                           f"{s.stride()}: expected e4m3 [>= {t}, {d}] and row-major fp32 [rows, {triton.cdiv(d, 128)}]")
+                           f"{s.stride()}: expected e4m3 [>= {t}, {d}] and row-major fp32 "
+                           f"[rows, {triton.cdiv(d, 128)}]")
 
 
 def _slot_buffer(rows: int, d: int, device, zeroed: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:

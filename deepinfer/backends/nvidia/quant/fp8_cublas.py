@@ -50,8 +50,6 @@ def use_cublas(x: torch.Tensor, weight: torch.Tensor, fused_act_quant: bool) -> 
     return _available(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-
-
 def k4_scales(weight_scale: torch.Tensor) -> torch.Tensor:
     """The weight's [N/128, K/128] scales with K/128 padded (zeros) to a multiple of 4, row-major; the same tensor
     when it already is."""
