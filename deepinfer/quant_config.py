@@ -10,7 +10,7 @@ File keys (docs/quantization.md):
         group of input channels (32, 64 or 128), checked against its config.json
     fuse_quant_dequant: W8A8 only: true has the op before each W8A8 linear (the RMSNorm, the SiLU-and-mul) write
         the linear's e4m3 input in its own pass (backend/fp8_act.py; a backend without it refuses at start-up),
-        false quantizes in each consumer's kernel; left out: DEEPINFER_FP8_EPILOGUE_QUANT decides (default on)
+        false quantizes in each consumer's kernel; left out: DEEPINFER_FP8_EPILOGUE_QUANT decides (default off)
 
 An unknown key, a wrong type or an impossible combination is a ConfigError naming it. fp4 (weight_bits 4,
 activation_bits 16, group_size 32) runs the routed experts of a checkpoint that stores them in fp4 (V4's), as

@@ -64,8 +64,8 @@ class DecoderLayer(nn.Module):
                   consumer: nn.Module) -> tuple[torch.Tensor | Fp8Act, torch.Tensor]:
         """(norm(x + residual), x + residual); the first layer has no residual yet (x is it). When the consumer
         reads fp8 W8A8 activations at this token count, the norm also writes their quantization (Fp8Act: one
-        pass over each row instead of a separate act-quant kernel per consumer; fuse_quant_dequant: false in the
-        config file or DEEPINFER_FP8_EPILOGUE_QUANT=0 turns it off). The choice depends on the token count alone,
+        pass over each row instead of a separate act-quant kernel per consumer; fuse_quant_dequant: true in the
+        config file or DEEPINFER_FP8_EPILOGUE_QUANT=1 turns it on). The choice depends on the token count alone,
         so it is fixed per CUDA graph."""
         if self.fp8_norm_quant and consumer.takes_fp8_act(x.shape[0]):
             act, total = self.backend.rms_norm_fp8(x, residual, weight, self.eps)
