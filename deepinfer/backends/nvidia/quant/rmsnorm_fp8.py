@@ -48,7 +48,8 @@ def _rms_norm_fp8_kernel(
     groups: tl.constexpr = BLOCK_D // GROUP
     g = tl.arange(0, groups)
     qoffs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    vals = tl.load(out_ptr + r64 * stride_o + qoffs, mask=qoffs < tl.where(row < M, D, 0), other=0.0).to(tl.float32)
+    vals = tl.load(out_ptr + r64 * stride_o + qoffs, mask=qoffs < tl.where(row < M, D, 0), other=0.0,
+                   cache_modifier=".cg").to(tl.float32)  # (.cg: from the L2, where the stores went; no L1 line)
     q, scale = fp8_quant_rows(vals, ROUND_FIRST)
     tl.store(q_ptr + r64 * stride_q + qoffs, q, mask=qoffs < D)
     gmask = g * GROUP < D
