@@ -11,7 +11,8 @@ rounding to bf16: ~6 instructions a weight, against the ~3.7 the H200's lanes ca
 int4; fix: fewer instructions a weight). This times, over the gate_up weights of 8 expert slots (V2-Lite:
 [2 x 1408, 2048] int4 g128, the direct schedule's batch-1 slots), with weight copies rotated past the L2:
 
-- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile;
+- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile; `engine_planes`
+  the same with the nibble-plane mainloop (DEEPINFER_INT4_PLANES);
 - `stream`: a kernel that only loads the same bytes over the same grid and sums them as integers: the
   bandwidth this grid reaches when the ALU work is ~nothing;
 - `dequant`: the same grid dequantizing as `quant/tiles.py int4_row_dot` does (interleave, fp32), one row of
@@ -118,10 +119,12 @@ def make_weights(slots: int, n: int, k: int, device: str, copies: int, seed: int
     return sets
 
 
-def engine_fn(sets, x, device):
-    """direct_gemm as fused_moe runs a batch-1 gate_up over `slots` routed slots (no shared experts here)."""
+def engine_fn(sets, x, device, planes: bool = False):
+    """direct_gemm as fused_moe runs a batch-1 gate_up over `slots` routed slots (no shared experts here), its
+    default tile; planes: the nibble-plane mainloop (DEEPINFER_INT4_PLANES)."""
     import torch
 
+    from deepinfer.backends.nvidia.fused_moe_config import direct_config
     from deepinfer.backends.nvidia.fused_moe_gemm import direct_gemm
 
     slots, n, _ = sets[0][0].shape
@@ -132,7 +135,7 @@ def engine_fn(sets, x, device):
     def fn(i):
         w, z, s = sets[i % len(sets)]
         direct_gemm(xa, w, None, act, ids, None, 0, slots, dual=True, scale=s, scheme="int4_awq", zeros=z,
-                    group_size=GROUP)
+                    group_size=GROUP, cfg=dict(direct_config(True, "int4_awq", GROUP), planes=planes))
         return act
     return fn
 
@@ -157,15 +160,16 @@ def run(args) -> list[dict]:
         from benchmarks.graph_timing import rotating_graph_us
         return rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
 
-    us = timed(engine_fn(sets, x, device))
-    rows.append({"kernel": "engine", "split": 1, "block_n": None, "us": round(us, 2)})
+    for planes in (False, True):
+        us = timed(engine_fn(sets, x, device, planes))
+        rows.append({"kernel": "engine_planes" if planes else "engine", "split": 1, "block_n": None, "us": round(us, 2)})
     for mode, name in ((0, "stream"), (1, "dequant"), (2, "planes")):
         for split in args.splits:
             for bn in args.block_n:
                 for unroll in args.unroll:
                     if (k // 2) % (split * 64 * unroll):
                         continue
-                    fn = lambda i, m=mode, sp=split, b=bn, u=unroll: probe(*sets[i % copies], x, m, sp, b, u)  # noqa: E731
+                    fn = lambda i, m=mode, sp=split, b=bn, u=unroll: probe(*sets[i % copies], x, m, sp, b, u)
                     row = {"kernel": name, "split": split, "block_n": bn, "unroll": unroll, "us": round(timed(fn), 2)}
                     if dry:
                         got = fn(0).sum(0)
@@ -192,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     if args.json:
         with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0
 
 
