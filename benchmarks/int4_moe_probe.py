@@ -11,14 +11,15 @@ rounding to bf16: ~6 instructions a weight, against the ~3.7 the H200's lanes ca
 int4; fix: fewer instructions a weight). This times, over the gate_up weights of 8 expert slots (V2-Lite:
 [2 x 1408, 2048] int4 g128, the direct schedule's batch-1 slots), with weight copies rotated past the L2:
 
-- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile; `engine_planes`
-  the same with the nibble-plane mainloop (DEEPINFER_INT4_PLANES);
+- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile;
 - `stream`: a kernel that only loads the same bytes over the same grid and sums them as integers: the
   bandwidth this grid reaches when the ALU work is ~nothing;
 - `dequant`: the same grid dequantizing as `quant/tiles.py int4_row_dot` does (interleave, fp32), one row of
   activations, products accumulated in fp32 registers and reduced once at the end;
 - `planes`: the same without the interleave: the low and high nibbles multiply the even and odd activations
   (loaded as two strided vectors), so no K-order shuffle happens;
+- `words`: int32 words, each nibble made the fp32 1 + q / 16 by a shift and a mask-and-or, one FMA a weight, the
+  zero point and the 1 taken out per group through the group's sum of x (`_words_kernel`);
 
 each at BLOCK_N, K-split and unroll (64-byte K tiles loaded a loop trip) choices (a split writes fp32 partials; the reduction is not timed: it is what a split
 would add, a few us). Prints device us and weight GB/s per row. --dry-run: tiny shapes under TRITON_INTERPRET=1,
@@ -81,6 +82,38 @@ def _probe_kernel(w_ptr, z_ptr, s_ptr, x_ptr, out_ptr, N, KB, stride_e, stride_n
         tl.store(dst, tl.sum(acc_f, axis=1), mask=nmask)
 
 
+@triton.jit
+def _words_kernel(w_ptr, z_ptr, s_ptr, x_ptr, out_ptr, N, KW, stride_e, stride_n, stride_se, stride_sn,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MODE 3, `words`: the weight read as int32 words (word c: input channels 8c .. 8c + 7, nibble j = channel 8c +
+    j), each nibble turned into the fp32 1 + q / 16 by one shift and one mask-and-or (its bits in the mantissa of
+    1.0), one FMA a weight against x, and per 128-channel group sum (q - z) x = 16 (sum f x - X) - z X with X the
+    group's sum of x: ~3 instructions a weight where the 2^23 path takes ~5. Program (slot, tile, split) as MODE 0-2."""
+    slot = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sp = tl.program_id(2)
+    nmask = rows < N
+    span = KW // SPLIT
+    offs_w = tl.arange(0, 16)  # one group: 128 channels, 16 words
+    w_base = w_ptr + slot * stride_e + rows[:, None].to(tl.int64) * stride_n
+    res = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w0 in range(sp * span, (sp + 1) * span, 16):
+        word = tl.load(w_base + w0 + offs_w[None, :], mask=nmask[:, None], other=0)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        xsum = tl.zeros([16], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + 8 * (w0 + offs_w) + j).to(tl.float32)
+            f = ((((word >> (4 * j)) & 0xF) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+            acc += f * xj[None, :]
+            xsum += xj
+        soff = slot * stride_se + rows * stride_sn + w0 // 16
+        z = tl.load(z_ptr + soff, mask=nmask, other=0).to(tl.float32)
+        sc = tl.load(s_ptr + soff, mask=nmask, other=0.0).to(tl.float32)
+        x_total = tl.sum(xsum, axis=0)
+        res += sc * ((tl.sum(acc, axis=1) - x_total) * 16.0 - z * x_total)
+    tl.store(out_ptr + (sp * tl.num_programs(0) + slot) * N + rows, res, mask=nmask)
+
+
 def probe(w, z, s, x, mode: int, split: int, block_n: int, unroll: int = 1, warps: int = 4, block_kb: int = 64):
     """Launch the probe kernel over every slot of w [slots, N, KB] (uint8, two int4 a byte, low nibble first)."""
     import torch
@@ -88,6 +121,11 @@ def probe(w, z, s, x, mode: int, split: int, block_n: int, unroll: int = 1, warp
     slots, n, kb = w.shape
     out = torch.empty(split, slots, n, device=w.device, dtype=torch.float32)
     grid = (slots, triton.cdiv(n, block_n), split)
+    if mode == 3:
+        words = w.view(torch.int32)
+        _words_kernel[grid](words, z, s, x, out, n, kb // 4, words.stride(0), words.stride(1), s.stride(0),
+                            s.stride(1), SPLIT=split, BLOCK_N=block_n, num_warps=warps)
+        return out
     _probe_kernel[grid](w, z, s, x, out, n, kb, w.stride(0), w.stride(1), s.stride(0), s.stride(1), MODE=mode,
                         SPLIT=split, BLOCK_N=block_n, BLOCK_KB=block_kb, GROUP_B=GROUP // 2,
                         UNROLL=unroll, num_warps=warps)
@@ -119,12 +157,11 @@ def make_weights(slots: int, n: int, k: int, device: str, copies: int, seed: int
     return sets
 
 
-def engine_fn(sets, x, device, planes: bool = False):
+def engine_fn(sets, x, device):
     """direct_gemm as fused_moe runs a batch-1 gate_up over `slots` routed slots (no shared experts here), its
-    default tile; planes: the nibble-plane mainloop (DEEPINFER_INT4_PLANES)."""
+    default tile."""
     import torch
 
-    from deepinfer.backends.nvidia.fused_moe_config import direct_config
     from deepinfer.backends.nvidia.fused_moe_gemm import direct_gemm
 
     slots, n, _ = sets[0][0].shape
@@ -135,7 +172,7 @@ def engine_fn(sets, x, device, planes: bool = False):
     def fn(i):
         w, z, s = sets[i % len(sets)]
         direct_gemm(xa, w, None, act, ids, None, 0, slots, dual=True, scale=s, scheme="int4_awq", zeros=z,
-                    group_size=GROUP, cfg=dict(direct_config(True, "int4_awq", GROUP), planes=planes))
+                    group_size=GROUP)
         return act
     return fn
 
@@ -160,15 +197,14 @@ def run(args) -> list[dict]:
         from benchmarks.graph_timing import rotating_graph_us
         return rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
 
-    for planes in (False, True):
-        us = timed(engine_fn(sets, x, device, planes))
-        rows.append({"kernel": "engine_planes" if planes else "engine", "split": 1, "block_n": None, "us": round(us, 2)})
-    for mode, name in ((0, "stream"), (1, "dequant"), (2, "planes")):
+    us = timed(engine_fn(sets, x, device))
+    rows.append({"kernel": "engine", "split": 1, "block_n": None, "us": round(us, 2)})
+    for mode, name in ((0, "stream"), (1, "dequant"), (2, "planes"), (3, "words")):
         for split in args.splits:
             for bn in args.block_n:
                 for unroll in args.unroll:
-                    if (k // 2) % (split * 64 * unroll):
-                        continue
+                    if (k // 2) % (split * 64 * unroll) or (mode == 3 and unroll > 1):
+                        continue  # (words: one group a trip, no unroll)
                     fn = lambda i, m=mode, sp=split, b=bn, u=unroll: probe(*sets[i % copies], x, m, sp, b, u)
                     row = {"kernel": name, "split": split, "block_n": bn, "unroll": unroll, "us": round(timed(fn), 2)}
                     if dry:

@@ -282,13 +282,6 @@ INT4_GEMV = EnvVar(
     "mainloops instead of a 16-row MMA tile (off: slower than the MMA tile on the H200's dense shapes)",
     "nvidia",
 )
-INT4_PLANES = EnvVar(
-    "DEEPINFER_INT4_PLANES", "bool", False,
-    "`1`: the int4 MMA mainloops (dense linears, MoE GEMMs) multiply a weight tile's low and high nibbles with the "
-    "even and odd activation channels instead of interleaving them into K order (Triton 3.6 compiles the "
-    "interleave through shared memory); the same weight values, another summation order. Off until timed on a GPU",
-    "nvidia",
-)
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",

@@ -73,7 +73,7 @@ def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
               "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
               "SHARED_STACKED": scheme is not None, "COMBINE": combine,
               "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
-              "SWAP_AB": cfg.get("swap_ab", False), "GEMV": cfg.get("gemv", False), "PLANES": cfg.get("planes", False)}
+              "SWAP_AB": cfg.get("swap_ab", False), "GEMV": cfg.get("gemv", False)}
     sig.update({k: "constexpr" for k in consts})
     compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
                 g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
@@ -97,8 +97,7 @@ def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False):
               "UPCAST": False,
               "PREC": "ieee" if dt == "fp32" else None, **qconsts, "A_MODE": 1 if w8a8 else 0,
               "ACT_FP8_OUT": w8a8 and dual, "ACT": TL[dt], "BLOCK_M": BM, "BLOCK_N": cfg["block_n"],
-              "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False), "GROUP_M": cfg.get("group_m", 0),
-              "PLANES": cfg.get("planes", False)}
+              "BLOCK_K": cfg["block_k"], "SWAP_AB": cfg.get("swap_ab", False), "GROUP_M": cfg.get("group_m", 0)}
     sig.update({k: "constexpr" for k in consts})
     sig["num_m"] = "i32"
     label = "split gate_up" if split_gate_up else f"dual={dual}"
@@ -154,10 +153,6 @@ def main() -> None:
         # int4 at one token: the GEMV mainloop (fused_moe_gemv.py)
         direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "int4_awq"), gemv=True), scheme="int4_awq",
                combine=not dual)
-        # int4 nibble planes (DEEPINFER_INT4_PLANES): the direct tile at one token, an aligned one
-        direct("bf16", dual, 8, 16, dict(g.direct_config(dual, "int4_awq"), planes=True), scheme="int4_awq",
-               combine=not dual)
-        aligned("bf16", dual, 32, dict(g.gemm_config(32, dual, "int4_awq"), planes=True), scheme="int4_awq")
     sig = {"y_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "D": "i32", "stride_y": "i32",
            "stride_s": "i32", "stride_o": "i32", "SLOTS": "constexpr", "HAS_SHARED": "constexpr",
            "WEIGHTED": "constexpr", "BLOCK": "constexpr"}  # the aligned schedule's: unweighted bf16 slots

@@ -69,14 +69,11 @@ def main() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "c_ptr": "*bf16",
            "bias_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "KB_PER", "stride_xm", "stride_cm", "stride_wn",
                                                        "stride_sn")}}
-    # planes: the nibble-plane mainloop (DEEPINFER_INT4_PLANES)
-    for gidx, m, planes in ((False, 1, False), (False, 256, False), (True, 1, False), (False, 1, True),
-                            (True, 1, True), (False, 256, True)):
+    for gidx, m in ((False, 1), (False, 256), (True, 1)):
         bm, bn, warps, stages = int4_gemm.tiles(m, 3072, True)
         consts = {"HAS_BIAS": False, "UPCAST": False, "PREC": None, "GIDX": gidx, "GROUP": 128, "BLOCK_M": bm,
-                  "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "PLANES": planes}
-        compile_one(f"int4_gemm gidx={gidx} M={m} BM={bm}{' planes' if planes else ''}", int4_gemm._int4_gemm_kernel,
-                    sig, consts, warps, stages)
+                  "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}
+        compile_one(f"int4_gemm gidx={gidx} M={m} BM={bm}", int4_gemm._int4_gemm_kernel, sig, consts, warps, stages)
     compile_one("int4_gemv", int4_gemm._int4_gemv_kernel,
                 {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "c_ptr": "*bf16", "bias_ptr": "*bf16",
                  **{n: "i32" for n in ("N", "K", "stride_wn", "stride_sn")}},

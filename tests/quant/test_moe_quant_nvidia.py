@@ -192,32 +192,6 @@ def test_int4_gemv_mainloop_matches_dense_twin(scheme, inter, stacked, monkeypat
         use_int4_gemv({"gemv": True}, 1, 1)
 
 
-@pytest.mark.parametrize("scheme,inter", [("int4_awq", 32), ("int4_gptq", 64)])
-@pytest.mark.parametrize("tokens,direct", [(1, True), (3, True), (9, False)])
-def test_int4_planes_mainloop_matches_dense_twin(scheme, inter, tokens, direct, monkeypatch):
-    """DEEPINFER_INT4_PLANES=1: the int4 MMA mainloops (direct with a stacked shared expert, aligned) multiply
-    nibble planes with the even / odd activation channels; against the dense twin (fp32: summation order only)."""
-    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
-    from deepinfer.backends.nvidia.fused_moe_gemm import use_int4_planes
-
-    monkeypatch.setenv("DEEPINFER_INT4_PLANES", "1")
-    assert use_int4_planes({}, 3) and not use_int4_planes({}, 1) and not use_int4_planes({"planes": False}, 3)
-    stacked = int(direct)
-    q, w13, w2 = make_experts(scheme, inter, device=DEVICE, num_experts=4 + stacked)
-    x = torch.randn(tokens, w13.shape[2], generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    wts, ids = routing(tokens, device=DEVICE)
-    got = fused_moe(x, q.w13, q.w2, wts, ids, direct=direct, scheme=scheme, w13_scale=q.w13_scale,
-                    w2_scale=q.w2_scale, stacked_shared=stacked, counters=counters_for(x.shape[1], DEVICE),
-                    **int4_args(q))
-    ref = experts_forward(x, w13[:4], w2[:4], wts, ids)
-    if stacked:
-        ones = torch.ones(tokens, 1, device=DEVICE)
-        ref = ref + experts_forward(x, w13, w2, ones, torch.full((tokens, 1), 4, device=DEVICE))
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(Exception, match="planes mainloop is int4"):
-        use_int4_planes({"planes": True}, 1)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="real shapes need the GPU")
 def test_int4_gemv_mainloop_real_shapes(monkeypatch):
@@ -298,24 +272,3 @@ def test_aligned_gemms_fold_stacked_shared_experts_real_shapes(scheme):
     ref = experts_forward(x, None, None, wts, ids, quant=routed).float() + experts_forward(
         x, None, None, ones, shared_ids, quant=q).float()
     assert (got.float() - ref).norm() / ref.norm() < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need the GPU")
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_int4_planes_mainloop_real_shapes(tokens, monkeypatch):
-    """The nibble-plane int4 mainloop (DEEPINFER_INT4_PLANES) at V2-Lite's expert shapes in bf16, direct (1 token)
-    and aligned (64): against the dense twin and the interleaved mainloop (the same bf16 weights, another order)."""
-    from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
-
-    q, w13, w2 = make_experts("int4_awq", 1408, device=DEVICE, num_experts=64, hidden=2048)
-    x = torch.randn(tokens, 2048, device=DEVICE).bfloat16()
-    wts, ids = routing(tokens, k=6, device=DEVICE, num_experts=64)
-    args = dict(scheme="int4_awq", w13_scale=q.w13_scale, w2_scale=q.w2_scale, counters=counters_for(2048, DEVICE),
-                **int4_args(q))
-    tile = fused_moe(x, q.w13, q.w2, wts, ids, **args)
-    monkeypatch.setenv("DEEPINFER_INT4_PLANES", "1")
-    planes = fused_moe(x, q.w13, q.w2, wts, ids, **args)
-    ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
-    assert (planes.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-    assert (planes.float() - tile.float()).norm() / tile.float().norm() < 1e-2

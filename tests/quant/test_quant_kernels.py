@@ -167,9 +167,7 @@ def test_int4_gemm_paths_match_native(method, group, act_order, m):
     want = ref.apply(rl, x)
     dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
     assert torch.equal(dense.cpu(), rl.weight)
-    # split: K blocks 3 + 3 + 2; planes: the nibble-plane mainloop (DEEPINFER_INT4_PLANES), alone and split
-    paths = [{"dequant": False}, {"dequant": True}, {"dequant": False, "split": 3},
-             {"dequant": False, "planes": True}, {"dequant": False, "planes": True, "split": 3}]
+    paths = [{"dequant": False}, {"dequant": True}, {"dequant": False, "split": 3}]  # split: K blocks 3 + 3 + 2
     if m == 1 and not act_order:  # the one-token GEMV (DEEPINFER_INT4_GEMV), contiguous groups only
         paths.append({"gemv": True})
     for path in paths:
@@ -245,8 +243,7 @@ def test_fp8_gemm_real_shapes(m, n, k):
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 777])
 @pytest.mark.parametrize("n,k,group", [(3072, 2048, 128), (21888, 2048, 128), (2048, 10944, 64)])
 def test_int4_gemm_real_shapes(m, n, k, group):
-    """The int4 paths in bf16 at V2-Lite shapes (in-register, also with the nibble planes; dequantize-then-cuBLAS)
-    against the dequantized weight in fp32 (bf16 rounding only)."""
+    """Both int4 paths in bf16 at V2-Lite shapes against the dequantized weight in fp32 (bf16 rounding only)."""
     from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
     from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
 
@@ -259,9 +256,9 @@ def test_int4_gemm_real_shapes(m, n, k, group):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
     w = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, torch.float32)
     ref = x.float() @ w.t()
-    for path in ({"dequant": False}, {"dequant": True}, {"dequant": False, "planes": True}):
-        y = int4_gemm(x, lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, **path)
-        assert _rel(y, ref) < 2e-2, path
+    for dequant in (False, True):
+        y = int4_gemm(x, lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, group, dequant=dequant)
+        assert _rel(y, ref) < 2e-2, dequant
 
 
 @pytest.mark.parametrize("m,k", [(7, 300), (33, 256)])

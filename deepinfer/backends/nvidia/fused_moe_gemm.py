@@ -81,7 +81,7 @@ def _aligned_gemm_kernel(
     A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ACT_FP8_OUT: tl.constexpr,
     ROUND_FIRST: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, num_m, GROUP_M: tl.constexpr, PLANES: tl.constexpr,
+    SWAP_AB: tl.constexpr, num_m, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -97,7 +97,7 @@ def _aligned_gemm_kernel(
     acc_g, acc_u = _mainloop(a_ptr, as_ptr, stride_as, rows, pmask, stride_am, b_ptr + expert * stride_be, u_off,
                              offs_n, nmask, stride_bn, K, q_ptr + expert * stride_qe, z_ptr + expert * stride_qe,
                              uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PLANES)
+                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:
         wv = tl.load(w_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
     else:
@@ -120,7 +120,7 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
                  QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
                  ROUND_FIRST: tl.constexpr, SHARED_STACKED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                 GEMV: tl.constexpr, PLANES: tl.constexpr):
+                 GEMV: tl.constexpr):
     """One expert's pairs (match), in pair order, compacted into BLOCK_M rows, times its BLOCK_N slice. GEMV (int4,
     one token: each expert has one pair): fused_moe_gemv.int4_gemv on that row, the tile's other rows zero."""
     rank = tl.cumsum(match.to(tl.int32), 0) - 1
@@ -149,7 +149,7 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
         acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off),
                                  offs_n, nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off,
                                  z_ptr + q_off, uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP,
-                                 A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PLANES)
+                                 A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
         p_slot = pairs % SLOTS
         p_routed = p_slot < TOP_K
@@ -200,7 +200,7 @@ def _direct_gemm_kernel(
     QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
     SHARED_STACKED: tl.constexpr, COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, GEMV: tl.constexpr, PLANES: tl.constexpr,
+    SWAP_AB: tl.constexpr, GEMV: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -220,7 +220,7 @@ def _direct_gemm_kernel(
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
                      stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
                      MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, SHARED_STACKED, BLOCK_M,
-                     BLOCK_N, BLOCK_K, SWAP_AB, GEMV, PLANES)
+                     BLOCK_N, BLOCK_K, SWAP_AB, GEMV)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -262,17 +262,6 @@ def use_int4_gemv(cfg: dict, quant: int, num_tokens: int) -> bool:
     return bool(want) and num_tokens == 1
 
 
-def use_int4_planes(cfg: dict, quant: int) -> bool:
-    """int4 MMA mainloops multiply nibble planes (quant/tiles.py int4_planes_dot) when cfg["planes"] says so
-    (tile sweeps) or, without that key, DEEPINFER_INT4_PLANES (off by default: not timed on a GPU yet)."""
-    want = cfg.get("planes")
-    if want and quant != 3:
-        raise BackendError("MoE grouped GEMM: the planes mainloop is int4's (AWQ / GPTQ) only")
-    if want is None:
-        want = quant == 3 and envs.INT4_PLANES.get()
-    return bool(want)
-
-
 def aligned_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_padded: torch.Tensor, num_pairs: int, a_div: int, block_m: int, topk_weights: torch.Tensor | None = None,
@@ -311,8 +300,7 @@ def aligned_gemm(
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(act), QUANT=quant, E8M0=e8m0,
         GROUP=group_size, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap, num_m=num_m,
-        GROUP_M=group_m, PLANES=use_int4_planes(cfg, quant), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        GROUP_M=group_m, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -384,6 +372,6 @@ def direct_gemm(
         GROUP=group_size, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
-        GEMV=gemv, PLANES=not gemv and use_int4_planes(cfg, quant),
+        GEMV=gemv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

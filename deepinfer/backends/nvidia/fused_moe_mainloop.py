@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows, int4_planes_dot, int4_tile
+from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows, int4_tile
 
 
 @triton.jit
@@ -106,13 +106,11 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
               DUAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
               QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
               ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SWAP_AB: tl.constexpr, PLANES: tl.constexpr):
+              SWAP_AB: tl.constexpr):
     """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32. u_off / uq_off
     shift the weight bytes / the scale rows (and the int4 zeros, laid out as the scales) to the up projection.
     A_MODE 1 / 2 (W8A8, QUANT 1, BLOCK_K 128): as_ptr holds mode 1's scales [rows, K/128] (row stride stride_as).
-    SWAP_AB (A_MODE 1 / 2 only): the products run as B @ A^T (_fp8_step_swapped), transposed back at the end.
-    PLANES (int4, QUANT 3): each K step multiplies the nibble planes with the even and odd activation channels
-    (quant/tiles.py int4_planes_dot) instead of an interleaved tile."""
+    SWAP_AB (A_MODE 1 / 2 only): the products run as B @ A^T (_fp8_step_swapped), transposed back at the end."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     brows = offs_n.to(tl.int64)
@@ -128,15 +126,7 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
     for k0 in range(0, K, BLOCK_K):
         kk = offs_k + k0
         kmask = kk < K
-        if PLANES:
-            a_rows = rows[:, None] * stride_am
-            acc_g = int4_planes_dot(acc_g, a_ptr, a_rows, rmask, k0, b_base, q_base, z_base, b_base, brows, nmask,
-                                    stride_bn, stride_qn, stride_qk, False, GROUP, BLOCK_K, ACT, UPCAST, PREC)
-            if DUAL:
-                acc_u = int4_planes_dot(acc_u, a_ptr, a_rows, rmask, k0, b_base + u_off, q_base + uq_off,
-                                        z_base + uq_off, b_base, brows, nmask, stride_bn, stride_qn, stride_qk, False,
-                                        GROUP, BLOCK_K, ACT, UPCAST, PREC)
-        elif A_MODE == 0:
+        if A_MODE == 0:
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = _load_w(b_base, q_base, z_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
                         QUANT, E8M0, GROUP, BLOCK_K, ACT)

@@ -27,34 +27,17 @@ import triton.language as tl
 
 from deepinfer import envs
 from deepinfer.backends.nvidia.quant import split_k
-from deepinfer.backends.nvidia.quant.tiles import int4_planes_dot, int4_row_dot, int4_tile
+from deepinfer.backends.nvidia.quant.tiles import int4_row_dot, int4_tile
 from deepinfer.errors import BackendError
-
-
-@triton.jit
-def _tile_step(acc, a_ptrs, mmask, k0, w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, stride_wn, stride_sn,
-               GIDX: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-               UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """acc + x tile @ the interleaved dequantized weight tile (tiles.py int4_tile)^T."""
-    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-    w = tl.trans(int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, 1, GIDX, GROUP,
-                           BLOCK_K, ACT))
-    if UPCAST:
-        acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision=PREC)
-    else:
-        acc += tl.dot(a, w, input_precision=PREC)
-    return acc
 
 
 @triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, KB_PER, stride_xm, stride_cm,
                       stride_wn, stride_sn, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       GIDX: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      PLANES: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Program (tile, s): K blocks [s * KB_PER, (s + 1) * KB_PER) of one output tile; with one split c is the output,
-    else split s's fp32 partial [M, N] in split_k's workspace (as fp8_gemm.py). PLANES: each K step multiplies
-    the weight's nibble planes with x's even and odd channels (tiles.py int4_planes_dot; DEEPINFER_INT4_PLANES)."""
+    else split s's fp32 partial [M, N] in split_k's workspace (as fp8_gemm.py)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * KB_PER * BLOCK_K
@@ -74,14 +57,14 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, 
     ACT = x_ptr.dtype.element_ty
     a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_rows = offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PLANES:
-            acc = int4_planes_dot(acc, x_ptr, x_rows, mmask, k0, w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask,
-                                  stride_wn, stride_sn, 1, GIDX, GROUP, BLOCK_K, ACT, UPCAST, PREC)
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        w = tl.trans(int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, 1,
+                               GIDX, GROUP, BLOCK_K, ACT))
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision=PREC)
         else:
-            acc = _tile_step(acc, a_ptrs, mmask, k0, w_ptr, s_ptr, z_ptr, g_ptr, offs_n, nmask, stride_wn, stride_sn,
-                             GIDX, GROUP, BLOCK_K, ACT, UPCAST, PREC)
+            acc += tl.dot(a, w, input_precision=PREC)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -189,10 +172,9 @@ def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
               g_idx: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
               tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None,
-              gemv: bool | None = None, split: int | None = None, planes: bool | None = None) -> torch.Tensor:
+              gemv: bool | None = None, split: int | None = None) -> torch.Tensor:
     """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring).
-    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv / split (K splits, quant/split_k.py) / planes
-    (the nibble-plane mainloop; else DEEPINFER_INT4_PLANES) force a path: for
+    tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv / split (K splits, quant/split_k.py) force a path: for
     tests and the benchmark's sweeps. One token with contiguous groups may take `_int4_gemv_kernel` (use_gemv)."""
     m, k_x = x.shape
     n, k = _check(qweight, zeros, scales, g_idx, group)
@@ -225,8 +207,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         bias if bias is not None and splits == 1 else out, m, n, k, per, x.stride(0), n if splits > 1 else c.stride(0),
         qweight.stride(0), scales.stride(0), HAS_BIAS=bias is not None and splits == 1, UPCAST=not on_gpu,
         PREC="ieee" if x.dtype == torch.float32 else None, GIDX=g_idx is not None, GROUP=group, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PLANES=envs.INT4_PLANES.get() if planes is None else planes,
-        num_warps=warps, num_stages=stages)
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     if splits > 1:
         split_k.reduce_partials(out, c, bias)
     return c

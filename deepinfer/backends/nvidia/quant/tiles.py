@@ -8,8 +8,6 @@
   re-quantized few times (decode-sized M: one program per 32-128 output columns re-reads A anyway).
 - `int4_row_dot`: the same weight tile reduced against one token's activations (a GEMV step, no MMA), with the
   scale applied once per tile; the int4 GEMV mainloops' step (int4_gemm.py, fused_moe_gemv.py).
-- `int4_planes` / `int4_planes_dot`: the same tile as its even and odd input channels (low and high nibbles), no
-  interleave; the GEMM multiplies each with the matching activation channels (DEEPINFER_INT4_PLANES).
 - `int4_tile`: a [BLOCK_N, BLOCK_K] tile of an int4 weight in the row layout shared by the dense linears
   and the routed experts (uint8 [N, K/2], two per byte, low nibble = even input channel; fp16 / fp32 scales
   and uint8 zero points [N, K/G]), dequantized in registers as (q - z) * s in fp32 and rounded once to the
@@ -83,67 +81,6 @@ def int4_tile(w_base, s_base, z_base, g_ptr, offs_n, nmask, k0, stride_wn, strid
         s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
         w = (qf - (z + 8388608.0)[:, None]) * s[:, None]
     return w.to(ACT)
-
-
-@triton.jit
-def _int4_plane(q, z_base, s_base, g_ptr, offs_n, nmask, k0, kc, stride_sn, stride_sk, GIDX: tl.constexpr,
-                GROUP: tl.constexpr, ACT: tl.constexpr):
-    """One nibble plane (q: int32 [BLOCK_N, HALF], input channels kc) dequantized as int4_tile does."""
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
-    if GIDX:
-        off = offs_n[:, None].to(tl.int64) * stride_sn + tl.load(g_ptr + kc)[None, :] * stride_sk
-        z = tl.load(z_base + off, mask=nmask[:, None], other=0).to(tl.float32)
-        s = tl.load(s_base + off, mask=nmask[:, None], other=0.0).to(tl.float32)
-        w = (qf - (z + 8388608.0)) * s
-    else:
-        off = offs_n.to(tl.int64) * stride_sn + (k0 // GROUP) * stride_sk
-        z = tl.load(z_base + off, mask=nmask, other=0).to(tl.float32)
-        s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
-        w = (qf - (z + 8388608.0)[:, None]) * s[:, None]
-    return w.to(ACT)
-
-
-@triton.jit
-def int4_planes(w_base, s_base, z_base, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, stride_sk,
-                GIDX: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
-    """int4_tile without the interleave: (even, odd) [BLOCK_N, BLOCK_K / 2] in ACT, the tile's even input channels
-    (the low nibbles) and its odd ones (the high nibbles), each value int4_tile's. A GEMM multiplies them with its
-    activations' even and odd channels (int4_planes_dot): the same products, summed in another order.
-
-    Why (DEEPINFER_INT4_PLANES): compiled for sm_90 by Triton 3.6 (the GPU image's), int4_tile's `tl.interleave`
-    is a layout conversion through shared memory (ld.shared / st.shared and barriers in every K step of the
-    direct MoE GEMM), and the int4 direct GEMMs at one token streamed ~1 TB/s of weight on the H200."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    offs_b = k0 // 2 + tl.arange(0, HALF)
-    byte = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :], mask=nmask[:, None], other=0)
-    byte = byte.to(tl.int32)
-    even = _int4_plane(byte & 0xF, z_base, s_base, g_ptr, offs_n, nmask, k0, 2 * offs_b, stride_sn, stride_sk,
-                       GIDX, GROUP, ACT)
-    odd = _int4_plane(byte >> 4, z_base, s_base, g_ptr, offs_n, nmask, k0, 2 * offs_b + 1, stride_sn, stride_sk,
-                      GIDX, GROUP, ACT)
-    return even, odd
-
-
-@triton.jit
-def int4_planes_dot(acc, a_base, rows_off, rmask, k0, w_base, s_base, z_base, g_ptr, offs_n, nmask, stride_wn,
-                    stride_sn, stride_sk, GIDX: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ACT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + A[rows, k0:k0+BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K]^T through int4_planes: the
-    activations' even channels times the low nibbles' plane, the odd ones times the high nibbles'. a_base +
-    rows_off [BLOCK_M, 1] addresses the rows' channel 0; K is a multiple of BLOCK_K (no mask along K)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    kc = k0 + 2 * tl.arange(0, HALF)
-    a_e = tl.load(a_base + rows_off + kc[None, :], mask=rmask[:, None], other=0.0)
-    a_o = tl.load(a_base + rows_off + (kc + 1)[None, :], mask=rmask[:, None], other=0.0)
-    even, odd = int4_planes(w_base, s_base, z_base, g_ptr, offs_n, nmask, k0, stride_wn, stride_sn, stride_sk,
-                            GIDX, GROUP, BLOCK_K, ACT)
-    if UPCAST:  # the interpreter's bf16 tl.dot is wrong (NOTES.md)
-        acc += tl.dot(a_e.to(tl.float32), tl.trans(even).to(tl.float32), input_precision=PREC)
-        acc += tl.dot(a_o.to(tl.float32), tl.trans(odd).to(tl.float32), input_precision=PREC)
-    else:
-        acc += tl.dot(a_e, tl.trans(even), input_precision=PREC)
-        acc += tl.dot(a_o, tl.trans(odd), input_precision=PREC)
-    return acc
 
 
 @triton.jit
