@@ -11,7 +11,8 @@ rounding to bf16: ~6 instructions a weight, against the ~3.7 the H200's lanes ca
 int4; fix: fewer instructions a weight). This times, over the gate_up weights of 8 expert slots (V2-Lite:
 [2 x 1408, 2048] int4 g128, the direct schedule's batch-1 slots), with weight copies rotated past the L2:
 
-- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile;
+- `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile; `engine_gemv`
+  the same through its GEMV mainloop (DEEPINFER_INT4_GEMV; quant/tiles.py int4_words_dot);
 - `stream`: a kernel that only loads the same bytes over the same grid and sums them as integers: the
   bandwidth this grid reaches when the ALU work is ~nothing;
 - `dequant`: the same grid dequantizing as `quant/tiles.py int4_row_dot` does (interleave, fp32), one row of
@@ -157,11 +158,12 @@ def make_weights(slots: int, n: int, k: int, device: str, copies: int, seed: int
     return sets
 
 
-def engine_fn(sets, x, device):
+def engine_fn(sets, x, device, gemv: bool = False):
     """direct_gemm as fused_moe runs a batch-1 gate_up over `slots` routed slots (no shared experts here), its
-    default tile."""
+    default tile; gemv: its GEMV mainloop (fused_moe_gemv.py, DEEPINFER_INT4_GEMV)."""
     import torch
 
+    from deepinfer.backends.nvidia.fused_moe_config import direct_config
     from deepinfer.backends.nvidia.fused_moe_gemm import direct_gemm
 
     slots, n, _ = sets[0][0].shape
@@ -172,7 +174,7 @@ def engine_fn(sets, x, device):
     def fn(i):
         w, z, s = sets[i % len(sets)]
         direct_gemm(xa, w, None, act, ids, None, 0, slots, dual=True, scale=s, scheme="int4_awq", zeros=z,
-                    group_size=GROUP)
+                    group_size=GROUP, cfg=dict(direct_config(True, "int4_awq", GROUP), gemv=gemv))
         return act
     return fn
 
@@ -197,8 +199,9 @@ def run(args) -> list[dict]:
         from benchmarks.graph_timing import rotating_graph_us
         return rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
 
-    us = timed(engine_fn(sets, x, device))
-    rows.append({"kernel": "engine", "split": 1, "block_n": None, "us": round(us, 2)})
+    for gemv in (False, True):
+        us = timed(engine_fn(sets, x, device, gemv))
+        rows.append({"kernel": "engine_gemv" if gemv else "engine", "split": 1, "block_n": None, "us": round(us, 2)})
     for mode, name in ((0, "stream"), (1, "dequant"), (2, "planes"), (3, "words")):
         for split in args.splits:
             for bn in args.block_n:
