@@ -12,7 +12,7 @@ int4; fix: fewer instructions a weight). This times, over the gate_up weights of
 [2 x 1408, 2048] int4 g128, the direct schedule's batch-1 slots), with weight copies rotated past the L2:
 
 - `engine`: `direct_gemm` as the MoE op runs it (dual gate_up, SiLU-and-mul), its default tile; `engine_gemv`
-  the same through its GEMV mainloop (DEEPINFER_INT4_GEMV; quant/tiles.py int4_words_dot);
+  the same through its GEMV mainloop (DEEPINFER_INT4_GEMV; quant/tiles.py int4_row_dot);
 - `stream`: a kernel that only loads the same bytes over the same grid and sums them as integers: the
   bandwidth this grid reaches when the ALU work is ~nothing;
 - `dequant`: the same grid dequantizing as `quant/tiles.py int4_row_dot` does (interleave, fp32), one row of
@@ -22,9 +22,14 @@ int4; fix: fewer instructions a weight). This times, over the gate_up weights of
 - `words`: int32 words, each nibble made the fp32 1 + q / 16 by a shift and a mask-and-or, one FMA a weight, the
   zero point and the 1 taken out per group through the group's sum of x (`_words_kernel`);
 
-each at BLOCK_N, K-split and unroll (64-byte K tiles loaded a loop trip) choices (a split writes fp32 partials; the reduction is not timed: it is what a split
-would add, a few us). Prints device us and weight GB/s per row. --dry-run: tiny shapes under TRITON_INTERPRET=1,
-every kernel's partial sums checked against torch (no timing).
+each at BLOCK_N, K-split and unroll (64-byte K tiles loaded a loop trip) choices (a split writes fp32 partials;
+the reduction is not timed: it is what a split would add, a few us). Prints device us and weight GB/s per row.
+--dry-run: tiny shapes under TRITON_INTERPRET=1, every kernel's partial sums checked against torch (no timing).
+
+Measured on an H100 (2026-12-06, docs/perf-log/2026-12-06-session26-h100.md): engine 23.6 us, stream 9.4-13.9,
+dequant and planes 19.9-26.9, words 20.5-29.7 (and the engine's GEMV mainloop rewritten the words way, 39.8 us
+against 22-24 for its MMA mainloop: not kept). Neither the grid, the interleave nor ~40% fewer PTX instructions a
+weight moved the dequantizing kernels; what bounds them past the byte stream is not found by timing alone.
 """
 
 from __future__ import annotations

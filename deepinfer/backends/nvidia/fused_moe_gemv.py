@@ -6,8 +6,8 @@ int4 weight whatever their tile, a quarter of the copy bandwidth: each K step de
 tile, rounds it to the activation dtype, moves it through shared memory into the MMA operand layout and multiplies
 15 rows of zeros with it. Here the tile stays in registers and is reduced against the row with FMAs.
 
-Arithmetic per K tile: quant/tiles.py int4_words_dot (int32 words, each nibble 1 + q / 16 in fp32 by bit
-operations, one FMA a weight, the zero point and the scale per word column; one reduction after the K loop). The weight is not rounded to the activation dtype before the product, as the
+Arithmetic per K tile: quant/tiles.py int4_row_dot (q - z exact in fp32, times the row's activations summed in
+fp32, times the group's scale once). The weight is not rounded to the activation dtype before the product, as the
 MMA path and the native oracle do (they densify to that dtype): in bf16 the result differs from theirs by that
 rounding (relative ~2^-9 per weight, averaging out over K); in fp32 (the interpreter tests) only by summation order.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia.quant.tiles import int4_words_dot
+from deepinfer.backends.nvidia.quant.tiles import int4_row_dot
 
 
 @triton.jit
@@ -29,13 +29,16 @@ def int4_gemv(a_ptr, row, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
     """(acc_g, acc_u) [BLOCK_N] fp32: activation row `row` times the int4 weight rows offs_n (and, DUAL, the up
     rows u_off bytes / uq_off scale entries further). K is a multiple of BLOCK_K (the callers' int4 tiles)."""
     brows = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
     a_row = a_ptr + row * stride_am
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc_g += int4_words_dot(b_base, s_base, z_base, brows, nmask, k0, a_row, stride_bn, stride_qn, stride_qk,
-                                GROUP, BLOCK_K)
+        x = tl.load(a_row + k0 + offs_k).to(tl.float32)
+        acc_g += int4_row_dot(b_base, s_base, z_base, brows, nmask, k0, x, stride_bn, stride_qn, stride_qk,
+                              GROUP, BLOCK_K)
         if DUAL:
-            acc_u += int4_words_dot(b_base + u_off, s_base + uq_off, z_base + uq_off, brows, nmask, k0, a_row,
-                                    stride_bn, stride_qn, stride_qk, GROUP, BLOCK_K)
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+            acc_u += int4_row_dot(b_base + u_off, s_base + uq_off, z_base + uq_off, brows, nmask, k0, x,
+                                  stride_bn, stride_qn, stride_qk, GROUP, BLOCK_K)
+    return acc_g, acc_u
+

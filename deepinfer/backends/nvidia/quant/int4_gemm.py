@@ -27,7 +27,7 @@ import triton.language as tl
 
 from deepinfer import envs
 from deepinfer.backends.nvidia.quant import split_k
-from deepinfer.backends.nvidia.quant.tiles import int4_tile, int4_words_dot
+from deepinfer.backends.nvidia.quant.tiles import int4_row_dot, int4_tile
 from deepinfer.errors import BackendError
 
 
@@ -77,14 +77,15 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, 
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, N, K, stride_wn, stride_sn,
                       HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token (M = 1): c[offs_n] = x . W[offs_n]^T, the int4 tile reduced against x with FMAs (tiles.py
-    int4_words_dot), no 16-row MMA tile; contiguous groups only (no g_idx)."""
+    int4_row_dot), no 16-row MMA tile; contiguous groups only (no g_idx)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rows = offs_n.to(tl.int64)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc2 += int4_words_dot(w_ptr, s_ptr, z_ptr, rows, nmask, k0, x_ptr, stride_wn, stride_sn, 1, GROUP, BLOCK_K)
-    acc = tl.sum(acc2, axis=1)
+        x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+        acc += int4_row_dot(w_ptr, s_ptr, z_ptr, rows, nmask, k0, x, stride_wn, stride_sn, 1, GROUP, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=nmask)

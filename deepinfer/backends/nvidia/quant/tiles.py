@@ -6,9 +6,8 @@
   that quantizes its A tile as it loads it gets the same values and scales as the separate kernel, so the
   two paths give the same product; it saves a launch and the fp8 copy's round trip where the tile is
   re-quantized few times (decode-sized M: one program per 32-128 output columns re-reads A anyway).
-- `int4_words_dot`: the same weight tile against one token's activations (a GEMV step, no MMA), read as int32
-  words, each nibble made 1 + q / 16 in fp32 by bit operations, one FMA a weight; the int4 GEMV mainloops' step
-  (int4_gemm.py, fused_moe_gemv.py).
+- `int4_row_dot`: the same weight tile reduced against one token's activations (a GEMV step, no MMA), with the
+  scale applied once per tile; the int4 GEMV mainloops' step (int4_gemm.py, fused_moe_gemv.py).
 - `int4_tile`: a [BLOCK_N, BLOCK_K] tile of an int4 weight in the row layout shared by the dense linears
   and the routed experts (uint8 [N, K/2], two per byte, low nibble = even input channel; fp16 / fp32 scales
   and uint8 zero points [N, K/G]), dequantized in registers as (q - z) * s in fp32 and rounded once to the
@@ -85,33 +84,19 @@ def int4_tile(w_base, s_base, z_base, g_ptr, offs_n, nmask, k0, stride_wn, strid
 
 
 @triton.jit
-def int4_words_dot(w_base, s_base, z_base, rows, nmask, k0, x_ptr, stride_wn, stride_sn, stride_sk,
-                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K / 8] fp32 partial products of the K tile at k0: summed over axis 1 (by the caller, once, after
-    its K loop), W[rows, k0:k0+BLOCK_K] . x[k0:k0+BLOCK_K] (x_ptr: one token's activations, the compute dtype), for
-    a GEMV (one token: no MMA tile). The int4_tile layout read as int32 words (word c of the tile: input channels
-    k0 + 8c .. k0 + 8c + 7, nibble j = channel 8c + j: the bytes' low-nibble-first order, little endian); BLOCK_K
-    divides GROUP (one zero point and scale per row and tile).
-
-    Each nibble becomes the fp32 f = 1 + q / 16 by a shift and a mask-and-or into the mantissa of 1.0 (exact), and
-    one FMA a weight accumulates f * x per word column; per column c with X_c the sum of its 8 activations,
-    sum_j (q_j - z) x_j = 16 (sum_j f_j x_j - X_c) - z X_c, times the scale. ~3 instructions a weight where the 2^23
-    offset path took ~5: on an H100 (2026-12-06, benchmarks/int4_moe_probe.py) the batch-1 int4 GEMMs were bound by
-    that ALU work (a byte stream over the same grid ran in less than half the time). The weight is not rounded to the
-    activation dtype first (the MMA mainloops' int4_tile rounds it), so in bf16 the product differs from theirs by
-    that rounding, and from the exact sum by the fp32 cancellation 16 (sum f x - X) (~2^-20 of sum |x| a column)."""
-    W: tl.constexpr = BLOCK_K // 8
-    offs_w = tl.arange(0, W)
-    wp = (w_base + rows[:, None] * stride_wn + (k0 // 2 + 4 * offs_w)[None, :]).to(tl.pointer_type(tl.int32))
-    word = tl.load(wp, mask=nmask[:, None], other=0)
-    acc = tl.zeros(word.shape, dtype=tl.float32)
-    xsum = tl.zeros([W], dtype=tl.float32)
-    for j in tl.static_range(8):
-        xj = tl.load(x_ptr + k0 + 8 * offs_w + j).to(tl.float32)
-        f = ((((word >> (4 * j)) & 0xF) << 19) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
-        acc += f * xj[None, :]
-        xsum += xj
+def int4_row_dot(w_base, s_base, z_base, rows, nmask, k0, x, stride_wn, stride_sn, stride_sk,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32: sum over the K tile at k0 of W[rows, k] * x[k] (x: the tile's BLOCK_K activations of one
+    token, fp32), for a GEMV (one token: no MMA tile). The int4_tile layout and nibble order; BLOCK_K divides GROUP
+    (one zero point and scale per row and tile): (2^23 + q) - (2^23 + z) = q - z exactly, times x summed in fp32,
+    then times the scale once. The weight is not rounded to the activation dtype first (int4_tile's callers round
+    it: their MMA takes that dtype), so in bf16 the product differs from theirs by that rounding."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_b = k0 // 2 + tl.arange(0, HALF)
+    byte = tl.load(w_base + rows[:, None] * stride_wn + offs_b[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    q = tl.interleave(byte & 0xF, byte >> 4)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
     off = rows * stride_sn + (k0 // GROUP) * stride_sk
     z = tl.load(z_base + off, mask=nmask, other=0).to(tl.float32)
     s = tl.load(s_base + off, mask=nmask, other=0.0).to(tl.float32)
-    return s[:, None] * ((acc - xsum[None, :]) * 16.0 - z[:, None] * xsum[None, :])
+    return tl.sum((qf - (z + 8388608.0)[:, None]) * x[None, :], axis=1) * s
