@@ -79,6 +79,17 @@ class MLAAttentionOp(ABC):
 
     def __init__(self, spec: MLASpec):
         self.spec = spec
+        # the fp8 cache's per-layer scale (stored = x / kv_scale): 1.0 unless a checkpoint gives one
+        self.kv_scale: float = 1.0
+
+    def load_kv_scale(self, scale: float) -> None:
+        """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`, models/layers/kv_scale.py), kept as
+        the fp32 value it is used as. Every op keeps it; only an op whose backend lists an fp8 cache
+        (BackendCaps.kv_cache_dtypes) reads it, and the engine refuses an fp8 cache elsewhere."""
+        s = float(scale)
+        if not (s > 0 and s != float("inf")):
+            raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
+        self.kv_scale = float(torch.tensor(s, dtype=torch.float32))
 
     @abstractmethod
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ on the embedded trained model. The Triton kernels are in test_kv_cache_fp8_trito
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,79 @@ def test_engine_allocates_fp8_cache():
     assert llm.kv.cache_salt == cache_salt(llm.model, llm.kv.block_size, llm.backend, "fp8_e4m3")
     out = llm.generate(["def main():"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+# ------------------------------------------------------------ KV scales from a checkpoint (models/layers/kv_scale.py)
+
+
+def _checkpoint_with(tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """The embedded model's checkpoint (linked, not copied) plus `extra` tensors in a second shard, both listed by
+    a model.safetensors.index.json, as a sharded release lays them out."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from deepinfer.data import embedded_model_path
+
+    src, dst = Path(embedded_model_path()), tmp_path / "ckpt"
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).symlink_to(f)
+    (dst / "model-1.safetensors").symlink_to(src / "model.safetensors")
+    save_file(extra, str(dst / "model-2.safetensors"))
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    weight_map = {**{n: "model-1.safetensors" for n in names}, **{n: "model-2.safetensors" for n in extra}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def _load(path: Path, load_mtp: bool = False):
+    from deepinfer.models.registry import load_model
+
+    return load_model(str(path), CPUBackend(), torch.float32, progress=False, load_mtp=load_mtp)
+
+
+def test_checkpoint_kv_scales_reach_every_layer(tmp_path):
+    """A checkpoint's per-layer `self_attn.k_scale` (and its aliases `kv_scale`, `attn.k_scale`, with a `v_scale`
+    equal to it) sets each MLA op's fp8 scale, the MTP layer's included; a layer without one stays at 1.0; the
+    prefix-cache salt of an fp8 cache carries them. An fp8-cache engine on it generates."""
+    from deepinfer import LLM, SamplingParams
+
+    one = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731 (scalars, as llm-compressor stores them)
+    extra = {"model.layers.0.self_attn.k_scale": one(0.5), "model.layers.0.self_attn.v_scale": one(0.5),
+             "model.layers.1.self_attn.kv_scale": one(0.25), "model.layers.2.self_attn.attn.k_scale": one(2.0),
+             "model.layers.4.self_attn.k_scale": one(0.375)}  # layer 4: the MTP layer (4 decoder layers)
+    path = _checkpoint_with(tmp_path, extra)
+    model = _load(path, load_mtp=True)
+    scales = [layer.self_attn.attn.kv_scale for layer in model.layers] + [m.block.self_attn.attn.kv_scale
+                                                                          for m in model.mtp]
+    assert scales == [0.5, 0.25, 2.0, 1.0, 0.375]
+    assert cache_salt(model, 16, model.backend, "fp8_e4m3") != cache_salt(_load(_checkpoint_with(
+        tmp_path / "plain", {"model.layers.0.self_attn.k_scale": one(1.0)})), 16, model.backend, "fp8_e4m3")
+    llm = LLM(model=str(path), kv_cache_dtype="fp8", device="cpu", max_model_len=128, max_num_seqs=2,
+              load_progress=False)
+    assert llm.model.layers[1].self_attn.attn.kv_scale == 0.25
+    out = llm.generate(["def main():"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"model.layers.0.self_attn.k_scale": 0.5, "model.layers.0.self_attn.kv_scale": 0.25},
+     r"KV-cache scales disagree .*layers\.0\.self_attn\.k_scale = 0\.5"),
+    ({"model.layers.1.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25},
+     r"layers\.1\.self_attn\.v_scale = 0\.25 differs from the key scale \(0\.5\)"),
+    ({"model.layers.1.self_attn.v_scale": 0.25}, r"v_scale = 0\.25 differs from the key scale \(none given"),
+    ({"model.layers.2.self_attn.k_scale": -1.0}, r"layers\.2\.self_attn\.k_scale: .* positive and finite"),
+    ({"model.layers.2.self_attn.k_scale": float("nan")}, r"k_scale: .* positive and finite"),
+    ({"model.layers.3.self_attn.k_scale": [0.5, 0.5]}, r"layers\.3\.self_attn\.k_scale: a KV-cache scale is one"),
+    ({"model.layers.4.self_attn.k_scale": 0.5, "model.layers.4.self_attn.v_scale": 2.0}, r"layers\.4\.self_attn\.v_scale"),
+])
+def test_checkpoint_kv_scales_refused(tmp_path, extra, match):
+    """Scales MLA cannot honour (key names disagreeing, a value scale other than the key scale: one latent, one
+    scale), and scales that are not one positive finite number, are load errors naming the tensor."""
+    from deepinfer.errors import ModelLoadError
+
+    path = _checkpoint_with(tmp_path, {k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()})
+    with pytest.raises(ModelLoadError, match=match):
+        _load(path, load_mtp=True)  # (layer 4: the MTP layer's attention)

@@ -80,25 +80,11 @@ def write_latent(kv_cache, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe:
                            f"{kv_c.shape[-1] + k_pe.shape[-1]} or latent {kv_c.shape[-1]} + rope {k_pe.shape[-1]}")
 
 
-def check_kv_scale(scale: float) -> float:
-    """A per-layer fp8 KV scale: a positive finite number, kept as the fp32 value it is used as."""
-    s = float(torch.tensor(float(scale), dtype=torch.float32))
-    if not (s > 0 and s != float("inf")):
-        raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
-    return s
-
-
 class NativeMLAAttention(MLAAttentionOp):
     def __init__(self, spec: MLASpec):
         super().__init__(spec)
         self.w_uk: torch.Tensor | None = None  # [H, qk_nope, kv_lora_rank] fp32
         self.w_uv: torch.Tensor | None = None  # [H, v_head, kv_lora_rank] fp32
-        # the fp8 cache's per-layer scale (stored = x / kv_scale); 1.0 unless a checkpoint gives one
-        self.kv_scale: float = 1.0
-
-    def load_kv_scale(self, scale: float) -> None:
-        """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`); unused by a compute-dtype cache."""
-        self.kv_scale = check_kv_scale(scale)
 
     def to_cache(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows as the cache of `dtype` stores them (fp8: quantized with kv_scale), for subclasses' writes."""

@@ -65,13 +65,6 @@ class TritonMLAAttention(MLAAttentionOp):
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
         self.w_uk_flat: torch.Tensor | None = None  # [H * qk_nope, L]
         self.w_uv_flat: torch.Tensor | None = None  # [H * v, L]
-        self.kv_scale: float = 1.0  # the fp8 cache's per-layer scale (stored = x / kv_scale)
-
-    def load_kv_scale(self, scale: float) -> None:
-        """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`); unused by a compute-dtype cache."""
-        if not (float(scale) > 0 and float(scale) != float("inf")):
-            raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
-        self.kv_scale = float(torch.tensor(float(scale), dtype=torch.float32))
 
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         w_uk, w_uv = self.split_kv_b_proj(weight)

@@ -94,6 +94,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         of it; a tensor another rank holds (OTHER_RANK) is expected but never read."""
         expected = self.weight_loaders()
         optional: dict[str, Loader] = {}
+        for i, layer in enumerate(self.layers):  # the fp8 KV cache's scales (models/layers/kv_scale.py)
+            optional.update(layer.self_attn.optional_loaders(f"model.layers.{i}.self_attn"))
         for m in self.mtp:
             expected.update(m.loaders())
             optional.update(m.optional_loaders())

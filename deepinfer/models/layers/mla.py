@@ -21,6 +21,7 @@ from deepinfer.backend.native.rope import mla_softmax_scale
 from deepinfer.errors import BackendError, ModelLoadError
 from deepinfer.models.deepseek_v3.config import DeepseekConfig
 from deepinfer.models.layers.cp_attention import context_parallel_mla
+from deepinfer.models.layers.kv_scale import KVScaleTensors
 from deepinfer.models.layers.linear import Linear, Loader, MergedLinear, tp_communicator
 from deepinfer.models.weights import tensor_loader
 from deepinfer.parallel.cp_batch import ContextParallelBatch
@@ -78,6 +79,7 @@ class MLAAttention(nn.Module):
         self.hidden_size = D
         self.attention_bias = bias
         self.fused_prolog = False  # set in finalize when the op takes the layer from the hidden states
+        self.kv_scales: KVScaleTensors | None = None  # the checkpoint's KV-cache scale tensors (optional_loaders)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         dev = self.backend.device
@@ -95,7 +97,15 @@ class MLAAttention(nn.Module):
         out.update(self.o_proj.loaders(f"{prefix}.o_proj"))
         return out
 
+    def optional_loaders(self, prefix: str) -> dict[str, Loader]:
+        """The fp8 KV cache's scale tensors a checkpoint may carry (models/layers/kv_scale.py)."""
+        self.kv_scales = KVScaleTensors(prefix)
+        return self.kv_scales.loaders()
+
     def finalize(self) -> None:
+        scale = self.kv_scales.resolve() if self.kv_scales is not None else None
+        if scale is not None:
+            self.attn.load_kv_scale(scale)
         if self.q_lora_rank is not None:
             self.qkv_a_proj.finalize()
             self.q_b_proj.finalize()
