@@ -19,6 +19,8 @@ int4; fix: fewer instructions a weight). This times, over the gate_up weights of
   activations, products accumulated in fp32 registers and reduced once at the end;
 - `planes`: the same without the interleave: the low and high nibbles multiply the even and odd activations
   (loaded as two strided vectors), so no K-order shuffle happens;
+- `scaled`: the bytes with their zero points and scales loaded, one add and one FMA a byte, no nibbles;
+- `planes_nox`: planes' arithmetic with the activations two scalars loaded once (no loads of x in the loop);
 - `words`: int32 words, each nibble made the fp32 1 + q / 16 by a shift and a mask-and-or, one FMA a weight, the
   zero point and the 1 taken out per group through the group's sum of x (`_words_kernel`);
 
@@ -57,6 +59,8 @@ def _probe_kernel(w_ptr, z_ptr, s_ptr, x_ptr, out_ptr, N, KB, stride_e, stride_n
     span = KB // SPLIT
     w_base = w_ptr + slot * stride_e + rows[:, None].to(tl.int64) * stride_n
     offs_b = tl.arange(0, BLOCK_KB)
+    x_even = tl.load(x_ptr).to(tl.float32)  # MODE 4's activations
+    x_odd = tl.load(x_ptr + 1).to(tl.float32)
     acc_i = tl.zeros([BLOCK_N, BLOCK_KB], dtype=tl.int32)
     acc_f = tl.zeros([BLOCK_N, BLOCK_KB], dtype=tl.float32)
     for b00 in range(sp * span, (sp + 1) * span, BLOCK_KB * UNROLL):
@@ -74,12 +78,18 @@ def _probe_kernel(w_ptr, z_ptr, s_ptr, x_ptr, out_ptr, N, KB, stride_e, stride_n
                     q = tl.interleave(byte & 0xF, byte >> 4)
                     qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
                     part = tl.sum(tl.reshape((qf - z[:, None]) * x[None, :], [BLOCK_N, BLOCK_KB, 2]), axis=2)
-                else:  # planes: low nibbles with the even activations, high with the odd
+                elif MODE == 2:  # planes: low nibbles with the even activations, high with the odd
                     xe = tl.load(x_ptr + 2 * (b0 + offs_b)).to(tl.float32)
                     xo = tl.load(x_ptr + 2 * (b0 + offs_b) + 1).to(tl.float32)
                     lo = ((byte & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
                     hi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
                     part = (lo - z[:, None]) * xe[None, :] + (hi - z[:, None]) * xo[None, :]
+                elif MODE == 4:  # planes' arithmetic, the activations two scalars loaded once (no loads of x here)
+                    lo = ((byte & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                    hi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+                    part = (lo - z[:, None]) * x_even + (hi - z[:, None]) * x_odd
+                else:  # MODE 5: the bytes, zero points and scales loaded, one FMA a byte (no nibbles)
+                    part = byte.to(tl.float32) + z[:, None]
                 acc_f += part * s[:, None]
     dst = out_ptr + (sp * tl.num_programs(0) + slot) * N + rows
     if MODE == 0:
@@ -144,6 +154,12 @@ def reference(w, z, s, x, mode: int):
 
     if mode == 0:
         return w.to(torch.float32).sum(-1)
+    if mode == 5:
+        zz = z.float().repeat_interleave(GROUP // 2, dim=-1) + 8388608.0
+        ss = s.float().repeat_interleave(GROUP // 2, dim=-1)
+        return ((w.float() + zz) * ss).sum(-1)
+    if mode == 4:
+        x = torch.stack([x[0], x[1]]).repeat(x.shape[0] // 2)
     q = torch.stack([w & 0xF, w >> 4], dim=-1).flatten(-2).float()  # [slots, N, K]
     zz = z.float().repeat_interleave(GROUP, dim=-1)
     ss = s.float().repeat_interleave(GROUP, dim=-1)
@@ -207,7 +223,8 @@ def run(args) -> list[dict]:
     for gemv in (False, True):
         us = timed(engine_fn(sets, x, device, gemv))
         rows.append({"kernel": "engine_gemv" if gemv else "engine", "split": 1, "block_n": None, "us": round(us, 2)})
-    for mode, name in ((0, "stream"), (1, "dequant"), (2, "planes"), (3, "words")):
+    for mode, name in ((0, "stream"), (5, "scaled"), (1, "dequant"), (2, "planes"), (4, "planes_nox"),
+                       (3, "words")):
         for split in args.splits:
             for bn in args.block_n:
                 for unroll in args.unroll:

@@ -15,6 +15,6 @@ def test_dry_run_matches_the_reference(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["kernel"] for r in rows[:2]] == ["engine", "engine_gemv"]
     probes = rows[2:]
-    assert {r["kernel"] for r in probes} == {"stream", "dequant", "planes", "words"}
+    assert {r["kernel"] for r in probes} == {"stream", "scaled", "dequant", "planes", "planes_nox", "words"}
     assert {(r["split"], r["unroll"]) for r in probes} >= {(1, 1), (1, 2), (2, 1)}
     assert all(r["max_err"] < 1e-5 for r in probes), probes
