@@ -29,9 +29,10 @@ the reduction is not timed: it is what a split would add, a few us). Prints devi
 --dry-run: tiny shapes under TRITON_INTERPRET=1, every kernel's partial sums checked against torch (no timing).
 
 Measured on an H100 (2026-12-06, docs/perf-log/2026-12-06-session26-h100.md): engine 23.6 us, stream 9.4-13.9,
-dequant and planes 19.9-26.9, words 20.5-29.7 (and the engine's GEMV mainloop rewritten the words way, 39.8 us
-against 22-24 for its MMA mainloop: not kept). Neither the grid, the interleave nor ~40% fewer PTX instructions a
-weight moved the dequantizing kernels; what bounds them past the byte stream is not found by timing alone.
+scaled 11.6-22.0, dequant and planes 19.9-26.9, planes_nox 18.7-26.1, words 20.5-29.7 (and the engine's GEMV
+mainloop rewritten the words way, 39.8 us against 22-24 for its MMA mainloop: not kept). Neither the grid, the
+interleave nor ~40% fewer PTX instructions a weight moved the dequantizing kernels; the nibble arithmetic in fp32
+costs ~7-10 us over the scaled byte stream, the activation loads ~2-3.
 """
 
 from __future__ import annotations
