@@ -1,6 +1,7 @@
 """benchmarks.int4_moe_probe's dry run: under the Triton interpreter at a tiny shape every probe kernel's partial
-sums (the byte stream's integer sum, the interleaved and the planes dequant against one activation row) add up
-to torch's reference over the same int4 weights (the words kernel's 1 + q / 16 trick among them), at each K split, and the engine's direct GEMM runs."""
+sums (the byte stream's integer sum, the scaled bytes, the interleaved, planes and words dequants against one
+activation row) add up to torch's reference over the same int4 weights, at each K split and unroll, and the
+engine's direct GEMM runs through both its mainloops."""
 
 import json
 

@@ -351,8 +351,10 @@ def test_checkpoint_kv_scales_reach_every_layer(tmp_path):
     scales = [layer.self_attn.attn.kv_scale for layer in model.layers] + [m.block.self_attn.attn.kv_scale
                                                                           for m in model.mtp]
     assert scales == [0.5, 0.25, 2.0, 1.0, 0.375]
-    assert cache_salt(model, 16, model.backend, "fp8_e4m3") != cache_salt(_load(_checkpoint_with(
-        tmp_path / "plain", {"model.layers.0.self_attn.k_scale": one(1.0)})), 16, model.backend, "fp8_e4m3")
+    unit = _load(_checkpoint_with(tmp_path / "unit", {"model.layers.0.self_attn.k_scale": one(1.0)}), load_mtp=True)
+    assert [layer.self_attn.attn.kv_scale for layer in unit.layers] == [1.0] * 4
+    assert cache_salt(model, 16, model.backend, "fp8_e4m3") != cache_salt(unit, 16, unit.backend, "fp8_e4m3")
+    assert cache_salt(model, 16, model.backend) == cache_salt(unit, 16, unit.backend)  # (a bf16 cache ignores them)
     llm = LLM(model=str(path), kv_cache_dtype="fp8", device="cpu", max_model_len=128, max_num_seqs=2,
               load_progress=False)
     assert llm.model.layers[1].self_attn.attn.kv_scale == 0.25
