@@ -11,12 +11,16 @@ to the request's last token) and total tok/s (all output tokens / wall time). Th
 other per concurrency, in alternating order over `--repeats`, and the best repeat is kept (the machine's
 other load only slows a run down); `paired` is the median over repeats of each repeat's total tok/s over off's in
 that repeat (`paired_ratio`). One JSON line per cell, then a table. Results go to docs/speculative.md
-with date, machine and command.
+with date, machine and command. On a GPU every Triton kernel compiled (or loaded from the disk cache) inside a
+timed cell is printed (`compiles at ...`, benchmarks/triton_compiles.py) and counted in the cell's JSON
+(`triton_compiles`, `triton_compile_s`): a 0.7-1.2 s catch-up step at 256 sequences (sessions 20 and 25) was
+suspected to be one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -132,6 +136,18 @@ def print_drafting(mode: str, engine) -> None:
             for kind, bucket, ratio, over, n in rows) if rows else "none seen"))
 
 
+def compile_log():
+    """benchmarks/triton_compiles.CompileLog where Triton is installed (it records nothing under the interpreter),
+    else a context that yields None."""
+    try:
+        from triton import knobs  # noqa: F401 (the hooks CompileLog installs)
+
+        from benchmarks.triton_compiles import CompileLog
+    except ImportError:
+        return contextlib.nullcontext()
+    return CompileLog()
+
+
 def paired_ratio(mode_totals: list[float], off_totals: list[float]) -> float:
     """The median over repeats of a mode's total tok/s over off's in the same repeat (the `paired` column). The
     repeats interleave the modes, so a repeat's cells ran close in time: on the H200 (2026-12-05, session 22) the
@@ -201,13 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[str, list[float]] = {}  # every repeat's total tok/s (the paired ratio over off's)
         plans: dict[str, list[dict]] = {}  # every repeat's adaptive plan decisions (run_cell's "plan")
         phases: dict[str, StepPhases] = {}  # the spec path's steps over every repeat (spec/step_phases.py)
+        compiles: dict[str, list] = {}  # Triton compiles inside the timed cells, every repeat
         ref = None
         for r in range(args.repeats):
             order = args.modes if r % 2 == 0 else args.modes[::-1]
             for mode in order:
                 spec = getattr(engines[mode], "_spec", None)
                 before = spec.phases.snapshot() if spec is not None else None
-                cell, toks = run_cell(engines[mode], c, args.max_tokens)
+                with compile_log() as log:  # Triton kernels compiled inside a timed cell (benchmarks/triton_compiles.py)
+                    cell, toks = run_cell(engines[mode], c, args.max_tokens)
+                if log is not None and log.compiles:
+                    compiles.setdefault(mode, []).extend(log.compiles)
+                    print(f"compiles at {c}, {mode}, repeat {r}: {log.describe()}", flush=True)
                 if spec is not None:
                     phases[mode] = spec.phases.since(before).plus(phases.get(mode))
                 if mode == "off":
@@ -233,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                    **({"paired_vs_off": round(paired_ratio(totals[mode], totals["off"]), 3)}
                       if "off" in totals else {}),
                    **({"plan_repeats": plans[mode]} if mode in plans else {}),
+                   "triton_compiles": len(compiles.get(mode, [])),
+                   "triton_compile_s": round(sum(x.seconds for x in compiles.get(mode, [])), 3),
                    **({"phases_ms": {kind: {k: round(v, 4) for k, v in r.items()}
                                      for kind, r in phases[mode].per_step_ms().items()}} if mode in phases else {})}
             results.append(row)
