@@ -346,9 +346,9 @@ FP8_EPILOGUE_QUANT = EnvVar(
     "DEEPINFER_FP8_EPILOGUE_QUANT", "bool", False,
     "`1`: the op before an fp8 W8A8 linear (a decoder layer's RMSNorm, an MLP's SiLU-and-mul) also writes the e4m3 "
     "quantization of its output (backend/fp8_act.py), where by default each consumer quantizes its input in its own "
-    "kernel. Off by default: on an H100 (2026-12-06) it ran slower (prefill 101k against 108k tok/s, batch 256 "
-    "+0.34 ms a step) through a norm kernel since rewritten and not yet timed (docs/quantization.md). The "
-    "quantization config file's `fuse_quant_dequant` wins where it is set",
+    "kernel. Off by default: with its rewritten norm kernel, on an H100 (2026-12-06) it ran prefill 1.1% faster and "
+    "batch 256 0.4% slower a step (docs/quantization.md). The quantization config file's `fuse_quant_dequant` wins "
+    "where it is set",
     "nvidia",
 )
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(

@@ -42,6 +42,10 @@ class DecoderLayer(nn.Module):
             out[name] = tensor_loader(self, attr, name, (D,), self.dtype, dev)
         return out
 
+    def optional_loaders(self, prefix: str) -> dict[str, Loader]:
+        """Tensors a checkpoint may carry for this layer: its attention's fp8 KV-cache scales."""
+        return self.self_attn.optional_loaders(f"{prefix}.self_attn")
+
     def finalize(self) -> None:
         self.self_attn.finalize()
         self.mlp.finalize()

@@ -95,7 +95,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         expected = self.weight_loaders()
         optional: dict[str, Loader] = {}
         for i, layer in enumerate(self.layers):  # the fp8 KV cache's scales (models/layers/kv_scale.py)
-            optional.update(layer.self_attn.optional_loaders(f"model.layers.{i}.self_attn"))
+            optional.update(layer.optional_loaders(f"model.layers.{i}"))
         for m in self.mtp:
             expected.update(m.loaders())
             optional.update(m.optional_loaders())

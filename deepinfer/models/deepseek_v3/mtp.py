@@ -70,7 +70,7 @@ class DeepseekMTP(nn.Module):
         """The embedding and head copies the released checkpoints carry (the main model's otherwise), and the fp8
         KV cache's scales of its attention (models/layers/kv_scale.py)."""
         p = self.prefix
-        out: dict[str, Loader] = dict(self.block.self_attn.optional_loaders(f"{p}.self_attn"))
+        out: dict[str, Loader] = self.block.optional_loaders(p)
         for name, load in self.embed_tokens.loaders(f"{p}.embed_tokens").items():
             out[name] = self._mark(load, "_own_embed")
         for name, load in self.head.loaders(f"{p}.shared_head.head").items():
