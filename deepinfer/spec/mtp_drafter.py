@@ -63,10 +63,10 @@ class MTPDrafter:
     """Drafts with MTP module 0 of `model` (model.mtp_forward / model.mtp_logits).
 
     graphs: the backend's captured MTP graphs (backend/mtp_graph_runner.py), or None (eager). With graphs, a pass
-    of at most the largest bucket of rows replays as decode rows and the chain of the drafting sequences replays
-    link by link; drafts and confidences are read back once per step. Eagerly (no graphs, a pass past the largest
-    bucket, or the chains of sequences drafting under a grammar mask, whose mask needs the drafts so far on the
-    host at every link) the same math runs as before, the pass as one varlen batch."""
+    replays as decode rows (one graph of its bucket, or a pass past the largest bucket as several, in order) and
+    the chain of the drafting sequences replays link by link; drafts and confidences are read back once per step.
+    Eagerly (no graphs, or the chains of sequences drafting under a grammar mask, whose mask needs the drafts so
+    far on the host at every link) the same math runs as before, the pass as one varlen batch."""
 
     def __init__(self, model, caches: KVCaches, block_tables: dict[str, torch.Tensor], block_size: int,
                  specs, device: torch.device, graphs: MTPGraphRunner | None = None, pick_op=None):
@@ -163,6 +163,8 @@ class MTPDrafter:
         cb = g.chain_bucket(b) if g is not None and b and len(masked) < b else None
         if probe and (pb is None or (b and cb is None)):
             raise ValueError(f"MTPDrafter.run(probe=True) needs graphs for {t} pass rows and {b} drafting sequences")
+        pieces = g is not None and pb is None and not probe  # a pass past the largest bucket: replays in pieces
+        state = self._pass_in_pieces(hidden, src, next_ids, positions, rows) if pieces else None
         if pb is not None or cb is not None:
             values = {}
             if pb is not None:
@@ -174,7 +176,7 @@ class MTPDrafter:
         if pb is not None:
             state = g.run_pass(hidden, t, pb)
             self.num_graph_passes += 1
-        else:
+        elif state is None:
             batch = self._batch([it.state_row for it in items], positions, [it.count for it in items],
                                 [it.context_len for it in items], device_tables)
             ids_dev = tensor_to(next_ids, torch.int64, self.device)
@@ -203,6 +205,28 @@ class MTPDrafter:
             self._chain_eager(state, eager, ends, d_rows, d_pos, chain_lens, device_tables, mask, tokens, confs)
             self.num_eager_chain_seqs += len(eager)
         return Drafts(tokens, confs)
+
+    def _pass_in_pieces(self, hidden: torch.Tensor, src: list[int], next_ids: list[int], positions: list[int],
+                        rows: list[int]) -> torch.Tensor:
+        """A pass of more rows than the largest pass graph holds (an MTP-KV catch-up after a long pause:
+        spec/mtp_catchup.py keeps up to 4,096 rows), as replays of the pass graphs over consecutive pieces in row
+        order. A piece's rows attend over the KV the earlier pieces wrote, as a sequence's later rows in one pass
+        attend over its earlier ones (decode rows write their KV before attention reads it), so the states and the
+        MTP KV are the one pass's. Why not eagerly: an eager forward at a row count no graph or prefill ran before
+        compiles kernels for it (the H200 sweep of 2026-12-06 timed a 256-sequence catch-up step at 567 ms, four
+        Triton compiles of 1.38 s in its cell); the replays reuse kernels captured at start-up."""
+        g = self.graphs
+        size = g.pass_buckets[-1]
+        out = g.static.p_out
+        state = torch.empty((len(src), out.shape[1]), dtype=out.dtype, device=out.device)
+        for lo in range(0, len(src), size):
+            hi = min(lo + size, len(src))
+            bucket = g.pass_bucket(hi - lo)
+            g.stage({"p_src": src[lo:hi], "p_ids": next_ids[lo:hi], "p_pos": positions[lo:hi],
+                     "p_row": rows[lo:hi]}, bucket, None)
+            state[lo:hi].copy_(g.run_pass(hidden, hi - lo, bucket))
+            self.num_graph_passes += 1
+        return state
 
     def _chain_eager(self, state: torch.Tensor, live: list[int], ends: list[int], d_rows: list[int],
                      d_pos: list[int], chain_lens: list[int], device_tables, mask, tokens: list[list[int]],

@@ -234,3 +234,28 @@ def test_a_masked_sequences_chain_runs_eagerly_and_the_others_replay(parts):
         assert a == pytest.approx(b, abs=1e-5)
     assert graph.num_graph_chains == 1 and graph.num_eager_chain_seqs == 1 and graph.graphs.num_link_replays == 1
     assert mask.calls == [[[]], [got.tokens[0][:1]], [got.tokens[0][:2]]]  # the masked chain alone, link by link
+
+
+@pytest.mark.parametrize("kind", ["stand-in", GPU])
+def test_a_pass_past_the_largest_bucket_replays_in_pieces_and_equals_the_eager_pass(parts, kind):
+    """9 pass rows over buckets up to 4 (an MTP-KV catch-up after a long pause holds more rows than the verify
+    graphs): three replays of 4, 4 and 1 rows in row order, a sequence's rows split across pieces (row 3's four
+    rows: one in the first piece, three in the second); drafts, confidences and the MTP KV equal one eager pass's,
+    and no pass runs eagerly (an eager forward at a new row count compiles kernels on a GPU)."""
+    _, backend, model, _, _ = parts
+    rows, counts, chains, k = [1, 3, 0], [3, 4, 2], [3, 2, 3], 3
+    ((eager, eager_caches), (graph, graph_caches)), mirror = setup_drafters(backend, model, [1, 2, 4], 4, k, kind)
+    ctx = 5
+    for d in (eager, graph):
+        prefill(d, rows, ctx, 3, mirror)
+    hidden, items = step_rows(model, rows, counts, ctx, 4, skip=1)
+    want = eager.run(hidden, items, chains, mirror)
+    got = graph.run(hidden, items, chains, mirror)
+    assert graph.graphs.num_pass_replays == 3 and graph.num_graph_passes == 3
+    assert graph.num_eager_passes == 1 and graph.num_eager_chain_seqs == 0  # the prefill's pass only
+    assert got.tokens == want.tokens and [len(t) for t in got.tokens] == chains
+    tol = 1e-5 if kind == "stand-in" else 1e-3
+    for a, b in zip(got.confidence, want.confidence):
+        assert a == pytest.approx(b, abs=tol)
+    for key, t in eager_caches.kv.items():
+        torch.testing.assert_close(graph_caches.kv[key], t, atol=tol, rtol=tol)
