@@ -63,10 +63,11 @@ class MTPDrafter:
     """Drafts with MTP module 0 of `model` (model.mtp_forward / model.mtp_logits).
 
     graphs: the backend's captured MTP graphs (backend/mtp_graph_runner.py), or None (eager). With graphs, a pass
-    replays as decode rows (one graph of its bucket, or a pass past the largest bucket as several, in order) and
-    the chain of the drafting sequences replays link by link; drafts and confidences are read back once per step.
-    Eagerly (no graphs, or the chains of sequences drafting under a grammar mask, whose mask needs the drafts so
-    far on the host at every link) the same math runs as before, the pass as one varlen batch."""
+    replays as decode rows (one graph of its bucket, or a pass past the largest bucket as up to max_pieces, in
+    order) and the chain of the drafting sequences replays link by link; drafts and confidences are read back once
+    per step. Eagerly (no graphs, a pass of more rows than that, or the chains of sequences drafting under a grammar
+    mask, whose mask needs the drafts so far on the host at every link) the same math runs as before, the pass as
+    one varlen batch."""
 
     def __init__(self, model, caches: KVCaches, block_tables: dict[str, torch.Tensor], block_size: int,
                  specs, device: torch.device, graphs: MTPGraphRunner | None = None, pick_op=None):
@@ -85,6 +86,10 @@ class MTPDrafter:
         self.num_graph_chains = 0  # steps whose chains replayed (all their drafting sequences but masked ones)
         self.num_eager_chain_seqs = 0  # drafting sequences whose chain ran eagerly (no graphs, or a grammar mask)
         self.num_host_reads = 0  # waits for the device: the drafts read back (once per chain, or per masked link)
+        # a pass past the largest pass graph replays it in at most this many pieces (`_pass_in_pieces`); a larger
+        # one (a prompt-sized pass) runs eagerly, in the prefill's shape, whose kernels the model's own prefill at
+        # that row count has compiled
+        self.max_pieces = 4
 
     def replays(self, rows: int, seqs: int) -> bool:
         """Whether a drafting step of `rows` pass rows and `seqs` drafting sequences replays graphs throughout."""
@@ -163,7 +168,7 @@ class MTPDrafter:
         cb = g.chain_bucket(b) if g is not None and b and len(masked) < b else None
         if probe and (pb is None or (b and cb is None)):
             raise ValueError(f"MTPDrafter.run(probe=True) needs graphs for {t} pass rows and {b} drafting sequences")
-        pieces = g is not None and pb is None and not probe  # a pass past the largest bucket: replays in pieces
+        pieces = g is not None and pb is None and not probe and t <= self.max_pieces * g.pass_buckets[-1]
         state = self._pass_in_pieces(hidden, src, next_ids, positions, rows) if pieces else None
         if pb is not None or cb is not None:
             values = {}

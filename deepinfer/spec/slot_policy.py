@@ -118,6 +118,15 @@ class SlotPolicy(ChainPlan):
     # its rate is then within this fraction of the admission's best); 0: always price the slots
     admit_all_below: float = 0.02
     num_admitted_all: int = 0  # admissions that verified every held slot that way (engine life)
+    # the admission holds (`_holds_admission`): after hold_after priced admissions in a row at one load verified
+    # every held slot, the next replan_every - 1 verify every held slot without pricing them (nor tracking their
+    # confidences), then one prices again; 0: price every step
+    hold_after: int = 3
+    num_admission_holds: int = 0  # admissions held that way (engine life)
+    # by load bucket: its last priced admissions in a row that verified every held slot (kept while the load visits
+    # other buckets: a benchmark cell's or a burst's tail passes through lower loads and comes back)
+    _all_streaks: dict[int, int] = field(default_factory=dict)
+    _held_admissions: int = 0  # admissions held since the last priced one
     # a plan pauses only on a clear loss (spec/chain_plan.py `_hold`): the best chain's gain over plain decoding
     # (measured, else modelled) below 1 / (1 + pause_margin); a chain within it keeps drafting
     pause_margin: float = 0.1
@@ -164,6 +173,9 @@ class SlotPolicy(ChainPlan):
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        bucket = load_bucket(len(held))
+        if self._holds_admission(bucket):
+            return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         confs = [h.confidence for h in held]
         big = len(held) * self.k > SMALL_ADMISSION
         if big:  # numpy: at 256 sequences the list paths cost ~1 ms of host time a step on the H200's host (fc4c856)
@@ -179,14 +191,17 @@ class SlotPolicy(ChainPlan):
             self._track_confidence(confs, lens_list)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe, self.verifying_probe, self.verify_all = False, True, False
+            self._all_streaks.pop(bucket, None)
             return [n if i < self.probe_seqs else 0 for i, n in enumerate(lens_list)]
         if self.verify_all:  # drafted to be measured (plan_drafting): every slot, chosen before any draw
             self.verify_all = False
+            self._all_streaks.pop(bucket, None)
             return lens_list
         spec_s = self.draft_seconds if self.draft_cost is None else 0.0
         fixed = self._step_fixed_seconds(len(held))
         if spec_s == 0.0 and self._nearly_free(lens_list, base_tokens, fixed):
             self._admitted_any = True
+            self._note_admission(bucket, True)
             return lens_list
         if not big:  # plain floats (admit_lists: the same choice as `admit`), cheaper here
             row = self.calibrator.survival_row
@@ -200,7 +215,38 @@ class SlotPolicy(ChainPlan):
         else:
             counts = lens_list
         self._admitted_any = any(counts)
+        self._note_admission(bucket, counts == lens_list)
         return counts
+
+    def _holds_admission(self, bucket: int) -> bool:
+        """Whether this admission verifies every held slot unpriced: the last hold_after priced admissions at this
+        load (bucket; other loads' admissions between them do not count) verified every held slot, fewer than replan_every - 1 admissions have been held since the last
+        priced one, and these drafts are neither a probe's, a measure's (verified by their own rules) nor an
+        exploration's (drafted so that their deeper slots' confidences are seen). Past admissions decide, never
+        these drafts or their outcomes (non-anticipating). Why: on the H200 (2026-12-06, session 27's sweep) every
+        admission at 4-64 sequences verified every held slot, and pricing them (the confidence matrix, its moving
+        averages, the step's fixed seconds, the admission over 80-320 slots) cost 40-130 us of host time a step where
+        the one-sync steps wait for the host (the adaptive mode's `slots` phase 0.185 ms a step at 16 sequences,
+        static k = 5's 0.051), about what it ran behind static k = 5 there. The hold lasts what the plan holds
+        (replan_every), so the deeper slots' confidences the plan prices are still tracked once a plan."""
+        if self.hold_after <= 0 or self.probe or self.verify_all or self.explore or self.calibrator is None:
+            return False
+        if self._all_streaks.get(bucket, 0) < self.hold_after:
+            return False
+        if self._held_admissions >= max(self.replan_every - 1, 0):
+            return False
+        self._held_admissions += 1
+        self.num_admission_holds += 1
+        self._admitted_any = True
+        return True
+
+    def _note_admission(self, bucket: int, verified_all: bool) -> None:
+        """A priced admission at `bucket` verified every held slot (or not): the streak `_holds_admission` reads."""
+        if verified_all:
+            self._all_streaks[bucket] = self._all_streaks.get(bucket, 0) + 1
+        else:
+            self._all_streaks.pop(bucket, None)
+        self._held_admissions = 0
 
     def calibrates(self) -> bool:
         """Whether this verification's outcomes go to the calibrator (called once a verification, after its

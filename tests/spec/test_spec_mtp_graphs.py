@@ -182,7 +182,7 @@ def test_engine_drafting_from_graphs_equals_off(parts):
     assert replays(on) > before
     assert drafter.num_graph_chains > 0 and drafter.num_eager_chain_seqs == 0
     assert drafter.num_graph_passes > 0
-    assert drafter.num_eager_passes == 1  # the prompts' pass: 21 rows, past the largest bucket (16)
+    assert drafter.num_eager_passes == 0  # the prompts' pass (21 rows, past the largest bucket, 16): two pieces
     assert on.stats().spec_accepted_tokens > 0
 
 
@@ -259,3 +259,7 @@ def test_a_pass_past_the_largest_bucket_replays_in_pieces_and_equals_the_eager_p
         assert a == pytest.approx(b, abs=tol)
     for key, t in eager_caches.kv.items():
         torch.testing.assert_close(graph_caches.kv[key], t, atol=tol, rtol=tol)
+    # past max_pieces replays (a prompt-sized pass) the pass runs eagerly, in the prefill's shape
+    graph.max_pieces = 2
+    graph.run(hidden, items, chains, mirror)
+    assert graph.num_eager_passes == 2 and graph.graphs.num_pass_replays == 3
