@@ -136,10 +136,11 @@ def admit(survival: torch.Tensor, draft_lens: torch.Tensor, cost: StepCostTable,
 
 def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, base_tokens: int, base_yield: float,
                 draft_seconds: float = 0.0, speculation_seconds: float = 0.0,
-                in_unit: bool = False) -> tuple[np.ndarray, float, float]:
+                in_unit: bool = False, all_within: float = 0.0) -> tuple[np.ndarray, float, float]:
     """`admit` on numpy arrays (the per-step host path at many slots: SlotPolicy.counts): survival [B, K] fp64,
     lens [B]; returns (int64 counts [B], expected tokens, seconds). in_unit: the caller's survival is within [0, 1]
-    already (the calibrator's table is), so the clamp is skipped (it would change nothing)."""
+    already (the calibrator's table is), so the clamp is skipped (it would change nothing). all_within: every slot is
+    admitted where that rate is at least (1 - all_within) of the best prefix's (0: the best prefix only)."""
     b, k = survival.shape
     if b == 0 or k == 0:
         return np.zeros(b, dtype=np.int64), base_yield, cost.at(base_tokens) + draft_seconds
@@ -163,18 +164,21 @@ def admit_array(survival: np.ndarray, lens: np.ndarray, cost: StepCostTable, bas
     expected += base_yield
     seconds = cost.cost_range(base_tokens, order.size + 1) + draft_seconds
     seconds[1:] += speculation_seconds
-    best = int(np.argmax(expected / seconds))  # first maximum: the fewest slots for the best rate
+    rates = expected / seconds
+    best = int(np.argmax(rates))  # first maximum: the fewest slots for the best rate
+    if all_within > 0.0 and rates[-1] >= (1.0 - all_within) * rates[best]:
+        best = order.size
     counts = np.bincount(order[:best] % b, minlength=b)
     return counts.astype(np.int64), float(expected[best]), float(seconds[best])
 
 
 def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: int, base_yield: float,
-                speculation_seconds: float = 0.0, draft_seconds: float = 0.0) -> list[int]:
+                speculation_seconds: float = 0.0, draft_seconds: float = 0.0, all_within: float = 0.0) -> list[int]:
     """`admit` in plain floats for a few slots (the per-step host path at low concurrency, where the tensor version's
     ~20 small ops cost ~0.5 ms of host time a step on this CPU): survival[i] holds request i's conditional
     survival per slot (its draft's length); draft_seconds: time every choice pays (admit's). The same order
     (reach descending, ties by slot index, then request), the same fp64 arithmetic and the same first maximum,
-    so the same counts (tests/spec/test_scheduler_lossless.py compares them)."""
+    so the same counts (tests/spec/test_scheduler_lossless.py compares them); all_within: admit_array's."""
     items: list[tuple[float, int, int]] = []
     for i, row in enumerate(survival):
         reach = 1.0
@@ -184,12 +188,14 @@ def admit_lists(survival: list[list[float]], cost: StepCostTable, base_tokens: i
     if len(survival) > 1:  # (one request: its reach never rises along the row, so slot order is the order)
         items.sort()
     best, gained = 0, 0.0
-    best_rate = float(base_yield) / (cost.at(base_tokens) + draft_seconds)
+    best_rate = rate = float(base_yield) / (cost.at(base_tokens) + draft_seconds)
     for n, (neg, _, _) in enumerate(items, 1):
         gained += -neg  # as admit's cumsum, then added to the base yield
         rate = (base_yield + gained) / (cost.at(base_tokens + n) + draft_seconds + speculation_seconds)
         if rate > best_rate:
             best, best_rate = n, rate
+    if all_within > 0.0 and rate >= (1.0 - all_within) * best_rate:  # (rate: every slot's, the last one)
+        best = len(items)
     counts = [0] * len(survival)
     for _, _, i in items[:best]:
         counts[i] += 1

@@ -112,6 +112,38 @@ def test_plain_float_admission_equals_the_tensor_admission():
     assert admitted_full == {True, False}
 
 
+def test_all_within_admits_every_slot_only_within_its_fraction_of_the_best_rate():
+    """all_within (SlotPolicy.admit_all_below on the priced path): the two admission paths agree with it on; it
+    admits every slot exactly where every slot's modelled rate is within that fraction of the best prefix's (checked
+    against the rates recomputed here), and changes the choice in some trials and not in others."""
+    import random
+
+    from deepinfer.spec.scheduler import admit_array, admit_lists
+
+    rng = random.Random(11)
+    tables = [StepCostTable([1, 4096], [0.01, 0.01 + 4095e-6]), StepCostTable([1, 8, 64], [0.010, 0.011, 0.02])]
+    flipped = kept = 0
+    for trial in range(300):
+        b, k = rng.randint(1, 12), rng.randint(1, 5)
+        full = [[rng.choice([0.02, 0.1, rng.random()]) if rng.random() < 0.4 else 0.9 for _ in range(k)]
+                for _ in range(b)]
+        cost, fixed, within = tables[trial % 2], rng.choice([0.0, 0.005]), rng.choice([0.01, 0.02, 0.05])
+        best, tok, sec = admit_array(np.asarray(full), np.full(b, k), cost, b, float(b), draft_seconds=fixed,
+                                     in_unit=True)
+        got = admit_array(np.asarray(full), np.full(b, k), cost, b, float(b), draft_seconds=fixed, in_unit=True,
+                          all_within=within)[0].tolist()
+        assert got == admit_lists(full, cost, b, float(b), draft_seconds=fixed, all_within=within), (full, trial)
+        reach = np.cumprod(np.asarray(full), axis=1).sum()
+        all_rate = (b + reach) / (cost.at(b + b * k) + fixed)
+        if all_rate >= (1 - within) * tok / sec:
+            assert got == [k] * b, trial
+            flipped += best.tolist() != [k] * b
+        else:
+            assert got == best.tolist(), trial
+            kept += 1
+    assert flipped > 0 and kept > 0
+
+
 def test_calibrator_list_paths_equal_the_tensor_paths():
     a, b = SurvivalCalibrator(3, refit_every=1), SurvivalCalibrator(3, refit_every=1)
     g = torch.Generator().manual_seed(3)
