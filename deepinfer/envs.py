@@ -347,8 +347,8 @@ FP8_EPILOGUE_QUANT = EnvVar(
     "`1`: the op before an fp8 W8A8 linear (a decoder layer's RMSNorm, an MLP's SiLU-and-mul) also writes the e4m3 "
     "quantization of its output (backend/fp8_act.py), where by default each consumer quantizes its input in its own "
     "kernel. Off by default: with its rewritten norm kernel, on two H100s (2026-12-06) it ran prefill 1.1-2.0% faster "
-    "and batch 256 0-0.4% slower a step; not yet run on the H200 (docs/quantization.md). The quantization config file's `fuse_quant_dequant` wins "
-    "where it is set",
+    "and batch 256 0-0.4% slower a step; not yet run on the H200 (docs/quantization.md). The quantization config "
+    "file's `fuse_quant_dequant` wins where it is set",
     "nvidia",
 )
 FP8_FUSED_ACT_QUANT_MAX_M = EnvVar(

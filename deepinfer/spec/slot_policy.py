@@ -175,10 +175,7 @@ class SlotPolicy(ChainPlan):
         return self.draft_cost.cost(num_seqs, chain)
 
     def counts(self, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
-        if not self.adaptive:
-            return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        bucket = load_bucket(len(held))
-        if self._holds_admission(bucket):
+        if not self.adaptive or self._holds_admission(bucket := load_bucket(len(held))):
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         confs = [h.confidence for h in held]
         big = len(held) * self.k > SMALL_ADMISSION
@@ -225,15 +222,16 @@ class SlotPolicy(ChainPlan):
     def _holds_admission(self, bucket: int) -> bool:
         """Whether this admission verifies every held slot unpriced: the last hold_after priced admissions at this
         load (bucket; other loads' admissions between them do not count) verified every held slot, fewer than
-        replan_every - 1 admissions have been held since the last priced one, and these drafts are neither a probe's, a measure's (verified by their own rules) nor an
-        exploration's (drafted so that their deeper slots' confidences are seen). Past admissions decide, never
+        replan_every - 1 admissions have been held since the last priced one, and these drafts are neither a
+        probe's, a measure's (verified by their own rules) nor an exploration's (drafted so that their deeper slots'
+        confidences are seen). Past admissions decide, never
         these drafts or their outcomes (non-anticipating). Why: on the H200 (2026-12-06, session 27's sweep) every
         admission at 4-64 sequences verified every held slot, and pricing them (the confidence matrix, its moving
         averages, the step's fixed seconds, the admission over 80-320 slots) cost 40-130 us of host time a step where
         the one-sync steps wait for the host (the adaptive mode's `slots` phase 0.185 ms a step at 16 sequences,
         static k = 5's 0.051), about what it ran behind static k = 5 there. The hold lasts what the plan holds
         (replan_every), so the deeper slots' confidences the plan prices are still tracked once a plan."""
-        if self.hold_after <= 0 or self.probe or self.verify_all or self.explore or self.calibrator is None:
+        if self.hold_after <= 0 or self.probe or self.verify_all or self.explore:
             return False
         if self._all_streaks.get(bucket, 0) < self.hold_after:
             return False
