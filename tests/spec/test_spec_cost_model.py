@@ -279,7 +279,7 @@ def test_small_admissions_in_plain_floats_choose_as_the_numpy_path(monkeypatch):
     length, caps of 0)."""
     import random
 
-    import deepinfer.spec.slot_policy as ds
+    import deepinfer.spec.slot_admission as ds
 
     rng = random.Random(2)
     fast = chain_policy([0.8, 0.6, 0.4, 0.3, 0.2], one=0.004, full=0.02)
