@@ -86,10 +86,10 @@ class MLAAttentionOp(ABC):
         """The layer's fp8 KV-cache scale (a checkpoint's `self_attn.k_scale`, models/layers/kv_scale.py), kept as
         the fp32 value it is used as. Every op keeps it; only an op whose backend lists an fp8 cache
         (BackendCaps.kv_cache_dtypes) reads it, and the engine refuses an fp8 cache elsewhere."""
-        s = float(scale)
+        s = float(torch.tensor(float(scale), dtype=torch.float32))  # checked as used: fp32 may round it to 0 or inf
         if not (s > 0 and s != float("inf")):
-            raise BackendError(f"MLA fp8 KV scale must be a positive finite number, got {scale!r}")
-        self.kv_scale = float(torch.tensor(s, dtype=torch.float32))
+            raise BackendError(f"MLA fp8 KV scale must be a positive finite number (in fp32), got {scale!r}")
+        self.kv_scale = s
 
     @abstractmethod
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:

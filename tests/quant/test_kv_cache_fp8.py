@@ -160,7 +160,7 @@ def test_cpu_op_matches_native_on_fp8_cache(ctx, qlen, scale):
 
 def test_kv_scale_must_be_positive():
     op = NativeMLAAttention(SPEC)
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e39, 1e-50):  # (the last two: inf and 0 in fp32)
         with pytest.raises(BackendError, match="fp8 KV scale"):
             op.load_kv_scale(bad)
 
