@@ -48,6 +48,7 @@ class ChainPlan:
         floor = 1.0 / (1.0 + self.pause_margin)
         model = _hold(modelled, floor)
         self._plan_gain = max(modelled[1:], default=0.0)
+        self._plan_gains = modelled  # (what a challenge compares chains by: spec/chain_challenge.py)
         measured = self.realized.gains(num_seqs, self.k)
         self._plan_measured = bool(measured)  # (against plain decoding: SlotPolicy._checks_pause)
         if not measured:
@@ -63,6 +64,7 @@ class ChainPlan:
             floor = 1.0 / (1.0 + self.measured_pause_margin)
         best = _hold(gains, floor)
         self._plan_gain = gains[top] if top else 0.0
+        self._plan_gains = gains
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return best

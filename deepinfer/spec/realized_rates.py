@@ -119,6 +119,24 @@ class RealizedRates:
         for key in [key for key in self._warm if key[0] == bucket and key[1] > 0]:
             del self._warm[key]
 
+    def forget_chain(self, num_seqs: int, chain: int) -> None:
+        """Forget one chain's measures at the loads of num_seqs's bucket (its warm-up stays done): a challenge
+        (spec/chain_challenge.py) measures it afresh, so the plan after compares two measures of recent steps
+        rather than a fresh one with one taken long before, at another moment of the machine."""
+        bucket = load_bucket(num_seqs)
+        for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] == chain]:
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
+                table.pop(key, None)
+
+    def steps_near(self, num_seqs: int) -> dict[int, int]:
+        """Steps counted for each chain (0: plain) measured and fresh at the load of num_seqs's bucket nearest to it
+        where any is; empty where none is."""
+        for load in self._loads_near(num_seqs):
+            got = {c: n for (ld, c), n in self.counts.items() if ld == load and self._trusted((ld, c))}
+            if got:
+                return got
+        return {}
+
     def _trusted(self, key: tuple[int, int]) -> bool:
         return self.counts.get(key, 0) >= self.min_count and self.now - self.last[key] <= self.max_age
 

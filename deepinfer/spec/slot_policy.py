@@ -1,14 +1,15 @@
 """SlotPolicy: static k, or the confidence scheduler's two per-step decisions (which held draft slots to verify,
 and how long a chain to draft next), with the measured step times and pauses they rest on (docs/speculative.md,
 "The confidence scheduler"). Used by spec/draft_slots.py (verification) and spec/pipeline.py (drafting); the chain
-plan's model and choice are in spec/chain_plan.py, the verification's admission in spec/slot_admission.py (both
-inherited)."""
+plan's model and choice are in spec/chain_plan.py, its challenges in spec/chain_challenge.py, the verification's
+admission in spec/slot_admission.py (all inherited)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepinfer.spec.chain_challenge import ChainChallenge
 from deepinfer.spec.chain_plan import ChainPlan
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.realized_rates import RealizedRates
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SlotPolicy(ChainPlan, SlotAdmission):
+class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
 
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
@@ -150,6 +151,22 @@ class SlotPolicy(ChainPlan, SlotAdmission):
     _checked: dict[int, int] = field(default_factory=dict)  # checks made, by load bucket
     _plan_gain: float = 0.0  # the last plan's best chain's gain over plain decoding (modelled or measured)
     _plan_measured: bool = False  # whether the last plan had a chain's gain measured against plain decoding
+    _plan_gains: list[float] = field(default_factory=list)  # the last plan's gain per chain (index 0: plain, 1.0)
+    # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
+    # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
+    # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never
+    challenge_every: int = 64
+    max_challenge_every: int = 512
+    challenge_margin: float = 0.15
+    challenge_steps: int = 8
+    num_challenges: int = 0  # challenges started (engine life)
+    num_challenges_won: int = 0  # challenges after which the plan's chain changed (engine life)
+    _challenge_clock: dict[int, int] = field(default_factory=dict)  # drafting steps since the last challenge, by bucket
+    _challenge_interval: dict[int, int] = field(default_factory=dict)  # by bucket (default challenge_every)
+    _challenge_left: int = 0  # steps left drafting _challenge_chain
+    _challenge_chain: int = 0
+    _challenge_bucket: int = 0
+    _challenged_from: int = 0  # the plan's chain the running or last challenge challenged (0: none pending)
 
     @property
     def adaptive(self) -> bool:
@@ -223,13 +240,19 @@ class SlotPolicy(ChainPlan, SlotAdmission):
         elif self._remeasure_left > 0 and self._remeasure_bucket == bucket:
             self._remeasure_left -= 1  # after a pause: the chain measured best before it, measured again
             self.chain, decision = self._remeasure_chain, "remeasure"
+        elif self._challenge_left > 0 and self._challenge_bucket == bucket:
+            self._challenge_left -= 1  # a challenge runs (spec/chain_challenge.py); the plan after it compares
+            self.chain, decision = self._challenge_chain, "challenge"
         elif steady and self._plan_bucket == bucket and steady < self.replan_every \
                 and (self.realized.rate(num_seqs, self.chain) is not None) == self._plan_trusted:
             self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (replan_every)
             decision = f"chain{self.chain}"
             self._count_short()
+            if self._challenge_due(bucket):
+                self._plan_age = self.replan_every  # the next step plans, and may start a challenge
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
+            self._end_challenge(bucket, self.chain)
             decision = f"chain{self.chain}" if self.chain else "pause"
             self._plan_age, self._plan_bucket = (1, bucket) if self.chain and self.draft_cost is not None else (0, 0)
             self._plan_trusted = self.realized.rate(num_seqs, self.chain) is not None
@@ -252,6 +275,9 @@ class SlotPolicy(ChainPlan, SlotAdmission):
                     self.probe, self.chain = True, self.k
             else:
                 self.probe_every = self._backoff[bucket] = self.min_probe_every
+                rival = self._start_challenge(num_seqs, bucket, self.chain)
+                if rival != self.chain:
+                    self.chain, decision, self._plan_age, self._plan_bucket = rival, "challenge", 0, 0
                 self._count_short()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
