@@ -110,7 +110,8 @@ def print_drafting(mode: str, engine) -> None:
     if policy.adaptive:
         print(f"{mode}, pauses ended by a fall in load: {policy.num_load_ends}; admissions that verified every held "
               f"slot as nearly free (SlotPolicy.admit_all_below): {policy.num_admitted_all}, held unpriced after a streak "
-              f"of such (SlotPolicy.hold_after): {policy.num_admission_holds}; output processing per "
+              f"of such (SlotPolicy.hold_after): {policy.num_admission_holds}; challenges (spec/chain_challenge.py): "
+              f"{policy.num_challenges}, {policy.num_challenges_won} of them changing the plan's chain; output processing per "
               "token by load bucket: " + ", ".join(f"<={b} {x * 1e6:.1f} us" for b, x in sorted(policy.token_seconds.items())))
     if spec.policy_steps:
         print(f"{mode}, slot policy host time: {spec.policy_seconds / spec.policy_steps * 1e6:.0f} us a step over "
