@@ -24,7 +24,14 @@ class ChainPlan:
         model's error at the nearest measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
         corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
         proposes another chain only where it beats the measure by more than the model's error (counted in
-        decisions["overruled"] where the choice differs from the model's alone).
+        decisions["overruled"] where the choice differs from the model's alone). A measure overrules the model's
+        order only where it tells them apart: where the model's best chain is measured, the measured best chain's
+        realized rate must be above it by at least measured_z standard errors of the two measures
+        (RealizedRates.separation); else the plan is the model's shape scaled by its error at its best chain, which
+        then drafts (decisions["within_noise"]). Why: a step's tokens vary with its acceptance
+        (1 to k + 1 a sequence), so a few steps' rate is loose; on an H100 (2026-12-06, session 28, ec53dea) at one
+        sequence chain 5 was measured over 5 steps at 2,740 tok/s against chain 3's 3,101 over 43, and the plan
+        drafted chains of 3 and 4 where static k5 ran 2.36x of speculation off and k3 1.91x.
 
         A pause needs a clear loss (`_hold`): the best chain's gain below 1 / (1 + pause_margin), or below 1 / (1 +
         measured_pause_margin) where that chain's gain is a realized one against plain decoding measured at this load (a
@@ -55,6 +62,13 @@ class ChainPlan:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:
             return model
+        mtop = max(range(1, len(modelled)), key=lambda c: (modelled[c], -c), default=0)
+        mbest = max(measured, key=lambda c: (measured[c], -c))
+        if mtop in measured and mbest != mtop:
+            z = self.realized.separation(num_seqs, mbest, mtop)
+            if z is not None and z < self.measured_z:  # the measures do not tell the model's best from theirs:
+                measured = {mtop: measured[mtop]}  # the model's shape, scaled by its error at its best chain
+                self.decisions["within_noise"] = self.decisions.get("within_noise", 0) + 1
         gains = list(modelled)
         for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
             near = min(measured, key=lambda m: (abs(m - chain), m))

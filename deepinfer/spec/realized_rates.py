@@ -58,6 +58,10 @@ class RealizedRates:
     _first: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)
     _warm: dict[tuple[int, int], int] = field(default_factory=dict)  # by (bucket, chain): steps not counted yet
     _loads: dict[int, set[int]] = field(default_factory=dict)  # bucket -> the loads counted there
+    # by (load, chain): moving averages of a step's own rate (tokens / seconds) and of its square, for the noise of
+    # the measure (`separation`): a step's tokens vary with its acceptance, so a few steps' rate is a loose measure
+    _step_rate: dict[tuple[int, int], float] = field(default_factory=dict)
+    _step_rate_sq: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
@@ -95,6 +99,9 @@ class RealizedRates:
             first.append((float(tokens), seconds))
             rates = sorted(first, key=lambda ts: ts[0] / ts[1])
             self.tokens[key], self.seconds[key] = rates[(len(rates) - 1) // 2]
+            mid = [t / s for t, s in rates]  # (a stall among them widens the noise: a cautious measure)
+            self._step_rate[key] = sum(mid) / len(mid)
+            self._step_rate_sq[key] = sum(r * r for r in mid) / len(mid)
             if n == self.min_count:
                 del self._first[key]
             return
@@ -104,6 +111,9 @@ class RealizedRates:
         w = self.weight
         self.tokens[key] = (1 - w) * avg_t + w * tokens
         self.seconds[key] = (1 - w) * avg_s + w * s
+        r = tokens / s
+        self._step_rate[key] = (1 - w) * self._step_rate[key] + w * r
+        self._step_rate_sq[key] = (1 - w) * self._step_rate_sq[key] + w * r * r
 
     def forget_drafting(self, num_seqs: int) -> None:
         """Forget the drafting measures of this load's bucket (plain decoding's stay): a pause that ends probes the
@@ -114,7 +124,8 @@ class RealizedRates:
         every timed run there, where static k = 5 ran 3,640."""
         bucket = load_bucket(num_seqs)
         for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] > 0]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
+                          self._step_rate_sq):
                 table.pop(key, None)
         for key in [key for key in self._warm if key[0] == bucket and key[1] > 0]:
             del self._warm[key]
@@ -125,7 +136,8 @@ class RealizedRates:
         rather than a fresh one with one taken long before, at another moment of the machine."""
         bucket = load_bucket(num_seqs)
         for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] == chain]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first):
+            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
+                          self._step_rate_sq):
                 table.pop(key, None)
 
     def steps_near(self, num_seqs: int) -> dict[int, int]:
@@ -136,6 +148,27 @@ class RealizedRates:
             if got:
                 return got
         return {}
+
+    def _noise(self, key: tuple[int, int]) -> float:
+        """The standard error of a (load, chain)'s realized rate: its steps' rate spread over the steps its average
+        holds (the moving average's weight w holds (2 - w) / w of them, 9 at 0.2; fewer while it has fewer)."""
+        var = max(self._step_rate_sq[key] - self._step_rate[key] ** 2, 0.0)
+        held = min(self.counts[key], (2.0 - self.weight) / self.weight)
+        return (var / held) ** 0.5
+
+    def separation(self, num_seqs: int, a: int, b: int) -> float | None:
+        """(rate of chain a - rate of chain b) over their measures' combined standard error, at the load of
+        num_seqs's bucket nearest to it where both are measured and fresh; None where none is. What the plan asks
+        before a measure overrules the model's order of two chains (spec/chain_plan.py)."""
+        if not self.decides:
+            return None
+        for load in self._loads_near(num_seqs):
+            ka, kb = (load, a), (load, b)
+            if ka in self.counts and kb in self.counts and self._trusted(ka) and self._trusted(kb):
+                diff = self.tokens[ka] / self.seconds[ka] - self.tokens[kb] / self.seconds[kb]
+                se = (self._noise(ka) ** 2 + self._noise(kb) ** 2) ** 0.5
+                return diff / se if se > 0 else (float("inf") if diff > 0 else float("-inf") if diff < 0 else 0.0)
+        return None
 
     def _trusted(self, key: tuple[int, int]) -> bool:
         return self.counts.get(key, 0) >= self.min_count and self.now - self.last[key] <= self.max_age

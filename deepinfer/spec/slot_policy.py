@@ -152,6 +152,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     _plan_gain: float = 0.0  # the last plan's best chain's gain over plain decoding (modelled or measured)
     _plan_measured: bool = False  # whether the last plan had a chain's gain measured against plain decoding
     _plan_gains: list[float] = field(default_factory=list)  # the last plan's gain per chain (index 0: plain, 1.0)
+    # a measure overrules the model's best chain only this many standard errors apart (spec/chain_plan.py)
+    measured_z: float = 1.5
     # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
     # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
     # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never

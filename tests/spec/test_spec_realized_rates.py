@@ -356,3 +356,30 @@ def test_a_pause_is_not_a_check_past_the_models_error_or_its_checks_or_a_measure
     assert lengths == [check - 1, check - 1, checks.min_probe_every - 1]
     off = policy_with([0.3] * 5, one=0.04, full=0.04, model_error=1.0)
     assert off.plan_drafting(8) == 0 and off.paused == off.min_probe_every - 1
+
+
+def test_a_measure_overrules_the_models_order_only_beyond_its_noise():
+    """The model's best chain is 5 (every slot accepted, links cheap). Chains 3 and 5 measured at one sequence, 3's
+    realized rate ~12% above 5's: where 5's steps vary with their acceptance (1 to 6 tokens, as a chain of 5's do)
+    over 6 steps, the two measures are within 1.5 standard errors and the model's order stands ("within_noise");
+    where both measures are steady (the same difference, no spread), the measures decide. RealizedRates.separation
+    is the difference over the combined standard error."""
+    def policy(tokens5: list[int]) -> SlotPolicy:
+        p = policy_with([1.0] * 5, one=0.001, full=0.0012)
+        for _ in range(20):
+            p.realized.observe(1, 3, 4, 0.001)  # 4,000 tok/s
+        for t in tokens5:
+            p.realized.observe(1, 5, t, 0.0017)
+        return p
+
+    noisy = policy([6, 1, 6, 2, 6, 6])  # 3,554 tok/s (moving averages), each step 588 to 3,529
+    z = noisy.realized.separation(1, 3, 5)
+    assert z is not None and 0 < z < noisy.measured_z
+    assert noisy.plan_drafting(1) == 5 and noisy.decisions.get("within_noise") == 1
+
+    steady = policy([6] * 2 + [6] * 4)
+    steady.realized.tokens[(1, 5)], steady.realized.seconds[(1, 5)] = 6.0, 6.0 / 3554
+    assert steady.realized.separation(1, 3, 5) == float("inf")
+    # the measure decides: the plan leaves 5 (for 4, unmeasured, the model's gain scaled by its error at 3)
+    assert steady.plan_drafting(1) == 4 and "within_noise" not in steady.decisions
+    assert noisy.realized.separation(1, 3, 4) is None  # 4 not measured
