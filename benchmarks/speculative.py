@@ -30,6 +30,7 @@ import time
 import torch
 
 from deepinfer.spec.step_phases import StepPhases
+from deepinfer.spec.step_times import load_bucket
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -86,7 +87,21 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
     tokens = [len(o.outputs[0].token_ids) for o in outs]
     per_user = [n / (o.metrics["finished_time"] - o.metrics["arrival_time"]) for n, o in zip(tokens, outs)]
     return {"total_tok_s": sum(tokens) / wall, "per_user_tok_s": sum(per_user) / len(per_user), "wall_s": wall,
-            "tokens": sum(tokens), **spec, **({"plan": plan} if plan else {})}, [o.outputs[0].token_ids for o in outs]
+            "tokens": sum(tokens), **spec, **({"plan": plan} if plan else {}),
+            **(_plan_state(policy, concurrency) if plan and policy.cost is not None and policy.draft_cost is not None
+               else {})}, [o.outputs[0].token_ids for o in outs]
+
+
+def _plan_state(policy, load: int) -> dict:
+    """What the adaptive plan saw at the cell's load when the cell ended: the model's gain of each chain over plain
+    decoding (`chain_rates`), the realized rates and steps of each chain measured at that load, and the speculative
+    and plain step-time corrections of its bucket (spec/step_times.py): why it drafted the chains it did."""
+    rates = policy.chain_rates(load)
+    realized = {f"{c}": [round(r), n] for b, c, r, n in policy.realized.rows() if b == load}
+    times = {f"{k}": [round(r, 3), round(a * 1e3, 3), n] for k, b, r, a, n in policy.step_times.rows()
+             if b == load_bucket(load)}
+    return {"model_gains": [round(r / rates[0], 3) for r in rates], "realized_at_load": realized,
+            "step_times_at_load": times}
 
 
 def print_drafting(mode: str, engine) -> None:
@@ -247,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                 totals.setdefault(mode, []).append(cell["total_tok_s"])
                 if "plan" in cell:
                     plans.setdefault(mode, []).append(cell["plan"])
+                if "model_gains" in cell:
+                    print(f"plan state at {c}, {mode}, repeat {r}: decisions {cell['plan']}, model gains "
+                          f"{cell['model_gains']}, realized (chain: tok/s, steps) {cell['realized_at_load']}, step "
+                          f"times (kind: ratio, excess ms, steps) {cell['step_times_at_load']}", flush=True)
                 if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
                     best[mode] = cell
         for mode in args.modes:
