@@ -10,8 +10,9 @@ adaptive mode drafted nothing at one sequence (tau 1.00-1.09), where static k = 
 
 So the correction is kept per sequence-count bucket (the next power of two at or above the count) and per kind
 (plain: a step that neither verified nor drafted; speculative: one that did both). `seconds` corrects a table price:
-- a speculative price where both kinds were seen at the bucket: the plain steps' excess (the per-step work every
-  step pays: scheduling, batch building, the sampler's launch) plus the price scaled by what is left of the
+- a speculative price where both kinds were seen at the bucket (or the speculative kind at the bucket and plain
+  steps at a bucket next to it, `plain_overhead_near`): the plain steps' excess (the per-step work every step
+  pays: scheduling, batch building, the sampler's launch) plus the price scaled by what is left of the
   speculative steps' own excess, a + price x r. The excess of a step is mostly host work that does not grow with its
   price; scaled whole by the ratio of the chain observed, a longer chain was overpriced (benchmarks/spec_policy_sim.py
   at 64 sequences, 2026-12-04: k = 3 planned at x4.9 where k = 5 ran 1.17x faster);
@@ -106,8 +107,9 @@ class StepTimeRatios:
         docstring: the order of the fallbacks)."""
         bucket = load_bucket(num_seqs)
         if self._trusted((kind, bucket)):
-            if kind == SPECULATIVE and self._trusted((PLAIN, bucket)):  # a + price x r (module docstring)
-                a, at = self.overheads[(PLAIN, bucket)], self.predicted[(kind, bucket)]
+            a = self.plain_overhead_near(num_seqs) if kind == SPECULATIVE else None
+            if a is not None:  # a + price x r (module docstring)
+                at = self.predicted[(kind, bucket)]
                 r = max((at + self.overheads[(kind, bucket)] - a) / at, self.min_ratio)
                 return max(a + predicted * r, self.min_ratio * predicted)
             return predicted * self.ratios[(kind, bucket)]
@@ -118,6 +120,27 @@ class StepTimeRatios:
         if self._trusted((other, bucket)):
             return max(predicted + self.overheads[(other, bucket)], self.min_ratio * predicted)
         return predicted * self.ratio(kind, num_seqs)
+
+    def plain_overhead_near(self, num_seqs: int) -> float | None:
+        """The plain steps' excess (measured - predicted seconds) at the load's bucket, else the mean of the buckets
+        next to it (half and twice it) where seen, else of those two doublings away, else None: the per-step work a speculative price's `a + price x r`
+        takes as fixed (module docstring). Why the neighbours (since 2026-12-06, session 28): a load that never
+        paused has no plain step of its own, and its speculative price was its ratio alone, which scales the
+        drafting table's chain lengths by the per-step host work too. On an H100 (session 28, 7ff9dce) at one
+        sequence the ratio was 1.81 (+0.50 ms): chains of 3 and 5 priced 1.108 and 1.345 ms a step (x1.21) where
+        static k3 and k5 steps ran 0.966 and 1.052 ms (x1.09), and the plan put chains of 3 to 5 within 3% of each
+        other and drafted 3 (k5 ran 2.29x of off, the adaptive mode 1.89x); plain steps at <= 4 sequences (two
+        doublings away: the nearest seen) ran +0.52 ms, about the speculative steps' whole excess; the excess grows
+        with the load (+0.55 / +0.62 / +0.89 / +1.43 ms at <= 8 / 16 / 32 / 64 there), so no farther than that."""
+        bucket = load_bucket(num_seqs)
+        if self._trusted((PLAIN, bucket)):
+            return self.overheads[(PLAIN, bucket)]
+        for step in (2, 4):  # the buckets next to it, then two doublings away (the mean where both sides are seen)
+            near = [self.overheads[(PLAIN, b)] for b in (bucket // step, step * bucket) if b >= 1 and b != bucket
+                    and self._trusted((PLAIN, b))]
+            if near:
+                return sum(near) / len(near)
+        return None
 
     def neighbour_ratio(self, kind: str, num_seqs: int) -> float | None:
         """This kind's ratio at the buckets next to the load's (half and twice it; the mean where both are seen), or

@@ -590,3 +590,27 @@ def test_output_processing_per_token_is_taken_out_of_the_observed_step_times():
         policy.observe_step(policy.cost.at(1) + 0.1e-3, 1, 1)
     assert policy.step_times.ratio(SPECULATIVE, 1) == pytest.approx(1.0)
     assert policy.step_times.ratio(PLAIN, 1) == pytest.approx(1.0)
+
+
+def test_a_speculative_price_takes_the_neighbouring_buckets_plain_excess_as_fixed():
+    """Speculative steps seen at one sequence (priced 0.6 ms, ran 1.1: the H100's x1.81 of 2026-12-06) and plain
+    steps only at the next bucket (+0.5 ms of per-step work): a chain priced 0.743 ms is 0.5 + 0.743 x 1.0 ms, not
+    0.743 x 1.83 (the ratio scales the per-step host work with the chain). Plain steps two doublings away count;
+    three do not. Without one, the ratio."""
+    times = StepTimeRatios()
+    for _ in range(3):
+        times.observe(SPECULATIVE, 1, 1.1e-3, 0.6e-3)
+    assert times.plain_overhead_near(1) is None
+    assert times.seconds(SPECULATIVE, 1, 0.743e-3) == pytest.approx(0.743e-3 * 1.1 / 0.6)
+    for _ in range(3):
+        times.observe(PLAIN, 2, 0.726e-3, 0.226e-3)  # +0.5 ms
+    assert times.plain_overhead_near(1) == pytest.approx(0.5e-3) and times.plain_overhead_near(16) is None
+    assert times.seconds(SPECULATIVE, 1, 0.6e-3) == pytest.approx(1.1e-3)  # its own observed price: its time
+    assert times.seconds(SPECULATIVE, 1, 0.743e-3) == pytest.approx(0.5e-3 + 0.743e-3)
+    assert times.seconds(SPECULATIVE, 4, 0.743e-3) == pytest.approx(0.743e-3 * 1.1 / 0.6)  # 4: not seen there
+    far = StepTimeRatios()
+    for _ in range(3):
+        far.observe(SPECULATIVE, 1, 1.1e-3, 0.6e-3)
+        far.observe(PLAIN, 4, 0.726e-3, 0.226e-3)  # two doublings away: taken
+        far.observe(PLAIN, 8, 1.226e-3, 0.226e-3)  # three: not
+    assert far.plain_overhead_near(1) == pytest.approx(0.5e-3) and far.plain_overhead_near(64) is None
