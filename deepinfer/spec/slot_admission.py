@@ -76,7 +76,7 @@ class SlotAdmission:
     def _holds_admission(self: SlotPolicy, bucket: int) -> bool:
         """Whether this admission verifies every held slot unpriced: the last hold_after priced admissions at this
         load (bucket; other loads' admissions between them do not count) verified every held slot, fewer than
-        replan_every - 1 admissions have been held since the last priced one, and these drafts are neither a
+        plan_interval() - 1 admissions have been held since the last priced one, and these drafts are neither a
         probe's, a measure's (verified by their own rules) nor an exploration's (drafted so that their deeper slots'
         confidences are seen). Past admissions decide, never
         these drafts or their outcomes (non-anticipating). Why: on the H200 (2026-12-06, session 27's sweep) every
@@ -84,12 +84,12 @@ class SlotAdmission:
         averages, the step's fixed seconds, the admission over 80-320 slots) cost 40-130 us of host time a step where
         the one-sync steps wait for the host (the adaptive mode's `slots` phase 0.185 ms a step at 16 sequences,
         static k = 5's 0.051), about what it ran behind static k = 5 there. The hold lasts what the plan holds
-        (replan_every), so the deeper slots' confidences the plan prices are still tracked once a plan."""
+        (plan_interval: replan_every, doubling while plans repeat), so the deeper slots' confidences the plan prices are still tracked once a plan."""
         if self.hold_after <= 0 or self.probe or self.verify_all or self.explore:
             return False
         if self._all_streaks.get(bucket, 0) < self.hold_after:
             return False
-        if self._held_admissions >= max(self.replan_every - 1, 0):
+        if self._held_admissions >= max(self.plan_interval() - 1, 0):
             return False
         self._held_admissions += 1
         self.num_admission_holds += 1

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
 
 
+_CHAIN_DECISIONS = tuple(f"chain{n}" for n in range(16))  # (plan_drafting's per-step decision keys, made once)
+
+
 @dataclass
 class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
@@ -105,6 +108,16 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     # while drafting steadily at one load, the chain is planned again every replan_every steps (its inputs are
     # moving averages; planning every step cost ~70 us of the policy's ~140 us a step at one sequence on this CPU)
     replan_every: int = 8  # (the hold ends early once the held chain's realized rate is first measured there)
+    # a plan that repeats the last one at its load doubles the interval to the next (up to max_replan_every); any
+    # other plan, or another load, starts over at replan_every. Why: every plan (the model's rates over chains 1..k)
+    # and every priced admission (the hold lasts one interval) is host work on the one-sync step's path; on an H100
+    # (2026-12-06, session 28, e9c2227) the adaptive mode's one-sync steps ran 0.05-0.12 ms longer than static
+    # k5's drafting the same chain of 5 (1.29 / 1.19 ms at one sequence, 1.88 / 1.77 at 16), 0.89-0.94x of its rate;
+    # benchmarks/spec_host.py on this CPU, host ms a step at 4 / 16 sequences: 0.642 / 1.247 at 8, 0.612 / 1.202 at
+    # 32 (static k5: 0.609 / 1.129)
+    max_replan_every: int = 32
+    _replan_interval: int = 0  # the current interval (0: replan_every)
+    _last_plan: tuple[int, int] = (0, 0)  # (bucket, chain) of the last plan
     _plan_age: int = 0  # steps the current plan has run (a plan is made when it reaches replan_every)
     _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
     _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
@@ -245,16 +258,19 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
         elif self._challenge_left > 0 and self._challenge_bucket == bucket:
             self._challenge_left -= 1  # a challenge runs (spec/chain_challenge.py); the plan after it compares
             self.chain, decision = self._challenge_chain, "challenge"
-        elif steady and self._plan_bucket == bucket and steady < self.replan_every \
-                and (self.realized.rate(num_seqs, self.chain) is not None) == self._plan_trusted:
-            self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (replan_every)
-            decision = f"chain{self.chain}"
+        elif steady and self._plan_bucket == bucket and steady < self.plan_interval() \
+                and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
+            self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (plan_interval)
+            decision = _CHAIN_DECISIONS[self.chain] if self.chain < len(_CHAIN_DECISIONS) else f"chain{self.chain}"
             self._count_short()
             if self._challenge_due(bucket):
-                self._plan_age = self.replan_every  # the next step plans, and may start a challenge
+                self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             self._end_challenge(bucket, self.chain)
+            same = self.chain > 0 and self._last_plan == (bucket, self.chain)
+            self._replan_interval = min(2 * self.plan_interval(), self.max_replan_every) if same else self.replan_every
+            self._last_plan = (bucket, self.chain)
             decision = f"chain{self.chain}" if self.chain else "pause"
             self._plan_age, self._plan_bucket = (1, bucket) if self.chain and self.draft_cost is not None else (0, 0)
             self._plan_trusted = self.realized.rate(num_seqs, self.chain) is not None
@@ -283,6 +299,11 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
                 self._count_short()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
         return self.chain
+
+    def plan_interval(self) -> int:
+        """Steps a plan holds while drafting steadily at its load (replan_every, doubling while plans repeat)."""
+        return max(self._replan_interval, self.replan_every) if self.max_replan_every > self.replan_every \
+            else self.replan_every
 
     def _checks_pause(self, bucket: int) -> bool:
         """Whether the pause the plan just chose is a check (a short pause measuring plain decoding) rather than a

@@ -74,3 +74,17 @@ def test_a_loads_streak_survives_other_loads_and_replan_every_one_prices_every_s
     for _ in range(10):
         every.counts(drafts(4, 0.9), [5] * 4, 4, 4)
     assert every.num_admission_holds == 0
+
+
+def test_the_hold_lasts_the_plans_interval_as_it_grows():
+    """With the plan's interval grown to 16 (repeated plans, SlotPolicy.plan_interval), a streak holds 15
+    admissions between priced ones instead of replan_every - 1 = 7."""
+    p = policy(max_replan_every=16)
+    p._replan_interval = 16
+    good = drafts(4, 0.9)
+    priced = []
+    for _ in range(3 + 16 + 1):
+        before = p.num_admission_holds
+        p.counts(good, [5] * 4, 4, 4)
+        priced.append(p.num_admission_holds == before)
+    assert priced == [True] * 3 + [False] * 15 + [True] + [False]

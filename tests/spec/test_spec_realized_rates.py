@@ -249,6 +249,27 @@ def test_a_plan_holds_for_replan_every_steps_at_its_load():
     assert fresh.plan_drafting(4) == 0  # its first measure ends the hold: planned again, a pause
 
 
+def test_a_repeated_plan_doubles_the_interval_to_the_next_and_a_change_starts_it_over():
+    """replan_every 4, max_replan_every 16: plans of the same chain at one load come 4, 8, 16, 16 steps apart; a
+    plan at another load, or of another chain than the last at its load, starts over at 4. (The admission's hold
+    lasts the interval too: tests/spec/test_spec_admission_hold.py.)"""
+    p = policy_with([1.0] * 5, one=0.001, full=0.002, replan_every=4, max_replan_every=16)
+    intervals = []
+    for _ in range(60):
+        p.plan_drafting(4)
+        intervals.append(p.plan_interval())
+    assert intervals[0] == 4 and intervals[4] == 8 and intervals[12] == 16 and intervals[59] == 16
+    assert p.decisions["chain5"] == 60
+    p.plan_drafting(8)  # another load: planned at once, the interval starts over
+    assert p.plan_interval() == 4
+    for _ in range(4):
+        p.plan_drafting(8)
+    assert p.plan_interval() == 8  # its plan repeated
+    p._last_plan, p._plan_age = (8, 3), p.max_replan_every + 1  # as if the last plan there had drafted 3
+    p.plan_drafting(8)
+    assert p.plan_interval() == 4
+
+
 def test_step_cost_table_lookups_are_remembered_until_the_seconds_are_replaced():
     table = StepCostTable([1, 8], [0.001, 0.008])
     assert table.at(4) == pytest.approx(0.004) and table.at(4.0) == pytest.approx(0.004)
