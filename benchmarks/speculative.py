@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:CONC",
                     help="after the table, profile one cell of each MODE at CONC (device kernels and host Python)")
     ap.add_argument("--trace-dir", default=None, help="where --profile writes its traces (default: a temp dir)")
+    ap.add_argument("--profile-lines", type=int, default=30,
+                    help="host functions --profile prints by cumulative time (half as many by own time)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
         trace = os.path.join(args.trace_dir or tempfile.gettempdir(), f"spec_{mode}_c{conc}.json")
         profile_region(f"{mode} at concurrency {conc}, {args.max_tokens} tokens",
-                       lambda: run_cell(engines[mode], int(conc or 1), args.max_tokens), trace)
+                       lambda: run_cell(engines[mode], int(conc or 1), args.max_tokens), trace,
+                       host_lines=args.profile_lines)
     return 0
 
 
