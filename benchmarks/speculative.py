@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--profile {spec}: mode {mode!r} was not among --modes")
         from benchmarks.profile_region import profile_region
 
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
         trace = os.path.join(args.trace_dir or tempfile.gettempdir(), f"spec_{mode}_c{conc}.json")
         profile_region(f"{mode} at concurrency {conc}, {args.max_tokens} tokens",
                        lambda: run_cell(engines[mode], int(conc or 1), args.max_tokens), trace,
