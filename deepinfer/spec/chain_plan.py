@@ -95,8 +95,9 @@ class ChainPlan:
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
-            price = self.cost.at(b * (1 + chain)) + self.drafting_seconds(num_seqs, chain)
-            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, price))
+            drafting = self.drafting_seconds(num_seqs, chain)
+            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, self.cost.at(b * (1 + chain)) + drafting,
+                                                  drafting))
         return rates
 
 

@@ -403,7 +403,6 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
         out = self.token_seconds.get(load_bucket(num_seqs), 0.0) * (num_seqs if emitted is None else emitted)
         seconds = max(seconds - out, 0.1 * seconds)
         predicted = self.cost.at(num_tokens)
-        if drafted_seqs and chain:
-            predicted += self.drafting_seconds(drafted_seqs, chain)
+        drafting = self.drafting_seconds(drafted_seqs, chain) if drafted_seqs and chain else 0.0
         kind = SPECULATIVE if verified else PLAIN
-        self.step_times.observe(kind, num_seqs, seconds, predicted)
+        self.step_times.observe(kind, num_seqs, seconds, predicted + drafting, drafting)

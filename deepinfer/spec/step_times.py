@@ -13,7 +13,14 @@ So the correction is kept per sequence-count bucket (the next power of two at or
 - a speculative price where both kinds were seen at the bucket (or the speculative kind at the bucket and plain
   steps at a bucket next to it, `plain_overhead_near`): the plain steps' excess (the per-step work every step
   pays: scheduling, batch building, the sampler's launch) plus the price scaled by what is left of the
-  speculative steps' own excess, a + price x r. The excess of a step is mostly host work that does not grow with its
+  speculative steps' own excess, a + price x r. Since 2026-12-06 (session 28) only the forward's part of the
+  price is scaled and the drafting table's part is kept as priced, a + forward x r + drafting (a = 0 where no
+  plain step is near): the drafting table times the MTP pass and chain as the engine replays them, and what the
+  tables do not see (verification, sampling and batch building a verified row, attention over real contexts)
+  grows with the rows verified, not with the chain's drafting. Scaled whole, the drafting of a longer chain was
+  overpriced by the host work of the chain the ratio was measured on (an H100 at one sequence, call 10 of
+  docs/perf-log/2026-12-06-session28-h100.md: chains of 3 and 4 priced above 5 after a pause timed plain steps
+  there, and the adaptive mode ran 1.43x of off where static k5 ran 1.90x); The excess of a step is mostly host work that does not grow with its
   price; scaled whole by the ratio of the chain observed, a longer chain was overpriced (benchmarks/spec_policy_sim.py
   at 64 sequences, 2026-12-04: k = 3 planned at x4.9 where k = 5 ran 1.17x faster);
 - the same kind and bucket seen: price x its ratio;
@@ -64,14 +71,18 @@ class StepTimeRatios:
     ratios: dict[tuple[str, int], float] = field(default_factory=dict)
     overheads: dict[tuple[str, int], float] = field(default_factory=dict)
     predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # moving average of the table prices
+    # moving average of the drafting table's part of those prices (0 for plain steps): `seconds` keeps a chain's
+    # drafting at its table price and corrects the rest (the forward and what the tables do not see)
+    drafting: dict[tuple[str, int], float] = field(default_factory=dict)
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
 
-    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
+    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float, drafting: float = 0.0) -> None:
         """One step. The first min_count observations of a (kind, bucket) start its averages at their medians, and
         later ones are clamped to within `spread` of the running ratio: a step that compiled a kernel or met a
         collector pause (tens of ms) is not what the next steps cost. On the H200 (2026-12-04, 3f48dc7) the
         adaptive mode paused at 4 sequences for its whole run where its own end-of-run plan drafted chains of 5 at
-        1.5x plain decoding; a mean over the first three steps lets one such step decide."""
+        1.5x plain decoding; a mean over the first three steps lets one such step decide. `drafting`: the part of
+        `predicted` that is the drafting table's."""
         if kind not in KINDS:
             raise ValueError(f"step kind must be one of {KINDS}, got {kind!r}")
         if predicted <= 0:
@@ -80,11 +91,13 @@ class StepTimeRatios:
         x = min(max(seconds / predicted, self.min_ratio), self.max_ratio)
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
+        drafting = min(max(drafting, 0.0), predicted)
         if n <= self.min_count:
             first = self._first.setdefault(key, [])
-            first.append((x, (x - 1.0) * predicted, predicted))
+            first.append((x, (x - 1.0) * predicted, predicted, drafting))
             mid = [sorted(v)[(len(first) - 1) // 2] for v in zip(*first)]  # the lower median of each
-            self.ratios[key], self.overheads[key], self.predicted[key] = mid
+            self.ratios[key], self.overheads[key], self.predicted[key], self.drafting[key] = mid
+            self.drafting[key] = min(self.drafting[key], self.predicted[key])
             if n == self.min_count:
                 del self._first[key]
             return
@@ -94,6 +107,7 @@ class StepTimeRatios:
         self.ratios[key] = (1 - w) * r + w * x
         self.overheads[key] = (1 - w) * self.overheads[key] + w * (x - 1.0) * predicted
         self.predicted[key] = (1 - w) * self.predicted[key] + w * predicted
+        self.drafting[key] = (1 - w) * self.drafting[key] + w * drafting
 
     def seen(self, kind: str, num_seqs: int) -> bool:
         """Whether this kind's own numbers at this load price its steps (min_count observations)."""
@@ -102,17 +116,22 @@ class StepTimeRatios:
     def _trusted(self, key: tuple[str, int]) -> bool:
         return self.counts.get(key, 0) >= self.min_count
 
-    def seconds(self, kind: str, num_seqs: int, predicted: float) -> float:
-        """A step of this kind at this load that the tables price at `predicted` seconds, corrected (module
-        docstring: the order of the fallbacks)."""
+    def seconds(self, kind: str, num_seqs: int, predicted: float, drafting: float = 0.0) -> float:
+        """A step of this kind at this load that the tables price at `predicted` seconds (`drafting` of them the
+        drafting table's), corrected (module docstring: the order of the fallbacks)."""
         bucket = load_bucket(num_seqs)
         if self._trusted((kind, bucket)):
+            key = (kind, bucket)
+            ad = self.drafting.get(key, 0.0)
             a = self.plain_overhead_near(num_seqs) if kind == SPECULATIVE else None
-            if a is not None:  # a + price x r (module docstring)
-                at = self.predicted[(kind, bucket)]
-                r = max((at + self.overheads[(kind, bucket)] - a) / at, self.min_ratio)
-                return max(a + predicted * r, self.min_ratio * predicted)
-            return predicted * self.ratios[(kind, bucket)]
+            if a is not None or ad > 0.0:  # a + forward x r + drafting (module docstring)
+                a = a or 0.0
+                at = self.predicted[key]
+                fwd_at = max(at - ad, self.min_ratio * at)
+                r = max((at + self.overheads[key] - a - ad) / fwd_at, self.min_ratio)
+                drafting = min(max(drafting, 0.0), predicted)
+                return max(a + (predicted - drafting) * r + drafting, self.min_ratio * predicted)
+            return predicted * self.ratios[key]
         near = self.neighbour_ratio(kind, num_seqs) if kind == PLAIN else None
         if near is not None:
             return predicted * near

@@ -614,3 +614,28 @@ def test_a_speculative_price_takes_the_neighbouring_buckets_plain_excess_as_fixe
         far.observe(PLAIN, 4, 0.726e-3, 0.226e-3)  # two doublings away: taken
         far.observe(PLAIN, 8, 1.226e-3, 0.226e-3)  # three: not
     assert far.plain_overhead_near(1) == pytest.approx(0.5e-3) and far.plain_overhead_near(64) is None
+
+
+def test_a_speculative_price_keeps_its_drafting_at_the_drafting_tables_price():
+    """Speculative steps at one sequence priced 0.214 ms of forward + 0.294 of drafting (a chain of 3) ran 0.966 ms,
+    and plain steps there +0.214 ms over their price (an H100's numbers, 2026-12-06): the excess beyond the plain
+    steps' goes to the forward's part, and a chain of 5 (drafting 0.399 ms, the same flat forward) is priced 0.105
+    ms above the chain of 3, the drafting table's difference (static k5 ran 0.086 ms above k3 there), where scaling
+    the whole price priced it 0.164 ms above. Without a plain step near, a = 0 and the same split holds."""
+    times = StepTimeRatios()
+    for _ in range(3):
+        times.observe(SPECULATIVE, 1, 0.966e-3, 0.214e-3 + 0.294e-3, 0.294e-3)
+        times.observe(PLAIN, 1, 0.428e-3, 0.214e-3)
+    three = times.seconds(SPECULATIVE, 1, 0.214e-3 + 0.294e-3, 0.294e-3)
+    five = times.seconds(SPECULATIVE, 1, 0.214e-3 + 0.399e-3, 0.399e-3)
+    assert three == pytest.approx(0.966e-3)  # its own observed price gives back its observed time
+    assert five - three == pytest.approx(0.105e-3)
+    whole = times.seconds(SPECULATIVE, 1, 0.214e-3 + 0.399e-3) - times.seconds(SPECULATIVE, 1, 0.214e-3 + 0.294e-3)
+    assert whole > 0.15e-3  # the price scaled whole (no drafting part given): the old, larger difference
+    alone = StepTimeRatios()
+    for _ in range(3):
+        alone.observe(SPECULATIVE, 1, 0.966e-3, 0.214e-3 + 0.294e-3, 0.294e-3)
+    assert alone.plain_overhead_near(1) is None
+    assert alone.seconds(SPECULATIVE, 1, 0.508e-3, 0.294e-3) == pytest.approx(0.966e-3)
+    assert alone.seconds(SPECULATIVE, 1, 0.613e-3, 0.399e-3) - alone.seconds(SPECULATIVE, 1, 0.508e-3, 0.294e-3) \
+        == pytest.approx(0.105e-3)
