@@ -61,7 +61,7 @@ class ChainPlan:
         if not measured:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:
-            return model
+            return self._vetoed(model, num_seqs, rates[0])
         mtop = max(range(1, len(modelled)), key=lambda c: (modelled[c], -c), default=0)
         mbest = max(measured, key=lambda c: (measured[c], -c))
         if mtop in measured and mbest != mtop:
@@ -81,6 +81,26 @@ class ChainPlan:
         self._plan_gains = gains
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
+        return self._vetoed(best, num_seqs, rates[0])
+
+    def _vetoed(self: SlotPolicy, chain: int, num_seqs: int, plain_rate: float) -> int:
+        """The plan's chain, or where it pauses (0) with no gain measured against plain decoding at this load, the
+        chain whose realized rate here is the highest at least (1 + pause_margin) x the model's plain rate
+        (decisions["pause_vetoed"]). Why: a plan that pauses on the model's prices alone runs a pause check (7 plain
+        steps, then a re-measure); on H100s (2026-12-06, session 28, calls 6 and 13) at 4 sequences the model
+        priced a chain of 5 at 1.09-1.18x plain decoding where its realized rate there was ~1.8x the plain rate
+        the model gives, dipped under the pause floor once a cell, and each check cost about a tenth of the cell.
+        The model's plain rate is corrected by the plain steps seen (spec/step_times.py), so it stands for a plain
+        measure where one steady plain step or none was taken."""
+        if chain or self._plan_measured or plain_rate <= 0.0 or not self.realized.decides:
+            return chain
+        need, best, best_rate = (1.0 + self.pause_margin) * plain_rate, 0, 0.0
+        for c in range(1, self.k + 1):
+            rate = self.realized.rate(num_seqs, c)
+            if rate is not None and rate >= need and rate > best_rate:
+                best, best_rate = c, rate
+        if best:
+            self.decisions["pause_vetoed"] = self.decisions.get("pause_vetoed", 0) + 1
         return best
 
     def chain_rates(self: SlotPolicy, num_seqs: int) -> list[float]:

@@ -404,3 +404,26 @@ def test_a_measure_overrules_the_models_order_only_beyond_its_noise():
     # the measure decides: the plan leaves 5 (for 4, unmeasured, the model's gain scaled by its error at 3)
     assert steady.plan_drafting(1) == 4 and "within_noise" not in steady.decisions
     assert noisy.realized.separation(1, 3, 4) is None  # 4 not measured
+
+
+def test_a_pause_the_model_alone_decides_is_vetoed_by_a_chain_realized_well_above_its_plain_rate():
+    """Links so dear that the model prices every chain below plain decoding (a pause), no plain step measured at 4
+    sequences, chain 5 realized there: at 1.8x the model's plain rate the plan drafts 5 ("pause_vetoed"); at 1.05x
+    (inside pause_margin) it pauses as before; with plain decoding measured there, the measures decide."""
+    def policy(ratio: float, plain_measured: bool = False) -> SlotPolicy:
+        p = policy_with([0.5] * 5, one=0.08, full=0.4, pause_margin=0.1)
+        plain = p.chain_rates(4)[0]
+        assert max(p.chain_rates(4)[1:]) < plain / 1.1  # the model: a pause
+        for _ in range(3):
+            p.realized.observe(4, 5, 24, 24 / (ratio * plain))
+            if plain_measured:
+                p.realized.observe(4, 0, 4, 4 / plain)
+        return p
+
+    fast = policy(1.8)
+    assert fast.plan_drafting(4) == 5 and fast.decisions.get("pause_vetoed") == 1 and fast.paused == 0
+    close = policy(1.05)
+    assert close.plan_drafting(4) == 0 and "pause_vetoed" not in close.decisions
+    measured = policy(1.8, plain_measured=True)
+    # gains() decided: drafting (chain 1 here: the model's shape scaled by its error at the measured 5)
+    assert measured.plan_drafting(4) > 0 and "pause_vetoed" not in measured.decisions and measured._plan_measured
