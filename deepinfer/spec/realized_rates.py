@@ -124,9 +124,7 @@ class RealizedRates:
         every timed run there, where static k = 5 ran 3,640."""
         bucket = load_bucket(num_seqs)
         for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] > 0]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
-                          self._step_rate_sq):
-                table.pop(key, None)
+            self._drop(key)
         for key in [key for key in self._warm if key[0] == bucket and key[1] > 0]:
             del self._warm[key]
 
@@ -136,9 +134,13 @@ class RealizedRates:
         rather than a fresh one with one taken long before, at another moment of the machine."""
         bucket = load_bucket(num_seqs)
         for key in [key for key in self.last if load_bucket(key[0]) == bucket and key[1] == chain]:
-            for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
-                          self._step_rate_sq):
-                table.pop(key, None)
+            self._drop(key)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Forget one (load, chain)'s measure (its bucket's warm-up count stays)."""
+        for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
+                      self._step_rate_sq):
+            table.pop(key, None)
 
     def steps_near(self, num_seqs: int) -> dict[int, int]:
         """Steps counted for each chain (0: plain) measured and fresh at the load of num_seqs's bucket nearest to it

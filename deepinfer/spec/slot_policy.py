@@ -302,8 +302,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
 
     def plan_interval(self) -> int:
         """Steps a plan holds while drafting steadily at its load (replan_every, doubling while plans repeat)."""
-        return max(self._replan_interval, self.replan_every) if self.max_replan_every > self.replan_every \
-            else self.replan_every
+        return max(self._replan_interval, self.replan_every)  # (_replan_interval never passes max_replan_every)
 
     def _checks_pause(self, bucket: int) -> bool:
         """Whether the pause the plan just chose is a check (a short pause measuring plain decoding) rather than a

@@ -20,8 +20,9 @@ So the correction is kept per sequence-count bucket (the next power of two at or
   grows with the rows verified, not with the chain's drafting. Scaled whole, the drafting of a longer chain was
   overpriced by the host work of the chain the ratio was measured on (an H100 at one sequence, call 10 of
   docs/perf-log/2026-12-06-session28-h100.md: chains of 3 and 4 priced above 5 after a pause timed plain steps
-  there, and the adaptive mode ran 1.43x of off where static k5 ran 1.90x); The excess of a step is mostly host work that does not grow with its
-  price; scaled whole by the ratio of the chain observed, a longer chain was overpriced (benchmarks/spec_policy_sim.py
+  there, and the adaptive mode ran 1.43x of off where static k5 ran 1.90x). Why a at all: the excess of a step is
+  mostly host work that does not grow with its price; scaled whole by the ratio of the chain observed, a longer
+  chain was overpriced (benchmarks/spec_policy_sim.py
   at 64 sequences, 2026-12-04: k = 3 planned at x4.9 where k = 5 ran 1.17x faster);
 - the same kind and bucket seen: price x its ratio;
 - a plain step where plain steps were seen at a neighbouring bucket (half or twice this one): price x their ratio
