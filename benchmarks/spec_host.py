@@ -161,8 +161,8 @@ class PricedStepTimes(StepTimeRatios):
     kept: the stand-in's replays are host work that a GPU's steps are not, so measured, they would price drafting
     out (the adaptive mode here would pause) and its planning would not be timed."""
 
-    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float) -> None:
-        super().observe(kind, num_seqs, predicted, predicted)
+    def observe(self, kind: str, num_seqs: int, seconds: float, predicted: float, drafting: float = 0.0) -> None:
+        super().observe(kind, num_seqs, predicted, predicted, drafting)
 
 
 def h200_like_tables(policy) -> None:
