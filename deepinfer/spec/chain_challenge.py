@@ -75,9 +75,13 @@ class ChainChallenge:
         return rival
 
     def _end_challenge(self: SlotPolicy, bucket: int, chosen: int) -> None:
-        """The plan after a challenge chose `chosen`: the bucket's interval doubles where the plan's chain stayed,
-        and starts over where the challenge changed it."""
+        """The plan after a challenge chose `chosen` at `bucket`: the challenged bucket's interval doubles where the
+        plan's chain stayed, and starts over where the challenge changed it; a plan at another load (the load moved
+        during the challenge) decides nothing of it and the interval stays."""
         if not self._challenged_from:
+            return
+        if bucket != self._challenge_bucket:
+            self._challenged_from = self._challenge_left = 0
             return
         if chosen == self._challenged_from:
             interval = self._challenge_interval.get(bucket, self.challenge_every)

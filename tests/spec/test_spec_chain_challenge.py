@@ -103,3 +103,13 @@ def test_the_challengers_measure_is_taken_afresh_and_the_fewest_measured_goes_fi
     p.realized.forget_chain(4, 4)
     assert p.realized.steps_near(4) == {5: 6} and p.realized.rate(4, 4) is None
     assert p._challenger(4, 0) == 0
+
+
+def test_a_challenge_interrupted_by_another_load_leaves_the_interval_and_ends():
+    p = policy_with([0.9] * 5, one=0.0003, full=0.0015)
+    drive(p, 4, {1: 4000.0, 2: 4500.0, 3: 5000.0, 4: 9000.0, 5: 8600.0}, 17)  # the first challenge starts at 4
+    assert p.num_challenges == 1 and p._challenge_left > 0
+    before = dict(p._challenge_interval)
+    p._plan_age = p.max_replan_every + 1  # (the next plan_drafting plans)
+    p.plan_drafting(16)  # another load's plan
+    assert p._challenge_interval == before and p._challenge_left == 0 and p._challenged_from == 0
