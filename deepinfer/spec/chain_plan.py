@@ -62,7 +62,7 @@ class ChainPlan:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:
             return self._vetoed(model, num_seqs, rates[0])
-        mtop = max(range(1, len(modelled)), key=lambda c: (modelled[c], -c), default=0)
+        mtop = _best(modelled)
         mbest = max(measured, key=lambda c: (measured[c], -c))
         if mtop in measured and mbest != mtop:
             z = self.realized.separation(num_seqs, mbest, mtop)
@@ -73,7 +73,7 @@ class ChainPlan:
         for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
             near = min(measured, key=lambda m: (abs(m - chain), m))
             gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
-        top = max(range(1, len(gains)), key=lambda c: (gains[c], -c), default=0)
+        top = _best(gains)
         if self._plan_measured and top in measured:  # the best chain measured against plain decoding at this load
             floor = 1.0 / (1.0 + self.measured_pause_margin)
         best = _hold(gains, floor)
@@ -135,9 +135,14 @@ def _anchored(modelled: list[float], chains: dict[int, tuple[float, int]]) -> di
     return {c: modelled[anchor] * rate / base for c, (rate, _) in chains.items()}
 
 
+def _best(gains: list[float]) -> int:
+    """The chain 1..k with the best gain (ties: the shorter), 0 where there is none."""
+    return max(range(1, len(gains)), key=lambda c: (gains[c], -c), default=0)
+
+
 def _hold(gains: list[float], floor: float) -> int:
     """The chain with the best gain over plain decoding (ties: shorter), or 0 (a pause) only where that gain is
     below `floor`: a pause costs more than its plain steps (the MTP catch-up of its rows, a probe and a re-measure
     at its end), so a chain about as fast as plain decoding keeps drafting."""
-    best = max(range(1, len(gains)), key=lambda c: (gains[c], -c), default=0)
+    best = _best(gains)
     return best if best and gains[best] > floor * (1 + 1e-9) else 0
