@@ -282,6 +282,19 @@ INT4_GEMV = EnvVar(
     "mainloops instead of a 16-row MMA tile (off: slower than the MMA tile on the H200's dense shapes)",
     "nvidia",
 )
+INT4_CUDA_GEMV = EnvVar(
+    "DEEPINFER_INT4_CUDA_GEMV", "bool", None,
+    "`0` / `1`: int4 weights (group 128, contiguous groups) at 1-4 tokens (dense linears) and at one token (the "
+    "direct MoE GEMMs) run the CUDA C++ GEMVs of csrc/cuda/int4_gemv.cu (two weights converted an instruction, "
+    "tensor-core products) instead of the Triton kernels; other shapes keep the Triton kernels",
+    "nvidia", default_text="auto: on where the CUDA C++ kernels are (DEEPINFER_NVIDIA_CUDA_EXT)",
+)
+INT4_CUDA_SPLIT_K = EnvVar(
+    "DEEPINFER_INT4_CUDA_SPLIT_K", "int", 1,
+    "warps a 16-row tile's groups are split over in the CUDA int4 MoE GEMVs at one token: `1` (each warp a whole K "
+    "loop: measured, the default) or `2` (twice the warps in flight; an A/B variant not yet timed on a GPU)",
+    "nvidia", choices=(1, 2), error=BackendError,
+)
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",

@@ -19,7 +19,10 @@
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table; QUANT_BASELINE=0 skips the bf16 run and
 #      compares with the last one kept at /tmp/throughput_bf16.jsonl), int4ckpt (issue 18: writes INT4_CKPT,
-#      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128).
+#      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128),
+#      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' GPU tests, benchmarks.int4_cuda_gemv, then decode at
+#      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
+#      DEEPINFER_INT4_CUDA_SPLIT_K 1 and 2 and with the Triton kernels, one machine).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -41,7 +44,8 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
-if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt) && [ ! -f "$CKPT/config.json" ]; then
+if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt || has int4b1) \
+    && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
   CK_PID=$!
@@ -204,6 +208,23 @@ if has int4ckpt; then
       --group-size "${INT4_GROUP:-128}" --device cuda > "$OUT/awq_writer.log" 2>&1
     log "awq_writer rc=$? :: $(tail -1 "$OUT/awq_writer.log")"
   fi
+fi
+if has int4b1; then
+  log "issue 18: the CUDA int4 GEMVs (tests, kernel times, decode at batch 1)"
+  timeout "${INT4B1_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/quant/test_int4_cuda_gemv.py \
+    > "$OUT/int4_cuda_tests.log" 2>&1
+  log "int4 CUDA tests rc=$? :: $(tail -1 "$OUT/int4_cuda_tests.log")"
+  timeout 300 python3 -m benchmarks.int4_cuda_gemv --json "$OUT/int4_cuda.jsonl" > "$OUT/int4_cuda.log" 2>&1
+  log "int4_cuda_gemv rc=$?"; tail -20 "$OUT/int4_cuda.log" | tee -a "$OUT/summary.txt"
+  B1="--batch-sizes 1 --prompt-len 1024 --output-len 128 --prefill-prompts 0 --max-num-batched-tokens 4096 --step-timing"
+  for run in "bf16 $CKPT 1 1" "int4_cuda_split1 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 1" \
+             "int4_cuda_split2 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 2" "int4_triton ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 0 1"; do
+    read -r name ckpt cuda split <<< "$run"
+    DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split timeout 200 python3 -m benchmarks.throughput \
+      "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1
+    log "decode b1 $name rc=$?"; grep -v '^{' "$OUT/b1_$name.log" | grep -v Loading | grep -v step_timing | tail -2 \
+      | tee -a "$OUT/summary.txt"
+  done
 fi
 if has quante2e; then
   QUANT_CKPT="${QUANT_CKPT:-$CKPT}"

@@ -348,6 +348,7 @@ def cases_for(shapes: str) -> list[Case]:
             *_route_cases(128, real=True),
             *_linear_cases(32, [(3072, 2048), (2112, 7168), (576, 2048)]),
             *_int4_cases(32, [(3072, 2048), (2048, 2048)]),
+            *_int4_cases(1, [(3072, 2048)]),  # one token: nvidia's CUDA C++ GEMV (quant/int4_cuda.py)
             *_int8_cases(32, [(3072, 2048), (2112, 7168)]),
             *mla_cases(mla, 16, {
                 "prefill": ([256], [0]),

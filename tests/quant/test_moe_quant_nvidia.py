@@ -204,6 +204,7 @@ def test_int4_gemv_mainloop_real_shapes(monkeypatch):
     wts, ids = routing(1, k=6, device=DEVICE, num_experts=64)
     args = dict(direct=True, scheme="int4_awq", w13_scale=q.w13_scale, w2_scale=q.w2_scale,
                 counters=counters_for(2048, DEVICE), **int4_args(q))
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_GEMV", "0")  # the Triton mainloops (the CUDA GEMVs: test_int4_cuda_gemv)
     mma = fused_moe(x, q.w13, q.w2, wts, ids, **args)
     monkeypatch.setenv("DEEPINFER_INT4_GEMV", "1")
     gemv = fused_moe(x, q.w13, q.w2, wts, ids, **args)

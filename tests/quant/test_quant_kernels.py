@@ -158,6 +158,7 @@ def test_int4_gemm_paths_match_native(method, group, act_order, m):
     lay = torch.nn.Module()
     lay.int4, lay.bias, lay.weight = rec(), bias.clone(), None
     TritonInt4Linear(method).process_weights(lay, torch.float32)
+    lay.to(DEV)  # the processed weights beside x (a no-op on the CPU)
     assert (lay.g_idx_k is not None) == act_order  # contiguous groups need no g_idx (the fast tile)
     rl = torch.nn.Module()
     rl.int4, rl.bias, rl.weight = rec(), bias.clone(), None
@@ -185,9 +186,10 @@ def test_int4_gemm_fp16_activations():
     lay = torch.nn.Module()
     lay.int4, lay.bias, lay.weight = rec(), None, None
     TritonInt4Linear("awq").process_weights(lay, torch.float16)
+    lay.to(DEV)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)).half()
     y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, None, 64)
-    want = x.float() @ TritonInt4Linear("awq").dense_weight(lay).float().t()
+    want = x.float() @ TritonInt4Linear("awq").dense_weight(lay).float().cpu().t()
     assert y.dtype == torch.float16 and _rel(y.cpu(), want) < 1e-3
 
 
@@ -213,6 +215,7 @@ def test_int4_method_matches_native(method, m):
     lay.int4, lay.bias, lay.weight = rec(), None, None
     ours = TritonInt4Linear(method)
     ours.process_weights(lay, torch.float32)
+    lay.to(DEV)
     y = ours.apply(lay, x.to(DEV))
     rl = torch.nn.Module()
     rl.int4, rl.bias, rl.weight = rec(), None, None

@@ -321,7 +321,8 @@ class NvidiaBackend(NativeOps, Backend):
         if name == "linear:fp8_w8a8":
             return "triton fp8 W8A8 block GEMM (per-token-128 activation quant kernel)"
         if name in ("linear:int4_awq", "linear:int4_gptq"):
-            return "triton int4 weight-only GEMM (dequantized in the inner loop)"
+            return ("triton int4 weight-only GEMM (dequantized in the inner loop); 1-4 tokens at group 128: the cuda "
+                    "GEMV (csrc/cuda/int4_gemv.cu) where nvcc builds it")
         if name.startswith("linear:"):
             return "native (cuBLAS)"
         return "native"
@@ -343,7 +344,9 @@ class NvidiaBackend(NativeOps, Backend):
             if k.startswith("linear:"):
                 cov[k] = "native (cuBLAS on GPU)"
         cov["linear:fp8_w8a8"] = "triton fp8 W8A8 block GEMM"
-        cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM"
+        int4_cuda = ext and envs.INT4_CUDA_GEMV.get() is not False
+        cov["linear:int4_awq"] = cov["linear:int4_gptq"] = "triton int4 weight-only GEMM" + \
+            ("; cuda GEMV at 1-4 tokens, group 128 (and one token's int4 experts)" if int4_cuda else "")
         cov["apply_token_bitmask"] = "triton (grammar_bitmask.py: one pass, in place)"
         cov["decode_rows_meta"] = "triton (decode_rows_meta.py: one program per row)"
         cov["draft_pick"] = "triton (draft_pick.py: one program per row)"

@@ -19,7 +19,7 @@ import torch
 from deepinfer import envs
 from deepinfer.errors import BackendError
 
-_SOURCES = ("bindings.cpp", "moe_kernels.cu")
+_SOURCES = ("bindings.cpp", "moe_kernels.cu", "int4_gemv.cu")
 
 
 def _packaged_csrc() -> Path | None:

@@ -39,6 +39,7 @@ from deepinfer import envs
 from deepinfer.backends.nvidia.fused_moe_config import FP8_ACT, interpreting
 from deepinfer.backends.nvidia.fused_moe_gemm import aligned_gemm, direct_gemm
 from deepinfer.backends.nvidia.moe_routing import moe_align
+from deepinfer.backends.nvidia.quant import int4_cuda
 from deepinfer.errors import BackendError
 
 DIRECT_MAX_PAIRS = 64
@@ -310,6 +311,9 @@ def fused_moe(
     if direct:
         ids = topk_ids.contiguous()
         n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else stacked_shared
+        if int4_cuda.use_moe(x, w13, w2, w13_scale, w2_scale, scheme, k + n_shared, group_size, skip_unrouted,
+                             shared_out):
+            return int4_cuda.moe(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, ids, weights, n_shared)
         q13["stacked_shared"] = q2["stacked_shared"] = bool(stacked_shared)
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)

@@ -14,7 +14,9 @@ Two paths, picked from M (a Python int, so fixed per captured CUDA graph), and a
   read, N*K*2 written), then cuBLAS multiplies. At M >= 512 the GEMM's own time dwarfs that pass (vLLM's
   AWQ method makes the same switch at 256 tokens), and cuBLAS beats a dequantizing Triton GEMM there.
 - one token, contiguous groups, DEEPINFER_INT4_GEMV=1: `_int4_gemv_kernel`, the weight tiles reduced against the
-  token with FMAs (no 16-row MMA tile, no trip through shared memory); not measured on a GPU yet.
+  token with FMAs (no 16-row MMA tile, no trip through shared memory); slower than the MMA tile (session 12).
+- 1-4 tokens, group 128, contiguous groups, on the GPU with the CUDA C++ kernels on (quant/int4_cuda.py): the
+  CUDA GEMV of csrc/cuda/int4_gemv.cu, ahead of the paths above.
 
 UPCAST (the interpreter: bf16 tl.dot is wrong there, NOTES.md): both operands go to fp32 instead.
 """
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
-from deepinfer.backends.nvidia.quant import split_k
+from deepinfer.backends.nvidia.quant import int4_cuda, split_k
 from deepinfer.backends.nvidia.quant.tiles import int4_row_dot, int4_tile
 from deepinfer.errors import BackendError
 
@@ -146,9 +148,11 @@ def _check(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_i
            group: int) -> tuple[int, int]:
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape) \
-            or zeros.stride() != scales.stride() or tuple(scales.shape) != (n, k // group) or k % group:
+            or zeros.stride() != scales.stride() or tuple(scales.shape) != (n, k // group) or k % group \
+            or (scales.shape[1] > 1 and scales.stride(1) != 1) or qweight.stride(1) != 1:
         raise BackendError(f"int4_gemm: weight {tuple(qweight.shape)} {qweight.dtype}, zeros {tuple(zeros.shape)} "
-                           f"{zeros.dtype}, scales {tuple(scales.shape)}: not the [N, K/2] / [N, K/{group}] layout")
+                           f"{zeros.dtype}, scales {tuple(scales.shape)} strides {scales.stride()}: not the "
+                           f"row-major [N, K/2] / [N, K/{group}] layout")
     if g_idx is not None and tuple(g_idx.shape) != (k,):
         raise BackendError(f"int4_gemm: g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
     return n, k
@@ -172,10 +176,12 @@ def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
               g_idx: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
               tile: tuple[int, int, int, int] | None = None, dequant: bool | None = None,
-              gemv: bool | None = None, split: int | None = None) -> torch.Tensor:
+              gemv: bool | None = None, split: int | None = None, cuda: bool | None = None) -> torch.Tensor:
     """x [M, K] (compute dtype) -> [M, N] in x's dtype; the weight in this module's layout (see the docstring).
     tile (BLOCK_M, BLOCK_N, warps, stages) / dequant / gemv / split (K splits, quant/split_k.py) force a path: for
-    tests and the benchmark's sweeps. One token with contiguous groups may take `_int4_gemv_kernel` (use_gemv)."""
+    tests and the benchmark's sweeps. One token with contiguous groups may take `_int4_gemv_kernel` (use_gemv).
+    Up to 4 tokens at group 128 take the CUDA C++ GEMV where int4_cuda.use_dense says so; cuda=True forces it
+    (BackendError with the reason where the shape cannot), cuda=False keeps the Triton kernels."""
     m, k_x = x.shape
     n, k = _check(qweight, zeros, scales, g_idx, group)
     if k_x != k:
@@ -183,6 +189,14 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     if x.stride(1) != 1:
         x = x.contiguous()
     on_gpu = x.device.type == "cuda"
+    if cuda:
+        reason = int4_cuda.dense_reason(x, qweight, scales, g_idx, group)
+        if reason is not None:
+            raise BackendError(f"int4_gemm: the CUDA GEMV cannot take this call: {reason}")
+        return int4_cuda.gemv(x, qweight, zeros, scales, bias)
+    forced = tile is not None or dequant is not None or gemv is not None or split is not None
+    if cuda is None and not forced and on_gpu and int4_cuda.use_dense(x, qweight, scales, g_idx, group):
+        return int4_cuda.gemv(x, qweight, zeros, scales, bias)
     if dequant if dequant is not None else (on_gpu and m >= dequant_min_m()):
         w = int4_dequantize(qweight, zeros, scales, g_idx, group, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
