@@ -100,7 +100,7 @@ def run(args) -> list[dict]:
 
     ext = int4_cuda.ext()
     act = ext.int4_moe_gate_up(x, experts[0].w13, experts[0].w13_zeros, experts[0].w13_scale, ids, SHARED, 1)
-    for split in (1, 2):  # DEEPINFER_INT4_CUDA_SPLIT_K
+    for split in (1, 2, 4):  # DEEPINFER_INT4_CUDA_SPLIT_K
         for part, nbytes in (("gate_up", 2 * INTER * HIDDEN // 2), ("down", HIDDEN * INTER // 2)):
             def fn(i, part=part, split=split):
                 q = experts[i % copies]

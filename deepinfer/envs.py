@@ -292,8 +292,9 @@ INT4_CUDA_GEMV = EnvVar(
 INT4_CUDA_SPLIT_K = EnvVar(
     "DEEPINFER_INT4_CUDA_SPLIT_K", "int", 1,
     "warps a 16-row tile's groups are split over in the CUDA int4 MoE GEMVs at one token: `1` (each warp a whole K "
-    "loop: measured, the default) or `2` (twice the warps in flight; an A/B variant not yet timed on a GPU)",
-    "nvidia", choices=(1, 2), error=BackendError,
+    "loop: measured, the default), `2` (twice the warps in flight) or `4` (gate_up over four warps, down over two); "
+    "`2` and `4` are A/B variants not yet timed on a GPU",
+    "nvidia", choices=(1, 2, 4), error=BackendError,
 )
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,

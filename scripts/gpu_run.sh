@@ -22,7 +22,7 @@
 #      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128),
 #      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' GPU tests, benchmarks.int4_cuda_gemv, then decode at
 #      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
-#      DEEPINFER_INT4_CUDA_SPLIT_K 1 and 2 and with the Triton kernels, one machine).
+#      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -218,7 +218,8 @@ if has int4b1; then
   log "int4_cuda_gemv rc=$?"; tail -20 "$OUT/int4_cuda.log" | tee -a "$OUT/summary.txt"
   B1="--batch-sizes 1 --prompt-len 1024 --output-len 128 --prefill-prompts 0 --max-num-batched-tokens 4096 --step-timing"
   for run in "bf16 $CKPT 1 1" "int4_cuda_split1 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 1" \
-             "int4_cuda_split2 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 2" "int4_triton ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 0 1"; do
+             "int4_cuda_split2 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 2" "int4_cuda_split4 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 4" \
+             "int4_triton ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 0 1"; do
     read -r name ckpt cuda split <<< "$run"
     DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split timeout 200 python3 -m benchmarks.throughput \
       "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1

@@ -429,11 +429,17 @@ cudaError_t gate_up_as(const void* x, Int4Weight w, const int64_t* ids, int top_
   return cudaGetLastError();
 }
 
-// split 1: four tiles a block, each warp a whole K loop (measured, session 29); split 2: one tile a block, its
-// groups over two warps (twice the warps in flight, no block a whole SM's share; not yet timed)
+// split 1: four tiles a block, each warp a whole K loop (measured, session 29); split 2 / 4: one tile a block, its
+// groups over two / four warps (two / four times the warps, so the bytes in flight a multiprocessor: at V2-Lite's
+// shapes split 1 puts 704 warps on 132 multiprocessors, each with at most two 2-group batches in flight, which
+// covers about half of the DRAM latency-bandwidth product; split 4 gives each warp 4 of 16 groups, all in flight
+// at once; neither yet timed)
 template <typename T, typename S>
 cudaError_t gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared, int num_routed,
                     void* act, int64_t stride_act, int inter, int k, int split, cudaStream_t stream) {
+  if (split == 4) {
+    return gate_up_as<T, S, 1, 4>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
+  }
   return split == 2 ? gate_up_as<T, S, 1, 2>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k,
                                              stream)
                     : gate_up_as<T, S, kDenseWarps, 1>(x, w, ids, top_k, num_shared, num_routed, act, stride_act,
@@ -453,11 +459,12 @@ cudaError_t down_as(const void* act, int64_t stride_act, Int4Weight w, const int
   return cudaGetLastError();
 }
 
-// split 2 (at most 8 slots): each slot's groups over two warps, one batch each at V2-Lite's 11 groups
+// split 2 or 4 (at most 8 slots): each slot's groups over two warps, one batch each at V2-Lite's 11 groups (a
+// block holds one warp a slot and part, at most kMaxSlots warps, so down has no four-way split: split 4 runs as 2)
 template <typename T, typename S>
 cudaError_t down(const void* act, int64_t stride_act, Int4Weight w, const int64_t* ids, const float* weights,
                  int top_k, int num_shared, int num_routed, void* out, int d, int k, int split, cudaStream_t stream) {
-  if (split == 2 && 2 * (top_k + num_shared) <= kMaxSlots) {
+  if (split >= 2 && 2 * (top_k + num_shared) <= kMaxSlots) {
     return down_as<T, S, 2>(act, stride_act, w, ids, weights, top_k, num_shared, num_routed, out, d, k, stream);
   }
   return down_as<T, S, 1>(act, stride_act, w, ids, weights, top_k, num_shared, num_routed, out, d, k, stream);
