@@ -13,7 +13,7 @@ Modes: off (no speculation; the decode graph replayed); k1, k3 with the one-sync
 and host time (ms), tokens per step, the waits for the device per step (`SpecStepPipeline.host_reads`), and host
 time per emitted token.
 
-    python -m benchmarks.spec_host --concurrency 1 16 64 --max-tokens 64
+    python -m benchmarks.spec_host --concurrency 1 16 64 --max-tokens 64 [--phases]
 """
 
 from __future__ import annotations
@@ -207,6 +207,7 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
     walls, replays, reads = [], [], []
     engine.step()  # the prompts' step
     p0 = (spec.policy_seconds, spec.policy_steps) if spec else (0.0, 0)
+    phases0 = spec.phases.snapshot() if spec else None
     # tokens counted once, after the loop (no EngineStats between the timed steps: until 2026-12-05 a read ran the
     # speculative pipeline's deferred bookkeeping there, outside the steps that run it while they wait for the device)
     g0 = engine.stats().generation_tokens_total
@@ -224,7 +225,8 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
             "host_ms": 1e3 * statistics.median(hosts), "tokens_per_step": tokens / max(len(walls), 1),
             "reads_per_step": sum(reads) / max(len(reads), 1),
             "policy_us": 1e6 * (spec.policy_seconds - p0[0]) / max(spec.policy_steps - p0[1], 1) if spec else 0.0,
-            "host_ms_per_token": 1e3 * sum(hosts) / max(tokens, 1)}
+            "host_ms_per_token": 1e3 * sum(hosts) / max(tokens, 1),
+            "phases": spec.phases.since(phases0).describe() if spec else ""}
 
 
 def main() -> None:
@@ -235,6 +237,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="cells per mode; the one with the least host time is kept")
+    ap.add_argument("--phases", action="store_true",
+                    help="print the kept cell's ms a step by phase and kind (spec/step_phases.py; replays included)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tok_dir:
@@ -250,6 +254,8 @@ def main() -> None:
                 print(f"{conc:>5} {mode:>8} {best['steps']:>6} {best['wall_ms']:>8.3f} {best['replay_ms']:>9.3f} "
                       f"{best['host_ms']:>8.3f} {best['tokens_per_step']:>8.2f} {best['reads_per_step']:>10.2f} "
                       f"{best['host_ms_per_token']:>11.4f} {best['policy_us']:>9.0f}", flush=True)
+                if args.phases and best["phases"]:
+                    print(f"      phases: {best['phases']}", flush=True)
                 if mode == "adaptive":
                     print(f"      adaptive plan decisions: {engine._spec.policy.decisions}", flush=True)
 

@@ -54,12 +54,14 @@ MODES = {
     "adaptive_sync": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive with session 15's policy (any loss pauses; every slot priced), for an A/B in one process
     "adaptive_s15": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive without session 30's time fit (spec/chain_plan.py `_fitted_rates`), for an A/B in one process
+    "adaptive_nofit": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}}
 # SlotPolicy fields set on a mode's engine once built
-MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}}
-DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15")]
+MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False}}
+DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:

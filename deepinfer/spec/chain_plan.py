@@ -22,7 +22,9 @@ class ChainPlan:
         load (spec/realized_rates.py; where plain decoding was not but two chains were, their measured ratio around
         the model's gain for the most-measured one, `_anchored`), else the model's (below, `chain_rates`) times the
         model's error at the nearest measured chain (measured gain / modelled gain there: the model's error is mostly one of scale, its step-time
-        corrections, shared by neighbouring chains). So the measure decides what was measured, and the model's shape
+        corrections, shared by neighbouring chains); where two drafting chains' step times are measured at one load, the
+        model's shape is first fitted to them (`_fitted_rates`: its error in a link's cost, a slope, is one no scale
+        fixes). So the measure decides what was measured, and the model's shape
         proposes another chain only where it beats the measure by more than the model's error (counted in
         decisions["overruled"] where the choice differs from the model's alone). A measure overrules the model's
         order only where it tells them apart: where the model's best chain is measured, the measured best chain's
@@ -69,10 +71,17 @@ class ChainPlan:
             if z is not None and z < self.measured_z:  # the measures do not tell the model's best from theirs:
                 measured = {mtop: measured[mtop]}  # the model's shape, scaled by its error at its best chain
                 self.decisions["within_noise"] = self.decisions.get("within_noise", 0) + 1
+        # where two chains' step times are measured at one load, the model's times fitted to them give the shape
+        # (also where their realized rates were just found within noise: those rates vary with each step's
+        # acceptance, the fit's inputs are step times and the calibrated survival, steadier both)
+        fitted = self._fitted_rates(num_seqs)
+        if fitted is not None:
+            self.decisions["time_fit"] = self.decisions.get("time_fit", 0) + 1
         gains = list(modelled)
-        for chain in range(1, len(gains)):  # unmeasured: the model's gain, scaled by its error at the nearest measure
+        shape = fitted if fitted is not None else rates
+        for chain in range(1, len(gains)):  # unmeasured: the shape's gain, scaled by its error at the nearest measure
             near = min(measured, key=lambda m: (abs(m - chain), m))
-            gains[chain] = measured[chain] if chain in measured else modelled[chain] * measured[near] / modelled[near]
+            gains[chain] = measured[chain] if chain in measured else shape[chain] * measured[near] / shape[near]
         top = _best(gains)
         if self._plan_measured and top in measured:  # the best chain measured against plain decoding at this load
             floor = 1.0 / (1.0 + self.measured_pause_margin)
@@ -106,18 +115,64 @@ class ChainPlan:
     def chain_rates(self: SlotPolicy, num_seqs: int) -> list[float]:
         """Expected tokens per second of plain decoding (index 0) and of chains of 1..k (`_choose_chain`'s model)
         at num_seqs sampling sequences. No side effect (benchmarks print it)."""
+        tokens, seconds = self.chain_model(num_seqs)
+        return [t / s for t, s in zip(tokens, seconds)]
+
+    def chain_model(self: SlotPolicy, num_seqs: int) -> tuple[list[float], list[float]]:
+        """The model's expected tokens and seconds a step of plain decoding (index 0) and of chains of 1..k at
+        num_seqs sampling sequences (their quotient: `chain_rates`)."""
         k, b = self.k, float(num_seqs)
         conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
         survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
         times = self.step_times
-        rates = [b / times.seconds(PLAIN, num_seqs, self.cost.at(b))]
+        tokens, seconds = [b], [times.seconds(PLAIN, num_seqs, self.cost.at(b))]
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
             reach *= survival[chain - 1]
             expected += b * reach
             drafting = self.drafting_seconds(num_seqs, chain)
-            rates.append(expected / times.seconds(SPECULATIVE, num_seqs, self.cost.at(b * (1 + chain)) + drafting,
-                                                  drafting))
+            tokens.append(expected)
+            seconds.append(times.seconds(SPECULATIVE, num_seqs, self.cost.at(b * (1 + chain)) + drafting, drafting))
+        return tokens, seconds
+
+    def _fitted_rates(self: SlotPolicy, num_seqs: int) -> list[float] | None:
+        """The model's expected tokens a step over step times fitted to the measured ones, per chain (index 0: plain
+        decoding, as modelled), at the load of num_seqs's bucket nearest to it where at least two drafting chains'
+        steady steps are measured and fresh (RealizedRates.seconds_at_one_load); None where none is, or where the
+        fit does not rise with the modelled time. The fit: measured seconds = a + b x modelled seconds, least
+        squares over the measured chains, a chain's fitted time kept at or above a plain step's there (measured, else
+        modelled and scaled by the shortest measured chain's measure over its model): a line through two long
+        chains' times may reach below it at chain 1.
+
+        Why. `_choose_chain` fills a chain not measured with the model's gain scaled by its error at the nearest
+        measure: a scale only, right where the model's error is one of scale (its step-time corrections), wrong
+        where it is one of slope. The MTP chain's links cost what the drafting table does not see (on the H200,
+        2026-12-05, session 17, at 4 sequences a one-sync step of k5 ran 0.31 ms over k3's where the table priced
+        the two more links at 0.15 ms), so the model prices long chains too cheaply, and scaled at a measured chain
+        of 4 it puts 3 below 4 however fast 3 truly is: in benchmarks/spec_policy_sim.py's h200-b4 (links at twice
+        their price) the plan measured chains 4 and 5 and never drafted 3, where static k3 ran 1.35x of off
+        against k5's 1.19x. Two measured chains give the step time's slope in the chain length, and the model's
+        tokens (the calibrated survival) what each length yields: a shorter chain's rate follows. A fill only
+        proposes: a chain it puts first is drafted, measured, and then its measure decides."""
+        got = self.realized.seconds_at_one_load(num_seqs, self.k) if self.time_fit else None
+        if got is None:
+            return None
+        load, secs = got
+        tokens, modelled = self.chain_model(load)
+        chains = [c for c in secs if c > 0]
+        xs, ys = [modelled[c] for c in chains], [secs[c] for c in chains]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0.0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        if slope <= 0.0:
+            return None
+        short = min(chains)  # no chain's step is shorter than a plain one: measured, else modelled on its scale there
+        floor = secs.get(0, modelled[0] * secs[short] / modelled[short])
+        rates = [tokens[0] / modelled[0]]
+        for chain in range(1, len(tokens)):
+            rates.append(tokens[chain] / max(my + slope * (modelled[chain] - mx), floor, 1e-9))
         return rates
 
 

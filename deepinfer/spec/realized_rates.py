@@ -221,6 +221,19 @@ class RealizedRates:
                 return got
         return {}
 
+    def seconds_at_one_load(self, num_seqs: int, k: int) -> tuple[int, dict[int, float]] | None:
+        """(load, a steady step's seconds for each chain 0..k measured and fresh there), at the load of num_seqs's
+        bucket nearest to it where at least two drafting chains are; None where no load has two. What the plan fits
+        the model's step times to (spec/chain_plan.py `_fitted_rates`)."""
+        if not self.decides:
+            return None
+        for load in self._loads_near(num_seqs):
+            got = {c: self.seconds[(load, c)] for c in range(k + 1) if (load, c) in self.counts
+                   and self._trusted((load, c))}
+            if sum(1 for c in got if c > 0) >= 2:
+                return load, got
+        return None
+
     def rows(self) -> list[tuple[int, int, float, int]]:
         """(load, chain, tokens per second, steps), sorted: what benchmarks print."""
         return [(b, c, self.tokens[(b, c)] / self.seconds[(b, c)], self.counts[(b, c)])

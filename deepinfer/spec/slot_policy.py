@@ -167,6 +167,10 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     _plan_gains: list[float] = field(default_factory=list)  # the last plan's gain per chain (index 0: plain, 1.0)
     # a measure overrules the model's best chain only this many standard errors apart (spec/chain_plan.py)
     measured_z: float = 1.5
+    # where two drafting chains' step times are measured at one load, the plan fits the model's step times to them
+    # before it fills the chains not measured (spec/chain_plan.py `_fitted_rates`); False: the model's shape scaled
+    # at the nearest measure alone, as before session 30 (benchmarks/speculative.py's adaptive_nofit, the A/B)
+    time_fit: bool = True
     # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
     # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
     # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never

@@ -381,29 +381,71 @@ def test_a_pause_is_not_a_check_past_the_models_error_or_its_checks_or_a_measure
 
 def test_a_measure_overrules_the_models_order_only_beyond_its_noise():
     """The model's best chain is 5 (every slot accepted, links cheap). Chains 3 and 5 measured at one sequence, 3's
-    realized rate ~12% above 5's: where 5's steps vary with their acceptance (1 to 6 tokens, as a chain of 5's do)
-    over 6 steps, the two measures are within 1.5 standard errors and the model's order stands ("within_noise");
-    where both measures are steady (the same difference, no spread), the measures decide. RealizedRates.separation
-    is the difference over the combined standard error."""
-    def policy(tokens5: list[int]) -> SlotPolicy:
+    realized rate above 5's: where 5's steps vary with their acceptance (1 to 6 tokens, as a chain of 5's do) over 6
+    steps, the two measures are within 1.5 standard errors and the model's order stands ("within_noise"): 5, which
+    the measured step times agree with (1.45 ms for 6 tokens at full acceptance, 4,138 tok/s); where both measures
+    are steady (5 at 3,554 tok/s, no spread), the measures decide. RealizedRates.separation is the difference over
+    the combined standard error."""
+    def policy(tokens5: list[int], seconds5: float) -> SlotPolicy:
         p = policy_with([1.0] * 5, one=0.001, full=0.0012)
         for _ in range(20):
             p.realized.observe(1, 3, 4, 0.001)  # 4,000 tok/s
         for t in tokens5:
-            p.realized.observe(1, 5, t, 0.0017)
+            p.realized.observe(1, 5, t, seconds5)
         return p
 
-    noisy = policy([6, 1, 6, 2, 6, 6])  # 3,554 tok/s (moving averages), each step 588 to 3,529
+    noisy = policy([6, 1, 6, 2, 6, 6], 0.00145)  # each step 690 to 4,138 tok/s
+    assert noisy.realized.rate(1, 5) < 4000
     z = noisy.realized.separation(1, 3, 5)
     assert z is not None and 0 < z < noisy.measured_z
     assert noisy.plan_drafting(1) == 5 and noisy.decisions.get("within_noise") == 1
 
-    steady = policy([6] * 2 + [6] * 4)
+    steady = policy([6] * 6, 0.0017)
     steady.realized.tokens[(1, 5)], steady.realized.seconds[(1, 5)] = 6.0, 6.0 / 3554
     assert steady.realized.separation(1, 3, 5) == float("inf")
-    # the measure decides: the plan leaves 5 (for 4, unmeasured, the model's gain scaled by its error at 3)
-    assert steady.plan_drafting(1) == 4 and "within_noise" not in steady.decisions
+    # the measure decides: the plan leaves 5 for 3. (Before the time fit, for 4, unmeasured, the model's gain scaled
+    # by its error at 3; with it, 4 is priced by the measured step times, whose slope from 3 to 5 is 0.34 ms a link
+    # for one more token a step: below 3's rate, spec/chain_plan.py `_fitted_rates`.)
+    assert steady.plan_drafting(1) == 3 and "within_noise" not in steady.decisions
+    assert steady.decisions["time_fit"] == 1
+    # the fitted line through 3 and 5 puts a chain of 1 at 0.31 ms (6,400 tok/s); no chain's step is shorter than a
+    # plain one's (the model's 40 ms plain step on the measured scale at chain 3: ~0.97 ms)
+    fitted = steady._fitted_rates(1)
+    assert fitted[1] < fitted[3] and fitted[1] == pytest.approx(2 / 0.000975, rel=0.01)
     assert noisy.realized.separation(1, 3, 4) is None  # 4 not measured
+
+
+def test_two_measured_chains_step_times_propose_a_shorter_chain_the_model_prices_too_low():
+    """The drafting table prices a link at a quarter of what it costs (the H200's one-sync k5 ran 0.31 ms over k3 at
+    4 sequences where the table said 0.15; here 4x), so a chain of 3 truly runs fastest: chains 4 and 5 measured at
+    4 sequences, no plain step. Scaled by
+    its error at chain 4 the model keeps 3 below 4; fitted to the two measured step times, 3 comes first, and the
+    plan drafts it."""
+    p = policy_with([0.8] * 5, one=0.0004, full=0.0006, step=0.0005)
+    tokens, modelled = p.chain_model(4)
+    link = modelled[5] - modelled[4]
+
+    def true_seconds(chain: int) -> float:  # every link past the first at 4x its modelled cost
+        return modelled[chain] + 3 * max(chain - 1, 0) * link
+
+    for chain in (4, 5):
+        for _ in range(4):
+            p.realized.observe(4, chain, tokens[chain], true_seconds(chain))
+    true_rates = [tokens[c] / true_seconds(c) for c in range(6)]
+    assert max(range(1, 6), key=lambda c: true_rates[c]) < 4  # truly a shorter chain runs faster
+    scaled = [r * (tokens[4] / true_seconds(4)) / p.chain_rates(4)[4] for r in p.chain_rates(4)]
+    assert scaled[3] < scaled[4]  # the scale-only fill: 3 below 4
+    fitted = p._fitted_rates(4)
+    assert fitted is not None and fitted[3] > fitted[4] > fitted[5]
+    off = policy_with([0.8] * 5, one=0.0004, full=0.0006, step=0.0005, time_fit=False)
+    off.realized = p.realized
+    assert off._fitted_rates(4) is None and off.plan_drafting(4) != 3  # (the A/B knob: the scale-only fill)
+    assert p.plan_drafting(4) == 3 and p.decisions["time_fit"] == 1
+    # one drafting chain measured: no fit (the scale-only fill as before)
+    single = policy_with([0.85] * 5, one=0.0004, full=0.0006)
+    for _ in range(4):
+        single.realized.observe(4, 5, tokens[5], true_seconds(5))
+    assert single._fitted_rates(4) is None
 
 
 def test_a_pause_the_model_alone_decides_is_vetoed_by_a_chain_realized_well_above_its_plain_rate():
