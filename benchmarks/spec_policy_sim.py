@@ -11,6 +11,8 @@ measured conditional rates.
 
     python -m benchmarks.spec_policy_sim [--steps 3000] [--model h200-b1 h200-b64 cpu-like]
     python -m benchmarks.spec_policy_sim --model h200-b64 --max-tokens 128 --repeats 3   # closed batches
+    python -m benchmarks.spec_policy_sim --model h200-b1 h200-b4 h200-b64 --max-tokens 128 --repeats 3 \
+        --warm-up 16 --host-factor 0 --seeds 12   # adaptive over the best static k, mean over seeds
 """
 
 from __future__ import annotations
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="closed batches (as benchmarks/speculative.py's cells): every sequence ends after this many "
                          "tokens, so the load falls as they end; 0: a constant load for --steps steps")
     ap.add_argument("--repeats", type=int, default=3, help="closed batches a mode runs, one policy throughout")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="seeds 0..N-1, each its own run of every mode; with N > 1 the rows are their means, and a "
+                         "line gives adaptive over the best static k (with --host-factor 0 a seed is deterministic)")
     args = ap.parse_args(argv)
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
@@ -241,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in args.model:
         model = MODELS[name]
-        rows = [simulate(model, mode, args.steps, host_factor=args.host_factor, before=warm(name),
-                         max_tokens=args.max_tokens or None, repeats=args.repeats)
-                for mode in ("off", "k1", "k3", "k5", "adaptive")]
+        runs = [[simulate(model, mode, args.steps, seed=seed, host_factor=args.host_factor, before=warm(name),
+                          max_tokens=args.max_tokens or None, repeats=args.repeats)
+                 for mode in ("off", "k1", "k3", "k5", "adaptive")] for seed in range(args.seeds)]
+        rows = runs[0] if args.seeds == 1 else [_mean_row([seed_rows[i] for seed_rows in runs]) for i in range(5)]
         off = rows[0]["per_seq_tok_s"]
         print(f"{name} ({model.seqs} sequences):")
         for r in rows:
@@ -253,7 +259,27 @@ def main(argv: list[str] | None = None) -> int:
                   + (" (per repeat: " + " / ".join(f"{x['per_seq_tok_s'] / off:.2f}x" for x in r["repeats"]) + ")"
                      if "repeats" in r else "")
                   + (f"\n            plan decisions {r['decisions']}" if r.get("decisions") else ""))
+        if args.seeds > 1:
+            best = max(rows[1:4], key=lambda r: r["per_seq_tok_s"])
+            print(f"  adaptive / best static ({best['mode']}) {rows[4]['per_seq_tok_s'] / best['per_seq_tok_s']:.3f}, "
+                  f"mean over {args.seeds} seeds")
     return 0
+
+
+def _mean_row(rows: list[dict]) -> dict:
+    """One mode's rows over seeds: the means of its rates, tau and chain, the sums of its step counts and decisions
+    (per-repeat ratios dropped)."""
+    out = {"mode": rows[0]["mode"]}
+    for key in ("per_seq_tok_s", "total_tok_s", "tau", "mean_chain"):
+        out[key] = sum(r[key] for r in rows) / len(rows)
+    for key in ("paused_steps", "drafting_steps"):
+        out[key] = sum(r[key] for r in rows)
+    decisions: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.get("decisions", {}).items():
+            decisions[k] = decisions.get(k, 0) + v
+    out["decisions"] = decisions
+    return out
 
 
 if __name__ == "__main__":
