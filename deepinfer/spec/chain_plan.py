@@ -52,7 +52,8 @@ class ChainPlan:
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
         spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
         other plan). Reads calibration counts, past confidences, past step times and realized rates only."""
-        rates = self.chain_rates(num_seqs)
+        model_tokens, model_seconds = self.chain_model(num_seqs)
+        rates = [t / s for t, s in zip(model_tokens, model_seconds)]  # (chain_rates)
         modelled = [r / rates[0] for r in rates]
         floor = 1.0 / (1.0 + self.pause_margin)
         model = _hold(modelled, floor)
@@ -74,7 +75,7 @@ class ChainPlan:
         # where two chains' step times are measured at one load, the model's times fitted to them give the shape
         # (also where their realized rates were just found within noise: those rates vary with each step's
         # acceptance, the fit's inputs are step times and the calibrated survival, steadier both)
-        fitted = self._fitted_rates(num_seqs)
+        fitted = self._fitted_rates(num_seqs, (model_tokens, model_seconds))
         if fitted is not None:
             self.decisions["time_fit"] = self.decisions.get("time_fit", 0) + 1
         gains = list(modelled)
@@ -135,7 +136,8 @@ class ChainPlan:
             seconds.append(times.seconds(SPECULATIVE, num_seqs, self.cost.at(b * (1 + chain)) + drafting, drafting))
         return tokens, seconds
 
-    def _fitted_rates(self: SlotPolicy, num_seqs: int) -> list[float] | None:
+    def _fitted_rates(self: SlotPolicy, num_seqs: int,
+                      model: tuple[list[float], list[float]] | None = None) -> list[float] | None:
         """The model's expected tokens a step over step times fitted to the measured ones, per chain (index 0: plain
         decoding, as modelled), at the load of num_seqs's bucket nearest to it where at least two drafting chains'
         steady steps are measured and fresh (RealizedRates.seconds_at_one_load); None where none is, or where the
@@ -153,12 +155,13 @@ class ChainPlan:
         their price) the plan measured chains 4 and 5 and never drafted 3, where static k3 ran 1.35x of off
         against k5's 1.19x. Two measured chains give the step time's slope in the chain length, and the model's
         tokens (the calibrated survival) what each length yields: a shorter chain's rate follows. A fill only
-        proposes: a chain it puts first is drafted, measured, and then its measure decides."""
+        proposes: a chain it puts first is drafted, measured, and then its measure decides. model: chain_model(num_seqs)
+        where the caller has it (used where the measured load is num_seqs itself)."""
         got = self.realized.seconds_at_one_load(num_seqs, self.k) if self.time_fit else None
         if got is None:
             return None
         load, secs = got
-        tokens, modelled = self.chain_model(load)
+        tokens, modelled = model if model is not None and load == num_seqs else self.chain_model(load)
         chains = [c for c in secs if c > 0]
         xs, ys = [modelled[c] for c in chains], [secs[c] for c in chains]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
