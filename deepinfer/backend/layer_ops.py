@@ -223,6 +223,11 @@ class QuantizedExperts:
       per byte (low nibble = the even input channel); w13_scale [E, 2I, D/G] / w2_scale [E, D, I/G] fp16 (as the
       checkpoint stores them) or fp32, one per row per G = group_size inputs; w13_zeros / w2_zeros uint8 of the
       scales' shapes, the zero point with GPTQ v1's +1 already applied (0..16). W = (q - zero) * scale.
+      w13_g_idx (GPTQ act-order only, else None): int32 [E, D], the group of each input channel of an expert's gate
+      and up projections (one for both: GPTQ quantizes them from the same inputs), where input channel k of w13
+      is in group w13_g_idx[e, k] rather than k // G. An act-order down projection needs none: its input channels
+      are sorted by group at load, and the gate and up rows put in the same order, so the SiLU-and-mul output
+      arrives in that order (models/layers/quant/int4_experts.py).
     """
 
     scheme: str
@@ -233,6 +238,7 @@ class QuantizedExperts:
     w13_zeros: torch.Tensor | None = None  # int4 only
     w2_zeros: torch.Tensor | None = None
     group_size: int = 128  # int4 only: input channels per scale / zero point
+    w13_g_idx: torch.Tensor | None = None  # int4 GPTQ act-order only (above)
 
     @property
     def block(self) -> int:
@@ -286,9 +292,17 @@ class QuantizedExperts:
                 raise BackendError(f"QuantizedExperts ({self.scheme}) {name} has dtype {t.dtype}")
             if not t.is_contiguous():
                 raise BackendError(f"QuantizedExperts ({self.scheme}) {name} must be contiguous")
+        gi = self.w13_g_idx
+        if gi is not None:
+            if gi.dtype != torch.int32 or tuple(gi.shape) != (num_experts, hidden) or not gi.is_contiguous():
+                raise BackendError(f"QuantizedExperts ({self.scheme}) w13_g_idx: {gi.dtype} {tuple(gi.shape)}, "
+                                   f"expected contiguous int32 {(num_experts, hidden)}")
+            if gi.numel() and (int(gi.min()) < 0 or int(gi.max()) >= hidden // g):
+                raise BackendError(f"QuantizedExperts ({self.scheme}) w13_g_idx holds groups outside "
+                                   f"[0, {hidden // g})")
 
     def nbytes(self) -> int:
-        parts = (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_zeros, self.w2_zeros)
+        parts = (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_zeros, self.w2_zeros, self.w13_g_idx)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 

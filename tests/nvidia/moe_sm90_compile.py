@@ -51,18 +51,20 @@ WEIGHTS = {None: (None, None, False), "fp8_block": ("fp8e4nv", "fp32", False), "
            "fp4": ("u8", "u8", True), "int4_awq": ("u8", "fp16", False)}
 
 
-def _weight_args(dt: str, scheme):
+def _weight_args(dt: str, scheme, gidx: bool = False):
     wt, qt, e8m0 = WEIGHTS[scheme]
-    # z_ptr: int4's uint8 zero points; other schemes pass the scale tensor there (never dereferenced)
+    # z_ptr: int4's uint8 zero points; other schemes pass the scale tensor there (never dereferenced); g_ptr: GPTQ
+    # act-order's int32 groups (GIDX), else the scale tensor again
     zt = "*u8" if scheme == "int4_awq" else "*" + (qt or dt)
     sig = {"q_ptr": "*" + (qt or dt), "z_ptr": zt,
-           **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")}}
-    return "*" + (wt or dt), sig, {"QUANT": cfgs.QUANT_CODES[scheme], "E8M0": e8m0, "GROUP": 128,
+           **{n: "i32" for n in ("uq_off", "stride_qe", "stride_qn", "stride_qk")},
+           "g_ptr": "*i32" if gidx else "*" + (qt or dt), "stride_ge": "i32"}
+    return "*" + (wt or dt), sig, {"QUANT": cfgs.QUANT_CODES[scheme], "E8M0": e8m0, "GROUP": 128, "GIDX": gidx,
                                    "A_MODE": 2 if scheme in cfgs.FP8_ACT else 0, "ROUND_FIRST": False}
 
 
-def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
-    b_type, qsig, qconsts = _weight_args(dt, scheme)
+def direct(dt, dual, P, BM, cfg, combine=False, scheme=None, gidx=False):
+    b_type, qsig, qconsts = _weight_args(dt, scheme, gidx)
     # quantized routed experts fold their shared experts in as stacked slots: bs_ptr points into the same weights
     sig = {"a_ptr": "*" + dt, "b_ptr": b_type, "bs_ptr": b_type if scheme else "*" + dt, "c_ptr": "*" + (dt if dual else "fp32"),
            "w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*" + dt, "s_ptr": "*" + dt, "cnt_ptr": "*i32",
@@ -71,21 +73,23 @@ def direct(dt, dual, P, BM, cfg, combine=False, scheme=None):
                "stride_bn", "stride_sn", "stride_cm", "stride_o", "stride_s")}, **qsig}
     consts = {"TOP_K": 6, "SLOTS": 8, "A_DIV": 8 if dual else 1, "DUAL": dual, "MUL_WEIGHT": not dual,
               "UPCAST": False, "PREC": "ieee" if dt == "fp32" else None, **qconsts,
-              "SHARED_STACKED": scheme is not None, "COMBINE": combine,
+              "SHARED_STACKED": scheme is not None and not gidx, "COMBINE": combine,
               "HAS_SHARED": combine, "BLOCK_P": P, "BLOCK_M": BM, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
               "SWAP_AB": cfg.get("swap_ab", False), "GEMV": cfg.get("gemv", False)}
     sig.update({k: "constexpr" for k in consts})
-    compile_one(f"direct {dt} {scheme or 'dense'} dual={dual} combine={combine} P={P} BM={BM} {cfg}",
+    compile_one(f"direct {dt} {scheme or 'dense'}{' act-order' if gidx else ''} dual={dual} combine={combine} P={P} "
+                f"BM={BM} {cfg}",
                 g._direct_gemm_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
 
 
 TL = {"bf16": tl.bfloat16, "fp32": tl.float32}
 
 
-def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False):
+def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False, gidx=False):
     """fp8_w8a8: A e4m3 with scales (mode 1); the gate_up writes e4m3 + scales (ACT_FP8_OUT). split_gate_up: the
-    W8A8 gate_up as one GEMM over both halves (not dual, no routing weight, out in the compute dtype)."""
-    b_type, qsig, qconsts = _weight_args(dt, scheme)
+    W8A8 gate_up as one GEMM over both halves (not dual, no routing weight, out in the compute dtype). gidx: int4
+    GPTQ act-order's gate_up (zero points and scales gathered per input channel)."""
+    b_type, qsig, qconsts = _weight_args(dt, scheme, gidx)
     w8a8 = scheme in cfgs.FP8_ACT
     a_type = "*fp8e4nv" if w8a8 else "*" + dt
     c_type = ("*fp8e4nv" if w8a8 else "*" + dt) if dual else ("*" + dt if split_gate_up else "*fp32")
@@ -101,7 +105,8 @@ def aligned(dt, dual, BM, cfg, scheme=None, split_gate_up=False):
     sig.update({k: "constexpr" for k in consts})
     sig["num_m"] = "i32"
     label = "split gate_up" if split_gate_up else f"dual={dual}"
-    compile_one(f"aligned {dt} {scheme or 'dense'} {label} BM={BM} {cfg}", g._aligned_gemm_kernel, sig,
+    compile_one(f"aligned {dt} {scheme or 'dense'}{' act-order' if gidx else ''} {label} BM={BM} {cfg}",
+                g._aligned_gemm_kernel, sig,
                 consts, cfg["num_warps"], cfg["num_stages"])
 
 
@@ -118,6 +123,9 @@ def main() -> None:
         for dual in (True, False):
             direct("bf16", dual, 8, 16, g.direct_config(dual, scheme), scheme=scheme)
             aligned("bf16", dual, 32, g.gemm_config(32, dual, scheme), scheme=scheme)
+    # GPTQ act-order int4 gate_up (w13_g_idx: the zero points and scales gathered per input channel)
+    direct("bf16", True, 8, 16, cfgs.gidx_config(g.direct_config(True, "int4_awq")), scheme="int4_awq", gidx=True)
+    aligned("bf16", True, 32, cfgs.gidx_config(g.gemm_config(32, True, "int4_awq")), scheme="int4_awq", gidx=True)
     for dual in (True, False):  # W8A8 prefill tiles (BLOCK_M 64: QGMMA)
         aligned("bf16", dual, 64, g.gemm_config(64, dual, "fp8_w8a8"), scheme="fp8_w8a8")
     # the grouped program order (DEEPINFER_MOE_GROUP_M)

@@ -1,6 +1,8 @@
 """AWQ / GPTQ routed experts kept int4 end to end: a tiny V3 checkpoint written in the formats' packing (group 64,
-experts included) loads with int4 experts on the cpu backend and matches its dequantized twin's logits; GPTQ
-act-order experts are refused; a backend whose MoE op lacks the scheme densifies them as before."""
+experts included) loads with int4 experts on the cpu backend and matches its dequantized twin's logits, GPTQ
+act-order (desc_act) checkpoints too (tests/quant/test_int4_experts_act_order.py has the op-level cases); the
+contiguous-groups layout alone (int4_expert_rows) refuses an act-order g_idx; a backend whose MoE op lacks the
+scheme densifies them as before."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ GROUP = 64  # tiny-v3's moe_intermediate_size is 64: the down projections need g
 @pytest.fixture(scope="module")
 def int4_pairs(tiny_v3_dir, tmp_path_factory) -> dict:
     out = {}
-    for method in ("awq", "gptq"):
+    for method in ("awq", "gptq", "gptq-act-order"):
         root = tmp_path_factory.mktemp(f"moe-int4-{method}")
         dst, twin = str(root / "int4"), str(root / "twin")
-        out[method] = (dst, twin, write_int4_pair(tiny_v3_dir, dst, twin, method, GROUP))
+        out[method] = (dst, twin, write_int4_pair(tiny_v3_dir, dst, twin, method.split("-")[0], GROUP,
+                                                  act_order=method.endswith("act-order")))
     return out
 
 
@@ -32,7 +35,7 @@ def _moe_layers(model):
     return [m for m in model.modules() if type(m).__name__ == "MoELayer"]
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act-order"])
 def test_int4_experts_kept_int4_and_match_the_dequantized_twin(method, int4_pairs):
     dst, twin, prefixes = int4_pairs[method]
     assert any(".experts.0.down_proj" in p for p in prefixes), "the writer left the experts dense"
@@ -43,7 +46,8 @@ def test_int4_experts_kept_int4_and_match_the_dequantized_twin(method, int4_pair
     assert moes and all(m.quantized_experts for m in moes)
     for m in moes:
         q = m.op.quant
-        assert q.scheme == f"int4_{method}" and q.group_size == GROUP and m.op.w13 is None
+        assert q.scheme == f"int4_{method.split('-')[0]}" and q.group_size == GROUP and m.op.w13 is None
+        assert (q.w13_g_idx is not None) == method.endswith("act-order")
         e, two_i, d = q.w13.shape[0], q.w13.shape[1], q.w13.shape[2] * 2
         assert q.w13.dtype == torch.uint8 and q.w13.numel() == e * two_i * d // 2  # 0.5 byte per weight
     ids = torch.tensor([[3, 17, 42, 5, 99, 7, 250, 11, 64]])

@@ -44,7 +44,8 @@ def dequant_expert(q: QuantizedExperts, e: int, dtype: torch.dtype) -> tuple[tor
     elif q.scheme == "fp4":
         w13, w2 = dequant_fp4(q.w13[e], q.w13_scale[e]), dequant_fp4(q.w2[e], q.w2_scale[e])
     elif q.scheme in INT4_EXPERT_SCHEMES:
-        w13 = dequant_int4_rows(q.w13[e], q.w13_zeros[e], q.w13_scale[e], q.group_size)
+        g_idx = q.w13_g_idx[e] if q.w13_g_idx is not None else None  # (GPTQ act-order gate / up)
+        w13 = dequant_int4_rows(q.w13[e], q.w13_zeros[e], q.w13_scale[e], q.group_size, g_idx)
         w2 = dequant_int4_rows(q.w2[e], q.w2_zeros[e], q.w2_scale[e], q.group_size)
     else:
         raise BackendError(f"QuantizedExperts scheme {q.scheme!r}")

@@ -128,25 +128,54 @@ def int4_expert_rows(w: Int4Weight, name: str) -> tuple[torch.Tensor, torch.Tens
     """One expert projection's checkpoint record -> the QuantizedExperts int4 layout (backend/layer_ops.py):
     (q uint8 [N, K/2], two per byte, low nibble = even input channel; zeros uint8 [N, K/G], offset applied;
     scales [N, K/G] as stored). The same for AWQ and GPTQ: both become row-major nibbles along K, so a kernel
-    reads an expert's [rows, K-tile] like V4's fp4 bytes. A GPTQ g_idx other than k // G (act-order) is refused:
-    the layout's groups are contiguous runs of G inputs (the rows are not permuted)."""
-    q, z, s = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied), s fp32 [G, N]
+    reads an expert's [rows, K-tile] like V4's fp4 bytes. A GPTQ g_idx other than k // G (act-order) is refused
+    here: the layout's groups are contiguous runs of G inputs. (The routed experts take act-order through
+    `int4_expert_values`, models/layers/quant/int4_experts.py.)"""
+    qt, zeros, scales, g_idx = int4_expert_values(w)
+    if g_idx is not None:
+        raise ModelLoadError(f"{name}.g_idx is not arange(in_features) // {w.group_size} (a GPTQ act-order / "
+                             "desc_act checkpoint): this layout runs contiguous groups only")
+    return pack_int4_rows(qt), zeros, scales
+
+
+def int4_expert_values(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One projection's record as unpacked rows: (q uint8 [N, K] in 0..15, zeros uint8 [N, K/G] offset applied,
+    scales [N, K/G] as stored, g_idx int32 [K] where it is not k // G (act-order), else None)."""
+    q, z, _ = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied)
     k, g = q.shape[0], w.group_size
-    if w.g_idx is not None:
-        trivial = torch.arange(k, device=w.g_idx.device) // g
-        if not torch.equal(w.g_idx.long(), trivial):
-            raise ModelLoadError(f"{name}.g_idx is not arange(in_features) // {g} (a GPTQ act-order / desc_act "
-                                 "checkpoint): int4 routed experts run with contiguous groups only")
-    qt = q.t().to(torch.uint8)  # [N, K]
-    packed = (qt[:, 0::2] | (qt[:, 1::2] << 4)).contiguous()
-    zeros = z.t().round().to(torch.uint8).contiguous()
-    return packed, zeros, w.scales.t().contiguous()
+    g_idx = None
+    if w.g_idx is not None and not torch.equal(w.g_idx.long(), torch.arange(k, device=w.g_idx.device) // g):
+        g_idx = w.g_idx.to(torch.int32).contiguous()
+    return (q.t().to(torch.uint8).contiguous(), z.t().round().to(torch.uint8).contiguous(), w.scales.t().contiguous(),
+            g_idx)
 
 
-def dequant_int4_rows(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """The reference of the int4 experts layout: fp32 [N, K] = (q - zero) * scale, per row and group of inputs."""
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> [N, K/2], two per byte, low nibble = the even input channel."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def act_order_permutation(g_idx: torch.Tensor, group: int, name: str) -> torch.Tensor:
+    """The input channels of an act-order projection sorted by group (a stable sort): int64 [K], perm, such that
+    channel perm[j] is in group j // G, every group then a contiguous run of G channels, as GPTQ's act-order assigns
+    them (it quantizes the channels in its permuted order, G at a time). ModelLoadError naming the tensor where a
+    group does not hold exactly G channels."""
+    perm = torch.argsort(g_idx.long(), stable=True)
+    want = torch.arange(g_idx.numel(), device=g_idx.device) // group
+    if not torch.equal(g_idx.long()[perm], want):
+        raise ModelLoadError(f"{name}.g_idx: each group must hold exactly {group} input channels (GPTQ act-order)")
+    return perm
+
+
+def dequant_int4_rows(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
+                      g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of the int4 experts layout: fp32 [N, K] = (q - zero) * scale, per row and group of inputs
+    (input channel k in group k // G, or g_idx[k] where given: an act-order gate / up projection)."""
     n = packed.shape[0]
     q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
+    if g_idx is not None:
+        g = g_idx.long()
+        return (q - zeros.float()[:, g]) * scales.float()[:, g]
     if q.shape[1] == zeros.shape[1] * group:  # whole groups: zero and scale broadcast (no expanded copies; the
         # same products, ~1.8x faster per expert on this CPU, where the cpu MoE dequantizes each expert per call)
         grouped = (q.view(n, -1, group) - zeros.float()[:, :, None]) * scales.float()[:, :, None]

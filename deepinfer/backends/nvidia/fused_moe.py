@@ -281,6 +281,7 @@ def fused_moe(
     w13_zeros: torch.Tensor | None = None,  # int4: uint8 zero points laid out as the scales
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
+    w13_g_idx: torch.Tensor | None = None,  # int4 GPTQ act-order: int32 [E, D], the gate / up inputs' groups
     stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (every token, 1.0)
     x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,  # W8A8 aligned: x's (e4m3 [>=T, D], scales [>=T, G])
 ) -> torch.Tensor:  # [T, D] in x's dtype
@@ -290,6 +291,8 @@ def fused_moe(
     if scheme is not None and shared_w is not None:
         raise BackendError("fused_moe: shared-expert weights fold in only with dense routed experts")
     q13 = {"scale": w13_scale, "scheme": scheme, "zeros": w13_zeros, "group_size": group_size}
+    if w13_g_idx is not None:  # (the down projection's act-order was resolved at load: QuantizedExperts)
+        q13["g_idx"] = w13_g_idx
     q2 = {"scale": w2_scale, "scheme": scheme, "zeros": w2_zeros, "group_size": group_size}
     k = topk_ids.shape[1]
     if T == 0:
@@ -311,8 +314,8 @@ def fused_moe(
     if direct:
         ids = topk_ids.contiguous()
         n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else stacked_shared
-        if int4_cuda.use_moe(x, w13, w2, w13_scale, w2_scale, scheme, k + n_shared, group_size, skip_unrouted,
-                             shared_out):
+        if w13_g_idx is None and int4_cuda.use_moe(x, w13, w2, w13_scale, w2_scale, scheme, k + n_shared, group_size,
+                                                   skip_unrouted, shared_out):
             return int4_cuda.moe(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, ids, weights, n_shared)
         q13["stacked_shared"] = q2["stacked_shared"] = bool(stacked_shared)
         slots = k + n_shared

@@ -129,6 +129,32 @@ def split_gate_up_config(block_m: int) -> dict:
     return _fit_scheme(dict(cfg, swap_ab=w8a8_swap_ab(block_m)), "fp8_w8a8", 128)
 
 
+# GPTQ act-order's gate_up (fused_moe w13_g_idx; quant/tiles.py int4_tile GIDX gathers a zero point and a scale a
+# weight, for gate and up both): K tiles of at most this many channels. At the default direct tile's 128 the sm_90
+# compile (Triton 3.9) took 255 registers and 464 bytes of stack; at 32, 156 (direct) / 157 (aligned BLOCK_M 32)
+# registers and none (tests/nvidia/moe_sm90_compile.py). Not timed on a GPU
+GIDX_MAX_BLOCK_K = 32
+
+
+def gidx_config(cfg: dict) -> dict:
+    """A default tile (gemm_config / direct_config) for an act-order gate_up: BLOCK_K capped (GIDX_MAX_BLOCK_K)."""
+    return dict(cfg, block_k=min(cfg["block_k"], GIDX_MAX_BLOCK_K))
+
+
+def gidx_args(g_idx: torch.Tensor | None, quant: int, num_experts: int, k: int, dummy: torch.Tensor,
+          what: str) -> tuple[torch.Tensor, int]:
+    """(pointer, expert stride) of a GPTQ act-order weight's groups (int32 [E, K]: the input channel k of expert e in
+    group g_idx[e, k]; quant/tiles.py int4_tile gathers the zero points and scales per channel), or a stand-in the
+    kernel never reads. BackendError for a g_idx on other than int4 weights, or of another shape."""
+    if g_idx is None:
+        return dummy, 0
+    if quant != 3 or g_idx.dtype != torch.int32 or g_idx.dim() != 2 or g_idx.shape[1] != k \
+            or g_idx.shape[0] < num_experts or g_idx.stride(1) != 1:
+        raise BackendError(f"{what}: g_idx {tuple(g_idx.shape)} {g_idx.dtype} is int4 act-order's, int32 "
+                           f"[>= {num_experts}, {k}] with contiguous rows")
+    return g_idx, g_idx.stride(0)
+
+
 def direct_config(dual: bool, scheme: str | None = None, group_size: int = 128) -> dict:
     """Direct-mode tile; DEEPINFER_MOE_DIRECT_TILE="BN,BK,warps,stages" overrides it (BN counts both halves
     of a DUAL program: 128 = 64 gate + 64 up rows)."""

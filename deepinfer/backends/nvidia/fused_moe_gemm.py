@@ -39,6 +39,8 @@ from deepinfer.backends.nvidia.fused_moe_config import (  # noqa: F401  (interpr
     block_p,
     direct_config,
     gemm_config,
+    gidx_args,
+    gidx_config,
     interpreting,
     prec,
     quant_args,
@@ -76,10 +78,11 @@ def _tile_order(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _aligned_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npad_ptr,
     N, K, num_pairs, u_off, stride_am, stride_be, stride_bn, stride_cm,
-    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, g_ptr, stride_ge,
     as_ptr, stride_as, cs_ptr, stride_cs,
     A_DIV: tl.constexpr, DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ACT_FP8_OUT: tl.constexpr,
+    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, GIDX: tl.constexpr, A_MODE: tl.constexpr,
+    ACT_FP8_OUT: tl.constexpr,
     ROUND_FIRST: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr, num_m, GROUP_M: tl.constexpr,
 ):
@@ -96,8 +99,8 @@ def _aligned_gemm_kernel(
     nmask = offs_n < N
     acc_g, acc_u = _mainloop(a_ptr, as_ptr, stride_as, rows, pmask, stride_am, b_ptr + expert * stride_be, u_off,
                              offs_n, nmask, stride_bn, K, q_ptr + expert * stride_qe, z_ptr + expert * stride_qe,
-                             uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+                             uq_off, stride_qn, stride_qk, g_ptr + expert * stride_ge, DUAL, UPCAST, PREC, QUANT, E8M0,
+                             GROUP, GIDX, A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:
         wv = tl.load(w_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
     else:
@@ -114,10 +117,10 @@ def _aligned_gemm_kernel(
 @triton.jit
 def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                  N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn, stride_cm,
-                 q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+                 q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, g_ptr, stride_ge,
                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
                  DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                 QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
+                 QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, GIDX: tl.constexpr, A_MODE: tl.constexpr,
                  ROUND_FIRST: tl.constexpr, SHARED_STACKED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
                  GEMV: tl.constexpr):
@@ -146,10 +149,12 @@ def _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_
         acc_g = tl.where(first[:, None], g[None, :], 0.0)
         acc_u = tl.where(first[:, None], u[None, :], 0.0)
     else:
+        # (GIDX: routed experts only, no shared experts stacked: direct_gemm checks)
+        g_base = g_ptr + tl.minimum(expert, num_experts - 1).to(tl.int64) * stride_ge
         acc_g, acc_u = _mainloop(a_ptr, a_ptr, 0, rows, pmask, stride_am, base, tl.where(shared, us_off, u_off),
                                  offs_n, nmask, tl.where(shared, stride_sn, stride_bn), K, q_ptr + q_off,
-                                 z_ptr + q_off, uq_off, stride_qn, stride_qk, DUAL, UPCAST, PREC, QUANT, E8M0, GROUP,
-                                 A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+                                 z_ptr + q_off, uq_off, stride_qn, stride_qk, g_base, DUAL, UPCAST, PREC, QUANT, E8M0,
+                                 GROUP, GIDX, A_MODE, ROUND_FIRST, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if MUL_WEIGHT:  # routed slots carry their routing weight, shared experts 1.0
         p_slot = pairs % SLOTS
         p_routed = p_slot < TOP_K
@@ -194,10 +199,11 @@ def _direct_gemm_kernel(
     a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, ids_ptr, out_ptr, s_ptr, cnt_ptr,
     N, K, num_pairs, num_experts, u_off, us_off, shared_step,
     stride_am, stride_be, stride_bn, stride_sn, stride_cm, stride_o, stride_s,
-    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk,
+    q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, g_ptr, stride_ge,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, A_DIV: tl.constexpr,
     DUAL: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, GIDX: tl.constexpr, A_MODE: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
     SHARED_STACKED: tl.constexpr, COMBINE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr, GEMV: tl.constexpr,
@@ -218,9 +224,9 @@ def _direct_gemm_kernel(
     if (tl.min(tl.where(match, offs_q, BLOCK_P), 0) == pid_p) & (expert >= 0):
         _direct_tile(a_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, offs_q, match, expert, pid_n,
                      N, K, num_experts, u_off, us_off, shared_step, stride_am, stride_be, stride_bn, stride_sn,
-                     stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, TOP_K, SLOTS, A_DIV, DUAL,
-                     MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, A_MODE, ROUND_FIRST, SHARED_STACKED, BLOCK_M,
-                     BLOCK_N, BLOCK_K, SWAP_AB, GEMV)
+                     stride_cm, q_ptr, z_ptr, uq_off, stride_qe, stride_qn, stride_qk, g_ptr, stride_ge, TOP_K, SLOTS,
+                     A_DIV, DUAL, MUL_WEIGHT, UPCAST, PREC, QUANT, E8M0, GROUP, GIDX, A_MODE, ROUND_FIRST,
+                     SHARED_STACKED, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GEMV)
     if COMBINE:  # down projection: the [T, D] output in this launch, no combine kernel
         _last_program_combines(c_ptr, out_ptr, s_ptr, cnt_ptr, pid_n, num_pairs, num_pairs // SLOTS, N,
                                stride_cm, stride_o, stride_s, SLOTS, HAS_SHARED, BLOCK_M, BLOCK_N)
@@ -268,24 +274,29 @@ def aligned_gemm(
     dual: bool = False, scale: torch.Tensor | None = None, scheme: str | None = None,
     zeros: torch.Tensor | None = None, group_size: int = 128, a_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None, cfg: dict | None = None,
+    g_idx: torch.Tensor | None = None,
 ) -> None:
     """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]); dual: silu(gate) * up, out [pairs, N/2].
     scheme "fp8_block" / "fp4" / "int4_*": w, scale (and int4 zeros, group_size) as QuantizedExperts holds them,
     dequantized in the inner loop. "fp8_w8a8": a is e4m3 with a_scale [rows, K/128] (or, without a_scale, the
     compute dtype quantized on load); a dual out is then e4m3 with out_scale [pairs, N/2/128]. act_dtype: the
-    compute dtype the epilogue rounds to (default a's). cfg: a tile for benchmark sweeps."""
+    compute dtype the epilogue rounds to (default a's). cfg: a tile for benchmark sweeps. g_idx: int4 GPTQ
+    act-order, int32 [E, K], each input channel's group (fused_moe_config.gidx_args)."""
     E, N, _ = w.shape
     n_out = N // 2 if dual else N
     K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = quant_args(w, scale, scheme, dual, n_out, zeros)
     if a.shape[1] != K:
         raise BackendError(f"aligned_gemm: activations have {a.shape[1]} features, the weights {K}")
+    gp, sge = gidx_args(g_idx, quant, E, K, q, "aligned_gemm")
     a_mode = _a_mode(scheme, a, a_scale)
     act = act_dtype or a.dtype
     fp8_out = out_scale is not None
     if fp8_out and not (dual and scheme in FP8_ACT and out.dtype == torch.float8_e4m3fn
                         and tuple(out_scale.shape) == (out.shape[0], triton.cdiv(n_out, 128))):
         raise BackendError("aligned_gemm: an e4m3 output with per-128 scales is the W8A8 gate_up's only")
-    cfg = cfg or gemm_config(block_m, dual, scheme, group_size)
+    if cfg is None:
+        cfg = gemm_config(block_m, dual, scheme, group_size)
+        cfg = gidx_config(cfg) if g_idx is not None else cfg
     swap = _swap_ab(cfg, a_mode)
     if fp8_out and cfg["block_n"] != 128:
         raise BackendError(f"aligned_gemm: the e4m3 gate_up output needs BLOCK_N 128, got {cfg['block_n']}")
@@ -294,11 +305,11 @@ def aligned_gemm(
     _aligned_gemm_kernel[(num_m * triton.cdiv(n_out, cfg["block_n"]),)](
         a, w, out, topk_weights if topk_weights is not None else a, sorted_ids, expert_ids, num_padded,
         n_out, K, num_pairs, n_out * w.stride(1), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        q, z, uq_off, sqe, sqn, sqk, a_scale if a_scale is not None else q, a_scale.stride(0) if a_mode == 1 else 0,
-        out_scale if fp8_out else q, out_scale.stride(0) if fp8_out else 0,
+        q, z, uq_off, sqe, sqn, sqk, gp, sge, a_scale if a_scale is not None else q,
+        a_scale.stride(0) if a_mode == 1 else 0, out_scale if fp8_out else q, out_scale.stride(0) if fp8_out else 0,
         A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(act), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
+        GROUP=group_size, GIDX=g_idx is not None, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap, num_m=num_m,
         GROUP_M=group_m, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -323,7 +334,7 @@ def direct_gemm(
     topk_weights: torch.Tensor | None, num_shared: int, a_div: int, dual: bool,
     combine_into: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
     scale: torch.Tensor | None = None, scheme: str | None = None, zeros: torch.Tensor | None = None,
-    group_size: int = 128, cfg: dict | None = None, stacked_shared: bool = False,
+    group_size: int = 128, cfg: dict | None = None, stacked_shared: bool = False, g_idx: torch.Tensor | None = None,
 ) -> None:
     """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
 
@@ -333,6 +344,8 @@ def direct_gemm(
     of each column also writes final (as fused_moe.combine), saving the combine launch. "fp8_w8a8" weights:
     a (the compute dtype) is quantized per row per 128 channels as it is loaded. stacked_shared: quantized routed
     experts whose w / scale / zeros hold the num_shared shared experts after the E routed ones (shared_w None).
+    g_idx: int4 GPTQ act-order, int32 [E, K], each input channel's group (fused_moe_config.gidx_args; no stacked
+    shared experts).
     """
     T, top_k = topk_ids.shape
     E, N, _ = w.shape
@@ -348,14 +361,19 @@ def direct_gemm(
         raise BackendError(f"direct_gemm: activations have {a.shape[1]} features, the weights {K}")
     if quant and shared_w is not None:
         raise BackendError("direct_gemm: shared experts fold in only with dense routed experts")
+    if g_idx is not None and stacked_shared:
+        raise BackendError("direct_gemm: act-order g_idx with stacked shared experts (they are not folded then)")
+    gp, sge = gidx_args(g_idx, quant, E, K, q, "direct_gemm")
     if stacked_shared:  # shared expert s is w[E + s]: the routed experts' strides and up offset
         shared_w, stride_sn, shared_step, us_off = w[E:], w.stride(1), w.stride(0), n_out * w.stride(1)
     else:
         shared_w, stride_sn, shared_step, us_off = shared_layout(shared_w, w, dual, n_out, num_shared, K)
-    cfg = cfg or direct_config(dual, scheme, group_size)
+    if cfg is None:
+        cfg = direct_config(dual, scheme, group_size)
+        cfg = gidx_config(cfg) if g_idx is not None else cfg
     a_mode = _a_mode(scheme, a, None)
     swap = _swap_ab(cfg, a_mode)
-    gemv = use_int4_gemv(cfg, quant, T)
+    gemv = use_int4_gemv(cfg, quant, T) and g_idx is None  # (the GEMV mainloop reads contiguous groups only)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
     final, shared_out, counters = combine_into if combine_into is not None else (out, None, out)
@@ -366,10 +384,10 @@ def direct_gemm(
         final, shared_out if shared_out is not None else final, counters,
         n_out, K, num_pairs, E, n_out * w.stride(1), us_off, shared_step,
         a.stride(0), w.stride(0), w.stride(1), stride_sn, out.stride(0), final.stride(0),
-        shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk,
+        shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk, gp, sge,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
+        GROUP=group_size, GIDX=g_idx is not None, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
         GEMV=gemv,

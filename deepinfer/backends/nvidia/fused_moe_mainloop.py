@@ -20,13 +20,15 @@ from deepinfer.backends.nvidia.quant.tiles import fp8_quant_rows, int4_tile
 
 
 @triton.jit
-def _load_w(b_base, q_base, z_base, rows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
-            QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
+def _load_w(b_base, q_base, z_base, g_base, rows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
+            QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
+            ACT: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] weight tile B[rows, kk]^T (kk = k0 + arange(BLOCK_K)), dequantized in registers when
     QUANT: 1 = fp8 e4m3 times its 128x128 block scale (BLOCK_K divides 128: one scale per row and tile),
     2 = fp4 e2m1 (two per byte, low nibble first) times its per-row per-32 scale (e8m0 bytes when E8M0, else
-    fp32), 3 = int4 AWQ / GPTQ (quant/tiles.py int4_tile; BLOCK_K divides GROUP). Dequantized in fp32 and
-    rounded once to the activation dtype."""
+    fp32), 3 = int4 AWQ / GPTQ (quant/tiles.py int4_tile; BLOCK_K divides GROUP, or GIDX: g_base holds the
+    expert's group of each input channel, GPTQ act-order, and the zero points and scales are gathered per
+    channel). Dequantized in fp32 and rounded once to the activation dtype."""
     m = kmask[:, None] & nmask[None, :]
     # one constexpr branch is compiled (if / elif / else: an early return would not stop the compiler from
     # typing the branches after it against this scheme's pointer types)
@@ -37,8 +39,8 @@ def _load_w(b_base, q_base, z_base, rows, k0, kk, kmask, nmask, stride_bn, strid
         sc = tl.load(q_base + (rows // 128) * stride_qn + (k0 // 128) * stride_qk, mask=nmask, other=0.0)
         out = (w * sc[None, :]).to(ACT)
     elif QUANT == 3:
-        out = tl.trans(int4_tile(b_base, q_base, z_base, b_base, rows, nmask, k0, stride_bn, stride_qn, stride_qk,
-                                 False, GROUP, BLOCK_K, ACT))
+        out = tl.trans(int4_tile(b_base, q_base, z_base, g_base, rows, nmask, k0, stride_bn, stride_qn, stride_qk,
+                                 GIDX, GROUP, BLOCK_K, ACT))
     else:
         byte = tl.load(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
         nib = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
@@ -102,13 +104,14 @@ def _fp8_step_swapped(acc, a, a_s, b_base, q_base, brows, n_blk, k0, kk, kmask, 
 
 @triton.jit
 def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, offs_n, nmask, stride_bn, K,
-              q_base, z_base, uq_off, stride_qn, stride_qk,
+              q_base, z_base, uq_off, stride_qn, stride_qk, g_base,
               DUAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-              QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, A_MODE: tl.constexpr,
+              QUANT: tl.constexpr, E8M0: tl.constexpr, GROUP: tl.constexpr, GIDX: tl.constexpr, A_MODE: tl.constexpr,
               ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SWAP_AB: tl.constexpr):
     """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32. u_off / uq_off
     shift the weight bytes / the scale rows (and the int4 zeros, laid out as the scales) to the up projection.
+    GIDX (int4, GPTQ act-order): g_base holds the expert's group of each input channel, one for gate and up.
     A_MODE 1 / 2 (W8A8, QUANT 1, BLOCK_K 128): as_ptr holds mode 1's scales [rows, K/128] (row stride stride_as).
     SWAP_AB (A_MODE 1 / 2 only): the products run as B @ A^T (_fp8_step_swapped), transposed back at the end."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -128,15 +131,15 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
         kmask = kk < K
         if A_MODE == 0:
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = _load_w(b_base, q_base, z_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
-                        QUANT, E8M0, GROUP, BLOCK_K, ACT)
+            b = _load_w(b_base, q_base, z_base, g_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
+                        QUANT, E8M0, GROUP, GIDX, BLOCK_K, ACT)
             if UPCAST:  # the interpreter's bf16 tl.dot is wrong (NOTES.md)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc_g += tl.dot(a, b, input_precision=PREC)
             if DUAL:
-                u = _load_w(b_base + u_off, q_base + uq_off, z_base + uq_off, brows, k0, kk, kmask, nmask, stride_bn,
-                            stride_qn, stride_qk, QUANT, E8M0, GROUP, BLOCK_K, ACT)
+                u = _load_w(b_base + u_off, q_base + uq_off, z_base + uq_off, g_base, brows, k0, kk, kmask, nmask,
+                            stride_bn, stride_qn, stride_qk, QUANT, E8M0, GROUP, GIDX, BLOCK_K, ACT)
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_u += tl.dot(a, u, input_precision=PREC)

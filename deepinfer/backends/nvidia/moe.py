@@ -113,8 +113,8 @@ class TritonMoE(NativeMoE):
         if q is None:
             return {"w13": self.w13, "w2": self.w2}
         out = {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
-        if q.w13_zeros is not None:  # int4: zero points and the group size
-            out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size)
+        if q.w13_zeros is not None:  # int4: zero points and the group size (and GPTQ act-order's groups)
+            out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size, w13_g_idx=q.w13_g_idx)
         if with_shared:
             out["stacked_shared"] = q.w13.shape[0] - self.quant.w13.shape[0]
         return out
@@ -128,6 +128,8 @@ class TritonMoE(NativeMoE):
         fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
         if q is None or shared.scheme != q.scheme or shared.group_size != q.group_size:
             return False
+        if q.w13_g_idx is not None or shared.w13_g_idx is not None:
+            return False  # GPTQ act-order experts: the model's shared MLP runs (the direct GEMMs take no stack)
         for f in fields:
             a, b = getattr(q, f), getattr(shared, f)
             if (a is None) != (b is None) or (a is not None and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)):

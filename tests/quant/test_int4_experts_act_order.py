@@ -1,0 +1,133 @@
+"""GPTQ act-order (desc_act) routed experts kept int4 (models/layers/quant/int4_experts.py): the down projection's
+input channels sorted by group at load with the gate / up rows in the same order, the gate / up groups kept per
+input channel (QuantizedExperts.w13_g_idx); the native / cpu ops against the dense twin dequantized from the
+writer's values, and what the loader refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_quant_util import D, E, _int4_projection, make_int4_experts, routing
+
+from deepinfer.backend import BackendError, MoESpec, NativeMoE, RouterSpec
+from deepinfer.backend.native.moe import experts_forward
+from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.errors import ModelLoadError
+from deepinfer.models.layers.quant.int4_experts import stack_int4_experts
+
+ROUTER = RouterSpec(num_experts=E, top_k=2, scoring_func="softmax", topk_method="greedy")
+INTER = 64
+
+
+@pytest.mark.parametrize("make", ["native", "cpu"])
+def test_act_order_experts_match_the_dense_twin(make):
+    q, w13, w2 = make_int4_experts("int4_gptq", INTER, act_order=True)
+    assert q.w13_g_idx is not None and tuple(q.w13_g_idx.shape) == (E, D) and q.w13_g_idx.dtype == torch.int32
+    assert not torch.equal(q.w13_g_idx[1].long(), torch.arange(D) // 32)  # (a real act-order order)
+    spec = MoESpec(router=ROUTER, hidden_size=D, intermediate_size=INTER)
+    op = NativeMoE(spec) if make == "native" else CPUBackend().make_moe(spec)
+    op.load_quantized_experts(q)
+    x = torch.randn(7, D, generator=torch.Generator().manual_seed(5))
+    for t, drop in ((7, False), (5, True), (1, False)):
+        wts, ids = routing(t, drop=drop)
+        ref = experts_forward(x[:t], w13, w2, wts, ids)
+        torch.testing.assert_close(op.experts(x[:t], wts, ids), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_down_projections_order_is_resolved_at_load():
+    """Expert 1's down projection is act-order: its stored input channels come out sorted by group, and the gate /
+    up rows in the same order, so the dequantized expert equals the twin with the intermediate channels permuted
+    (the same function); expert 0's (in order) is left as it was."""
+    from deepinfer.backend.native.moe import dequant_expert
+
+    q, w13, w2 = make_int4_experts("int4_gptq", INTER, act_order=True)
+    for e in range(2):
+        d13, d2 = dequant_expert(q, e, torch.float32)
+        gate, up = d13[:INTER], d13[INTER:]
+        # the same permutation on both sides of the intermediate dimension: match it up from the gate rows
+        perm = torch.tensor([int(torch.argmin((w13[e, :INTER] - row).abs().sum(1))) for row in gate])
+        assert sorted(perm.tolist()) == list(range(INTER))
+        torch.testing.assert_close(gate, w13[e, :INTER][perm])
+        torch.testing.assert_close(up, w13[e, INTER:][perm])
+        torch.testing.assert_close(d2, w2[e][:, perm])
+        assert (perm.tolist() == list(range(INTER))) == (e == 0)
+
+
+def _records(seed: int, perm_gate, perm_up, perm_down):
+    g = torch.Generator().manual_seed(seed)
+    mats = [torch.randn(INTER, D, generator=g), torch.randn(INTER, D, generator=g), torch.randn(D, INTER, generator=g)]
+    return [_int4_projection(m, "gptq", 32, p)[0] for m, p in zip(mats, (perm_gate, perm_up, perm_down))]
+
+
+def test_the_loader_refuses_what_it_cannot_keep_int4():
+    p1, p2 = torch.randperm(D, generator=torch.Generator().manual_seed(1)), torch.randperm(
+        D, generator=torch.Generator().manual_seed(2))
+    gate, up, down = _records(0, p1, p2, None)
+    with pytest.raises(ModelLoadError, match=r"L\.experts\.0: the gate_proj and up_proj g_idx differ"):
+        stack_int4_experts("int4_gptq", "L", [(0, gate, up, down)])
+    gate, up, down = _records(0, p1, None, None)
+    with pytest.raises(ModelLoadError, match="gate_proj and up_proj g_idx differ"):
+        stack_int4_experts("int4_gptq", "L", [(0, gate, up, down)])
+    gate, up, down = _records(0, p1, p1, torch.randperm(INTER, generator=torch.Generator().manual_seed(3)))
+    down.g_idx = down.g_idx.clone()
+    down.g_idx[0] = (down.g_idx[0] + 1) % (INTER // 32)  # one group one channel short, another one long
+    with pytest.raises(ModelLoadError, match=r"L\.experts\.0\.down_proj\.g_idx: each group must hold exactly 32"):
+        stack_int4_experts("int4_gptq", "L", [(0, gate, up, down)])
+
+
+def test_check_names_a_bad_g_idx():
+    q, _, _ = make_int4_experts("int4_gptq", INTER, act_order=True)
+    for bad, match in ((q.w13_g_idx.long(), "w13_g_idx: torch.int64"), (q.w13_g_idx[:, :32].contiguous(), r"\(4, 32\)"),
+                       (q.w13_g_idx + 5, "holds groups outside")):
+        broken = type(q)(q.scheme, q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_zeros, q.w2_zeros, q.group_size, bad)
+        with pytest.raises(BackendError, match=match):
+            broken.check(E, D, INTER)
+
+
+# ---------------------------------------------------------------- the nvidia Triton GEMMs (interpreter here)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("t,drop", [(1, False), (6, True)])
+def test_nvidia_grouped_gemms_take_act_order_experts(direct, t, drop):
+    """fused_moe with w13_g_idx (quant/tiles.py int4_tile gathering zero points and scales per input channel in the
+    gate_up GEMM) against the dense twin: the direct and aligned schedules, one token and a ragged batch with -1
+    ids. Without the g_idx the same weights give another result (the check can fail)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvidia"))
+    from nvidia_testutil import DEVICE  # (sets TRITON_INTERPRET on the CPU)
+
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    q, w13, w2 = make_int4_experts("int4_gptq", INTER, device=DEVICE, act_order=True)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    wts, ids = routing(t, drop=drop, device=DEVICE)
+    args = {"direct": direct, "skip_unrouted": drop, "scheme": "int4_gptq", "w13_scale": q.w13_scale,
+            "w2_scale": q.w2_scale, "w13_zeros": q.w13_zeros, "w2_zeros": q.w2_zeros, "group_size": q.group_size}
+    got = fused_moe(x, q.w13, q.w2, wts, ids, w13_g_idx=q.w13_g_idx, **args)
+    ref = experts_forward(x, w13, w2, wts, ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fused_moe(x, q.w13, q.w2, wts, ids, **args), ref, atol=1e-3)
+
+
+def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones():
+    """The nvidia MoE op hands w13_g_idx to its GEMMs and does not stack quantized shared experts beside act-order
+    routed ones (the model's shared MLP runs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvidia"))
+    from nvidia_testutil import DEVICE  # noqa: F401
+
+    from deepinfer.backends.nvidia.moe import TritonMoE
+
+    q, _, _ = make_int4_experts("int4_gptq", INTER, act_order=True)
+    shared, _, _ = make_int4_experts("int4_gptq", INTER, num_experts=1, seed=4)
+    from deepinfer.backend import route
+
+    op = TritonMoE(MoESpec(router=ROUTER, hidden_size=D, intermediate_size=INTER), route_fn=route)
+    op.load_quantized_experts(q)
+    assert op._gemm_weights()["w13_g_idx"] is q.w13_g_idx
+    assert op.fuse_shared_quantized(shared) is False and op.quant_shared is None
