@@ -33,6 +33,7 @@ from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import (
     FP8_EXPERT_SCHEMES,
+    INT4_ACT_ORDER,
     INT4_EXPERT_GROUPS,
     INT4_EXPERT_SCHEMES,
     MOE_QUANT_SCHEMES,
@@ -72,7 +73,7 @@ from deepinfer.errors import BackendError, UnsupportedOpError
 __all__ = [
     "Backend", "BackendCaps", "DECODE_ROWS", "BackendError", "BackendInfo", "COLLECTIVE_OPS", "Communicator", "DecodeGraphRunner",
     "ENTRY_POINT_GROUP", "FeatureRequest", "ForwardBatch", "GraphRunner", "KVCacheSpec", "KVCaches", "KVLayout",
-    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MOE_QUANT_SCHEMES", "FP8_EXPERT_SCHEMES", "INT4_EXPERT_GROUPS", "INT4_EXPERT_SCHEMES", "MoEOp", "MoESpec", "QuantizedExperts",
+    "KVPart", "LINEAR_SCHEMES", "LinearMethod", "MLAAttentionOp", "MLAPrologWeights", "MLASpec", "MOE_QUANT_SCHEMES", "FP8_EXPERT_SCHEMES", "INT4_ACT_ORDER", "INT4_EXPERT_GROUPS", "INT4_EXPERT_SCHEMES", "MoEOp", "MoESpec", "QuantizedExperts",
     "NativeMLAAttention",
     "NativeMoE", "NativeOps", "NativeV4Attention", "OP_NAMES", "OpSpec", "PROCESS_GROUP_NAMES", "RouterSpec",
     "SingleProcessCommunicator", "StaticInputs", "TOKEN_REQUESTS", "TorchDistributedCommunicator", "UnsupportedOpError", "V4AttentionOp",

@@ -203,6 +203,10 @@ MOE_QUANT_SCHEMES = ("fp8_block", "fp8_w8a8", "fp4", "int4_awq", "int4_gptq")
 FP8_EXPERT_SCHEMES = ("fp8_block", "fp8_w8a8")  # one stored layout; w8a8 also quantizes the activations
 INT4_EXPERT_SCHEMES = ("int4_awq", "int4_gptq")  # one stored layout (below); the name says which checkpoint format
 INT4_EXPERT_GROUPS = (32, 64, 128)  # input channels per int4 scale / zero point
+# not a scheme: what an op lists beside "int4_gptq" in quantized_expert_schemes() where it reads
+# QuantizedExperts.w13_g_idx (GPTQ act-order experts); an op that does not gets such experts densified, so a plugin
+# written before the field existed is never handed groups it would ignore
+INT4_ACT_ORDER = "int4_gptq_act_order"
 
 
 @dataclass(frozen=True)
@@ -331,8 +335,9 @@ class MoEOp(ABC):
         return ()
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
-        """Keep the experts quantized (only called with a scheme from quantized_expert_schemes); forward /
-        experts then compute with them. Replaces any dense experts loaded before."""
+        """Keep the experts quantized (only called with a scheme from quantized_expert_schemes, and with a
+        w13_g_idx only where it lists INT4_ACT_ORDER); forward / experts then compute with them. Replaces any dense
+        experts loaded before."""
         raise BackendError(f"{type(self).__name__} does not run quantized routed experts "
                            f"({experts.scheme}); quantized_expert_schemes() lists what it takes")
 

@@ -131,3 +131,32 @@ def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones():
     op.load_quantized_experts(q)
     assert op._gemm_weights()["w13_g_idx"] is q.w13_g_idx
     assert op.fuse_shared_quantized(shared) is False and op.quant_shared is None
+
+
+def test_an_op_that_does_not_list_act_order_gets_the_experts_densified():
+    """INT4_ACT_ORDER is what an op lists beside "int4_gptq" where it reads w13_g_idx: an op listing the scheme alone
+    (a plugin written before the field) is refused such experts at load_quantized_experts, and the model's experts
+    keep them quantized only for an op listing both (else densified, which every op runs)."""
+    from types import SimpleNamespace
+
+    from deepinfer.backend import INT4_ACT_ORDER, MOE_QUANT_SCHEMES
+    from deepinfer.models.layers.experts import ExpertWeights
+
+    class SchemeOnly(NativeMoE):
+        def quantized_expert_schemes(self):
+            return MOE_QUANT_SCHEMES
+
+    q, _, _ = make_int4_experts("int4_gptq", INTER, act_order=True)
+    spec = MoESpec(router=ROUTER, hidden_size=D, intermediate_size=INTER)
+    with pytest.raises(BackendError, match="does not run GPTQ act-order routed experts"):
+        SchemeOnly(spec).load_quantized_experts(q)
+    assert INT4_ACT_ORDER in NativeMoE(spec).quantized_expert_schemes()
+    assert INT4_ACT_ORDER in CPUBackend().make_moe(spec).quantized_expert_schemes()
+    # the model side: experts holding act-order records
+    p_in = torch.randperm(D, generator=torch.Generator().manual_seed(9))
+    gate, up, down = _records(0, p_in, p_in, None)
+    experts = SimpleNamespace(scheme="int4_gptq", _loaded={(0, "gate", "weight"): gate, (0, "up", "weight"): up,
+                                                          (0, "down", "weight"): down})
+    keeps = ExpertWeights.keeps_quantized
+    assert keeps(experts, (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)) is True
+    assert keeps(experts, MOE_QUANT_SCHEMES) is False

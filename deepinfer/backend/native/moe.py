@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from deepinfer.backend.layer_ops import (
     FP8_EXPERT_SCHEMES,
+    INT4_ACT_ORDER,
     INT4_EXPERT_SCHEMES,
     MOE_QUANT_SCHEMES,
     MoEOp,
@@ -122,13 +123,16 @@ class NativeMoE(MoEOp):
         from w13 / w2, so it takes none unless it declares its own (the cpu and nvidia ops do)."""
         cls = type(self)
         if cls.experts is NativeMoE.experts and cls.forward is NativeMoE.forward:
-            return MOE_QUANT_SCHEMES
+            return (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)
         return ()
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
         """Keep them as stored; `experts` dequantizes one expert at a time (the oracle of the quantized kernels)."""
         if experts.scheme not in self.quantized_expert_schemes():
             raise BackendError(f"{type(self).__name__} does not run {experts.scheme!r} routed experts")
+        if experts.w13_g_idx is not None and INT4_ACT_ORDER not in self.quantized_expert_schemes():
+            raise BackendError(f"{type(self).__name__} does not run GPTQ act-order routed experts (w13_g_idx); "
+                               f"quantized_expert_schemes() lists {INT4_ACT_ORDER!r} where it does")
         experts.check(self.spec.local_experts, self.spec.hidden_size, self.spec.intermediate_size)
         self.quant, self.w13, self.w2 = experts, None, None
 

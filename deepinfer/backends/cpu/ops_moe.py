@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend import MOE_QUANT_SCHEMES, BackendError, MoESpec, NativeMoE, QuantizedExperts
+from deepinfer.backend import INT4_ACT_ORDER, MOE_QUANT_SCHEMES, BackendError, MoESpec, NativeMoE, QuantizedExperts
 
 DENSE_DTYPES = (torch.float32, torch.bfloat16)
 PAIRS_MAX = 4  # at most this many (token, slot) pairs: one pair at a time on the expert weights in place
@@ -51,7 +51,7 @@ class CPUMoE(NativeMoE):
     def quantized_expert_schemes(self) -> tuple[str, ...]:
         """Quantized experts run the native per-expert loop, each expert dequantized for its turn (the
         reference): memory stays quantized, no dense / pair fast path."""
-        return MOE_QUANT_SCHEMES
+        return (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
         super().load_quantized_experts(experts)

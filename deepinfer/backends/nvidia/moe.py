@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from deepinfer import envs
-from deepinfer.backend import MOE_QUANT_SCHEMES, Fp8Act, MoESpec, NativeMoE, QuantizedExperts
+from deepinfer.backend import INT4_ACT_ORDER, MOE_QUANT_SCHEMES, Fp8Act, MoESpec, NativeMoE, QuantizedExperts
 from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe, use_direct
 from deepinfer.backends.nvidia.fused_moe_config import FP8_ACT
 from deepinfer.backends.nvidia.moe_routing import (
@@ -94,7 +94,7 @@ class TritonMoE(NativeMoE):
     def quantized_expert_schemes(self) -> tuple[str, ...]:
         """fp8 block, fp4 and int4 (AWQ / GPTQ) experts: dequantized in the grouped GEMMs' inner loop (W8A16 /
         W4A16)."""
-        return MOE_QUANT_SCHEMES
+        return (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)  # (act-order: the gate_up GEMM gathers per input channel)
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
         super().load_quantized_experts(experts)
