@@ -24,6 +24,7 @@ from deepinfer.conformance.layer_cases import (
     moe_shared_cases,
     v4_attention_cases,
 )
+from deepinfer.conformance.moe_quant_cases import moe_quant_cases
 
 __all__ = ["Case", "cases_for", "router_specs"]
 
@@ -322,6 +323,7 @@ def cases_for(shapes: str) -> list[Case]:
             *moe_shared_cases(3, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"], from_hidden=True),
             *moe_shared_cases(5, 64, 32, 2, router_specs(real=False)["v3 sigmoid noaux_tc"], from_hidden=True),
             *moe_shared_cases(20, 64, 32, 2, router_specs(real=False)["v2-lite softmax greedy"]),
+            *moe_quant_cases(5, 64, 64, RouterSpec(8, 2, "softmax", "greedy"), group=32),
             *v4_attention_cases("tiny"),
             *bitmask_cases("tiny"),
             *runtime_cases("tiny"),
@@ -369,6 +371,8 @@ def cases_for(shapes: str) -> list[Case]:
                                                                           routed_scaling_factor=2.5)}, limit=None),
             *moe_shared_cases(1, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy"), from_hidden=True),
             *moe_shared_cases(32, 2048, 1408, 2, RouterSpec(16, 6, "softmax", "greedy")),
+            *moe_quant_cases(1, 2048, 1408, RouterSpec(16, 6, "softmax", "greedy"), group=128),
+            *moe_quant_cases(32, 2048, 1408, RouterSpec(16, 6, "softmax", "greedy"), group=128),
             *v4_attention_cases("real"),
             *bitmask_cases("real"),
             *runtime_cases("real"),

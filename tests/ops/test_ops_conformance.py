@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 
-from deepinfer.backend import BackendCaps
+from deepinfer.backend import INT4_ACT_ORDER, MOE_QUANT_SCHEMES, BackendCaps
 from deepinfer.backend.native import OP_NAMES
 from deepinfer.backends.cpu.backend import CPUBackend
+from deepinfer.backends.cpu.ops_moe import CPUMoE
 from deepinfer.conformance import run_conformance, run_for_device
 from deepinfer.errors import UnsupportedOpError
 
@@ -137,3 +139,42 @@ def test_model_rows_pass_on_cpu_and_catch_a_wrong_op():
     assert good.ok and [r.op for r in good.rows] == ["model", "model"], good.format_table()
     bad = run_conformance(_ScaledNorm(), ops=[], dtypes=[torch.float32], models=presets[:1])
     assert [r.status for r in bad.rows] == ["fail"], bad.format_table()
+
+
+class _DropsGroups(CPUMoE):
+    """Lists INT4_ACT_ORDER (or not) but drops w13_g_idx: a plugin that took int4 experts before the field existed."""
+
+    lists = True
+
+    def quantized_expert_schemes(self) -> tuple[str, ...]:
+        return (*MOE_QUANT_SCHEMES, *((INT4_ACT_ORDER,) if self.lists else ()))
+
+    def load_quantized_experts(self, experts) -> None:
+        super().load_quantized_experts(dataclasses.replace(experts, w13_g_idx=None))
+
+
+class _IgnoresActOrder(CPUBackend):
+    """Its MoE op is _DropsGroups: the quantized-experts case must catch it where it lists INT4_ACT_ORDER, and report
+    the case unsupported where it does not."""
+
+    name = "ignores-act-order"
+
+    def __init__(self, lists: bool):
+        super().__init__()
+        self.lists = lists
+
+    def make_moe(self, spec):
+        op = _DropsGroups(spec, route_fn=self.route, silu_and_mul=self.silu_and_mul,
+                          dense_max_work=self.moe_dense_max_work)
+        op.lists = self.lists
+        return op
+
+
+def test_suite_catches_an_op_that_ignores_act_order_groups():
+    rows = [r for r in run_conformance(_IgnoresActOrder(True), dtypes=[torch.float32], ops=["moe"]).rows
+            if "quantized experts" in r.case]
+    status = {r.case.split(" T=")[0]: r.status for r in rows}
+    assert status["quantized experts int4_gptq act-order"] == "fail", status
+    assert status["quantized experts int4_awq"] == "pass" and status["quantized experts fp8_block"] == "pass"
+    rows = run_conformance(_IgnoresActOrder(False), dtypes=[torch.float32], ops=["moe"]).rows
+    assert {r.status for r in rows if "act-order" in r.case} == {"unsupported"}
