@@ -20,7 +20,8 @@
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table; QUANT_BASELINE=0 skips the bf16 run and
 #      compares with the last one kept at /tmp/throughput_bf16.jsonl), int4ckpt (issue 18: writes INT4_CKPT,
 #      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128),
-#      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' GPU tests, benchmarks.int4_cuda_gemv, then decode at
+#      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' and GPTQ act-order experts' GPU tests,
+#      benchmarks.int4_cuda_gemv (with the act-order experts' row), then decode at
 #      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
 #      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine).
 set -u
@@ -212,7 +213,7 @@ fi
 if has int4b1; then
   log "issue 18: the CUDA int4 GEMVs (tests, kernel times, decode at batch 1)"
   timeout "${INT4B1_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/quant/test_int4_cuda_gemv.py \
-    > "$OUT/int4_cuda_tests.log" 2>&1
+    tests/quant/test_int4_experts_act_order.py > "$OUT/int4_cuda_tests.log" 2>&1
   log "int4 CUDA tests rc=$? :: $(tail -1 "$OUT/int4_cuda_tests.log")"
   timeout 300 python3 -m benchmarks.int4_cuda_gemv --json "$OUT/int4_cuda.jsonl" > "$OUT/int4_cuda.log" 2>&1
   log "int4_cuda_gemv rc=$?"; tail -20 "$OUT/int4_cuda.log" | tee -a "$OUT/summary.txt"

@@ -160,3 +160,29 @@ def test_an_op_that_does_not_list_act_order_gets_the_experts_densified():
     keeps = ExpertWeights.keeps_quantized
     assert keeps(experts, (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)) is True
     assert keeps(experts, MOE_QUANT_SCHEMES) is False
+
+
+@pytest.mark.gpu
+def test_act_order_experts_real_shapes_on_the_gpu():
+    """V2-Lite's expert shapes (D 2048, I 1408, group 128, 16 experts, top-6) in GPTQ act-order, bf16, on the GPU:
+    the Triton grouped GEMMs (direct at 1 token, aligned at 64 and 300) against the dense twin in bf16."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvidia"))
+    from nvidia_testutil import DEVICE, ON_GPU
+
+    if not ON_GPU:
+        pytest.skip("real shapes need the GPU")
+    from deepinfer.backends.nvidia.fused_moe import fused_moe
+
+    q, w13, w2 = make_int4_experts("int4_gptq", 1408, device=DEVICE, num_experts=16, hidden=2048, group=128,
+                                   act_order=True)
+    for t in (1, 64, 300):
+        x = torch.randn(t, 2048, device=DEVICE).bfloat16()
+        wts, ids = routing(t, k=6, drop=True, device=DEVICE, num_experts=16)
+        got = fused_moe(x, q.w13, q.w2, wts, ids, skip_unrouted=True, scheme="int4_gptq", w13_scale=q.w13_scale,
+                        w2_scale=q.w2_scale, w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=128,
+                        w13_g_idx=q.w13_g_idx)
+        ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
+        assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
