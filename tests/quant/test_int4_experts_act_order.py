@@ -155,11 +155,17 @@ def test_an_op_that_does_not_list_act_order_gets_the_experts_densified():
     # the model side: experts holding act-order records
     p_in = torch.randperm(D, generator=torch.Generator().manual_seed(9))
     gate, up, down = _records(0, p_in, p_in, None)
-    experts = SimpleNamespace(scheme="int4_gptq", _loaded={(0, "gate", "weight"): gate, (0, "up", "weight"): up,
-                                                          (0, "down", "weight"): down})
+    experts = SimpleNamespace(scheme="int4_gptq", names=("gate", "up", "down"),
+                              _loaded={(0, "gate", "weight"): gate, (0, "up", "weight"): up, (0, "down", "weight"): down})
     keeps = ExpertWeights.keeps_quantized
     assert keeps(experts, (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)) is True
     assert keeps(experts, MOE_QUANT_SCHEMES) is False
+    # a down projection's act-order alone is resolved at load (no w13_g_idx): any op listing the scheme takes it
+    g2, u2, d2 = _records(1, None, None, torch.randperm(INTER, generator=torch.Generator().manual_seed(4)))
+    down_only = SimpleNamespace(scheme="int4_gptq", names=("gate", "up", "down"),
+                                _loaded={(0, "gate", "weight"): g2, (0, "up", "weight"): u2, (0, "down", "weight"): d2})
+    assert d2.act_order and not g2.act_order and keeps(down_only, MOE_QUANT_SCHEMES) is True
+    assert stack_int4_experts("int4_gptq", "L", [(0, g2, u2, d2)]).w13_g_idx is None
 
 
 @pytest.mark.gpu

@@ -74,6 +74,14 @@ class Int4Weight:
             if int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= groups:
                 raise ModelLoadError(f"{name}.g_idx holds groups outside [0, {groups})")
 
+    @property
+    def act_order(self) -> bool:
+        """Whether g_idx is GPTQ act-order's (desc_act): not arange(K) // G."""
+        if self.g_idx is None:
+            return False
+        k = self.g_idx.numel()
+        return not torch.equal(self.g_idx.long(), torch.arange(k, device=self.g_idx.device) // self.group_size)
+
     def groups_of_rows(self) -> torch.Tensor:
         """int32 [K]: the group of each input row (g_idx for GPTQ, k // G for AWQ)."""
         if self.g_idx is not None:
@@ -142,10 +150,7 @@ def int4_expert_values(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch
     """One projection's record as unpacked rows: (q uint8 [N, K] in 0..15, zeros uint8 [N, K/G] offset applied,
     scales [N, K/G] as stored, g_idx int32 [K] where it is not k // G (act-order), else None)."""
     q, z, _ = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied)
-    k, g = q.shape[0], w.group_size
-    g_idx = None
-    if w.g_idx is not None and not torch.equal(w.g_idx.long(), torch.arange(k, device=w.g_idx.device) // g):
-        g_idx = w.g_idx.to(torch.int32).contiguous()
+    g_idx = w.g_idx.to(torch.int32).contiguous() if w.act_order else None
     return (q.t().to(torch.uint8).contiguous(), z.t().round().to(torch.uint8).contiguous(), w.scales.t().contiguous(),
             g_idx)
 

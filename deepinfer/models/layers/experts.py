@@ -36,7 +36,7 @@ from deepinfer.backend import (
 )
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.models.layers.linear import FP8_BLOCK, Linear, Loader, prepare_scale, prepare_weight
-from deepinfer.models.layers.quant.int4_experts import int4_act_order, int4_scheme_of, stack_int4_experts
+from deepinfer.models.layers.quant.int4_experts import int4_scheme_of, stack_int4_experts
 from deepinfer.models.layers.quant.settings import active_linear_quant
 from deepinfer.models.weights import OTHER_RANK, sliced
 
@@ -275,9 +275,10 @@ class ExpertWeights:
         if self.scheme is None or self.scheme not in op_schemes:
             return False
         if self.scheme.startswith("int4_"):  # every projection of every expert here an int4 record (scheme says so)
-            # GPTQ act-order experts go to an op that reads their groups (INT4_ACT_ORDER), else densified
+            # GPTQ act-order gate / up projections (QuantizedExperts.w13_g_idx) go to an op that reads their groups
+            # (INT4_ACT_ORDER), else densified; a down projection's act-order is resolved at load (int4_experts.py)
             return INT4_ACT_ORDER in op_schemes or not any(
-                kind == "weight" and int4_act_order(t) for (_, _, kind), t in self._loaded.items())
+                kind == "weight" and proj != self.names[2] and t.act_order for (_, proj, kind), t in self._loaded.items())
         want = torch.uint8 if self.fp4 else torch.float8_e4m3fn
         weights = [t for (_, _, kind), t in self._loaded.items() if kind == "weight"]
         scales = sum(kind == "scale" for (_, _, kind) in self._loaded)

@@ -36,14 +36,6 @@ def int4_scheme_of(weights: list) -> str | None:
     return weights[0].scheme
 
 
-def int4_act_order(w: Int4Weight) -> bool:
-    """Whether a record's g_idx is GPTQ act-order's (not arange(K) // G)."""
-    if w.g_idx is None:
-        return False
-    k = w.g_idx.numel()
-    return not torch.equal(w.g_idx.long(), torch.arange(k, device=w.g_idx.device) // w.group_size)
-
-
 def stack_int4_experts(scheme: str, prefix: str, slots: list[tuple[int, Int4Weight, Int4Weight, Int4Weight] | int]
                        ) -> QuantizedExperts:
     """slots: per physical slot either (expert, gate, up, down records) or the index of an earlier slot holding
