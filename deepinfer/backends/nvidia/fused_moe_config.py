@@ -142,7 +142,7 @@ def gidx_config(cfg: dict) -> dict:
 
 
 def gidx_args(g_idx: torch.Tensor | None, quant: int, num_experts: int, k: int, dummy: torch.Tensor,
-          what: str) -> tuple[torch.Tensor, int]:
+              what: str) -> tuple[torch.Tensor, int]:
     """(pointer, expert stride) of a GPTQ act-order weight's groups (int32 [E, K]: the input channel k of expert e in
     group g_idx[e, k]; quant/tiles.py int4_tile gathers the zero points and scales per channel), or a stand-in the
     kernel never reads. BackendError for a g_idx on other than int4 weights, or of another shape."""
