@@ -255,6 +255,8 @@ class QuantizedExperts:
         """BackendError naming the tensor whose dtype or shape disagrees with the scheme's layout."""
         if self.scheme not in MOE_QUANT_SCHEMES:
             raise BackendError(f"QuantizedExperts scheme {self.scheme!r} (known: {', '.join(MOE_QUANT_SCHEMES)})")
+        if self.w13_g_idx is not None and self.scheme != "int4_gptq":
+            raise BackendError(f"QuantizedExperts ({self.scheme}) w13_g_idx is GPTQ act-order's (int4_gptq) only")
         cd = lambda a, b: -(-a // b)  # noqa: E731
         if self.scheme in INT4_EXPERT_SCHEMES:
             self._check_int4(num_experts, hidden, inter)

@@ -82,6 +82,9 @@ def test_check_names_a_bad_g_idx():
         broken = type(q)(q.scheme, q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_zeros, q.w2_zeros, q.group_size, bad)
         with pytest.raises(BackendError, match=match):
             broken.check(E, D, INTER)
+    awq = type(q)("int4_awq", q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_zeros, q.w2_zeros, q.group_size, q.w13_g_idx)
+    with pytest.raises(BackendError, match=r"\(int4_awq\) w13_g_idx is GPTQ act-order's"):
+        awq.check(E, D, INTER)
 
 
 # ---------------------------------------------------------------- the nvidia Triton GEMMs (interpreter here)
