@@ -446,6 +446,12 @@ def test_two_measured_chains_step_times_propose_a_shorter_chain_the_model_prices
     for _ in range(4):
         single.realized.observe(4, 5, tokens[5], true_seconds(5))
     assert single._fitted_rates(4) is None
+    # measured times that fall as the chain grows (noise): no line through them either
+    falling = policy_with([0.85] * 5, one=0.0004, full=0.0006)
+    for _ in range(4):
+        falling.realized.observe(4, 4, tokens[4], true_seconds(5))
+        falling.realized.observe(4, 5, tokens[5], true_seconds(4))
+    assert falling._fitted_rates(4) is None
 
 
 def test_a_pause_the_model_alone_decides_is_vetoed_by_a_chain_realized_well_above_its_plain_rate():
