@@ -26,6 +26,8 @@ from deepinfer.models.registry import load_model
 from deepinfer.models.weights import OTHER_RANK
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+from int4_ckpt_util import write_int4_pair
 from mtp_checkpoint import with_mtp as _with_mtp
 from paged_batch_util import PagedKV
 
@@ -73,6 +75,13 @@ def ckpts(tmp_path_factory):
     # 2x64 heads' columns = 128, MLP 256 -> 128, shared experts 256 -> 128, routed experts 256 -> 128)
     out["fp8-aligned"] = _variant(root, "tiny-v3-fp8", "fp8-aligned", qk_nope_head_dim=64, qk_rope_head_dim=64,
                                   v_head_dim=64, intermediate_size=512, moe_intermediate_size=256)
+    # int4 (every decoder linear and expert, groups of 32: each rank's row-parallel part, o_proj 64, the MLP's
+    # down 128, the experts' down 32, whole groups at tp=2), AWQ and GPTQ; GPTQ act-order and groups of 64 (the
+    # experts' down 32 inputs a rank, half a group) are refused naming the layer
+    for name, method, group, act in (("int4-awq", "awq", 32, False), ("int4-gptq", "gptq", 32, False),
+                                     ("int4-act-order", "gptq", 32, True), ("int4-g64", "awq", 64, False)):
+        out[name] = os.path.join(root, name)
+        write_int4_pair(out["tiny-v3"], out[name], os.path.join(root, f"{name}-twin"), method, group, act_order=act)
     out["heads-3"] = _config_only(root, "tiny-v2-lite", "heads-3", num_attention_heads=3, num_key_value_heads=3)
     # q_b_proj: 2 heads x (32 + 64) = 192 rows per rank, not whole 128-blocks (the experts align)
     out["fp8-misaligned"] = _config_only(root, "tiny-v3-fp8", "fp8-misaligned", qk_nope_head_dim=32,
@@ -143,6 +152,8 @@ def _tp_rank(rank: int, world: int, phases: list[tuple[int, dict, dict]]) -> lis
             model = load_model(path, backend, torch.float32, progress=False, load_mtp=mtp, read_stats=stats)
             run = _drive(model, forced, mtp)
             run["reads"] = stats.shapes
+            run["int4_experts"] = [m.op.quant.scheme for m in model.modules()
+                                   if getattr(m, "quantized_experts", False) and m.op.quant is not None]
             run["bytes"] = stats.bytes_read
             out[key] = run
         for key, path in errors.items():
@@ -216,7 +227,7 @@ def _check_reads(path: str, runs: list[dict], split_names: list[str], whole_name
 _ATTN_SPLIT = ["model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight",
                "model.embed_tokens.weight"]
 TP2_CASES = {"v2-lite": ("tiny-v2-lite", False), "v3-mtp": ("v3-mtp", True), "dense-tied": ("dense-tied", False),
-             "fp8-aligned": ("fp8-aligned", False)}
+             "fp8-aligned": ("fp8-aligned", False), "int4-awq": ("int4-awq", False), "int4-gptq": ("int4-gptq", False)}
 TP4_CASES = {"v2-lite": ("tiny-v2-lite", False)}
 
 
@@ -230,7 +241,8 @@ def tp_runs(ckpts):
     ref = {k: _reference(ckpts[c], m) for k, (c, m) in keys.items()}
     tp2 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP2_CASES.items()}
     tp4 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP4_CASES.items()}
-    errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"]}
+    errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"], "int4-act-order": ckpts["int4-act-order"],
+              "int4-g64": ckpts["int4-g64"]}
     return ref, run_local_ranks(_tp_rank, 4, [(2, tp2, errors), (4, tp4, {})], timeout_s=400)
 
 
@@ -243,6 +255,14 @@ def test_tp2_logits_equal_one_process(tp_runs, key):
     ref, runs = tp_runs
     for replica in (range(2), range(2, 4)):  # both data-parallel replicas of the TP=2 model
         _check_same_logits(ref[key], _group(runs, 0, replica, key), f"{key} tp=2 ranks {list(replica)}")
+
+
+def test_tp2_int4_checkpoints_keep_their_experts_int4(tp_runs):
+    """The int4 cases above ran their routed experts int4 on every rank (the cpu op keeps them), not densified."""
+    _, runs = tp_runs
+    for key, scheme in (("int4-awq", "int4_awq"), ("int4-gptq", "int4_gptq")):
+        for run in _group(runs, 0, range(4), key):
+            assert run["int4_experts"] == [scheme, scheme], (key, run["int4_experts"])  # tiny-v3's 2 MoE layers
 
 
 def test_tp4_one_head_per_rank_logits_equal_one_process(tp_runs):
@@ -284,6 +304,10 @@ def test_settings_that_cannot_split_are_named(tp_runs):
         assert "tensor_parallel_size 2" in heads, heads
         assert fp8.startswith("ModelLoadError") and "tensor_parallel_size 2" in fp8, fp8
         assert "model.layers.0.self_attn.q_b_proj" in fp8 and "128" in fp8, fp8
+        act, g64 = r[0]["int4-act-order"], r[0]["int4-g64"]
+        assert act.startswith("ModelLoadError") and "act-order" in act and "row-parallel" in act, act
+        assert g64.startswith("ModelLoadError") and "group of 64" in g64 and "down_proj" in g64, g64
+        assert "tensor_parallel_size 2" in g64, g64
 
 
 # ---------------------------------------------------------------- layer-level checks, in this process
@@ -305,26 +329,40 @@ class _RankOf(SingleProcessCommunicator):
         return self._world
 
 
-def test_split_layers_refuse_int4_and_int8_records_naming_the_scheme():
+def test_split_layers_take_their_part_of_int4_and_int8_records():
+    """A column- / row-parallel Linear handed a whole int4 / int8 record keeps its rank's part: the ranks' dense
+    weights tile the whole record's (through the cpu backend's linear methods)."""
     from deepinfer.backend import Int4Weight
     from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.checkpoints.awq_writer import pack_awq_cols, quantize_int4
     from deepinfer.models.layers.linear import Linear
     from deepinfer.models.loader import Int8Weight, deliver
 
     be = CPUBackend()
-    int4 = Int4Weight("awq", torch.zeros(128, 32, dtype=torch.int32), torch.zeros(1, 32, dtype=torch.int32),
-                      torch.ones(1, 256), group_size=128)
-    int8 = Int8Weight(torch.zeros(256, 128, dtype=torch.int8), torch.ones(256, 1), torch.zeros(256, 1))
-    for rec, scheme in ((int4, "int4_awq"), (int8, "int8_w8a8")):
-        lin = Linear(128, 256, be, torch.float32, split="column", tp=_RankOf(0, 2))
-        (load,) = lin.loaders("model.layers.0.mlp.gate_proj").values()
-        with pytest.raises(ModelLoadError, match=rf"gate_proj: {scheme} .*tensor_parallel_size 2"):
-            deliver(load, rec)
-    # a replicated layer (q_a / kv_a) and tp = 1 still take them
-    whole = Linear(128, 256, be, torch.float32, split="column", tp=_RankOf(0, 1))
-    (load,) = whole.loaders("x").values()
-    deliver(load, int4)
-    assert isinstance(whole.weight, Int4Weight)
+    q, z, s = quantize_int4(torch.randn(256, 128, generator=torch.Generator().manual_seed(0)), 64)
+    int4 = Int4Weight("awq", pack_awq_cols(q), pack_awq_cols(z), s, group_size=64)
+    int8 = Int8Weight(torch.randint(-127, 128, (256, 128), dtype=torch.int8), torch.rand(256, 1) + 0.5,
+                      torch.zeros(256, 1))
+    for rec in (int4, int8):
+        whole = Linear(128, 256, be, torch.float32, split="column", tp=_RankOf(0, 1))
+        (load,) = whole.loaders("w").values()
+        deliver(load, rec)
+        want = whole.dense()
+        for split, dim in (("column", 0), ("row", 1)):
+            parts = []
+            for rank in range(2):
+                lin = Linear(128, 256, be, torch.float32, split=split, tp=_RankOf(rank, 2))
+                (load,) = lin.loaders("model.layers.0.mlp.gate_proj").values()
+                deliver(load, rec)
+                assert lin.scheme() == rec.scheme
+                parts.append(lin.dense())
+            torch.testing.assert_close(torch.cat(parts, dim), want, atol=0, rtol=0, msg=f"{rec.scheme} {split}")
+    # a part that splits a quantization group is refused naming the layer (4 ranks x 32 inputs, groups of 64)
+    lin = Linear(128, 256, be, torch.float32, split="row", tp=_RankOf(1, 4))
+    (load,) = lin.loaders("model.layers.0.mlp.down_proj").values()
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight \(row-parallel over tensor_parallel_size 4\).*"
+                                             r"group of 64"):
+        deliver(load, int4)
 
 
 def test_row_parallel_bias_is_read_on_rank_zero_only_and_parts_tile_the_weight():

@@ -82,6 +82,37 @@ class Int4Weight:
         k = self.g_idx.numel()
         return not torch.equal(self.g_idx.long(), torch.arange(k, device=self.g_idx.device) // self.group_size)
 
+    def part(self, dim: int, start: int, stop: int, name: str) -> Int4Weight:
+        """This tensor-parallel rank's slice of the linear, [out, in] convention: dim 0 = output channels
+        [start, stop) (a column-parallel layer), dim 1 = input channels (row-parallel). The packed words, zero
+        points and scales are cut so the part dequantizes to the same slice of the whole. ModelLoadError naming
+        the layer where the cut would split a packed int32 word (8 values) or a quantization group, or where a
+        row-parallel cut meets GPTQ act-order (its input rows reference groups across the whole K; as vLLM's
+        GPTQ / AWQ linears, only aligned parts are taken)."""
+        if dim not in (0, 1) or not 0 <= start < stop:
+            raise ValueError(f"{name}: bad part dim {dim} [{start}:{stop}]")
+        g = self.group_size
+        if dim == 0:
+            if start % PACK or stop % PACK:
+                raise ModelLoadError(f"{name}: int4 {self.method} output channels [{start}:{stop}] split a packed "
+                                     f"int32 word of {PACK} (this rank's part must be a multiple of {PACK})")
+            cols, words = slice(start, stop), slice(start // PACK, stop // PACK)
+            qweight = self.qweight[:, words] if self.method == "awq" else self.qweight[:, cols]
+            return Int4Weight(self.method, qweight.contiguous(), self.qzeros[:, words].contiguous(),
+                              self.scales[:, cols].contiguous(), self.g_idx, g, self.zero_offset)
+        if self.act_order:
+            raise ModelLoadError(f"{name}: a GPTQ act-order (desc_act) linear cannot be split along its input "
+                                 "channels over tensor parallel ranks (its g_idx mixes groups across the whole "
+                                 "input); load it with tensor_parallel_size 1")
+        if start % g or stop % g:
+            raise ModelLoadError(f"{name}: int4 {self.method} input channels [{start}:{stop}] split a quantization "
+                                 f"group of {g} (this rank's part must be a multiple of the group size)")
+        rows, groups = slice(start, stop), slice(start // g, stop // g)
+        qweight = self.qweight[rows] if self.method == "awq" else self.qweight[start // PACK:stop // PACK]
+        g_idx = None if self.g_idx is None else (self.g_idx[rows] - start // g).contiguous()
+        return Int4Weight(self.method, qweight.contiguous(), self.qzeros[groups].contiguous(),
+                          self.scales[groups].contiguous(), g_idx, g, self.zero_offset)
+
     def groups_of_rows(self) -> torch.Tensor:
         """int32 [K]: the group of each input row (g_idx for GPTQ, k // G for AWQ)."""
         if self.g_idx is not None:

@@ -176,13 +176,12 @@ class ExpertWeights:
         whole tensor (a reader that does not slice) or just the part: told apart by the shape."""
         if self.tp_part is None:
             return t
-        if not isinstance(t, torch.Tensor):
-            raise ModelLoadError(f"{name}: {type(t).__name__} routed experts cannot be split over "
-                                 f"tensor_parallel_size {self.tp_part[1]} yet; load them with tensor_parallel_size 1 "
-                                 "or enable_expert_parallel")
         dim = 1 if proj == self.names[2] else 0
         rank, _ = self.tp_part
         size = self._split_size(proj, kind)
+        if not isinstance(t, torch.Tensor):  # an int4 / int8 record, read whole: its packed words cut together
+            return t.part(dim, rank * size, (rank + 1) * size,
+                          f"{name} (routed experts over tensor_parallel_size {self.tp_part[1]})")
         if t.dim() == 2 and t.shape[dim] == size:
             return t  # already this rank's part
         if t.dim() == 2 and t.shape[dim] == size * self.tp_part[1]:

@@ -126,6 +126,7 @@ class Linear(nn.Module):
         self.bias: torch.Tensor | None = None
         self.method: LinearMethod | None = None
         self.name = ""
+        self._part: tuple[int, int, int] | None = None  # split: (dim, start, stop) of this rank's part
 
     def _shard_problem(self, in_features: int, out_features: int, quantized: bool) -> str | None:
         """Why this layer cannot be split over the tp ranks (reported with its name by `loaders`), or None."""
@@ -157,6 +158,7 @@ class Linear(nn.Module):
         dim = 0 if self.split == "column" else 1
         size = self.out_features if dim == 0 else self.in_features
         lo = self.tp_rank * size
+        self._part = (dim, lo, lo + size)  # an int4 / int8 record arrives whole: `_set_weight` cuts it
         out = {f"{prefix}.weight": sliced(self._set_weight, dim, lo, lo + size)}
         if self.quantized:  # whole 128-blocks per rank (checked by _shard_problem)
             out[f"{prefix}.weight_scale_inv"] = sliced(self._set_scale, dim, lo // FP8_BLOCK,
@@ -170,9 +172,8 @@ class Linear(nn.Module):
 
     def _set_weight(self, t: torch.Tensor) -> None:
         if self.split is not None and isinstance(t, (Int4Weight, Int8Weight)):
-            raise ModelLoadError(f"{self.name}: {t.scheme} checkpoints cannot be split over tensor_parallel_size "
-                                 f"{self.tp_size} (their packed groups are not sharded yet); load them with "
-                                 "tensor_parallel_size 1")
+            t = t.part(*self._part, f"{self.name}.weight ({self.split}-parallel over tensor_parallel_size "
+                                    f"{self.tp_size})")
         self.weight = prepare_weight(self.name, t, (self.out_features, self.in_features), self.quantized, self.dtype,
                                      self.backend.device)
 

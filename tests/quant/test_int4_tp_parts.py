@@ -1,0 +1,88 @@
+"""Tensor-parallel parts of int4 (AWQ / GPTQ) and int8 (W8A8) records: a rank's part, cut from the packed words,
+zero points and scales, dequantizes to the same slice of the whole weight (the reference: the records' own
+dequantization, `dequant_int4`, of the whole record, then sliced); cuts that would split a packed word or a
+quantization group, and a row cut of a GPTQ act-order record, are refused naming the layer. The model-level check
+(a TP=2 model on an int4 checkpoint gives one process's logits) is in tests/parallel/test_tensor_parallel_model.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backend import Int4Weight, dequant_int4
+from deepinfer.checkpoints.awq_writer import pack_awq_cols, pack_gptq, quantize_int4
+from deepinfer.errors import ModelLoadError
+from deepinfer.models.loader import Int8Weight
+
+N, K = 64, 256  # [out, in]
+
+
+def _record(method: str, group: int, act_order: bool = False, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    perm = torch.randperm(K, generator=g) if act_order else torch.arange(K)
+    inv = torch.argsort(perm)
+    q, z, s = quantize_int4(w[:, perm], group)
+    q = q[inv]
+    if method == "awq":
+        return Int4Weight("awq", pack_awq_cols(q), pack_awq_cols(z), s, group_size=group)
+    qweight, qzeros = pack_gptq(q, z)
+    return Int4Weight("gptq", qweight, qzeros, s, g_idx=(inv // group).to(torch.int32), group_size=group,
+                      zero_offset=1)
+
+
+CASES = [("awq", 32, False), ("awq", 128, False), ("gptq", 32, False), ("gptq", 64, True)]
+
+
+@pytest.mark.parametrize("method,group,act_order", CASES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_parts_dequantize_to_the_slices_of_the_whole(method, group, act_order, tp):
+    rec = _record(method, group, act_order)
+    assert rec.act_order == act_order
+    whole = dequant_int4(rec)  # [N, K]
+    size = N // tp
+    parts = []
+    for r in range(tp):
+        part = rec.part(0, r * size, (r + 1) * size, "x.q_b_proj")
+        part.check("x.q_b_proj", size, K)
+        parts.append(dequant_int4(part))
+        torch.testing.assert_close(parts[-1], whole[r * size:(r + 1) * size], atol=0, rtol=0)
+    assert torch.equal(torch.cat(parts, 0), whole)
+
+
+@pytest.mark.parametrize("method,group", [("awq", 32), ("awq", 128), ("gptq", 32), ("gptq", 64)])
+@pytest.mark.parametrize("tp", [2])
+def test_row_parts_dequantize_to_the_slices_of_the_whole(method, group, tp):
+    rec = _record(method, group)
+    whole = dequant_int4(rec)
+    size = K // tp
+    for r in range(tp):
+        part = rec.part(1, r * size, (r + 1) * size, "x.o_proj")
+        part.check("x.o_proj", N, size)  # the layer's own shape check passes on the part
+        assert not part.act_order
+        torch.testing.assert_close(dequant_int4(part), whole[:, r * size:(r + 1) * size], atol=0, rtol=0)
+
+
+def test_cuts_that_split_a_word_or_a_group_are_refused_naming_the_layer():
+    awq = _record("awq", 128)
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.gate_proj.*packed int32 word of 8"):
+        awq.part(0, 0, 12, "layers.0.mlp.gate_proj")
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.down_proj.*quantization group of 128"):
+        awq.part(1, 0, 64, "layers.0.mlp.down_proj")  # K 256 over 4 ranks: 64 per rank, half a group
+    act = _record("gptq", 64, act_order=True)
+    with pytest.raises(ModelLoadError, match=r"o_proj: a GPTQ act-order .*tensor_parallel_size 1"):
+        act.part(1, 0, 128, "o_proj")
+
+
+def test_int8_parts_keep_their_channel_scales():
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+    rec = Int8Weight(w, torch.rand(N, 1) + 0.5, torch.zeros(N, 1))
+    col = rec.part(0, 16, 48, "x")
+    col.check("x", 32, K)
+    assert torch.equal(col.weight, w[16:48]) and torch.equal(col.weight_scale, rec.weight_scale[16:48])
+    row = rec.part(1, 128, 256, "x")
+    row.check("x", N, 128)
+    assert torch.equal(row.weight, w[:, 128:]) and torch.equal(row.weight_scale, rec.weight_scale)
+    with pytest.raises(ModelLoadError, match=r"^x: cannot take \[0:300\]"):
+        rec.part(1, 0, 300, "x")
