@@ -32,16 +32,10 @@ from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, BackendInfo, hookimpl
 from deepinfer.backend.kv_caches import KVCaches, KVLayout, KVPart
 from deepinfer.backend.kv_spec import KVCacheSpec
 from deepinfer.backend.layer_ops import (
-    FP8_EXPERT_SCHEMES,
-    INT4_ACT_ORDER,
-    INT4_EXPERT_GROUPS,
-    INT4_EXPERT_SCHEMES,
-    MOE_QUANT_SCHEMES,
     LinearMethod,
     MLAAttentionOp,
     MLAPrologWeights,
     MoEOp,
-    QuantizedExperts,
     V4AttentionOp,
 )
 from deepinfer.backend.mtp_graph_runner import MTPGraphRunner, argmax_confidence, mtp_draft_logits
@@ -67,6 +61,14 @@ from deepinfer.backend.native.quant_int4 import (
 from deepinfer.backend.native.routing import route, validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
 from deepinfer.backend.op_support import LINEAR_SCHEMES, OP_NAMES, OpSpec
+from deepinfer.backend.quantized_experts import (
+    FP8_EXPERT_SCHEMES,
+    INT4_ACT_ORDER,
+    INT4_EXPERT_GROUPS,
+    INT4_EXPERT_SCHEMES,
+    MOE_QUANT_SCHEMES,
+    QuantizedExperts,
+)
 from deepinfer.backend.specs import MLASpec, MoESpec, RouterSpec, V4AttentionSpec
 from deepinfer.errors import BackendError, UnsupportedOpError
 

@@ -12,12 +12,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backend.layer_ops import (
+from deepinfer.backend.layer_ops import MoEOp
+from deepinfer.backend.quantized_experts import (
     FP8_EXPERT_SCHEMES,
     INT4_ACT_ORDER,
     INT4_EXPERT_SCHEMES,
     MOE_QUANT_SCHEMES,
-    MoEOp,
     QuantizedExperts,
 )
 from deepinfer.backend.native.activation import silu_and_mul

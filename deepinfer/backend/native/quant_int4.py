@@ -164,7 +164,7 @@ def dequant_int4(w: Int4Weight) -> torch.Tensor:
 
 
 def int4_expert_rows(w: Int4Weight, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One expert projection's checkpoint record -> the QuantizedExperts int4 layout (backend/layer_ops.py):
+    """One expert projection's checkpoint record -> the QuantizedExperts int4 layout (backend/quantized_experts.py):
     (q uint8 [N, K/2], two per byte, low nibble = even input channel; zeros uint8 [N, K/G], offset applied;
     scales [N, K/G] as stored). The same for AWQ and GPTQ: both become row-major nibbles along K, so a kernel
     reads an expert's [rows, K-tile] like V4's fp4 bytes. A GPTQ g_idx other than k // G (act-order) is refused

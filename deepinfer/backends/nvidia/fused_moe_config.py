@@ -1,7 +1,7 @@
 """Launch configuration of the MoE grouped GEMMs (fused_moe_gemm.py): tiles per schedule and weight scheme, and
 the per-scheme arguments (scales, zero points, the logical K) the kernels take.
 
-Weight schemes (QuantizedExperts, backend/layer_ops.py) map to the kernels' QUANT code: 0 dense, 1 fp8 128x128
+Weight schemes (QuantizedExperts, backend/quantized_experts.py) map to the kernels' QUANT code: 0 dense, 1 fp8 128x128
 blocks, 2 fp4 e2m1 per-32, 3 int4 (AWQ / GPTQ, one layout). "fp8_w8a8" is QUANT 1 with fp8 activations: the
 kernels then run the fp8 tensor cores on (activation, weight) e4m3 tiles, one 128-wide K block per step.
 """

@@ -4,7 +4,7 @@ An AWQ / GPTQ DeepSeek checkpoint quantizes the routed experts like every other 
 projection `qweight` / `qzeros` / `scales` (+ GPTQ `g_idx`), which the loader gathers into one `Int4Weight`
 record under `experts.E.{gate,up,down}_proj.weight`). When the backend's MoE op runs "int4_awq" / "int4_gptq"
 (`op.quantized_expert_schemes()`), the records are repacked here, once, into the contract's layout
-(backend/layer_ops.py QuantizedExperts: row-major nibbles along the input dimension, zeros and scales per row
+(backend/quantized_experts.py QuantizedExperts: row-major nibbles along the input dimension, zeros and scales per row
 and group): the same 4 bits a weight as stored, one layout for both formats, so one kernel reads them.
 Otherwise (an op that does not list the scheme, a layer with a projection left dense) the experts are densified
 as before.
