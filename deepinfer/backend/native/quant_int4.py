@@ -86,9 +86,10 @@ class Int4Weight:
         """This tensor-parallel rank's slice of the linear, [out, in] convention: dim 0 = output channels
         [start, stop) (a column-parallel layer), dim 1 = input channels (row-parallel). The packed words, zero
         points and scales are cut so the part dequantizes to the same slice of the whole. ModelLoadError naming
-        the layer where the cut would split a packed int32 word (8 values) or a quantization group, or where a
-        row-parallel cut meets GPTQ act-order (its input rows reference groups across the whole K; as vLLM's
-        GPTQ / AWQ linears, only aligned parts are taken)."""
+        the layer where the cut would split a packed int32 word (8 values) or a quantization group (vLLM's GPTQ /
+        AWQ linears refuse such a part too), or where a row-parallel cut meets GPTQ act-order: its input rows
+        reference groups across the whole K, so a part would need every group's scales and zero points (vLLM keeps
+        them whole on each rank for it; not built here)."""
         if dim not in (0, 1) or not 0 <= start < stop:
             raise ValueError(f"{name}: bad part dim {dim} [{start}:{stop}]")
         g = self.group_size
