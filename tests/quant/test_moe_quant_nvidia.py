@@ -22,6 +22,31 @@ def int4_args(q) -> dict:
         return {}
     return {"w13_zeros": q.w13_zeros, "w2_zeros": q.w2_zeros, "group_size": q.group_size}
 
+
+def assert_w8a8_matches(got: torch.Tensor, ref: torch.Tensor, ref_w8a16: torch.Tensor) -> None:
+    """A W8A8 kernel's output against the oracle (each projection's input quantized per token per 128, fp32 product).
+    Under the interpreter: the same quantized values, summation order only (1e-5). On a GPU the fp8 tensor cores
+    accumulate a 128-deep K block in reduced precision before the kernel promotes it to fp32 (DeepSeek-V3's report
+    puts Hopper's fp8 MMA accumulation at ~14 bits, why the scales' promotion is per 128), and a SiLU-and-mul value on a
+    rounding boundary may land on the next e4m3 code (one e4m3 step is 6-12% of that value): session 31 on an H100
+    measured 4e-4-4e-3 of absolute difference (norm-relative ~1e-3). So there: the norm-relative error within 1e-2
+    and within a quarter of the distance from the oracle to the same experts run W8A16 (4-5.5% at these inputs),
+    so a kernel that skipped the activation quantization still fails."""
+    if not ON_GPU:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        return
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    gap = ((ref_w8a16.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < min(1e-2, gap / 4), f"W8A8 on the GPU: error {err:.2e} against the oracle; W8A16's distance {gap:.2e}"
+
+
+def as_w8a16(q):
+    """The same fp8 experts run W8A16 (fp8_block: activations not quantized): `assert_w8a8_matches`' far point."""
+    from deepinfer.backend import QuantizedExperts
+
+    return QuantizedExperts("fp8_block", q.w13, q.w13_scale, q.w2, q.w2_scale)
+
+
 CASES = [("fp8_block", 48), ("fp4", 32), ("int4_awq", 32), ("int4_gptq", 64)]
 
 
@@ -68,9 +93,11 @@ def test_fused_moe_w8a8_matches_native_oracle(direct, t, drop, dtype, swap_ab, m
     ref = op.experts(x, wts, ids)
     assert got.dtype == dtype and not got.isnan().any()
     if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    else:
+        assert_w8a8_matches(got, ref, experts_forward(x, None, None, wts, ids, quant=as_w8a16(q)))
+    elif not ON_GPU:
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-4
+    else:  # (fp16: the GPU's bound, `assert_w8a8_matches`)
+        assert_w8a8_matches(got, ref, experts_forward(x, None, None, wts, ids, quant=as_w8a16(q)))
 
 
 @pytest.mark.parametrize("scheme,inter", [("fp8_w8a8", 128), ("fp8_block", 48), ("int4_gptq", 64)])
@@ -92,9 +119,15 @@ def test_gemms_fold_stacked_quantized_shared_experts(scheme, inter, schedule):
     fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
     routed = QuantizedExperts(scheme, *(None if getattr(q, f) is None else getattr(q, f)[:4] for f in fields),
                               q.group_size)
+    shared_w, shared_ids = torch.ones(t, 1, device=DEVICE), torch.full((t, 1), 4, device=DEVICE)
     ref = experts_forward(x, None, None, wts, ids, quant=routed) + experts_forward(
-        x, None, None, torch.ones(t, 1, device=DEVICE), torch.full((t, 1), 4, device=DEVICE), quant=q)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        x, None, None, shared_w, shared_ids, quant=q)
+    if scheme == "fp8_w8a8":
+        far = experts_forward(x, None, None, wts, ids, quant=as_w8a16(routed)) + experts_forward(
+            x, None, None, shared_w, shared_ids, quant=as_w8a16(q))
+        assert_w8a8_matches(got, ref, far)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_w8a8_oracle_quantizes_the_activations():
@@ -140,6 +173,13 @@ def test_w8a8_scalar_weight_scale_promotion_is_bitwise_the_per_column_one(swap_a
                           "group_m": group_m})
         outs.append(out)
     assert not outs[0].isnan().any() and outs[0].abs().max() > 0
+    if ON_GPU and swap_ab:
+        # swapped, BLOCK_N is the MMA's M: a 32- and a 256-row tile issue other tensor-core instructions, whose
+        # reduced-precision fp8 accumulation (`assert_w8a8_matches`) sums in another order (session 31, H100:
+        # ~1e-4 apart on values ~1). The scales' promotion is still checked: a wrong scale block is off by O(1).
+        for other in outs[1:]:
+            torch.testing.assert_close(other, outs[0], atol=2e-3, rtol=2e-3)
+        return
     assert torch.equal(outs[0], outs[1])
     # the grouped program order (DEEPINFER_MOE_GROUP_M: 3 row tiles a group, the last group short) computes every
     # tile once, the same bits
@@ -248,7 +288,9 @@ def test_aligned_batches_fold_the_stacked_shared_experts_when_asked(fold, monkey
     assert calls == ([] if fold == "5" else [t])
     wts, ids = op.route_fn(x @ gate.t(), op.spec.router, None, None, None)
     ref = experts_forward(x, None, None, wts, ids, quant=routed) + shared_mlp(x)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    far = experts_forward(x, None, None, wts, ids, quant=as_w8a16(routed)) + experts_forward(
+        x, None, None, torch.ones(t, 1, device=DEVICE), torch.full((t, 1), 4, device=DEVICE), quant=as_w8a16(q))
+    assert_w8a8_matches(got, ref, far)
 
 
 @pytest.mark.gpu
