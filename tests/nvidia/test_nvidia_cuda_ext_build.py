@@ -50,3 +50,40 @@ def test_interpreter_backend_does_not_load_extension():
 
     be = NvidiaBackend(device="cpu")
     assert "cuda" not in be.op_coverage()["route"].split(";")[0]
+
+
+def test_build_lock_removes_a_lock_file_left_by_a_killed_build(tmp_path, caplog):
+    """torch's cpp_extension waits forever on a `lock` file its killed build left; under build_lock (no live
+    deepinfer process inside a build) that file is stale and removed, with a warning naming it."""
+    import logging
+
+    (tmp_path / "lock").write_text("")
+    with caplog.at_level(logging.WARNING, logger=cuda_ext.logger.name), cuda_ext.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert any("killed before it finished" in r.getMessage() and str(tmp_path / "lock") in r.getMessage()
+               for r in caplog.records)
+
+
+def test_build_lock_waits_for_a_live_build_and_leaves_its_lock_alone(tmp_path):
+    """While another holder has the OS lock (a live build: its cpp_extension `lock` file is real), entering waits and
+    removes nothing; once the holder lets go (as the OS does when a process dies), it proceeds and clears the file."""
+    import fcntl
+    import threading
+    import time
+
+    (tmp_path / "lock").write_text("")
+    holder = open(tmp_path / "deepinfer_build.flock", "a")  # noqa: SIM115 (closed below, mid-test: the release)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def build():
+        with cuda_ext.build_lock(tmp_path):
+            entered.set()
+
+    t = threading.Thread(target=build)
+    t.start()
+    time.sleep(0.3)
+    assert not entered.is_set() and (tmp_path / "lock").exists()
+    holder.close()  # releases the flock
+    t.join(timeout=10)
+    assert entered.is_set() and not (tmp_path / "lock").exists()

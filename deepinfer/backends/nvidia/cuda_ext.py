@@ -3,11 +3,21 @@
 Compiled for sm_90 and, where this nvcc knows it, sm_100; cached in
 $DEEPINFER_CACHE_DIR/torch_extensions (default ~/.cache/deepinfer) keyed by the
 sources, so later starts only load the shared object.
+
+A process killed while cpp_extension builds or loads (a timeout, Ctrl-C, an OOM kill) leaves its lock file behind,
+and every later start then waits on it forever without a word (torch's FileBaton polls for the file to go; on an
+H100, 2026-12-06 session 31, a benchmark killed mid-build left two later runs hanging for their whole 300-400 s
+with the GPU idle). So the build runs under `build_lock`: an OS lock the kernel drops when its holder dies, taken
+before cpp_extension's; holding it, no live deepinfer process is inside the build, so a `lock` file there is stale
+and is removed, with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +30,7 @@ from deepinfer import envs
 from deepinfer.errors import BackendError
 
 _SOURCES = ("bindings.cpp", "moe_kernels.cu", "int4_gemv.cu")
+logger = logging.getLogger(__name__)
 
 
 def _packaged_csrc() -> Path | None:
@@ -84,6 +95,26 @@ def gencode_flags(nvcc: str) -> list[str]:
     return flags
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold the build directory's OS lock (flock on `deepinfer_build.flock`, released when the file closes or the
+    process dies) and remove a `lock` file cpp_extension's FileBaton left behind (see the module docstring). Waits,
+    saying so, while another process holds it (that one is building or loading: it will finish)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "deepinfer_build.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of the CUDA C++ kernels in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build of the CUDA C++ kernels that was killed before it finished "
+                           "(torch's cpp_extension would wait on it forever)", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled extension module (built once per source version, then cached)."""
@@ -96,15 +127,16 @@ def load():
     cache = Path(envs.CACHE_DIR.get()).expanduser() / "torch_extensions"
     cache.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name="deepinfer_cuda_ext",
-            sources=[str(src / s) for s in _SOURCES],
-            extra_include_paths=[str(src)],
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(nvcc)],
-            build_directory=str(cache),
-            verbose=envs.VERBOSE_BUILD.get(),
-        )
+        with build_lock(cache):
+            return cpp_extension.load(
+                name="deepinfer_cuda_ext",
+                sources=[str(src / s) for s in _SOURCES],
+                extra_include_paths=[str(src)],
+                extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(nvcc)],
+                build_directory=str(cache),
+                verbose=envs.VERBOSE_BUILD.get(),
+            )
     except Exception as exc:  # compiler output is in the message
         raise BackendError(f"building the CUDA C++ kernels (csrc/cuda) failed: {exc}") from exc
 
