@@ -6,8 +6,9 @@ sources, so later starts only load the shared object.
 
 A process killed while cpp_extension builds or loads (a timeout, Ctrl-C, an OOM kill) leaves its lock file behind,
 and every later start then waits on it forever without a word (torch's FileBaton polls for the file to go; on an
-H100, 2026-12-06 session 31, a benchmark killed mid-build left two later runs hanging for their whole 300-400 s
-with the GPU idle). So the build runs under `build_lock`: an OS lock the kernel drops when its holder dies, taken
+H100, 2026-12-06 session 31, after a test run was killed while its first NvidiaBackend MoE op built them, the
+next two runs printed nothing and left the GPU idle for their whole 240-300 s: most likely this, not confirmed, as
+they said nothing). So the build runs under `build_lock`: an OS lock the kernel drops when its holder dies, taken
 before cpp_extension's; holding it, no live deepinfer process is inside the build, so a `lock` file there is stale
 and is removed, with a warning.
 """
