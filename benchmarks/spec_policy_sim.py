@@ -18,6 +18,7 @@ measured conditional rates.
 from __future__ import annotations
 
 import argparse
+import ast
 import random
 import time
 from dataclasses import dataclass
@@ -89,17 +90,23 @@ MODELS = {
 
 
 def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0,
-             before: list[tuple[DeviceModel, int]] = (), max_tokens: int | None = None, repeats: int = 1) -> dict:
+             before: list[tuple[DeviceModel, int]] = (), max_tokens: int | None = None, repeats: int = 1,
+             policy_fields: dict | None = None) -> dict:
     """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
     The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
     (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
     path. before: (model, steps) phases the same policy runs first, untimed (the benchmark's warm-up over every
-    concurrency: a policy carries its pauses, calibration and step times from one load to the next)."""
+    concurrency: a policy carries its pauses, calibration and step times from one load to the next). policy_fields:
+    SlotPolicy fields set on the adaptive policy once made (an A/B of its knobs, `--policy`)."""
     rng = random.Random(seed)
     k = len(model.accept)
     if mode == "adaptive":
         policy = SlotPolicy(k=k, max_model_len=1 << 30, calibrator=SurvivalCalibrator(num_slots=k), cost=model.table,
                             draft_cost=model.drafting)
+        for name, value in (policy_fields or {}).items():
+            if not hasattr(policy, name):
+                raise SystemExit(f"--policy {name}: SlotPolicy has no such field")
+            setattr(policy, name, value)
     elif mode != "off":
         policy = SlotPolicy(k=int(mode[1:]), max_model_len=1 << 30)
     else:
@@ -239,7 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1,
                     help="seeds 0..N-1, each its own run of every mode; with N > 1 the rows are their means, and a "
                          "line gives adaptive over the best static k (with --host-factor 0 a seed is deterministic)")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="SlotPolicy fields for the adaptive mode (Python literals: challenge_every=0 time_fit=False)")
     args = ap.parse_args(argv)
+    fields = {}
+    for item in args.policy:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--policy {item!r}: expected FIELD=VALUE")
+        try:
+            fields[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--policy {item!r}: the value is not a Python literal") from None
+
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
         return [(MODELS[m], args.warm_up) for m in same] if args.warm_up else []
@@ -247,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model:
         model = MODELS[name]
         runs = [[simulate(model, mode, args.steps, seed=seed, host_factor=args.host_factor, before=warm(name),
-                          max_tokens=args.max_tokens or None, repeats=args.repeats)
+                          max_tokens=args.max_tokens or None, repeats=args.repeats, policy_fields=fields)
                  for mode in ("off", "k1", "k3", "k5", "adaptive")] for seed in range(args.seeds)]
         rows = runs[0] if args.seeds == 1 else [_mean_row([seed_rows[i] for seed_rows in runs]) for i in range(5)]
         off = rows[0]["per_seq_tok_s"]
