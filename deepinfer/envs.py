@@ -434,7 +434,8 @@ TEST_THREADS = EnvVar(
 )
 COMMIT = EnvVar(
     "DEEPINFER_COMMIT", "str", None,
-    "commit that `benchmarks/throughput.py` records (a copy of the tree without .git; `scripts/gpu_run.sh` sets it)",
+    "commit that `benchmarks/throughput.py` records (a copy of the tree without .git; `scripts/gpu_run.sh` sets it to "
+    "the HEAD and the tree's content id, `scripts/tree_id.sh`)",
     "dev", default_text="`git rev-parse --short HEAD`",
 )
 CI_VENV = EnvVar(

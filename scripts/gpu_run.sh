@@ -33,8 +33,10 @@ export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 
-export DEEPINFER_COMMIT="${DEEPINFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
-log "commit ${DEEPINFER_COMMIT:-unknown} stages=$STAGES"
+# the device's .git may be stale (its HEAD an old commit): the tree's content id (scripts/tree_id.sh) names the files
+TREE_ID="$(bash scripts/tree_id.sh 2>/dev/null || echo unknown)"
+export DEEPINFER_COMMIT="${DEEPINFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) tree $TREE_ID}"
+log "commit ${DEEPINFER_COMMIT:-unknown} (tree id: scripts/tree_id.sh; the .git HEAD may be stale) stages=$STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || log "pip install -e . failed (PYTHONPATH used instead)"
