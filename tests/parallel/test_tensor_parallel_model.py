@@ -4,7 +4,9 @@ only its part of the checkpoint, and the settings that cannot be split are named
 The single-process model drives a prefill + greedy decode; the ranks replay the same tokens (teacher forced)
 through their sharded models and must give the same logits (fp32, tight tolerance: only the row-parallel
 partial sums are added in another order) and the same argmax. One 2-rank run does every check (start-up
-costs seconds); one 4-rank run checks a single preset at one head per rank.
+costs seconds); one 4-rank run checks a single preset at one head per rank. int4 (AWQ / GPTQ) checkpoints split
+too, their experts kept int4 on every rank; the int4 parts that cannot split (a group cut, act-order row cuts) are
+named with the layer.
 """
 
 from __future__ import annotations
