@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.draft_slots import HeldDraft
-from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.slot_policy import SlotPolicy
 
 
 @dataclass

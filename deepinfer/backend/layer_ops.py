@@ -5,8 +5,9 @@ attention, MoE, V4 attention) and the linear-method interface, one per quant sch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -125,7 +126,7 @@ class MLAAttentionOp(ABC):
         kv_c: torch.Tensor,  # [T, kv_lora_rank], normed
         k_pe: torch.Tensor,  # [T, qk_rope], RoPE applied
         kv_cache,  # the layer's cache in the backend's layout (default: [num_blocks, block_size, L + R])
-        batch: "ForwardBatch",
+        batch: ForwardBatch,
         group: str,  # this layer's KV group: its key in batch.block_tables / slot_mapping
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         ...
@@ -140,9 +141,9 @@ class MLAAttentionOp(ABC):
         rope_cache: torch.Tensor,  # [max_pos, qk_rope] fp32: cos in [:R/2], sin in [R/2:]
         interleaved: bool,
         kv_cache: torch.Tensor,
-        batch: "ForwardBatch",
+        batch: ForwardBatch,
         group: str,
-        ops: "Backend",  # whose rms_norm / rotary_embedding this default composes
+        ops: Backend,  # whose rms_norm / rotary_embedding this default composes
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         """The layer from the projections: kv_a RMSNorm, RoPE on q_pe / k_pe, then `forward`.
 
@@ -182,9 +183,9 @@ class MLAAttentionOp(ABC):
         rope_cache: torch.Tensor,  # [max_pos, qk_rope] fp32: cos in [:R/2], sin in [R/2:]
         interleaved: bool,
         kv_cache,
-        batch: "ForwardBatch",
+        batch: ForwardBatch,
         group: str,
-        ops: "Backend",
+        ops: Backend,
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         """The layer from the hidden states, for an op that kept the prolog weights. This default is the model's
         own composition (q_a / kv_a projections, q_a RMSNorm, q_b projection, then forward_from_latent); an op
@@ -340,9 +341,9 @@ class V4AttentionOp(ABC):
         self,
         q: torch.Tensor,  # [T, H, D], RoPE applied
         kv: torch.Tensor,  # [T, D], normed, RoPE applied (shared key and value)
-        caches: "KVCaches",
+        caches: KVCaches,
         layer_id: int,
-        batch: "ForwardBatch",
+        batch: ForwardBatch,
         comp_kv: torch.Tensor | None = None,  # [T, C*D] compressor kv projection (C = 2 for CSA)
         comp_gate: torch.Tensor | None = None,  # [T, C*D]
         index_q: torch.Tensor | None = None,  # [T, Hi, Di], RoPE applied

@@ -31,8 +31,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

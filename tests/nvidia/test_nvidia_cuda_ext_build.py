@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nvidia_testutil import ON_GPU  # noqa: I001
+from nvidia_testutil import ON_GPU
 
 from deepinfer.backends.nvidia import cuda_ext
 from deepinfer.errors import BackendError
@@ -72,7 +72,8 @@ def test_build_lock_waits_for_a_live_build_and_leaves_its_lock_alone(tmp_path):
     import time
 
     (tmp_path / "lock").write_text("")
-    holder = open(tmp_path / "deepinfer_build.flock", "a")  # noqa: SIM115 (closed below, mid-test: the release)
+    # another open file description holds the lock (closed below, mid-test: the release)
+    holder = open(tmp_path / "deepinfer_build.flock", "a")  # noqa: SIM115
     fcntl.flock(holder, fcntl.LOCK_EX)
     entered = threading.Event()
 

@@ -14,12 +14,14 @@ slice of the columns), a "row" layer in_features / tp columns (its output is a p
 all-reduces; the bias is added on tp rank 0 only). The split comes from the backend's "tp" communicator;
 its loaders are `SlicedLoader`s, so the checkpoint reader reads only this rank's part. With one rank the
 layer is exactly the unsplit one (plain loaders, no slicing). fp8 block scales are sliced with the weight,
-so each rank's part must be whole 128-blocks; int4 / int8 records are not split (refused at tp > 1).
+so each rank's part must be whole 128-blocks. int4 / int8 records arrive whole and the layer keeps its part
+(`Int4Weight.part` / `Int8Weight.part`: packed words, zero points and scales cut together); a part that would cut
+a packed word or a quantization group, or a row cut of a GPTQ act-order weight, is refused naming the layer.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -245,7 +247,7 @@ def _int4_concatenable(records: list) -> bool:
 def _cat_int4(records: list) -> Int4Weight:
     """One record for the parts' outputs side by side: qweight / qzeros / scales concatenated along N."""
     f = records[0]
-    cat = lambda name: torch.cat([getattr(r, name) for r in records], dim=1)  # noqa: E731
+    cat = lambda name: torch.cat([getattr(r, name) for r in records], dim=1)
     return Int4Weight(f.method, cat("qweight"), cat("qzeros"), cat("scales"), f.g_idx, f.group_size, f.zero_offset)
 
 
