@@ -128,7 +128,6 @@ class Linear(nn.Module):
         self.bias: torch.Tensor | None = None
         self.method: LinearMethod | None = None
         self.name = ""
-        self._part: tuple[int, int, int] | None = None  # split: (dim, start, stop) of this rank's part
 
     def _shard_problem(self, in_features: int, out_features: int, quantized: bool) -> str | None:
         """Why this layer cannot be split over the tp ranks (reported with its name by `loaders`), or None."""
@@ -157,11 +156,9 @@ class Linear(nn.Module):
             if self.has_bias:
                 out[f"{prefix}.bias"] = self._set_bias
             return out
-        dim = 0 if self.split == "column" else 1
-        size = self.out_features if dim == 0 else self.in_features
-        lo = self.tp_rank * size
-        self._part = (dim, lo, lo + size)  # an int4 / int8 record arrives whole: `_set_weight` cuts it
-        out = {f"{prefix}.weight": sliced(self._set_weight, dim, lo, lo + size)}
+        dim, lo, hi = self._rank_part()
+        size = hi - lo
+        out = {f"{prefix}.weight": sliced(self._set_weight, dim, lo, hi)}
         if self.quantized:  # whole 128-blocks per rank (checked by _shard_problem)
             out[f"{prefix}.weight_scale_inv"] = sliced(self._set_scale, dim, lo // FP8_BLOCK,
                                                        (lo + size) // FP8_BLOCK)
@@ -172,10 +169,16 @@ class Linear(nn.Module):
                 out[f"{prefix}.bias"] = self._set_bias if self.tp_rank == 0 else OTHER_RANK
         return out
 
+    def _rank_part(self) -> tuple[int, int, int]:
+        """(dim, start, stop) of this rank's part of the stored [out, in] weight (a split layer only)."""
+        dim = 0 if self.split == "column" else 1
+        size = self.out_features if dim == 0 else self.in_features
+        return dim, self.tp_rank * size, (self.tp_rank + 1) * size
+
     def _set_weight(self, t: torch.Tensor) -> None:
-        if self.split is not None and isinstance(t, (Int4Weight, Int8Weight)):
-            t = t.part(*self._part, f"{self.name}.weight ({self.split}-parallel over tensor_parallel_size "
-                                    f"{self.tp_size})")
+        if self.split is not None and isinstance(t, (Int4Weight, Int8Weight)):  # records arrive whole: cut here
+            t = t.part(*self._rank_part(), f"{self.name}.weight ({self.split}-parallel over tensor_parallel_size "
+                                           f"{self.tp_size})")
         self.weight = prepare_weight(self.name, t, (self.out_features, self.in_features), self.quantized, self.dtype,
                                      self.backend.device)
 
