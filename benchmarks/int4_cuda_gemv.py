@@ -9,6 +9,11 @@ experts with a GPTQ act-order gate_up (w13_g_idx: the Triton GEMMs gather zero p
 no shared experts stacked, as the op runs them). GPU only.
 
     python -m benchmarks.int4_cuda_gemv [--tokens 1,4,16] [--json out.jsonl]
+
+--ncu launches each CUDA kernel a few times with no timing and no graphs (one weight copy), as a target for Nsight
+Compute, which replays every launch from a flushed cache and reads its counters:
+
+    ncu --clock-control none --kernel-name regex:int4_ --section SpeedOfLight ... python -m benchmarks.int4_cuda_gemv --ncu
 """
 
 from __future__ import annotations
@@ -140,15 +145,45 @@ def run(args) -> list[dict]:
     return rows
 
 
+def ncu_targets(launches: int = 2) -> None:
+    """Each CUDA int4 kernel at V2-Lite's decode shapes, `launches` times: the dense GEMV (o_proj and q_proj at one
+    token) and one token's experts' gate_up and down at every DEEPINFER_INT4_CUDA_SPLIT_K (1, 2, 4)."""
+    import torch
+
+    from deepinfer.backends.nvidia.quant import int4_cuda
+
+    ext = int4_cuda.ext()
+    for name in ("o_proj", "q_proj"):
+        n, k = DENSE[name]
+        (w, z, s), = _dense_sets(n, k, 1)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        for _ in range(launches):
+            ext.int4_gemv(x, w, z, s, None)
+    q, = _expert_sets(1)
+    x = torch.randn(1, HIDDEN, device="cuda").bfloat16()
+    ids = torch.randperm(ROUTED, device="cuda")[:TOP_K].view(1, TOP_K)
+    wts = (torch.rand(1, TOP_K, device="cuda") + 0.1).float()
+    for split in (1, 2, 4):
+        for _ in range(launches):
+            act = ext.int4_moe_gate_up(x, q.w13, q.w13_zeros, q.w13_scale, ids, SHARED, split)
+            ext.int4_moe_down(act, q.w2, q.w2_zeros, q.w2_scale, ids, wts, SHARED, split)
+    torch.cuda.synchronize()
+    print("ncu targets: dense o_proj, q_proj; moe gate_up + down at split 1, 2, 4;", launches, "launches each")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4,8", type=lambda v: [int(t) for t in v.split(",")])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ncu", action="store_true", help="launch each CUDA kernel twice, untimed (a target for ncu)")
     args = ap.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.int4_cuda_gemv needs a CUDA GPU")
+    if args.ncu:
+        ncu_targets()
+        return 0
     run(args)
     return 0
 

@@ -23,7 +23,10 @@
 #      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' and GPTQ act-order experts' GPU tests,
 #      benchmarks.int4_cuda_gemv (with the act-order experts' row), then decode at
 #      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
-#      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine).
+#      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine; INT4B1_RUNS: a comma list of
+#      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_triton keeps only those), int4prof (issue 18,
+#      after int4ckpt: benchmarks.profile_step at batch 1 on $CKPT and the AWQ copy, then Nsight Compute's sections
+#      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt).
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -47,7 +50,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
-if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt || has int4b1) \
+if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt || has int4b1 || has int4prof) \
     && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
@@ -224,11 +227,30 @@ if has int4b1; then
              "int4_cuda_split2 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 2" "int4_cuda_split4 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 1 4" \
              "int4_triton ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} 0 1"; do
     read -r name ckpt cuda split <<< "$run"
+    [[ -n "${INT4B1_RUNS:-}" && ",$INT4B1_RUNS," != *",$name,"* ]] && continue
     DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split timeout 200 python3 -m benchmarks.throughput \
       "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1
     log "decode b1 $name rc=$?"; grep -v '^{' "$OUT/b1_$name.log" | grep -v Loading | grep -v step_timing | tail -2 \
       | tee -a "$OUT/summary.txt"
   done
+fi
+if has int4prof; then  # issue 18: where the int4 batch-1 step goes (after int4ckpt): kernels by name, then ncu
+  log "issue 18: profile of the batch-1 decode step, bf16 and AWQ int4 (CUDA GEMVs)"
+  for run in "bf16 $CKPT" "int4 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"; do
+    read -r name ckpt <<< "$run"
+    timeout 240 python3 -m benchmarks.profile_step "$ckpt" --batch-sizes 1 --steps 5 --trace-dir "$OUT/trace_$name" \
+      --trace-batches 1 --json-out "$OUT/profile_b1_$name.jsonl" > "$OUT/profile_b1_$name.log" 2>&1
+    log "profile b1 $name rc=$?"; grep -v '^{' "$OUT/profile_b1_$name.log" | grep -v 'Loading weights' | tail -45 \
+      | tee -a "$OUT/summary.txt"
+  done
+  NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  log "ncu of the CUDA int4 kernels ($NCU)"
+  timeout 300 "$NCU" --clock-control none --kernel-name regex:int4_ --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    python3 -m benchmarks.int4_cuda_gemv --ncu > "$OUT/ncu_int4.txt" 2>&1
+  log "ncu rc=$? ($(grep -c 'int4_' "$OUT/ncu_int4.txt") kernel lines)"
+  grep -E 'int4_|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit Reg|Waves Per SM|Stall Long|Warp Cycles Per Issued|Issued Warp|No Eligible' \
+    "$OUT/ncu_int4.txt" | head -200 | tee -a "$OUT/summary.txt"
 fi
 if has quante2e; then
   QUANT_CKPT="${QUANT_CKPT:-$CKPT}"
