@@ -238,8 +238,8 @@ if has int4prof; then  # issue 18: where the int4 batch-1 step goes (after int4c
   log "issue 18: profile of the batch-1 decode step, bf16 and AWQ int4 (CUDA GEMVs)"
   for run in "bf16 $CKPT" "int4 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"; do
     read -r name ckpt <<< "$run"
-    timeout 240 python3 -m benchmarks.profile_step "$ckpt" --batch-sizes 1 --steps 5 --trace-dir "$OUT/trace_$name" \
-      --trace-batches 1 --json-out "$OUT/profile_b1_$name.jsonl" > "$OUT/profile_b1_$name.log" 2>&1
+    timeout 240 python3 -m benchmarks.profile_step "$ckpt" --batch-sizes 1 --steps 5 \
+      --json-out "$OUT/profile_b1_$name.jsonl" > "$OUT/profile_b1_$name.log" 2>&1
     log "profile b1 $name rc=$?"; grep -v '^{' "$OUT/profile_b1_$name.log" | grep -v 'Loading weights' | tail -45 \
       | tee -a "$OUT/summary.txt"
   done
@@ -270,3 +270,11 @@ if has quante2e; then
   python3 -m benchmarks.quant_summary /tmp/throughput_bf16.jsonl "$OUT/throughput_quant.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/summary.txt"
 fi
 log "done"
+# the device sends back at most 8 files from $OUT: past that, all but summary.txt travel in one bundle.tgz
+n_files=$(find "$OUT" -type f | wc -l)
+if [ "$n_files" -gt 8 ]; then
+  log "packing $n_files files into bundle.tgz (tar xzf it; the device sends back at most 8 files)"
+  kill $SMI_PID 2>/dev/null; sleep 0.3
+  ( cd "$OUT" && tar czf /tmp/gpu_bundle.tgz --exclude=./summary.txt . && find . -type f ! -name summary.txt -delete \
+      && find . -mindepth 1 -type d -empty -delete && mv /tmp/gpu_bundle.tgz bundle.tgz )
+fi
