@@ -375,6 +375,12 @@ MLA_FUSED_MERGE = EnvVar(
     "`0` / `1`: force the MLA decode's in-kernel split merge off / on",
     "nvidia", default_text="auto: on up to 4 splits",
 )
+MLA_MERGE_UV_TILE = EnvVar(
+    "DEEPINFER_MLA_MERGE_UV_TILE", "str", None,
+    "the MLA decode's merge + W_UV kernel (batches of <= 8): `BLOCK_V,BLOCK_LC,num_warps`, powers of two (the "
+    "output columns and latent chunk a program takes; tuning / A/B runs)",
+    "nvidia", default_text="`32,64,4`",
+)
 MLA_FP8_KV_DOT = EnvVar(
     "DEEPINFER_MLA_FP8_KV_DOT", "str", "bf16",
     "MLA decode over an fp8 KV cache with bf16 q: the dots in `bf16` (the cache converted through fp32) or "

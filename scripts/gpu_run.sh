@@ -26,7 +26,10 @@
 #      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine; INT4B1_RUNS: a comma list of
 #      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_triton keeps only those), int4prof (issue 18,
 #      after int4ckpt: benchmarks.profile_step at batch 1 on $CKPT and the AWQ copy, then Nsight Compute's sections
-#      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt).
+#      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt), b1tiles (after int4ckpt:
+#      benchmarks.b1_small_kernels' router and MLA merge + W_UV tile sweeps, then batch-1 decode of $CKPT and the
+#      AWQ copy with the default tiles and the sweep's best, alternating: B1TILES_INT4 / B1TILES_BF16, default
+#      'default best default best' / 'default best').
 set -u
 STAGES="${1:-tests,check,kernels,bench,hf}"
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -50,7 +53,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 CK_PID=""
-if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt || has int4b1 || has int4prof) \
+if (has bench || has hf || has profile || has ab || has ckpt || has inv || has quante2e || has int4ckpt || has int4b1 || has int4prof || has b1tiles) \
     && [ ! -f "$CKPT/config.json" ]; then
   log "making the v2-lite random checkpoint in the background -> $CKPT"
   ( python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite --workers 8 "$CKPT" > /tmp/ckpt.log 2>&1 ) &
@@ -232,6 +235,23 @@ if has int4b1; then
       "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1
     log "decode b1 $name rc=$?"; grep -v '^{' "$OUT/b1_$name.log" | grep -v Loading | grep -v step_timing | tail -2 \
       | tee -a "$OUT/summary.txt"
+  done
+fi
+if has b1tiles; then  # the batch-1 step's small kernels (router, MLA merge + W_UV): tile sweeps, then the step A/B
+  log "batch-1 small kernels: tile sweeps (benchmarks.b1_small_kernels)"
+  timeout 300 python3 -m benchmarks.b1_small_kernels --json "$OUT/b1_tiles.jsonl" > "$OUT/b1_tiles.log" 2>&1
+  log "b1_small_kernels rc=$?"; grep -v '^{' "$OUT/b1_tiles.log" | tail -8 | tee -a "$OUT/summary.txt"
+  BEST_ENVS="$(grep '^best: ' "$OUT/b1_tiles.log" | sed 's/^best: //' | tr '\n' ' ')"
+  B1="--batch-sizes 1 --prompt-len 1024 --output-len 128 --prefill-prompts 0 --max-num-batched-tokens 4096"
+  for run in "int4 ${INT4_CKPT:-/tmp/ckpt-v2-lite-awq} ${B1TILES_INT4:-default best default best}" \
+             "bf16 $CKPT ${B1TILES_BF16:-default best}"; do
+    read -r name ckpt order <<< "$run"
+    for tiles in $order; do  # alternating (a drift shows as a trend)
+      envs=""; [ "$tiles" = best ] && envs="$BEST_ENVS"
+      env $envs timeout 200 python3 -m benchmarks.throughput "$ckpt" $B1 --json-out "$OUT/b1tiles_$name.jsonl" \
+        > /tmp/b1t.log 2>&1
+      log "decode b1 $name tiles=$tiles ($envs) rc=$? :: $(grep -v '^{' /tmp/b1t.log | grep -v Loading | tail -1)"
+    done
   done
 fi
 if has int4prof; then  # issue 18: where the int4 batch-1 step goes (after int4ckpt): kernels by name, then ncu

@@ -309,6 +309,42 @@ def test_mla_decode_with_w_uv(batch, splits, dtype):
     assert rel_err(out, exp) < tol(dtype)
 
 
+@pytest.mark.parametrize("tile", ["16,16,1", "64,32,2"])
+def test_mla_decode_with_w_uv_other_merge_tiles(tile, monkeypatch):
+    """DEEPINFER_MLA_MERGE_UV_TILE (BLOCK_V, BLOCK_LC, num_warps) changes how the merge + W_UV programs split
+    the work, not the result: the same o_lat @ W_UV^T within fp32 tolerance (BLOCK_LC 16: the latent in two
+    chunks; BLOCK_V 64: every column in one program, masked past V)."""
+    from deepinfer.backends.nvidia.mla_decode import merge_uv_tile, mla_decode
+
+    monkeypatch.setenv("DEEPINFER_MLA_MERGE_UV_TILE", tile)
+    assert merge_uv_tile(32, 40) == tuple(min(v, c) for v, c in zip(map(int, tile.split(",")), (64, 32, 32)))
+    g = torch.Generator().manual_seed(22)
+    L, R, V, h, batch = 32, 16, 40, 3, 2
+    to = {"device": DEVICE, "dtype": torch.float32}
+    cache = torch.randn(batch * 6, PAGE, L + R, generator=g).to(**to)
+    table = torch.randperm(batch * 6, generator=g).view(batch, 6).int().to(DEVICE)
+    seq = torch.tensor([23, 9]).int().to(DEVICE)
+    q = torch.randn(batch, h, L + R, generator=g).to(**to)
+    w_uv_t = (torch.randn(h, L, V, generator=g) / 4).to(**to)
+    o_lat = mla_decode(q, cache, table, seq, L, 0.2, num_splits=4, block_n=16, min_split=16)
+    out = mla_decode(q, cache, table, seq, L, 0.2, num_splits=4, block_n=16, min_split=16, w_uv_t=w_uv_t)
+    assert rel_err(out, torch.einsum("bhl,hlv->bhv", o_lat.double(), w_uv_t.double())) < tol(torch.float32)
+
+
+@pytest.mark.parametrize("value", ["32,64", "32,48,4", "a,b,c", "32,64,64", "32,128,4"])
+def test_merge_uv_tile_env_refuses_bad_values(value, monkeypatch):
+    """A malformed tile names the variable (three powers of two, num_warps <= 32, BLOCK_LC dividing L = 64)."""
+    from deepinfer.backends.nvidia.mla_decode import merge_uv_tile
+    from deepinfer.errors import BackendError
+
+    monkeypatch.setenv("DEEPINFER_MLA_MERGE_UV_TILE", value)
+    if value == "32,128,4":  # a chunk wider than L is capped at L, not refused
+        assert merge_uv_tile(64, 128) == (32, 64, 4)
+        return
+    with pytest.raises(BackendError, match="DEEPINFER_MLA_MERGE_UV_TILE"):
+        merge_uv_tile(64, 128)
+
+
 @pytest.mark.slow
 def test_tiny_v2_lite_model_through_fused_path_matches_native():
     """Whole tiny V2-Lite (q_lora_rank None: merged q/kv_a GEMM, mla_prep with the absorb, merge + W_UV) on

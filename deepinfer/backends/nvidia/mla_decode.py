@@ -257,6 +257,26 @@ def _mla_decode_merge_uv_kernel(
 
 
 MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more than a batched GEMM
+MERGE_UV_TILE = (32, 64, 4)  # (BLOCK_V, BLOCK_LC, num_warps): at batch 1, 64 programs (16 heads x 4)
+
+
+def merge_uv_tile(L: int, V: int) -> tuple[int, int, int]:
+    """The merge + W_UV kernel's (BLOCK_V, BLOCK_LC, num_warps): MERGE_UV_TILE, or DEEPINFER_MLA_MERGE_UV_TILE
+    (checked: three powers of two, BLOCK_LC dividing the latent width L), each block capped at its dimension."""
+    from deepinfer.errors import BackendError
+
+    env = envs.MLA_MERGE_UV_TILE.get()
+    tile = MERGE_UV_TILE
+    if env:
+        try:
+            tile = tuple(int(v) for v in env.split(","))
+        except ValueError:
+            tile = ()
+        if len(tile) != 3 or any(v < 1 or v & (v - 1) for v in tile) or tile[2] > 32 or L % min(tile[1], L):
+            raise BackendError(f"DEEPINFER_MLA_MERGE_UV_TILE={env!r}: expected 'BLOCK_V,BLOCK_LC,num_warps', powers "
+                               f"of two (num_warps <= 32, BLOCK_LC dividing the latent width {L})")
+    block_v, block_lc, warps = tile
+    return min(block_v, triton.next_power_of_2(V)), min(block_lc, L), warps
 
 # Per-device merge counters, one per (row, head block), zero between launches (the merging program
 # resets its own). Never freed or replaced while smaller: a captured graph holds the pointer. Launches
@@ -378,12 +398,12 @@ def mla_decode(
     if fuse_uv:
         V = w_uv_t.shape[-1]
         res = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
-        block_v = min(32, triton.next_power_of_2(V))  # more programs: at batch 1 this is latency-bound
+        block_v, block_lc, merge_warps = merge_uv_tile(L, V)  # many programs: at batch 1 it is latency-bound
         _mla_decode_merge_uv_kernel[(B, H, triton.cdiv(V, block_v))](
             part_o, part_lse, w_uv_t, res, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), w_uv_t.stride(0), w_uv_t.stride(1), res.stride(0), res.stride(1),
             min_split, num_splits, block_n, V, L=L, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_LC=min(L, 64), BLOCK_V=block_v, num_warps=4,
+            BLOCK_LC=block_lc, BLOCK_V=block_v, num_warps=merge_warps,
         )
         return res
     if not direct and not fused_merge:
