@@ -90,8 +90,9 @@ def run(args) -> list[dict]:
     wts = torch.rand(1, TOP_K, device="cuda") + 0.1
     counters = counters_for(HIDDEN, "cuda")
     active = (TOP_K + SHARED) * 3 * INTER * HIDDEN // 2
-    for cuda in ("0", "1"):
+    for cuda, split in (("0", "4"), ("1", "4"), ("1", "8")):
         os.environ["DEEPINFER_INT4_CUDA_GEMV"] = cuda
+        os.environ["DEEPINFER_INT4_CUDA_SPLIT_K"] = split
 
         def fn(i):
             q = experts[i % copies]
@@ -100,9 +101,11 @@ def run(args) -> list[dict]:
                              stacked_shared=SHARED, counters=counters)
 
         us = rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
-        rows.append({"op": "moe_b1 (gate_up + down)", "tokens": 1, "kernel": "cuda" if cuda == "1" else "triton",
+        rows.append({"op": "moe_b1 (gate_up + down)", "tokens": 1,
+                     "kernel": f"cuda split {split}" if cuda == "1" else "triton",
                      "us": round(us, 2), "weight_gbs": round(active / us / 1e3, 1)})
     os.environ.pop("DEEPINFER_INT4_CUDA_GEMV", None)
+    os.environ.pop("DEEPINFER_INT4_CUDA_SPLIT_K", None)
     g = torch.Generator().manual_seed(2)
     g_idx = torch.stack([torch.argsort(torch.randperm(HIDDEN, generator=g)) // GROUP
                          for _ in range(ROUTED + SHARED)]).to(torch.int32).cuda()
@@ -126,7 +129,7 @@ def run(args) -> list[dict]:
 
     ext = int4_cuda.ext()
     act = ext.int4_moe_gate_up(x, experts[0].w13, experts[0].w13_zeros, experts[0].w13_scale, ids, SHARED, 1)
-    for split in (1, 2, 4):  # DEEPINFER_INT4_CUDA_SPLIT_K
+    for split in (1, 2, 4, 8):  # DEEPINFER_INT4_CUDA_SPLIT_K
         for part, nbytes in (("gate_up", 2 * INTER * HIDDEN // 2), ("down", HIDDEN * INTER // 2)):
             def fn(i, part=part, split=split):
                 q = experts[i % copies]
@@ -147,7 +150,7 @@ def run(args) -> list[dict]:
 
 def ncu_targets(launches: int = 2) -> None:
     """Each CUDA int4 kernel at V2-Lite's decode shapes, `launches` times: the dense GEMV (o_proj and q_proj at one
-    token) and one token's experts' gate_up and down at every DEEPINFER_INT4_CUDA_SPLIT_K (1, 2, 4)."""
+    token) and one token's experts' gate_up and down at every DEEPINFER_INT4_CUDA_SPLIT_K (1, 2, 4, 8)."""
     import torch
 
     from deepinfer.backends.nvidia.quant import int4_cuda
@@ -163,12 +166,12 @@ def ncu_targets(launches: int = 2) -> None:
     x = torch.randn(1, HIDDEN, device="cuda").bfloat16()
     ids = torch.randperm(ROUTED, device="cuda")[:TOP_K].view(1, TOP_K)
     wts = (torch.rand(1, TOP_K, device="cuda") + 0.1).float()
-    for split in (1, 2, 4):
+    for split in (1, 2, 4, 8):
         for _ in range(launches):
             act = ext.int4_moe_gate_up(x, q.w13, q.w13_zeros, q.w13_scale, ids, SHARED, split)
             ext.int4_moe_down(act, q.w2, q.w2_zeros, q.w2_scale, ids, wts, SHARED, split)
     torch.cuda.synchronize()
-    print("ncu targets: dense o_proj, q_proj; moe gate_up + down at split 1, 2, 4;", launches, "launches each")
+    print("ncu targets: dense o_proj, q_proj; moe gate_up + down at split 1, 2, 4, 8;", launches, "launches each")
 
 
 def main(argv: list[str] | None = None) -> int:

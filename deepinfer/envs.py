@@ -292,9 +292,10 @@ INT4_CUDA_GEMV = EnvVar(
 INT4_CUDA_SPLIT_K = EnvVar(
     "DEEPINFER_INT4_CUDA_SPLIT_K", "int", 4,
     "warps a 16-row tile's groups are split over in the CUDA int4 MoE GEMVs at one token: `1` (each warp a whole K "
-    "loop), `2` (twice the warps in flight) or `4` (gate_up over four warps, down over two: the default, fastest "
-    "of the three on an H100, 2026-12-06: V2-Lite batch-1 decode 2.15 / 2.11 / 2.09 ms a step)",
-    "nvidia", choices=(1, 2, 4), error=BackendError,
+    "loop), `2` (twice the warps in flight), `4` (gate_up over four warps, down over two: the default, fastest "
+    "of the three on an H100, 2026-12-06: V2-Lite batch-1 decode 2.15 / 2.11 / 2.09 ms a step) or `8` (gate_up "
+    "over eight warps, one batch each, down over four in 1024-thread blocks)",
+    "nvidia", choices=(1, 2, 4, 8), error=BackendError,
 )
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,

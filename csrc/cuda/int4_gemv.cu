@@ -47,6 +47,8 @@ constexpr int kDenseWarps = 4;  // warps splitting K in the dense and gate_up bl
 constexpr int kGateUpUnroll = 2;  // groups a gate_up batch holds (two batches in flight: run_pipelined)
 // groups a down batch holds: two rows a lane, so 6 keeps the 512-thread block within 128 registers without spills
 constexpr int kDownUnroll = 6;
+// groups a down batch holds at split 4 (a 1024-thread block: 64 registers a thread): V2-Lite's 11 groups over 4 warps
+constexpr int kDownUnroll4 = 3;
 
 template <typename T>
 struct Magic;
@@ -332,8 +334,13 @@ __global__ void __launch_bounds__(kTiles * kSplit * 32)
   const int64_t e = slot < top_k ? ids[slot] : static_cast<int64_t>(num_routed + slot - top_k);
   float acc[2][4] = {};
   const WarpTile<T, S, 2> wt(w, e * w.stride_we, e * w.stride_qe, row0, inter, inter);
-  wt.template run_pipelined<kGateUpUnroll>(part, groups, kSplit, [&] { stage_rows(x, 0, 1, k, xs, k + 8); }, xs,
-                                           k + 8, 1, acc);
+  if (kSplit >= 8) {  // one batch a warp (V2-Lite's 16 groups: two each), so fewer registers and more warps a block
+    wt.template run<kGateUpUnroll>(part, groups, kSplit, [&] { stage_rows(x, 0, 1, k, xs, k + 8); }, xs, k + 8, 1,
+                                   acc);
+  } else {
+    wt.template run_pipelined<kGateUpUnroll>(part, groups, kSplit, [&] { stage_rows(x, 0, 1, k, xs, k + 8); }, xs,
+                                             k + 8, 1, acc);
+  }
   split_sum<kTiles, kSplit, 2>(acc, red);
   const int lane = threadIdx.x & 31;
   if (part == 0 && (lane & 3) == 0) {  // token 0: lanes with t = 0 hold rows g (c0) and g + 8 (c2)
@@ -350,15 +357,21 @@ __global__ void __launch_bounds__(kTiles * kSplit * 32)
 }
 
 // One warp per (slot, part): the slots' 16-row tiles of the same output rows, each slot's groups split kSplit ways
-// (kSplit x slots <= kMaxSlots warps); then the slots' products, weighted, summed in slot order.
+// (kSplit x slots <= kMaxSlots warps, or 2 x kMaxSlots at kSplit 4: a 1024-thread block, its registers capped at
+// 64 a thread by the launch bound, each warp holding its at most kDownUnroll4 groups in one batch); then the
+// slots' products, weighted, summed in slot order.
+template <int kSplit>
+constexpr int down_threads() {
+  return kSplit >= 4 ? 2 * kMaxSlots * 32 : kMaxSlots * 32;
+}
 template <typename T, typename S, int kSplit>
-__global__ void __launch_bounds__(kMaxSlots * 32)
+__global__ void __launch_bounds__(down_threads<kSplit>())
     int4_moe_down_kernel(const T* __restrict__ act, int64_t stride_act, Int4Weight w, const int64_t* __restrict__ ids,
                          const float* __restrict__ weights, int top_k, int num_routed, T* __restrict__ out, int d,
                          int groups) {
   extern __shared__ uint4 smem[];
   __shared__ float part_sum[kMaxSlots][16];
-  __shared__ float halves[kSplit > 1 ? kMaxSlots : 1][16];
+  __shared__ float halves[kSplit > 1 ? kSplit - 1 : 1][kSplit > 1 ? kMaxSlots : 1][16];
   T* xs = reinterpret_cast<T*>(smem);
   const int slots = (blockDim.x >> 5) / kSplit, warp = threadIdx.x >> 5;
   const int slot = kSplit == 1 ? warp : warp % slots, part = kSplit == 1 ? 0 : warp / slots;  // (as in gate_up)
@@ -367,17 +380,21 @@ __global__ void __launch_bounds__(kMaxSlots * 32)
   const int64_t e = slot < top_k ? ids[slot] : static_cast<int64_t>(num_routed + slot - top_k);
   float acc[2][4] = {};
   const WarpTile<T, S, 1> wt(w, e * w.stride_we, e * w.stride_qe, row0, d, 0);
-  wt.template run<kDownUnroll>(part, groups, kSplit, [&] { stage_rows(act, stride_act, slots, k, xs, stride_s); },
-                               xs + slot * stride_s, stride_s, 1, acc);
-  if (kSplit > 1) {  // (kSplit 2) part 1's sums of token 0 (lanes t = 0: rows g, g + 8) join part 0's
-    if (part == 1 && (lane & 3) == 0) {
-      halves[slot][lane >> 2] = acc[0][0];
-      halves[slot][(lane >> 2) + 8] = acc[0][2];
+  wt.template run<kSplit >= 4 ? kDownUnroll4 : kDownUnroll>(
+      part, groups, kSplit, [&] { stage_rows(act, stride_act, slots, k, xs, stride_s); }, xs + slot * stride_s,
+      stride_s, 1, acc);
+  if (kSplit > 1) {  // parts 1.. sums of token 0 (lanes t = 0: rows g, g + 8) join part 0's, in part order
+    if (part > 0 && (lane & 3) == 0) {
+      halves[part - 1][slot][lane >> 2] = acc[0][0];
+      halves[part - 1][slot][(lane >> 2) + 8] = acc[0][2];
     }
     __syncthreads();
     if (part == 0 && (lane & 3) == 0) {
-      acc[0][0] += halves[slot][lane >> 2];
-      acc[0][2] += halves[slot][(lane >> 2) + 8];
+#pragma unroll
+      for (int p = 0; p < kSplit - 1; ++p) {
+        acc[0][0] += halves[p][slot][lane >> 2];
+        acc[0][2] += halves[p][slot][(lane >> 2) + 8];
+      }
     }
   }
   if (part == 0 && (lane & 3) == 0) {  // the slot's product rounded to the activation dtype, weighted in fp32
@@ -437,6 +454,9 @@ cudaError_t gate_up_as(const void* x, Int4Weight w, const int64_t* ids, int top_
 template <typename T, typename S>
 cudaError_t gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared, int num_routed,
                     void* act, int64_t stride_act, int inter, int k, int split, cudaStream_t stream) {
+  if (split == 8) {  // eight warps a tile, one batch each (session 32's variant, with down over four warps)
+    return gate_up_as<T, S, 1, 8>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
+  }
   if (split == 4) {
     return gate_up_as<T, S, 1, 4>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
   }
@@ -459,11 +479,15 @@ cudaError_t down_as(const void* act, int64_t stride_act, Int4Weight w, const int
   return cudaGetLastError();
 }
 
-// split 2 or 4 (at most 8 slots): each slot's groups over two warps, one batch each at V2-Lite's 11 groups (a
-// block holds one warp a slot and part, at most kMaxSlots warps, so down has no four-way split: split 4 runs as 2)
+// split 2 or 4 (at most 8 slots): each slot's groups over two warps, one batch each at V2-Lite's 11 groups; split 8
+// (at most 8 slots): over four warps, a 1024-thread block (more warps to hide the
+// conversion and MMA chains: at split 2 ncu saw 4 warps a scheduler, 0.62 eligible, on an H100); else as split 2
 template <typename T, typename S>
 cudaError_t down(const void* act, int64_t stride_act, Int4Weight w, const int64_t* ids, const float* weights,
                  int top_k, int num_shared, int num_routed, void* out, int d, int k, int split, cudaStream_t stream) {
+  if (split == 8 && 4 * (top_k + num_shared) <= 2 * kMaxSlots) {
+    return down_as<T, S, 4>(act, stride_act, w, ids, weights, top_k, num_shared, num_routed, out, d, k, stream);
+  }
   if (split >= 2 && 2 * (top_k + num_shared) <= kMaxSlots) {
     return down_as<T, S, 2>(act, stride_act, w, ids, weights, top_k, num_shared, num_routed, out, d, k, stream);
   }

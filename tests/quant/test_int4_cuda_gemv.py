@@ -147,11 +147,11 @@ def test_the_cuda_gemv_switch_follows_its_flag_then_the_cuda_ext_flag(int4_flag,
     assert int4_cuda.enabled() is want
 
 
-def test_the_split_knob_takes_one_two_or_four(monkeypatch):
+def test_the_split_knob_takes_one_two_four_or_eight(monkeypatch):
     from deepinfer import envs
     from deepinfer.errors import BackendError
 
-    for value in (1, 2, 4):
+    for value in (1, 2, 4, 8):
         monkeypatch.setenv("DEEPINFER_INT4_CUDA_SPLIT_K", str(value))
         assert envs.INT4_CUDA_SPLIT_K.get() == value
     monkeypatch.setenv("DEEPINFER_INT4_CUDA_SPLIT_K", "3")
@@ -236,12 +236,12 @@ def test_cuda_int4_gemv_refuses_what_it_cannot_take():
 @needs_gpu
 @pytest.mark.parametrize("stacked", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split", ["1", "2", "4"])
+@pytest.mark.parametrize("split", ["1", "2", "4", "8"])
 def test_cuda_int4_moe_one_token_matches_the_references(split, stacked, dtype, monkeypatch):
     """V2-Lite's expert shapes (D 2048, I 1408, top-6, and 2 stacked shared experts or none; 8 routed experts, not
     64, so the CPU-side quantization of the test weights stays short), one token: the CUDA gate_up +
     down-with-combine against the dense twin (native experts_forward in the activation dtype) and against the
-    Triton direct GEMMs; with DEEPINFER_INT4_CUDA_SPLIT_K 1 and 2."""
+    Triton direct GEMMs; at every DEEPINFER_INT4_CUDA_SPLIT_K (8: down in 1024-thread blocks)."""
     from deepinfer.backends.nvidia.fused_moe import counters_for, fused_moe
     from deepinfer.backends.nvidia.quant import int4_cuda
 
@@ -252,7 +252,7 @@ def test_cuda_int4_moe_one_token_matches_the_references(split, stacked, dtype, m
             "stacked_shared": stacked, "counters": counters_for(2048, DEVICE), "w13_zeros": q.w13_zeros,
             "w2_zeros": q.w2_zeros, "group_size": 128}
     assert int4_cuda.moe_reason(x, q.w13, q.w2, q.w13_scale, q.w2_scale, 6 + stacked, 128, False, None) is None
-    monkeypatch.setenv("DEEPINFER_INT4_CUDA_SPLIT_K", split)  # each tile's groups over 1, 2 or 4 warps
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_SPLIT_K", split)  # each tile's groups over 1, 2, 4 or 8 warps
     got = fused_moe(x, q.w13, q.w2, wts, ids, **args)
     direct = int4_cuda.moe(x, q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_zeros, q.w2_zeros, ids, wts, stacked)
     assert torch.equal(got, direct)  # fused_moe took the CUDA path
