@@ -8,7 +8,8 @@ the same in bf16. Both are latency-bound at one token. This times each over the 
 num_warps' for the MLA decode with W_UV, split kernel included), device us per call from CUDA-graph replays over
 input copies the L2 cannot hold (benchmarks/graph_timing.rotating_graph_us), and checks each tile's result against
 the default tile's (the router's expert ids equal; the MLA output within bf16 rounding). Prints JSON lines, then
-the best tile of each as `ENV=value` lines (`best:` prefix) for an A/B of the whole step. GPU only.
+the best tile of each as `ENV=value` lines (`best:` prefix) for an A/B of the whole step. GPU only. The defaults
+since session 32 (router 1,512,1 at one token; merge + W_UV 32,128,4) are the first sweep's winners.
 
     python -m benchmarks.b1_small_kernels [--json out.jsonl] [--context 1033]
 """
@@ -22,10 +23,11 @@ import os
 E, D, TOP_K = 64, 2048, 6  # V2-Lite's router
 H, L, R, V, PAGE = 16, 512, 64, 128, 64  # V2-Lite's MLA (latent, rope, value head dims) and the KV page
 
-ROUTER_TILES = ["2,1024,4", "2,1024,2", "2,1024,1", "1,1024,1", "1,2048,1", "1,2048,2", "4,512,1", "4,512,2",
-                "2,512,1", "1,512,1", "4,1024,2", "8,256,1"]
-MERGE_UV_TILES = ["32,64,4", "32,64,2", "16,64,4", "16,64,2", "16,64,1", "8,64,2", "8,64,1", "16,32,2", "32,32,2",
-                  "32,128,4", "64,64,4", "16,128,4", "128,64,8", "64,32,4"]
+# the first tile of each list is the default (the reference the others' results are checked against)
+ROUTER_TILES = ["1,512,1", "2,1024,4", "1,256,1", "1,128,1", "1,2048,1", "1,1024,1", "2,512,1", "1,512,2",
+                "2,1024,1", "4,512,1"]
+MERGE_UV_TILES = ["32,128,4", "32,64,4", "32,256,4", "16,256,4", "32,512,8", "16,512,4", "32,256,8", "64,128,4",
+                  "16,128,2", "8,256,2", "32,128,8", "128,128,8", "64,256,8"]
 
 
 def _sweep(env: str, tiles: list[str], fn, copies: int, same) -> list[dict]:

@@ -380,7 +380,7 @@ MLA_MERGE_UV_TILE = EnvVar(
     "DEEPINFER_MLA_MERGE_UV_TILE", "str", None,
     "the MLA decode's merge + W_UV kernel (batches of <= 8): `BLOCK_V,BLOCK_LC,num_warps`, powers of two (the "
     "output columns and latent chunk a program takes; tuning / A/B runs)",
-    "nvidia", default_text="`32,64,4`",
+    "nvidia", default_text="`32,128,4`",
 )
 MLA_FP8_KV_DOT = EnvVar(
     "DEEPINFER_MLA_FP8_KV_DOT", "str", "bf16",

@@ -86,7 +86,8 @@ def test_per_token_override_keeps_the_old_gemv(monkeypatch):
     _check(5, 67, 300, torch.float16, seed=3)
     monkeypatch.setenv("DEEPINFER_ROUTER_GEMV", "8,4,256,8")
     assert _tiled_gemv_tile(64, 64, 2048) == (8, 4, 256, 8, 4)  # default stages
-    assert _gemv_tile(2048) == (2, 1024, 4)  # the per-token GEMV keeps its default
+    assert _gemv_tile(2048) == (1, 512, 1)  # the per-token GEMV keeps its defaults: one token,
+    assert _gemv_tile(2048, 4) == (2, 1024, 4)  # and more
     monkeypatch.setenv("DEEPINFER_ROUTER_GEMV", "8,4,256,8,2")
     assert _tiled_gemv_tile(64, 64, 2048) == (8, 4, 256, 8, 2)
 

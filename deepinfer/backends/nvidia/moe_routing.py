@@ -245,7 +245,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         return out
     tile = _router_gemv_env()
     if T == 1 or (tile is not None and len(tile) == 3):  # a 3-value override: the per-token GEMV (A/B)
-        block_e, block_d, warps = _gemv_tile(D)
+        block_e, block_d, warps = _gemv_tile(D, T)
         _router_logits_kernel[(triton.cdiv(E, block_e), T)](
             x, w, out, E, D, x.stride(0), w.stride(0), out.stride(0), BLOCK_E=block_e, BLOCK_D=block_d,
             num_warps=warps,
@@ -315,7 +315,7 @@ def gate_route(x: torch.Tensor, gate_weight: torch.Tensor, spec, correction_bias
     if T == 0:
         return weights, ids
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
-    block_e, block_d, warps = _gemv_tile(D)
+    block_e, block_d, warps = _gemv_tile(D, T)
     _gate_route_kernel[(triton.cdiv(E, block_e), T)](
         x, gw, logits, counters, bias, weights, ids, E, D, x.stride(0), gw.stride(0), **params,
         BLOCK_E=block_e, BLOCK_D=block_d, num_warps=warps,
