@@ -77,11 +77,13 @@ def run(args) -> list[dict]:
         sets = _dense_sets(n, k, copies)
         for m in args.tokens:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            for cuda in (False, True):
+            for cuda, warps in ((False, 4), (True, 4), (True, 8)):  # DEEPINFER_INT4_CUDA_DENSE_WARPS
+                os.environ["DEEPINFER_INT4_CUDA_DENSE_WARPS"] = str(warps)
                 fn = lambda i, c=cuda, x=x, ws=sets, nc=copies: int4_gemm(x, *ws[i % nc], None, GROUP, cuda=c)
                 us = rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
-                rows.append({"op": name, "tokens": m, "kernel": "cuda" if cuda else "triton", "us": round(us, 2),
-                             "weight_gbs": round(n * k / 2 / us / 1e3, 1)})
+                rows.append({"op": name, "tokens": m, "kernel": f"cuda {warps} warps" if cuda else "triton",
+                             "us": round(us, 2), "weight_gbs": round(n * k / 2 / us / 1e3, 1)})
+            os.environ.pop("DEEPINFER_INT4_CUDA_DENSE_WARPS", None)
     per_copy = (ROUTED + SHARED) * 3 * INTER * HIDDEN // 2
     copies = max(2, (1 << 30) // per_copy)
     experts = _expert_sets(copies)
@@ -150,7 +152,7 @@ def run(args) -> list[dict]:
 
 def ncu_targets(launches: int = 2) -> None:
     """Each CUDA int4 kernel at V2-Lite's decode shapes, `launches` times: the dense GEMV (o_proj and q_proj at one
-    token) and one token's experts' gate_up and down at every DEEPINFER_INT4_CUDA_SPLIT_K (1, 2, 4, 8)."""
+    token, 4 and 8 warps a tile) and one token's experts' gate_up and down at every DEEPINFER_INT4_CUDA_SPLIT_K (1, 2, 4, 8)."""
     import torch
 
     from deepinfer.backends.nvidia.quant import int4_cuda
@@ -160,8 +162,9 @@ def ncu_targets(launches: int = 2) -> None:
         n, k = DENSE[name]
         (w, z, s), = _dense_sets(n, k, 1)
         x = torch.randn(1, k, device="cuda").bfloat16()
-        for _ in range(launches):
-            ext.int4_gemv(x, w, z, s, None)
+        for warps in (4, 8):
+            for _ in range(launches):
+                ext.int4_gemv(x, w, z, s, None, warps)
     q, = _expert_sets(1)
     x = torch.randn(1, HIDDEN, device="cuda").bfloat16()
     ids = torch.randperm(ROUTED, device="cuda")[:TOP_K].view(1, TOP_K)
@@ -171,7 +174,7 @@ def ncu_targets(launches: int = 2) -> None:
             act = ext.int4_moe_gate_up(x, q.w13, q.w13_zeros, q.w13_scale, ids, SHARED, split)
             ext.int4_moe_down(act, q.w2, q.w2_zeros, q.w2_scale, ids, wts, SHARED, split)
     torch.cuda.synchronize()
-    print("ncu targets: dense o_proj, q_proj; moe gate_up + down at split 1, 2, 4, 8;", launches, "launches each")
+    print("ncu targets: dense o_proj, q_proj at 4 and 8 warps; moe gate_up + down at split 1, 2, 4, 8;", launches, "launches each")
 
 
 def main(argv: list[str] | None = None) -> int:

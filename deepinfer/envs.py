@@ -297,6 +297,11 @@ INT4_CUDA_SPLIT_K = EnvVar(
     "over eight warps, one batch each, down over four in 1024-thread blocks)",
     "nvidia", choices=(1, 2, 4, 8), error=BackendError,
 )
+INT4_CUDA_DENSE_WARPS = EnvVar(
+    "DEEPINFER_INT4_CUDA_DENSE_WARPS", "int", 4,
+    "warps a 16-row tile of the CUDA int4 dense GEMV (1-4 tokens): `4` (four groups a warp at K 2048) or `8` (two)",
+    "nvidia", choices=(4, 8), error=BackendError,
+)
 MOE_FUSED_COMBINE = EnvVar(
     "DEEPINFER_MOE_FUSED_COMBINE", "bool", True,
     "`0`: direct-mode MoE runs the combine kernel instead of combining in the down GEMM",

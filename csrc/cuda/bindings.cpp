@@ -92,8 +92,9 @@ int act_kind(const torch::Tensor& x, const char* what) {
 }
 
 torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor zeros, torch::Tensor scales,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, int64_t warps) {
   const int kind = act_kind(x, "int4_gemv");
+  TORCH_CHECK(warps == 4 || warps == 8, "int4_gemv: warps a tile must be 4 or 8, got ", warps);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   TORCH_CHECK(m >= 1 && m <= 8, "int4_gemv: 1 to 8 tokens, got ", m);
   auto w = int4_weight(qweight, zeros, scales, k, "int4_gemv");
@@ -103,7 +104,7 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor ze
   }
   auto out = torch::empty({m, n}, x.options());
   check_cuda(deepinfer::launch_int4_gemv(x.data_ptr(), x.stride(0), m, w, bias.has_value() ? bias->data_ptr() : nullptr,
-                                         out.data_ptr(), out.stride(0), n, k, kind,
+                                         out.data_ptr(), out.stride(0), n, k, kind, static_cast<int>(warps),
                                          c10::cuda::getCurrentCUDAStream()),
              "int4_gemv launch");
   return out;

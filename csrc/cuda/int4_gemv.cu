@@ -293,7 +293,7 @@ __device__ __forceinline__ void split_sum(float (&acc)[2][4], float* red) {
   }
 }
 
-template <typename T, typename S, int kWarps>
+template <typename T, typename S, int kWarps, int kBatch = kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     int4_gemv_kernel(const T* __restrict__ x, int64_t stride_x, int m, Int4Weight w, const T* __restrict__ bias,
                      T* __restrict__ out, int64_t stride_o, int n, int groups) {
@@ -303,8 +303,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row0 = blockIdx.x * 16, k = groups * kGroup, stride_s = k + 8;
   float acc[2][4] = {};
   const WarpTile<T, S, 1> tile(w, 0, 0, row0, n, 0);
-  tile.template run<kUnroll>(threadIdx.x >> 5, groups, kWarps, [&] { stage_rows(x, stride_x, m, k, xs, stride_s); },
-                             xs, stride_s, m, acc);
+  tile.template run<kBatch>(threadIdx.x >> 5, groups, kWarps, [&] { stage_rows(x, stride_x, m, k, xs, stride_s); },
+                            xs, stride_s, m, acc);
   split_sum<1, kWarps, 1>(acc, red);
   if (threadIdx.x < 32) {
     const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
@@ -422,16 +422,25 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-template <typename T, typename S>
-cudaError_t gemv(const void* x, int64_t stride_x, int m, Int4Weight w, const void* bias, void* out, int64_t stride_o,
-                 int n, int k, cudaStream_t stream) {
+template <typename T, typename S, int kWarps, int kBatch>
+cudaError_t gemv_as(const void* x, int64_t stride_x, int m, Int4Weight w, const void* bias, void* out,
+                    int64_t stride_o, int n, int k, cudaStream_t stream) {
   const size_t smem = staged_bytes<T>(m, k);
-  const cudaError_t err = allow_smem(int4_gemv_kernel<T, S, kDenseWarps>, smem);
+  const cudaError_t err = allow_smem(int4_gemv_kernel<T, S, kWarps, kBatch>, smem);
   if (err != cudaSuccess) return err;
-  int4_gemv_kernel<T, S, kDenseWarps><<<(n + 15) / 16, kDenseWarps * 32, smem, stream>>>(
+  int4_gemv_kernel<T, S, kWarps, kBatch><<<(n + 15) / 16, kWarps * 32, smem, stream>>>(
       static_cast<const T*>(x), stride_x, m, w, static_cast<const T*>(bias), static_cast<T*>(out), stride_o, n,
       k / kGroup);
   return cudaGetLastError();
+}
+
+// warps 4 (kDenseWarps, kUnroll groups a batch) or 8 (two groups a batch: V2-Lite's K of 2048 is 16 groups, so
+// each warp's one batch; a shorter dependent chain of conversions and MMAs a warp, twice the warps a tile)
+template <typename T, typename S>
+cudaError_t gemv(const void* x, int64_t stride_x, int m, Int4Weight w, const void* bias, void* out, int64_t stride_o,
+                 int n, int k, int warps, cudaStream_t stream) {
+  if (warps == 8) return gemv_as<T, S, 8, 2>(x, stride_x, m, w, bias, out, stride_o, n, k, stream);
+  return gemv_as<T, S, kDenseWarps, kUnroll>(x, stride_x, m, w, bias, out, stride_o, n, k, stream);
 }
 
 template <typename T, typename S, int kTiles, int kSplit>
@@ -504,10 +513,10 @@ cudaError_t dispatch(int act_kind, int scale_kind, F f) {
 }  // namespace
 
 cudaError_t launch_int4_gemv(const void* x, int64_t stride_x, int m, Int4Weight w, const void* bias, void* out,
-                             int64_t stride_o, int n, int k, int act, cudaStream_t stream) {
-  if (m < 1 || m > 8 || k % kGroup != 0) return cudaErrorInvalidValue;
+                             int64_t stride_o, int n, int k, int act, int warps, cudaStream_t stream) {
+  if (m < 1 || m > 8 || k % kGroup != 0 || (warps != 4 && warps != 8)) return cudaErrorInvalidValue;
   return dispatch(act, w.scale_kind, [&](auto t, auto s) {
-    return gemv<decltype(t), decltype(s)>(x, stride_x, m, w, bias, out, stride_o, n, k, stream);
+    return gemv<decltype(t), decltype(s)>(x, stride_x, m, w, bias, out, stride_o, n, k, warps, stream);
   });
 }
 

@@ -20,14 +20,15 @@ struct Int4Weight {
   int scale_kind;     // 0 fp16, 1 fp32
 };
 
-// out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for m < M <= 8; K a multiple of 128.
+// out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for m < M <= 8; K a multiple of 128. warps: 4 or 8 a 16-row tile
+// (DEEPINFER_INT4_CUDA_DENSE_WARPS).
 cudaError_t launch_int4_gemv(const void* x, int64_t stride_x, int m, Int4Weight w, const void* bias, void* out,
-                             int64_t stride_o, int n, int k, int act, cudaStream_t stream);
+                             int64_t stride_o, int n, int k, int act, int warps, cudaStream_t stream);
 
 // One token's routed (and stacked shared) experts, gate_up: act[s, i] = silu(gate) * up for slot s < top_k +
 // num_shared (slot s < top_k takes expert ids[s], else num_routed + s - top_k); w rows [0, inter) the gate,
 // [inter, 2 inter) the up projection.
-// split: 1, or 2 (each tile's groups over two warps; an A/B variant, DEEPINFER_INT4_CUDA_SPLIT_K).
+// split: 1, 2, 4 or 8 (each tile's groups over that many warps; DEEPINFER_INT4_CUDA_SPLIT_K).
 cudaError_t launch_int4_moe_gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared,
                                     int num_routed, void* act, int64_t stride_act, int inter, int k, int act_kind,
                                     int split, cudaStream_t stream);

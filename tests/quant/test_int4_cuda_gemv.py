@@ -147,6 +147,18 @@ def test_the_cuda_gemv_switch_follows_its_flag_then_the_cuda_ext_flag(int4_flag,
     assert int4_cuda.enabled() is want
 
 
+def test_the_dense_warps_knob_takes_four_or_eight(monkeypatch):
+    from deepinfer import envs
+    from deepinfer.errors import BackendError
+
+    assert envs.INT4_CUDA_DENSE_WARPS.get() == 4
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "8")
+    assert envs.INT4_CUDA_DENSE_WARPS.get() == 8
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "6")
+    with pytest.raises(BackendError, match="DEEPINFER_INT4_CUDA_DENSE_WARPS"):
+        envs.INT4_CUDA_DENSE_WARPS.get()
+
+
 def test_the_split_knob_takes_one_two_four_or_eight(monkeypatch):
     from deepinfer import envs
     from deepinfer.errors import BackendError
@@ -183,10 +195,14 @@ def _dense_layer(n: int, k: int, seed: int, scale_dtype=torch.float16):
 @pytest.mark.parametrize("m", [1, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cuda_int4_gemv_matches_the_reference(n, k, m, dtype, bias):
-    """V2-Lite's q_proj / kv_a / o_proj-like shapes and a partial 16-row tile (N 44), 1 / 5 / 8 tokens: within the
-    output dtype's rounding of the fp32 product of the dequantized weight; and beside the Triton GEMM."""
+@pytest.mark.parametrize("warps", ["4", "8"])
+def test_cuda_int4_gemv_matches_the_reference(n, k, m, dtype, bias, warps, monkeypatch):
+    """V2-Lite's q_proj / kv_a / o_proj-like shapes and a partial 16-row tile (N 44), 1 / 5 / 8 tokens, 4 or 8 warps
+    a tile (K 256: two groups, so at 8 warps six warps hold none): within the output dtype's rounding of the fp32
+    product of the dequantized weight; and beside the Triton GEMM."""
     from deepinfer.backends.nvidia.quant.int4_gemm import int4_gemm
+
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", warps)
 
     qw, z, s, dense = _dense_layer(n, k, seed=n + k + m)
     x = torch.randn(m, k, device=DEVICE).to(dtype)

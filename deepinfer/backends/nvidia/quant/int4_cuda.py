@@ -129,7 +129,8 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: to
     the activation dtype (a model's biases are in it: the loader casts them to the compute dtype)."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return ext().int4_gemv(x, qweight, zeros, scales, bias.contiguous() if bias is not None else None)
+    return ext().int4_gemv(x, qweight, zeros, scales, bias.contiguous() if bias is not None else None,
+                           envs.INT4_CUDA_DENSE_WARPS.get())
 
 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor, scale2: torch.Tensor,
