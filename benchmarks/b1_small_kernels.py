@@ -8,7 +8,9 @@ the same in bf16. Both are latency-bound at one token. This times each over the 
 num_warps' for the MLA decode with W_UV, split kernel included), device us per call from CUDA-graph replays over
 input copies the L2 cannot hold (benchmarks/graph_timing.rotating_graph_us), and checks each tile's result against
 the default tile's (the router's expert ids equal; the MLA output within bf16 rounding). Prints JSON lines, then
-the best tile of each as `ENV=value` lines (`best:` prefix) for an A/B of the whole step. GPU only. The defaults
+the best tile of each as `ENV=value` lines (`best:` prefix) for an A/B of the whole step. Then the MLA decode's launch
+at batch 1 (splits, tile, minimum split, warps, stages: decode_params' pick and others, passed to mla_decode). GPU
+only. The defaults
 since session 32 (router 1,512,1 at one token; merge + W_UV 32,128,4) are the first sweep's winners.
 
     python -m benchmarks.b1_small_kernels [--json out.jsonl] [--context 1033]
@@ -92,6 +94,50 @@ def merge_uv_rows(context: int) -> list[dict]:
                   lambda a, b: (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item())
 
 
+# the MLA decode's launch at batch 1 (num_splits, block_n, min_split, num_warps, num_stages); None: decode_params'
+# pick for the block table's width (in the engine that is max_model_len's)
+MLA_LAUNCHES = [None, (16, 64, 128, 8, 2), (8, 64, 192, 8, 2), (32, 32, 32, 4, 3), (19, 64, 64, 4, 3),
+                (10, 64, 128, 4, 3), (16, 64, 128, 4, 2), (12, 64, 128, 8, 3), (24, 32, 64, 4, 3), (64, 64, 64, 8, 2)]
+
+
+def mla_launch_rows(context: int, table_tokens: int) -> list[dict]:
+    """The MLA decode (split kernel + merge + W_UV, the default merge tile) at batch 1 over MLA_LAUNCHES, us a call,
+    each launch's output checked against decode_params' (within 1% of its max)."""
+    import torch
+
+    from benchmarks.graph_timing import rotating_graph_us
+    from deepinfer.backends.nvidia.mla_decode import decode_params, mla_decode
+
+    per = -(-(context + 1) // PAGE)
+    width = max(per, -(-table_tokens // PAGE))
+    copies = max(2, (768 << 20) // (per * PAGE * (L + R) * 2 + H * L * V * 2))
+    sets = [(torch.randn(per, PAGE, L + R, device="cuda").bfloat16(),
+             (torch.randn(H, L, V, device="cuda") / 16).bfloat16()) for _ in range(copies)]
+    table = torch.zeros(1, width, device="cuda", dtype=torch.int32)
+    table[0, :per] = torch.arange(per, device="cuda", dtype=torch.int32)
+    seq = torch.tensor([context], device="cuda", dtype=torch.int32)
+    q = torch.randn(1, H, L + R, device="cuda").bfloat16()
+    auto = decode_params(1, H, width * PAGE)
+    rows, ref = [], None
+    for launch in MLA_LAUNCHES:
+        splits, block_n, min_split, warps, stages = launch or (auto.num_splits, auto.block_n, auto.min_split,
+                                                               auto.num_warps, auto.num_stages)
+
+        def fn(i, a=(splits, block_n, min_split, warps, stages)):
+            cache, w = sets[i % copies]
+            return mla_decode(q, cache, table, seq, L, 0.1, num_splits=a[0], block_n=a[1], min_split=a[2],
+                              num_warps=a[3], num_stages=a[4], w_uv_t=w)
+
+        tile = f"{splits},{block_n},{min_split},{warps},{stages}" + (" (decode_params)" if launch is None else "")
+        out = fn(0)
+        ref = out if ref is None else ref
+        same = (out.float() - ref.float()).abs().max().item() <= 1e-2 * ref.float().abs().max().item()
+        us = rotating_graph_us(fn, copies, reps=min(40, 4 * copies))
+        rows.append({"env": "mla_launch", "tile": tile, "us": round(us, 2), "same": bool(same)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def best(rows: list[dict]) -> dict | None:
     ok = [r for r in rows if "us" in r and r["same"]]
     return min(ok, key=lambda r: r["us"]) if ok else None
@@ -101,20 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--context", type=int, default=1033, help="the MLA decode's context (tokens in the cache)")
+    ap.add_argument("--table-tokens", type=int, default=1168,
+                    help="the block table's width in tokens for the launch sweep (the engine's max_model_len: "
+                         "benchmarks.throughput's prompt 1024 + 128 + 16)")
     args = ap.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.b1_small_kernels needs a CUDA GPU")
-    rows = router_rows() + merge_uv_rows(args.context)
+    rows = router_rows() + merge_uv_rows(args.context) + mla_launch_rows(args.context, args.table_tokens)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    for env in ("DEEPINFER_ROUTER_GEMV", "DEEPINFER_MLA_MERGE_UV_TILE"):
+    for env in ("DEEPINFER_ROUTER_GEMV", "DEEPINFER_MLA_MERGE_UV_TILE", "mla_launch"):
         mine = [r for r in rows if r["env"] == env]
         b, default = best(mine), mine[0]
         print(f"{env}: default {default['tile']} {default.get('us')} us; best {b and b['tile']} {b and b['us']} us")
-        if b is not None:
+        if b is not None and env.startswith("DEEPINFER_"):
             print(f"best: {env}={b['tile']}")
     return 0
 
