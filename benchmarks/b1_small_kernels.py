@@ -54,7 +54,9 @@ def _sweep(env: str, tiles: list[str], fn, copies: int, same) -> list[dict]:
     return rows
 
 
-def router_rows() -> list[dict]:
+def router_rows(tokens: int = 1) -> list[dict]:
+    """gate_route over ROUTER_TILES at `tokens` tokens (env 'DEEPINFER_ROUTER_GEMV' at one token, with '@T' after
+    it at more: those rows are reported, not A/B'd)."""
     import torch
 
     from deepinfer.backend import RouterSpec
@@ -63,10 +65,14 @@ def router_rows() -> list[dict]:
     spec = RouterSpec(E, TOP_K, "softmax", "greedy")
     copies = (512 << 20) // (E * D * 4)
     gates = [torch.randn(E, D, device="cuda") / 40 for _ in range(copies)]
-    x = torch.randn(1, D, device="cuda").bfloat16()
+    x = torch.randn(tokens, D, device="cuda").bfloat16()
     counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-    return _sweep("DEEPINFER_ROUTER_GEMV", ROUTER_TILES, lambda i: gate_route(x, gates[i], spec, None, counters),
+    rows = _sweep("DEEPINFER_ROUTER_GEMV", ROUTER_TILES, lambda i: gate_route(x, gates[i], spec, None, counters),
                   copies, lambda a, b: torch.equal(a[1], b[1]) and torch.allclose(a[0], b[0], rtol=1e-5, atol=0))
+    if tokens > 1:
+        for r in rows:
+            r["env"] = f"DEEPINFER_ROUTER_GEMV@{tokens}"
+    return rows
 
 
 def merge_uv_rows(context: int) -> list[dict]:
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--context", type=int, default=1033, help="the MLA decode's context (tokens in the cache)")
+    ap.add_argument("--router-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[4, 16],
+                    help="more token counts to time the router tiles at (reported only; '' for none)")
     ap.add_argument("--table-tokens", type=int, default=1168,
                     help="the block table's width in tokens for the launch sweep (the engine's max_model_len: "
                          "benchmarks.throughput's prompt 1024 + 128 + 16)")
@@ -156,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.b1_small_kernels needs a CUDA GPU")
     rows = router_rows() + merge_uv_rows(args.context) + mla_launch_rows(args.context, args.table_tokens)
+    for t in args.router_tokens:
+        rows += router_rows(t)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    for env in ("DEEPINFER_ROUTER_GEMV", "DEEPINFER_MLA_MERGE_UV_TILE", "mla_launch"):
+    for env in dict.fromkeys(r["env"] for r in rows):
         mine = [r for r in rows if r["env"] == env]
         b, default = best(mine), mine[0]
         print(f"{env}: default {default['tile']} {default.get('us')} us; best {b and b['tile']} {b and b['us']} us")
-        if b is not None and env.startswith("DEEPINFER_"):
+        if b is not None and env.startswith("DEEPINFER_") and "@" not in env:
             print(f"best: {env}={b['tile']}")
     return 0
 
