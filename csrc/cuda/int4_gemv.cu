@@ -134,24 +134,27 @@ template <typename T, typename S, int kHalves>
 struct WarpTile {
   // pointers at group 0; rows past the end are clamped to the last one (loaded, never stored), so no load is
   // predicated
-  const uint8_t* wp[kHalves][2];
-  const uint8_t* zp[kHalves][2];
-  const S* sp[kHalves][2];
+  // one base pointer each (the expert's, the lane's 16 bytes for weights) and 32-bit offsets a row within the
+  // expert: fewer registers than a pointer a row (the 1024-thread down blocks of split 8 hold 64 a thread)
+  const uint8_t* wb;
+  const uint8_t* zb;
+  const S* sb;
+  uint32_t wo[kHalves][2];  // bytes
+  uint32_t qo[kHalves][2];  // zero-point / scale elements
   int qk;  // scale / zero elements between groups
 
   __device__ __forceinline__ WarpTile(const Int4Weight& w, int64_t w_off, int64_t q_off, int row0, int rows,
                                       int up_rows)
-      : qk(static_cast<int>(w.stride_qk)) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const S* s = static_cast<const S*>(w.s);
+      : wb(w.w + w_off + (threadIdx.x & 3) * 16), zb(w.z + q_off), sb(static_cast<const S*>(w.s) + q_off),
+        qk(static_cast<int>(w.stride_qk)) {
+    const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t row = static_cast<int64_t>(h) * up_rows + min(row0 + g + 8 * r, rows - 1);
-        wp[h][r] = w.w + w_off + row * w.stride_wn + t * 16;
-        zp[h][r] = w.z + q_off + row * w.stride_qn;
-        sp[h][r] = s + q_off + row * w.stride_qn;
+        wo[h][r] = static_cast<uint32_t>(row * w.stride_wn);
+        qo[h][r] = static_cast<uint32_t>(row * w.stride_qn);
       }
     }
   }
@@ -167,9 +170,10 @@ struct WarpTile {
       for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          b.wv[h][r][u] = __ldg(reinterpret_cast<const uint4*>(wp[h][r] + grp * (kGroup / 2)));
-          b.zz[h][r][u] = (magic | static_cast<uint32_t>(zp[h][r][grp * qk])) * 0x00010001u;  // magic + z, twice
-          b.sc[h][r][u] = to_float(sp[h][r][grp * qk]);
+          b.wv[h][r][u] = __ldg(reinterpret_cast<const uint4*>(wb + wo[h][r] + static_cast<uint32_t>(grp * (kGroup / 2))));
+          const uint32_t q = qo[h][r] + static_cast<uint32_t>(grp * qk);
+          b.zz[h][r][u] = (magic | static_cast<uint32_t>(zb[q])) * 0x00010001u;  // magic + z, twice
+          b.sc[h][r][u] = to_float(sb[q]);
         }
       }
     }
@@ -242,13 +246,18 @@ struct WarpTile {
 
   // The whole reduction over groups begin, begin + step, ... < end: the first batch's loads go out before the
   // activations are staged into shared memory (stage() then __syncthreads(), by every thread of the block).
-  template <int kUnroll, typename Stage>
+  // kOnce: the caller guarantees one batch covers the warp's groups (end - begin <= kUnroll x step): no loop
+  template <int kUnroll, typename Stage, bool kOnce = false>
   __device__ __forceinline__ void run(int begin, int end, int step, Stage stage, const T* xs, int stride_s, int m,
                                       float (&acc)[2][4]) const {
     Batch<kHalves, kUnroll> b;
     load(b, begin, end, step);
     stage();
     __syncthreads();
+    if (kOnce) {
+      compute(b, begin, end, step, xs, stride_s, m, acc);
+      return;
+    }
     for (int base = begin; base < end; base += kUnroll * step) {
       if (base != begin) load(b, base, end, step);
       compute(b, base, end, step, xs, stride_s, m, acc);
@@ -334,12 +343,11 @@ __global__ void __launch_bounds__(kTiles * kSplit * 32)
   const int64_t e = slot < top_k ? ids[slot] : static_cast<int64_t>(num_routed + slot - top_k);
   float acc[2][4] = {};
   const WarpTile<T, S, 2> wt(w, e * w.stride_we, e * w.stride_qe, row0, inter, inter);
-  if (kSplit >= 8) {  // one batch a warp (V2-Lite's 16 groups: two each), so fewer registers and more warps a block
-    wt.template run<kGateUpUnroll>(part, groups, kSplit, [&] { stage_rows(x, 0, 1, k, xs, k + 8); }, xs, k + 8, 1,
-                                   acc);
+  auto stage = [&] { stage_rows(x, 0, 1, k, xs, k + 8); };
+  if (kSplit >= 8) {  // one batch a warp (the launcher checks groups <= 8 x kGateUpUnroll; V2-Lite's 16: two each)
+    wt.template run<kGateUpUnroll, decltype(stage), true>(part, groups, kSplit, stage, xs, k + 8, 1, acc);
   } else {
-    wt.template run_pipelined<kGateUpUnroll>(part, groups, kSplit, [&] { stage_rows(x, 0, 1, k, xs, k + 8); }, xs,
-                                             k + 8, 1, acc);
+    wt.template run_pipelined<kGateUpUnroll>(part, groups, kSplit, stage, xs, k + 8, 1, acc);
   }
   split_sum<kTiles, kSplit, 2>(acc, red);
   const int lane = threadIdx.x & 31;
@@ -380,9 +388,13 @@ __global__ void __launch_bounds__(down_threads<kSplit>())
   const int64_t e = slot < top_k ? ids[slot] : static_cast<int64_t>(num_routed + slot - top_k);
   float acc[2][4] = {};
   const WarpTile<T, S, 1> wt(w, e * w.stride_we, e * w.stride_qe, row0, d, 0);
-  wt.template run<kSplit >= 4 ? kDownUnroll4 : kDownUnroll>(
-      part, groups, kSplit, [&] { stage_rows(act, stride_act, slots, k, xs, stride_s); }, xs + slot * stride_s,
-      stride_s, 1, acc);
+  auto stage = [&] { stage_rows(act, stride_act, slots, k, xs, stride_s); };
+  if (kSplit >= 4) {  // one batch a warp (the launcher checks groups <= 4 x kDownUnroll4): no loop registers
+    wt.template run<kDownUnroll4, decltype(stage), true>(part, groups, kSplit, stage, xs + slot * stride_s, stride_s,
+                                                         1, acc);
+  } else {
+    wt.template run<kDownUnroll>(part, groups, kSplit, stage, xs + slot * stride_s, stride_s, 1, acc);
+  }
   if (kSplit > 1) {  // parts 1.. sums of token 0 (lanes t = 0: rows g, g + 8) join part 0's, in part order
     if (part > 0 && (lane & 3) == 0) {
       halves[part - 1][slot][lane >> 2] = acc[0][0];
@@ -463,7 +475,7 @@ cudaError_t gate_up_as(const void* x, Int4Weight w, const int64_t* ids, int top_
 template <typename T, typename S>
 cudaError_t gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared, int num_routed,
                     void* act, int64_t stride_act, int inter, int k, int split, cudaStream_t stream) {
-  if (split == 8) {  // eight warps a tile, one batch each (session 32's variant, with down over four warps)
+  if (split == 8 && k / kGroup <= 8 * kGateUpUnroll) {  // eight warps a tile, one batch each (down: four warps)
     return gate_up_as<T, S, 1, 8>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
   }
   if (split == 4) {
@@ -489,12 +501,12 @@ cudaError_t down_as(const void* act, int64_t stride_act, Int4Weight w, const int
 }
 
 // split 2 or 4 (at most 8 slots): each slot's groups over two warps, one batch each at V2-Lite's 11 groups; split 8
-// (at most 8 slots): over four warps, a 1024-thread block (more warps to hide the
+// (at most 8 slots and 12 groups: one batch a warp): over four warps, a 1024-thread block (more warps to hide the
 // conversion and MMA chains: at split 2 ncu saw 4 warps a scheduler, 0.62 eligible, on an H100); else as split 2
 template <typename T, typename S>
 cudaError_t down(const void* act, int64_t stride_act, Int4Weight w, const int64_t* ids, const float* weights,
                  int top_k, int num_shared, int num_routed, void* out, int d, int k, int split, cudaStream_t stream) {
-  if (split == 8 && 4 * (top_k + num_shared) <= 2 * kMaxSlots) {
+  if (split == 8 && 4 * (top_k + num_shared) <= 2 * kMaxSlots && k / kGroup <= 4 * kDownUnroll4) {
     return down_as<T, S, 4>(act, stride_act, w, ids, weights, top_k, num_shared, num_routed, out, d, k, stream);
   }
   if (split >= 2 && 2 * (top_k + num_shared) <= kMaxSlots) {

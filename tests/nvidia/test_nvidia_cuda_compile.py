@@ -13,9 +13,9 @@ from nvidia_testutil import ON_GPU  # noqa: F401  (sets TRITON_INTERPRET on the 
 from deepinfer.backends.nvidia import cuda_ext
 from deepinfer.errors import BackendError
 
-# kernels each source instantiates: int4_gemv.cu's dense GEMV, gate_up (three K splits) and down (two) x
-# {bf16, fp16} x {fp16, fp32 scales}
-KERNELS = {"int4_gemv.cu": 24, "moe_kernels.cu": 2}
+# kernels each source instantiates: int4_gemv.cu's dense GEMV (4 and 8 warps), gate_up (four K splits: 1, 2, 4, 8)
+# and down (three: 1, 2, 4) x {bf16, fp16} x {fp16, fp32 scales}
+KERNELS = {"int4_gemv.cu": 36, "moe_kernels.cu": 2}
 
 
 def _nvcc() -> str | None:
