@@ -331,6 +331,17 @@ def test_mla_decode_with_w_uv_other_merge_tiles(tile, monkeypatch):
     assert rel_err(out, torch.einsum("bhl,hlv->bhv", o_lat.double(), w_uv_t.double())) < tol(torch.float32)
 
 
+def test_merge_uv_default_tile_follows_the_split_rows(monkeypatch):
+    """The default: the whole 512-wide latent a chunk with 8 warps up to 32 split rows (the H100 sweep's best),
+    256-wide with 4 at 64 (a [splits, chunk] fp32 tile of at most 16,384); small widths capped."""
+    from deepinfer.backends.nvidia.mla_decode import merge_uv_tile
+
+    monkeypatch.delenv("DEEPINFER_MLA_MERGE_UV_TILE", raising=False)
+    assert merge_uv_tile(512, 128, 32) == merge_uv_tile(512, 128, 16) == (32, 512, 8)
+    assert merge_uv_tile(512, 128, 64) == (32, 256, 4)
+    assert merge_uv_tile(32, 40, 4) == (32, 32, 4)
+
+
 @pytest.mark.parametrize("value", ["32,64", "32,48,4", "a,b,c", "32,64,64", "32,128,4"])
 def test_merge_uv_tile_env_refuses_bad_values(value, monkeypatch):
     """A malformed tile names the variable (three powers of two, num_warps <= 32, BLOCK_LC dividing L = 64)."""

@@ -86,8 +86,8 @@ def test_per_token_override_keeps_the_old_gemv(monkeypatch):
     _check(5, 67, 300, torch.float16, seed=3)
     monkeypatch.setenv("DEEPINFER_ROUTER_GEMV", "8,4,256,8")
     assert _tiled_gemv_tile(64, 64, 2048) == (8, 4, 256, 8, 4)  # default stages
-    assert _gemv_tile(2048) == (1, 512, 1)  # the per-token GEMV keeps its defaults: one token,
-    assert _gemv_tile(2048, 4) == (2, 1024, 4)  # and more
+    assert _gemv_tile(2048) == _gemv_tile(2048, 16) == (1, 512, 1)  # the per-token GEMV keeps its defaults: to 16
+    assert _gemv_tile(2048, 17) == (2, 1024, 4)  # tokens, and past
     monkeypatch.setenv("DEEPINFER_ROUTER_GEMV", "8,4,256,8,2")
     assert _tiled_gemv_tile(64, 64, 2048) == (8, 4, 256, 8, 2)
 

@@ -151,9 +151,9 @@ def test_the_dense_warps_knob_takes_four_or_eight(monkeypatch):
     from deepinfer import envs
     from deepinfer.errors import BackendError
 
-    assert envs.INT4_CUDA_DENSE_WARPS.get() == 4
-    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "8")
     assert envs.INT4_CUDA_DENSE_WARPS.get() == 8
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "4")
+    assert envs.INT4_CUDA_DENSE_WARPS.get() == 4
     monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "6")
     with pytest.raises(BackendError, match="DEEPINFER_INT4_CUDA_DENSE_WARPS"):
         envs.INT4_CUDA_DENSE_WARPS.get()
@@ -245,7 +245,16 @@ def test_cuda_int4_gemv_refuses_what_it_cannot_take():
     z64, s64 = z.repeat_interleave(2, 1), s.repeat_interleave(2, 1)  # the same weight in groups of 64
     with pytest.raises(BackendError, match="group 64"):
         int4_gemm(x[:1], qw, z64, s64, None, 64, cuda=True)
-    assert not int4_cuda.use_dense(x[:5], qw, s, None, 128)  # the default dispatch stops at AUTO_MAX_TOKENS
+    assert not int4_cuda.use_dense(x, qw, s, None, 128)  # the default dispatch stops at 8 tokens (eight warps)
+
+
+def test_the_default_dispatch_follows_the_dense_warps(monkeypatch):
+    """Eight warps a tile (the default) take 1-8 tokens by default, four warps 1-4 (each measured against Triton)."""
+    from deepinfer.backends.nvidia.quant import int4_cuda
+
+    assert int4_cuda.auto_max_tokens() == int4_cuda.AUTO_MAX_TOKENS_8_WARPS == 8
+    monkeypatch.setenv("DEEPINFER_INT4_CUDA_DENSE_WARPS", "4")
+    assert int4_cuda.auto_max_tokens() == int4_cuda.AUTO_MAX_TOKENS == 4
 
 
 @pytest.mark.gpu

@@ -257,19 +257,26 @@ def _mla_decode_merge_uv_kernel(
 
 
 MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more than a batched GEMM
-# (BLOCK_V, BLOCK_LC, num_warps): at batch 1, 64 programs (16 heads x 4), the latent in chunks of 128. On an H100
-# (2026-12-06, benchmarks.b1_small_kernels, V2-Lite, context 1033, split kernel included) 14.1 us against 18.3 for
-# chunks of 64 (26.3 for 32): fewer dependent load-then-reduce rounds a program; the batch-1 decode step 0.1 ms shorter.
-MERGE_UV_TILE = (32, 128, 4)
+# The merge + W_UV kernel's default: 32 output columns a program (at batch 1, 64 programs: 16 heads x 4) and the
+# latent in chunks as wide as a [splits, chunk] fp32 tile of MERGE_UV_TILE_ELEMENTS allows (the whole 512-wide latent
+# at up to 32 launched splits, with 8 warps; 4 warps below 512). On an H100 (2026-12-06, session 32,
+# benchmarks.b1_small_kernels, V2-Lite, context 1033, 19 splits launched so a 32-row tile, split kernel included):
+# 11.2 us at (32, 512, 8), 12.0 at (32, 256, 4), 14.2 at (32, 128, 4), 18.3 at (32, 64, 4) (the default before):
+# fewer dependent load-then-reduce rounds a program; the batch-1 decode step 0.18 ms shorter than at (32, 64, 4).
+# 64 launched splits (long max_model_len) take 256-wide chunks: not timed at that width.
+MERGE_UV_BLOCK_V = 32
+MERGE_UV_TILE_ELEMENTS = 16384
 
 
-def merge_uv_tile(L: int, V: int) -> tuple[int, int, int]:
-    """The merge + W_UV kernel's (BLOCK_V, BLOCK_LC, num_warps): MERGE_UV_TILE, or DEEPINFER_MLA_MERGE_UV_TILE
-    (checked: three powers of two, BLOCK_LC dividing the latent width L), each block capped at its dimension."""
+def merge_uv_tile(L: int, V: int, block_s: int = 32) -> tuple[int, int, int]:
+    """The merge + W_UV kernel's (BLOCK_V, BLOCK_LC, num_warps) for block_s split rows (the launched splits, a
+    power of two): the default above, or DEEPINFER_MLA_MERGE_UV_TILE (checked: three powers of two, BLOCK_LC
+    dividing the latent width L), each block capped at its dimension."""
     from deepinfer.errors import BackendError
 
     env = envs.MLA_MERGE_UV_TILE.get()
-    tile = MERGE_UV_TILE
+    chunk = min(L, max(64, MERGE_UV_TILE_ELEMENTS // block_s))
+    tile = (MERGE_UV_BLOCK_V, chunk, 8 if chunk >= 512 else 4)
     if env:
         try:
             tile = tuple(int(v) for v in env.split(","))
@@ -280,6 +287,7 @@ def merge_uv_tile(L: int, V: int) -> tuple[int, int, int]:
                                f"of two (num_warps <= 32, BLOCK_LC dividing the latent width {L})")
     block_v, block_lc, warps = tile
     return min(block_v, triton.next_power_of_2(V)), min(block_lc, L), warps
+
 
 # Per-device merge counters, one per (row, head block), zero between launches (the merging program
 # resets its own). Never freed or replaced while smaller: a captured graph holds the pointer. Launches
@@ -401,7 +409,8 @@ def mla_decode(
     if fuse_uv:
         V = w_uv_t.shape[-1]
         res = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
-        block_v, block_lc, merge_warps = merge_uv_tile(L, V)  # many programs: at batch 1 it is latency-bound
+        # many programs: at batch 1 it is latency-bound
+        block_v, block_lc, merge_warps = merge_uv_tile(L, V, triton.next_power_of_2(num_splits))
         _mla_decode_merge_uv_kernel[(B, H, triton.cdiv(V, block_v))](
             part_o, part_lse, w_uv_t, res, seq_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), w_uv_t.stride(0), w_uv_t.stride(1), res.stride(0), res.stride(1),

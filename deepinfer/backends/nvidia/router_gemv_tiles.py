@@ -49,15 +49,17 @@ def _router_gemv_env() -> tuple[int, ...] | None:
 def _gemv_tile(D: int, tokens: int = 1) -> tuple[int, int, int]:
     """The per-token GEMV's (BLOCK_E, BLOCK_D, num_warps): many small programs, few iterations.
 
-    One token: one expert a program, one warp, 512-wide chunks (V2-Lite: 64 programs x 4 steps). On an H100
-    (2026-12-06, benchmarks.b1_small_kernels, gate_route with its top-k, graph replays over cold gates) 4.68 us a
-    call against 6.67 for (2, 1024, 4), and the batch-1 decode step 0.09 ms shorter: one warp a program makes the
-    token's last program's top-k (six argmax rounds over 64 experts) warp shuffles, with no shared-memory barrier.
-    More tokens keep (2, 1024, 4), measured end to end up to 16 tokens on the H200 (gate_route) and not re-timed."""
+    Up to 16 tokens (gate_route's sizes): one expert a program, one warp, 512-wide chunks (V2-Lite: 64 programs a
+    token x 4 steps). On an H100 (2026-12-06, session 32, benchmarks.b1_small_kernels: gate_route with its top-k,
+    graph replays over cold gates) 4.5-4.7 / 5.2 / 6.0 us a call at 1 / 4 / 16 tokens against 6.7 / 7.0 / 7.6 for
+    (2, 1024, 4), and the batch-1 decode step 0.09 ms shorter: one warp a program makes each token's last program's
+    top-k (six argmax rounds over 64 experts) warp shuffles, with no shared-memory barrier. More tokens (the
+    per-token GEMV at every size: a 3-value DEEPINFER_ROUTER_GEMV, or gate_route raised past 16 for an A/B) keep
+    (2, 1024, 4), not re-timed."""
     tile = _router_gemv_env()
     if tile is not None and len(tile) == 3:
         return tile
-    if tokens == 1:
+    if tokens <= 16:
         return 1, min(512, triton.next_power_of_2(D)), 1
     return 2, min(1024, triton.next_power_of_2(D)), 4
 

@@ -9,7 +9,8 @@ Taken where all of this holds (else the Triton kernels run, as before):
 - the CUDA C++ kernels are on (DEEPINFER_INT4_CUDA_GEMV, default: wherever DEEPINFER_NVIDIA_CUDA_EXT's kernels are);
 - group size 128 and contiguous groups (AWQ, GPTQ without act-order), K a multiple of 128;
 - bf16 or fp16 activations with 16-byte aligned rows, fp16 or fp32 scales;
-- dense linears: 1 to 4 tokens (AUTO_MAX_TOKENS; the kernel takes 8 when forced), a bias in the activation dtype;
+- dense linears: 1 to 8 tokens with eight warps a tile (the default), 1 to 4 with four (auto_max_tokens; the kernel
+  takes 8 when forced), a bias in the activation dtype;
 - routed experts: one token (batch-1 decode), every slot routed (no expert parallelism's -1 ids), shared experts
   stacked after the routed ones or none, at most 16 slots (DEEPINFER_INT4_CUDA_SPLIT_K picks the kernels' variant).
 
@@ -27,10 +28,15 @@ from deepinfer import envs
 
 GROUP = 128
 MAX_TOKENS = 8  # what the dense kernel takes (the mma's N; a forced call, int4_gemm(cuda=True))
-# what the default dispatch gives it: on an H100 (2026-12-06, benchmarks/int4_cuda_gemv.py, V2-Lite's q_proj / kv_a /
-# o_proj) an earlier layout (8 weight rows a warp) beat the Triton GEMM by 1.2-1.4x at one token and ~1.04x summed
-# at four, and lost at 16 (13.5 against 8.2 us on q_proj: 16 staged rows of activations a block)
+# what the default dispatch gives it at four warps a tile: on an H100 (2026-12-06, benchmarks/int4_cuda_gemv.py,
+# V2-Lite's q_proj / kv_a / o_proj) an earlier layout (8 weight rows a warp) beat the Triton GEMM by 1.2-1.4x at one
+# token and ~1.04x summed at four, and lost at 16 (13.5 against 8.2 us on q_proj: 16 staged rows of activations a
+# block); this layout at four warps lost at 8 tokens (o_proj 7.62 against 6.52 us)
 AUTO_MAX_TOKENS = 4
+# at eight warps a tile (DEEPINFER_INT4_CUDA_DENSE_WARPS' default since session 32): faster than four at every count
+# and than Triton at 8 tokens too (H100, session 32: q_proj 6.25 / kv_a 4.36 / o_proj 5.38 us against Triton's 7.96 /
+# 5.57 / 6.52; one token 4.57 / 2.73 / 3.75 against four warps' 4.72 / 3.33 / 4.59)
+AUTO_MAX_TOKENS_8_WARPS = 8
 MAX_SLOTS = 16
 MAX_STAGED_BYTES = 160 * 1024  # the kernels stage the activation rows in shared memory (rows x (K + 8) elements)
 _ACT = (torch.bfloat16, torch.float16)
@@ -111,8 +117,13 @@ def moe_reason(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scale13: to
     return _weight_reason(x, w13, scale13, None, group)
 
 
+def auto_max_tokens() -> int:
+    """The most tokens the default dispatch gives the dense GEMV (by DEEPINFER_INT4_CUDA_DENSE_WARPS)."""
+    return AUTO_MAX_TOKENS_8_WARPS if envs.INT4_CUDA_DENSE_WARPS.get() == 8 else AUTO_MAX_TOKENS
+
+
 def use_dense(x, qweight, scales, g_idx, group) -> bool:
-    return (x.shape[0] <= AUTO_MAX_TOKENS and enabled()
+    return (x.shape[0] <= auto_max_tokens() and enabled()
             and dense_reason(x, qweight, scales, g_idx, group) is None)
 
 
