@@ -386,7 +386,7 @@ MLA_MERGE_UV_TILE = EnvVar(
     "DEEPINFER_MLA_MERGE_UV_TILE", "str", None,
     "the MLA decode's merge + W_UV kernel (batches of <= 8): `BLOCK_V,BLOCK_LC,num_warps`, powers of two (the "
     "output columns and latent chunk a program takes; tuning / A/B runs)",
-    "nvidia", default_text="`32,512,8` up to 32 launched splits (`32,256,4` at 64)",
+    "nvidia", default_text="`32,512,8` at 32 launched splits, `32,256,8` at 64, `32,512,4` at 16 or fewer",
 )
 MLA_FP8_KV_DOT = EnvVar(
     "DEEPINFER_MLA_FP8_KV_DOT", "str", "bf16",

@@ -332,13 +332,14 @@ def test_mla_decode_with_w_uv_other_merge_tiles(tile, monkeypatch):
 
 
 def test_merge_uv_default_tile_follows_the_split_rows(monkeypatch):
-    """The default: the whole 512-wide latent a chunk with 8 warps up to 32 split rows (the H100 sweep's best),
-    256-wide with 4 at 64 (a [splits, chunk] fp32 tile of at most 16,384); small widths capped."""
+    """The default: the whole 512-wide latent a chunk up to 32 split rows (the H100 sweep's best, 8 warps at 32),
+    256-wide at 64 (a [splits, chunk] fp32 tile of at most 16,384, 8 warps where it is full); small widths capped."""
     from deepinfer.backends.nvidia.mla_decode import merge_uv_tile
 
     monkeypatch.delenv("DEEPINFER_MLA_MERGE_UV_TILE", raising=False)
-    assert merge_uv_tile(512, 128, 32) == merge_uv_tile(512, 128, 16) == (32, 512, 8)
-    assert merge_uv_tile(512, 128, 64) == (32, 256, 4)
+    assert merge_uv_tile(512, 128, 32) == (32, 512, 8)
+    assert merge_uv_tile(512, 128, 64) == (32, 256, 8)
+    assert merge_uv_tile(512, 128, 16) == (32, 512, 4)  # a half-full tile: four warps
     assert merge_uv_tile(32, 40, 4) == (32, 32, 4)
 
 

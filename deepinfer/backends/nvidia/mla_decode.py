@@ -259,11 +259,11 @@ def _mla_decode_merge_uv_kernel(
 MERGE_UV_MAX_BATCH = 8  # above this the per-(row, head) W_UV reads cost more than a batched GEMM
 # The merge + W_UV kernel's default: 32 output columns a program (at batch 1, 64 programs: 16 heads x 4) and the
 # latent in chunks as wide as a [splits, chunk] fp32 tile of MERGE_UV_TILE_ELEMENTS allows (the whole 512-wide latent
-# at up to 32 launched splits, with 8 warps; 4 warps below 512). On an H100 (2026-12-06, session 32,
+# at up to 32 launched splits), 8 warps where the tile is that full (64 fp32 a thread). On an H100 (2026-12-06, session 32,
 # benchmarks.b1_small_kernels, V2-Lite, context 1033, 19 splits launched so a 32-row tile, split kernel included):
 # 11.2 us at (32, 512, 8), 12.0 at (32, 256, 4), 14.2 at (32, 128, 4), 18.3 at (32, 64, 4) (the default before):
 # fewer dependent load-then-reduce rounds a program; the batch-1 decode step 0.18 ms shorter than at (32, 64, 4).
-# 64 launched splits (long max_model_len) take 256-wide chunks: not timed at that width.
+# 64 launched splits (a long max_model_len, so the usual serving case) take 256-wide chunks with 8 warps: not timed.
 MERGE_UV_BLOCK_V = 32
 MERGE_UV_TILE_ELEMENTS = 16384
 
@@ -276,7 +276,7 @@ def merge_uv_tile(L: int, V: int, block_s: int = 32) -> tuple[int, int, int]:
 
     env = envs.MLA_MERGE_UV_TILE.get()
     chunk = min(L, max(64, MERGE_UV_TILE_ELEMENTS // block_s))
-    tile = (MERGE_UV_BLOCK_V, chunk, 8 if chunk >= 512 else 4)
+    tile = (MERGE_UV_BLOCK_V, chunk, 8 if block_s * chunk >= MERGE_UV_TILE_ELEMENTS else 4)  # <= 64 fp32 a thread
     if env:
         try:
             tile = tuple(int(v) for v in env.split(","))
