@@ -5,8 +5,8 @@ The single-process model drives a prefill + greedy decode; the ranks replay the 
 through their sharded models and must give the same logits (fp32, tight tolerance: only the row-parallel
 partial sums are added in another order) and the same argmax. One 2-rank run does every check (start-up
 costs seconds); one 4-rank run checks a single preset at one head per rank. int4 (AWQ / GPTQ) checkpoints split
-too, their experts kept int4 on every rank; the int4 parts that cannot split (a group cut, act-order row cuts) are
-named with the layer.
+too, their experts kept int4 on every rank; the int4 parts that cannot split (a group cut, the routed experts' act-order
+down projections) are named with the layer.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def ckpts(tmp_path_factory):
     out["fp8-aligned"] = _variant(root, "tiny-v3-fp8", "fp8-aligned", qk_nope_head_dim=64, qk_rope_head_dim=64,
                                   v_head_dim=64, intermediate_size=512, moe_intermediate_size=256)
     # int4 (every decoder linear and expert, groups of 32: each rank's row-parallel part, o_proj 64, the MLP's
-    # down 128, the experts' down 32, whole groups at tp=2), AWQ and GPTQ; GPTQ act-order and groups of 64 (the
-    # experts' down 32 inputs a rank, half a group) are refused naming the layer
+    # down 128, the experts' down 32, whole groups at tp=2), AWQ and GPTQ; GPTQ act-order (its routed experts' down
+    # projections) and groups of 64 (the experts' down 32 inputs a rank, half a group) are refused naming the layer
     for name, method, group, act in (("int4-awq", "awq", 32, False), ("int4-gptq", "gptq", 32, False),
                                      ("int4-act-order", "gptq", 32, True), ("int4-g64", "awq", 64, False)):
         out[name] = os.path.join(root, name)
@@ -144,9 +144,10 @@ def _tp_rank(rank: int, world: int, phases: list[tuple[int, dict, dict]]) -> lis
     from deepinfer.parallel.layout import ParallelLayout
 
     results = []
-    for tp, cases, errors in phases:
+    for tp, cases, errors, *ep in phases:  # ep: [True] spreads the routed experts (whole) over every rank
         backend = CPUBackend()
-        layout = ParallelLayout(tensor_parallel_size=tp, data_parallel_size=world // tp)
+        layout = ParallelLayout(tensor_parallel_size=tp, data_parallel_size=world // tp,
+                                enable_expert_parallel=bool(ep and ep[0]))
         backend.install_communicators(build_communicators(layout, rank, backend))
         out: dict = {}
         for key, (path, mtp, forced) in cases.items():
@@ -245,7 +246,9 @@ def tp_runs(ckpts):
     tp4 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP4_CASES.items()}
     errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"], "int4-act-order": ckpts["int4-act-order"],
               "int4-g64": ckpts["int4-g64"]}
-    return ref, run_local_ranks(_tp_rank, 4, [(2, tp2, errors), (4, tp4, {})], timeout_s=400)
+    ref["int4-act-order"] = _reference(ckpts["int4-act-order"])
+    tp2_ep = {"int4-act-order": (ckpts["int4-act-order"], False, ref["int4-act-order"]["fed"])}
+    return ref, run_local_ranks(_tp_rank, 4, [(2, tp2, errors), (4, tp4, {}), (2, tp2_ep, {}, True)], timeout_s=400)
 
 
 def _group(runs: list[list[dict]], phase: int, ranks: range, key: str) -> list[dict]:
@@ -265,6 +268,16 @@ def test_tp2_int4_checkpoints_keep_their_experts_int4(tp_runs):
     for key, scheme in (("int4-awq", "int4_awq"), ("int4-gptq", "int4_gptq")):
         for run in _group(runs, 0, range(4), key):
             assert run["int4_experts"] == [scheme, scheme], (key, run["int4_experts"])  # tiny-v3's 2 MoE layers
+
+
+def test_tp2_with_expert_parallel_takes_an_act_order_checkpoint(tp_runs):
+    """GPTQ act-order at TP=2 x DP=2 with the routed experts spread whole over the 4 ranks (expert parallelism): the
+    dense linears' row parts keep every group's zero points and scales (Int4Weight.part), and the logits and greedy
+    tokens are one process's."""
+    ref, runs = tp_runs
+    for replica in (range(2), range(2, 4)):
+        _check_same_logits(ref["int4-act-order"], _group(runs, 2, replica, "int4-act-order"),
+                           f"int4-act-order tp=2 + ep ranks {list(replica)}")
 
 
 def test_tp4_one_head_per_rank_logits_equal_one_process(tp_runs):
@@ -307,7 +320,9 @@ def test_settings_that_cannot_split_are_named(tp_runs):
         assert fp8.startswith("ModelLoadError") and "tensor_parallel_size 2" in fp8, fp8
         assert "model.layers.0.self_attn.q_b_proj" in fp8 and "128" in fp8, fp8
         act, g64 = r[0]["int4-act-order"], r[0]["int4-g64"]
-        assert act.startswith("ModelLoadError") and "act-order" in act and "row-parallel" in act, act
+        # the dense linears' act-order row parts load (every group kept); the routed experts' down cannot split
+        assert act.startswith("ModelLoadError") and "act-order" in act and "routed experts" in act, act
+        assert "enable_expert_parallel" in act and "down_proj" in act, act
         assert g64.startswith("ModelLoadError") and "group of 64" in g64 and "down_proj" in g64, g64
         assert "tensor_parallel_size 2" in g64, g64
 

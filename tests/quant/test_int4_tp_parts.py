@@ -1,8 +1,9 @@
 """Tensor-parallel parts of int4 (AWQ / GPTQ) and int8 (W8A8) records: a rank's part, cut from the packed words,
 zero points and scales, dequantizes to the same slice of the whole weight (the reference: the records' own
-dequantization, `dequant_int4`, of the whole record, then sliced); cuts that would split a packed word or a
-quantization group, and a row cut of a GPTQ act-order record, are refused naming the layer. The model-level check
-(a TP=2 model on an int4 checkpoint gives one process's logits) is in tests/parallel/test_tensor_parallel_model.py.
+dequantization, `dequant_int4`, of the whole record, then sliced); a row part of a GPTQ act-order record keeps every
+group's zero points and scales; cuts that would split a packed word or a quantization group are refused naming the
+layer. The model-level check (a TP=2 model on an int4 checkpoint gives one process's logits; an act-order
+checkpoint's routed experts named) is in tests/parallel/test_tensor_parallel_model.py.
 """
 
 from __future__ import annotations
@@ -71,8 +72,40 @@ def test_cuts_that_split_a_word_or_a_group_are_refused_naming_the_layer():
     with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.down_proj.*quantization group of 128"):
         awq.part(1, 0, 64, "layers.0.mlp.down_proj")  # K 256 over 4 ranks: 64 per rank, half a group
     act = _record("gptq", 64, act_order=True)
-    with pytest.raises(ModelLoadError, match=r"o_proj: a GPTQ act-order .*tensor_parallel_size 1"):
-        act.part(1, 0, 128, "o_proj")
+    with pytest.raises(ModelLoadError, match=r"o_proj.*quantization group of 64"):
+        act.part(1, 0, 96, "o_proj")  # act-order parts are whole groups' worth of rows too
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_act_order_row_parts_keep_every_group_and_dequantize_to_the_slices(tp):
+    """A GPTQ act-order (desc_act) record's row part: its rows' g_idx as stored (groups from across the whole K),
+    every group's zero points and scales (num_groups), the layer's shape check passing on it, and its dequantization
+    the whole's columns bit for bit; a column cut of that part too."""
+    rec = _record("gptq", 64, act_order=True)
+    whole = dequant_int4(rec)
+    size = K // tp
+    for r in range(tp):
+        part = rec.part(1, r * size, (r + 1) * size, "x.o_proj")
+        part.check("x.o_proj", N, size)
+        assert part.num_groups == K // 64 and part.scales.shape == (K // 64, N)
+        assert torch.equal(part.g_idx, rec.g_idx[r * size:(r + 1) * size])
+        assert part.g_idx.max() >= size // 64 or r > 0  # rank 0's rows reach groups past its own count
+        torch.testing.assert_close(dequant_int4(part), whole[:, r * size:(r + 1) * size], atol=0, rtol=0)
+        col = part.part(0, 8, 40, "x.o_proj")  # and a column cut of the part keeps every group as well
+        col.check("x.o_proj", 32, size)
+        torch.testing.assert_close(dequant_int4(col), whole[8:40, r * size:(r + 1) * size], atol=0, rtol=0)
+
+
+def test_num_groups_is_for_act_order_row_parts_only():
+    """num_groups on an AWQ record, or below the part's own groups, is a load error naming the layer."""
+    awq = _record("awq", 32)
+    bad = Int4Weight("awq", awq.qweight, awq.qzeros, awq.scales, group_size=32, num_groups=K // 32)
+    with pytest.raises(ModelLoadError, match=r"^x\.o_proj: num_groups 8 is for a GPTQ act-order row part"):
+        bad.check("x.o_proj", N, K)
+    act = _record("gptq", 64, act_order=True)
+    few = Int4Weight("gptq", act.qweight, act.qzeros, act.scales, act.g_idx, 64, 1, num_groups=2)
+    with pytest.raises(ModelLoadError, match=r"num_groups 2 is for a GPTQ act-order row part"):
+        few.check("x.o_proj", N, K)
 
 
 def test_int8_parts_keep_their_channel_scales():

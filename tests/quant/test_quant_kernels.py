@@ -141,6 +141,33 @@ def _int4_layer(method: str, n: int, k: int, group: int, seed: int, act_order: b
     return rec
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_int4_linear_takes_an_act_order_row_part(rank):
+    """A tensor-parallel rank's row part of a GPTQ act-order record (every group's zero points and scales, its rows'
+    g_idx as stored: Int4Weight.part) through TritonInt4Linear: the dequantized kernel weight is the native
+    reference's bit for bit, and the GEMM's product matches it (the interpreter on the CPU)."""
+    from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
+    from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
+
+    n, k, group = 40, 256, 64
+    rec = _int4_layer("gptq", n, k, group, 7, act_order=True)
+    part = lambda: rec().part(1, rank * 128, (rank + 1) * 128, "x.o_proj")
+    assert part().num_groups == k // group
+    lay, rl = torch.nn.Module(), torch.nn.Module()
+    lay.int4, lay.bias, lay.weight = part(), None, None
+    rl.int4, rl.bias, rl.weight = part(), None, None
+    TritonInt4Linear("gptq").process_weights(lay, torch.float32)
+    lay.to(DEV)
+    ref = NativeOps().linear_method("int4_gptq")
+    ref.process_weights(rl, torch.float32)
+    assert lay.g_idx_k is not None and lay.scales_ng.shape == (n, k // group)  # every group, K / G of the whole
+    dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
+    assert torch.equal(dense.cpu(), rl.weight)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, None)
+    torch.testing.assert_close(y.cpu(), ref.apply(rl, x), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("method,group,act_order", [("awq", 32, False), ("awq", 64, False), ("gptq", 128, True),
                                                     ("gptq", 64, False)])
 @pytest.mark.parametrize("m", [1, 5, 33])

@@ -34,7 +34,9 @@ class Int4Weight:
     """The packed tensors of one int4 linear, as the checkpoint stores them (see the module docstring).
 
     method: "awq" | "gptq". zero_offset: added to the stored zero point (1 for GPTQ v1, else 0).
-    in_features / out_features: the layer's K / N (checked against the tensors by `check`)."""
+    in_features / out_features: the layer's K / N (checked against the tensors by `check`).
+    num_groups: the groups qzeros / scales hold where that is not K / G: a tensor-parallel rank's row part of a GPTQ
+    act-order record keeps every group's (its input rows reference groups across the whole K; `part`)."""
 
     method: str
     qweight: torch.Tensor
@@ -43,6 +45,7 @@ class Int4Weight:
     g_idx: torch.Tensor | None = None
     group_size: int = INT4_GROUP
     zero_offset: int = 0
+    num_groups: int | None = None
 
     @property
     def scheme(self) -> str:
@@ -55,6 +58,11 @@ class Int4Weight:
             raise ModelLoadError(f"{name}: int4 {self.method} needs in_features % {g} == 0 and out_features % 8 == 0"
                                  f" (got [{n}, {k}])")
         groups = k // g
+        if self.num_groups is not None:
+            if self.method != "gptq" or self.g_idx is None or self.num_groups < groups:
+                raise ModelLoadError(f"{name}: num_groups {self.num_groups} is for a GPTQ act-order row part (g_idx "
+                                     f"given, at least the part's {groups} groups)")
+            groups = self.num_groups
         want = {"awq": {"qweight": (k, n // PACK), "qzeros": (groups, n // PACK), "scales": (groups, n)},
                 "gptq": {"qweight": (k // PACK, n), "qzeros": (groups, n // PACK), "scales": (groups, n)}}
         if self.method not in want:
@@ -87,9 +95,10 @@ class Int4Weight:
         [start, stop) (a column-parallel layer), dim 1 = input channels (row-parallel). The packed words, zero
         points and scales are cut so the part dequantizes to the same slice of the whole. ModelLoadError naming
         the layer where the cut would split a packed int32 word (8 values) or a quantization group (vLLM's GPTQ /
-        AWQ linears refuse such a part too), or where a row-parallel cut meets GPTQ act-order: its input rows
-        reference groups across the whole K, so a part would need every group's scales and zero points (vLLM keeps
-        them whole on each rank for it; not built here)."""
+        AWQ linears refuse such a part too). A row part of a GPTQ act-order record keeps every group's zero points
+        and scales (`num_groups`) and its rows' g_idx as stored: its input rows reference groups across the whole K
+        (vLLM's GPTQ linears keep them whole on each rank the same way); its rows must still be whole groups' worth
+        (a multiple of G at a multiple of G), so a kernel's K loop over it is the whole record's."""
         if dim not in (0, 1) or not 0 <= start < stop:
             raise ValueError(f"{name}: bad part dim {dim} [{start}:{stop}]")
         g = self.group_size
@@ -100,15 +109,16 @@ class Int4Weight:
             cols, words = slice(start, stop), slice(start // PACK, stop // PACK)
             qweight = self.qweight[:, words] if self.method == "awq" else self.qweight[:, cols]
             return Int4Weight(self.method, qweight.contiguous(), self.qzeros[:, words].contiguous(),
-                              self.scales[:, cols].contiguous(), self.g_idx, g, self.zero_offset)
-        if self.act_order:
-            raise ModelLoadError(f"{name}: a GPTQ act-order (desc_act) linear cannot be split along its input "
-                                 "channels over tensor parallel ranks (its g_idx mixes groups across the whole "
-                                 "input); load it with tensor_parallel_size 1")
+                              self.scales[:, cols].contiguous(), self.g_idx, g, self.zero_offset, self.num_groups)
         if start % g or stop % g:
             raise ModelLoadError(f"{name}: int4 {self.method} input channels [{start}:{stop}] split a quantization "
                                  f"group of {g} (this rank's part must be a multiple of the group size)")
-        rows, groups = slice(start, stop), slice(start // g, stop // g)
+        rows = slice(start, stop)
+        if self.act_order:  # every group's zero points and scales, the rows' groups as stored
+            return Int4Weight(self.method, self.qweight[start // PACK:stop // PACK].contiguous(), self.qzeros,
+                              self.scales, self.g_idx[rows].contiguous(), g, self.zero_offset,
+                              self.num_groups or self.scales.shape[0])
+        groups = slice(start // g, stop // g)
         qweight = self.qweight[rows] if self.method == "awq" else self.qweight[start // PACK:stop // PACK]
         g_idx = None if self.g_idx is None else (self.g_idx[rows] - start // g).contiguous()
         return Int4Weight(self.method, qweight.contiguous(), self.qzeros[groups].contiguous(),

@@ -180,8 +180,14 @@ class ExpertWeights:
         rank, _ = self.tp_part
         size = self._split_size(proj, kind)
         if not isinstance(t, torch.Tensor):  # an int4 / int8 record, read whole: its packed words cut together
-            return t.part(dim, rank * size, (rank + 1) * size,
-                          f"{name} (routed experts over tensor_parallel_size {self.tp_part[1]})")
+            where = f"{name} (routed experts over tensor_parallel_size {self.tp_part[1]})"
+            if dim == 1 and getattr(t, "act_order", False):
+                # the int4 experts' layout sorts an act-order down projection's inputs into whole groups at load
+                # (QuantizedExperts): a rank's part of the intermediate holds parts of groups, which it cannot
+                raise ModelLoadError(f"{where}: a GPTQ act-order (desc_act) down projection of the routed experts "
+                                     "cannot be split along its input channels; set enable_expert_parallel (each "
+                                     "expert whole on one rank) or load with tensor_parallel_size 1")
+            return t.part(dim, rank * size, (rank + 1) * size, where)
         if t.dim() == 2 and t.shape[dim] == size:
             return t  # already this rank's part
         if t.dim() == 2 and t.shape[dim] == size * self.tp_part[1]:

@@ -147,9 +147,11 @@ def _block_k(group: int, on_gpu: bool) -> int:
 def _check(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
            group: int) -> tuple[int, int]:
     n, k = qweight.shape[0], qweight.shape[1] * 2
+    # an act-order g_idx may reference more groups than K / G (a tensor-parallel row part keeps every group's)
+    groups_ok = scales.shape[1] == k // group if g_idx is None else scales.shape[1] >= k // group
     if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape) \
-            or zeros.stride() != scales.stride() or tuple(scales.shape) != (n, k // group) or k % group \
-            or (scales.shape[1] > 1 and scales.stride(1) != 1) or qweight.stride(1) != 1:
+            or zeros.stride() != scales.stride() or scales.dim() != 2 or scales.shape[0] != n or not groups_ok \
+            or k % group or (scales.shape[1] > 1 and scales.stride(1) != 1) or qweight.stride(1) != 1:
         raise BackendError(f"int4_gemm: weight {tuple(qweight.shape)} {qweight.dtype}, zeros {tuple(zeros.shape)} "
                            f"{zeros.dtype}, scales {tuple(scales.shape)} strides {scales.stride()}: not the "
                            f"row-major [N, K/2] / [N, K/{group}] layout")
