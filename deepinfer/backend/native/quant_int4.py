@@ -193,8 +193,9 @@ def int4_expert_values(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch
     scales [N, K/G] as stored, g_idx int32 [K] where it is not k // G (act-order), else None)."""
     q, z, _ = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied)
     g_idx = w.g_idx.to(torch.int32).contiguous() if w.act_order else None
-    return (q.t().to(torch.uint8).contiguous(), z.t().round().to(torch.uint8).contiguous(), w.scales.t().contiguous(),
-            g_idx)
+    keep = slice(None) if g_idx is not None else slice(0, q.shape[0] // w.group_size)  # (a row part's num_groups)
+    return (q.t().to(torch.uint8).contiguous(), z[keep].t().round().to(torch.uint8).contiguous(),
+            w.scales[keep].t().contiguous(), g_idx)
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
