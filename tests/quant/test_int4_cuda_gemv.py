@@ -147,6 +147,17 @@ def test_the_cuda_gemv_switch_follows_its_flag_then_the_cuda_ext_flag(int4_flag,
     assert int4_cuda.enabled() is want
 
 
+def test_row_offsets_must_fit_32_bits():
+    """The kernels address rows by 32-bit offsets within a projection: a stride that would overflow them keeps the
+    weight off the CUDA path (a view with a huge row stride stands in for a 4 GB projection)."""
+    from deepinfer.backends.nvidia.quant import int4_cuda
+
+    small = torch.zeros(4, 64, dtype=torch.uint8)
+    assert int4_cuda._offsets_fit(small, torch.zeros(2, 4, 3, dtype=torch.float16))
+    huge = torch.empty_strided((4, 64), (1 << 31, 1), dtype=torch.uint8, device="meta")  # no storage needed
+    assert not int4_cuda._offsets_fit(small, huge)
+
+
 def test_the_dense_warps_knob_takes_four_or_eight(monkeypatch):
     from deepinfer import envs
     from deepinfer.errors import BackendError

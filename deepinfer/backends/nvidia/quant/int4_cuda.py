@@ -72,6 +72,12 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def _offsets_fit(*tensors: torch.Tensor) -> bool:
+    """The kernels address a row as a 32-bit offset within its expert (or the dense weight): rows x row stride of
+    each weight / scale tensor under 2^32 elements (a 4-bit weight past 4 GB a projection is far beyond any model's)."""
+    return all(t.shape[-2] * t.stride(-2) < 1 << 32 for t in tensors)
+
+
 def dense_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                  group: int) -> str | None:
     """Why a dense int4 linear at this call cannot take the CUDA GEMV, or None."""
@@ -93,6 +99,8 @@ def _weight_reason(x, qweight, scales, g_idx, group) -> str | None:
         return f"activations {x.dtype}, scales {scales.dtype}"
     if not (_aligned_rows(x) and _aligned_rows(qweight)):
         return "rows not 16-byte aligned"
+    if not _offsets_fit(qweight, scales):
+        return "a weight of 2^32 or more bytes a projection (32-bit row offsets)"
     return None
 
 
@@ -114,6 +122,8 @@ def moe_reason(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scale13: to
         return f"intermediate size {inter} (a multiple of {GROUP})"
     if not _aligned_rows(w2) or scale2.dtype not in _SCALES:
         return "down weight rows not 16-byte aligned, or its scales not fp16 / fp32"
+    if not _offsets_fit(w2, scale2):
+        return "a down weight of 2^32 or more bytes an expert (32-bit row offsets)"
     return _weight_reason(x, w13, scale13, None, group)
 
 
