@@ -73,9 +73,10 @@ def _aligned_rows(t: torch.Tensor) -> bool:
 
 
 def _offsets_fit(*tensors: torch.Tensor) -> bool:
-    """The kernels address a row as a 32-bit offset within its expert (or the dense weight): rows x row stride of
-    each weight / scale tensor under 2^32 elements (a 4-bit weight past 4 GB a projection is far beyond any model's)."""
-    return all(t.shape[-2] * t.stride(-2) < 1 << 32 for t in tensors)
+    """The kernels address an element as a 32-bit offset within its expert (or the dense weight): the farthest
+    element of each weight / scale tensor's last two dims under 2^32 (a 4-bit weight past 4 GB a projection is far
+    beyond any model's)."""
+    return all(sum((n - 1) * st for n, st in zip(t.shape[-2:], t.stride()[-2:])) < 1 << 32 for t in tensors)
 
 
 def dense_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
