@@ -9,9 +9,9 @@ num_warps' for the MLA decode with W_UV, split kernel included), device us per c
 input copies the L2 cannot hold (benchmarks/graph_timing.rotating_graph_us), and checks each tile's result against
 the default tile's (the router's expert ids equal; the MLA output within bf16 rounding). Prints JSON lines, then
 the best tile of each as `ENV=value` lines (`best:` prefix) for an A/B of the whole step. Then the MLA decode's launch
-at batch 1 (splits, tile, minimum split, warps, stages: decode_params' pick and others, passed to mla_decode). GPU
-only. The defaults
-since session 32 (router 1,512,1 at one token; merge + W_UV 32,128,4) are the first sweep's winners.
+at batch 1 (splits, tile, minimum split, warps, stages: decode_params' pick and others, passed to mla_decode), and
+the router tiles at more tokens (reported). GPU only. The defaults since session 32 are these sweeps' winners on an
+H100: the router's 1,512,1 up to 16 tokens, the merge + W_UV's 32,512,8 at 32 launched splits (a rule by splits).
 
     python -m benchmarks.b1_small_kernels [--json out.jsonl] [--context 1033]
 """
@@ -28,7 +28,7 @@ H, L, R, V, PAGE = 16, 512, 64, 128, 64  # V2-Lite's MLA (latent, rope, value he
 # the first tile of each list is the default (the reference the others' results are checked against)
 ROUTER_TILES = ["1,512,1", "2,1024,4", "1,256,1", "1,128,1", "1,2048,1", "1,1024,1", "2,512,1", "1,512,2",
                 "2,1024,1", "4,512,1"]
-MERGE_UV_TILES = ["32,128,4", "32,64,4", "32,256,4", "16,256,4", "32,512,8", "16,512,4", "32,256,8", "64,128,4",
+MERGE_UV_TILES = ["32,512,8", "32,128,4", "32,64,4", "32,256,4", "16,256,4", "16,512,4", "32,256,8", "64,128,4",
                   "16,128,2", "8,256,2", "32,128,8", "128,128,8", "64,256,8"]
 
 
