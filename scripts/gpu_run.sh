@@ -294,10 +294,8 @@ if has quante2e; then
 fi
 log "done"
 # the device sends back at most 8 files from $OUT: past that, all but summary.txt travel in one bundle.tgz
-n_files=$(find "$OUT" -type f | wc -l)
-if [ "$n_files" -gt 8 ]; then
-  log "packing $n_files files into bundle.tgz (tar xzf it; the device sends back at most 8 files)"
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  log "packing $(find "$OUT" -type f | wc -l) files into bundle.tgz (tar xzf it; the device sends back at most 8 files)"
   kill $SMI_PID 2>/dev/null; sleep 0.3
-  ( cd "$OUT" && tar czf /tmp/gpu_bundle.tgz --exclude=./summary.txt . && find . -type f ! -name summary.txt -delete \
-      && find . -mindepth 1 -type d -empty -delete && mv /tmp/gpu_bundle.tgz bundle.tgz )
+  bash scripts/pack_out.sh "$OUT" 8 > /dev/null
 fi
