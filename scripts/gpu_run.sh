@@ -24,8 +24,8 @@
 #      benchmarks.int4_cuda_gemv (with the act-order experts' row), then decode at
 #      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
 #      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine; INT4B1_RUNS: a comma list of
-#      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_cuda_split8,int4_cuda_split4_w8,
-#      int4_cuda_split8_w8 (_w8: DEEPINFER_INT4_CUDA_DENSE_WARPS=8),int4_triton keeps only those), int4prof (issue 18,
+#      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_cuda_split8,int4_cuda_split4_w4
+#      (_w4: DEEPINFER_INT4_CUDA_DENSE_WARPS=4, the others the default 8),int4_triton keeps only those), int4prof (issue 18,
 #      after int4ckpt: benchmarks.profile_step at batch 1 on $CKPT and the AWQ copy, then Nsight Compute's sections
 #      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt), b1tiles (after int4ckpt:
 #      benchmarks.b1_small_kernels' router and MLA merge + W_UV tile sweeps, then batch-1 decode of $CKPT and the
@@ -228,9 +228,8 @@ if has int4b1; then
   log "int4_cuda_gemv rc=$?"; tail -20 "$OUT/int4_cuda.log" | tee -a "$OUT/summary.txt"
   B1="--batch-sizes 1 --prompt-len 1024 --output-len 128 --prefill-prompts 0 --max-num-batched-tokens 4096 --step-timing"
   I4="${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"
-  for run in "bf16 $CKPT 1 1 4" "int4_cuda_split1 $I4 1 1 4" "int4_cuda_split2 $I4 1 2 4" "int4_cuda_split4 $I4 1 4 4" \
-             "int4_cuda_split8 $I4 1 8 4" "int4_cuda_split4_w8 $I4 1 4 8" "int4_cuda_split8_w8 $I4 1 8 8" \
-             "int4_triton $I4 0 1 4"; do
+  for run in "bf16 $CKPT 1 1 8" "int4_cuda_split1 $I4 1 1 8" "int4_cuda_split2 $I4 1 2 8" "int4_cuda_split4 $I4 1 4 8" \
+             "int4_cuda_split8 $I4 1 8 8" "int4_cuda_split4_w4 $I4 1 4 4" "int4_triton $I4 0 1 8"; do
     read -r name ckpt cuda split warps <<< "$run"
     [[ -n "${INT4B1_RUNS:-}" && ",$INT4B1_RUNS," != *",$name,"* ]] && continue
     DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split DEEPINFER_INT4_CUDA_DENSE_WARPS=$warps \
