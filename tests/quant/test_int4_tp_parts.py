@@ -96,6 +96,23 @@ def test_act_order_row_parts_keep_every_group_and_dequantize_to_the_slices(tp):
         torch.testing.assert_close(dequant_int4(col), whole[8:40, r * size:(r + 1) * size], atol=0, rtol=0)
 
 
+def test_an_act_order_row_part_in_group_order_is_a_plain_part():
+    """Rows that happen to be groups 0.. in order (an act-order record whose first half is unpermuted) make a plain
+    part of those groups: no num_groups, no act-order, so no consumer meets the whole's scales with such a g_idx."""
+    rec = _record("gptq", 64, act_order=True)
+    g_idx = rec.g_idx.clone()
+    g_idx[:K // 2] = torch.arange(K // 2, dtype=torch.int32) // 64  # the first half's rows in order; the rest as is
+    g_idx[K // 2:] = torch.sort(rec.g_idx[rec.g_idx >= (K // 2) // 64]).values.flip(0)
+    mixed = Int4Weight("gptq", rec.qweight, rec.qzeros, rec.scales, g_idx, 64, 1)
+    assert mixed.act_order
+    whole = dequant_int4(mixed)
+    first, second = mixed.part(1, 0, K // 2, "x"), mixed.part(1, K // 2, K, "x")
+    assert first.num_groups is None and not first.act_order and first.scales.shape == (K // 2 // 64, N)
+    assert second.num_groups == K // 64 and second.act_order
+    torch.testing.assert_close(dequant_int4(first), whole[:, :K // 2], atol=0, rtol=0)
+    torch.testing.assert_close(dequant_int4(second), whole[:, K // 2:], atol=0, rtol=0)
+
+
 def test_num_groups_is_for_act_order_row_parts_only():
     """num_groups on an AWQ record, or below the part's own groups, is a load error naming the layer."""
     awq = _record("awq", 32)

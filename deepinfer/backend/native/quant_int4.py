@@ -115,9 +115,15 @@ class Int4Weight:
                                  f"group of {g} (this rank's part must be a multiple of the group size)")
         rows = slice(start, stop)
         if self.act_order:  # every group's zero points and scales, the rows' groups as stored
+            g_idx = self.g_idx[rows].contiguous()
+            if torch.equal(g_idx.long(), torch.arange(stop - start, device=g_idx.device) // g):
+                # rows that are groups 0.. in order: a plain part of those groups (so every consumer of a part
+                # with num_groups meets a real act-order g_idx)
+                return Int4Weight(self.method, self.qweight[start // PACK:stop // PACK].contiguous(),
+                                  self.qzeros[:(stop - start) // g].contiguous(),
+                                  self.scales[:(stop - start) // g].contiguous(), g_idx, g, self.zero_offset)
             return Int4Weight(self.method, self.qweight[start // PACK:stop // PACK].contiguous(), self.qzeros,
-                              self.scales, self.g_idx[rows].contiguous(), g, self.zero_offset,
-                              self.num_groups or self.scales.shape[0])
+                              self.scales, g_idx, g, self.zero_offset, self.num_groups or self.scales.shape[0])
         groups = slice(start // g, stop // g)
         qweight = self.qweight[rows] if self.method == "awq" else self.qweight[start // PACK:stop // PACK]
         g_idx = None if self.g_idx is None else (self.g_idx[rows] - start // g).contiguous()
@@ -193,9 +199,8 @@ def int4_expert_values(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch
     scales [N, K/G] as stored, g_idx int32 [K] where it is not k // G (act-order), else None)."""
     q, z, _ = int4_values(w)  # q int32 [K, N], z fp32 [G, N] (offset applied)
     g_idx = w.g_idx.to(torch.int32).contiguous() if w.act_order else None
-    keep = slice(None) if g_idx is not None else slice(0, q.shape[0] // w.group_size)  # (a row part's num_groups)
-    return (q.t().to(torch.uint8).contiguous(), z[keep].t().round().to(torch.uint8).contiguous(),
-            w.scales[keep].t().contiguous(), g_idx)
+    return (q.t().to(torch.uint8).contiguous(), z.t().round().to(torch.uint8).contiguous(), w.scales.t().contiguous(),
+            g_idx)
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,6 @@ class NPUInt4Linear(LinearMethod):
                                      "(an act-order GPTQ checkpoint); npu_weight_quant_batchmatmul's per-group "
                                      "antiquant needs contiguous groups, so this checkpoint is refused")
         q, z, s = int4_values(w)  # q int32 [K, N] in 0..15, zeros (offset applied) fp32 [G, N], scales fp32
-        z, s = z[: k // GROUP], s[: k // GROUP]  # (a tensor-parallel row part may hold every group's: num_groups)
         signed = (q - 8).to(self.device)
         layer.qweight_npu = _param(self.npu.npu_convert_weight_to_int4pack(signed.contiguous()))
         layer.antiquant_offset = _param((8.0 - z).to(device=self.device, dtype=compute_dtype))

@@ -115,13 +115,10 @@ class TritonInt4Linear(LinearMethod):
         k = q.shape[0]
         qt = q.t().to(torch.uint8)
         _set(layer, "qweight_nk", qt[:, 0::2] | (qt[:, 1::2] << 4))  # two channels a byte, the even one low
+        _set(layer, "zeros_ng", z.t().round().to(torch.uint8))
+        _set(layer, "scales_ng", w.scales.t())  # as stored (fp16 in AWQ / GPTQ): read in fp32 by the kernel
         g = w.groups_of_rows()
         trivial = torch.equal(g.long(), torch.arange(k, device=g.device) // w.group_size)
-        # a tensor-parallel row part of an act-order record holds every group's (Int4Weight.num_groups): where its
-        # rows happen to be groups 0.. in order, the first K / G are the part's
-        keep = slice(0, k // w.group_size) if trivial else slice(None)
-        _set(layer, "zeros_ng", z[keep].t().round().to(torch.uint8))
-        _set(layer, "scales_ng", w.scales[keep].t())  # as stored (fp16 in AWQ / GPTQ): read in fp32 by the kernel
         _set(layer, "g_idx_k", None if trivial else g.to(torch.int32))  # act-order only
         layer.int4_group = w.group_size
         layer.int4 = None
