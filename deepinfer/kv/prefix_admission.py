@@ -118,10 +118,15 @@ class PrefixAdmission:
         snapshots or when no item crosses a boundary."""
         if self.snapshots is None:
             return None
+        return self.snapshot_plan_rows([(self._seqs[it.seq.seq_id].row, it.context_len, it.num_tokens)
+                                        for it in scheduled])
+
+    def snapshot_plan_rows(self, rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int]]] | None:
+        """snapshot_plan over (table row, context_len, num_tokens) per request: a forward that is not the step's
+        own (V4's MTP pass over the step's known rows, spec/mtp_drafter.py)."""
         bs, table, out, any_ = self.block_size, self._np[self.window_group], [], False
-        for it in scheduled:
-            row = self._seqs[it.seq.seq_id].row
-            ks = range(it.context_len // bs + 1, (it.context_len + it.num_tokens) // bs + 1)
+        for row, ctx, n in rows:
+            ks = range(ctx // bs + 1, (ctx + n) // bs + 1)
             out.append([(k * bs, int(table[row, k - 1])) for k in ks])
             any_ = any_ or bool(out[-1])
         return out if any_ else None

@@ -50,7 +50,8 @@ def time_drafting(model, backend, block_size: int, num_seqs: int, k: int, pass_r
     ids = probe_token_ids(num_seqs * pass_rows, model.vocab_size, torch.device("cpu")).tolist()
     items = [MTPRows(i * pass_rows, pass_rows, ids[i * pass_rows:(i + 1) * pass_rows], 0, True, i)
              for i in range(num_seqs)]
-    hidden = torch.randn(num_seqs * pass_rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    width = getattr(model, "mtp_hidden_size", model.config.hidden_size)  # (V4: the residual streams, flat)
+    hidden = torch.randn(num_seqs * pass_rows, width, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(device=backend.device, dtype=model.dtype)
     if drafter is not None and drafter.replays(num_seqs * pass_rows, num_seqs):
         backend.synchronize()

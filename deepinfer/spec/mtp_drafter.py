@@ -70,15 +70,21 @@ class MTPDrafter:
     one varlen batch."""
 
     def __init__(self, model, caches: KVCaches, block_tables: dict[str, torch.Tensor], block_size: int,
-                 specs, device: torch.device, graphs: MTPGraphRunner | None = None, pick_op=None):
+                 specs, device: torch.device, graphs: MTPGraphRunner | None = None, pick_op=None, snapshot_kv=None):
         """pick_op: the backend's draft_pick (None: the graphs', else the native op), so eager and replayed
-        chains pick drafts alike."""
+        chains pick drafts alike. snapshot_kv: the KV manager of a model with per-sequence state (V4): with prefix
+        caching (its `snapshots`), the pass saves the MTP layers' rings at the block boundaries its rows cross, as
+        the step's forward saved the main layers' (kv/state_snapshots.py, `snapshot_plan_rows`)."""
         self.model = model
+        self.snapshot_kv = snapshot_kv
         self.pick_op = pick_op or (graphs.pick_op if graphs is not None else native_draft_pick)
         self.caches = caches
         self.tables = block_tables  # the KV manager's host tables (token slots are read from them)
         self.block_size = block_size
         self.specs = list(specs)
+        # models whose groups keep per-sequence state (V4's compressor rings): a batch names each request's state
+        # row, which is its row in the block tables (KVCacheManager.state_slot)
+        self.state_rows = any(s.state_shape for s in self.specs)
         self.device = device
         self.graphs = graphs
         self.num_graph_passes = 0  # passes replayed / run eagerly
@@ -107,6 +113,7 @@ class MTPDrafter:
         for q in query_lens:
             qsl.append(qsl[-1] + q)
         host = torch.tensor(positions + qsl + seq_lens + list(context_lens) + list(rows), dtype=torch.int64)
+        state_slots = dev_rows = None
         pos_host, token_rows = host[:t], torch.tensor([rows[i] for i in req_idx], dtype=torch.int64)
         slots = [token_slots(self.tables[s.name], token_rows, pos_host, s.tokens_per_entry, self.block_size)
                  for s in self.specs]
@@ -118,6 +125,9 @@ class MTPDrafter:
             width = max(-(-(max(seq_lens) // spec.tokens_per_entry) // self.block_size), 1)
             block_tables[spec.name] = device_tables[spec.name][:, :width].index_select(0, rows_dev)
             slot_mapping[spec.name] = dev[o + n + j * t : o + n + (j + 1) * t]
+        if self.state_rows:
+            dev_rows = list(rows)
+            state_slots = rows_dev.to(torch.int32)
         return ForwardBatch(
             input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
             positions=dev[:t],
@@ -130,6 +140,8 @@ class MTPDrafter:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=seq_lens,
             context_lens_cpu=list(context_lens),
+            state_slots=state_slots,
+            state_slots_cpu=dev_rows or [],
             block_size=self.block_size,
         )
 
@@ -185,8 +197,12 @@ class MTPDrafter:
             batch = self._batch([it.state_row for it in items], positions, [it.count for it in items],
                                 [it.context_len for it in items], device_tables)
             ids_dev = tensor_to(next_ids, torch.int64, self.device)
-            state = self.model.mtp_forward(hidden.index_select(0, tensor_to(src, torch.int64, self.device)), ids_dev,
-                                           batch, self.caches)
+            self._plan_snapshots([(it.state_row, it.context_len, it.count) for it in items])
+            try:
+                state = self.model.mtp_forward(hidden.index_select(0, tensor_to(src, torch.int64, self.device)),
+                                               ids_dev, batch, self.caches)
+            finally:
+                self._plan_snapshots(None)  # the chain's lookahead positions are rewritten later: no snapshots
             self.num_eager_passes += 1
         if not b:
             return Drafts([], [])
@@ -210,6 +226,13 @@ class MTPDrafter:
             self._chain_eager(state, eager, ends, d_rows, d_pos, chain_lens, device_tables, mask, tokens, confs)
             self.num_eager_chain_seqs += len(eager)
         return Drafts(tokens, confs)
+
+    def _plan_snapshots(self, rows: list[tuple[int, int, int]] | None) -> None:
+        """Prefix caching on V4: where the MTP pass saves its rings (rows: (table row, context_len, count) per pass
+        request), or None (no snapshot: the chain)."""
+        kv = self.snapshot_kv
+        if kv is not None and kv.snapshots is not None:
+            kv.snapshots.plan = None if rows is None else kv.snapshot_plan_rows(rows)
 
     def _pass_in_pieces(self, hidden: torch.Tensor, src: list[int], next_ids: list[int], positions: list[int],
                         rows: list[int]) -> torch.Tensor:

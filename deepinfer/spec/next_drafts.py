@@ -52,6 +52,12 @@ class NextDrafts:
         if not isinstance(self.drafter, MTPDrafter):
             return  # n-gram drafts are proposed after output processing, from the tokens then known
         t0 = time.perf_counter()
+        model = self.runner.model
+        if hasattr(model, "mtp_input"):  # (V4: the pass reads the residual streams, not the final state)
+            hidden = model.mtp_input(hidden)
+        # a model with per-sequence state (V4) keeps no rows for later: its MTP rings must advance in position order
+        # with the prefix cache's snapshots taken as the main layers' were, in the step that crosses the boundary
+        keep_rows = not self.scheduler.kv.uses_state
         limit = self.policy.probe_seqs if self.policy.adaptive and self.policy.probe else samplers
         rows, seqs = step_pass_rows(sched, emitted, self.scheduler.kv)
         now: list[MTPRows] = []
@@ -65,7 +71,7 @@ class NextDrafts:
                 chain.append(self._chain_room(seq, self.policy.chain_length(len(drafting))))
                 drafting.append(seq)
                 drafted_after.append(toks)
-            elif row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode (or verify row) left undrafted
+            elif keep_rows and row.drafts and item.num_tokens - len(item.draft) == 1:  # a decode left undrafted
                 keep.extend((seq, row.start + j, row.context_len + j) for j in range(row.count))
                 continue
             else:  # a prompt chunk (or recompute), or a row whose next token is unknown: its pass now, no draft
@@ -92,6 +98,8 @@ class NextDrafts:
         if keep and self.paused_rows.worth_keeping(len(keep), steps) and not self.paused_rows.all_finish_within(
                 (seq for seq, _, _ in keep), steps, self.scheduler.kv.max_model_len):
             self.paused_rows.keep(keep, hidden)
+        if hasattr(model, "release_mtp_input"):
+            model.release_mtp_input()
         if drafting:
             self._draft_s = time.perf_counter() - t0  # (observed at the step's end, SpecStepPipeline._step)
 

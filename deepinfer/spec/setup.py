@@ -34,7 +34,8 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
         capture_verify_graphs(cfg, backend, runner, k, scheduler.max_num_batched_tokens, max_model_len)
     if method == "mtp":
         drafter = MTPDrafter(model, runner.caches, kv.block_tables, kv.block_size, kv.specs, backend.device,
-                             graphs=capture_mtp_graphs(cfg, backend, runner, kv, k), pick_op=backend.draft_pick)
+                             graphs=capture_mtp_graphs(cfg, backend, runner, kv, k), pick_op=backend.draft_pick,
+                             snapshot_kv=kv if kv.uses_state else None)
     else:
         drafter = NgramDrafter()
     policy = SlotPolicy(k=k, max_model_len=max_model_len)
@@ -83,9 +84,10 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
 def capture_mtp_graphs(cfg, backend, runner, kv, k: int) -> MTPGraphRunner | None:
     """The MTP drafter's graphs (backend/mtp_graph_runner.py), over the engine's decode-graph runner's graph API
     and buckets, when it has one (a backend that captures graphs and enforce_eager off); else None (eager). Their
-    decode rows' inputs come from the backend's decode_rows_meta op."""
+    decode rows' inputs come from the backend's decode_rows_meta op. None too for a model with per-sequence state
+    (V4): its decode graphs are off (no padding-safe state row), and so are the MTP module's."""
     api = runner.graph_runner
-    if not isinstance(api, DecodeGraphRunner):
+    if not isinstance(api, DecodeGraphRunner) or kv.uses_state:
         return None
     graphs = MTPGraphRunner.capture(api, runner.model, runner.caches, runner.builder.mirror,
                                     {s.name: s.tokens_per_entry for s in kv.specs}, kv.block_size, cfg.max_num_seqs,

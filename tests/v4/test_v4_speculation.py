@@ -1,4 +1,4 @@
-"""Speculative decoding on V4 (n-gram drafts; V4's MTP module is not built): a verify step runs 1 + k tokens of a
+"""Speculative decoding on V4 (n-gram drafts here; MTP drafts: test_v4_mtp.py): a verify step runs 1 + k tokens of a
 sequence as one chunk, writing the sliding window, the compressed entries and the compressors' rings for every one,
 and the rejected drafts are rolled back (KVCacheManager.rollback: the window's blocks by window_rollback_tokens, the
 rings by state_rollback_tokens, rings built k positions longer: v4_kv_cache_specs ring_margin).
@@ -8,7 +8,7 @@ rings by state_rollback_tokens, rings built k positions longer: v4_kv_cache_spec
 - the engine on tiny-v4 (fp32): greedy output with speculation == without, with every acceptance length 0..k
   occurring, under chunked prefill, with prefix-cache hits (their ring snapshots taken in speculative steps),
   with preemption, and adaptive; every block back at the end;
-- the refusals: V4 with MTP drafting; a rollback past the rings' margin.
+- the refusals: a window margin below k; a rollback past the rings' margin.
 """
 
 from __future__ import annotations
@@ -122,9 +122,7 @@ def test_v4_speculation_under_preemption_and_adaptive(tiny_dir, off_run):
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens
 
 
-def test_v4_mtp_drafting_and_a_window_margin_below_k_are_refused(tiny_dir):
-    with pytest.raises(ConfigError, match="V4's MTP module is not built.*speculative_method='ngram'"):
-        _engine(tiny_dir, speculative_method="mtp", num_kv_blocks=64)
+def test_a_window_margin_below_k_is_refused(tiny_dir):
     with pytest.raises(ConfigError, match="kv_window_rollback_tokens=2 .* below num_speculative_tokens=4"):
         _engine(tiny_dir, speculative_method="ngram", num_speculative_tokens=K, kv_window_rollback_tokens=2,
                 num_kv_blocks=64)

@@ -55,9 +55,11 @@ def load_ours(path: str, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCau
 class PagedRunner:
     """Runs steps of (request id, new token ids) chunks over a paged hybrid cache."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, block_size: int = 4, num_blocks: int = 512, max_seqs: int = 8):
+    def __init__(self, model: DeepseekV4ForCausalLM, block_size: int = 4, num_blocks: int = 512, max_seqs: int = 8,
+                 specs=None):
+        """specs: the KV groups (default: the model's main layers'; the MTP tests pass include_mtp=True's)."""
         self.model = model
-        self.specs = {s.name: s for s in model.kv_cache_specs()}
+        self.specs = {s.name: s for s in (specs if specs is not None else model.kv_cache_specs())}
         self.bs = block_size
         self.caches = KVCaches.allocate(list(self.specs.values()), {n: num_blocks for n in self.specs}, block_size,
                                         max_seqs, torch.device("cpu"))
@@ -101,6 +103,19 @@ class PagedRunner:
     @torch.no_grad()
     def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Logits [sum of chunk lengths, V] (every row) for one mixed step."""
+        batch = self.batch(chunks)
+        hidden = self.model(batch, self.caches)
+        self.advance(chunks)
+        return self.model.compute_logits(hidden)
+
+    def advance(self, chunks: list[tuple[int, list[int]]]) -> None:
+        """The chunks' tokens are computed: lengths grow, the window's old blocks go back."""
+        for rid, toks in chunks:
+            self.lens[rid] += len(toks)
+            self._shrink(rid)
+
+    def batch(self, chunks: list[tuple[int, list[int]]]) -> ForwardBatch:
+        """The ForwardBatch of one mixed step of `chunks` after each request's computed tokens (blocks grown)."""
         ids, pos, qsl, ctx, seq, slots = [], [], [0], [], [], []
         for rid, toks in chunks:
             c = self.lens[rid]
@@ -122,7 +137,7 @@ class PagedRunner:
             req_idx = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([len(t) for _, t in chunks]))
             slot_map[n] = token_slots(bt, req_idx, torch.tensor(pos, dtype=torch.int64), spec.tokens_per_entry, self.bs)
         T = len(ids)
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq, dtype=torch.int32),
             context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables, slot_mapping=slot_map,
@@ -130,11 +145,6 @@ class PagedRunner:
             context_lens_cpu=ctx, state_slots=torch.tensor(slots, dtype=torch.int32), state_slots_cpu=slots,
             block_size=self.bs,
         )
-        hidden = self.model(batch, self.caches)
-        for rid, toks in chunks:
-            self.lens[rid] += len(toks)
-            self._shrink(rid)
-        return self.model.compute_logits(hidden)
 
 
 def run_chunks(model, ids: list[int], chunk_sizes: list[int], block_size: int = 4) -> torch.Tensor:

@@ -10,7 +10,7 @@ on the compressed branches only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deepinfer.errors import ModelLoadError, UnsupportedModelError
 
@@ -87,7 +87,16 @@ class DeepseekV4Config:
         return self.rope_main if self.layer_types[layer] == SWA else self.rope_compress
 
     def layers_of(self, layer_type: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
+        """The main layers of a type (not the MTP layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types[: self.num_hidden_layers]) if t == layer_type)
+
+    def with_mtp_layers(self) -> DeepseekV4Config:
+        """This config with the MTP layers' schedule appended (layer id num_hidden_layers + J: its attention type
+        from `mtp_layer_types`, a plain top-k MoE), for building an MTP module's block; num_hidden_layers and
+        `layers_of` keep meaning the main layers."""
+        n = len(self.mtp_layer_types)
+        return replace(self, layer_types=self.layer_types + self.mtp_layer_types,
+                       mlp_layer_types=self.mlp_layer_types + ("moe",) * n)
 
 
 def _req(hf: dict, key: str):
