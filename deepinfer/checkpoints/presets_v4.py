@@ -120,8 +120,8 @@ def v4_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
         specs += _block(cfg, p, r, n_hash > L, fp8)
         specs += [TensorSpec(f"{p}.enorm.weight", (D,), std=0.1, kind="norm", dtype=f32),
                   TensorSpec(f"{p}.hnorm.weight", (D,), std=0.1, kind="norm", dtype=f32),
-                  TensorSpec(f"{p}.e_proj.weight", (D, D), std=D ** -0.5),
-                  TensorSpec(f"{p}.h_proj.weight", (D, D), std=D ** -0.5),
+                  TensorSpec(f"{p}.e_proj.weight", (D, D), std=D ** -0.5, fp8=fp8),  # (fp8 in the release)
+                  TensorSpec(f"{p}.h_proj.weight", (D, D), std=D ** -0.5, fp8=fp8),
                   TensorSpec(f"{p}.norm.weight", (D,), std=0.1, kind="norm", dtype=f32),
                   *_hc_head(f"{p}.", n, D)]
     return specs

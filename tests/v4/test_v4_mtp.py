@@ -122,16 +122,9 @@ def _reference_mtp(hf, own: dict, ids: list[int], chain_token: int | None = None
 
 @pytest.fixture(scope="module")
 def mtp_model(tiny_dir):
-    from deepinfer.backends.cpu.backend import CPUBackend
-    from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from deepinfer.models.loader import iter_checkpoint
+    from v4_helpers import load_ours
 
-    with open(os.path.join(tiny_dir, "config.json")) as f:
-        cfg = json.load(f)
-    model = DeepseekV4ForCausalLM(cfg, CPUBackend(), torch.float32, load_mtp=True)
-    model.load_weights(iter_checkpoint(tiny_dir, progress=False))
-    model.finalize()
-    return model.eval()
+    return load_ours(tiny_dir, load_mtp=True)
 
 
 @torch.no_grad()
@@ -228,3 +221,37 @@ def test_v4_mtp_refusals(tiny_dir):
         DeepseekV4ForCausalLM(short, CPUBackend(), torch.float32, load_mtp=True)
     with pytest.raises(ConfigError, match="V4's MTP module runs on one rank only"):
         _engine(tiny_dir, speculative_method="mtp", context_parallel_size=2, num_kv_blocks=64)
+
+
+def test_fp8_mtp_module_matches_its_dequantized_copy(tmp_path):
+    """A V4 release stores the MTP block's linears and e_proj / h_proj in fp8 with 128x128 block scales: the fp8
+    checkpoint's MTP logits (pass and chain) equal those of its dequantized copy in fp32."""
+    from v4_helpers import load_ours
+
+    from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
+    from deepinfer.checkpoints.random_weights import write_safetensors
+
+    cfg = {**tiny_v4_config(), "torch_dtype": "float32"}
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    fp8_dir.mkdir()
+    ref_dir.mkdir()
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with open(fp8_dir / "config.json", "w") as f:
+        json.dump({**cfg, "quantization_config": quant}, f)
+    with open(ref_dir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    write_safetensors(str(fp8_dir), v4_tensor_plan(cfg, True), 0, torch.float32)
+    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    assert tensors["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
+    dense = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = tensors[name[: -len("weight")] + "weight_scale_inv"]
+            t = t.float() * s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
+        dense[name] = t.contiguous()
+    save_file(dense, os.path.join(ref_dir, "model.safetensors"))
+    ids = [0] + torch.randint(2, 1024, (19,), generator=torch.Generator().manual_seed(5)).tolist()
+    got, want = (_ours(load_ours(str(d), load_mtp=True), ids, [7, 5], 9) for d in (fp8_dir, ref_dir))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)

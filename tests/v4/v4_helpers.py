@@ -43,10 +43,10 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-def load_ours(path: str, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
+def load_ours(path: str, dtype: torch.dtype = torch.float32, load_mtp: bool = False) -> DeepseekV4ForCausalLM:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    model = DeepseekV4ForCausalLM(cfg, CPUBackend(), dtype)
+    model = DeepseekV4ForCausalLM(cfg, CPUBackend(), dtype, load_mtp=load_mtp)
     model.load_weights(iter_checkpoint(path, progress=False))
     model.finalize()
     return model.eval()
