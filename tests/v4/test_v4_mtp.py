@@ -255,3 +255,27 @@ def test_fp8_mtp_module_matches_its_dequantized_copy(tmp_path):
     ids = [0] + torch.randint(2, 1024, (19,), generator=torch.Generator().manual_seed(5)).tolist()
     got, want = (_ours(load_ours(str(d), load_mtp=True), ids, [7, 5], 9) for d in (fp8_dir, ref_dir))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def _first_drafts(engine, prompt: list[int], request_id: str) -> tuple[list[int], list[float]]:
+    """The MTP drafts (and confidences) made after the step that prefills `prompt` (then the request finishes)."""
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    (held,) = engine._spec.book.drafts.values()  # (the pipeline's book of drafts for the next step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return held.tokens, held.confidence
+
+
+def test_prefix_hit_restores_the_mtp_rings(tiny_dir):
+    """A prompt run twice: the second prefills after a prefix-cache hit of whole blocks (the main and MTP layers'
+    rings restored from the snapshots the first run's step and MTP pass took). Its first drafts and their
+    confidences equal the first run's, which recomputed everything: the MTP pass there read the restored rings."""
+    engine = _engine(tiny_dir, speculative_method="mtp", num_speculative_tokens=3, num_kv_blocks=64)
+    prompt = [0] + torch.randint(2, 1024, (37,), generator=torch.Generator().manual_seed(8)).tolist()
+    cold = _first_drafts(engine, prompt, "cold")
+    hits = engine.stats().prefix_cache_hit_tokens
+    warm = _first_drafts(engine, prompt, "warm")
+    assert engine.stats().prefix_cache_hit_tokens - hits == 32  # 2 blocks of 16: positions 32..37 recomputed
+    assert warm[0] == cold[0]
+    torch.testing.assert_close(torch.tensor(warm[1]), torch.tensor(cold[1]), atol=1e-5, rtol=0)
