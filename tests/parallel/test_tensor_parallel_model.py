@@ -5,8 +5,8 @@ The single-process model drives a prefill + greedy decode; the ranks replay the 
 through their sharded models and must give the same logits (fp32, tight tolerance: only the row-parallel
 partial sums are added in another order) and the same argmax. One 2-rank run does every check (start-up
 costs seconds); one 4-rank run checks a single preset at one head per rank. int4 (AWQ / GPTQ) checkpoints split
-too, their experts kept int4 on every rank; the int4 parts that cannot split (a group cut, the routed experts' act-order
-down projections) are named with the layer.
+too, their experts kept int4 on every rank (GPTQ act-order ones too: each expert's intermediate sorted by its down
+projection's groups, then cut); the int4 parts that cannot split (a group cut) are named with the layer.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def ckpts(tmp_path_factory):
     out["fp8-aligned"] = _variant(root, "tiny-v3-fp8", "fp8-aligned", qk_nope_head_dim=64, qk_rope_head_dim=64,
                                   v_head_dim=64, intermediate_size=512, moe_intermediate_size=256)
     # int4 (every decoder linear and expert, groups of 32: each rank's row-parallel part, o_proj 64, the MLP's
-    # down 128, the experts' down 32, whole groups at tp=2), AWQ and GPTQ; GPTQ act-order (its routed experts' down
-    # projections) and groups of 64 (the experts' down 32 inputs a rank, half a group) are refused naming the layer
+    # down 128, the experts' down 32, whole groups at tp=2), AWQ and GPTQ, GPTQ act-order; groups of 64 (the experts'
+    # down 32 inputs a rank, half a group) are refused naming the layer
     for name, method, group, act in (("int4-awq", "awq", 32, False), ("int4-gptq", "gptq", 32, False),
                                      ("int4-act-order", "gptq", 32, True), ("int4-g64", "awq", 64, False)):
         out[name] = os.path.join(root, name)
@@ -158,6 +158,8 @@ def _tp_rank(rank: int, world: int, phases: list[tuple[int, dict, dict]]) -> lis
             run["int4_experts"] = [m.op.quant.scheme for m in model.modules()
                                    if getattr(m, "quantized_experts", False) and m.op.quant is not None]
             run["bytes"] = stats.bytes_read
+            run["sorted_cuts"] = sum(m.experts.num_sorted_cuts for m in model.modules()
+                                     if hasattr(getattr(m, "experts", None), "num_sorted_cuts"))
             out[key] = run
         for key, path in errors.items():
             out[key] = _load_error(path, backend)
@@ -230,7 +232,8 @@ def _check_reads(path: str, runs: list[dict], split_names: list[str], whole_name
 _ATTN_SPLIT = ["model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight",
                "model.embed_tokens.weight"]
 TP2_CASES = {"v2-lite": ("tiny-v2-lite", False), "v3-mtp": ("v3-mtp", True), "dense-tied": ("dense-tied", False),
-             "fp8-aligned": ("fp8-aligned", False), "int4-awq": ("int4-awq", False), "int4-gptq": ("int4-gptq", False)}
+             "fp8-aligned": ("fp8-aligned", False), "int4-awq": ("int4-awq", False), "int4-gptq": ("int4-gptq", False),
+             "int4-act-order": ("int4-act-order", False)}
 TP4_CASES = {"v2-lite": ("tiny-v2-lite", False)}
 
 
@@ -244,9 +247,7 @@ def tp_runs(ckpts):
     ref = {k: _reference(ckpts[c], m) for k, (c, m) in keys.items()}
     tp2 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP2_CASES.items()}
     tp4 = {k: (ckpts[c], m, ref[k]["fed"]) for k, (c, m) in TP4_CASES.items()}
-    errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"], "int4-act-order": ckpts["int4-act-order"],
-              "int4-g64": ckpts["int4-g64"]}
-    ref["int4-act-order"] = _reference(ckpts["int4-act-order"])
+    errors = {"heads": ckpts["heads-3"], "fp8": ckpts["fp8-misaligned"], "int4-g64": ckpts["int4-g64"]}
     tp2_ep = {"int4-act-order": (ckpts["int4-act-order"], False, ref["int4-act-order"]["fed"])}
     return ref, run_local_ranks(_tp_rank, 4, [(2, tp2, errors), (4, tp4, {}), (2, tp2_ep, {}, True)], timeout_s=400)
 
@@ -262,12 +263,16 @@ def test_tp2_logits_equal_one_process(tp_runs, key):
         _check_same_logits(ref[key], _group(runs, 0, replica, key), f"{key} tp=2 ranks {list(replica)}")
 
 
-def test_tp2_int4_checkpoints_keep_their_experts_int4(tp_runs):
+def test_tp2_int4_checkpoints_keep_their_experts_int4(tp_runs, ckpts):
     """The int4 cases above ran their routed experts int4 on every rank (the cpu op keeps them), not densified."""
     _, runs = tp_runs
-    for key, scheme in (("int4-awq", "int4_awq"), ("int4-gptq", "int4_gptq")):
+    with open(os.path.join(ckpts["int4-act-order"], "config.json")) as f:
+        experts = json.load(f)["n_routed_experts"]
+    for key, scheme in (("int4-awq", "int4_awq"), ("int4-gptq", "int4_gptq"), ("int4-act-order", "int4_gptq")):
         for run in _group(runs, 0, range(4), key):
             assert run["int4_experts"] == [scheme, scheme], (key, run["int4_experts"])  # tiny-v3's 2 MoE layers
+            # GPTQ act-order: every routed expert's intermediate sorted by its down projection's groups, then cut
+            assert run["sorted_cuts"] == (2 * experts if key == "int4-act-order" else 0), (key, run["sorted_cuts"])
 
 
 def test_tp2_with_expert_parallel_takes_an_act_order_checkpoint(tp_runs):
@@ -319,10 +324,7 @@ def test_settings_that_cannot_split_are_named(tp_runs):
         assert "tensor_parallel_size 2" in heads, heads
         assert fp8.startswith("ModelLoadError") and "tensor_parallel_size 2" in fp8, fp8
         assert "model.layers.0.self_attn.q_b_proj" in fp8 and "128" in fp8, fp8
-        act, g64 = r[0]["int4-act-order"], r[0]["int4-g64"]
-        # the dense linears' act-order row parts load (every group kept); the routed experts' down cannot split
-        assert act.startswith("ModelLoadError") and "act-order" in act and "routed experts" in act, act
-        assert "enable_expert_parallel" in act and "down_proj" in act, act
+        g64 = r[0]["int4-g64"]
         assert g64.startswith("ModelLoadError") and "group of 64" in g64 and "down_proj" in g64, g64
         assert "tensor_parallel_size 2" in g64, g64
 
@@ -401,3 +403,58 @@ def test_row_parallel_bias_is_read_on_rank_zero_only_and_parts_tile_the_weight()
     assert torch.equal(got[0].bias, b) and got[1].bias is None
     with pytest.raises(ModelLoadError, match=r"o_proj: .*in_features 6 does not split evenly over tensor_parallel_size 4"):
         Linear(6, 8, be, torch.float32, split="row", tp=_RankOf(0, 4)).loaders("o_proj")
+
+
+def _gptq(out_f: int, in_f: int, group: int, act_order: bool, seed: int):
+    from deepinfer.backend import Int4Weight
+    from deepinfer.checkpoints.awq_writer import pack_gptq, quantize_int4
+
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(in_f, generator=g) if act_order else torch.arange(in_f)
+    inv = torch.argsort(perm)
+    q, z, s = quantize_int4(torch.randn(out_f, in_f, generator=g)[:, perm], group)
+    qweight, qzeros = pack_gptq(q[inv], z)
+    return Int4Weight("gptq", qweight, qzeros, s, g_idx=(inv // group).to(torch.int32), group_size=group,
+                      zero_offset=1)
+
+
+def _expert_parts(records: dict, tp: int, inter: int, hidden: int = 64):
+    """Each rank's dense (w13, w2) of one routed expert handed the whole records (ExpertWeights, tp ranks)."""
+    from deepinfer.backends.cpu.backend import CPUBackend
+    from deepinfer.models.layers.experts import ExpertWeights
+    from deepinfer.models.loader import deliver
+
+    out = []
+    for rank in range(tp):
+        ew = ExpertWeights(1, hidden, inter // tp, CPUBackend(), torch.float32, False,
+                           ("gate_proj", "up_proj", "down_proj"), tp_part=(rank, tp))
+        loaders = ew.loaders("model.layers.1.mlp")
+        for proj, rec in records.items():
+            deliver(loaders[f"model.layers.1.mlp.experts.0.{proj}.weight"], rec)
+        out.append(ew.stacked())
+    return out
+
+
+def test_act_order_experts_sorted_then_cut_compute_the_whole_expert():
+    """GPTQ act-order routed experts under TP without expert parallelism: each rank's part (the intermediate sorted by
+    the down projection's groups, then cut) computes its share, and the ranks' sum is the whole expert's output; a
+    down projection whose gate / up are not act-order, and a sorted cut through a group, are refused naming why."""
+    from deepinfer.backend import dequant_int4
+
+    hidden, inter, group = 64, 128, 32
+    recs = {"gate_proj": _gptq(inter, hidden, group, True, 1), "up_proj": _gptq(inter, hidden, group, True, 2),
+            "down_proj": _gptq(hidden, inter, group, True, 3)}
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(9))
+    wg, wu, wd = (dequant_int4(recs[p]) for p in ("gate_proj", "up_proj", "down_proj"))
+    want = (torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
+    for tp in (2, 4):
+        got = 0
+        for w13, w2 in _expert_parts(recs, tp, inter):
+            i = w2.shape[2]
+            got = got + (torch.nn.functional.silu(x @ w13[0, :i].t()) * (x @ w13[0, i:].t())) @ w2[0].t()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"tp={tp}")
+    mixed = {**recs, "gate_proj": _gptq(inter, hidden, group, False, 1), "up_proj": _gptq(inter, hidden, group, False, 2)}
+    with pytest.raises(ModelLoadError, match="down projection is GPTQ act-order but the gate / up"):
+        _expert_parts(mixed, 2, inter)
+    with pytest.raises(ModelLoadError, match=r"down_proj \(its inputs sorted by group\).*split a quantization group"):
+        _expert_parts(recs, 8, inter)  # 16 inputs a rank, half a group of 32

@@ -136,3 +136,25 @@ def test_int8_parts_keep_their_channel_scales():
     assert torch.equal(row.weight, w[:, 128:]) and torch.equal(row.weight_scale, rec.weight_scale)
     with pytest.raises(ModelLoadError, match=r"^x: cannot take \[0:300\]"):
         rec.part(1, 0, 300, "x")
+
+
+def test_reordered_records_dequantize_to_the_permuted_whole():
+    """The routed experts' act-order cut under TP (models/layers/experts.py `_cut_act_order`): a GPTQ record's inputs
+    sorted by group give a plain record (contiguous groups) whose weight is the whole's columns in that order, and its
+    outputs reordered give the whole's rows in that order; AWQ records (no act-order) are refused."""
+    from deepinfer.backend import act_order_permutation
+
+    rec = _record("gptq", 32, act_order=True, seed=3)
+    whole = dequant_int4(rec)
+    perm = act_order_permutation(rec.g_idx, 32, "down")
+    sorted_rec = rec.reorder_inputs(perm, "down")
+    assert rec.act_order and not sorted_rec.act_order
+    assert torch.equal(dequant_int4(sorted_rec), whole[:, perm])
+    part = sorted_rec.part(1, 64, 128, "down")  # whole groups of the sorted inputs: a plain part
+    assert part.num_groups is None and torch.equal(dequant_int4(part), whole[:, perm[64:128]])
+    rows = torch.randperm(N, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(dequant_int4(rec.reorder_outputs(rows, "gate")), whole[rows])
+    with pytest.raises(ModelLoadError, match="gate: only a GPTQ record"):
+        _record("awq", 32).reorder_outputs(rows, "gate")
+    with pytest.raises(ModelLoadError, match="up: only a whole GPTQ record"):
+        rec.part(1, 0, 128, "x").reorder_inputs(perm[:128], "up")

@@ -130,6 +130,28 @@ class Int4Weight:
         return Int4Weight(self.method, qweight.contiguous(), self.qzeros[groups].contiguous(),
                           self.scales[groups].contiguous(), g_idx, g, self.zero_offset)
 
+    def reorder_inputs(self, perm: torch.Tensor, name: str) -> Int4Weight:
+        """GPTQ: the record whose input channel j is this one's channel perm[j] (its g_idx entry with it), the groups'
+        zero points and scales unchanged. Sorting an act-order record's inputs by group (act_order_permutation)
+        gives a plain record of contiguous groups: what a routed expert's down projection needs before a
+        tensor-parallel cut of its inputs (models/layers/experts.py)."""
+        if self.method != "gptq" or self.g_idx is None or self.num_groups is not None:
+            raise ModelLoadError(f"{name}: only a whole GPTQ record's input channels can be reordered")
+        q = unpack_gptq_rows(self.qweight)[perm.to(self.qweight.device)]  # [K, N]
+        qweight = _pack_nibbles(q.t()).t().contiguous()
+        return Int4Weight("gptq", qweight, self.qzeros, self.scales, self.g_idx[perm.to(self.g_idx.device)].contiguous(),
+                          self.group_size, self.zero_offset)
+
+    def reorder_outputs(self, idx: torch.Tensor, name: str) -> Int4Weight:
+        """GPTQ: the record whose output channel j is this one's channel idx[j] (a permutation of all of them), its
+        g_idx (of the inputs) unchanged: a routed expert's gate / up rows put in its down projection's sorted order."""
+        if self.method != "gptq":
+            raise ModelLoadError(f"{name}: only a GPTQ record's output channels are reordered here")
+        idx = idx.to(self.qweight.device)
+        zeros = unpack_gptq_cols(self.qzeros)[:, idx]
+        return Int4Weight("gptq", self.qweight[:, idx].contiguous(), _pack_nibbles(zeros), self.scales[:, idx].contiguous(),
+                          self.g_idx, self.group_size, self.zero_offset, self.num_groups)
+
     def groups_of_rows(self) -> torch.Tensor:
         """int32 [K]: the group of each input row (g_idx for GPTQ, k // G for AWQ)."""
         if self.g_idx is not None:
@@ -143,6 +165,15 @@ def _nibbles(words: torch.Tensor, slots: tuple[int, ...]) -> torch.Tensor:
     shifts = torch.tensor([4 * s for s in slots], dtype=torch.int32, device=words.device)
     vals = (words.unsqueeze(-1) >> shifts) & 0xF
     return vals.reshape(*words.shape[:-1], words.shape[-1] * PACK)
+
+
+def _pack_nibbles(vals: torch.Tensor) -> torch.Tensor:
+    """int [..., 8W] in 0..15 -> int32 [..., W]: nibble j of word w holds vals[..., 8w + j] (GPTQ's order; the inverse
+    of `_nibbles` with slots 0..7)."""
+    v = vals.to(torch.int64).reshape(*vals.shape[:-1], -1, PACK)
+    shifts = torch.arange(PACK, dtype=torch.int64, device=vals.device) * 4
+    words = (v << shifts).sum(-1)  # (disjoint bit fields: the sum is their OR)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

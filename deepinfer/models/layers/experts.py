@@ -28,7 +28,9 @@ from deepinfer.backend import (
     FP4_GROUP,
     INT4_ACT_ORDER,
     Backend,
+    Int4Weight,
     QuantizedExperts,
+    act_order_permutation,
     as_fp4_scale,
     as_packed_fp4,
     dequant_fp4,
@@ -133,6 +135,8 @@ class ExpertWeights:
                                  f"multiple of the {FP8_BLOCK}-wide scale blocks")
         self.prefix = ""
         self._loaded: dict[tuple[int, str, str], torch.Tensor] = {}  # (expert, proj, "weight"|"scale") -> tensor
+        self._whole: set[tuple[int, str, str]] = set()  # act-order int4 records not cut yet (`_cut_act_order`)
+        self.num_sorted_cuts = 0  # experts whose act-order intermediate was sorted by group before the cut
 
     def _shape(self, proj: str) -> tuple[int, int]:
         """[out, in] of one projection (this rank's part): down is [D, I], gate and up are [I, D]."""
@@ -180,20 +184,52 @@ class ExpertWeights:
         rank, _ = self.tp_part
         size = self._split_size(proj, kind)
         if not isinstance(t, torch.Tensor):  # an int4 / int8 record, read whole: its packed words cut together
-            where = f"{name} (routed experts over tensor_parallel_size {self.tp_part[1]})"
-            if dim == 1 and getattr(t, "act_order", False):
-                # the int4 experts' layout sorts an act-order down projection's inputs into whole groups at load
-                # (QuantizedExperts): a rank's part of the intermediate holds parts of groups, which it cannot
-                raise ModelLoadError(f"{where}: a GPTQ act-order (desc_act) down projection of the routed experts "
-                                     "cannot be split along its input channels; set enable_expert_parallel (each "
-                                     "expert whole on one rank) or load with tensor_parallel_size 1")
-            return t.part(dim, rank * size, (rank + 1) * size, where)
+            if isinstance(t, Int4Weight) and t.act_order:
+                return t  # kept whole until its expert's three projections are here (`_cut_act_order`)
+            return t.part(dim, rank * size, (rank + 1) * size, self._where(name))
         if t.dim() == 2 and t.shape[dim] == size:
             return t  # already this rank's part
         if t.dim() == 2 and t.shape[dim] == size * self.tp_part[1]:
             return t.narrow(dim, rank * size, size)
         raise ModelLoadError(f"{name} has shape {tuple(t.shape)}: dim {dim} is neither this rank's part ({size}) nor "
                              f"the whole ({size * self.tp_part[1]})")
+
+    def _where(self, name: str) -> str:
+        return f"{name} (routed experts over tensor_parallel_size {self.tp_part[1]})"
+
+    def _cut_act_order(self, e: int) -> None:
+        """Tensor parallelism over GPTQ act-order experts: once expert e's three records are here, those kept whole
+        (act-order ones, `_part`) are cut to this rank's part. A down projection's act-order inputs (the
+        intermediate) are sorted by group first, and the gate and up rows (whose outputs they are) put in the same
+        order, a permutation of the intermediate that leaves the expert's function as it was; then the sorted
+        intermediate is cut like any other, so a rank's part holds whole groups (where I / tp is a multiple of the
+        group size; else the part's error names the cut). vLLM's GPTQ-Marlin MoE sorts by g_idx per rank for the
+        same reason. The whole records live only until their expert's last projection arrives."""
+        keys = [(e, p, "weight") for p in self.names]
+        if not any(k in self._whole for k in keys) or any(k not in self._loaded for k in keys):
+            return
+        gate, up, down = (self._loaded[k] for k in keys)
+        name = f"{self.prefix}.experts.{e}"
+        rank, _ = self.tp_part
+        lo, hi = rank * self.intermediate_size, (rank + 1) * self.intermediate_size
+        if keys[2] in self._whole:
+            if keys[0] not in self._whole or keys[1] not in self._whole:
+                raise ModelLoadError(f"{self._where(name)}: the down projection is GPTQ act-order but the gate / up "
+                                     "projections are not, so the intermediate cannot be sorted by group before the "
+                                     "cut; set enable_expert_parallel (each expert whole on one rank)")
+            perm = act_order_permutation(down.g_idx, down.group_size, f"{name}.{self.names[2]}")
+            down = down.reorder_inputs(perm, f"{name}.{self.names[2]}").part(1, lo, hi, self._where(
+                f"{name}.{self.names[2]} (its inputs sorted by group)"))
+            gate, up = (r.reorder_outputs(perm, f"{name}.{p}") for r, p in ((gate, self.names[0]), (up, self.names[1])))
+            self._loaded[keys[2]] = down
+            self.num_sorted_cuts += 1
+        for k, r in zip(keys[:2], (gate, up)):
+            if k in self._whole:
+                self._loaded[k] = r.part(0, lo, hi, self._where(f"{name}.{k[1]}"))
+        for k, r in zip(keys, (self._loaded[k] for k in keys)):
+            out_f, in_f = self._shape(k[1])
+            r.check(f"{name}.{k[1]}", out_f, in_f)
+            self._whole.discard(k)
 
     def _loader(self, e: int, proj: str, kind: str) -> Loader:
         name = f"{self.prefix}.experts.{e}.{proj}"
@@ -202,6 +238,12 @@ class ExpertWeights:
 
         def load(t: torch.Tensor) -> None:
             t = self._part(t, proj, kind, f"{name}.{'weight' if kind == 'weight' else 'weight_scale_inv'}")
+            if self.tp_part is not None and isinstance(t, Int4Weight) and t.act_order:  # whole until its expert is
+                self._whole.add((e, proj, kind))
+                whole = (out_f, in_f * self.tp_part[1]) if proj == self.names[2] else (out_f * self.tp_part[1], in_f)
+                self._loaded[(e, proj, kind)] = prepare_weight(name, t, whole, self.quantized, self.dtype, dev)
+                self._cut_act_order(e)
+                return
             if self.fp4:  # kept as stored (uint8 nibbles, e8m0 bytes or fp32 scales), on the device
                 conv = as_packed_fp4 if kind == "weight" else as_fp4_scale
                 self._loaded[(e, proj, kind)] = conv(name, t, out_f, in_f).to(dev)
