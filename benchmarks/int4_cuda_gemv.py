@@ -5,8 +5,9 @@ Device time per call from CUDA-graph replays over enough weight copies that the 
 Rows: the dense linears (q_proj 3072 x 2048, kv_a 576 x 2048, o_proj 2048 x 2048) at 1 / 4 / 8 tokens through
 quant/int4_gemm.int4_gemm with cuda=False / True, and one token's experts (64 routed, top-6, 2 stacked shared
 experts; D 2048, I 1408) through fused_moe's direct schedule with DEEPINFER_INT4_CUDA_GEMV=0 / 1, and the same
-experts with a GPTQ act-order gate_up (w13_g_idx: the Triton GEMMs gather zero points and scales per input channel;
-no shared experts stacked, as the op runs them). GPU only.
+experts with a GPTQ act-order gate_up, as stored (w13_g_idx: the Triton GEMMs gather zero points and scales per input
+channel) and sorted by group (w13_perm, the nvidia op's layout since session 33: x gathered in that order, by the
+Triton GEMMs and by the CUDA GEMVs); no shared experts stacked, as the op runs them. GPU only.
 
     python -m benchmarks.int4_cuda_gemv [--tokens 1,4,16] [--json out.jsonl]
 
@@ -112,20 +113,27 @@ def run(args) -> list[dict]:
     g_idx = torch.stack([torch.argsort(torch.randperm(HIDDEN, generator=g)) // GROUP
                          for _ in range(ROUTED + SHARED)]).to(torch.int32).cuda()
 
-    def routed_only(i, act_order: bool):
+    # the sorted layout's order (its weight bytes are the contiguous experts': the speed does not depend on them)
+    perm = torch.argsort(g_idx[:ROUTED].long(), dim=1, stable=True).to(torch.int32).contiguous()
+
+    def routed_only(i, layout: str):
         q = experts[i % copies]
+        order = {"w13_g_idx": g_idx[:ROUTED]} if layout == "act-order" else {
+            "w13_perm": perm} if layout == "act-order sorted" else {}
         return fused_moe(x, q.w13[:ROUTED], q.w2[:ROUTED], wts, ids, direct=True, scheme="int4_gptq",
                          w13_scale=q.w13_scale[:ROUTED], w2_scale=q.w2_scale[:ROUTED],
                          w13_zeros=q.w13_zeros[:ROUTED], w2_zeros=q.w2_zeros[:ROUTED], group_size=GROUP,
-                         w13_g_idx=g_idx[:ROUTED] if act_order else None, counters=counters)
+                         counters=counters, **order)
 
     routed_bytes = TOP_K * 3 * INTER * HIDDEN // 2
-    os.environ["DEEPINFER_INT4_CUDA_GEMV"] = "0"  # both on the Triton GEMMs (act-order has no CUDA GEMV)
-    for act_order in (False, True):
-        us = rotating_graph_us(lambda i, a=act_order: routed_only(i, a), copies, reps=min(40, 4 * copies))
-        rows.append({"op": f"moe_b1 routed only, {'act-order' if act_order else 'contiguous groups'}",
-                     "tokens": 1, "kernel": "triton", "us": round(us, 2),
-                     "weight_gbs": round(routed_bytes / us / 1e3, 1)})
+    for cuda, layouts in (("0", ("contiguous groups", "act-order", "act-order sorted")),
+                          ("1", ("contiguous groups", "act-order sorted"))):  # (as stored: no CUDA GEMV)
+        os.environ["DEEPINFER_INT4_CUDA_GEMV"] = cuda
+        for layout in layouts:
+            us = rotating_graph_us(lambda i, a=layout: routed_only(i, a), copies, reps=min(40, 4 * copies))
+            rows.append({"op": f"moe_b1 routed only, {layout}", "tokens": 1,
+                         "kernel": "cuda split 4" if cuda == "1" else "triton", "us": round(us, 2),
+                         "weight_gbs": round(routed_bytes / us / 1e3, 1)})
     os.environ.pop("DEEPINFER_INT4_CUDA_GEMV", None)
     from deepinfer.backends.nvidia.quant import int4_cuda
 

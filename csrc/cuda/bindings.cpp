@@ -119,17 +119,25 @@ void check_routing(const torch::Tensor& ids, int64_t num_shared, int64_t experts
 }
 
 torch::Tensor int4_moe_gate_up(torch::Tensor x, torch::Tensor w13, torch::Tensor zeros, torch::Tensor scales,
-                               torch::Tensor ids, int64_t num_shared, int64_t split) {
+                               torch::Tensor ids, int64_t num_shared, int64_t split,
+                               std::optional<torch::Tensor> perm) {
   const int kind = act_kind(x, "int4_moe_gate_up");
   TORCH_CHECK(x.size(0) == 1, "int4_moe_gate_up: one token, got ", x.size(0));
   TORCH_CHECK(w13.dim() == 3 && w13.size(1) % 2 == 0, "int4_moe_gate_up: w13 must be [E, 2I, K/2]");
   check_routing(ids, num_shared, w13.size(0), "int4_moe_gate_up");
   const int64_t k = x.size(1), inter = w13.size(1) / 2, top_k = ids.size(1);
   auto w = int4_weight(w13, zeros, scales, k, "int4_moe_gate_up");
+  if (perm.has_value()) {  // act-order experts' sorted columns: int32 [routed experts, K], x gathered through it
+    TORCH_CHECK(perm->is_cuda() && perm->scalar_type() == torch::kInt32 && perm->dim() == 2 &&
+                    perm->size(0) == w13.size(0) - num_shared && perm->size(1) == k && perm->is_contiguous(),
+                "int4_moe_gate_up: perm must be contiguous int32 [routed experts, K]");
+  }
   auto act = torch::empty({top_k + num_shared, inter}, x.options());
   check_cuda(deepinfer::launch_int4_moe_gate_up(x.data_ptr(), w, ids.data_ptr<int64_t>(), top_k, num_shared,
                                                 w13.size(0) - num_shared, act.data_ptr(), act.stride(0), inter, k,
-                                                kind, static_cast<int>(split), c10::cuda::getCurrentCUDAStream()),
+                                                kind, static_cast<int>(split),
+                                                perm.has_value() ? perm->data_ptr<int32_t>() : nullptr,
+                                                c10::cuda::getCurrentCUDAStream()),
              "int4_moe_gate_up launch");
   return act;
 }
@@ -162,6 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_topk", &grouped_topk, "DeepSeek router: (weights [T,k] fp32, ids [T,k] int64)");
   m.def("moe_align", &moe_align, "expert-sorted, block-padded (sorted_ids, expert_ids, total)");
   m.def("int4_gemv", &int4_gemv, "int4 weight-only GEMV, 1-8 tokens, group 128: [M, N]");
-  m.def("int4_moe_gate_up", &int4_moe_gate_up, "one token's int4 experts: silu(gate) * up [slots, I]");
+  m.def("int4_moe_gate_up", &int4_moe_gate_up, "one token's int4 experts: silu(gate) * up [slots, I]", py::arg("x"),
+        py::arg("w13"), py::arg("zeros"), py::arg("scales"), py::arg("ids"), py::arg("num_shared"), py::arg("split"),
+        py::arg("perm") = py::none());
   m.def("int4_moe_down", &int4_moe_down, "one token's int4 experts: down + weighted slot sum [1, D]");
 }

@@ -278,6 +278,14 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ x, int64_t stri
   }
 }
 
+// x's channels in the order perm gives (k int32 indices: staged channel j = x[perm[j]]) into shared memory: a GPTQ
+// act-order expert whose weight columns were sorted by group at load (backends/nvidia/quant/act_order.py)
+template <typename T>
+__device__ __forceinline__ void stage_permuted(const T* __restrict__ x, const int32_t* __restrict__ perm, int k,
+                                               T* xs) {
+  for (int j = threadIdx.x; j < k; j += blockDim.x) xs[j] = x[__ldg(perm + j)];
+}
+
 // Warps w = part x kTiles + tile split one tile's groups kSplit ways; the part-0 warp of each tile ends with the
 // sum of its parts' acc, added in part order (deterministic). red: kTiles x kSplit x kHalves x 4 x 32 floats.
 template <int kTiles, int kSplit, int kHalves>
@@ -333,7 +341,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T, typename S, int kTiles, int kSplit>
 __global__ void __launch_bounds__(kTiles * kSplit * 32)
     int4_moe_gate_up_kernel(const T* __restrict__ x, Int4Weight w, const int64_t* __restrict__ ids, int top_k,
-                            int num_routed, T* __restrict__ act, int64_t stride_act, int inter, int groups) {
+                            int num_routed, T* __restrict__ act, int64_t stride_act, int inter, int groups,
+                            const int32_t* __restrict__ perm) {
   extern __shared__ uint4 smem[];
   __shared__ float red[kSplit > 1 ? kTiles * kSplit * 2 * 4 * 32 : 1];
   T* xs = reinterpret_cast<T*>(smem);
@@ -343,7 +352,13 @@ __global__ void __launch_bounds__(kTiles * kSplit * 32)
   const int64_t e = slot < top_k ? ids[slot] : static_cast<int64_t>(num_routed + slot - top_k);
   float acc[2][4] = {};
   const WarpTile<T, S, 2> wt(w, e * w.stride_we, e * w.stride_qe, row0, inter, inter);
-  auto stage = [&] { stage_rows(x, 0, 1, k, xs, k + 8); };
+  auto stage = [&] {  // (perm: act-order routed experts' sorted columns; shared experts keep x in order)
+    if (perm != nullptr && e < num_routed) {
+      stage_permuted(x, perm + e * k, k, xs);
+    } else {
+      stage_rows(x, 0, 1, k, xs, k + 8);
+    }
+  };
   if (kSplit >= 8) {  // one batch a warp (the launcher checks groups <= 8 x kGateUpUnroll; V2-Lite's 16: two each)
     wt.template run<kGateUpUnroll, decltype(stage), true>(part, groups, kSplit, stage, xs, k + 8, 1, acc);
   } else {
@@ -457,13 +472,13 @@ cudaError_t gemv(const void* x, int64_t stride_x, int m, Int4Weight w, const voi
 
 template <typename T, typename S, int kTiles, int kSplit>
 cudaError_t gate_up_as(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared, int num_routed,
-                       void* act, int64_t stride_act, int inter, int k, cudaStream_t stream) {
+                       void* act, int64_t stride_act, int inter, int k, const int32_t* perm, cudaStream_t stream) {
   const dim3 grid(((inter + 15) / 16 + kTiles - 1) / kTiles, top_k + num_shared);
   const size_t smem = staged_bytes<T>(1, k);
   const cudaError_t err = allow_smem(int4_moe_gate_up_kernel<T, S, kTiles, kSplit>, smem);
   if (err != cudaSuccess) return err;
   int4_moe_gate_up_kernel<T, S, kTiles, kSplit><<<grid, kTiles * kSplit * 32, smem, stream>>>(
-      static_cast<const T*>(x), w, ids, top_k, num_routed, static_cast<T*>(act), stride_act, inter, k / kGroup);
+      static_cast<const T*>(x), w, ids, top_k, num_routed, static_cast<T*>(act), stride_act, inter, k / kGroup, perm);
   return cudaGetLastError();
 }
 
@@ -474,17 +489,18 @@ cudaError_t gate_up_as(const void* x, Int4Weight w, const int64_t* ids, int top_
 // at once; neither yet timed)
 template <typename T, typename S>
 cudaError_t gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared, int num_routed,
-                    void* act, int64_t stride_act, int inter, int k, int split, cudaStream_t stream) {
+                    void* act, int64_t stride_act, int inter, int k, int split, const int32_t* perm,
+                    cudaStream_t stream) {
   if (split == 8 && k / kGroup <= 8 * kGateUpUnroll) {  // eight warps a tile, one batch each (down: four warps)
-    return gate_up_as<T, S, 1, 8>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
+    return gate_up_as<T, S, 1, 8>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, perm, stream);
   }
   if (split == 4) {
-    return gate_up_as<T, S, 1, 4>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, stream);
+    return gate_up_as<T, S, 1, 4>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k, perm, stream);
   }
   return split == 2 ? gate_up_as<T, S, 1, 2>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k,
-                                             stream)
+                                             perm, stream)
                     : gate_up_as<T, S, kDenseWarps, 1>(x, w, ids, top_k, num_shared, num_routed, act, stride_act,
-                                                       inter, k, stream);
+                                                       inter, k, perm, stream);
 }
 
 template <typename T, typename S, int kSplit>
@@ -534,11 +550,11 @@ cudaError_t launch_int4_gemv(const void* x, int64_t stride_x, int m, Int4Weight 
 
 cudaError_t launch_int4_moe_gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared,
                                     int num_routed, void* act, int64_t stride_act, int inter, int k, int act_kind,
-                                    int split, cudaStream_t stream) {
+                                    int split, const int32_t* perm, cudaStream_t stream) {
   if (k % kGroup != 0 || top_k + num_shared < 1) return cudaErrorInvalidValue;
   return dispatch(act_kind, w.scale_kind, [&](auto t, auto s) {
     return gate_up<decltype(t), decltype(s)>(x, w, ids, top_k, num_shared, num_routed, act, stride_act, inter, k,
-                                             split, stream);
+                                             split, perm, stream);
   });
 }
 

@@ -31,7 +31,7 @@ cudaError_t launch_int4_gemv(const void* x, int64_t stride_x, int m, Int4Weight 
 // split: 1, 2, 4 or 8 (each tile's groups over that many warps; DEEPINFER_INT4_CUDA_SPLIT_K).
 cudaError_t launch_int4_moe_gate_up(const void* x, Int4Weight w, const int64_t* ids, int top_k, int num_shared,
                                     int num_routed, void* act, int64_t stride_act, int inter, int k, int act_kind,
-                                    int split, cudaStream_t stream);
+                                    int split, const int32_t* perm, cudaStream_t stream);
 
 // ... down with the combine: out[d] = sum over slots (in slot order, fp32) of round(W_e[d] . act[s]) * weight[s]
 // (shared slots weight 1.0), rounded once to the activation dtype.

@@ -90,12 +90,15 @@ def test_check_names_a_bad_g_idx():
 # ---------------------------------------------------------------- the nvidia Triton GEMMs (interpreter here)
 
 
+@pytest.mark.parametrize("layout", ["g_idx", "sorted"])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("t,drop", [(1, False), (6, True)])
-def test_nvidia_grouped_gemms_take_act_order_experts(direct, t, drop):
-    """fused_moe with w13_g_idx (quant/tiles.py int4_tile gathering zero points and scales per input channel in the
-    gate_up GEMM) against the dense twin: the direct and aligned schedules, one token and a ragged batch with -1
-    ids. Without the g_idx the same weights give another result (the check can fail)."""
+def test_nvidia_grouped_gemms_take_act_order_experts(direct, t, drop, layout):
+    """fused_moe against the dense twin, the act-order gate / up weights either as stored with w13_g_idx
+    (quant/tiles.py int4_tile gathering zero points and scales per input channel) or with their columns sorted by
+    group and x gathered through w13_perm (quant/act_order.py, the nvidia op's layout): the direct and aligned
+    schedules, one token and a ragged batch with -1 ids. Without the g_idx / perm the same weights give another
+    result (the check can fail)."""
     import sys
     from pathlib import Path
 
@@ -109,15 +112,24 @@ def test_nvidia_grouped_gemms_take_act_order_experts(direct, t, drop):
     wts, ids = routing(t, drop=drop, device=DEVICE)
     args = {"direct": direct, "skip_unrouted": drop, "scheme": "int4_gptq", "w13_scale": q.w13_scale,
             "w2_scale": q.w2_scale, "w13_zeros": q.w13_zeros, "w2_zeros": q.w2_zeros, "group_size": q.group_size}
-    got = fused_moe(x, q.w13, q.w2, wts, ids, w13_g_idx=q.w13_g_idx, **args)
+    if layout == "sorted":
+        from deepinfer.backends.nvidia.quant.act_order import sort_act_order_columns
+
+        q, perm = sort_act_order_columns(q)
+        assert q.w13_g_idx is None and perm.dtype == torch.int32 and tuple(perm.shape) == (E, D)
+        order = {"w13_perm": perm}
+    else:
+        order = {"w13_g_idx": q.w13_g_idx}
+    got = fused_moe(x, q.w13, q.w2, wts, ids, **order, **args)
     ref = experts_forward(x, w13, w2, wts, ids)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(fused_moe(x, q.w13, q.w2, wts, ids, **args), ref, atol=1e-3)
 
 
-def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones():
-    """The nvidia MoE op hands w13_g_idx to its GEMMs and does not stack quantized shared experts beside act-order
-    routed ones (the model's shared MLP runs)."""
+def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones(monkeypatch):
+    """The nvidia MoE op sorts act-order gate / up columns by group at load and hands the order to its GEMMs
+    (w13_perm; DEEPINFER_MOE_ACT_ORDER_SORT=0: w13_g_idx, the weights as stored), and does not stack quantized shared
+    experts beside act-order routed ones (the model's shared MLP runs)."""
     import sys
     from pathlib import Path
 
@@ -132,8 +144,14 @@ def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones():
 
     op = TritonMoE(MoESpec(router=ROUTER, hidden_size=D, intermediate_size=INTER), route_fn=route)
     op.load_quantized_experts(q)
-    assert op._gemm_weights()["w13_g_idx"] is q.w13_g_idx
+    got = op._gemm_weights()
+    assert got["w13_g_idx"] is None and torch.equal(got["w13_perm"].long(), torch.argsort(q.w13_g_idx.long(), dim=1,
+                                                                                         stable=True))
+    assert not torch.equal(got["w13"], q.w13) and torch.equal(got["w2"], q.w2)  # (only gate / up re-laid)
     assert op.fuse_shared_quantized(shared) is False and op.quant_shared is None
+    monkeypatch.setenv("DEEPINFER_MOE_ACT_ORDER_SORT", "0")
+    op.load_quantized_experts(q)
+    assert op._gemm_weights()["w13_g_idx"] is q.w13_g_idx and op._gemm_weights()["w13_perm"] is None
 
 
 def test_an_op_that_does_not_list_act_order_gets_the_experts_densified():
@@ -172,9 +190,12 @@ def test_an_op_that_does_not_list_act_order_gets_the_experts_densified():
 
 
 @pytest.mark.gpu
-def test_act_order_experts_real_shapes_on_the_gpu():
-    """V2-Lite's expert shapes (D 2048, I 1408, group 128, 16 experts, top-6) in GPTQ act-order, bf16, on the GPU:
-    the Triton grouped GEMMs (direct at 1 token, aligned at 64 and 300) against the dense twin in bf16."""
+@pytest.mark.parametrize("layout", ["g_idx", "sorted"])
+def test_act_order_experts_real_shapes_on_the_gpu(layout):
+    """V2-Lite's expert shapes (D 2048, I 1408, group 128, 16 experts, top-6) in GPTQ act-order, bf16, on the GPU,
+    as stored (w13_g_idx) and with the gate / up columns sorted by group (w13_perm, the nvidia op's layout): at 1
+    token the direct schedule (sorted: the CUDA GEMVs, staging x in the sorted order, and the Triton direct GEMMs
+    with DEEPINFER_INT4_CUDA_GEMV=0), aligned at 64 and 300, against the dense twin in bf16."""
     import sys
     from pathlib import Path
 
@@ -184,14 +205,28 @@ def test_act_order_experts_real_shapes_on_the_gpu():
     if not ON_GPU:
         pytest.skip("real shapes need the GPU")
     from deepinfer.backends.nvidia.fused_moe import fused_moe
+    from deepinfer.backends.nvidia.quant import int4_cuda
+    from deepinfer.backends.nvidia.quant.act_order import sort_act_order_columns
 
     q, w13, w2 = make_int4_experts("int4_gptq", 1408, device=DEVICE, num_experts=16, hidden=2048, group=128,
                                    act_order=True)
+    order = {"w13_g_idx": q.w13_g_idx}
+    if layout == "sorted":
+        q, perm = sort_act_order_columns(q)
+        order = {"w13_perm": perm}
     for t in (1, 64, 300):
         x = torch.randn(t, 2048, device=DEVICE).bfloat16()
-        wts, ids = routing(t, k=6, drop=True, device=DEVICE, num_experts=16)
-        got = fused_moe(x, q.w13, q.w2, wts, ids, skip_unrouted=True, scheme="int4_gptq", w13_scale=q.w13_scale,
-                        w2_scale=q.w2_scale, w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=128,
-                        w13_g_idx=q.w13_g_idx)
+        wts, ids = routing(t, k=6, drop=t > 1, device=DEVICE, num_experts=16)
+        args = {"skip_unrouted": t > 1, "scheme": "int4_gptq", "w13_scale": q.w13_scale, "w2_scale": q.w2_scale,
+                "w13_zeros": q.w13_zeros, "w2_zeros": q.w2_zeros, "group_size": 128, **order}
+        got = fused_moe(x, q.w13, q.w2, wts, ids, **args)
         ref = experts_forward(x, w13.bfloat16(), w2.bfloat16(), wts, ids)
         assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+        if t == 1 and layout == "sorted":  # the CUDA GEMVs took it (x staged in the sorted order), and Triton agrees
+            cuda = int4_cuda.moe(x, q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_zeros, q.w2_zeros, ids,
+                                 wts.float(), 0, order["w13_perm"])
+            assert torch.equal(got, cuda)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DEEPINFER_INT4_CUDA_GEMV", "0")
+                tri = fused_moe(x, q.w13, q.w2, wts, ids, **args)
+            assert (tri.float() - got.float()).norm() / got.float().norm() < 1e-2

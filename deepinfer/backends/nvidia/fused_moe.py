@@ -282,6 +282,8 @@ def fused_moe(
     w2_zeros: torch.Tensor | None = None,
     group_size: int = 128,  # int4: input channels per scale / zero point
     w13_g_idx: torch.Tensor | None = None,  # int4 GPTQ act-order: int32 [E, D], the gate / up inputs' groups
+    w13_perm: torch.Tensor | None = None,  # or act-order w13 with its columns sorted by group: int32 [E, D], each
+    # column's input channel (quant/act_order.py); the GEMMs gather x's columns through it
     stacked_shared: int = 0,  # quantized experts: this many shared experts after the routed ones (every token, 1.0)
     x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,  # W8A8 aligned: x's (e4m3 [>=T, D], scales [>=T, G])
 ) -> torch.Tensor:  # [T, D] in x's dtype
@@ -293,6 +295,8 @@ def fused_moe(
     q13 = {"scale": w13_scale, "scheme": scheme, "zeros": w13_zeros, "group_size": group_size}
     if w13_g_idx is not None:  # (the down projection's act-order was resolved at load: QuantizedExperts)
         q13["g_idx"] = w13_g_idx
+    if w13_perm is not None:
+        q13["perm"] = w13_perm
     q2 = {"scale": w2_scale, "scheme": scheme, "zeros": w2_zeros, "group_size": group_size}
     k = topk_ids.shape[1]
     if T == 0:
@@ -315,8 +319,9 @@ def fused_moe(
         ids = topk_ids.contiguous()
         n_shared = shared_w[1].shape[1] // (two_i // 2) if shared_w is not None else stacked_shared
         if w13_g_idx is None and int4_cuda.use_moe(x, w13, w2, w13_scale, w2_scale, scheme, k + n_shared, group_size,
-                                                   skip_unrouted, shared_out):
-            return int4_cuda.moe(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, ids, weights, n_shared)
+                                                   skip_unrouted, shared_out):  # (act-order: its sorted layout only)
+            return int4_cuda.moe(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, ids, weights, n_shared,
+                                 w13_perm)
         q13["stacked_shared"] = q2["stacked_shared"] = bool(stacked_shared)
         slots = k + n_shared
         act = torch.empty((T * slots, two_i // 2), dtype=x.dtype, device=x.device)

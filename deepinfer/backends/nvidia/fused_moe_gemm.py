@@ -274,20 +274,23 @@ def aligned_gemm(
     dual: bool = False, scale: torch.Tensor | None = None, scheme: str | None = None,
     zeros: torch.Tensor | None = None, group_size: int = 128, a_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None, cfg: dict | None = None,
-    g_idx: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None, perm: torch.Tensor | None = None,
 ) -> None:
     """out[p] = a[p // a_div] @ w[expert(p)]^T (* topk_weights[p]); dual: silu(gate) * up, out [pairs, N/2].
     scheme "fp8_block" / "fp4" / "int4_*": w, scale (and int4 zeros, group_size) as QuantizedExperts holds them,
     dequantized in the inner loop. "fp8_w8a8": a is e4m3 with a_scale [rows, K/128] (or, without a_scale, the
     compute dtype quantized on load); a dual out is then e4m3 with out_scale [pairs, N/2/128]. act_dtype: the
     compute dtype the epilogue rounds to (default a's). cfg: a tile for benchmark sweeps. g_idx: int4 GPTQ
-    act-order, int32 [E, K], each input channel's group (fused_moe_config.gidx_args)."""
+    act-order, int32 [E, K], each input channel's group (fused_moe_config.gidx_args). perm: int4 act-order weights
+    whose columns were sorted by group at load, int32 [E, K], the input channel of each column (quant/act_order.py):
+    a's columns are gathered through it."""
     E, N, _ = w.shape
     n_out = N // 2 if dual else N
     K, q, z, uq_off, (sqe, sqn, sqk), quant, e8m0 = quant_args(w, scale, scheme, dual, n_out, zeros)
     if a.shape[1] != K:
         raise BackendError(f"aligned_gemm: activations have {a.shape[1]} features, the weights {K}")
-    gp, sge = gidx_args(g_idx, quant, E, K, q, "aligned_gemm")
+    gidx = _gidx_mode(g_idx, perm, "aligned_gemm")
+    gp, sge = gidx_args(g_idx if perm is None else perm, quant, E, K, q, "aligned_gemm")
     a_mode = _a_mode(scheme, a, a_scale)
     act = act_dtype or a.dtype
     fp8_out = out_scale is not None
@@ -309,10 +312,19 @@ def aligned_gemm(
         a_scale.stride(0) if a_mode == 1 else 0, out_scale if fp8_out else q, out_scale.stride(0) if fp8_out else 0,
         A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(act), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, GIDX=g_idx is not None, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
+        GROUP=group_size, GIDX=gidx, A_MODE=a_mode, ACT_FP8_OUT=fp8_out, ROUND_FIRST=interpreting(), ACT=TL_DTYPES[act],
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap, num_m=num_m,
         GROUP_M=group_m, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _gidx_mode(g_idx: torch.Tensor | None, perm: torch.Tensor | None, what: str) -> int:
+    """The kernels' GIDX: 0 contiguous groups, 1 groups gathered per input channel (g_idx), 2 columns sorted by group
+    at load and A gathered through perm (fused_moe_mainloop._mainloop)."""
+    if g_idx is not None and perm is not None:
+        raise BackendError(f"{what}: g_idx (weights in input order) and perm (weights sorted by group) are two "
+                           "layouts of act-order weights; give one")
+    return 1 if g_idx is not None else 2 if perm is not None else 0
 
 
 def shared_layout(shared_w: torch.Tensor | None, w: torch.Tensor, dual: bool, n_out: int, num_shared: int,
@@ -335,6 +347,7 @@ def direct_gemm(
     combine_into: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
     scale: torch.Tensor | None = None, scheme: str | None = None, zeros: torch.Tensor | None = None,
     group_size: int = 128, cfg: dict | None = None, stacked_shared: bool = False, g_idx: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
 ) -> None:
     """Direct mode over the T * (k + num_shared) pairs (pair = token * slots + slot).
 
@@ -345,7 +358,8 @@ def direct_gemm(
     a (the compute dtype) is quantized per row per 128 channels as it is loaded. stacked_shared: quantized routed
     experts whose w / scale / zeros hold the num_shared shared experts after the E routed ones (shared_w None).
     g_idx: int4 GPTQ act-order, int32 [E, K], each input channel's group (fused_moe_config.gidx_args; no stacked
-    shared experts).
+    shared experts). perm: act-order weights with columns sorted by group, int32 [E, K] (aligned_gemm; no stacked
+    shared experts either).
     """
     T, top_k = topk_ids.shape
     E, N, _ = w.shape
@@ -361,9 +375,10 @@ def direct_gemm(
         raise BackendError(f"direct_gemm: activations have {a.shape[1]} features, the weights {K}")
     if quant and shared_w is not None:
         raise BackendError("direct_gemm: shared experts fold in only with dense routed experts")
-    if g_idx is not None and stacked_shared:
+    if (g_idx is not None or perm is not None) and stacked_shared:
         raise BackendError("direct_gemm: act-order g_idx with stacked shared experts (they are not folded then)")
-    gp, sge = gidx_args(g_idx, quant, E, K, q, "direct_gemm")
+    gidx = _gidx_mode(g_idx, perm, "direct_gemm")
+    gp, sge = gidx_args(g_idx if perm is None else perm, quant, E, K, q, "direct_gemm")
     if stacked_shared:  # shared expert s is w[E + s]: the routed experts' strides and up offset
         shared_w, stride_sn, shared_step, us_off = w[E:], w.stride(1), w.stride(0), n_out * w.stride(1)
     else:
@@ -373,7 +388,7 @@ def direct_gemm(
         cfg = gidx_config(cfg) if g_idx is not None else cfg
     a_mode = _a_mode(scheme, a, None)
     swap = _swap_ab(cfg, a_mode)
-    gemv = use_int4_gemv(cfg, quant, T) and g_idx is None  # (the GEMV mainloop reads contiguous groups only)
+    gemv = use_int4_gemv(cfg, quant, T) and not gidx  # (the GEMV mainloop reads contiguous groups, x in order)
     block_m = max(16, triton.next_power_of_2(T))
     grid = (num_pairs, triton.cdiv(n_out, cfg["block_n"]))
     final, shared_out, counters = combine_into if combine_into is not None else (out, None, out)
@@ -387,7 +402,7 @@ def direct_gemm(
         shared_out.stride(0) if shared_out is not None else 0, q, z, uq_off, sqe, sqn, sqk, gp, sge,
         TOP_K=top_k, SLOTS=slots, A_DIV=a_div, DUAL=dual, MUL_WEIGHT=topk_weights is not None,
         UPCAST=interpreting() and a.dtype == torch.bfloat16, PREC=prec(a.dtype), QUANT=quant, E8M0=e8m0,
-        GROUP=group_size, GIDX=g_idx is not None, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
+        GROUP=group_size, GIDX=gidx, A_MODE=a_mode, ROUND_FIRST=interpreting(), SHARED_STACKED=stacked_shared,
         COMBINE=combine_into is not None, HAS_SHARED=shared_out is not None,
         BLOCK_P=block_p(num_pairs), BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SWAP_AB=swap,
         GEMV=gemv,

@@ -111,7 +111,10 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
               SWAP_AB: tl.constexpr):
     """acc_g = A[rows] @ B[offs_n]^T (and acc_u with B's rows shifted by u_off when DUAL), fp32. u_off / uq_off
     shift the weight bytes / the scale rows (and the int4 zeros, laid out as the scales) to the up projection.
-    GIDX (int4, GPTQ act-order): g_base holds the expert's group of each input channel, one for gate and up.
+    GIDX (int4, GPTQ act-order): 1 = g_base holds the expert's group of each input channel, one for gate and up
+    (the zero points and scales gathered per channel); 2 = the expert's weight columns were sorted by group at load
+    (backends/nvidia/quant/act_order.py) and g_base holds the input channel of each sorted column: A's columns are
+    gathered through it, the weight read as contiguous groups.
     A_MODE 1 / 2 (W8A8, QUANT 1, BLOCK_K 128): as_ptr holds mode 1's scales [rows, K/128] (row stride stride_as).
     SWAP_AB (A_MODE 1 / 2 only): the products run as B @ A^T (_fp8_step_swapped), transposed back at the end."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -126,20 +129,26 @@ def _mainloop(a_ptr, as_ptr, stride_as, rows, rmask, stride_am, b_base, u_off, o
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    G_GATHER: tl.constexpr = GIDX == 1
     for k0 in range(0, K, BLOCK_K):
         kk = offs_k + k0
         kmask = kk < K
         if A_MODE == 0:
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if GIDX == 2:  # sorted weight columns: A's columns in the same order
+                cols = tl.load(g_base + kk, mask=kmask, other=0)
+                a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = _load_w(b_base, q_base, z_base, g_base, brows, k0, kk, kmask, nmask, stride_bn, stride_qn, stride_qk,
-                        QUANT, E8M0, GROUP, GIDX, BLOCK_K, ACT)
+                        QUANT, E8M0, GROUP, G_GATHER, BLOCK_K, ACT)
             if UPCAST:  # the interpreter's bf16 tl.dot is wrong (NOTES.md)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc_g += tl.dot(a, b, input_precision=PREC)
             if DUAL:
                 u = _load_w(b_base + u_off, q_base + uq_off, z_base + uq_off, g_base, brows, k0, kk, kmask, nmask,
-                            stride_bn, stride_qn, stride_qk, QUANT, E8M0, GROUP, GIDX, BLOCK_K, ACT)
+                            stride_bn, stride_qn, stride_qk, QUANT, E8M0, GROUP, G_GATHER, BLOCK_K, ACT)
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_u += tl.dot(a, u, input_precision=PREC)

@@ -39,6 +39,7 @@ from deepinfer.backends.nvidia.moe_routing import (
     moe_align,
     router_logits,
 )
+from deepinfer.backends.nvidia.quant.act_order import sort_act_order_columns
 from deepinfer.errors import BackendError
 
 TRITON_SCORING = tuple(SCORING_CODES)
@@ -83,6 +84,7 @@ class TritonMoE(NativeMoE):
         self.route_counters: torch.Tensor | None = None  # the fused router's per-token counters
         self.side_stream = None  # torch.cuda.Stream for the shared MLP (made at load, before any capture)
         self.quant_shared: QuantizedExperts | None = None  # routed + shared experts stacked (fuse_shared_quantized)
+        self.w13_perm: torch.Tensor | None = None  # act-order experts' sorted gate / up columns (quant/act_order.py)
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().load_experts(w13, w2)
@@ -94,9 +96,16 @@ class TritonMoE(NativeMoE):
     def quantized_expert_schemes(self) -> tuple[str, ...]:
         """fp8 block, fp4 and int4 (AWQ / GPTQ) experts: dequantized in the grouped GEMMs' inner loop (W8A16 /
         W4A16)."""
-        return (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)  # (act-order: the gate_up GEMM gathers per input channel)
+        return (*MOE_QUANT_SCHEMES, INT4_ACT_ORDER)  # (act-order: columns sorted by group at load, quant/act_order.py)
 
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """GPTQ act-order gate / up projections (w13_g_idx) are re-laid with their columns sorted by group
+        (quant/act_order.py): self.quant then holds that layout (no w13_g_idx) and self.w13_perm the order in which
+        the kernels gather the activations (DEEPINFER_MOE_ACT_ORDER_SORT=0: as stored, groups gathered per
+        channel)."""
+        self.w13_perm = None
+        if experts.w13_g_idx is not None and envs.MOE_ACT_ORDER_SORT.get():
+            experts, self.w13_perm = sort_act_order_columns(experts)
         super().load_quantized_experts(experts)
         dev = experts.w13.device
         self.shared_w = None
@@ -114,7 +123,8 @@ class TritonMoE(NativeMoE):
             return {"w13": self.w13, "w2": self.w2}
         out = {"w13": q.w13, "w2": q.w2, "scheme": q.scheme, "w13_scale": q.w13_scale, "w2_scale": q.w2_scale}
         if q.w13_zeros is not None:  # int4: zero points and the group size (and GPTQ act-order's groups)
-            out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size, w13_g_idx=q.w13_g_idx)
+            out.update(w13_zeros=q.w13_zeros, w2_zeros=q.w2_zeros, group_size=q.group_size, w13_g_idx=q.w13_g_idx,
+                       w13_perm=None if with_shared else self.w13_perm)
         if with_shared:
             out["stacked_shared"] = q.w13.shape[0] - self.quant.w13.shape[0]
         return out
@@ -128,7 +138,7 @@ class TritonMoE(NativeMoE):
         fields = ("w13", "w13_scale", "w2", "w2_scale", "w13_zeros", "w2_zeros")
         if q is None or shared.scheme != q.scheme or shared.group_size != q.group_size:
             return False
-        if q.w13_g_idx is not None or shared.w13_g_idx is not None:
+        if q.w13_g_idx is not None or shared.w13_g_idx is not None or self.w13_perm is not None:
             return False  # GPTQ act-order experts: the model's shared MLP runs (the direct GEMMs take no stack)
         for f in fields:
             a, b = getattr(q, f), getattr(shared, f)

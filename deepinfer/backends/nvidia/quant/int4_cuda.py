@@ -157,11 +157,13 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: to
 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor, scale2: torch.Tensor,
         zeros13: torch.Tensor, zeros2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        num_shared: int) -> torch.Tensor:
+        num_shared: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """One token's experts: [1, D] = sum over slots of round(down(silu(gate) * up)) * weight (shared slots 1.0),
-    summed in fp32 in slot order and rounded once (fused_moe's direct schedule with its combine)."""
+    summed in fp32 in slot order and rounded once (fused_moe's direct schedule with its combine). perm: GPTQ
+    act-order experts whose gate / up columns were sorted by group (quant/act_order.py), int32 [routed experts, D]:
+    each block stages x's channels in that order."""
     m = ext()
     split = envs.INT4_CUDA_SPLIT_K.get()
     ids = topk_ids.to(torch.int64).contiguous()
-    act = m.int4_moe_gate_up(x, w13, zeros13, scale13, ids, num_shared, split)
+    act = m.int4_moe_gate_up(x, w13, zeros13, scale13, ids, num_shared, split, perm)
     return m.int4_moe_down(act, w2, zeros2, scale2, ids, topk_weights.float().contiguous(), num_shared, split)
