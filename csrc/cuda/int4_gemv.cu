@@ -280,10 +280,17 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ x, int64_t stri
 
 // x's channels in the order perm gives (k int32 indices: staged channel j = x[perm[j]]) into shared memory: a GPTQ
 // act-order expert whose weight columns were sorted by group at load (backends/nvidia/quant/act_order.py)
+// Eight channels a thread a step: two 16-byte loads of perm, eight independent loads of x (from L1 / L2: x is 4 KB
+// at K 2048), one 16-byte store (perm's rows are K int32 from a 16-byte aligned base, K a multiple of 128).
 template <typename T>
 __device__ __forceinline__ void stage_permuted(const T* __restrict__ x, const int32_t* __restrict__ perm, int k,
                                                T* xs) {
-  for (int j = threadIdx.x; j < k; j += blockDim.x) xs[j] = x[__ldg(perm + j)];
+  const int4* p = reinterpret_cast<const int4*>(perm);
+  for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
+    const int4 a = __ldg(p + 2 * i), b = __ldg(p + 2 * i + 1);
+    alignas(16) T v[8] = {x[a.x], x[a.y], x[a.z], x[a.w], x[b.x], x[b.y], x[b.z], x[b.w]};
+    *reinterpret_cast<uint4*>(xs + 8 * i) = *reinterpret_cast<const uint4*>(v);
+  }
 }
 
 // Warps w = part x kTiles + tile split one tile's groups kSplit ways; the part-0 warp of each tile ends with the
