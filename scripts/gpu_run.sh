@@ -25,7 +25,9 @@
 #      batch 1, prompt 1024, 128 new tokens: bf16, then the AWQ copy with the CUDA GEMVs at
 #      DEEPINFER_INT4_CUDA_SPLIT_K 1, 2 and 4 and with the Triton kernels, one machine; INT4B1_RUNS: a comma list of
 #      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_cuda_split8,int4_cuda_split4_w4
-#      (_w4: DEEPINFER_INT4_CUDA_DENSE_WARPS=4, the others the default 8),int4_triton keeps only those), int4prof (issue 18,
+#      (_w4: DEEPINFER_INT4_CUDA_DENSE_WARPS=4, the others the default 8),int4_triton,gptq_act_order_sorted,
+#      gptq_act_order_stored (the GPTQ act-order copy int4ckpt writes when INT4_ACT_ORDER_CKPT names it, read with
+#      DEEPINFER_MOE_ACT_ORDER_SORT 1 / 0) keeps only those), int4prof (issue 18,
 #      after int4ckpt: benchmarks.profile_step at batch 1 on $CKPT and the AWQ copy, then Nsight Compute's sections
 #      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt), b1tiles (after int4ckpt:
 #      benchmarks.b1_small_kernels' router and MLA merge + W_UV tile sweeps, then batch-1 decode of $CKPT and the
@@ -218,6 +220,13 @@ if has int4ckpt; then
       --group-size "${INT4_GROUP:-128}" --device cuda > "$OUT/awq_writer.log" 2>&1
     log "awq_writer rc=$? :: $(tail -1 "$OUT/awq_writer.log")"
   fi
+  AO_CKPT="${INT4_ACT_ORDER_CKPT:-}"  # a GPTQ act-order copy too (the int4b1 runs gptq_act_order_*)
+  if [ -n "$AO_CKPT" ] && [ ! -f "$AO_CKPT/config.json" ]; then
+    log "issue 18: GPTQ act-order int4 copy of $CKPT (group ${INT4_GROUP:-128}) -> $AO_CKPT"
+    timeout "${INT4CKPT_TIMEOUT:-540}" python3 -m deepinfer.checkpoints.awq_writer "$CKPT" "$AO_CKPT" --method gptq \
+      --act-order --group-size "${INT4_GROUP:-128}" --device cuda > "$OUT/gptq_ao_writer.log" 2>&1
+    log "awq_writer (gptq act-order) rc=$? :: $(tail -1 "$OUT/gptq_ao_writer.log")"
+  fi
 fi
 if has int4b1; then
   log "issue 18: the CUDA int4 GEMVs (tests, kernel times, decode at batch 1)"
@@ -228,10 +237,14 @@ if has int4b1; then
   log "int4_cuda_gemv rc=$?"; tail -20 "$OUT/int4_cuda.log" | tee -a "$OUT/summary.txt"
   B1="--batch-sizes 1 --prompt-len 1024 --output-len 128 --prefill-prompts 0 --max-num-batched-tokens 4096 --step-timing"
   I4="${INT4_CKPT:-/tmp/ckpt-v2-lite-awq}"
+  AO="${INT4_ACT_ORDER_CKPT:-/tmp/ckpt-v2-lite-gptq-ao}"
   for run in "bf16 $CKPT 1 1 8" "int4_cuda_split1 $I4 1 1 8" "int4_cuda_split2 $I4 1 2 8" "int4_cuda_split4 $I4 1 4 8" \
-             "int4_cuda_split8 $I4 1 8 8" "int4_cuda_split4_w4 $I4 1 4 4" "int4_triton $I4 0 1 8"; do
-    read -r name ckpt cuda split warps <<< "$run"
+             "int4_cuda_split8 $I4 1 8 8" "int4_cuda_split4_w4 $I4 1 4 4" "int4_triton $I4 0 1 8" \
+             "gptq_act_order_sorted $AO 1 4 8 1" "gptq_act_order_stored $AO 1 4 8 0"; do
+    read -r name ckpt cuda split warps sort <<< "$run"
     [[ -n "${INT4B1_RUNS:-}" && ",$INT4B1_RUNS," != *",$name,"* ]] && continue
+    [[ "$name" == gptq_* && ! -f "$ckpt/config.json" ]] && continue  # (no act-order copy written)
+    DEEPINFER_MOE_ACT_ORDER_SORT=${sort:-1} \
     DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split DEEPINFER_INT4_CUDA_DENSE_WARPS=$warps \
       timeout 200 python3 -m benchmarks.throughput \
       "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1

@@ -9,6 +9,10 @@ calibration, is what a loader has to get right. Packing, from AutoAWQ's and Auto
   8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]; scales fp16 [G, N].
 - GPTQ (v1): qweight int32 [K/8, N], word i's slot j holding input row 8i + j; qzeros int32 [G, N/8],
   slot j holding column 8c + j, storing zero - 1; scales fp16 [G, N]; g_idx int32 [K].
+- GPTQ act-order (`act_order=True`, `desc_act: true`): each linear's input channels are quantized G at a time in a
+  permuted order, channel k landing in group g_idx[k] (GPTQ orders them by the Hessian's diagonal; here a seeded
+  random permutation, the same for the linears that read one input: gate / up, and q / kv_a, as GPTQ's order comes
+  from that input's statistics). For benchmarks of act-order's kernels, not for accuracy.
 
 This file packs with its own loops over the nibble slots (independent of the engine's unpacking
 code in deepinfer/backend/native/quant_int4.py, which the tests compare against it).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import torch
 
@@ -73,17 +78,33 @@ def int4_quantizable(name: str, shape: tuple[int, ...], group: int = GROUP) -> b
             and not name.endswith("mlp.gate.weight") and shape[1] % group == 0 and shape[0] % 8 == 0)
 
 
-def _quantize_tensor(name: str, t: torch.Tensor, method: str, group: int, device: str) -> dict[str, torch.Tensor]:
+_SHARED_INPUT = {"gate_proj": "gate_up", "up_proj": "gate_up", "q_proj": "attn_in", "q_a_proj": "attn_in",
+                 "kv_a_proj_with_mqa": "attn_in"}
+
+
+def act_order_permutation_for(name: str, k: int) -> torch.Tensor:
+    """The act-order quantization order of `<prefix>.weight`'s k input channels: a permutation seeded by the input the
+    linear reads (gate / up one order, q / kv_a one order), so linears GPTQ would order alike are ordered alike."""
+    prefix, _, proj = name[: -len(".weight")].rpartition(".")
+    site = f"{prefix}.{_SHARED_INPUT.get(proj, proj)}"
+    return torch.randperm(k, generator=torch.Generator().manual_seed(zlib.crc32(site.encode())))
+
+
+def _quantize_tensor(name: str, t: torch.Tensor, method: str, group: int, device: str,
+                     act_order: bool = False) -> dict[str, torch.Tensor]:
     """The int4 tensors replacing `<prefix>.weight` (on the CPU, whatever device did the arithmetic)."""
     prefix = name[: -len(".weight")]
-    q, zeros, scales = quantize_int4(t.to(device), group)
-    q, zeros, scales = q.cpu(), zeros.cpu(), scales.cpu()
+    k = t.shape[1]
+    perm = act_order_permutation_for(name, k) if act_order else torch.arange(k)
+    inv = torch.argsort(perm)
+    q, zeros, scales = quantize_int4(t.to(device)[:, perm.to(device)], group)  # groups of G in the quantized order
+    q, zeros, scales = q.cpu()[inv], zeros.cpu(), scales.cpu()  # q's rows back in input order
     out = {}
     if method == "awq":
         out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_awq_cols(q), pack_awq_cols(zeros)
     else:
         out[f"{prefix}.qweight"], out[f"{prefix}.qzeros"] = pack_gptq(q, zeros)
-        out[f"{prefix}.g_idx"] = (torch.arange(t.shape[1]) // group).to(torch.int32)
+        out[f"{prefix}.g_idx"] = (inv // group).to(torch.int32)
     out[f"{prefix}.scales"] = scales
     return out
 
@@ -99,7 +120,7 @@ def _shards(src: str) -> tuple[list[str], dict | None]:
 
 
 def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = GROUP, device: str = "cpu",
-                          progress: bool = False) -> list[str]:
+                          progress: bool = False, act_order: bool = False) -> list[str]:
     """Copy the dense checkpoint `src` (one model.safetensors, or shards with an index) to `dst` with every
     quantizable linear stored as AWQ / GPTQ int4 at `group` input channels per scale; returns the prefixes
     quantized. Shard by shard (a 31 GB V2-Lite never sits in memory whole); `device` runs the rounding (cuda:
@@ -113,6 +134,8 @@ def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = 
         raise ValueError(f"method must be awq or gptq, got {method!r}")
     if group not in (32, 64, 128):
         raise ValueError(f"group size must be 32, 64 or 128, got {group}")
+    if act_order and method != "gptq":
+        raise ValueError("act_order (desc_act) is GPTQ's; AWQ has no g_idx")
     shards, index = _shards(src)
     os.makedirs(dst, exist_ok=True)
     done: list[str] = []
@@ -123,7 +146,7 @@ def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = 
             for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
                 t = f.get_tensor(name)
                 if int4_quantizable(name, tuple(t.shape), group):
-                    out.update(_quantize_tensor(name, t, method, group, device))
+                    out.update(_quantize_tensor(name, t, method, group, device, act_order))
                     done.append(name[: -len(".weight")])
                 else:
                     out[name] = t
@@ -140,7 +163,7 @@ def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = 
     cfg["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
          "checkpoint_format": "gptq"})
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
@@ -152,7 +175,8 @@ def write_int4_checkpoint(src: str, dst: str, method: str = "awq", group: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m deepinfer.checkpoints.awq_writer SRC DST [--method awq|gptq] [--group-size 128] [--device cuda]"""
+    """python -m deepinfer.checkpoints.awq_writer SRC DST [--method awq|gptq] [--group-size 128] [--device cuda]
+    [--act-order]"""
     import argparse
 
     ap = argparse.ArgumentParser(description="Write an AWQ / GPTQ int4 copy of a dense checkpoint (round-to-nearest, "
@@ -162,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="awq", choices=("awq", "gptq"))
     ap.add_argument("--group-size", type=int, default=GROUP, choices=(32, 64, 128))
     ap.add_argument("--device", default="cpu", help="where the rounding runs (cpu, cuda)")
+    ap.add_argument("--act-order", action="store_true", help="GPTQ only: desc_act, each linear's inputs quantized "
+                    "in a seeded permuted order (g_idx a permutation of k // G)")
     args = ap.parse_args(argv)
-    done = write_int4_checkpoint(args.src, args.dst, args.method, args.group_size, args.device, progress=True)
+    if args.act_order and args.method != "gptq":
+        ap.error("--act-order needs --method gptq")
+    done = write_int4_checkpoint(args.src, args.dst, args.method, args.group_size, args.device, progress=True,
+                                 act_order=args.act_order)
     print(f"awq_writer: {len(done)} linears written as {args.method} int4, group {args.group_size} -> {args.dst}")
     return 0
 

@@ -55,3 +55,43 @@ def test_sharded_checkpoint_gives_the_same_int4_model(tiny_v3_dir, tmp_path):
     assert moes and all(m.quantized_experts and m.op.quant.group_size == 64 for m in moes)
     ids = torch.randint(2, 500, (1, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(prefill_logits(a, be, ids), prefill_logits(b, be, ids))
+
+
+def test_act_order_copy_loads_as_act_order_and_gives_the_model_of_its_weights(tiny_v3_dir, tmp_path):
+    """`--act-order`: GPTQ records whose g_idx is a permutation of k // G (the same for gate / up, and for q / kv_a),
+    loaded with the routed experts int4 (the op's act-order layout); its logits equal those of the same weights
+    written dense (each record dequantized by its own g_idx, the reference's arithmetic); AWQ refuses it."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.backend import Int4Weight, dequant_int4
+
+    act = str(tmp_path / "act")
+    assert awq_main([tiny_v3_dir, act, "--method", "gptq", "--group-size", "32", "--act-order"]) == 0
+    with open(os.path.join(act, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["desc_act"] is True
+    t = load_file(os.path.join(act, "model.safetensors"))
+    p = "model.layers.1.mlp.experts.0"
+    g_gate, g_up, g_down = (t[f"{p}.{x}.g_idx"] for x in ("gate_proj", "up_proj", "down_proj"))
+    k = g_gate.numel()
+    assert torch.equal(g_gate, g_up) and not torch.equal(g_gate.long(), torch.arange(k) // 32)
+    assert torch.equal(torch.bincount(g_gate.long()), torch.full((k // 32,), 32))  # G channels a group
+    dense = {}
+    for name, v in t.items():
+        if name.endswith(".qweight"):
+            pre = name[: -len(".qweight")]
+            rec = Int4Weight("gptq", v, t[f"{pre}.qzeros"], t[f"{pre}.scales"], t[f"{pre}.g_idx"], 32, 1)
+            dense[f"{pre}.weight"] = dequant_int4(rec).contiguous()
+        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
+            dense[name] = v
+    twin = str(tmp_path / "twin")
+    shutil.copytree(tiny_v3_dir, twin)
+    save_file(dense, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+    be = CPUBackend()
+    a, b = (load_model(path, be, torch.float32, progress=False) for path in (act, twin))
+    moes = [m for m in a.modules() if type(m).__name__ == "MoELayer"]
+    assert moes and all(m.quantized_experts and m.op.quant.w13_g_idx is not None for m in moes)
+    ids = torch.randint(2, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(prefill_logits(a, be, ids), prefill_logits(b, be, ids), atol=2e-4, rtol=2e-4)
+    with pytest.raises(SystemExit):
+        awq_main([tiny_v3_dir, str(tmp_path / "awq"), "--act-order"])
