@@ -279,3 +279,31 @@ def test_prefix_hit_restores_the_mtp_rings(tiny_dir):
     assert engine.stats().prefix_cache_hit_tokens - hits == 32  # 2 blocks of 16: positions 32..37 recomputed
     assert warm[0] == cold[0]
     torch.testing.assert_close(torch.tensor(warm[1]), torch.tensor(cold[1]), atol=1e-5, rtol=0)
+
+
+def test_structured_requests_with_v4_mtp_drafts_equal_off_and_are_valid(tiny_dir):
+    """A regex and a JSON Schema request beside a plain one: with V4 MTP drafts (drawn under each grammar's mask,
+    spec/grammar_drafts.py) the tokens equal speculation off, and the texts satisfy their constraints."""
+    import re
+
+    import jsonschema
+
+    from deepinfer import StructuredOutputsParams
+
+    regex = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+              "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+              "required": ["age", "tags"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)),
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(json=schema, whitespace="compact")),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    prompts = ["hello world", "a b c", "xyz"]
+    off = [o.outputs[0] for o in _engine(tiny_dir, num_kv_blocks=128).generate(prompts, params, use_tqdm=False)]
+    engine = _engine(tiny_dir, num_kv_blocks=128, speculative_method="mtp", num_speculative_tokens=3)
+    on = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert on[0].finish_reason == "stop" and re.fullmatch(regex, on[0].text), on[0].text
+    assert on[1].finish_reason == "stop"
+    jsonschema.validate(json.loads(on[1].text), schema)
+    assert engine.stats().spec_drafted_tokens > 0 and engine._spec.num_grammar_masked > 0
