@@ -303,11 +303,11 @@ INT4_CUDA_DENSE_WARPS = EnvVar(
     "up to 8 tokens; H100, session 32: o_proj at one token 3.75 us against 4.59) or `4` (four; up to 4 tokens)",
     "nvidia", choices=(4, 8), error=BackendError,
 )
-MOE_ACT_ORDER_SORT = EnvVar(
-    "DEEPINFER_MOE_ACT_ORDER_SORT", "bool", True,
-    "`0`: GPTQ act-order routed experts' gate / up GEMMs read the weights as stored, gathering a zero point and a "
-    "scale per input channel; `1`: their columns are sorted by group at load and the activations gathered in that "
-    "order (Marlin's approach; backends/nvidia/quant/act_order.py)",
+INT4_ACT_ORDER_SORT = EnvVar(
+    "DEEPINFER_INT4_ACT_ORDER_SORT", "bool", True,
+    "`0`: GPTQ act-order int4 weights (the routed experts' gate / up, dense linears) are read as stored, a zero point "
+    "and a scale gathered per input channel; `1`: their columns are sorted by group at load and the activations "
+    "gathered in that order (Marlin's approach; backends/nvidia/quant/act_order.py, linear_methods.py)",
     "nvidia",
 )
 MOE_FUSED_COMBINE = EnvVar(

@@ -27,7 +27,7 @@
 #      bf16,int4_cuda_split1,int4_cuda_split2,int4_cuda_split4,int4_cuda_split8,int4_cuda_split4_w4
 #      (_w4: DEEPINFER_INT4_CUDA_DENSE_WARPS=4, the others the default 8),int4_triton,gptq_act_order_sorted,
 #      gptq_act_order_stored (the GPTQ act-order copy int4ckpt writes when INT4_ACT_ORDER_CKPT names it, read with
-#      DEEPINFER_MOE_ACT_ORDER_SORT 1 / 0) keeps only those), int4prof (issue 18,
+#      DEEPINFER_INT4_ACT_ORDER_SORT 1 / 0) keeps only those), int4prof (issue 18,
 #      after int4ckpt: benchmarks.profile_step at batch 1 on $CKPT and the AWQ copy, then Nsight Compute's sections
 #      of every CUDA int4 kernel, benchmarks.int4_cuda_gemv --ncu, into ncu_int4.txt), b1tiles (after int4ckpt:
 #      benchmarks.b1_small_kernels' router and MLA merge + W_UV tile sweeps, then batch-1 decode of $CKPT and the
@@ -244,7 +244,7 @@ if has int4b1; then
     read -r name ckpt cuda split warps sort <<< "$run"
     [[ -n "${INT4B1_RUNS:-}" && ",$INT4B1_RUNS," != *",$name,"* ]] && continue
     [[ "$name" == gptq_* && ! -f "$ckpt/config.json" ]] && continue  # (no act-order copy written)
-    DEEPINFER_MOE_ACT_ORDER_SORT=${sort:-1} \
+    DEEPINFER_INT4_ACT_ORDER_SORT=${sort:-1} \
     DEEPINFER_INT4_CUDA_GEMV=$cuda DEEPINFER_INT4_CUDA_SPLIT_K=$split DEEPINFER_INT4_CUDA_DENSE_WARPS=$warps \
       timeout 200 python3 -m benchmarks.throughput \
       "$ckpt" $B1 --json-out "$OUT/b1_$name.jsonl" > "$OUT/b1_$name.log" 2>&1

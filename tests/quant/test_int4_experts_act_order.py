@@ -128,7 +128,7 @@ def test_nvidia_grouped_gemms_take_act_order_experts(direct, t, drop, layout):
 
 def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones(monkeypatch):
     """The nvidia MoE op sorts act-order gate / up columns by group at load and hands the order to its GEMMs
-    (w13_perm; DEEPINFER_MOE_ACT_ORDER_SORT=0: w13_g_idx, the weights as stored), and does not stack quantized shared
+    (w13_perm; DEEPINFER_INT4_ACT_ORDER_SORT=0: w13_g_idx, the weights as stored), and does not stack quantized shared
     experts beside act-order routed ones (the model's shared MLP runs)."""
     import sys
     from pathlib import Path
@@ -149,7 +149,7 @@ def test_nvidia_op_keeps_act_order_experts_apart_from_the_shared_ones(monkeypatc
                                                                                          stable=True))
     assert not torch.equal(got["w13"], q.w13) and torch.equal(got["w2"], q.w2)  # (only gate / up re-laid)
     assert op.fuse_shared_quantized(shared) is False and op.quant_shared is None
-    monkeypatch.setenv("DEEPINFER_MOE_ACT_ORDER_SORT", "0")
+    monkeypatch.setenv("DEEPINFER_INT4_ACT_ORDER_SORT", "0")
     op.load_quantized_experts(q)
     assert op._gemm_weights()["w13_g_idx"] is q.w13_g_idx and op._gemm_weights()["w13_perm"] is None
 

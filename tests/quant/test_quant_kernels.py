@@ -168,14 +168,18 @@ def test_int4_linear_takes_an_act_order_row_part(rank):
     torch.testing.assert_close(y.cpu(), ref.apply(rl, x), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,group,act_order", [("awq", 32, False), ("awq", 64, False), ("gptq", 128, True),
-                                                    ("gptq", 64, False)])
+@pytest.mark.parametrize("method,group,act_order,sort", [("awq", 32, False, True), ("awq", 64, False, True),
+                                                         ("gptq", 128, True, True), ("gptq", 128, True, False),
+                                                         ("gptq", 64, False, True)])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_int4_gemm_paths_match_native(method, group, act_order, m):
+def test_int4_gemm_paths_match_native(method, group, act_order, sort, m, monkeypatch):
     """The paths of the dense int4 linear (in-register dequantization, also with K split over programs;
     dequantize-then-matmul, the prefill path; at one token the GEMV) against the native reference: group sizes
-    32 / 64 / 128, act-order g_idx, ragged M and N (40: a partial N tile), a bias. The dequantized weight is
-    bit-exact; products within fp32 summation order."""
+    32 / 64 / 128, act-order (sorted by group at load with x gathered through perm_k, DEEPINFER_INT4_ACT_ORDER_SORT;
+    or as stored, g_idx gathered per channel), ragged M and N (40: a partial N tile), a bias. The dequantized weight
+    is bit-exact (in the sorted layout: the reference's columns in perm_k's order; dense_weight back in input
+    order); products within fp32 summation order."""
+    monkeypatch.setenv("DEEPINFER_INT4_ACT_ORDER_SORT", "1" if sort else "0")
     from deepinfer.backends.nvidia.quant.int4_gemm import int4_dequantize, int4_gemm
     from deepinfer.backends.nvidia.quant.linear_methods import TritonInt4Linear
 
@@ -186,21 +190,27 @@ def test_int4_gemm_paths_match_native(method, group, act_order, m):
     lay.int4, lay.bias, lay.weight = rec(), bias.clone(), None
     TritonInt4Linear(method).process_weights(lay, torch.float32)
     lay.to(DEV)  # the processed weights beside x (a no-op on the CPU)
-    assert (lay.g_idx_k is not None) == act_order  # contiguous groups need no g_idx (the fast tile)
+    # contiguous groups need no g_idx (the fast tile); sorted act-order neither (perm_k gathers x instead)
+    assert (lay.g_idx_k is not None) == (act_order and not sort)
+    assert (lay.perm_k is not None) == (act_order and sort)
     rl = torch.nn.Module()
     rl.int4, rl.bias, rl.weight = rec(), bias.clone(), None
     ref = NativeOps().linear_method(f"int4_{method}")
     ref.process_weights(rl, torch.float32)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
     want = ref.apply(rl, x)
+    order = lay.perm_k.cpu() if lay.perm_k is not None else torch.arange(k)
     dense = int4_dequantize(lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, torch.float32)
-    assert torch.equal(dense.cpu(), rl.weight)
+    assert torch.equal(dense.cpu(), rl.weight[:, order])
+    assert torch.equal(TritonInt4Linear(method).dense_weight(lay).cpu(), rl.weight)
     paths = [{"dequant": False}, {"dequant": True}, {"dequant": False, "split": 3}]  # split: K blocks 3 + 3 + 2
-    if m == 1 and not act_order:  # the one-token GEMV (DEEPINFER_INT4_GEMV), contiguous groups only
+    if m == 1 and lay.g_idx_k is None:  # the one-token GEMV (DEEPINFER_INT4_GEMV), contiguous groups only
         paths.append({"gemv": True})
     for path in paths:
-        y = int4_gemm(x.to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, lay.bias, **path)
+        y = int4_gemm(x[:, order].to(DEV), lay.qweight_nk, lay.zeros_ng, lay.scales_ng, lay.g_idx_k, group, lay.bias,
+                      **path)
         assert _rel(y.cpu(), want) < 1e-5, path
+    assert _rel(TritonInt4Linear(method).apply(lay, x.to(DEV)).cpu(), want) < 1e-5  # (apply gathers x itself)
 
 
 def test_int4_gemm_fp16_activations():

@@ -101,10 +101,10 @@ class TritonMoE(NativeMoE):
     def load_quantized_experts(self, experts: QuantizedExperts) -> None:
         """GPTQ act-order gate / up projections (w13_g_idx) are re-laid with their columns sorted by group
         (quant/act_order.py): self.quant then holds that layout (no w13_g_idx) and self.w13_perm the order in which
-        the kernels gather the activations (DEEPINFER_MOE_ACT_ORDER_SORT=0: as stored, groups gathered per
+        the kernels gather the activations (DEEPINFER_INT4_ACT_ORDER_SORT=0: as stored, groups gathered per
         channel)."""
         self.w13_perm = None
-        if experts.w13_g_idx is not None and envs.MOE_ACT_ORDER_SORT.get():
+        if experts.w13_g_idx is not None and envs.INT4_ACT_ORDER_SORT.get():
             experts, self.w13_perm = sort_act_order_columns(experts)
         super().load_quantized_experts(experts)
         dev = experts.w13.device
