@@ -272,10 +272,7 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     reasons = []
     if cfg.spec_method() == "mtp" and not num_mtp_layers:
         reasons.append(f"the model ({model_type}) has no MTP module (config.json num_nextn_predict_layers is 0)")
-    elif model_type == "deepseek_v4" and cfg.spec_method() == "mtp" and (
-            cfg.tensor_parallel_size > 1 or cfg.enable_expert_parallel or cfg.context_parallel_size > 1):
-        reasons.append("V4's MTP module runs on one rank only (tensor_parallel_size / enable_expert_parallel / "
-                       "context_parallel_size: its block is not split, and a split prefill step's pass is not built)")
+
     if cfg.async_scheduling:
         reasons.append("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): speculative "
                        "steps run sync only; leave it unset or off")

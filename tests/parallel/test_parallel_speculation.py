@@ -103,3 +103,17 @@ def test_shared_times_give_every_rank_tp_rank_zeros_values():
     assert [r["agreed"] for r in out] == [3, 3]
     alone = SharedTimes.for_backend(CPUBackend())
     assert alone.comm is None and alone.agree([0.3, 0.7]) == [0.3, 0.7] and alone.num_agreed == 0
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_tp2_v4_mtp_speculation_equals_one_process_without_it(checkpoint, ep):
+    """tiny-v4 at TP=2 (its experts split over tp, or spread over the two ranks) with V4's MTP module drafting 3:
+    greedy and seeded tokens equal the one-process engine without speculation (the module's own logits under TP:
+    tests/parallel/test_v4_parallel.py)."""
+    path = checkpoint("tiny-v4")
+    want_greedy, want_seeded = _one_process(path, 8)
+    got = run_script("generate", path, {"tensor_parallel_size": 2, "speculative_method": "mtp",
+                                        "num_speculative_tokens": 3, "max_tokens": 8, "enable_expert_parallel": ep,
+                                        "speculative_adaptive": False})
+    assert got["greedy"] == want_greedy and got["seeded"] == want_seeded and got["alone"] == want_greedy[0]
+    assert got["stats"]["spec_drafted_tokens"] > 0

@@ -3,7 +3,8 @@ sqrtsoftplus-routed MoE, hyper-connections) gives the single-process logits (fp3
 tokens with its heads split over "tp" and its experts split over "tp" (TP=2), spread over "ep" (EP=2 on the two
 tp ranks), over TP=2 x DP=2 with experts over the 4 ranks (hash-routed token ids gathered over "dp" with the
 hidden states), and after the load balancer adds replicas and moves experts; each rank reads only its part of the split tensors; uneven splits are errors
-naming the setting.
+naming the setting. Built with its MTP module (load_mtp), TP=2 and TP=2 with EP give the single-process MTP
+logits too (the pass over both prompts, then a chain link): the module's block splits like a main layer's.
 
 Each replica drives its own prompt through the model directly (tests/v4's paged runner: prefill, then decode
 steps teacher-forced with the single-process greedy tokens); the reference is the single-process model on that
@@ -50,6 +51,24 @@ def _drive(model, prompts: list[list[int]], forced: list[list[int]] | None) -> d
     return {"logits": logits, "argmax": argmax}
 
 
+def _drive_mtp(model, prompts: list[list[int]], nxt: list[int]) -> torch.Tensor:
+    """The MTP module's logits over both prompts in one step (next token of each prompt's last row: nxt), then one
+    chain link a position further from its own state, each prompt's last row (draft token 7)."""
+    runner = PagedRunner(model, specs=model.kv_cache_specs(include_mtp=True))
+    for rid in range(len(prompts)):
+        runner.add(rid)
+    chunks = list(enumerate(prompts))
+    batch = runner.batch(chunks)
+    hidden = model(batch, runner.caches)
+    next_ids = torch.tensor([t for p, n in zip(prompts, nxt) for t in p[1:] + [n]])
+    state = model.mtp_forward(model.mtp_input(hidden), next_ids, batch, runner.caches)
+    runner.advance(chunks)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    link = runner.batch([(i, [7]) for i in range(len(prompts))])
+    chain = model.mtp_forward(state[ends], torch.full((len(prompts),), 7), link, runner.caches)
+    return torch.cat([model.mtp_logits(state), model.mtp_logits(chain)])
+
+
 # ---------------------------------------------------------------- one rank's work
 
 
@@ -67,7 +86,7 @@ def _error(fn, *args) -> str:
     return "no error"
 
 
-def _rank(rank: int, world: int, path: str, refs: dict, cases: list, bad: list) -> dict:
+def _rank(rank: int, world: int, path: str, refs: dict, cases: list, bad: list, mtp_cases: list = ()) -> dict:
     from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from deepinfer.models.loader import ReadStats
     from deepinfer.parallel.eplb import ExpertBalancer
@@ -96,6 +115,9 @@ def _rank(rank: int, world: int, path: str, refs: dict, cases: list, bad: list) 
             run["placements"] = [layer.ffn.placement.slot_experts for layer in model.layers]
             run["after"] = _drive(model, prompts, ref["argmax"])
         out[key] = run
+    for key, (tp, dp, ep) in mtp_cases:  # the MTP module split like the main layers
+        model = load_model(path, _backend(tp, dp, ep, rank), torch.float32, progress=False, load_mtp=True)
+        out[f"mtp-{key}"] = _drive_mtp(model, PROMPTS, refs["both"]["argmax"][0])
     for key, (tp, dp, ep, changes) in bad:  # settings that do not split: raised while the model is built
         backend = _backend(tp, dp, ep, rank)
         out[key] = _error(DeepseekV4ForCausalLM, {**tiny_v4_config(), **changes}, backend, torch.float32)
@@ -119,6 +141,8 @@ def refs(ckpt) -> dict:
     for i, p in enumerate(PROMPTS):
         out[f"p{i}"] = _drive(model, [p], None)
     out["mtp_kept"] = len(model.mtp_weights)
+    with_mtp = load_model(ckpt, CPUBackend(), torch.float32, progress=False, load_mtp=True)
+    out["mtp"] = _drive_mtp(with_mtp, PROMPTS, out["both"]["argmax"][0])
     return out
 
 
@@ -177,10 +201,17 @@ CASES_4 = [("tp2-dp2-ep4", (2, 2, True, 4))]  # experts over 4 ranks, 3 slots ea
 BAD_4 = [("groups-tp4", (4, 1, False, {}))]  # the preset's o_groups 2 over 4 ranks
 
 
+MTP_CASES_2 = [("tp2", (2, 1, False)), ("tp2-ep2", (2, 1, True))]
+
+
 def test_two_ranks_tp_ep_dp_and_bad_splits(ckpt, refs):
     assert refs["mtp_kept"] > 0  # one process keeps the MTP tensors aside, as before
-    results = run_local_ranks(_rank, 2, ckpt, refs, CASES_2, BAD_2, timeout_s=240)
+    results = run_local_ranks(_rank, 2, ckpt, refs, CASES_2, BAD_2, MTP_CASES_2, timeout_s=240)
     _check(results, refs, CASES_2)
+    for key, _ in MTP_CASES_2:
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res[f"mtp-{key}"], refs["mtp"], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m, k=key, r=rank: f"MTP {k} rank {r}: {m}")
     for res in results:
         assert "num_attention_heads 3" in res["heads"] and "tensor_parallel_size 2" in res["heads"], res["heads"]
         assert "o_groups 1" in res["groups"] and "tensor_parallel_size 2" in res["groups"], res["groups"]

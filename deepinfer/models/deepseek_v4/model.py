@@ -103,9 +103,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     loads_mtp = True  # load_model(..., load_mtp=True): the MTP modules as speculative decoding's drafter
 
     def __init__(self, config: dict | DeepseekV4Config, backend: Backend, dtype: torch.dtype, load_mtp: bool = False):
-        """load_mtp: build the checkpoint's MTP modules (`self.mtp`, mtp.py) and load their tensors; one rank
-        only (tensor / expert parallelism over the MTP block is not built). Without it the MTP tensors are kept
-        aside unread into `mtp_weights` on one rank and skipped (`skipped_mtp_tensors`) on several."""
+        """load_mtp: build the checkpoint's MTP modules (`self.mtp`, mtp.py) and load their tensors (over several
+        ranks each module's block splits like a main layer's; e_proj / h_proj and the stream collapse are
+        replicated). Without it the MTP tensors are kept aside unread into `mtp_weights` on one rank and skipped
+        (`skipped_mtp_tensors`) on several."""
         cfg = config if isinstance(config, DeepseekV4Config) else parse_v4_config(config)
         super().__init__(cfg, backend, dtype)
         self.vocab_size = cfg.vocab_size
@@ -117,7 +118,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.skipped_mtp_tensors = 0
         self._one_rank = all(backend.communicator(g).world_size == 1 for g in ("tp", "ep"))
         if load_mtp:
-            _check_mtp(cfg, self._one_rank)
+            _check_mtp(cfg)
         D, n = cfg.hidden_size, cfg.hc_mult
         self.embed = VocabEmbedding(cfg.vocab_size, D, backend, dtype)
         self.layers = nn.ModuleList(V4Block(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
@@ -269,7 +270,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.mtp[k].logits(state)
 
 
-def _check_mtp(cfg: DeepseekV4Config, one_rank: bool) -> None:
+def _check_mtp(cfg: DeepseekV4Config) -> None:
     """What building the MTP modules needs (load_mtp=True): an error naming the field, never a fallback."""
     if not cfg.num_nextn_predict_layers:
         raise ModelLoadError("load_mtp=True but config.json declares no MTP module (num_nextn_predict_layers 0)")
@@ -277,6 +278,3 @@ def _check_mtp(cfg: DeepseekV4Config, one_rank: bool) -> None:
         raise ModelLoadError(f"load_mtp=True: config.json num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
                              f"but compress_ratios schedules {len(cfg.mtp_layer_types)} MTP layers past the "
                              f"{cfg.num_hidden_layers} main ones (each MTP module's attention type is its entry)")
-    if not one_rank:
-        raise ModelLoadError("load_mtp=True with tensor or expert parallelism: V4's MTP module runs on one rank "
-                             "only (its block is not split); run speculative decoding with tp = ep = 1")
