@@ -57,6 +57,7 @@ from deepinfer.backend.native.quant_int4 import (
     int4_expert_values,
     int4_values,
     pack_int4_rows,
+    unpack_int4_rows,
 )
 from deepinfer.backend.native.routing import route, validate_router
 from deepinfer.backend.native.v4_attention import NativeV4Attention
@@ -83,7 +84,7 @@ __all__ = [
     "gather_context", "hookimpl", "host_memory_info", "route", "token_slots", "token_slots_host", "validate_router", "write_latent",
     # quantization (docs/quantization.md): the packed int4 record and the reference quantizers
     "FP4_GROUP", "Int4Weight", "as_fp4_scale", "as_packed_fp4", "dequant_fp4", "dequant_fp8_block", "dequant_int4", "dequant_int4_rows", "int4_expert_rows", "int4_values", "quantize_act_fp8", "quantize_fp4",
-    "act_order_permutation", "int4_expert_values", "pack_int4_rows",
+    "act_order_permutation", "int4_expert_values", "pack_int4_rows", "unpack_int4_rows",
     "quantize_weight_fp8_block", "w8a8_block_linear_ref",
     # activations quantized by the norm before their fp8 W8A8 consumers (backend/fp8_act.py)
     "Fp8Act", "ROW_ALIGN", "empty_fp8_act", "fp8_act_reference", "padded_rows",

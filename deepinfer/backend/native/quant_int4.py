@@ -239,6 +239,11 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_rows: uint8 [N, K/2] -> [N, K] values 0..15."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
 def act_order_permutation(g_idx: torch.Tensor, group: int, name: str) -> torch.Tensor:
     """The input channels of an act-order projection sorted by group (a stable sort): int64 [K], perm, such that
     channel perm[j] is in group j // G, every group then a contiguous run of G channels, as GPTQ's act-order assigns
@@ -256,7 +261,7 @@ def dequant_int4_rows(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     """The reference of the int4 experts layout: fp32 [N, K] = (q - zero) * scale, per row and group of inputs
     (input channel k in group k // G, or g_idx[k] where given: an act-order gate / up projection)."""
     n = packed.shape[0]
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).float()
+    q = unpack_int4_rows(packed).float()
     if g_idx is not None:
         g = g_idx.long()
         return (q - zeros.float()[:, g]) * scales.float()[:, g]

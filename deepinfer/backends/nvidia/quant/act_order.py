@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backend import BackendError, QuantizedExperts
+from deepinfer.backend import BackendError, QuantizedExperts, pack_int4_rows, unpack_int4_rows
 
 
 def sort_act_order_columns(q: QuantizedExperts) -> tuple[QuantizedExperts, torch.Tensor]:
@@ -26,7 +26,7 @@ def sort_act_order_columns(q: QuantizedExperts) -> tuple[QuantizedExperts, torch
     g_idx = q.w13_g_idx
     if g_idx is None:
         raise BackendError("sort_act_order_columns: the experts carry no act-order g_idx")
-    E, rows, half = q.w13.shape
+    E, _, half = q.w13.shape
     D, G = 2 * half, q.group_size
     want = torch.arange(D, device=g_idx.device) // G
     perm = torch.argsort(g_idx.long(), dim=1, stable=True)
@@ -34,9 +34,7 @@ def sort_act_order_columns(q: QuantizedExperts) -> tuple[QuantizedExperts, torch
         raise BackendError(f"sort_act_order_columns: each act-order group must hold exactly {G} input channels")
     w13 = torch.empty_like(q.w13)
     for e in range(E):  # one expert at a time: the unpacked nibbles of a whole layer would be 2x its weights
-        packed = q.w13[e]
-        vals = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, D)
-        vals = vals.index_select(1, perm[e].to(packed.device))
-        w13[e] = vals[:, 0::2] | (vals[:, 1::2] << 4)
+        vals = unpack_int4_rows(q.w13[e]).index_select(1, perm[e].to(q.w13.device))
+        w13[e] = pack_int4_rows(vals)
     sorted_q = QuantizedExperts(q.scheme, w13, q.w13_scale, q.w2, q.w2_scale, q.w13_zeros, q.w2_zeros, G, None)
     return sorted_q, perm.to(device=q.w13.device, dtype=torch.int32).contiguous()

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend import (
     Fp8Act,
     Int4Weight,
     LinearMethod,
     dequant_fp8_block,
     int4_values,
+    pack_int4_rows,
     quantize_weight_fp8_block,
+    unpack_int4_rows,
 )
-from deepinfer import envs
 from deepinfer.backends.nvidia.quant.fp8_cublas import k4_scales
 from deepinfer.errors import ModelLoadError
 
@@ -133,9 +135,7 @@ class TritonInt4Linear(LinearMethod):
             order = torch.argsort(g.long(), stable=True)
             if torch.equal(g.long()[order], want):  # G channels a group: the sorted columns are contiguous groups
                 perm = order
-                b = layer.qweight_nk
-                vals = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], k)[:, perm]
-                _set(layer, "qweight_nk", vals[:, 0::2] | (vals[:, 1::2] << 4))
+                _set(layer, "qweight_nk", pack_int4_rows(unpack_int4_rows(layer.qweight_nk)[:, perm]))
         _set(layer, "perm_k", None if perm is None else perm.to(torch.int64))  # act-order, sorted
         _set(layer, "g_idx_k", None if trivial or perm is not None else g.to(torch.int32))  # act-order, as stored
         layer.int4_group = w.group_size
@@ -160,7 +160,7 @@ class TritonInt4Linear(LinearMethod):
     def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """[out, in] from the kernel layout: the same (q - z) * s as the reference, in fp32, then rounded."""
         b = layer.qweight_nk
-        q = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1).float()
+        q = unpack_int4_rows(b).float()
         k = q.shape[1]
         g = layer.g_idx_k.long() if layer.g_idx_k is not None else torch.arange(k, device=b.device) // layer.int4_group
         w = (q - layer.zeros_ng.float()[:, g]) * layer.scales_ng.float()[:, g]
