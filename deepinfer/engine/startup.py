@@ -272,7 +272,6 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     reasons = []
     if cfg.spec_method() == "mtp" and not num_mtp_layers:
         reasons.append(f"the model ({model_type}) has no MTP module (config.json num_nextn_predict_layers is 0)")
-
     if cfg.async_scheduling:
         reasons.append("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): speculative "
                        "steps run sync only; leave it unset or off")

@@ -19,6 +19,9 @@ in place of h for the next link, as vLLM does. The engine hands the streams arou
 Its cache: the module's attention caches in the model's groups under its own layer id (the sliding window, and the
 compressed / indexer groups of its type with their rings; `v4_kv_cache_specs(mtp_layers=...)`), so it shares the
 block tables, slot mappings and state rows of the tokens it runs on, and the rings' rollback margin.
+
+Many ranks: the block splits like a main layer's (heads over "tp", experts over "tp" or "ep"); e_proj / h_proj
+(D x D) and the stream collapse are replicated, their inputs being the whole (replicated) streams and embedding.
 """
 
 from __future__ import annotations
