@@ -6,43 +6,17 @@ weights dequantized (q * scale) into fp32. Logits must agree.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
-from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
-
-from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
-from deepinfer.checkpoints.random_weights import write_safetensors
-
-FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+from safetensors.torch import save_file
+from v4_helpers import hf_logits, load_hf, load_ours, run_chunks, write_fp8_pair
 
 
 def test_fp8_block_linears_match_dequantized_reference(tmp_path):
-    cfg = {**tiny_v4_config(), "torch_dtype": "float32"}
     fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
-    fp8_dir.mkdir()
-    ref_dir.mkdir()
-    with open(fp8_dir / "config.json", "w") as f:
-        json.dump({**cfg, "quantization_config": FP8_QUANT}, f)
-    with open(ref_dir / "config.json", "w") as f:
-        json.dump(cfg, f)
-    write_safetensors(str(fp8_dir), v4_tensor_plan(cfg, True), 0, torch.float32)
-    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
-    n_fp8 = 0
-    dense = {}
-    for name, t in tensors.items():
-        if name.endswith("weight_scale_inv"):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            n_fp8 += 1
-            s = tensors[name[: -len("weight")] + "weight_scale_inv"]
-            s = s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
-            t = t.float() * s
-        dense[name] = t.contiguous()
-    assert n_fp8 > 50
-    save_file(dense, os.path.join(ref_dir, "model.safetensors"))
+    tensors = write_fp8_pair(str(fp8_dir), str(ref_dir))
+    assert sum(t.dtype == torch.float8_e4m3fn for t in tensors.values()) > 50
 
     ours = load_ours(str(fp8_dir))
     assert ours.quantization == "fp8_block"

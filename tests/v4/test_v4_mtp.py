@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from v4_helpers import engine as _engine
+from v4_helpers import off_prompts
 
-from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
+from deepinfer import SamplingParams
 from deepinfer.errors import ConfigError, ModelLoadError
 
 BLOCK_ONLY = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_")
@@ -172,15 +174,9 @@ def test_mtp_input_must_be_the_last_forward(mtp_model):
         mtp_model.mtp_input(torch.zeros(3, 64))
 
 
-def _engine(path: str, **kw) -> DeepInferenceEngine:
-    return DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=path, device="cpu", dtype="float32",
-                                                        max_model_len=128, load_progress=False, **kw))
-
-
 @pytest.fixture(scope="module")
 def off_run(tiny_dir):
-    g = torch.Generator().manual_seed(3)
-    prompts = [[0] + torch.randint(2, 1024, (n,), generator=g).tolist() for n in (1, 4, 9, 17, 30)]
+    prompts = off_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = _engine(tiny_dir, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
     return prompts, params, [o.outputs[0].token_ids for o in outs]
@@ -226,32 +222,11 @@ def test_v4_mtp_refusals(tiny_dir):
 def test_fp8_mtp_module_matches_its_dequantized_copy(tmp_path):
     """A V4 release stores the MTP block's linears and e_proj / h_proj in fp8 with 128x128 block scales: the fp8
     checkpoint's MTP logits (pass and chain) equal those of its dequantized copy in fp32."""
-    from v4_helpers import load_ours
+    from v4_helpers import load_ours, write_fp8_pair
 
-    from deepinfer.checkpoints.presets_v4 import tiny_v4_config, v4_tensor_plan
-    from deepinfer.checkpoints.random_weights import write_safetensors
-
-    cfg = {**tiny_v4_config(), "torch_dtype": "float32"}
     fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
-    fp8_dir.mkdir()
-    ref_dir.mkdir()
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    with open(fp8_dir / "config.json", "w") as f:
-        json.dump({**cfg, "quantization_config": quant}, f)
-    with open(ref_dir / "config.json", "w") as f:
-        json.dump(cfg, f)
-    write_safetensors(str(fp8_dir), v4_tensor_plan(cfg, True), 0, torch.float32)
-    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    tensors = write_fp8_pair(str(fp8_dir), str(ref_dir))
     assert tensors["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
-    dense = {}
-    for name, t in tensors.items():
-        if name.endswith("weight_scale_inv"):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            s = tensors[name[: -len("weight")] + "weight_scale_inv"]
-            t = t.float() * s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
-        dense[name] = t.contiguous()
-    save_file(dense, os.path.join(ref_dir, "model.safetensors"))
     ids = [0] + torch.randint(2, 1024, (19,), generator=torch.Generator().manual_seed(5)).tolist()
     got, want = (_ours(load_ours(str(d), load_mtp=True), ids, [7, 5], 9) for d in (fp8_dir, ref_dir))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)

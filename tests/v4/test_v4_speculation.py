@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from v4_helpers import engine as _engine
+from v4_helpers import off_prompts
 
-from deepinfer import DeepInferenceEngine, EngineConfig, SamplingParams
+from deepinfer import SamplingParams
 from deepinfer.backend import KVCacheSpec
 from deepinfer.backend.native.v4_compressor import first_needed_position, gather_projections, ring_len, update_ring
 from deepinfer.errors import ConfigError, DeepInferError
@@ -78,15 +80,9 @@ class OracleDrafter(NgramDrafter):
         return NgramProposal([], [])
 
 
-def _engine(path: str, **kw) -> DeepInferenceEngine:
-    return DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=path, device="cpu", dtype="float32",
-                                                        max_model_len=128, load_progress=False, **kw))
-
-
 @pytest.fixture(scope="module")
 def off_run(tiny_dir):
-    g = torch.Generator().manual_seed(3)
-    prompts = [[0] + torch.randint(2, 1024, (n,), generator=g).tolist() for n in (1, 4, 9, 17, 30)]
+    prompts = off_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = _engine(tiny_dir, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
     return prompts, params, [o.outputs[0].token_ids for o in outs]

@@ -32,6 +32,49 @@ def write_tiny(out_dir: str, seed: int = 0, **overrides) -> dict:
     return cfg
 
 
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def write_fp8_pair(fp8_dir: str, ref_dir: str) -> dict:
+    """tiny-v4 with fp8 e4m3 128x128 block linears at fp8_dir (as V4 releases ship them) and the same weights
+    dequantized to fp32 at ref_dir; returns the fp8 checkpoint's tensors."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = {**tiny_v4_config(), "torch_dtype": "float32"}
+    os.makedirs(fp8_dir, exist_ok=True)
+    os.makedirs(ref_dir, exist_ok=True)
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "quantization_config": FP8_QUANT}, f)
+    with open(os.path.join(ref_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_safetensors(fp8_dir, v4_tensor_plan(cfg, True), 0, torch.float32)
+    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    dense = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = tensors[name[: -len("weight")] + "weight_scale_inv"]
+            t = t.float() * s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
+        dense[name] = t.contiguous()
+    save_file(dense, os.path.join(ref_dir, "model.safetensors"))
+    return tensors
+
+
+def engine(path: str, **kw):
+    """A DeepInferenceEngine on a tiny-v4 checkpoint (CPU, fp32, 128 tokens)."""
+    from deepinfer import DeepInferenceEngine, EngineConfig
+
+    return DeepInferenceEngine.from_config(EngineConfig(model_name_or_path=path, device="cpu", dtype="float32",
+                                                        max_model_len=128, load_progress=False, **kw))
+
+
+def off_prompts() -> list[list[int]]:
+    """The speculation tests' prompts: 1..30 tokens after BOS, so chunks land at every phase of W = 8, m = 4, 16."""
+    g = torch.Generator().manual_seed(3)
+    return [[0] + torch.randint(2, 1024, (n,), generator=g).tolist() for n in (1, 4, 9, 17, 30)]
+
+
 def load_hf(path: str):
     from transformers import DeepseekV4ForCausalLM as HF
 
