@@ -113,7 +113,7 @@ class MTPDrafter:
         for q in query_lens:
             qsl.append(qsl[-1] + q)
         host = torch.tensor(positions + qsl + seq_lens + list(context_lens) + list(rows), dtype=torch.int64)
-        state_slots = dev_rows = None
+        state_slots, state_rows_cpu = None, []
         pos_host, token_rows = host[:t], torch.tensor([rows[i] for i in req_idx], dtype=torch.int64)
         slots = [token_slots(self.tables[s.name], token_rows, pos_host, s.tokens_per_entry, self.block_size)
                  for s in self.specs]
@@ -126,7 +126,7 @@ class MTPDrafter:
             block_tables[spec.name] = device_tables[spec.name][:, :width].index_select(0, rows_dev)
             slot_mapping[spec.name] = dev[o + n + j * t : o + n + (j + 1) * t]
         if self.state_rows:
-            dev_rows = list(rows)
+            state_rows_cpu = list(rows)
             state_slots = rows_dev.to(torch.int32)
         return ForwardBatch(
             input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
@@ -141,7 +141,7 @@ class MTPDrafter:
             seq_lens_cpu=seq_lens,
             context_lens_cpu=list(context_lens),
             state_slots=state_slots,
-            state_slots_cpu=dev_rows or [],
+            state_slots_cpu=state_rows_cpu,
             block_size=self.block_size,
         )
 
