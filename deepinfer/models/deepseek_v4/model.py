@@ -105,8 +105,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, config: dict | DeepseekV4Config, backend: Backend, dtype: torch.dtype, load_mtp: bool = False):
         """load_mtp: build the checkpoint's MTP modules (`self.mtp`, mtp.py) and load their tensors (over several
         ranks each module's block splits like a main layer's; e_proj / h_proj and the stream collapse are
-        replicated). Without it the MTP tensors are kept aside unread into `mtp_weights` on one rank and skipped
-        (`skipped_mtp_tensors`) on several."""
+        replicated). Without it the MTP tensors are read into `mtp_weights` and kept aside on one rank, and skipped
+        unread (`skipped_mtp_tensors`) on several."""
         cfg = config if isinstance(config, DeepseekV4Config) else parse_v4_config(config)
         super().__init__(cfg, backend, dtype)
         self.vocab_size = cfg.vocab_size
