@@ -58,13 +58,17 @@ MODES = {
     "adaptive_nofit": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive without challenges (spec/chain_challenge.py: challenge_every 0), for an A/B in one process
     "adaptive_nochal": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive without measuring plans (SlotPolicy.measure_steps 0: a new load is priced from the start-up tables
+    # and the realized rates alone), for an A/B in one process
+    "adaptive_nomeasure": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}}
 # SlotPolicy fields set on a mode's engine once built
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
-               "adaptive_nochal": {"challenge_every": 0}}
-DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal")]
+               "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0}}
+DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
+                                              "adaptive_nomeasure")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
