@@ -198,6 +198,14 @@ SPEC_ONE_SYNC = EnvVar(
     "engine",
 )
 
+SPEC_OVERLAP_OUTPUT = EnvVar(
+    "DEEPINFER_SPEC_OVERLAP_OUTPUT", "bool", True,
+    "`1`: a one-sync speculative step's read-back is the next engine call's, so the host makes the step's text "
+    "(detokenizer, logprobs' text) and the engine its outputs while the device runs the next step; outputs come "
+    "one call after their step's launch, the same as with `0` (spec/overlap.py)",
+    "engine",
+)
+
 SPEC_ASYNC_PAUSES = EnvVar(
     "DEEPINFER_SPEC_ASYNC_PAUSES", "bool", None,
     "`0` / `1`: an adaptive MTP engine (`--speculative-adaptive`) runs the plain steps of its drafting pauses "

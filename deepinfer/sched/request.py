@@ -60,6 +60,9 @@ class Sequence:
     # text state, owned by the output processor
     detokenizer: Any = None
     stop_checker: Any = None
+    # tokens appended with their text deferred (OutputProcessor.append_token(defer_text=True)): (token id, its
+    # logprobs or None, whether it ended the sequence as a stop token), made into text by OutputProcessor.flush_text
+    pending_text: list = field(default_factory=list)
     # structured output: the sequence's grammar state (sample/grammar/matcher_state.py: SeqGrammar), or None
     grammar: Any = None
 

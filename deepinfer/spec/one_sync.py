@@ -73,6 +73,15 @@ class OneSyncPlan:
 
 
 @dataclass
+class PendingRead:
+    """A one-sync step launched (`OneSyncStep.launch`): its device work and read-back copy queued, not waited for."""
+
+    plan: OneSyncPlan
+    sample: DeviceSample
+    copy: HostCopy
+
+
+@dataclass
 class OneSyncResult:
     """What the one read-back brings, on the host."""
 
@@ -180,7 +189,16 @@ class OneSyncStep:
         drafts are the staged f_tok; hidden: the forward's hidden states, row r = verify row r), then the one
         read-back (while_waiting runs before it, as the device works). The verification
         and derivation replay verify[pass bucket] (spec/one_sync_graphs.py); the emitted tokens are the draw's rows
-        start .. start + accepted (the accepted drafts equal the draw there), which the read-back brings anyway."""
+        start .. start + accepted (the accepted drafts equal the draw there), which the read-back brings anyway.
+        `launch` then `collect`: what an overlapped step (spec/pipeline.py) calls apart, across engine calls."""
+        pending = self.launch(plan, sample, hidden)
+        if while_waiting is not None:  # host work that needs nothing of this step, while the device runs it
+            while_waiting()
+        return self.collect(pending)
+
+    @torch.inference_mode()
+    def launch(self, plan: OneSyncPlan, sample: DeviceSample, hidden: torch.Tensor) -> PendingRead:
+        """`finish`'s device work and its read-back's copy, queued; nothing waits for the device."""
         g = self.graphs
         t, b, links = plan.t, plan.b, plan.links
         chosen = sample.token_ids
@@ -192,10 +210,14 @@ class OneSyncStep:
         ids, conf = g.run_chain(state, b, plan.chain_bucket, links)
         ints = torch.cat([chosen, acc, c_len, ids[:, :links].reshape(-1)])
         copy = HostCopy([ints, conf[:, :links].contiguous(), *sample.logprob_tensors], self.device)
-        if while_waiting is not None:  # host work that needs nothing of this step, while the device runs it
-            while_waiting()
+        return PendingRead(plan, sample, copy)
+
+    def collect(self, pending: PendingRead) -> OneSyncResult:
+        """Wait for a launched step's one read-back and unpack it."""
+        plan, sample = pending.plan, pending.sample
+        t, b, links = plan.t, plan.b, plan.links
         t0 = time.perf_counter()
-        host = copy.wait()
+        host = pending.copy.wait()
         self.wait_seconds += time.perf_counter() - t0
         self.num_host_reads += 1
         self.num_steps += 1

@@ -69,7 +69,8 @@ from deepinfer.spec.mtp_catchup import PausedRows
 from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.spec.next_drafts import NextDrafts
 from deepinfer.spec.ngram import NgramDrafter
-from deepinfer.spec.one_sync import OneSyncPlan, OneSyncStep
+from deepinfer.spec.one_sync import OneSyncPlan, OneSyncResult, OneSyncStep
+from deepinfer.spec.overlap import OverlappedSteps, StepRecord
 from deepinfer.spec.shared_times import SharedTimes
 from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.step_phases import StepPhases
@@ -83,9 +84,10 @@ from deepinfer.worker.transfer import tensor_to
 logger = logging.getLogger("deepinfer")
 
 
-class SpecStepPipeline(NextDrafts, VerifyOutcomes):
+class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
     """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
-    steps handed to async_pauses (spec/async_pauses.py; None: every step here)."""
+    steps handed to async_pauses (spec/async_pauses.py; None: every step here) and the one-sync steps' read-backs
+    left in flight for the next call (spec/overlap.py)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, output_processor: OutputProcessor,
                  drafter: MTPDrafter | NgramDrafter, policy: SlotPolicy, metrics: SpecMetrics, method: str = "mtp"):
@@ -119,6 +121,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         # the drafter replays graphs and DEEPINFER_SPEC_ONE_SYNC is on; None: every step takes the host path
         graphs = drafter.graphs if isinstance(drafter, MTPDrafter) else None
         self.one_sync = OneSyncStep(graphs, runner.device) if graphs is not None and envs.SPEC_ONE_SYNC.get() else None
+        # one-sync steps resolved by the next call, their text made while the device runs the one after (overlap.py)
+        self.overlap = self.one_sync is not None and envs.SPEC_OVERLAP_OUTPUT.get()
+        self._in_flight: StepRecord | None = None
+        self.num_overlapped_steps = 0
         self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
         # host seconds of the slot policy (admission, plan, calibration) over policy_steps speculative-path steps:
         # static k pays only the draft slots' bookkeeping; reported by benchmarks/speculative.py
@@ -140,10 +146,12 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         return self.async_pauses.inner.num_sync_fallbacks if self.async_pauses is not None else 0
 
     def has_pending(self) -> bool:
-        return self.async_pauses is not None and self.async_pauses.has_pending()
+        return self._in_flight is not None or (self.async_pauses is not None and self.async_pauses.has_pending())
 
     def drain(self) -> list[Sequence]:
-        done = self.async_pauses.drain() if self.async_pauses is not None else []
+        done = self._resolve() if self._in_flight is not None else []
+        self._flush_texts(done)
+        done += self.async_pauses.drain() if self.async_pauses is not None else []
         self.flush_if_idle()  # (the step in flight was the last)
         return done
 
@@ -169,16 +177,34 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
     def step(self) -> list[Sequence]:
         self.book.prune()
         self.paused_rows.prune()
-        pauses, done = self.async_pauses, []
+        done = self._resolve() if self._in_flight is not None else []  # (the last call's overlapped step)
+        pauses = self.async_pauses
         if pauses is not None:
             if pauses.delegable():
-                got = pauses.step()
+                self._flush_texts(done)  # (before the pause's step appends more to these sequences)
+                got = done + pauses.step()
                 self.flush_if_idle()  # (the last spec-path step's bookkeeping, once the pause's last step resolved)
                 return got
-            done = pauses.drain()  # the spec path starts with every token on the host
-        return done + self._step()
+            done += pauses.drain()  # the spec path starts with every token on the host
+        got = done + self._step()
+        if self._in_flight is not None:  # while the device runs it: the text and bookkeeping of the steps before
+            self._flush_texts(done)
+            self._run_deferred()
+        else:
+            self._flush_texts(done)
+        return got
 
     def _step(self) -> list[Sequence]:
+        """Schedule and launch a step; resolve it now, or (an overlapped one-sync step) in the next call."""
+        rec = self._begin()
+        if rec is None:
+            return []
+        if rec.pending is not None:
+            self._in_flight = rec
+            return []
+        return self._end(rec)
+
+    def _begin(self) -> StepRecord | None:
         t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -186,7 +212,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
                 raise DeepInferError(
                     f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                     f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)")
-            return []
+            return None
         t0 = time.perf_counter()
         conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
@@ -205,19 +231,26 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         self.policy_seconds += t_slots - t0  # (with the draft slots' KV cover, a few us)
         self.policy_steps += 1
         self._deferred_s = 0.0
-        wait0 = self.one_sync.wait_seconds if self.one_sync is not None else 0.0
+        rec = StepRecord(sched, conf, t_start, t0, t_slots,
+                         wait0=self.one_sync.wait_seconds if self.one_sync is not None else 0.0)
         plan = None  # the one-sync step (spec/one_sync.py): qualified now, staged once the forward is launched
         if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
                 and self._uniform_chain(samplers):
             plan = self.one_sync.qualify(sched.scheduled, self._chain_plan)
-        emitted, logprobs = self._launch(sched, conf, plan)
-        t1 = time.perf_counter()
-        got = self._process(sched, emitted, logprobs)
+        self._launch(rec, plan)
+        rec.t1 = time.perf_counter()
+        return rec
+
+    def _end(self, rec: StepRecord) -> list[Sequence]:
+        """A launched step's outputs on the host: output processing, then the policy's observations and the phases
+        (a step's times run from its schedule to here, across the engine calls an overlapped step spans)."""
+        sched, t_start, t0, t1 = rec.sched, rec.t_start, rec.t0, rec.t1
+        got = self._process(sched, rec.emitted, rec.logprobs, defer_text=rec.pending is not None)
         t2 = now = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
-            num_emitted = sum(len(toks) for toks in emitted)
+            num_emitted = sum(len(toks) for toks in rec.emitted)
             out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
                                                                -1.0 if draft_s is None else draft_s])
             draft_s = None if draft_s < 0 else draft_s
@@ -225,12 +258,19 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
             self._observe_policy(sched, out_s, step_s, real_s, num_emitted)
-        wait = self.one_sync.wait_seconds - wait0 if self.one_sync is not None else 0.0
+        wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"
-        self.phases.add(kind, {"schedule": t0 - t_start, "slots": t_slots - t0, "process": t2 - t1,
-                               "launch": t1 - t_slots - self._deferred_s - wait, "deferred": self._deferred_s,
-                               "wait": wait, "observe": time.perf_counter() - t2, **self._launch_parts},
+        if rec.pending is None:  # (its deferred bookkeeping and read-back wait ran inside its launch)
+            launch, overlap = t1 - rec.t_slots - self._deferred_s - wait, 0.0
+        else:  # overlapped: "launch" ends with it; "overlap" is the host's time until the read-back: the text and
+            # bookkeeping of the step before (less "deferred"), the engine's and the caller's between the calls
+            launch = rec.t_launched - rec.t_slots
+            overlap = t1 - rec.t_launched - wait - self._deferred_s
+        kind = "overlapped" if rec.pending is not None else kind
+        self.phases.add(kind, {"schedule": t0 - t_start, "slots": rec.t_slots - t0, "launch": launch,
+                               "overlap": overlap, "deferred": self._deferred_s, "wait": wait, "process": t2 - t1,
+                               "observe": time.perf_counter() - t2, **self._launch_parts},
                         sum(it.num_tokens for it in sched.scheduled))
         self.flush_if_idle()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
@@ -252,7 +292,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
     # ------------------------------------------------------------ device work
 
     @torch.inference_mode()
-    def _launch(self, sched: SchedulerOutput, conf: dict[int, list[float]], plan: OneSyncPlan | None = None):
+    def _launch(self, rec: StepRecord, plan: OneSyncPlan | None = None) -> None:
+        """Build and launch the step; its tokens into rec.emitted / rec.logprobs, or (overlapped) rec.pending."""
+        sched, conf = rec.sched, rec.conf
         runner = self.runner
         t_build = time.perf_counter()
         runner.kv.fence_tier_copies()  # a prefix hit's tier copies land before this step reads its blocks
@@ -271,6 +313,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         t_sample = time.perf_counter()
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list | None] = [None for _ in items]
+        rec.emitted, rec.logprobs = emitted, logprobs
         grammar, self._failed = verify_masks(items, sampling, runner.grammar_facts, runner.grammar_forbidden)
         logits_indices = batch.logits_indices
         if self._failed:  # these sequences cannot be sampled: left out of the draw, failed in _process
@@ -295,13 +338,16 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
                               "stage": t_sample - t_stage, "sample": time.perf_counter() - t_sample}
         if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
             t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)
-            res = self.one_sync.finish(plan, sample, hidden, while_waiting=self._run_deferred)
             self._one_sync_ran = True
-            self._emit(items, sampling, res.out, res.num_accepted, res.emitted, conf, emitted, logprobs, plan.k)
-            self._advance(sched, emitted)
-            self._book_one_sync(sched, res)
-            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, `_step`)
-            return emitted, logprobs
+            if self.overlap:  # the read-back is the next call's (spec/overlap.py)
+                rec.pending, rec.plan, rec.sampling = self.one_sync.launch(plan, sample, hidden), plan, sampling
+                rec.t_launched = time.perf_counter()
+                rec.launch_s = rec.t_launched - t0
+                return
+            res = self.one_sync.finish(plan, sample, hidden, while_waiting=self._run_deferred)
+            self._one_sync_done(rec, plan, sampling, res)
+            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, `_end`)
+            return
         if sample is not None:
             self._run_deferred()  # (before the draw's read-back waits for the device)
             out = sample.output([t.cpu() for t in sample.tensors])
@@ -312,7 +358,14 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
         t_draft = time.perf_counter()
         self._draft_next(sched, hidden, emitted, batch)
         self._launch_parts["draft"] = time.perf_counter() - t_draft
-        return emitted, logprobs
+
+    def _one_sync_done(self, rec: StepRecord, plan: OneSyncPlan, sampling: list[int], res: OneSyncResult) -> None:
+        """A one-sync step's read-back on the host: its emitted tokens, num_computed_tokens, the next drafts."""
+        items = rec.sched.scheduled
+        self._emit(items, sampling, res.out, res.num_accepted, res.emitted, rec.conf, rec.emitted, rec.logprobs,
+                   plan.k)
+        self._advance(rec.sched, rec.emitted)
+        self._book_one_sync(rec.sched, res)
 
     def _advance(self, sched: SchedulerOutput, emitted: list[list[int]]) -> None:
         """num_computed_tokens past the real and accepted tokens only (blocks are keyed in _process, after the
@@ -323,7 +376,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
 
     # ------------------------------------------------------------ host work
 
-    def _process(self, sched: SchedulerOutput, emitted: list[list[int]], logprobs) -> list[Sequence]:
+    def _process(self, sched: SchedulerOutput, emitted: list[list[int]], logprobs,
+                 defer_text: bool = False) -> list[Sequence]:
+        """Output processing of a step's emitted tokens (defer_text: their text queued, spec/overlap.py), rollback of
+        the rejected KV, the prefix cache's keys and the book of next drafts."""
         append_token = self.output_processor.append_token
         kv = self.scheduler.kv
         got: list[Sequence] = []
@@ -343,7 +399,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes):
                 continue
             try:
                 for j, t in enumerate(toks):
-                    append_token(seq, t, lps[j] if lps is not None else None)
+                    append_token(seq, t, lps[j] if lps is not None else None, defer_text)
                     if seq.finished:  # EOS, a stop string or max_tokens mid-draft: the rest is dropped
                         break
                 self._extra_tokens += j

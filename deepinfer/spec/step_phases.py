@@ -7,6 +7,9 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
   forward (what the slot policy's host time counts, less the calibration);
 - launch: batch building, the forward's and the sampler's launches, and for a step off the one-sync path its waits
   for the device (the draw's read-back, the MTP drafter's);
+- overlap: an overlapped step's host time between its launch and its read-back (spec/overlap.py): the text and
+  bookkeeping of the step before, the engine's output and its caller's work between the engine calls; the device
+  runs the step meanwhile (0 for every other kind);
 - deferred: the metrics, calibration and (adaptive) the policy's step observations, run while the host waits for
   the device (`_run_deferred`): hidden where the device is still busy;
 - wait: a one-sync step's read-back wait (spec/one_sync.py): the device's work not overlapped by the host's;
@@ -19,7 +22,9 @@ once the forward is launched), sample (logits and the draw's launches), draft (a
 chain after its draw, their read-back included: spec/next_drafts.py); the rest of "launch" is the one-sync step's
 verification, pass and chain's launches, and the host path's draw and verification.
 
-Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "host" (the host path: a probe's
+Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "overlapped" (a one-sync step whose
+read-back was the next engine call's, spec/overlap.py; its "process" is the token level only, its text in the next
+step's "overlap"), "host" (the host path: a probe's
 verification, a step with prompt chunks), "catch_up" (a host-path step whose MTP pass also ran a pause's kept rows,
 spec/mtp_catchup.py; since 2026-12-05 apart from "host", whose steps at 64 sequences averaged 79 ms on the H200 in
 session 17's sweep with their forward at 1.3 ms: "draft" says how much of that is the catch-up pass), "plain"
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "slots", "launch", "deferred", "wait", "process", "observe")
+PHASES = ("schedule", "slots", "launch", "overlap", "deferred", "wait", "process", "observe")
 LAUNCH_PARTS = ("build", "forward", "stage", "sample", "draft")  # parts of "launch" (module docstring)
 
 

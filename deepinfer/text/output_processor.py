@@ -6,6 +6,12 @@ include_stop_str_in_output); otherwise the token's text goes through the stop
 string checker; then max_tokens and max_model_len end it with "length".
 min_tokens holds back every "stop" ending until that many tokens exist.
 
+Text can be deferred (`append_token(..., defer_text=True)`, for a sequence without stop strings): the token id,
+its logprobs and every stop condition are applied at once (none of them reads text), and the detokenizer's work
+(and the logprobs' decoded text) is queued on the sequence until `flush_text`, in token order. Speculative steps
+overlap that work with the next step's device work (spec/pipeline.py, "Overlapped output"). A sequence with stop
+strings is never deferred: a stop string can end it, which the next step's schedule must know.
+
 An internal failure in one request's work (sampling its row, its detokenizer or stop checker)
 finishes its sequences with finish_reason "error" (`fail`); its RequestOutput.error holds the
 first such failure's one-line message (worker/model_runner.py: request_error).
@@ -37,15 +43,20 @@ class OutputProcessor:
         seq.stop_checker = StopChecker(list(p.stop), p.include_stop_str_in_output) if p.stop else None
         seq.logprobs = [] if p.logprobs is not None else None
 
-    def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
-        """Add one sampled token to seq and finish it if a stop condition holds."""
+    def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None,
+                     defer_text: bool = False) -> None:
+        """Add one sampled token to seq and finish it if a stop condition holds. defer_text: queue the token's text
+        for `flush_text` where the sequence has no stop strings (module docstring); else text now, after any
+        queued text of the sequence."""
+        if defer_text and seq.stop_checker is None:
+            self._append_id(seq, token_id, logprobs)
+            return
+        if seq.pending_text:
+            self.flush_text(seq)
         p = seq.params
         seq.output_token_ids.append(token_id)
         if seq.logprobs is not None and logprobs is not None:
-            token_text = self.tokenizer.token_text
-            for lp in logprobs.values():
-                if not lp.decoded:
-                    lp.decoded = token_text(lp.token_id)
+            self._decode_logprobs(logprobs)
             seq.logprobs.append(logprobs)
         n_out = len(seq.output_token_ids)
         can_stop = n_out >= p.min_tokens
@@ -70,6 +81,40 @@ class OutputProcessor:
         # the output ids the host holds (Sequence.ends_by_length also counts a step still in flight)
         if length_limit_reached(p, len(seq.prompt_token_ids), n_out, self.max_model_len):
             self._finish(seq, "length", None)
+
+    def _append_id(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
+        """append_token's stop conditions for a sequence without stop strings, its text queued: EOS and
+        stop_token_ids (after min_tokens) end it with "stop", then max_tokens / max_model_len with "length"."""
+        p = seq.params
+        seq.output_token_ids.append(token_id)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            eos = not p.ignore_eos and token_id in self.eos_token_ids
+            if eos or token_id in p.stop_token_ids:
+                seq.pending_text.append((token_id, logprobs, True))
+                self._finish(seq, "stop", None if eos else token_id)  # (its text: flush_text's)
+                return
+        seq.pending_text.append((token_id, logprobs, False))
+        if length_limit_reached(p, len(seq.prompt_token_ids), n_out, self.max_model_len):
+            self._finish(seq, "length", None)
+
+    def flush_text(self, seq: Sequence) -> None:
+        """The queued tokens' text (append_token(defer_text=True)), in order: each token's detokenized delta, a stop
+        token's only with include_stop_str_in_output (as `_finish` adds it), and the logprobs' decoded text."""
+        pending, seq.pending_text = seq.pending_text, []
+        for token_id, logprobs, stop_token in pending:
+            if logprobs is not None and seq.logprobs is not None:
+                self._decode_logprobs(logprobs)
+            if not stop_token or seq.params.include_stop_str_in_output:
+                seq.text += seq.detokenizer.add(token_id)
+
+    def _decode_logprobs(self, logprobs: dict[int, Logprob]) -> None:
+        token_text = self.tokenizer.token_text
+        for lp in logprobs.values():
+            if not lp.decoded:
+                lp.decoded = token_text(lp.token_id)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, stop_token: int | None = None, flush: bool = True) -> None:
         """Held-back text that never became a stop string is emitted; a matched stop string is not."""

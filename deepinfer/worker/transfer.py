@@ -36,8 +36,8 @@ class HostCopy:
     """
 
     def __init__(self, tensors: list[torch.Tensor], device: torch.device):
-        if device.type == "cpu":
-            self.host = list(tensors)
+        if device.type == "cpu":  # copies all the same: a tensor may be a graph's static buffer, rewritten by the
+            self.host = [t.clone() for t in tensors]  # next step before this one is read (spec/pipeline.py overlap)
             self.event = None
             return
         self.host = []

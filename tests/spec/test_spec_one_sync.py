@@ -108,12 +108,15 @@ def test_engine_one_sync_equals_off_and_the_host_path(parts):  # noqa: F811
     assert hs.host_reads() >= 2 * hs.metrics.steps + 2
     assert a.kv_blocks_used == 0
     # the step phases (spec/step_phases.py) count each path's steps and forward tokens: the one-sync steps' tokens
-    # are their sequences' decode tokens plus every verified draft; only one-sync steps have a read-back wait
+    # are their sequences' decode tokens plus every verified draft; only one-sync steps have a read-back wait (each
+    # resolved by the next engine call: "overlapped", spec/overlap.py)
     ph, hph = spec.phases, hs.phases
-    assert ph.steps["one_sync"] == spec.one_sync.num_steps and ph.steps["host"] == 1 and "one_sync" not in hph.steps
-    assert ph.tokens["one_sync"] == a.spec_request_steps + a.spec_drafted_tokens
+    assert spec.num_overlapped_steps == spec.one_sync.num_steps
+    assert ph.steps["overlapped"] == spec.one_sync.num_steps and ph.steps["host"] == 1
+    assert "overlapped" not in hph.steps and "one_sync" not in hph.steps and "one_sync" not in ph.steps
+    assert ph.tokens["overlapped"] == a.spec_request_steps + a.spec_drafted_tokens
     assert hph.steps["host"] == hs.metrics.steps + 1 and hph.seconds.get(("host", "wait"), 0.0) == 0.0
-    assert ph.seconds[("one_sync", "wait")] >= 0.0 and all(v >= 0.0 for v in ph.seconds.values())
+    assert ph.seconds[("overlapped", "wait")] >= 0.0 and all(v >= 0.0 for v in ph.seconds.values())
 
 
 def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(parts, monkeypatch):  # noqa: F811
@@ -139,14 +142,14 @@ def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(
     assert sep.runner.builder.separate and not shared.runner.builder.separate
     chains: dict[str, list] = {"shared": [], "sep": []}
     for name, engine in (("shared", shared), ("sep", sep)):
-        finish = engine._spec.one_sync.finish
+        collect = engine._spec.one_sync.collect  # (each one-sync step's read-back: spec/overlap.py)
 
-        def recording_finish(*args, finish=finish, into=chains[name], **kw):
-            res = finish(*args, **kw)
+        def recording_collect(*args, collect=collect, into=chains[name], **kw):
+            res = collect(*args, **kw)
             into.append((res.drafts, res.confidence))
             return res
 
-        engine._spec.one_sync.finish = recording_finish
+        engine._spec.one_sync.collect = recording_collect
     assert run(shared, ps, params)[0] == want
     assert run(sep, ps, params)[0] == want
     assert len(chains["sep"]) == len(chains["shared"]) >= 3
