@@ -87,14 +87,14 @@ def test_logprobs_accumulate_with_decoded_text(tok):
 
 
 DEFERRED_CASES = {
-    "length": ("Hello, 世界! The cat sat. 🙂 ok", {}, dict(max_tokens=9)),
-    "eos": ("hi there", [EOS], dict(max_tokens=50)),
-    "eos-included": ("hi there", [EOS], dict(max_tokens=50, include_stop_str_in_output=True)),
-    "eos-before-min-tokens": ("a", [EOS], dict(max_tokens=50, min_tokens=4)),
-    "stop-token-id": ("a b c d e", None, dict(max_tokens=50)),
-    "stop-token-id-included": ("a b c d e", None, dict(max_tokens=50, include_stop_str_in_output=True)),
-    "max-model-len": ("a b c d e f g h", [], dict(max_tokens=100)),
-    "logprobs": ("naïve café", [], dict(max_tokens=50, logprobs=0)),
+    "length": ("Hello, 世界! The cat sat. 🙂 ok", {}, {"max_tokens": 9}),
+    "eos": ("hi there", [EOS], {"max_tokens": 50}),
+    "eos-included": ("hi there", [EOS], {"max_tokens": 50, "include_stop_str_in_output": True}),
+    "eos-before-min-tokens": ("a", [EOS], {"max_tokens": 50, "min_tokens": 4}),
+    "stop-token-id": ("a b c d e", None, {"max_tokens": 50}),
+    "stop-token-id-included": ("a b c d e", None, {"max_tokens": 50, "include_stop_str_in_output": True}),
+    "max-model-len": ("a b c d e f g h", [], {"max_tokens": 100}),
+    "logprobs": ("naïve café", [], {"max_tokens": 50, "logprobs": 0}),
 }
 
 

@@ -118,7 +118,7 @@ def test_overlapped_text_failure_and_abort_in_flight_touch_one_request(parts, mo
 
     got, _ = drive(engine, [("r0", ps[0], params), ("r1", ps[1], params), ("r2", ps[2], params)], on_call)
     assert got["r0"][-1] == clean["r0"][-1]
-    text, ids, reason, _, _, finished, error = got["r1"][-1]
+    _, ids, reason, _, _, finished, error = got["r1"][-1]
     assert reason == "error" and finished and error.startswith("internal error in request 'r1' while processing its "
                                                                 "output: UnicodeDecodeError")
     assert 4 <= len(ids) < 14
