@@ -54,7 +54,7 @@ def _ours(cfg, idx, h, q_res):
 
 @pytest.mark.parametrize("topk,L", [(4, 61), (3, 200), (64, 61)])
 def test_selected_sets_match_reference(topk, L):
-    hf_cfg, cfg, idx, h, q_res = _setup(topk, L)
+    _, cfg, idx, h, q_res = _setup(topk, L)
     with torch.no_grad():
         ref = idx(h[None], q_res[None], torch.arange(L)[None], None, 0)[0]
         scores, visible, chosen = _ours(cfg, idx, h, q_res)
@@ -74,7 +74,7 @@ def test_selected_sets_match_reference(topk, L):
 
 
 def test_scores_match_reference_scorer():
-    hf_cfg, cfg, idx, h, q_res = _setup(4, 40)
+    _, cfg, idx, h, q_res = _setup(4, 40)
     with torch.no_grad():
         scores, _, _ = _ours(cfg, idx, h, q_res)
         m, Hi, Di = 4, cfg.index_n_heads, cfg.index_head_dim

@@ -22,7 +22,7 @@ The fork and join are stream-event edges, so a captured CUDA graph keeps them.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -19,7 +19,7 @@ ContextParallelBatch) runs this rank's tokens; its attention layers share their 
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
