@@ -58,17 +58,23 @@ MODES = {
     "adaptive_nofit": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive without challenges (spec/chain_challenge.py: challenge_every 0), for an A/B in one process
     "adaptive_nochal": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # static k with async scheduling: steps chained on the device results of the one in flight (spec/chained_steps.py)
+    "k3_async": dict(speculative_method="mtp", num_speculative_tokens=3, async_scheduling=True),
+    "k5_async": dict(speculative_method="mtp", num_speculative_tokens=5, async_scheduling=True),
+    # static k = 5 with each step's read-back waited for in its own call (DEEPINFER_SPEC_OVERLAP_OUTPUT=0), the A/B
+    # of overlapped output (spec/overlap.py)
+    "k5_nooverlap": dict(speculative_method="mtp", num_speculative_tokens=5),
     # adaptive without measuring plans (SlotPolicy.measure_steps 0: a new load is priced from the start-up tables
     # and the realized rates alone), for an A/B in one process
     "adaptive_nomeasure": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
-MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}}
+MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
 # SlotPolicy fields set on a mode's engine once built
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
                "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
-                                              "adaptive_nomeasure")]
+                                              "adaptive_nomeasure", "k3_async", "k5_async", "k5_nooverlap")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -124,6 +130,10 @@ def print_drafting(mode: str, engine) -> None:
           f"chains replayed in {drafter.num_graph_chains} steps, {drafter.num_eager_chain_seqs} sequence chains eager"
           + ("" if drafter.graphs is not None else " (no MTP graphs)"))
     policy = spec.policy
+    if spec.overlap:
+        print(f"{mode}, steps resolved by the next call (spec/overlap.py): {spec.num_overlapped_steps}; chained on the "
+              f"device results of the one in flight (spec/chained_steps.py): {spec.num_chained_steps}"
+              + (f", not chained: {dict(sorted(spec.chain_fallbacks.items()))}" if spec.chaining else ""))
     pauses = spec.async_pauses
     if pauses is not None:
         print(f"{mode}, pause steps: {pauses.num_steps} async (spec/async_pauses.py), kept sync: "

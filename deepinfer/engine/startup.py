@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from deepinfer import envs
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.errors import BackendError, ConfigError, ModelLoadError
 
@@ -273,8 +274,8 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
     if cfg.spec_method() == "mtp" and not num_mtp_layers:
         reasons.append(f"the model ({model_type}) has no MTP module (config.json num_nextn_predict_layers is 0)")
     if cfg.async_scheduling:
-        reasons.append("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): speculative "
-                       "steps run sync only; leave it unset or off")
+        reasons += [f"async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1): {why}; leave it "
+                    "unset or off" for why in chaining_refusals(cfg, backend, model_type)]
     if backend.caps.device_type != "cpu" and backend.name not in SPEC_BACKENDS:
         reasons.append(f"backend {backend.name!r}: verification steps are built and tested on the "
                        f"{' and '.join(SPEC_BACKENDS)} backends only")
@@ -289,6 +290,28 @@ def check_speculation(cfg: EngineConfig, backend, model_type: str | None, num_mt
         logger.info("speculative decoding: verify steps replay the decode graphs as decode rows where the buckets "
                     "cover them (spec/verify_batch.py); the MTP pass and chain replay their own graphs "
                     "(backend/mtp_graph_runner.py)")
+
+
+def chaining_refusals(cfg: EngineConfig, backend, model_type: str | None) -> list[str]:
+    """Why speculative steps cannot be scheduled async (spec/chained_steps.py: the next one-sync step launched on
+    the device results of the one in flight) on this engine; [] when they can."""
+    why = []
+    if cfg.spec_method() != "mtp":
+        why.append("async speculative steps take MTP drafts from the device (n-gram drafts are the host's)")
+    if cfg.speculative_adaptive:
+        why.append("the confidence scheduler (--speculative-adaptive) admits drafts by the last step's confidences, "
+                   "not built for async speculative steps (static k is)")
+    if cfg.enforce_eager or not backend.caps.graph_capture:
+        why.append("async speculative steps replay the decode and MTP graphs ("
+                   + ("enforce_eager" if cfg.enforce_eager else f"backend {backend.name!r} captures none") + ")")
+    if model_type == "deepseek_v4":
+        why.append("a model with per-sequence state (V4) runs no decode or MTP graphs")
+    if not envs.SPEC_ONE_SYNC.get() or not envs.SPEC_OVERLAP_OUTPUT.get():
+        why.append("async speculative steps are one-sync steps with overlapped output (DEEPINFER_SPEC_ONE_SYNC and "
+                   "DEEPINFER_SPEC_OVERLAP_OUTPUT must be on)")
+    if cfg.tensor_parallel_size > 1 or cfg.context_parallel_size > 1:
+        why.append("async speculative steps run on one rank (tensor / context parallelism: not built)")
+    return why
 
 
 def engine_kv_specs(cfg: EngineConfig, model, kv_dtype) -> tuple[list, int]:

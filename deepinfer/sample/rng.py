@@ -86,3 +86,13 @@ def uniform_tensor(keys: torch.Tensor, num: int) -> torch.Tensor:
 def row_keys_tensor(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [N] stream keys for (seed, position) pairs, computed exactly in Python."""
     return torch.tensor([_signed(row_key(s, p)) for s, p in zip(seeds, positions)], dtype=torch.int64, device=device)
+
+
+def row_keys_device(seeds: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """int64 [N] stream keys for (seed, position) pairs with the positions on the device: the seeds' half of row_key
+    on the host, the position's on the device (mix64_tensor is bit-equal to mix64, and xor on the int64 view is xor
+    on the unsigned bits), so each key equals row_keys_tensor's for the same pair."""
+    from deepinfer.worker.transfer import tensor_to
+
+    mixed = tensor_to([_signed(mix64(int(s) + GOLDEN_GAMMA)) for s in seeds], torch.int64, positions.device)
+    return mix64_tensor(mixed ^ positions.to(torch.int64))

@@ -38,7 +38,7 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import Logprob
 from deepinfer.sample.penalties import apply_penalties
-from deepinfer.sample.rng import row_keys_tensor, uniform_tensor
+from deepinfer.sample.rng import row_keys_device, row_keys_tensor, uniform_tensor
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -160,10 +160,16 @@ def filter_logits(
     return logits
 
 
-def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
-    """int64 [N]: a draw from softmax(logits) per row, keyed by (seed, position) only."""
+def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int],
+                  device_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [N]: a draw from softmax(logits) per row, keyed by (seed, position) only. device_positions: the rows'
+    positions as an int64 device tensor, used instead of `positions` (their keys hashed on the device, bit-equal
+    to row_key's: rng.py)."""
     n, vocab = logits.shape
-    keys = to_device(row_keys_tensor(seeds, positions), logits.device)
+    if device_positions is None:
+        keys = to_device(row_keys_tensor(seeds, positions), logits.device)
+    else:
+        keys = row_keys_device(seeds, device_positions)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     step = max(1, (_DRAW_ELEMS_CPU if logits.device.type == "cpu" else _DRAW_ELEMS_CUDA) // max(vocab, 1))
     for s in range(0, n, step):
@@ -194,12 +200,14 @@ class Sampler:
         sample = self.sample(logits, rows, grammar)
         return sample.output([t.cpu() for t in sample.tensors])
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None
-               ) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None,
+               positions: torch.Tensor | None = None) -> DeviceSample:
         """Draw on the device without waiting for it: every host value goes up without a stream
         sync (transfer.py), so the host can queue this while earlier steps still run.
 
-        grammar: the constrained rows and their host bitmask (sample/grammar/bitmask.py), or None."""
+        grammar: the constrained rows and their host bitmask (sample/grammar/bitmask.py), or None.
+        positions: each row's position as an int64 device tensor, keying the draws instead of the rows' own (a
+        speculative step launched before its positions were known on the host: spec/chained_steps.py)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise DeepInferError(
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows and vocab_size "
@@ -236,7 +244,9 @@ class Sampler:
                 scaled = logits.index_select(0, idx) / t.unsqueeze(1)
             use_sort = any(k < vocab for k in top_k_l) or any(p < 1 for p in top_p_l)
             filtered = filter_logits(scaled, top_k, top_p, min_p, use_sort=use_sort, use_min_p=any(m > 0 for m in min_p_l))
-            drawn = gumbel_argmax(filtered, [r.seed for r in srows], [r.position for r in srows])
+            drawn = gumbel_argmax(filtered, [r.seed for r in srows], [r.position for r in srows],
+                                  None if positions is None else
+                                  positions if len(sampled) == len(rows) else positions.index_select(0, idx))
             if len(sampled) == len(rows):
                 chosen = drawn
             else:

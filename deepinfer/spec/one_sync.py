@@ -70,6 +70,7 @@ class OneSyncPlan:
     pass_bucket: int
     chain_bucket: int
     starts: list[int] = field(default_factory=list)  # each sequence's first verify row
+    rooms: list[int] = field(default_factory=list)  # each sequence's room past its context (`cover_room`), staged
 
 
 @dataclass
@@ -160,7 +161,8 @@ class OneSyncStep:
         rows: list[int] = []
         ctxs: list[int] = []
         dlens: list[int] = []
-        rooms: list[int] = []
+        rooms = plan.rooms
+        rooms.clear()
         state_slot = kv.state_slot
         for b, it in enumerate(items):
             d, c, row = len(it.draft), it.context_len, state_slot(it.seq.seq_id)

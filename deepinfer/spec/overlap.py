@@ -71,14 +71,19 @@ class StepRecord:
     sampling: list[int] = field(default_factory=list)
     t_launched: float = 0.0
     launch_s: float = 0.0  # the verification, pass and chain's launches (part of the drafting time)
+    # a chained step (spec/chained_steps.py): per sequence the tokens its worst case covers (the step before it keeps
+    # them at its rollback), and its per-step pipeline fields while the step before resolves
+    keep: dict[str, int] = field(default_factory=dict)
+    fields: dict | None = None
 
 
 class OverlappedSteps:
     """Methods of SpecStepPipeline (self is one): resolving an overlapped step, and the deferred text."""
 
-    def _resolve(self: SpecStepPipeline) -> list[Sequence]:
+    def _resolve(self: SpecStepPipeline, keep: dict[str, int] | None = None) -> list[Sequence]:
         """The step left in flight by the last call: its read-back, emitted tokens, drafts, and output processing
-        with the text deferred (module docstring)."""
+        with the text deferred (module docstring). keep: tokens the rollback keeps per sequence (a chained step
+        launched after this one writes there: spec/chained_steps.py)."""
         rec, self._in_flight = self._in_flight, None
         t0 = time.perf_counter()
         res = self.one_sync.collect(rec.pending)
@@ -86,7 +91,7 @@ class OverlappedSteps:
         rec.t1 = now = time.perf_counter()
         self._draft_s = rec.launch_s + (now - t0)  # (the host's share: the launches, the wait and the unpacking)
         self.num_overlapped_steps += 1
-        return self._end(rec)
+        return self._end(rec, keep)
 
     def _flush_texts(self: SpecStepPipeline, seqs: list[Sequence]) -> None:
         """The text deferred by `_process(defer_text=True)` (OutputProcessor.flush_text) of these sequences; one

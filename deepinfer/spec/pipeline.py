@@ -62,6 +62,7 @@ from deepinfer.sample.grammar.draft_mask import clip_draft
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import Scheduler, SchedulerOutput
 from deepinfer.spec.async_pauses import AsyncPauses
+from deepinfer.spec.chained_steps import ChainedSteps
 from deepinfer.spec.draft_slots import DraftBook, add_draft_slots
 from deepinfer.spec.grammar_drafts import verify_masks
 from deepinfer.spec.metrics import SpecMetrics
@@ -84,7 +85,7 @@ from deepinfer.worker.transfer import tensor_to
 logger = logging.getLogger("deepinfer")
 
 
-class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
+class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps):
     """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
     steps handed to async_pauses (spec/async_pauses.py; None: every step here) and the one-sync steps' read-backs
     left in flight for the next call (spec/overlap.py)."""
@@ -125,6 +126,11 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
         self.overlap = self.one_sync is not None and envs.SPEC_OVERLAP_OUTPUT.get()
         self._in_flight: StepRecord | None = None
         self.num_overlapped_steps = 0
+        # async scheduling: the next one-sync step launched before the read-back of the one in flight
+        # (spec/chained_steps.py; set by spec/setup.py where async_scheduling=True), and why a step was not
+        self.chaining = False
+        self.num_chained_steps = 0
+        self.chain_fallbacks: dict[str, int] = {}
         self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
         # host seconds of the slot policy (admission, plan, calibration) over policy_steps speculative-path steps:
         # static k pays only the draft slots' bookkeeping; reported by benchmarks/speculative.py
@@ -177,6 +183,14 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
     def step(self) -> list[Sequence]:
         self.book.prune()
         self.paused_rows.prune()
+        if self._in_flight is not None and self.chaining:  # async scheduling: the next step first (chained_steps.py)
+            nxt = self._chain(self._in_flight)
+            if nxt is not None:
+                done = self._resolve(keep=nxt.keep)
+                self._take_chained(nxt)
+                self._flush_texts(done)  # while the device runs the chained step
+                self._run_deferred()
+                return done
         done = self._resolve() if self._in_flight is not None else []  # (the last call's overlapped step)
         pauses = self.async_pauses
         if pauses is not None:
@@ -241,11 +255,11 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
         rec.t1 = time.perf_counter()
         return rec
 
-    def _end(self, rec: StepRecord) -> list[Sequence]:
+    def _end(self, rec: StepRecord, keep: dict[str, int] | None = None) -> list[Sequence]:
         """A launched step's outputs on the host: output processing, then the policy's observations and the phases
         (a step's times run from its schedule to here, across the engine calls an overlapped step spans)."""
         sched, t_start, t0, t1 = rec.sched, rec.t_start, rec.t0, rec.t1
-        got = self._process(sched, rec.emitted, rec.logprobs, defer_text=rec.pending is not None)
+        got = self._process(sched, rec.emitted, rec.logprobs, defer_text=rec.pending is not None, keep=keep)
         t2 = now = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
@@ -267,7 +281,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
             # bookkeeping of the step before (less "deferred"), the engine's and the caller's between the calls
             launch = rec.t_launched - rec.t_slots
             overlap = t1 - rec.t_launched - wait - self._deferred_s
-        kind = "overlapped" if rec.pending is not None else kind
+        kind = "chained" if rec.fields is not None else "overlapped" if rec.pending is not None else kind
         self.phases.add(kind, {"schedule": t0 - t_start, "slots": rec.t_slots - t0, "launch": launch,
                                "overlap": overlap, "deferred": self._deferred_s, "wait": wait, "process": t2 - t1,
                                "observe": time.perf_counter() - t2, **self._launch_parts},
@@ -377,9 +391,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
     # ------------------------------------------------------------ host work
 
     def _process(self, sched: SchedulerOutput, emitted: list[list[int]], logprobs,
-                 defer_text: bool = False) -> list[Sequence]:
+                 defer_text: bool = False, keep: dict[str, int] | None = None) -> list[Sequence]:
         """Output processing of a step's emitted tokens (defer_text: their text queued, spec/overlap.py), rollback of
-        the rejected KV, the prefix cache's keys and the book of next drafts."""
+        the rejected KV (none below keep[seq_id]: a chained step in flight writes there), the prefix cache's keys and
+        the book of next drafts."""
         append_token = self.output_processor.append_token
         kv = self.scheduler.kv
         got: list[Sequence] = []
@@ -421,7 +436,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps):
             seq = item.seq
             if seq.finished:
                 continue
-            kv.rollback(seq, seq.num_computed_tokens)
+            kv.rollback(seq, max(seq.num_computed_tokens, keep.get(seq.seq_id, 0)) if keep else seq.num_computed_tokens)
             kv.register_computed(seq)
             kv.trim(seq)
         if isinstance(self.drafter, NgramDrafter) and self._drafting:

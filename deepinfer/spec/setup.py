@@ -74,6 +74,14 @@ def build_spec_pipeline(cfg, model, backend, scheduler, runner, output_processor
     pipeline = SpecStepPipeline(scheduler, runner, output_processor, drafter, policy, SpecMetrics(max_slots=k), method)
     pipeline.times = times
     pipeline.shapes.decode_rows_eager = decode_rows_eager
+    if cfg.async_scheduling:  # (check_speculation refused what cannot chain; the graphs must have come too)
+        if not pipeline.overlap:
+            raise ConfigError("async_scheduling=True (--async-scheduling / DEEPINFER_ASYNC_SCHEDULING=1) with "
+                              "speculative decoding: no MTP graphs were captured, so no step runs one-sync; leave it "
+                              "unset or off")
+        pipeline.chaining = True
+        logger.info("speculative decoding: async scheduling: a one-sync step is launched on the device results of the "
+                    "one in flight where it can be (spec/chained_steps.py)")
     if async_pauses:
         pipeline.async_pauses = AsyncPauses(pipeline)
         logger.info("speculative decoding: the plain steps of adaptive pauses run through async scheduling "

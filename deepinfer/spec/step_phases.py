@@ -24,7 +24,8 @@ verification, pass and chain's launches, and the host path's draw and verificati
 
 Kinds: "one_sync" (verification, pass and chain on the device, one read-back), "overlapped" (a one-sync step whose
 read-back was the next engine call's, spec/overlap.py; its "process" is the token level only, its text in the next
-step's "overlap"), "host" (the host path: a probe's
+step's "overlap"), "chained" (an overlapped step launched on the device results of the one before, async
+scheduling: spec/chained_steps.py; its "schedule" and "slots" are 0, its "launch" its build and launches), "host" (the host path: a probe's
 verification, a step with prompt chunks), "catch_up" (a host-path step whose MTP pass also ran a pause's kept rows,
 spec/mtp_catchup.py; since 2026-12-05 apart from "host", whose steps at 64 sequences averaged 79 ms on the H200 in
 session 17's sweep with their forward at 1.3 ms: "draft" says how much of that is the catch-up pass), "plain"

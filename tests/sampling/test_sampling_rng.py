@@ -64,3 +64,22 @@ def test_derive_seed():
     assert rng.derive_seed(1234) != rng.derive_seed(1234, 0)
     assert 0 <= rng.derive_seed(-5, -1, 2**70) < 2**63
 
+
+
+def test_device_keys_equal_host_keys_and_draws():
+    """row_keys_device (the seed's half hashed on the host, the position's on the device: a speculative step
+    launched before its positions are on the host, spec/chained_steps.py) == row_keys_tensor for the same pairs,
+    negative and 64-bit seeds included; so a draw keyed by device positions equals the host-keyed draw, bit for bit."""
+    from deepinfer.sample.sampler import gumbel_argmax
+
+    r = random.Random(7)
+    seeds = [0, -1, 2**63 - 1, -(2**63), 12345] + [r.randrange(-(2**63), 2**63) for _ in range(27)]
+    positions = [0, 1, 2**31, 7, 4096] + [r.randrange(0, 1 << 40) for _ in range(27)]
+    want = rng.row_keys_tensor(seeds, positions)
+    got = rng.row_keys_device(seeds, torch.tensor(positions, dtype=torch.int64))
+    assert torch.equal(got, want)
+    shifted = rng.row_keys_device(seeds, torch.tensor(positions, dtype=torch.int64) + 1)
+    assert not torch.equal(shifted, want)  # (the key follows the position)
+    logits = torch.randn(len(seeds), 50, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(gumbel_argmax(logits, seeds, positions),
+                       gumbel_argmax(logits, seeds, [0] * len(seeds), torch.tensor(positions)))

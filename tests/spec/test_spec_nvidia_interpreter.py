@@ -290,9 +290,17 @@ def test_check_speculation_lets_nvidia_through_and_names_what_it_refuses():
     with pytest.raises(ConfigError, match=r"backend 'ascend': verification steps are built and tested on the cpu "
                                           r"and nvidia backends only"):
         check_speculation(cfg, _Backend("ascend", _Caps("npu"), torch.device("cpu")), "deepseek_v3", 1)
-    with pytest.raises(ConfigError, match=r"async_scheduling=True"):
-        check_speculation(EngineConfig(speculative_method="mtp", async_scheduling=True),
-                          _Backend("nvidia", _Caps("cuda"), torch.device("cpu")), "deepseek_v3", 1)
+    # async scheduling: MTP steps chained on the device (spec/chained_steps.py) where graphs replay them
+    on = EngineConfig(speculative_method="mtp", async_scheduling=True)
+    check_speculation(on, _Backend("nvidia", _Caps("cuda"), torch.device("cpu")), "deepseek_v3", 1)
+    with pytest.raises(ConfigError, match=r"async_scheduling=True .*backend 'nvidia' captures none"):
+        check_speculation(on, _Backend("nvidia", _Caps("cuda", graph_capture=False), torch.device("cpu")),
+                          "deepseek_v3", 1)
+    with pytest.raises(ConfigError, match=r"async_scheduling=True .*per-sequence state \(V4\)"):
+        check_speculation(on, _Backend("nvidia", _Caps("cuda"), torch.device("cpu")), "deepseek_v4", 1)
+    with pytest.raises(ConfigError, match=r"async_scheduling=True .*one rank"):
+        check_speculation(replace(on, tensor_parallel_size=2), _Backend("nvidia", _Caps("cuda"), torch.device("cpu")),
+                          "deepseek_v3", 1)
 
 
 # ---------------------------------------------------------------- GPU (never run yet: no GPU in this session)
