@@ -2,12 +2,12 @@
 of the one in flight. On the nvidia backend under the Triton interpreter with the stand-in graph API (the tiny
 drafting checkpoint of test_spec_nvidia_interpreter.py, fp32), mtp static k.
 
-- call by call, the same outputs as the sync engine (async_scheduling off), greedy, seeded and random (engine seed)
-  requests (their draws keyed by the device's corrected positions), partial acceptance rolled back,
-  a stop string and a stop token landing mid-stream, max_tokens mid-draft, logprobs; the steady steps chained (the
-  step in flight when the next launched), every block back;
-- the fallbacks: a penalized request, a tight KV cache keep the next step sync (counted by reason), output unchanged;
-- an abort and a detokenizer failure with a chained step in flight touch that request only;
+- call by call, overlapped output (spec/overlap.py) == each step's read-back in its own call, and chained steps ==
+  it, greedy, seeded and random (engine seed) requests (their draws keyed by the device's corrected positions),
+  partial acceptance rolled back, a stop string and a stop token landing mid-stream, max_tokens mid-draft,
+  logprobs, a penalized request (its steps wait for the read-back: counted); every block back;
+- a tight KV cache: the next step waits (counted), the scheduler preempts as sync's does, output unchanged;
+- (an abort and a detokenizer failure with a chained step in flight: test_spec_overlap.py)
 - the refusals at start-up (adaptive, n-gram, enforce_eager, overlap off) name the flag and the reason.
 """
 
@@ -71,96 +71,70 @@ def assert_same_outputs(got: dict, want: dict) -> None:
         assert all(x[1] == final_ids[: len(x[1])] and final_text.startswith(x[0]) for x in g), rid
 
 
-def test_chained_steps_equal_the_sync_engine_call_by_call(parts):  # noqa: F811
+def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, monkeypatch):  # noqa: F811
+    """Six requests, greedy (logprobs), seeded, random (the engine's seed; max_tokens mid-draft), a stop string and a
+    stop token landing mid-stream (its text included), min_tokens, a repetition penalty (its steps cannot chain:
+    it finishes early, then the others chain): overlapped output == each step's read-back in its own call
+    (DEEPINFER_SPEC_OVERLAP_OUTPUT=0), every snapshot exactly; chained steps == it as `assert_same_outputs` says, and
+    every verification's accepted count and next drafts per request == sync's but the tail."""
     ps = parts[4]
-    ref, _ = drive(engine(parts, None), [("g0", ps[0], replace(GREEDY, max_tokens=30))])
-    text0 = ref["g0"][-1][0]
+    monkeypatch.setenv("DEEPINFER_SPEC_OVERLAP_OUTPUT", "0")
+    ref, _ = drive(engine(parts, None), [("g0", ps[0], replace(GREEDY, max_tokens=12, logprobs=None))])
+    text0, ids0 = ref["g0"][-1][0], ref["g0"][-1][1]
     stop = text0[len(text0) // 2: len(text0) // 2 + 2]
-    reqs = [("g0", ps[0], replace(GREEDY, max_tokens=30)), ("g1", ps[1], replace(GREEDY, max_tokens=30, logprobs=None)),
-            ("g2", ps[2], replace(GREEDY, max_tokens=30)), ("stop", ps[0], replace(GREEDY, max_tokens=30, stop=[stop])),
-            ("tok", ps[1], replace(GREEDY, max_tokens=30, stop_token_ids=[ref["g0"][-1][1][6]])),
-            ("short", ps[2], replace(GREEDY, max_tokens=7)), ("seeded", ps[2], replace(SEEDED, max_tokens=30)),
-            ("random", ps[0], replace(SEEDED, max_tokens=30, seed=None, temperature=0.7, top_k=20))]
-    sync = engine(parts, None, max_num_seqs=8, num_kv_blocks=64, seed=11)
-    on = engine(parts, True, max_num_seqs=8, num_kv_blocks=64, seed=11)  # (the unseeded request's seed: the engine's)
+    assert stop.strip(), text0
+    g = replace(GREEDY, max_tokens=15)
+    # (seeded at a high temperature: most draws depend on their (seed, position) key, not on the logits alone)
+    reqs = [("g0", ps[0], g), ("seeded", ps[2], replace(SEEDED, max_tokens=15, temperature=1.5, top_p=1.0)),
+            ("random", ps[1], replace(SEEDED, max_tokens=7, seed=None, temperature=0.7, top_k=20)),
+            ("stop", ps[0], replace(g, stop=[stop])),
+            ("tok", ps[0], replace(g, stop_token_ids=[ids0[6]], include_stop_str_in_output=True, min_tokens=3)),
+            ("penalty", ps[1], replace(g, max_tokens=5, repetition_penalty=1.3, logprobs=None))]
+    settings = dict(max_num_seqs=6, num_kv_blocks=48, seed=11)  # (the unseeded request's seed: the engine's)
+    sync = engine(parts, None, **settings)
+    monkeypatch.setenv("DEEPINFER_SPEC_OVERLAP_OUTPUT", "1")
+    overlapped = engine(parts, None, **settings)
+    on = engine(parts, True, **settings)
+    assert not sync._spec.overlap and overlapped._spec.overlap and on._spec.overlap
     history = {"sync": record_verifications(sync), "on": record_verifications(on)}
-    want, _ = drive(sync, reqs)
+    want, empty_sync = drive(sync, reqs)
+    got_overlapped, empty_overlapped = drive(overlapped, reqs)
     got, _ = drive(on, reqs)
+    # overlapped output: the same steps, their outputs one call later (a launch-only call before them)
+    assert got_overlapped == want
+    assert empty_sync == 0 and empty_overlapped >= 1
+    assert want["stop"][-1][2:4] == ("stop", stop) and want["tok"][-1][3] == ids0[6]
+    assert len(want["random"][-1][1]) == 7 and want["random"][-1][2] == "length"
+    spec_o = overlapped._spec
+    assert spec_o.num_overlapped_steps == spec_o.one_sync.num_steps >= 3 and sync._spec.num_overlapped_steps == 0
+    assert spec_o.phases.steps["overlapped"] == spec_o.num_overlapped_steps
+    # chained steps
     assert_same_outputs(got, want)
-    # every verification's accepted count and the drafts drafted after it, per request, the same, but the sync
-    # engine's last (near max_tokens it verifies fewer drafts) and the chained steps launched after a request's end
-    # (dropped); wrong positions or contexts in a chained step's MTP pass or chain change its drafts (its tokens would
-    # not show it: the target decides them)
     for rid in want:
         a, b = history["on"][rid], history["sync"][rid]
         n = min(len(a), len(b)) - 1
-        assert n >= (1 if rid == "short" else 3) and a[:n] == b[:n], rid
+        assert n >= (3 if rid in ("g0", "seeded") else 0) and a[:n] == b[:n], rid
     spec = on._spec
-    assert spec.num_chained_steps >= 3, spec.chain_fallbacks
+    # (a step waits while the penalized request or the one below min_tokens runs: the first reason is counted)
+    assert spec.num_chained_steps >= 3 and {"sampling", "min_tokens"} & set(spec.chain_fallbacks), spec.chain_fallbacks
     assert spec.phases.steps["chained"] == spec.num_chained_steps
-    a, b = on.stats(), sync.stats()
+    b = sync.stats()
     assert 0 < b.spec_accepted_tokens < b.spec_drafted_tokens  # partial acceptance: rolled back
-    assert a.kv_blocks_used == 0 and spec._in_flight is None
+    assert on.stats().kv_blocks_used == 0 and spec._in_flight is None
 
 
-def test_fallbacks_keep_the_output_and_are_counted(parts):  # noqa: F811
-    """A request with a repetition penalty beside greedy ones (the penalty counts host tokens: the next step waits
-    for the read-back), then a KV cache too small for every worst case (the cover fails: sync; the scheduler
-    preempts as it would): output == sync, the fallbacks counted by reason, chaining resumes once the penalized
-    request is done."""
+def test_a_tight_kv_cache_falls_back_and_equals_sync(parts):  # noqa: F811
+    """6 blocks of 16 for three sequences of up to ~28 tokens: the worst-case covers run out, the next step waits
+    for the read-back (counted "kv") and the scheduler preempts as the sync engine's does: output == sync."""
     ps = parts[4]
-    reqs = [("g0", ps[0], replace(GREEDY, max_tokens=30, logprobs=None)),
-            ("s", ps[1], replace(GREEDY, max_tokens=6, repetition_penalty=1.3)),
-            ("g2", ps[2], replace(GREEDY, max_tokens=30, logprobs=None))]
-    want, _ = drive(engine(parts, None, max_num_seqs=4), reqs)
-    on = engine(parts, True, max_num_seqs=4)
-    got, _ = drive(on, reqs)
-    assert_same_outputs(got, want)
-    spec = on._spec
-    assert spec.chain_fallbacks.get("sampling", 0) >= 1 and spec.num_chained_steps >= 2, spec.chain_fallbacks
-    # 8 blocks of 16 for three sequences of up to ~40 tokens: the worst-case covers run out
-    tight = [(rid, p, replace(sp, max_tokens=30, repetition_penalty=1.0) if rid == "s" else sp) for rid, p, sp in reqs]
-    want, _ = drive(engine(parts, None, max_num_seqs=4, num_kv_blocks=8), tight)
-    small = engine(parts, True, max_num_seqs=4, num_kv_blocks=8)
-    got, _ = drive(small, tight)
+    params = replace(GREEDY, max_tokens=18, logprobs=None)
+    reqs = [(f"r{i}", p, params) for i, p in enumerate(ps)]
+    want, _ = drive(engine(parts, None, num_kv_blocks=6), reqs)
+    small = engine(parts, True, num_kv_blocks=6)
+    got, _ = drive(small, reqs)
     assert_same_outputs(got, want)
     assert small._spec.chain_fallbacks.get("kv", 0) >= 1, small._spec.chain_fallbacks
     assert small.stats().kv_blocks_used == 0
-
-
-def test_abort_and_text_failure_with_a_chained_step_in_flight(parts):  # noqa: F811
-    """r2 aborted while a chained step holds its rows; r1's detokenizer raises in an overlapped flush once steps chain:
-    each touches its own request; r0 == its clean run; every block back, nothing in flight."""
-    ps = parts[4]
-    params = replace(GREEDY, max_tokens=30, logprobs=None)
-    clean, _ = drive(engine(parts, None), [("r0", ps[0], params)])
-    e = engine(parts, True)
-    state = {"aborted": None}
-
-    def on_call(eng, call):
-        spec = eng._spec
-        if call == 0:
-            det = eng._requests["r1"].seqs[0].detokenizer
-            add = det.add
-
-            def failing_add(token_id):
-                if spec.num_chained_steps >= 2:
-                    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
-                return add(token_id)
-
-            det.add = failing_add
-        if state["aborted"] is None and spec.num_chained_steps >= 1 and spec._in_flight is not None \
-                and spec._in_flight.fields is not None:
-            state["aborted"] = eng.abort_request("r2")
-
-    got, _ = drive(e, [("r0", ps[0], params), ("r1", ps[1], params), ("r2", ps[2], params)], on_call)
-    assert got["r0"][-1][:4] == clean["r0"][-1][:4]
-    assert got["r1"][-1][2] == "error" and got["r1"][-1][6].startswith("internal error in request 'r1' while "
-                                                                      "processing its output: UnicodeDecodeError")
-    aborted = state["aborted"]
-    assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
-    assert all(s[1] == aborted.outputs[0].token_ids[: len(s[1])] for s in got["r2"])
-    assert e.stats().kv_blocks_used == 0 and e._spec._in_flight is None
 
 
 @pytest.mark.parametrize("kw,why", [

@@ -211,12 +211,15 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-def test_gpu_one_sync_steps_make_no_other_synchronizing_call(parts):  # noqa: F811
+@pytest.mark.parametrize("async_scheduling", [None, True], ids=["overlapped", "chained"])
+def test_gpu_one_sync_steps_make_no_other_synchronizing_call(parts, async_scheduling):  # noqa: F811
     """Real CUDA graphs: after the prompts' step, every step runs one-sync under torch.cuda's sync debug mode
     "error" (a .tolist() / .item() / pageable copy of a device tensor raises): its one read-back waits on an event,
-    nothing else waits for the device."""
+    nothing else waits for the device. Each step's read-back is the next call's (spec/overlap.py): the first call
+    only launches; with async scheduling the steps after it are launched on the device results of the one in
+    flight (spec/chained_steps.py), which must not wait for the device either."""
     ps = parts[4]
-    on = make(parts, speculative_method="mtp", num_speculative_tokens=3)
+    on = make(parts, speculative_method="mtp", num_speculative_tokens=3, async_scheduling=async_scheduling)
     for i, p in enumerate(ps):
         on.add_request(f"r{i}", p, GREEDY)
     on.step()  # the prompts: the host path
@@ -229,4 +232,5 @@ def test_gpu_one_sync_steps_make_no_other_synchronizing_call(parts):  # noqa: F8
             steps += 1
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert steps > 0 and on._spec.one_sync.num_steps - before == steps
+    assert steps > 1 and on._spec.one_sync.num_steps - before == steps - 1  # (the last call launches none)
+    assert (on._spec.num_chained_steps > 0) == bool(async_scheduling)

@@ -2,11 +2,11 @@
 next step runs. On the nvidia backend under the Triton interpreter with the stand-in graph API (the tiny drafting
 checkpoint of test_spec_nvidia_interpreter.py, fp32), mtp k = 3: every decode step one-sync.
 
-- call by call, the same outputs as DEEPINFER_SPEC_OVERLAP_OUTPUT=0 (each snapshot one call later): text, token ids,
-  finish and stop reasons, logprobs with their text, under greedy / seeded requests, a stop string, a stop token
-  (its text included), min_tokens and a max_tokens landing mid-draft;
-- a detokenizer raising in the overlapped text fails that request only; an abort while a step is in flight drops
-  that request's rows; every block comes back.
+- call by call, the same outputs as DEEPINFER_SPEC_OVERLAP_OUTPUT=0: test_spec_chained.py (beside the chained
+  steps');
+- a detokenizer raising in the overlapped text fails that request only; an abort while a step is in flight (an
+  overlapped one, or a chained one) drops that request's rows; every block comes back; drain resolves a step in
+  flight.
 """
 
 from __future__ import annotations
@@ -50,52 +50,16 @@ def drive(engine, requests, on_call=None, max_calls: int = 200):
     return snaps, empty
 
 
-def requests_from(parts, reference):  # noqa: F811
-    """Greedy with logprobs, seeded, a stop string and a stop token taken from a reference run's output (so they
-    land mid-stream), min_tokens, a max_tokens of 6 (mid-draft at k = 3)."""
-    ps = parts[4]
-    text0, ids1 = reference["g0"][-1][0], reference["g1"][-1][1]
-    stop = text0[len(text0) // 2: len(text0) // 2 + 2]
-    assert stop.strip(), text0
-    long = replace(GREEDY, max_tokens=14)
-    return [("g0", ps[0], long), ("g1", ps[1], replace(GREEDY, max_tokens=14, logprobs=None)),
-            ("s", ps[2], replace(SEEDED, max_tokens=14)), ("stop", ps[0], replace(long, stop=[stop])),
-            ("tok", ps[1], replace(long, stop_token_ids=[ids1[5]], include_stop_str_in_output=True, min_tokens=3)),
-            ("short", ps[2], replace(GREEDY, max_tokens=6))]
-
-
-def test_overlapped_outputs_equal_the_sync_engines_call_by_call(parts, monkeypatch):  # noqa: F811
-    ps = parts[4]
-    ref, _ = drive(spec_engine(parts, monkeypatch, False),
-                   [("g0", ps[0], replace(GREEDY, max_tokens=14)), ("g1", ps[1], replace(GREEDY, max_tokens=14))])
-    reqs = requests_from(parts, ref)
-    off = spec_engine(parts, monkeypatch, False, max_num_seqs=8, num_kv_blocks=48)
-    want, empty_off = drive(off, reqs)
-    on = spec_engine(parts, monkeypatch, True, max_num_seqs=8, num_kv_blocks=48)
-    got, empty_on = drive(on, reqs)
-    assert got == want
-    # the stop string, the stop token and max_tokens ended their requests early, as asked
-    assert want["stop"][-1][2:4] == ("stop", reqs[3][2].stop[0]) and want["tok"][-1][3] == reqs[4][2].stop_token_ids[0]
-    assert len(want["short"][-1][1]) == 6 and want["short"][-1][2] == "length"
-    assert all(len(s) > 2 for s in want.values())  # several snapshots each: streamed step by step
-    spec, spec_off = on._spec, off._spec
-    assert spec.num_overlapped_steps == spec.one_sync.num_steps >= 3 and spec_off.num_overlapped_steps == 0
-    assert spec.phases.steps["overlapped"] == spec.num_overlapped_steps and "overlapped" not in spec_off.phases.steps
-    # each overlapped run of steps began with a call that only launched (its outputs came with the next call)
-    assert empty_off == 0 and empty_on >= 1
-    a, b = on.stats(), off.stats()
-    assert (a.spec_drafted_tokens, a.spec_accepted_tokens) == (b.spec_drafted_tokens, b.spec_accepted_tokens)
-    assert 0 < a.spec_accepted_tokens < a.spec_drafted_tokens and a.kv_blocks_used == 0
-
-
-def test_overlapped_text_failure_and_abort_in_flight_touch_one_request(parts, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("chained", [False, True], ids=["overlapped", "chained"])
+def test_text_failure_and_abort_in_flight_touch_one_request(parts, monkeypatch, chained):  # noqa: F811
     """r1's detokenizer raises at its 4th token (made in an overlapped text flush): r1 fails with the error named,
-    its tokens before it right; r2 is aborted while a step holding its rows is in flight. r0 equals its clean run
-    and every block comes back."""
+    its tokens before it right; r2 is aborted while a step holding its rows is in flight (chained: a step launched
+    on the device results of the one before, spec/chained_steps.py). r0 equals its clean run and every block comes
+    back."""
     ps = parts[4]
     params = replace(GREEDY, max_tokens=14, logprobs=None)
     clean, _ = drive(spec_engine(parts, monkeypatch, True), [("r0", ps[0], params)])
-    engine = spec_engine(parts, monkeypatch, True)
+    engine = spec_engine(parts, monkeypatch, True, async_scheduling=True if chained else None)
     state = {"aborted": None, "flushes": 0}
 
     def on_call(e, call):
@@ -111,8 +75,9 @@ def test_overlapped_text_failure_and_abort_in_flight_touch_one_request(parts, mo
                 return add(token_id)
 
             det.add = failing_add
-        if state["aborted"] is None and e._spec._in_flight is not None and call >= 3:
-            held = [it.seq.request.request_id for it in e._spec._in_flight.sched.scheduled]
+        flight = e._spec._in_flight
+        if state["aborted"] is None and flight is not None and call >= 3 and (flight.fields is not None) == chained:
+            held = [it.seq.request.request_id for it in flight.sched.scheduled]
             assert "r2" in held
             state["aborted"] = e.abort_request("r2")
 
@@ -126,15 +91,16 @@ def test_overlapped_text_failure_and_abort_in_flight_touch_one_request(parts, mo
     assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
     assert all(s[1] == aborted.outputs[0].token_ids[: len(s[1])] for s in got["r2"])  # nothing after the abort
     assert engine.stats().kv_blocks_used == 0 and engine._spec._in_flight is None
+    assert (engine._spec.num_chained_steps > 0) == chained
     again, _ = drive(engine, [("again", ps[0], params)])  # and the engine goes on serving
     assert again["again"][-1][:4] == clean["r0"][-1][:4]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_drain_resolves_a_step_in_flight(parts, monkeypatch, overlap):  # noqa: F811
+def test_drain_resolves_a_step_in_flight(parts, monkeypatch):  # noqa: F811
     """drain (the engine's last call, an idle server) resolves the step in flight: its tokens are appended and
     its text made; has_pending says so before."""
     ps = parts[4]
+    overlap = True
     engine = spec_engine(parts, monkeypatch, overlap)
     engine.add_request("r", ps[0], replace(GREEDY, max_tokens=14, logprobs=None))
     while engine._spec.metrics.steps < 2:
