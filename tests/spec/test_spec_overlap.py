@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 from test_spec_mtp_graphs import parts  # noqa: F401 (the module's fixture)
-from test_spec_nvidia_interpreter import GREEDY, SEEDED, make
+from test_spec_nvidia_interpreter import GREEDY, make
 
 K = 3
 
