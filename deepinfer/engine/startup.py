@@ -298,9 +298,6 @@ def chaining_refusals(cfg: EngineConfig, backend, model_type: str | None) -> lis
     why = []
     if cfg.spec_method() != "mtp":
         why.append("async speculative steps take MTP drafts from the device (n-gram drafts are the host's)")
-    if cfg.speculative_adaptive:
-        why.append("the confidence scheduler (--speculative-adaptive) admits drafts by the last step's confidences, "
-                   "not built for async speculative steps (static k is)")
     if cfg.enforce_eager or not backend.caps.graph_capture:
         why.append("async speculative steps replay the decode and MTP graphs ("
                    + ("enforce_eager" if cfg.enforce_eager else f"backend {backend.name!r} captures none") + ")")

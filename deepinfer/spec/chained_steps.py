@@ -30,8 +30,13 @@ KV: N + 1's rows and its chain's lookahead are covered for the worst case (every
 accepted) before it is built; while it is in flight, N's rollback keeps those blocks (`_process`'s keep), and N + 1's
 own resolution rolls back to its accepted tokens. Blocks are keyed in the prefix cache only up to verified tokens.
 
-When (`_chainable`; otherwise the step in flight is resolved first and the next step runs as before): static k
-(the adaptive policy's admission reads the last step's confidences: not built for chaining); every running
+The confidence scheduler: a chained step's budget is the policy's plan (`plan_drafting`, from past steps only:
+non-anticipating), every sequence verifying the planned chain; its per-draft admission (SlotPolicy.counts), which
+reads the confidences of the drafts it verifies, is not run: those confidences are still on the device. Where the
+policy plans after the draw (a probe's verification, a pause) or plans a pause, a probe or an exploration, the step
+runs sync with the plan already made (`_preplanned`).
+
+When (`_chainable`; otherwise the step in flight is resolved first and the next step runs as before): every running
 sequence was in step N, nothing waits; no sequence with penalties (their counts are host tokens) or a grammar (its
 mask follows host tokens), every one past min_tokens (its mask counts host tokens), with
 room for N's and N + 1's tokens within max_model_len; N's chain as long as planned for every sequence (its room
@@ -40,8 +45,8 @@ decode graphs and the MTP graphs cover the step's rows (the eager paths read hos
 counted by reason (`chain_fallbacks`).
 
 Where: `async_scheduling=True` (`--async-scheduling`, `DEEPINFER_ASYNC_SCHEDULING=1`) on an MTP engine whose steps
-run one-sync with overlapped output, static k, one rank; refused at start-up otherwise (spec/setup.py:
-`check_chaining`).
+run one-sync with overlapped output, on one rank; refused at start-up otherwise (engine/startup.py:
+`chaining_refusals`; spec/setup.py when no MTP graphs came).
 """
 
 from __future__ import annotations
@@ -118,20 +123,29 @@ class ChainedSteps:
         t_start = time.perf_counter()
         items, plan0 = prev.sched.scheduled, prev.plan
         links, b = plan0.links, len(items)
-        want = self.policy.plan_drafting(b)  # (static k: k)
+        policy = self.policy
+        if policy.adaptive and (not policy.plans_before_the_draw() or len(self.paused_rows)):
+            return self._fallback("plan")  # (a probe's verification, a pause: the sync step plans after its draw)
+        want = policy.plan_drafting(b)  # (static k: k; adaptive: its plan, from past steps only)
+        if want < 1 or not self._uniform_chain(b):  # a pause, a probe or an exploration: the sync step runs it
+            self._preplanned = want
+            return self._fallback("plan")
         g, kv, runner = self.one_sync.graphs, self.scheduler.kv, self.runner
         t = b * (1 + links)
         pass_bucket, chain_bucket = g.pass_bucket(t), g.chain_bucket(b)
         if pass_bucket is None or chain_bucket is None:
+            self._preplanned = want
             return self._fallback("mtp_graphs")
         for it in items:  # N's tokens and N + 1's rows and chain, every draft accepted, without preempting anyone
             if not cover_tokens(kv, it.seq, len(it.draft) + 1 + links + want):
+                self._preplanned = want
                 return self._fallback("kv")
         t0 = time.perf_counter()
         ctx = [it.context_len + len(it.draft) + 1 for it in items]  # N + 1's context if N accepted everything
         tab = [kv.state_slot(it.seq.seq_id) for it in items]
         batch, seq_d, j_d, pos, rej = self._chained_batch(prev, ctx, tab, links)
         if batch is None:
+            self._preplanned = want
             return self._fallback("decode_graphs")
         fields = self._step_fields()  # (N's: its resolution reads them)
         new_items = [ScheduledSeq(it.seq, 1 + links, c, [0] * links) for it, c in zip(items, ctx)]
@@ -154,6 +168,7 @@ class ChainedSteps:
             sample = runner.sampler.sample(logits, verified_rows(new_items, sampling), None, positions=pos + 1)
         except Exception:  # noqa: BLE001 - the sync step isolates the request whose rows raise (verify_sampling.py)
             self._set_step_fields(fields)  # nothing of this step is kept: its rows' KV is rewritten by the sync step
+            self._preplanned = want
             return self._fallback("sampling_error")
         t_launch = time.perf_counter()
         rec.pending, rec.plan, rec.sampling = self.one_sync.launch(plan, sample, hidden), plan, sampling

@@ -129,6 +129,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps
         # async scheduling: the next one-sync step launched before the read-back of the one in flight
         # (spec/chained_steps.py; set by spec/setup.py where async_scheduling=True), and why a step was not
         self.chaining = False
+        self._preplanned: int | None = None  # an adaptive plan made for a chained step that then could not run
         self.num_chained_steps = 0
         self.chain_fallbacks: dict[str, int] = {}
         self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
@@ -240,7 +241,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps
         # older than planning after the draw; non-anticipating either way), so that the one-sync step can run the
         # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
         samplers = sum(1 for it in sched.scheduled if it.samples)
-        self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
+        if self._preplanned is not None:  # planned for a chained step that could not run (spec/chained_steps.py)
+            self._chain_plan, self._preplanned = self._preplanned, None
+        else:
+            self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
         t_slots = time.perf_counter()
         self.policy_seconds += t_slots - t0  # (with the draft slots' KV cover, a few us)
         self.policy_steps += 1

@@ -8,7 +8,8 @@ drafting checkpoint of test_spec_nvidia_interpreter.py, fp32), mtp static k.
   logprobs, a penalized request (its steps wait for the read-back: counted); every block back;
 - a tight KV cache: the next step waits (counted), the scheduler preempts as sync's does, output unchanged;
 - (an abort and a detokenizer failure with a chained step in flight: test_spec_overlap.py)
-- the refusals at start-up (adaptive, n-gram, enforce_eager, overlap off) name the flag and the reason.
+- the confidence scheduler's steps chain with its plan as their budget, tokens == its sync engine's;
+- the refusals at start-up (n-gram, enforce_eager, overlap off) name the flag and the reason.
 """
 
 from __future__ import annotations
@@ -137,8 +138,34 @@ def test_a_tight_kv_cache_falls_back_and_equals_sync(parts):  # noqa: F811
     assert small.stats().kv_blocks_used == 0
 
 
+def test_adaptive_steps_chain_with_their_plan_as_the_budget(parts):  # noqa: F811
+    """The confidence scheduler with async scheduling: a step chains where the policy plans before the draw (its plan,
+    made from past steps only, is the chained step's budget: every sequence verifies the planned chain, whose
+    confidences are still on the device); a probe's verification or a pause runs sync with the plan already made.
+    mtp k = 2, tables where a chain of 1 pays (as test_spec_one_sync.py's adaptive test): tokens == the sync
+    adaptive engine's (greedy and seeded: the target decides them), steps chained, blocks back."""
+    from deepinfer.spec.draft_cost import DraftCostTable
+    from deepinfer.spec.scheduler import StepCostTable
+
+    ps = parts[4][:2]
+    params = [replace(GREEDY, max_tokens=12, logprobs=None), replace(SEEDED, max_tokens=12)]
+    outs = {}
+    for mode in (None, True):
+        e = make(parts, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=True,
+                 max_num_batched_tokens=16, max_num_seqs=2, async_scheduling=mode)
+        policy = e._spec.policy
+        policy.cost = StepCostTable([1, 4096], [0.01, 0.0101])  # verified tokens almost free
+        policy.draft_cost = DraftCostTable(2, StepCostTable([1, 64], [1e-4, 1e-4]), StepCostTable([1, 64], [1.0, 1.0]))
+        policy.measure_steps = 0
+        policy.realized.decides = False
+        outs[mode] = ([o.outputs[0].token_ids for o in e.generate(ps, params, use_tqdm=False)], e)
+    assert outs[True][0] == outs[None][0]
+    on = outs[True][1]
+    assert on._spec.num_chained_steps >= 2, on._spec.chain_fallbacks
+    assert on.stats().kv_blocks_used == 0 and on._spec._in_flight is None
+
+
 @pytest.mark.parametrize("kw,why", [
-    ({"speculative_adaptive": True}, "confidence scheduler"),
     ({"speculative_method": "ngram"}, "n-gram"),
     ({"enforce_eager": True}, "enforce_eager"),
 ])
