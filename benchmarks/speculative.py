@@ -61,6 +61,8 @@ MODES = {
     # static k with async scheduling: steps chained on the device results of the one in flight (spec/chained_steps.py)
     "k3_async": dict(speculative_method="mtp", num_speculative_tokens=3, async_scheduling=True),
     "k5_async": dict(speculative_method="mtp", num_speculative_tokens=5, async_scheduling=True),
+    "adaptive_async": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True,
+                           async_scheduling=True),
     # static k = 5 with each step's read-back waited for in its own call (DEEPINFER_SPEC_OVERLAP_OUTPUT=0), the A/B
     # of overlapped output (spec/overlap.py)
     "k5_nooverlap": dict(speculative_method="mtp", num_speculative_tokens=5),
@@ -74,7 +76,8 @@ MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
                "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
-                                              "adaptive_nomeasure", "k3_async", "k5_async", "k5_nooverlap")]
+                                              "adaptive_nomeasure", "k3_async", "k5_async", "adaptive_async",
+                                              "k5_nooverlap")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
