@@ -35,6 +35,8 @@ class EngineStats:
     spec_mean_budget: float = float("nan")  # drafted tokens verified per step (last 1024 steps)
     spec_mean_chain: float = float("nan")  # MTP chain length per drafting step (last 1024; adaptive picks it)
     spec_async_steps: int = 0  # adaptive pause steps run through async scheduling (spec/async_pauses.py)
+    spec_overlapped_steps: int = 0  # steps whose read-back was the next engine call's (spec/overlap.py)
+    spec_chained_steps: int = 0  # of which launched on the device results of the one before (spec/chained_steps.py)
 
 
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_capacity_tokens",

@@ -169,7 +169,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps
         report); run there, the deferred work (calibration, the policy's observations) left the next step's wait
         for the host's critical path, and on tp rank 0 only, a step before the other ranks ran it, so that the
         ranks' admissions and plans, which read it, could part."""
-        return self.metrics.stats_fields(self.method, self.async_pauses.num_steps if self.async_pauses else 0)
+        return {**self.metrics.stats_fields(self.method, self.async_pauses.num_steps if self.async_pauses else 0),
+                "spec_overlapped_steps": self.num_overlapped_steps, "spec_chained_steps": self.num_chained_steps}
 
     def flush_if_idle(self) -> None:
         """Run the deferred bookkeeping when no request is left (every rank reaches this at the same point: the

@@ -119,6 +119,9 @@ def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, 
     # (a step waits while the penalized request or the one below min_tokens runs: the first reason is counted)
     assert spec.num_chained_steps >= 3 and {"sampling", "min_tokens"} & set(spec.chain_fallbacks), spec.chain_fallbacks
     assert spec.phases.steps["chained"] == spec.num_chained_steps
+    st = on.stats()  # (EngineStats: what a server's /stats reads)
+    assert st.spec_chained_steps == spec.num_chained_steps and st.spec_overlapped_steps == spec.num_overlapped_steps
+    assert overlapped.stats().spec_chained_steps == 0 and sync.stats().spec_overlapped_steps == 0
     b = sync.stats()
     assert 0 < b.spec_accepted_tokens < b.spec_drafted_tokens  # partial acceptance: rolled back
     assert on.stats().kv_blocks_used == 0 and spec._in_flight is None

@@ -33,8 +33,10 @@ def scrape(stats: EngineStats) -> dict:
 def test_speculation_gauges_and_per_slot_acceptance():
     stats = stats_of(spec_method="mtp", spec_steps=10, spec_request_steps=20, spec_drafted_tokens=30,
                      spec_accepted_tokens=18, spec_tau=1.9, spec_acceptance_rate=0.6,
-                     spec_conditional_acceptance=(0.8, 0.5, float("nan")), spec_mean_budget=3.0, spec_mean_chain=1.5)
+                     spec_conditional_acceptance=(0.8, 0.5, float("nan")), spec_mean_budget=3.0, spec_mean_chain=1.5,
+                     spec_overlapped_steps=9, spec_chained_steps=7)
     got = scrape(stats)
+    assert got[("deepinfer_spec_overlapped_steps_total", ())] == 9 and got[("deepinfer_spec_chained_steps_total", ())] == 7
     assert got[("deepinfer_spec_mean_accepted_length", ())] == pytest.approx(1.9)
     assert got[("deepinfer_spec_acceptance_rate", ())] == pytest.approx(0.6)
     assert got[("deepinfer_spec_verified_per_step", ())] == pytest.approx(3.0)

@@ -75,6 +75,13 @@ class _EngineCollector:
             ("deepinfer_prefix_cache_hits", "tokens served from the prefix cache at admission",
              stats.prefix_cache_hit_tokens),
         ]
+        if stats.spec_method is not None:  # speculative steps by how they ran (spec/overlap.py, spec/chained_steps.py)
+            counters += [
+                ("deepinfer_spec_overlapped_steps", "speculative steps whose read-back was the next engine call's",
+                 stats.spec_overlapped_steps),
+                ("deepinfer_spec_chained_steps", "of those, steps launched on the device results of the one before "
+                 "(async scheduling)", stats.spec_chained_steps),
+            ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
