@@ -97,7 +97,6 @@ class ChainedSteps:
         links = plan.links
         if len(items) * (1 + links) > sch.max_num_batched_tokens:
             return self._fallback("token_budget") or False
-        max_len = sch.kv.max_model_len
         for it, room in zip(items, plan.rooms):
             seq, d = it.seq, len(it.draft)
             p = seq.params
@@ -110,8 +109,6 @@ class ChainedSteps:
                 return self._fallback("min_tokens") or False
             if room < d + links:
                 return self._fallback("room") or False
-            if it.context_len + d + 1 + 2 * links + 1 > max_len:  # (max_tokens: output processing stops there)
-                return self._fallback("length") or False
         return True
 
     @torch.inference_mode()
@@ -131,6 +128,11 @@ class ChainedSteps:
             self._preplanned = want
             return self._fallback("plan")
         g, kv, runner = self.one_sync.graphs, self.scheduler.kv, self.runner
+        # N + 1's rows and its chain's lookahead inside max_model_len, every draft accepted (max_tokens needs no
+        # check: output processing stops there)
+        if any(it.context_len + len(it.draft) + 1 + links + want > kv.max_model_len for it in items):
+            self._preplanned = want
+            return self._fallback("length")
         t = b * (1 + links)
         pass_bucket, chain_bucket = g.pass_bucket(t), g.chain_bucket(b)
         if pass_bucket is None or chain_bucket is None:
