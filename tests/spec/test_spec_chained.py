@@ -142,16 +142,16 @@ def test_a_tight_kv_cache_falls_back_and_equals_sync(parts):  # noqa: F811
 
 
 def test_max_model_len_ends_chaining_and_the_sync_steps_finish(parts):  # noqa: F811
-    """Two requests running into max_model_len (64): once N + 1's rows and its chain's lookahead would pass it, the
+    """Two requests running into max_model_len (32): once N + 1's rows and its chain's lookahead would pass it, the
     next step waits ("length") and the sync steps shorten the chain and end the requests by length: output ==
     sync, no block left."""
     ps = parts[4][:2]
     reqs = [(f"r{i}", p, replace(GREEDY, max_tokens=100, logprobs=None)) for i, p in enumerate(ps)]
-    want, _ = drive(engine(parts, None), reqs)
-    on = engine(parts, True)
+    want, _ = drive(engine(parts, None, max_model_len=32), reqs)
+    on = engine(parts, True, max_model_len=32)
     got, _ = drive(on, reqs)
     assert_same_outputs(got, want)
-    assert all(w[-1][2] == "length" and len(ps[i]) + len(w[-1][1]) == 64 for i, w in enumerate(want.values()))
+    assert all(w[-1][2] == "length" and len(ps[i]) + len(w[-1][1]) == 32 for i, w in enumerate(want.values()))
     assert on._spec.chain_fallbacks.get("length", 0) >= 1 and on._spec.num_chained_steps >= 3, on._spec.chain_fallbacks
     assert on.stats().kv_blocks_used == 0
 
