@@ -25,7 +25,7 @@ string can end it, which the next schedule must know); its text is not overlappe
 
 Steps that take the host path (a prompt chunk, a probe, a grammar, a pause's catch-up) resolve in their own call,
 as before (their text first flushes any text the sequence has queued, in token order). Failures: a sequence whose
-detokenizer raises in `_flush_texts` fails its request (as in `_process`), its blocks freed at once; if it is in the
+detokenizer raises in `_flush_texts` (spec/step_outputs.py) fails its request (as in `_process`), its blocks freed at once; if it is in the
 step in flight, that step's rows of it are dropped when it resolves (a finished sequence takes no tokens), and what
 the step wrote into its freed blocks is overwritten by any later user of them (one stream: the later step runs
 after it), as sched/step_pipeline.py argues for async scheduling. An abort between the calls is the same.
@@ -36,20 +36,17 @@ read-back is waited for in its own call (the deferred bookkeeping runs during th
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.sched.request import Sequence
 from deepinfer.sched.scheduler import SchedulerOutput
-from deepinfer.worker.model_runner import request_error
 
 if TYPE_CHECKING:
     from deepinfer.spec.one_sync import OneSyncPlan, PendingRead
     from deepinfer.spec.pipeline import SpecStepPipeline
 
-logger = logging.getLogger("deepinfer")
 
 
 @dataclass
@@ -92,23 +89,3 @@ class OverlappedSteps:
         self._draft_s = rec.launch_s + (now - t0)  # (the host's share: the launches, the wait and the unpacking)
         self.num_overlapped_steps += 1
         return self._end(rec, keep)
-
-    def _flush_texts(self: SpecStepPipeline, seqs: list[Sequence]) -> None:
-        """The text deferred by `_process(defer_text=True)` (OutputProcessor.flush_text) of these sequences; one
-        whose detokenizer raises fails its request, the others go on."""
-        flush = self.output_processor.flush_text
-        for seq in seqs:
-            if not seq.pending_text:
-                continue
-            try:
-                flush(seq)
-            except Exception as exc:  # this sequence's own failure fails its request only
-                rid = seq.request.request_id
-                logger.exception("request %r: processing its output raised; the request fails, the others go on", rid)
-                for s in seq.request.seqs:
-                    if s is seq or not s.finished:
-                        s.pending_text = []
-                        self.output_processor.fail(s, request_error(rid, "processing its output", exc))
-                        self.book.discard(s)
-                        self.paused_rows.drop(s)
-                        self.scheduler.remove(s)

@@ -2,7 +2,10 @@
 forward over every sequence's tokens and drafts -> the sampler at every verified position -> accept
 the drafts that match -> the MTP pass and chain (next step's drafts) -> KV of rejected tokens rolled
 back -> output processing of several tokens per sequence. The verification's outcomes on the host (emitted tokens,
-metrics, calibration) are spec/verify_outcomes.py's; where each step's wall time went, spec/step_phases.py's.
+metrics, calibration) are spec/verify_outcomes.py's; its output processing, rollback and next drafts on the host
+spec/step_outputs.py's; where each step's wall time went, spec/step_phases.py's. A one-sync step's read-back is the
+next engine call's (spec/overlap.py), and with async scheduling the step after it is launched first
+(spec/chained_steps.py).
 
 Verification. The target's token at each verified position is drawn by the ordinary sampler
 (penalties, min-tokens mask, temperature, top-k / top-p / min-p, the draw keyed by (seed, position)),
@@ -42,16 +45,16 @@ it runs eagerly; a step without drafts replays the decode graph; the MTP pass an
 graphs (backend/mtp_graph_runner.py, through spec/mtp_drafter.py) where they cover the step, else run eagerly.
 
 Async: an adaptive engine's pause steps (plain decodes) run through async scheduling where spec/async_pauses.py
-says; the spec path itself runs sync. Not here (refused at start-up, engine/startup.py: check_speculation): async
-scheduling asked for (speculative steps async), MTP drafting on V4 (n-gram runs: its rollback of the window and
-the compressor rings is the KV manager's, docs/speculative.md "V4"), backends other than cpu and nvidia, and with
-several ranks data-parallel replicas (engine/parallel_setup.py; tensor parallelism runs: every rank runs this step
-alike over its shard, the adaptive policy's measured times agreed first, spec/shared_times.py).
+says; with async_scheduling=True one-sync steps chain (spec/chained_steps.py). Not here (refused at start-up,
+engine/startup.py: check_speculation): async scheduling where steps cannot chain (chaining_refusals), backends
+other than cpu and nvidia, and with several ranks data-parallel replicas (engine/parallel_setup.py; tensor
+parallelism runs: every rank runs this step alike over its shard, the adaptive policy's measured times agreed
+first, spec/shared_times.py). V4 drafts with its MTP module or n-grams (its window and compressor rings roll back
+through the KV manager, docs/speculative.md "V4").
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -74,18 +77,17 @@ from deepinfer.spec.one_sync import OneSyncPlan, OneSyncResult, OneSyncStep
 from deepinfer.spec.overlap import OverlappedSteps, StepRecord
 from deepinfer.spec.shared_times import SharedTimes
 from deepinfer.spec.slot_policy import SlotPolicy
+from deepinfer.spec.step_outputs import StepOutputs
 from deepinfer.spec.step_phases import StepPhases
 from deepinfer.spec.verify_batch import VerifyShapes
 from deepinfer.spec.verify_outcomes import VerifyOutcomes
 from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
-from deepinfer.worker.model_runner import ModelRunner, request_error
+from deepinfer.worker.model_runner import ModelRunner
 from deepinfer.worker.transfer import tensor_to
 
-logger = logging.getLogger("deepinfer")
 
-
-class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps):
+class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps, ChainedSteps):
     """The StepPipeline interface (step / drain / has_pending) for speculative decoding: sync, but for the pause
     steps handed to async_pauses (spec/async_pauses.py; None: every step here) and the one-sync steps' read-backs
     left in flight for the next call (spec/overlap.py)."""
@@ -203,11 +205,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps
                 return got
             done += pauses.drain()  # the spec path starts with every token on the host
         got = done + self._step()
-        if self._in_flight is not None:  # while the device runs it: the text and bookkeeping of the steps before
-            self._flush_texts(done)
+        self._flush_texts(done)  # (a step in flight: while the device runs it, as its bookkeeping below)
+        if self._in_flight is not None:
             self._run_deferred()
-        else:
-            self._flush_texts(done)
         return got
 
     def _step(self) -> list[Sequence]:
@@ -392,67 +392,3 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, OverlappedSteps, ChainedSteps
         for item, toks in zip(sched.scheduled, emitted):
             accepted = max(len(toks) - 1, 0) if item.draft else 0
             item.seq.num_computed_tokens = item.context_len + item.num_tokens - len(item.draft) + accepted
-
-    # ------------------------------------------------------------ host work
-
-    def _process(self, sched: SchedulerOutput, emitted: list[list[int]], logprobs,
-                 defer_text: bool = False, keep: dict[str, int] | None = None) -> list[Sequence]:
-        """Output processing of a step's emitted tokens (defer_text: their text queued, spec/overlap.py), rollback of
-        the rejected KV (none below keep[seq_id]: a chained step in flight writes there), the prefix cache's keys and
-        the book of next drafts."""
-        append_token = self.output_processor.append_token
-        kv = self.scheduler.kv
-        got: list[Sequence] = []
-        for i, message in self._failed.items():  # a grammar state in error: its request fails (bitmask.py)
-            seq = sched.scheduled[i].seq
-            if not seq.finished:
-                logger.error("request %r: %s", seq.request.request_id, message)
-                for s in seq.request.seqs:
-                    if s is seq or not s.finished:
-                        self.book.discard(s)
-                        self.output_processor.fail(s, message)
-                        self.scheduler.remove(s)
-                got.append(seq)
-        for item, toks, lps in zip(sched.scheduled, emitted, logprobs):
-            seq = item.seq
-            if not toks or seq.finished:
-                continue
-            try:
-                for j, t in enumerate(toks):
-                    append_token(seq, t, lps[j] if lps is not None else None, defer_text)
-                    if seq.finished:  # EOS, a stop string or max_tokens mid-draft: the rest is dropped
-                        break
-                self._extra_tokens += j
-            except Exception as exc:  # this sequence's own failure fails its request only
-                rid = seq.request.request_id
-                logger.exception("request %r: processing its output raised; the request fails, the others go on", rid)
-                for s in seq.request.seqs:
-                    if s is seq or not s.finished:
-                        self.output_processor.fail(s, request_error(rid, "processing its output", exc))
-                        self.scheduler.remove(s)
-                got.append(seq)
-                continue
-            if seq.finished:
-                self.book.discard(seq)
-                self.paused_rows.drop(seq)
-                self.scheduler.remove(seq)
-            got.append(seq)
-        for item in sched.scheduled:  # rejected KV back to the pool; keyed only now, verified tokens only
-            seq = item.seq
-            if seq.finished:
-                continue
-            kv.rollback(seq, max(seq.num_computed_tokens, keep.get(seq.seq_id, 0)) if keep else seq.num_computed_tokens)
-            kv.register_computed(seq)
-            kv.trim(seq)
-        if isinstance(self.drafter, NgramDrafter) and self._drafting:
-            t0 = time.perf_counter()
-            for seq in got:
-                if not seq.finished:
-                    p = self.drafter.propose(seq.prompt_token_ids + seq.output_token_ids, self.policy.k)
-                    self._next_drafts.append((seq, p.tokens, p.confidence))
-            self._draft_s = time.perf_counter() - t0  # (observed at the step's end, `_step`)
-        for seq, toks, conf in self._next_drafts:
-            self.book.put(seq, toks, conf)
-        self._next_drafts = []
-        return got
-
