@@ -18,11 +18,11 @@ output processing (which also corrects the host's view: each item's context_len,
 N's text, while the device runs N + 1. So each step costs about max(host, device) instead of their sum.
 
 Same tokens as sync: N + 1 verifies the drafts a sync step would (all L: static k verifies every draft it holds,
-but near max_tokens, where the sync step verifies fewer: the target's token at each position is the same
-either way, and output processing stops at max_tokens) at the positions it would, over the same KV; a greedy
-draw depends on the logits only, a seeded or random row's on its (seed, position) key, hashed on the device from
-the corrected position (`Sampler.sample(positions=...)`, rng.py `row_keys_device`: bit-equal to the host's key).
-What is different: a sequence that N finishes (EOS, a stop string, max_tokens) may be in N + 1, whose rows of it are then
+but near max_tokens, where the sync step verifies fewer: the target's token at each position is the same either
+way, and output processing stops at max_tokens) at the positions it would, over the same KV; a greedy draw depends
+on the logits only, a seeded or random row's on its (seed, position) key, hashed on the device from the corrected
+position (`Sampler.sample(positions=...)`, rng.py `row_keys_device`: bit-equal to the host's key). What is
+different: a sequence that N finishes (EOS, a stop string, max_tokens) may be in N + 1, whose rows of it are then
 dropped (a finished sequence takes no tokens), and its blocks, freed when N resolves, are rewritten only by later
 steps (one stream), as sched/step_pipeline.py argues for plain async scheduling.
 
@@ -36,13 +36,12 @@ reads the confidences of the drafts it verifies, is not run: those confidences a
 policy plans after the draw (a probe's verification, a pause) or plans a pause, a probe or an exploration, the step
 runs sync with the plan already made (`_preplanned`).
 
-When (`_chainable`; otherwise the step in flight is resolved first and the next step runs as before): every running
-sequence was in step N, nothing waits; no sequence with penalties (their counts are host tokens) or a grammar (its
-mask follows host tokens), every one past min_tokens (its mask counts host tokens), with
-room for N's and N + 1's tokens within max_model_len; N's chain as long as planned for every sequence (its room
-covered); the
-decode graphs and the MTP graphs cover the step's rows (the eager paths read host lengths). Each fallback is
-counted by reason (`chain_fallbacks`).
+When (`_chainable`, `_chain`; otherwise the step in flight is resolved first and the next step runs as before):
+every running sequence was in step N, nothing waits; no sequence with penalties (their counts are host tokens) or a
+grammar (its mask follows host tokens), every one past min_tokens (its mask counts host tokens), with room for N's
+and N + 1's tokens within max_model_len; N's chain as long as planned for every sequence (its room covered); the
+worst-case KV covered without preempting; the decode graphs and the MTP graphs cover the step's rows (the eager
+paths read host lengths). Each fallback is counted by reason (`chain_fallbacks`).
 
 Where: `async_scheduling=True` (`--async-scheduling`, `DEEPINFER_ASYNC_SCHEDULING=1`) on an MTP engine whose steps
 run one-sync with overlapped output, on one rank; refused at start-up otherwise (engine/startup.py:
