@@ -36,7 +36,7 @@ reads the confidences of the drafts it verifies, is not run: those confidences a
 policy plans after the draw (a probe's verification, a pause) or plans a pause, a probe or an exploration, the step
 runs sync with the plan already made (`_preplanned`).
 
-When (`_chainable`, `_chain`; otherwise the step in flight is resolved first and the next step runs as before):
+When (`_why_not_chained`, `_chain`; otherwise the step in flight is resolved first and the next step runs as before):
 every running sequence was in step N, nothing waits; no sequence with penalties (their counts are host tokens) or a
 grammar (its mask follows host tokens), every one past min_tokens (its mask counts host tokens), with room for N's
 and N + 1's tokens within max_model_len; N's chain as long as planned for every sequence (its room covered); the
@@ -86,36 +86,38 @@ class ChainedSteps:
     def _fallback(self: SpecStepPipeline, why: str) -> None:
         self.chain_fallbacks[why] = self.chain_fallbacks.get(why, 0) + 1
 
-    def _chainable(self: SpecStepPipeline, prev: StepRecord) -> bool:
-        """Whether the step after `prev` (in flight) can be launched before prev's read-back (module docstring)."""
+    def _why_not_chained(self: SpecStepPipeline, prev: StepRecord) -> str | None:
+        """Why the step after `prev` (in flight) cannot be launched before prev's read-back (module docstring), as
+        `chain_fallbacks` counts it; None when it can."""
         sch, items, plan = self.scheduler, prev.sched.scheduled, prev.plan
         if sch.waiting:
-            return self._fallback("waiting") or False
+            return "waiting"
         if len(sch.running) != len(items) or any(it.seq is not s for it, s in zip(items, sch.running)):
-            return self._fallback("batch_changed") or False
+            return "batch_changed"
         links = plan.links
         if len(items) * (1 + links) > sch.max_num_batched_tokens:
-            return self._fallback("token_budget") or False
+            return "token_budget"
         for it, room in zip(items, plan.rooms):
             seq, d = it.seq, len(it.draft)
             p = seq.params
             if seq.finished:
-                return self._fallback("finished") or False
+                return "finished"
             if seq.grammar is not None or seq.request.needs_host_tokens:
-                return self._fallback("sampling") or False
+                return "sampling"
             outs = len(seq.output_token_ids)
             if outs < p.min_tokens:
-                return self._fallback("min_tokens") or False
+                return "min_tokens"
             if room < d + links:
-                return self._fallback("room") or False
-        return True
+                return "room"
+        return None
 
     @torch.inference_mode()
     def _chain(self: SpecStepPipeline, prev: StepRecord) -> StepRecord | None:
         """Launch the step after `prev` (in flight) from prev's device results; None (nothing launched, nothing
         changed but KV covered for it) where it cannot be (counted in chain_fallbacks)."""
-        if not self._chainable(prev):
-            return None
+        why = self._why_not_chained(prev)
+        if why is not None:
+            return self._fallback(why)
         t_start = time.perf_counter()
         items, plan0 = prev.sched.scheduled, prev.plan
         links, b = plan0.links, len(items)
@@ -144,7 +146,7 @@ class ChainedSteps:
         t0 = time.perf_counter()
         ctx = [it.context_len + len(it.draft) + 1 for it in items]  # N + 1's context if N accepted everything
         tab = [kv.state_slot(it.seq.seq_id) for it in items]
-        batch, seq_d, j_d, pos, rej = self._chained_batch(prev, ctx, tab, links)
+        batch, row_drafts, pos, rej = self._chained_batch(prev, ctx, tab, links)
         if batch is None:
             self._preplanned = want
             return self._fallback("decode_graphs")
@@ -160,7 +162,7 @@ class ChainedSteps:
         t_stage = time.perf_counter()
         plan = OneSyncPlan(t, b, links, want, pass_bucket, chain_bucket,
                            starts=[i * (1 + links) for i in range(b)], rooms=[links + want] * b)
-        self._stage_chained(plan, ctx, tab, seq_d, j_d, pos, rej)
+        self._stage_chained(plan, ctx, tab, row_drafts, pos, rej)
         t_sample = time.perf_counter()
         logits = runner.model.compute_logits(hidden).float()
         sampling = list(range(b))
@@ -203,7 +205,8 @@ class ChainedSteps:
 
     def _chained_batch(self: SpecStepPipeline, prev: StepRecord, ctx: list[int], tab: list[int], links: int):
         """N + 1's forward as decode rows, corrected on the device by N's rejected counts (module docstring):
-        (the batch, or None where no decode graph replays it; each row's sequence, its j, its position)."""
+        (the batch, or None where no decode graph replays it; each row's draft of N (0 at a sequence's first row),
+        its position, each sequence's rejected drafts in N)."""
         runner, kv = self.runner, self.scheduler.kv
         builder, dev = runner.builder, runner.device
         items, b, w = prev.sched.scheduled, len(ctx), 1 + links
@@ -220,7 +223,8 @@ class ChainedSteps:
         last = prev.pending.sample.token_ids.index_select(0, start_d + acc)  # N's last emitted token
         drafts = self.one_sync.graphs.static.out_ids[:b, :links]
         pos = pos_d - rej.index_select(0, seq_d)
-        ids = torch.where(j_d == 0, last.index_select(0, seq_d), drafts[seq_d, (j_d - 1).clamp(min=0)])
+        row_drafts = torch.where(j_d == 0, 0, drafts[seq_d, (j_d - 1).clamp(min=0)])  # (f_tok of the MTP pass too)
+        ids = torch.where(j_d == 0, last.index_select(0, seq_d), row_drafts)
         builder.sync_tables()  # (the worst-case cover's new blocks)
         rows = tab_d.index_select(0, seq_d)
         longest = int(pos_opt.max()) + 1
@@ -239,11 +243,11 @@ class ChainedSteps:
             state_slots=None, state_slots_cpu=[], block_size=kv.block_size)
         graph_runner = runner.graph_runner
         if graph_runner is None or not graph_runner.can_run(batch):
-            return None, None, None, None, None
-        return batch, seq_d, j_d, pos, rej
+            return None, None, None, None
+        return batch, row_drafts, pos, rej
 
     def _stage_chained(self: SpecStepPipeline, plan: OneSyncPlan, ctx: list[int], tab: list[int],
-                       seq_d: torch.Tensor, j_d: torch.Tensor, pos: torch.Tensor, rej: torch.Tensor) -> None:
+                       row_drafts: torch.Tensor, pos: torch.Tensor, rej: torch.Tensor) -> None:
         """The one-sync pass's and chain's inputs of N + 1 (OneSyncStep.stage's, placed as if N accepted everything),
         then corrected on the device: positions, contexts and rooms by N's rejected counts, N's drafts as f_tok."""
         b, t, links, want = plan.b, plan.t, plan.k, plan.links
@@ -257,5 +261,4 @@ class ChainedSteps:
         st.seg("p_pos")[:t].copy_(pos)
         st.seg("f_ctx")[:b].sub_(rej)
         st.seg("f_room")[:b].add_(rej)
-        drafts = st.out_ids[:b, :links]  # (N's chain: the replays that rewrite it come after these reads)
-        st.seg("f_tok")[:t].copy_(torch.where(j_d == 0, 0, drafts[seq_d, (j_d - 1).clamp(min=0)]))
+        st.seg("f_tok")[:t].copy_(row_drafts)  # (N's chain, gathered before this step's chain rewrites it)
