@@ -115,6 +115,9 @@ class MTPStatic:
     zeros: torch.Tensor  # [t_max] int64 (the batch's input ids: the MTP forward takes its tokens apart)
     qsl: torch.Tensor  # [t_max + 1] int32 0..t_max
     no_logits: torch.Tensor  # [0] int64
+    # a second host buffer of that layout: steps alternate between the two (`flip_host`), so staging step N + 1
+    # never waits for step N's copy, which a chained step queues behind N's forward (spec/chained_steps.py)
+    host_spare: torch.Tensor | None = None
     offsets: dict[str, int] = field(default_factory=dict)
     host_np: object = None  # a numpy view of `host`
     # each segment's view of `ints` / `host`, made once (a step reads a dozen of them: a slice each time cost ~1 us
@@ -122,12 +125,30 @@ class MTPStatic:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     host_views: dict[str, torch.Tensor] = field(default_factory=dict)
     _layouts: dict[tuple[str, ...], tuple] = field(default_factory=dict)  # write_host's, per names
+    _spare: tuple = ()  # (host, host_np, host_views) of the buffer not in use, made once
+    host_index: int = 0  # which of the two buffers `host` is (0: the first allocated)
 
     def __post_init__(self) -> None:
-        self.host_np = self.host.numpy()
         for name, o in self.offsets.items():
             self.views[name] = self.ints[o : o + self.size(name)]
-            self.host_views[name] = self.host[o : o + self.size(name)]
+        self.host_np, self.host_views = self._host_set(self.host)
+        if self.host_spare is not None:
+            self._spare = (self.host_spare, *self._host_set(self.host_spare))
+
+    def _host_set(self, host: torch.Tensor) -> tuple[object, dict[str, torch.Tensor]]:
+        return host.numpy(), {name: host[o : o + self.size(name)] for name, o in self.offsets.items()}
+
+    def flip_host(self) -> int:
+        """Make the other host buffer the one staged into (a no-op with one); returns the index (0 / 1) of the
+        buffer now in use, for the caller's per-buffer copy events."""
+        if not self._spare:
+            return 0
+        current = (self.host, self.host_np, self.host_views)
+        self.host, self.host_np, self.host_views = self._spare
+        self._spare = current
+        self.host_spare = current[0]
+        self.host_index ^= 1
+        return self.host_index
 
     @classmethod
     def allocate(cls, t_max: int, b_max: int, k: int, hidden: int, dtype: torch.dtype,
@@ -137,8 +158,11 @@ class MTPStatic:
             offsets[name], o = o, o + t_max
         for name in CHAIN_FIELDS + CHAIN_EXTRA:
             offsets[name], o = o, o + b_max
-        host = torch.empty(o, dtype=torch.int64, pin_memory=device.type != "cpu")
+        pinned = device.type != "cpu"
+        host = torch.empty(o, dtype=torch.int64, pin_memory=pinned)
+        spare = torch.empty(o, dtype=torch.int64, pin_memory=pinned)  # (on the CPU too: the tests run the flips)
         st = cls(t_max=t_max, b_max=b_max, k=k, ints=torch.empty(o, dtype=torch.int64, device=device), host=host,
+                 host_spare=spare,
                  p_hidden=torch.zeros((t_max, hidden), dtype=dtype, device=device),
                  p_out=torch.zeros((t_max, hidden), dtype=dtype, device=device),
                  c_state=torch.zeros((b_max, hidden), dtype=dtype, device=device),
@@ -152,6 +176,7 @@ class MTPStatic:
                  no_logits=torch.empty(0, dtype=torch.int64, device=device), offsets=offsets)
         for name, value in PAD.items():  # every row inert until staged (warm-ups and captures read these)
             st.seg_host(name).fill_(value)
+        spare.copy_(host)
         st.ints.copy_(st.host)
         return st
 
@@ -248,7 +273,8 @@ class MTPGraphRunner:
     head_graphs: dict[int, object] = field(default_factory=dict)
     link_graphs: dict[int, object] = field(default_factory=dict)
     chain_graphs: dict[int, object] = field(default_factory=dict)  # head + k - 1 links in one graph (k > 1)
-    _event: object = None  # recorded after the last staging copy (the host buffer is rewritten after it)
+    # per host buffer (MTPStatic.flip_host): recorded after its last staging copy (the buffer is rewritten after it)
+    _events: list = field(default_factory=lambda: [None, None])
     num_pass_replays: int = 0
     num_head_replays: int = 0
     num_link_replays: int = 0
@@ -380,16 +406,20 @@ class MTPGraphRunner:
                      (CHAIN_FIELDS + CHAIN_EXTRA, chain_rows, chain_bucket)])
 
     def _stage(self, groups: list[tuple[tuple[str, ...], list[list[int]], int]]) -> None:
-        """Write each (names, their lists, bucket) into the host buffer, then one copy to the device."""
-        if self._event is not None:
-            self._event.synchronize()  # the last step's copy has read the host buffer (long done, in practice)
+        """Write each (names, their lists, bucket) into a host buffer, then one copy to the device. The two host
+        buffers alternate: the one written was last copied two steps ago, so waiting for that copy is waiting for
+        step N - 1's, long done even when this step is chained behind step N's forward on the device."""
         st = self.static
+        i = st.flip_host()
+        if self._events[i] is not None:
+            self._events[i].synchronize()
         for names, data, bucket in groups:
             st.write_host(names, data, bucket)
         st.ints.copy_(st.host, non_blocking=True)
         if st.ints.device.type != "cpu":
-            self._event = torch.Event(device=st.ints.device)
-            self._event.record()
+            event = torch.Event(device=st.ints.device)
+            event.record()
+            self._events[i] = event
 
     def run_pass(self, hidden: torch.Tensor, rows: int, bucket: int) -> torch.Tensor:
         """The staged pass over `rows` rows of `hidden` (gathered by p_src): the MTP states [rows, D]."""

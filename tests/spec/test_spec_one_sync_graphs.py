@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import torch
 from stand_in_graphs import StandInGraphRunner
 
-from deepinfer.backend.mtp_graph_runner import CHAIN_EXTRA, CHAIN_FIELDS, PASS_EXTRA, PASS_FIELDS, MTPStatic
+from deepinfer.backend.mtp_graph_runner import (
+    CHAIN_EXTRA,
+    CHAIN_FIELDS,
+    PASS_EXTRA,
+    PASS_FIELDS,
+    MTPGraphRunner,
+    MTPStatic,
+)
 from deepinfer.spec.one_sync_graphs import VerifyGraphs
 
 K = 3
@@ -89,3 +96,23 @@ def test_verify_graphs_equal_the_rule_and_keep_padded_rows_inert():
         assert st.seg("c_len")[:cb].tolist() == want[5]
         assert st.seg("c_row")[:cb].tolist() == want[6]
     assert vg.num_replays == 2
+
+
+def test_staging_alternates_host_buffers_so_the_one_in_flight_is_never_rewritten():
+    """MTPGraphRunner._stage writes step N + 1 into the host buffer step N did not use: a chained step stages while
+    step N's copy may still be queued behind N's forward (spec/chained_steps.py), and that copy must read N's rows.
+    Each stage still lands on the device whole, and the third reuses the first's buffer."""
+    st = MTPStatic.allocate(8, 4, K, 1, torch.float32, torch.device("cpu"))
+    runner = MTPGraphRunner(api=None, model=None, caches=None, tables={}, tokens_per_entry={}, block_size=16,
+                            pass_buckets=[8], chain_buckets=[4], k=K, static=st)
+    names = PASS_FIELDS + PASS_EXTRA
+    used, staged = [], []
+    for step in range(3):
+        rows = [[100 * step + 10 * i + j for j in range(3)] for i in range(len(names))]
+        runner.stage_all(rows, [[0] for _ in CHAIN_FIELDS + CHAIN_EXTRA], 4, 1)
+        used.append(st.host.data_ptr())
+        staged.append(rows)
+        assert [st.seg(n)[:3].tolist() for n in names] == rows  # the device holds this step's rows
+        if step:  # the previous step's buffer (the one a queued copy would read) still holds its rows
+            assert [st.host_spare[st.offsets[n]: st.offsets[n] + 3].tolist() for n in names] == staged[step - 1]
+    assert used[0] != used[1] and used[2] == used[0]
