@@ -37,7 +37,8 @@ policy plans after the draw (a probe's verification, a pause) or plans a pause, 
 runs sync with the plan already made (`_preplanned`).
 
 When (`_why_not_chained`, `_chain`; otherwise the step in flight is resolved first and the next step runs as before):
-every running sequence was in step N, nothing waits; no sequence with penalties (their counts are host tokens) or a
+every running sequence was in step N (those of N that finished since N's launch are left out: N + 1 gathers the
+kept sequences' rows of N's device results), nothing waits; no sequence with penalties (their counts are host tokens) or a
 grammar (its mask follows host tokens), every one past min_tokens (its mask counts host tokens), with room for N's
 and N + 1's tokens within max_model_len; N's chain as long as planned for every sequence (its room covered); the
 worst-case KV covered without preempting; the decode graphs and the MTP graphs cover the step's rows (the eager
@@ -86,40 +87,48 @@ class ChainedSteps:
     def _fallback(self: SpecStepPipeline, why: str) -> None:
         self.chain_fallbacks[why] = self.chain_fallbacks.get(why, 0) + 1
 
-    def _why_not_chained(self: SpecStepPipeline, prev: StepRecord) -> str | None:
+    def _why_not_chained(self: SpecStepPipeline, prev: StepRecord) -> tuple[str | None, list[int]]:
         """Why the step after `prev` (in flight) cannot be launched before prev's read-back (module docstring), as
-        `chain_fallbacks` counts it; None when it can."""
+        `chain_fallbacks` counts it, or None when it can; and which of prev's sequences it takes (their indices in
+        prev, in order): the running ones, where the others have finished since prev was launched."""
         sch, items, plan = self.scheduler, prev.sched.scheduled, prev.plan
         if sch.waiting:
-            return "waiting"
-        if len(sch.running) != len(items) or any(it.seq is not s for it, s in zip(items, sch.running)):
-            return "batch_changed"
+            return "waiting", []
+        if not sch.running:
+            return "idle", []  # (nothing to chain: not a fallback)
+        index = {id(it.seq): i for i, it in enumerate(items)}
+        keep = [index.get(id(s), -1) for s in sch.running]
+        if -1 in keep or any(
+                not items[i].seq.finished for i in set(range(len(items))) - set(keep)):
+            return "batch_changed", []
         links = plan.links
-        if len(items) * (1 + links) > sch.max_num_batched_tokens:
-            return "token_budget"
-        for it, room in zip(items, plan.rooms):
+        if len(keep) * (1 + links) > sch.max_num_batched_tokens:
+            return "token_budget", []
+        for i in keep:
+            it, room = items[i], plan.rooms[i]
             seq, d = it.seq, len(it.draft)
             p = seq.params
             if seq.finished:
-                return "finished"
+                return "finished", []
             if seq.grammar is not None or seq.request.needs_host_tokens:
-                return "sampling"
+                return "sampling", []
             outs = len(seq.output_token_ids)
             if outs < p.min_tokens:
-                return "min_tokens"
+                return "min_tokens", []
             if room < d + links:
-                return "room"
-        return None
+                return "room", []
+        return None, keep
 
     @torch.inference_mode()
     def _chain(self: SpecStepPipeline, prev: StepRecord) -> StepRecord | None:
         """Launch the step after `prev` (in flight) from prev's device results; None (nothing launched, nothing
         changed but KV covered for it) where it cannot be (counted in chain_fallbacks)."""
-        why = self._why_not_chained(prev)
+        why, keep = self._why_not_chained(prev)
         if why is not None:
-            return self._fallback(why)
+            return None if why == "idle" else self._fallback(why)
         t_start = time.perf_counter()
-        items, plan0 = prev.sched.scheduled, prev.plan
+        plan0 = prev.plan
+        items = [prev.sched.scheduled[i] for i in keep]
         links, b = plan0.links, len(items)
         policy = self.policy
         if policy.adaptive and (not policy.plans_before_the_draw() or len(self.paused_rows)):
@@ -146,7 +155,7 @@ class ChainedSteps:
         t0 = time.perf_counter()
         ctx = [it.context_len + len(it.draft) + 1 for it in items]  # N + 1's context if N accepted everything
         tab = [kv.state_slot(it.seq.seq_id) for it in items]
-        batch, row_drafts, pos, rej = self._chained_batch(prev, ctx, tab, links)
+        batch, row_drafts, pos, rej = self._chained_batch(prev, keep, ctx, tab, links)
         if batch is None:
             self._preplanned = want
             return self._fallback("decode_graphs")
@@ -183,6 +192,7 @@ class ChainedSteps:
         rec.fields = self._step_fields()
         self._set_step_fields(fields)  # back to N's until it resolves
         self.num_chained_steps += 1
+        self.num_chained_without_finished += len(keep) < len(prev.sched.scheduled)
         return rec
 
     def _take_chained(self: SpecStepPipeline, rec: StepRecord) -> None:
@@ -203,25 +213,30 @@ class ChainedSteps:
         self._set_step_fields(rec.fields)
         self._in_flight = rec
 
-    def _chained_batch(self: SpecStepPipeline, prev: StepRecord, ctx: list[int], tab: list[int], links: int):
-        """N + 1's forward as decode rows, corrected on the device by N's rejected counts (module docstring):
-        (the batch, or None where no decode graph replays it; each row's draft of N (0 at a sequence's first row),
-        its position, each sequence's rejected drafts in N)."""
+    def _chained_batch(self: SpecStepPipeline, prev: StepRecord, keep: list[int], ctx: list[int], tab: list[int],
+                       links: int):
+        """N + 1's forward as decode rows of N's sequences `keep` (their indices in N), corrected on the device by
+        N's rejected counts (module docstring): (the batch, or None where no decode graph replays it; each row's
+        draft of N (0 at a sequence's first row), its position, each sequence's rejected drafts in N)."""
         runner, kv = self.runner, self.scheduler.kv
         builder, dev = runner.builder, runner.device
-        items, b, w = prev.sched.scheduled, len(ctx), 1 + links
+        items, b, w = [prev.sched.scheduled[i] for i in keep], len(ctx), 1 + links
         t = b * w
         pos_opt = (np.repeat(np.asarray(ctx, dtype=np.int64), w) + np.tile(np.arange(w, dtype=np.int64), b))
         host = np.concatenate([pos_opt, np.repeat(np.arange(b, dtype=np.int64), w),
                                np.tile(np.arange(w, dtype=np.int64), b), np.asarray(tab, dtype=np.int64),
                                np.asarray([len(it.draft) for it in items], dtype=np.int64),
-                               np.asarray(prev.plan.starts, dtype=np.int64)])
+                               np.asarray([prev.plan.starts[i] for i in keep], dtype=np.int64),
+                               np.asarray(keep, dtype=np.int64)])
         packed = to_device(torch.from_numpy(host), dev)
-        pos_d, seq_d, j_d, tab_d, dlen_d, start_d = packed.split_with_sizes([t, t, t, b, b, b])
-        acc = self.one_sync.verify.accepted[:b]
+        pos_d, seq_d, j_d, tab_d, dlen_d, start_d, keep_d = packed.split_with_sizes([t, t, t, b, b, b, b])
+        # (N's per-sequence device results, rows of N's order: the kept ones; all of them, in order, most steps)
+        whole = len(keep) == len(prev.sched.scheduled)
+        acc = self.one_sync.verify.accepted[:b] if whole else self.one_sync.verify.accepted.index_select(0, keep_d)
         rej = dlen_d - acc  # N's rejected drafts per sequence
         last = prev.pending.sample.token_ids.index_select(0, start_d + acc)  # N's last emitted token
-        drafts = self.one_sync.graphs.static.out_ids[:b, :links]
+        out_ids = self.one_sync.graphs.static.out_ids
+        drafts = out_ids[:b, :links] if whole else out_ids.index_select(0, keep_d)[:, :links]
         pos = pos_d - rej.index_select(0, seq_d)
         row_drafts = torch.where(j_d == 0, 0, drafts[seq_d, (j_d - 1).clamp(min=0)])  # (f_tok of the MTP pass too)
         ids = torch.where(j_d == 0, last.index_select(0, seq_d), row_drafts)

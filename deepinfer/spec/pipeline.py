@@ -133,6 +133,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         self.chaining = False
         self._preplanned: int | None = None  # an adaptive plan made for a chained step that then could not run
         self.num_chained_steps = 0
+        self.num_chained_without_finished = 0  # chained steps that left out sequences finished since the last launch
         self.chain_fallbacks: dict[str, int] = {}
         self.num_host_reads = 0  # the host path's waits for its draw (the drafter counts its own)
         # host seconds of the slot policy (admission, plan, calibration) over policy_steps speculative-path steps:

@@ -5,7 +5,8 @@ drafting checkpoint of test_spec_nvidia_interpreter.py, fp32), mtp static k.
 - call by call, overlapped output (spec/overlap.py) == each step's read-back in its own call, and chained steps ==
   it, greedy, seeded and random (engine seed) requests (their draws keyed by the device's corrected positions),
   partial acceptance rolled back, a stop string and a stop token landing mid-stream, max_tokens mid-draft,
-  logprobs, a penalized request (its steps wait for the read-back: counted); every block back;
+  logprobs, a penalized request (its steps wait for the read-back: counted), the first request finishing first (the
+  next step chains on the rows of the others: its rows of N left out); every block back;
 - a tight KV cache: the next step waits (counted), the scheduler preempts as sync's does, output unchanged;
 - (an abort and a detokenizer failure with a chained step in flight: test_spec_overlap.py)
 - the confidence scheduler's steps chain with its plan as their budget, tokens == its sync engine's;
@@ -86,8 +87,9 @@ def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, 
     assert stop.strip(), text0
     g = replace(GREEDY, max_tokens=15)
     # (seeded at a high temperature: most draws depend on their (seed, position) key, not on the logits alone)
-    reqs = [("g0", ps[0], g), ("seeded", ps[2], replace(SEEDED, max_tokens=15, temperature=1.5, top_p=1.0)),
-            ("random", ps[1], replace(SEEDED, max_tokens=7, seed=None, temperature=0.7, top_k=20)),
+    # (the request that finishes first leads the batch: the next step chains on the rows of N behind it)
+    reqs = [("random", ps[1], replace(SEEDED, max_tokens=7, seed=None, temperature=0.7, top_k=20)),
+            ("g0", ps[0], g), ("seeded", ps[2], replace(SEEDED, max_tokens=15, temperature=1.5, top_p=1.0)),
             ("stop", ps[0], replace(g, stop=[stop])),
             ("tok", ps[0], replace(g, stop_token_ids=[ids0[6]], include_stop_str_in_output=True, min_tokens=3)),
             ("penalty", ps[1], replace(g, max_tokens=5, repetition_penalty=1.3, logprobs=None))]
@@ -118,6 +120,8 @@ def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, 
     spec = on._spec
     # (a step waits while the penalized request or the one below min_tokens runs: the first reason is counted)
     assert spec.num_chained_steps >= 3 and {"sampling", "min_tokens"} & set(spec.chain_fallbacks), spec.chain_fallbacks
+    # (requests finishing at different steps: the next step chains without them, it does not wait)
+    assert spec.num_chained_without_finished >= 1 and "batch_changed" not in spec.chain_fallbacks, spec.chain_fallbacks
     assert spec.phases.steps["chained"] == spec.num_chained_steps
     st = on.stats()  # (EngineStats: what a server's /stats reads)
     assert st.spec_chained_steps == spec.num_chained_steps and st.spec_overlapped_steps == spec.num_overlapped_steps
