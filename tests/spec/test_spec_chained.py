@@ -63,8 +63,8 @@ def assert_same_outputs(got: dict, want: dict) -> None:
             assert dg.keys() == dw.keys() and all(dg[t][1] == dw[t][1] for t in dw), rid
             assert all(dg[t][0] == pytest.approx(dw[t][0], abs=1e-5) for t in dw), rid
 
-    for rid in want:
-        g, w = got[rid], want[rid]
+    for rid, w in want.items():
+        g = got[rid]
         same(g[-1], w[-1], rid)
         n = min(len(g), len(w)) - 2
         for a, b in zip(g[:n], w[:n]):
@@ -93,7 +93,7 @@ def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, 
             ("stop", ps[0], replace(g, stop=[stop])),
             ("tok", ps[0], replace(g, stop_token_ids=[ids0[6]], include_stop_str_in_output=True, min_tokens=3)),
             ("penalty", ps[1], replace(g, max_tokens=5, repetition_penalty=1.3, logprobs=None))]
-    settings = dict(max_num_seqs=6, num_kv_blocks=48, seed=11)  # (the unseeded request's seed: the engine's)
+    settings = {"max_num_seqs": 6, "num_kv_blocks": 48, "seed": 11}  # (the unseeded request's seed: the engine's)
     sync = engine(parts, None, **settings)
     monkeypatch.setenv("DEEPINFER_SPEC_OVERLAP_OUTPUT", "1")
     overlapped = engine(parts, None, **settings)
