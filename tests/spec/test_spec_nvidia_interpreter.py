@@ -220,6 +220,12 @@ def test_ngram_equals_off_and_verify_steps_replay_decode_graphs(parts, off):
     st = on.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
     assert_graph_counts(on, before)
+    # MTP drafts, steps scheduled async (spec/chained_steps.py): the same bits
+    chained = make(inv, batch_invariant=True, speculative_method="mtp", num_speculative_tokens=1, max_num_seqs=1,
+                   async_scheduling=True)
+    assert trace(chained) == want
+    st = chained.stats()
+    assert chained._spec.num_chained_steps >= 1 and 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
 
 
 def test_adaptive_step_costs_are_profiled_by_graph_replays(parts):
@@ -247,8 +253,9 @@ def test_fp8_kv_cache_with_speculation_equals_off(parts):
 def test_batch_invariant_speculation_is_bitwise_equal_to_off(parts):
     """Batch invariance on: a verify row's bits are a decode's (InvariantMLAAttention), so n-gram speculation gives
     bitwise the tokens and top-2 logprobs of off (eager); one draft accepted, the next rejected; the verify steps
-    replay the decode graphs as decode rows. (The invariant kernels are slow under the interpreter: one prompt,
-    one sequence, n-gram only; mtp and seeded were checked by hand, docs.)"""
+    replay the decode graphs as decode rows; then MTP drafts (k = 1) with the steps scheduled async (chained on the
+    device results of the step in flight): the same bits. (The invariant kernels are slow under the interpreter: one
+    prompt, one sequence; seeded was checked by hand, docs.)"""
     path, _, _, tok, ps = parts
     backend = GraphNvidiaBackend(device=DEVICE)
     backend.enable_batch_invariance()
@@ -267,6 +274,12 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off(parts):
     st = on.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
     assert_graph_counts(on, before)
+    # MTP drafts, steps scheduled async (spec/chained_steps.py): the same bits
+    chained = make(inv, batch_invariant=True, speculative_method="mtp", num_speculative_tokens=1, max_num_seqs=1,
+                   async_scheduling=True)
+    assert trace(chained) == want
+    st = chained.stats()
+    assert chained._spec.num_chained_steps >= 1 and 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
 
 
 @dataclass
