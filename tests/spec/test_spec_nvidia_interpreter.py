@@ -220,12 +220,6 @@ def test_ngram_equals_off_and_verify_steps_replay_decode_graphs(parts, off):
     st = on.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
     assert_graph_counts(on, before)
-    # MTP drafts, steps scheduled async (spec/chained_steps.py): the same bits
-    chained = make(inv, batch_invariant=True, speculative_method="mtp", num_speculative_tokens=1, max_num_seqs=1,
-                   async_scheduling=True)
-    assert trace(chained) == want
-    st = chained.stats()
-    assert chained._spec.num_chained_steps >= 1 and 0 < st.spec_accepted_tokens < st.spec_drafted_tokens, st
 
 
 def test_adaptive_step_costs_are_profiled_by_graph_replays(parts):
