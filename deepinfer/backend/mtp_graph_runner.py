@@ -104,6 +104,9 @@ class MTPStatic:
     k: int
     ints: torch.Tensor  # [7 * t_max + 8 * b_max] int64, on the device: the staged segments
     host: torch.Tensor  # the same layout on the host (pinned on accelerators): one copy per step
+    # a second host buffer of that layout: steps alternate between the two (`flip_host`), so staging step N + 1
+    # never waits for step N's copy, which a chained step queues behind N's forward (spec/chained_steps.py)
+    host_spare: torch.Tensor
     p_hidden: torch.Tensor  # [t_max, D] the pass's input hidden states
     p_out: torch.Tensor  # [t_max, D] the pass's output states
     c_state: torch.Tensor  # [b_max, D] the chain's current state
@@ -115,9 +118,6 @@ class MTPStatic:
     zeros: torch.Tensor  # [t_max] int64 (the batch's input ids: the MTP forward takes its tokens apart)
     qsl: torch.Tensor  # [t_max + 1] int32 0..t_max
     no_logits: torch.Tensor  # [0] int64
-    # a second host buffer of that layout: steps alternate between the two (`flip_host`), so staging step N + 1
-    # never waits for step N's copy, which a chained step queues behind N's forward (spec/chained_steps.py)
-    host_spare: torch.Tensor | None = None
     offsets: dict[str, int] = field(default_factory=dict)
     host_np: object = None  # a numpy view of `host`
     # each segment's view of `ints` / `host`, made once (a step reads a dozen of them: a slice each time cost ~1 us
@@ -125,24 +125,21 @@ class MTPStatic:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     host_views: dict[str, torch.Tensor] = field(default_factory=dict)
     _layouts: dict[tuple[str, ...], tuple] = field(default_factory=dict)  # write_host's, per names
-    _spare: tuple = ()  # (host, host_np, host_views) of the buffer not in use, made once
+    _spare: tuple = ()  # (host_spare, its numpy view, its segment views), made once
     host_index: int = 0  # which of the two buffers `host` is (0: the first allocated)
 
     def __post_init__(self) -> None:
         for name, o in self.offsets.items():
             self.views[name] = self.ints[o : o + self.size(name)]
         self.host_np, self.host_views = self._host_set(self.host)
-        if self.host_spare is not None:
-            self._spare = (self.host_spare, *self._host_set(self.host_spare))
+        self._spare = (self.host_spare, *self._host_set(self.host_spare))
 
     def _host_set(self, host: torch.Tensor) -> tuple[object, dict[str, torch.Tensor]]:
         return host.numpy(), {name: host[o : o + self.size(name)] for name, o in self.offsets.items()}
 
     def flip_host(self) -> int:
-        """Make the other host buffer the one staged into (a no-op with one); returns the index (0 / 1) of the
-        buffer now in use, for the caller's per-buffer copy events."""
-        if not self._spare:
-            return 0
+        """Make the other host buffer the one staged into; returns the index (0 / 1) of the buffer now in use, for
+        the caller's per-buffer copy events."""
         current = (self.host, self.host_np, self.host_views)
         self.host, self.host_np, self.host_views = self._spare
         self._spare = current

@@ -98,8 +98,8 @@ class ChainedSteps:
             return "idle", []  # (nothing to chain: not a fallback)
         index = {id(it.seq): i for i, it in enumerate(items)}
         keep = [index.get(id(s), -1) for s in sch.running]
-        if -1 in keep or any(
-                not items[i].seq.finished for i in set(range(len(items))) - set(keep)):
+        kept = set(keep)
+        if -1 in kept or any(not it.seq.finished for i, it in enumerate(items) if i not in kept):
             return "batch_changed", []
         links = plan.links
         if len(keep) * (1 + links) > sch.max_num_batched_tokens:
