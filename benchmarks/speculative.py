@@ -114,12 +114,17 @@ def _plan_state(policy, load: int) -> dict:
     """What the adaptive plan saw at the cell's load when the cell ended: the model's gain of each chain over plain
     decoding (`chain_rates`), the realized rates and steps of each chain measured at that load, and the speculative
     and plain step-time corrections of its bucket (spec/step_times.py): why it drafted the chains it did."""
-    rates = policy.chain_rates(load)
+    tokens, seconds = policy.chain_model(load)
+    rates = [t / s for t, s in zip(tokens, seconds)]
     realized = {f"{c}": [round(r), n] for b, c, r, n in policy.realized.rows() if b == load}
     times = {f"{k}": [round(r, 3), round(a * 1e3, 3), n] for k, b, r, a, n in policy.step_times.rows()
              if b == load_bucket(load)}
     return {"model_gains": [round(r / rates[0], 3) for r in rates], "realized_at_load": realized,
-            "step_times_at_load": times}
+            "step_times_at_load": times,
+            # which side of a modelled gain is off where it misses the realized one: its tokens a step (from the
+            # calibrated survival) or its step time (tables and step-time corrections)
+            "model_tokens_per_step": [round(t, 1) for t in tokens],
+            "model_step_ms": [round(s * 1e3, 3) for s in seconds]}
 
 
 def print_drafting(mode: str, engine) -> None:
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "model_gains" in cell:
                     print(f"plan state at {c}, {mode}, repeat {r}: decisions {cell['plan']}, model gains "
                           f"{cell['model_gains']}, realized (chain: tok/s, steps) {cell['realized_at_load']}, step "
-                          f"times (kind: ratio, excess ms, steps) {cell['step_times_at_load']}", flush=True)
+                          f"times (kind: ratio, excess ms, steps) {cell['step_times_at_load']}, model tokens a step "
+                          f"{cell['model_tokens_per_step']}, model step ms {cell['model_step_ms']}", flush=True)
                 if mode not in best or cell["total_tok_s"] > best[mode]["total_tok_s"]:
                     best[mode] = cell
         for mode in args.modes:
