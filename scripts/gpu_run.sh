@@ -187,7 +187,7 @@ fi
 if has spec; then
   log "issue 17: speculative decoding (embedded model, bf16)"
   timeout "${SPEC_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda \
-    ${SPEC_ARGS:---concurrency 1 4 16 64 --modes off k1 k3 adaptive --max-tokens 256 --repeats 3} \
+    ${SPEC_ARGS:---concurrency 1 4 16 64 256 --modes off k1 k3 k5 adaptive --max-tokens 512 --repeats 3} \
     > "$OUT/speculative.log" 2>&1
   log "speculative rc=$?"; grep -v '^{' "$OUT/speculative.log" | tail -30 | tee -a "$OUT/summary.txt"
 fi
