@@ -31,14 +31,13 @@ import tempfile
 import time
 
 import deepinfer
+from benchmarks.speculative import PROMPTS as BENCH_PROMPTS
 from deepinfer import EngineConfig, SamplingParams
 from deepinfer.engine import DeepInferenceEngine
 from deepinfer.sampling_params import StructuredOutputsParams
 
-PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
-           "def parse_args(argv):\n    parser = ", "def merge_sort(items):\n", "import json\n\n\ndef load_config(path):\n",
-           "class Node:\n    def __init__(self, value, next=None):\n", "def read_lines(filename):\n    with open(",
-           "def fibonacci(n):\n    if n < 2:\n", "import os\n\n\ndef list_files(path):\n    out = []\n"]
+# the speculation benchmark's code prompts, and two that extend two of them (prefix-cache hits on a shared prefix)
+PROMPTS = [*BENCH_PROMPTS, BENCH_PROMPTS[0] + "    if n < 2:\n", BENCH_PROMPTS[1] + "    out = []\n"]
 STRUCTURED = [StructuredOutputsParams(choice=["return x", "pass", "yield y", "raise"]),
               StructuredOutputsParams(regex=r"[a-z_]{2,12}\(\w*\)"),
               StructuredOutputsParams(json={"type": "object", "required": ["name", "n"], "properties": {
@@ -85,14 +84,15 @@ def draw_params(rng: random.Random, mode: str) -> SamplingParams:
 def draw_case(rng: random.Random, mode: str, path: str) -> tuple[dict, dict, list, list[SamplingParams]]:
     """(engine settings, speculation settings, prompts, their sampling params) of one case."""
     base = {"model_name_or_path": path, "device": "cpu", "dtype": "float32", "load_progress": False, "block_size": 16,
-                "max_num_seqs": rng.choice([2, 3, 4, 8]), "max_model_len": rng.choice([96, 160]),
-                "max_num_batched_tokens": rng.choice([None, 24, 40, 64]), "num_kv_blocks": rng.choice([None, 12, 16, 24]),
-                "enable_prefix_caching": rng.choice([None, True, False]), "seed": rng.randrange(100),
-                "batch_invariant": mode == "inv"}
-    spec = {"speculative_method": rng.choice(["mtp", "ngram", "ngram"] if mode == "v4" else ["mtp", "mtp", "ngram"]),
-                "num_speculative_tokens": rng.randint(1, 5), "speculative_adaptive": rng.random() < 0.4}
+            "max_num_seqs": rng.choice([2, 3, 4, 8]), "max_model_len": rng.choice([96, 160]),
+            "max_num_batched_tokens": rng.choice([None, 24, 40, 64]), "num_kv_blocks": rng.choice([None, 12, 16, 24]),
+            "enable_prefix_caching": rng.choice([None, True, False]), "seed": rng.randrange(100),
+            "batch_invariant": mode == "inv"}
+    methods = ["mtp", "ngram", "ngram"] if mode == "v4" else ["mtp", "mtp", "ngram"]
+    spec = {"speculative_method": rng.choice(methods), "num_speculative_tokens": rng.randint(1, 5),
+            "speculative_adaptive": rng.random() < 0.4}
     n = rng.randint(1, 7)
-    if mode == "v4":  # ids in repeated units (n-gram drafts find copies), some sharing a prefix
+    if mode == "v4":  # ids in repeated units (n-gram drafts find copies)
         prompts = []
         for _ in range(n):
             unit = [rng.randrange(3, 200) for _ in range(rng.randint(2, 6))]
