@@ -13,15 +13,34 @@ import cProfile
 import io
 import json
 import pstats
+import re
 import time
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.profile_step import _union_us
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+# kernel classes by name, first match wins (`kernel_class`): what a quantized scheme can speed up (the GEMMs) against
+# what it cannot (attention, routing, norms, glue), for the ceiling benchmarks/quant_summary.py prints
+KERNEL_CLASSES = (
+    ("moe_gemm", re.compile(r"_aligned_gemm|_direct_gemm|fused_moe|moe_gemv")),
+    ("act_quant", re.compile(r"act_quant|silu_mul_quant|rms_norm_fp8")),
+    ("dense_gemm", re.compile(r"nvjet|gemm|gemv|cutlass|xmma|cublas|sm90_|matmul", re.IGNORECASE)),
+    ("attention", re.compile(r"_prefill_kernel|mla|attention|flash", re.IGNORECASE)),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class of a device kernel by its name (KERNEL_CLASSES), "other" where none matches; copies and memsets are
+    "other" too."""
+    for cls, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return cls
+    return "other"
 
 
 def device_profile(fn: Callable[[], object], trace_path: str) -> dict:
@@ -45,8 +64,12 @@ def device_profile(fn: Callable[[], object], trace_path: str) -> dict:
         a[0] += e["dur"] / 1e3
         a[1] += 1
     top = sorted(agg.items(), key=lambda kv: -kv[1][0])[:20]
+    classes: dict[str, float] = defaultdict(float)
+    for e in events:
+        classes[kernel_class(e["name"]) if e.get("cat") == "kernel" else "other"] += e["dur"] / 1e3
     return {"wall_ms": wall, "device_busy_ms": _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3,
             "kernel_sum_ms": sum(e["dur"] for e in events) / 1e3, "launches": len(events),
+            "classes_ms": {k: round(v, 3) for k, v in sorted(classes.items())},
             "top": [(name, round(ms, 3), int(n)) for name, (ms, n) in top]}
 
 
@@ -77,6 +100,7 @@ def profile_region(label: str, fn: Callable[[], object], trace_path: str, host_l
           f"kernel sum {dev['kernel_sum_ms']:.2f} ms, {dev['launches']} launches", flush=True)
     for name, ms, n in dev["top"]:
         print(f"  {ms:9.3f} ms {n:6d}x  {name}")
+    print("  by class: " + ", ".join(f"{k} {v:.1f} ms" for k, v in dev["classes_ms"].items()))
     print(f"## host (cProfile) of {label}:")
     if setup is not None:
         setup()

@@ -67,7 +67,7 @@ def _rows(path: str) -> tuple[dict, dict | None, dict[int, dict]]:
 
 def compare(base: str, quant: str) -> list[dict]:
     """Rows (what, bf16, quantized, ratio, goal) of two benchmarks.throughput JSON-lines files."""
-    bm, bp, bd = _rows(base)
+    _, bp, bd = _rows(base)
     qm, qp, qd = _rows(quant)
     kind = "int4" if any(s.startswith("int4") for s in (qm.get("quant_summary") or {}).get("linears", {})) else "fp8"
     out = []
@@ -83,6 +83,29 @@ def compare(base: str, quant: str) -> list[dict]:
     return out
 
 
+GEMM_CLASSES = ("moe_gemm", "dense_gemm")  # benchmarks/profile_region.py KERNEL_CLASSES: what quantization speeds up
+
+
+def prefill_ceiling(base_profile: dict, quant_profile: dict, gemm_speedup: float = 2.0) -> dict:
+    """Amdahl's bound on the prefill ratio from the two runs' device profiles (`--prefill-profile`: kernel ms by
+    class, benchmarks/profile_region.py): the base's kernel sum over the quantized run's with its GEMMs at
+    `gemm_speedup` x the base's GEMM time (2: fp8 against bf16 tensor-core peak) and every other kernel as measured.
+    `free_quant` also drops the quantized run's activation-quant kernels. Kernel sums, not wall time: the device is
+    busy most of a prefill step, so they bound the tok/s ratio up to the idle share (`busy` below)."""
+    b, q = base_profile["classes_ms"], quant_profile["classes_ms"]
+    base_gemm = sum(b.get(c, 0.0) for c in GEMM_CLASSES)
+    quant_gemm = sum(q.get(c, 0.0) for c in GEMM_CLASSES)
+    kb, kq = base_profile["kernel_sum_ms"], quant_profile["kernel_sum_ms"]
+    rest = kq - quant_gemm
+    best = rest + base_gemm / gemm_speedup
+    return {"kernel_ratio": kb / kq, "base_gemm_share": base_gemm / kb, "quant_gemm_share": quant_gemm / kq,
+            "gemm_ratio": base_gemm / quant_gemm if quant_gemm else float("nan"),
+            "ceiling": kb / best, "ceiling_free_quant": kb / (best - q.get("act_quant", 0.0)),
+            "rest_ms": {"base": kb - base_gemm, "quant": rest},
+            "busy": {"base": base_profile["device_busy_ms"] / base_profile["wall_ms"],
+                     "quant": quant_profile["device_busy_ms"] / quant_profile["wall_ms"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base")
@@ -91,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(args.base, args.quant)
     for r in rows:
         print(json.dumps(r))
+    bp, qp = _rows(args.base)[1], _rows(args.quant)[1]
+    if bp and qp and "profile" in bp and "profile" in qp:
+        c = prefill_ceiling(bp["profile"], qp["profile"])
+        print(json.dumps({"prefill_ceiling": c}))
+        print(f"prefill device profile: kernel sums {c['kernel_ratio']:.3f}x; GEMMs {c['base_gemm_share']:.0%} of "
+              f"the base's kernel time, {c['quant_gemm_share']:.0%} of the quantized run's, {c['gemm_ratio']:.2f}x "
+              f"faster; the rest {c['rest_ms']['base']:.1f} / {c['rest_ms']['quant']:.1f} ms. Ceiling with the "
+              f"quantized GEMMs at 2x the base's and the rest as measured: {c['ceiling']:.3f}x "
+              f"({c['ceiling_free_quant']:.3f}x with the act quant free)")
     print(f"{'':24} {'bf16':>10} {'quantized':>10} {'ratio':>6}  goal")
     for r in rows:
         goal = "" if r["goal"] is None else f">= {r['goal']}x: {'met' if r['met'] else 'MISSED'}"

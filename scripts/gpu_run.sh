@@ -17,7 +17,8 @@
 #      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      moesweep (issue 18: benchmarks.moe_tile_sweep per MS_RUNS), quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
-#      (default $CKPT), then benchmarks.quant_summary's speed-up table; QUANT_BASELINE=0 skips the bf16 run and
+#      (default $CKPT), then benchmarks.quant_summary's speed-up table (QUANT_BENCH_ARGS: throughput arguments for
+#      both runs; with --prefill-profile the summary adds the prefill's Amdahl ceiling); QUANT_BASELINE=0 skips the bf16 run and
 #      compares with the last one kept at /tmp/throughput_bf16.jsonl), int4ckpt (issue 18: writes INT4_CKPT,
 #      default /tmp/ckpt-v2-lite-awq, from $CKPT with deepinfer.checkpoints.awq_writer, INT4_GROUP default 128),
 #      int4b1 (issue 18, after int4ckpt: the CUDA int4 GEMVs' and GPTQ act-order experts' GPU tests,
@@ -292,14 +293,14 @@ if has quante2e; then
   if [ "${QUANT_BASELINE:-1}" = 1 ]; then
     log "issue 18: throughput bf16 on $CKPT (the baseline of the quantized run)"
     timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
-      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" --json-out /tmp/throughput_bf16.jsonl \
+      --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_BENCH_ARGS:-} --json-out /tmp/throughput_bf16.jsonl \
       > "$OUT/throughput_bf16.log" 2>&1
     log "throughput bf16 rc=$?"; grep -v '^{' "$OUT/throughput_bf16.log" | grep -v Loading | tail -8 | tee -a "$OUT/summary.txt"
     cp /tmp/throughput_bf16.jsonl "$OUT/" 2>/dev/null
   fi
   log "issue 18: throughput on $QUANT_CKPT with '${QUANT_ARGS---quantization fp8}'"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.throughput "$QUANT_CKPT" --batch-sizes "${BATCHES:-1,64,256}" \
-    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_ARGS---quantization fp8} \
+    --prompt-len "${PROMPT:-1024}" --output-len "${OUTLEN:-256}" ${QUANT_BENCH_ARGS:-} ${QUANT_ARGS---quantization fp8} \
     --json-out "$OUT/throughput_quant.jsonl" > "$OUT/throughput_quant.log" 2>&1
   log "throughput (quantized) rc=$?"; grep -v '^{' "$OUT/throughput_quant.log" | grep -v Loading | tail -8 | tee -a "$OUT/summary.txt"
   python3 -m benchmarks.quant_summary /tmp/throughput_bf16.jsonl "$OUT/throughput_quant.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/summary.txt"
