@@ -3,6 +3,7 @@ draft lengths vs the confidence scheduler, at several concurrencies (issue 17's 
 
     python -m benchmarks.speculative                       # concurrency 1 4 16 64, off / k=1,3,5 / adaptive
     python -m benchmarks.speculative --concurrency 1 4 --max-tokens 32
+    python -m benchmarks.speculative --model /tmp/stdlib-coder-v4    # another checkpoint with an MTP module
 
 Each (mode, concurrency) cell submits `concurrency` greedy code prompts at once (ignore_eos, max_tokens
 fixed, so every mode does the same work and emits the same tokens: the benchmark checks they are equal to
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                          "sweep's value to compare a lone concurrency with it")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (the engine shares one loaded model) or cuda")
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint directory with an MTP module (default: the embedded stdlib-coder), e.g. the "
+                         "V4 that tools/stdlib_coder/train_v4.py trains")
     ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
     ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:CONC",
                     help="after the table, profile one cell of each MODE at CONC (device kernels and host Python)")
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer.models.registry import load_model
     from deepinfer.text.tokenizer import Tokenizer
 
-    path = deepinfer.embedded_model_path()
+    path = args.model or deepinfer.embedded_model_path()
     engines = {}
     if args.device == "cpu":
         backend = CPUBackend()
