@@ -47,15 +47,14 @@ def test_engine_model_gives_the_trainers_main_and_mtp_logits(exported):
     trainer, out = exported
     ours = load_ours(out, load_mtp=True)
     g = torch.Generator().manual_seed(5)
-    # 30 positions: past the 32-token window's start and 7 CSA entries, under the indexer's top 8 (at a fresh
-    # init's near-tied index scores a sparse pick could differ in rounding alone)
-    tokens = [0] + torch.randint(2, 4096, (30,), generator=g).tolist()
+    # 40 positions: past the 32-token window, across CSA (m = 4) and HCA (m = 16) compressions
+    tokens = [0] + torch.randint(2, 4096, (40,), generator=g).tolist()
     main_ref, mtp_ref = trainer.forward_logits(torch.tensor([tokens]))
     r = PagedRunner(ours, specs=ours.kv_cache_specs(include_mtp=True))
     r.add(0)
     main, mtp, i = [], [], 0
     T = len(tokens) - 1
-    for n in (7, 1, 13, 9):  # chunks at several phases of m = 4 and 16
+    for n in (7, 1, 13, 9, 10):  # chunks at several phases of m = 4 and 16
         piece = [(0, tokens[i:i + n])]
         batch = r.batch(piece)
         hidden = ours(batch, r.caches)
