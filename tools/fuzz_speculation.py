@@ -16,7 +16,10 @@ and one with it, and compares every completion. Modes:
 - `embedded`: the embedded trained model (its MTP drafts are mostly right: accepted and rejected runs);
 - `v4`: a random tiny-v4 checkpoint (deepinfer.checkpoints.make_checkpoint), prompts of repeated id units (V4's
   sliding-window and compressor rollback; its random MTP drafts are nearly always rejected, n-gram's sometimes kept);
-- `inv`: the embedded model with `batch_invariant=True`, greedy, logprob values compared exactly.
+- `inv`: the embedded model with `batch_invariant=True`, greedy, logprob values compared exactly;
+- `v4-trained`: a trained V4 checkpoint given with `--model` (tools/stdlib_coder/train_v4.py: the embedded model's
+  tokenizer, so the embedded mode's code prompts and structured requests): V4's rollback under drafts that are
+  accepted about half the time, where the random tiny-v4's are almost never.
 
     python -m tools.fuzz_speculation --mode embedded --first 0 --cases 100
 Exit status 1 when any case mismatched or raised (each printed with its settings and requests).
@@ -102,9 +105,13 @@ def draw_case(rng: random.Random, mode: str, path: str) -> tuple[dict, dict, lis
     return base, spec, prompts, [draw_params(rng, mode) for _ in range(n)]
 
 
-def run(mode: str, first: int, cases: int) -> int:
+def run(mode: str, first: int, cases: int, model: str | None = None) -> int:
     """Runs the cases; returns how many mismatched or raised."""
-    if mode == "v4":
+    if mode == "v4-trained":
+        if model is None:
+            raise SystemExit("--mode v4-trained needs --model (a trained V4 checkpoint: tools/stdlib_coder/train_v4.py)")
+        path = model
+    elif mode == "v4":
         from deepinfer.checkpoints import make_checkpoint
 
         path = tempfile.mkdtemp(prefix="fuzz-v4-")
@@ -142,11 +149,14 @@ def run(mode: str, first: int, cases: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["embedded", "v4", "inv"], default="embedded")
+    ap.add_argument("--mode", choices=["embedded", "v4", "inv", "v4-trained"], default="embedded")
+    ap.add_argument("--model", default=None, help="the checkpoint of --mode v4-trained")
     ap.add_argument("--first", type=int, default=0, help="the first case's seed (cases are numbered by their seed)")
     ap.add_argument("--cases", type=int, default=50)
     args = ap.parse_args(argv)
-    return 1 if run(args.mode, args.first, args.cases) else 0
+    if args.model is not None and args.mode != "v4-trained":
+        ap.error("--model is only for --mode v4-trained")
+    return 1 if run(args.mode, args.first, args.cases, args.model) else 0
 
 
 if __name__ == "__main__":
