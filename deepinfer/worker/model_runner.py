@@ -198,7 +198,17 @@ class ModelRunner:
     def plan_snapshots(self, sched: SchedulerOutput) -> None:
         """Prefix caching on V4: where this step's compressors save their rings (the block boundaries it crosses,
         kv/state_snapshots.py); every path that runs a step's forward calls it (this one's launch, the speculative
-        step's, spec/pipeline.py)."""
+        step's, spec/pipeline.py).
+
+        It also binds this engine's snapshot store (None without prefix caching) to the model, every step: the
+        store lives on the model (use_state_snapshots), and a model shared by engines run in turn
+        (DeepInferenceEngine.from_components; the CPU speculation benchmark shares one) would otherwise save this
+        engine's rings into the store of the engine built last. Found on a trained V4 (session 37): a prefix hit
+        restored rings the model had written into the other engine's store, the next tokens differed from an
+        engine with its own model, and with n-gram drafts (rings k positions longer) the save raised."""
+        if hasattr(self.model, "use_state_snapshots") and getattr(self.model, "state_snapshots", None) is not \
+                self.kv.snapshots:
+            self.model.use_state_snapshots(self.kv.snapshots)
         if self.kv.snapshots is not None:
             self.kv.snapshots.plan = self.kv.snapshot_plan(sched.scheduled)
 
