@@ -9,7 +9,8 @@ varlen form there times the MLA op's per-request prefill path, which the engine 
 With decode graphs, a step of decodes and verify rows replays a graph (spec/verify_batch.py), so a token count
 the graphs cover is timed as what the engine runs then: a replay of the decode graph of that many rows
 (`GraphRunner.run` on a decode-shaped batch that reads the engine's cache and writes nothing: KV slots -1).
-Counts above the largest bucket still run eagerly in the engine, and are profiled eagerly. Timing the eager
+Counts above the largest bucket still run eagerly in the engine, and are profiled eagerly; the table has a point
+on each side of that edge (`graph_edge`). Timing the eager
 forward where the engine replays a graph would overstate every step's cost (about 6x on the H200 for a
 verify step), and the scheduler would refuse to draft where drafting pays.
 
@@ -78,6 +79,29 @@ def graph_probe_batch(num_rows: int, k: int, group_names: list[str], device: tor
     )
 
 
+def graph_edge(graph_runner: GraphRunner, k: int, group_names: list[str], device: torch.device, block_size: int,
+               vocab_size: int, max_tokens: int) -> int | None:
+    """The largest token count up to max_tokens whose verify-shaped decode rows replay a graph (None: not even one
+    row does). One more token runs eagerly, several times dearer: profile_step_costs times both sides of this edge,
+    or the table interpolates across it. On an H100 (2026-12-07, session 37, max_num_seqs 16, k 5) the graphs
+    covered 96 rows and the table's points 64 (graph, 0.32 ms) and 128 (eager, 6.99 ms) priced a 16-sequence chain
+    of 5 (96 rows, a graph replay in the engine) at ~3.6 ms: the plan drafted chains of 3 where static k = 5 ran
+    1.23x faster. can_run grows no easier with more rows (a bucket holds every count below it), so the edge is
+    found by bisection."""
+    def replays(n: int) -> bool:
+        return graph_runner.can_run(graph_probe_batch(n, k, group_names, device, block_size, vocab_size))
+
+    if not replays(1):
+        return None
+    lo, hi = 1, max_tokens  # replays(lo); the edge lies in [lo, hi]
+    if replays(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if replays(mid) else (lo, mid)
+    return lo
+
+
 @torch.inference_mode()
 def verify_forward(model, block_size: int, num_tokens: int, k: int, device: torch.device, layouts=None,
                    decode_rows: bool = False) -> ForwardBatch:
@@ -110,6 +134,11 @@ def profile_step_costs(model, backend, block_size: int, k: int, max_tokens: int,
     engine runs eager verify steps as decode rows (`VerifyShapes.decode_rows_eager`, spec/verify_batch.py), so counts without a
     graph are timed that way (module docstring)."""
     counts = profile_counts(max_tokens)
+    if graph_runner is not None:  # both sides of the graphs' edge, where the price jumps (graph_edge)
+        edge = graph_edge(graph_runner, k, group_names or [], backend.device, block_size, model.vocab_size,
+                          max_tokens)
+        if edge is not None and edge < max_tokens:
+            counts = sorted(set(counts) | {edge, edge + 1})
     seconds, shapes = [], []
     for n in counts:
         probe = None

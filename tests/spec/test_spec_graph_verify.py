@@ -94,10 +94,24 @@ def test_step_costs_are_graph_replays_where_the_graphs_cover_the_count():
     assert all(s >= 0.04 for s in table.seconds), table.seconds
     stub.seen.clear()
     table, graphed = profile_step_costs(model, backend, 16, 3, 8, repeats=2, graph_runner=stub, group_names=["mla"])
-    assert table.tokens == [1, 2, 4, 8] and graphed == ["graph"] * 3 + ["varlen"]
+    # (a point on each side of the graphs' edge, 4 | 5: cost_profile.graph_edge)
+    assert table.tokens == [1, 2, 4, 5, 8] and graphed == ["graph"] * 3 + ["varlen"] * 2
     assert [b.num_seqs for b in stub.seen] == [1, 1, 2, 2, 4, 4]  # two timed replays per graphed count
     probe = stub.seen[-1]
     assert probe.is_decode_only and probe.positions.tolist() == [0, 1, 2, 3]  # verify-shaped: 1 + k = 4 tokens
     assert probe.seq_lens.tolist() == [1, 2, 3, 4] and probe.slot_mapping["mla"].tolist() == [-1] * 4
     assert probe.input_ids.unique().numel() > 1  # different tokens reach different experts (cost_profile.py)
 
+
+
+def test_step_costs_price_both_sides_of_the_graphs_edge():
+    """Graphs up to 6 rows (not a power of two: a bucket at max_num_seqs x (1 + k)): the table times 6 as a replay
+    and 7 eagerly, so a count at the edge is priced as the replay the engine runs there, not interpolated towards
+    the next eager point (on an H100 the 64 | 128 points priced a 96-row graph step at ~11x its cost)."""
+    backend = CPUBackend()
+    model = load_model(deepinfer.embedded_model_path(), backend, torch.float32, progress=False)
+    stub = RowCapRunner(max_rows=6, hidden=model.config.hidden_size, seconds=0.0)
+    table, graphed = profile_step_costs(model, backend, 16, 3, 16, repeats=1, graph_runner=stub, group_names=["mla"])
+    assert table.tokens == [1, 2, 4, 6, 7, 8, 16]
+    assert graphed == ["graph"] * 4 + ["varlen"] * 3
+    assert max(b.num_seqs for b in stub.seen) == 6
