@@ -67,8 +67,13 @@ def _rows(path: str) -> tuple[dict, dict | None, dict[int, dict]]:
 
 def compare(base: str, quant: str) -> list[dict]:
     """Rows (what, bf16, quantized, ratio, goal) of two benchmarks.throughput JSON-lines files."""
-    _, bp, bd = _rows(base)
-    qm, qp, qd = _rows(quant)
+    return _compare(_rows(base), _rows(quant))
+
+
+def _compare(base: tuple[dict, dict | None, dict[int, dict]], quant: tuple[dict, dict | None, dict[int, dict]]
+             ) -> list[dict]:
+    _, bp, bd = base
+    qm, qp, qd = quant
     kind = "int4" if any(s.startswith("int4") for s in (qm.get("quant_summary") or {}).get("linears", {})) else "fp8"
     out = []
     if bp and qp:
@@ -111,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("base")
     ap.add_argument("quant")
     args = ap.parse_args(argv)
-    rows = compare(args.base, args.quant)
+    base, quant = _rows(args.base), _rows(args.quant)
+    rows = _compare(base, quant)
     for r in rows:
         print(json.dumps(r))
-    bp, qp = _rows(args.base)[1], _rows(args.quant)[1]
+    bp, qp = base[1], quant[1]
     if bp and qp and "profile" in bp and "profile" in qp:
         c = prefill_ceiling(bp["profile"], qp["profile"])
         print(json.dumps({"prefill_ceiling": c}))
