@@ -16,9 +16,11 @@ from deepinfer.checkpoints.presets import Preset, register_preset
 from deepinfer.checkpoints.random_weights import TensorSpec
 
 
-def _v4_config(*, vocab, hidden, layers_ratios, mtp_ratios, hash_layers, heads, head_dim, rope_dim, q_lora,
+def v4_config(*, vocab, hidden, layers_ratios, mtp_ratios, hash_layers, heads, head_dim, rope_dim, q_lora,
                o_groups, o_lora, experts, top_k, moe_inter, window, csa, hca, index_heads, index_dim, index_topk,
                yarn_factor, yarn_original, max_pos) -> dict:
+    """A DeepSeek-V4 config.json (transformers' field names) from its shapes: the presets below, and
+    tools/stdlib_coder/v4_model.py's trained small V4."""
     types = {0: "sliding_attention", csa: "compressed_sparse_attention", hca: "heavily_compressed_attention"}
     n = len(layers_ratios)
     return {
@@ -129,7 +131,7 @@ def v4_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
 
 def tiny_v4_config() -> dict:
     """SWA, CSA (m=4) and HCA (m=16) layers, W=8, one hash-MoE layer, 8 indexer heads, one MTP layer."""
-    return _v4_config(vocab=1024, hidden=64, layers_ratios=(0, 4, 16, 4), mtp_ratios=(4,), hash_layers=1,
+    return v4_config(vocab=1024, hidden=64, layers_ratios=(0, 4, 16, 4), mtp_ratios=(4,), hash_layers=1,
                       heads=4, head_dim=32, rope_dim=8, q_lora=32, o_groups=2, o_lora=16, experts=8, top_k=2,
                       moe_inter=32, window=8, csa=4, hca=16, index_heads=8, index_dim=16, index_topk=4,
                       yarn_factor=4.0, yarn_original=64, max_pos=4096)
@@ -145,7 +147,7 @@ def v4_flash_ratios(num_layers: int = 43) -> tuple[int, ...]:
 
 def v4_flash_config(num_layers: int = 43) -> dict:
     """V4-Flash shapes (hidden 4096, 64 heads of 512, 256 experts, W=128, m=4 / 128)."""
-    return _v4_config(vocab=129280, hidden=4096, layers_ratios=v4_flash_ratios(num_layers), mtp_ratios=(0,),
+    return v4_config(vocab=129280, hidden=4096, layers_ratios=v4_flash_ratios(num_layers), mtp_ratios=(0,),
                       hash_layers=min(3, num_layers),
                       heads=64, head_dim=512, rope_dim=64, q_lora=1024, o_groups=8, o_lora=1024, experts=256,
                       top_k=6, moe_inter=2048, window=128, csa=4, hca=128, index_heads=64, index_dim=128,

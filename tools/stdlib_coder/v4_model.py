@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.checkpoints.presets_v4 import _v4_config
+from deepinfer.checkpoints.presets_v4 import v4_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 MTP_OWN = ("enorm", "hnorm", "norm", "e_proj", "h_proj")  # the MTP module's tensors outside its block
@@ -42,7 +42,7 @@ def stdlib_v4_config(vocab_size: int) -> dict:
     logit past ~45 tokens with a top 8, the first checkpoint trained this session). INDEX_TOPK keeps every entry
     within the contexts the model is run at (the benchmarks' 512 tokens), so the indexer decides nothing there; the
     compressors, the window, HCA, hash routing and the hyper-connections all do."""
-    return _v4_config(vocab=vocab_size, hidden=128, layers_ratios=(0, 4, 16, 4), mtp_ratios=(4,), hash_layers=1,
+    return v4_config(vocab=vocab_size, hidden=128, layers_ratios=(0, 4, 16, 4), mtp_ratios=(4,), hash_layers=1,
                       heads=4, head_dim=32, rope_dim=16, q_lora=64, o_groups=2, o_lora=32, experts=8, top_k=2,
                       moe_inter=96, window=32, csa=4, hca=16, index_heads=4, index_dim=16, index_topk=INDEX_TOPK,
                       yarn_factor=4.0, yarn_original=1024, max_pos=4096)
