@@ -8,12 +8,12 @@ import json
 import torch
 from v4_helpers import hf_logits, load_hf, load_ours, run_chunks
 
-from deepinfer.checkpoints.presets_v4 import _v4_config, v4_tensor_plan
+from deepinfer.checkpoints.presets_v4 import v4_config, v4_tensor_plan
 from deepinfer.checkpoints.random_weights import write_safetensors
 
 
 def test_flash_attention_shapes_prefill_and_chunks(tmp_path):
-    cfg = _v4_config(vocab=512, hidden=128, layers_ratios=(4, 128), mtp_ratios=(), hash_layers=1, heads=8,
+    cfg = v4_config(vocab=512, hidden=128, layers_ratios=(4, 128), mtp_ratios=(), hash_layers=1, heads=8,
                      head_dim=512, rope_dim=64, q_lora=64, o_groups=4, o_lora=32, experts=4, top_k=2, moe_inter=32,
                      window=128, csa=4, hca=128, index_heads=64, index_dim=128, index_topk=24, yarn_factor=16.0,
                      yarn_original=128, max_pos=65536)
