@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tools.stdlib_coder.train import BIAS_UPDATE_SPEED, MTP_WEIGHT, batches, eval_windows, lr_at
-from tools.stdlib_coder.v4_model import TrainingV4, stdlib_v4_config
+from tools.stdlib_coder.v4_model import TrainingV4, cross_entropies, stdlib_v4_config
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "deepinfer", "data", "stdlib-coder")
 
@@ -30,14 +30,14 @@ TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "deepinfer",
 @torch.no_grad()
 def evaluate(model: TrainingV4, windows: torch.Tensor, device: torch.device, batch: int) -> dict:
     """Held-out loss, MTP loss, and the MTP module's top-1 accuracy on the text (a teacher-forced proxy of its
-    acceptance: the engine's drafts are checked against the model's own tokens, measured by measure_v4_mtp.py)."""
+    acceptance: the engine checks drafts against the model's own tokens, `benchmarks.speculative --model`)."""
     model.eval()
     tot_main = tot_mtp = 0.0
     hits = positions = count = 0
     for i in range(0, windows.shape[0], batch):
         w = windows[i: i + batch].to(device)
-        _, mtp_logits = model.forward_logits(w)
-        main, mtp = model.losses(w)
+        logits, mtp_logits = model.forward_logits(w)
+        main, mtp = cross_entropies(w, logits, mtp_logits)
         tot_main += main.item() * w.shape[0]
         tot_mtp += mtp.item() * w.shape[0]
         hits += int((mtp_logits[:, :-1].argmax(-1) == w[:, 2:]).sum())

@@ -54,6 +54,13 @@ def _layer_type(cfg: dict, ratio: int) -> str:
             rates["heavily_compressed_attention"]: "heavily_compressed_attention"}[ratio]
 
 
+def cross_entropies(tokens: torch.Tensor, logits: torch.Tensor, mtp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_logits' outputs against the window's own tokens: (next-token, next-next-token) cross-entropy."""
+    V = logits.shape[-1]
+    main = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+    return main, F.cross_entropy(mtp[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1))
+
+
 class TrainingV4(nn.Module):
     """The model (transformers' V4 with the MTP block as layer L) and the MTP module's own tensors."""
 
@@ -107,6 +114,8 @@ class TrainingV4(nn.Module):
         """tokens [B, T + 1] -> (main logits [B, T, V] at positions 0..T-1, MTP logits [B, T, V]: position i's
         draft of token i + 2 given token i + 1)."""
         m, L = self.hf.model, self.num_layers
+        for _, seen in self._routed:  # (the routers' choices of this forward only: update_router_bias's load)
+            seen.clear()
         ids = tokens[:, :-1]
         emb = m.embed_tokens(ids)
         pos, mask, rope = self._rope_and_mask(ids, emb)
@@ -122,12 +131,7 @@ class TrainingV4(nn.Module):
 
     def losses(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(next-token cross-entropy, the MTP module's next-next-token cross-entropy) over a window batch."""
-        for _, seen in self._routed:
-            seen.clear()
-        logits, mtp = self.forward_logits(tokens)
-        V = logits.shape[-1]
-        main = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
-        return main, F.cross_entropy(mtp[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1))
+        return cross_entropies(tokens, *self.forward_logits(tokens))
 
     @torch.no_grad()
     def update_router_bias(self, speed: float) -> None:
