@@ -175,7 +175,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
             emit[i] = a + 1
         emitted = sum(emit)
         t_policy = clock()
-        if slots and policy.calibrator is not None:
+        if slots and policy.calibrator is not None and policy.calibrates():  # (the pipeline's sampling of them)
             policy.calibrator.observe_lists(slots, confs, acc)
         if not before:
             chain = policy.plan_drafting(B)
@@ -201,9 +201,15 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         dt *= 1 + model.noise * (rng.random() - 0.5)
         if policy.adaptive:
             dt += host * host_factor
-        if policy.adaptive:  # the engine times its output processing (SpecStepPipeline._step): h_tok a token here
+        observed = policy.observes_step() if policy.adaptive else True  # (spec/settled_steps.py)
+        if policy.adaptive and observed:  # the engine times its output processing (SpecStepPipeline._step)
             policy.observe_output(model.h_tok * emitted, emitted, B)
-        if not caught_up:
+        if not observed:  # a settled step whose observations are not kept: its chain tracked, the measures aged
+            steady = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
+            if caught_up:
+                steady = -1
+            policy.realized.tick()
+        elif not caught_up:
             policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync,
                                 emitted=emitted)
             now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1

@@ -70,15 +70,19 @@ MODES = {
     # adaptive without measuring plans (SlotPolicy.measure_steps 0: a new load is priced from the start-up tables
     # and the realized rates alone), for an A/B in one process
     "adaptive_nomeasure": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive observing every step, settled or not (SlotPolicy.observe_every 1, as before session 38:
+    # spec/settled_steps.py), for an A/B in one process
+    "adaptive_allobs": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
 # SlotPolicy fields set on a mode's engine once built
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
-               "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0}}
+               "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0},
+               "adaptive_allobs": {"observe_every": 1}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
-                                              "adaptive_nomeasure", "k3_async", "k5_async", "adaptive_async",
-                                              "k5_nooverlap")]
+                                              "adaptive_nomeasure", "adaptive_allobs", "k3_async", "k5_async",
+                                              "adaptive_async", "k5_nooverlap")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -154,7 +158,8 @@ def print_drafting(mode: str, engine) -> None:
         print(f"{mode}, pauses ended by a fall in load: {policy.num_load_ends}; admissions that verified every held "
               f"slot as nearly free (SlotPolicy.admit_all_below): {policy.num_admitted_all}, held unpriced after a streak "
               f"of such (SlotPolicy.hold_after): {policy.num_admission_holds}; challenges (spec/chain_challenge.py): "
-              f"{policy.num_challenges}, {policy.num_challenges_won} of them changing the plan's chain; output processing per "
+              f"{policy.num_challenges}, {policy.num_challenges_won} of them changing the plan's chain; settled steps "
+              f"unobserved (spec/settled_steps.py): {policy.num_unobserved}; output processing per "
               "token by load bucket: " + ", ".join(f"<={b} {x * 1e6:.1f} us" for b, x in sorted(policy.token_seconds.items())))
     if spec.policy_steps:
         print(f"{mode}, slot policy host time: {spec.policy_seconds / spec.policy_steps * 1e6:.0f} us a step over "

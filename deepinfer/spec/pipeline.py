@@ -269,11 +269,16 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         t2 = now = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
+        out_s = step_s = real_s = None  # (an unobserved settled step's: spec/settled_steps.py)
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
-            num_emitted = sum(len(toks) for toks in rec.emitted)
-            out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
-                                                               -1.0 if draft_s is None else draft_s])
-            draft_s = None if draft_s < 0 else draft_s
+            num_emitted = 0
+            if self.policy.observes_step():  # (the same answer on every rank: the policy's state decides)
+                num_emitted = sum(len(toks) for toks in rec.emitted)
+                out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
+                                                                   -1.0 if draft_s is None else draft_s])
+                draft_s = None if draft_s < 0 else draft_s
+            else:
+                draft_s = None
         if draft_s is not None:
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device

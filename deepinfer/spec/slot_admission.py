@@ -29,7 +29,10 @@ class SlotAdmission:
     """Methods of SlotPolicy (self is one): the verification's admission."""
 
     def counts(self: SlotPolicy, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
-        if not self.adaptive or self._holds_admission(bucket := load_bucket(len(held))):
+        if not self.adaptive:
+            return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        self._admission_held = self._holds_admission(bucket := load_bucket(len(held)))
+        if self._admission_held:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         confs = [h.confidence for h in held]
         big = len(held) * self.k > SMALL_ADMISSION

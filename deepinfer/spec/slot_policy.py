@@ -2,7 +2,7 @@
 and how long a chain to draft next), with the measured step times and pauses they rest on (docs/speculative.md,
 "The confidence scheduler"). Used by spec/draft_slots.py (verification) and spec/pipeline.py (drafting); the chain
 plan's model and choice are in spec/chain_plan.py, its challenges in spec/chain_challenge.py, the verification's
-admission in spec/slot_admission.py (all inherited)."""
+admission in spec/slot_admission.py, which steps' observations it keeps in spec/settled_steps.py (all inherited)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from deepinfer.spec.chain_plan import ChainPlan
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.realized_rates import RealizedRates
 from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.settled_steps import SettledSteps
 from deepinfer.spec.slot_admission import SlotAdmission
 from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
 
@@ -25,7 +26,7 @@ _CHAIN_DECISIONS = tuple(f"chain{n}" for n in range(16))  # (plan_drafting's per
 
 
 @dataclass
-class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
+class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
 
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
@@ -152,6 +153,12 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
     calibrated_after: int = 8192
     calibrate_stride: int = 4
     _verifications: int = 0
+    # a settled step (spec/settled_steps.py: the plan and the admission held, the chain measured at its load) keeps
+    # its observations (output processing, step time, realized rate, calibration) one step in observe_every; 1: all
+    observe_every: int = 4
+    num_unobserved: int = 0  # settled steps whose observations were not kept (engine life)
+    _settled_steps: int = 0  # settled steps in a row (the sample's clock)
+    _admission_held: bool = False  # whether the last admission was held (`_holds_admission`)
     _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
     _remeasure_chain: int = 0
     _remeasure_bucket: int = 0
@@ -203,18 +210,6 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission):
         if self.draft_cost is None:
             return self.draft_seconds
         return self.draft_cost.cost(num_seqs, chain)
-
-    def calibrates(self) -> bool:
-        """Whether this verification's outcomes go to the calibrator (called once a verification, after its
-        admission): every one until the calibrator has counted calibrated_after outcomes, and every probe's; after
-        that one in calibrate_stride. The verification's index decides, never its outcomes (non-anticipating)."""
-        self._verifications += 1
-        cal = self.calibrator
-        if cal is None:
-            return False
-        if self.verifying_probe or cal.num_observed < self.calibrated_after or self.calibrate_stride <= 1:
-            return True
-        return self._verifications % self.calibrate_stride == 0
 
     def plans_before_the_draw(self) -> bool:
         """Whether this step's chain may be planned before its forward (so that the one-sync step can run it): static

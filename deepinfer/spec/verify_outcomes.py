@@ -61,8 +61,8 @@ class VerifyOutcomes:
 
         self._deferred.append(observe)
 
-    def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
-                        emitted: int) -> None:
+    def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float | None, step_s: float | None,
+                        real_s: float | None, emitted: int) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -73,9 +73,16 @@ class VerifyOutcomes:
         Their inputs are read now; the policy's updates run at the next wait for the device with the metrics and
         calibration (`_run_deferred`), so a plan reads the observations of the steps before the last one (past
         steps only either way). On the H200 (2026-12-05, session 17) they cost an adaptive one-sync step ~0.03 ms
-        after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms."""
+        after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms.
+
+        Times None: a settled step whose observations are not kept (spec/settled_steps.py); its chain is still
+        tracked (the next kept step's `before`) and the measures still age."""
         n = len(sched.scheduled)
         policy = self.policy
+        if out_s is None or step_s is None or real_s is None:
+            self._steady_chain = self._settled_chain(sched)
+            self._deferred.append(policy.realized.tick)
+            return
         if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
 
@@ -87,10 +94,9 @@ class VerifyOutcomes:
             return
         verified = any(it.draft for it in sched.scheduled)
         tokens = sum(it.num_tokens for it in sched.scheduled)
-        seqs, chain = drafted = self._drafted
+        drafted = self._drafted
         off_path = self.one_sync is not None and not self._one_sync_ran
-        live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
-        now = 0 if seqs == 0 else chain if seqs >= live and not policy.explore else -1
+        now = self._drafted_chain(sched)
         before, self._steady_chain = self._steady_chain, now
 
         def observe() -> None:
@@ -99,6 +105,27 @@ class VerifyOutcomes:
             policy.realized.step(n, before, now, verified, emitted, real_s)
 
         self._deferred.append(observe)
+
+    def _drafted_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
+        """The chain this decode-rows step drafted for every live sampling sequence (0: none; -1: some only, or an
+        exploration's mixed lengths): RealizedRates.step's `now`."""
+        seqs, chain = self._drafted
+        if seqs == 0:
+            return 0
+        if seqs >= len(sched.scheduled):  # (every scheduled sequence drafted: the one-sync step's, no count needed)
+            return chain if not self.policy.explore else -1
+        live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
+        return chain if seqs >= live and not self.policy.explore else -1
+
+    def _settled_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
+        """`_drafted_chain` of an unobserved settled step (its decode rows only: a prompt chunk or a catch-up is
+        no steady step, -1, as `_observe_policy` reads them). A one-sync step's rows are decode rows (OneSync.qualify),
+        so the settled steps, all one-sync on a device with graphs, skip the pass over them."""
+        if self._one_sync_ran and not self._caught_up:
+            return self._drafted_chain(sched)
+        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
+            return -1
+        return self._drafted_chain(sched)
 
     def _run_deferred(self: SpecStepPipeline) -> None:
         """Run the bookkeeping `_observe` (and `_observe_policy`) deferred: called while the host waits for the device

@@ -1,0 +1,67 @@
+"""Which steps' observations the adaptive policy keeps (spec/slot_policy.py's SlotPolicy inherits it): every step's
+while it decides, one in observe_every once it has settled, and the calibrator's stride.
+
+Why. Static k observes nothing; the confidence scheduler observes every step it runs: the step's output processing
+and wall time against the tables (spec/step_times.py), its realized rate (spec/realized_rates.py) and its drafts'
+outcomes (spec/confidence.py, refitted every few dozen outcomes). On the embedded model the steps are host-bound
+(a one-sync step of ~1 ms at one sequence, the device busy a fraction of it), so that bookkeeping is paid in full:
+on an H100 (2026-12-07, session 37) the adaptive mode ran 0.92-0.96x of static k = 5 at every load where it drafted
+chains of 5 like it, its slot policy's host time 78 us a step against static k5's 37; on this CPU
+(benchmarks/spec_host.py, one sequence) the adaptive mode's deferred work was 32 us a step against 7, its
+observations ~45 us (the calibrator's refits 25 of them, step times 9, realized rates 4).
+
+A settled step is one where the adaptive policy is running static k's step: the plan holds a chain whose realized
+rate was measured at its load (SlotPolicy._plan_trusted, a hold of plan_drafting), the admission held (every held
+slot verified unpriced), nothing paused, probed, explored or measured. What its observations would feed is a plan
+and an admission that are not being made; the next ones, at most plan_interval() steps later, read moving averages
+that a sample of the steps keeps as well as all of them do. So a settled step keeps them one step in observe_every
+(by the steps' count: the step's index decides, never its outcomes or times, so the sample is non-anticipating and
+unbiased). Every other step, while the policy is deciding anything, keeps all of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.spec.slot_policy import SlotPolicy
+
+
+class SettledSteps:
+    """Methods of SlotPolicy (self is one): the observations' sampling."""
+
+    def settled(self: SlotPolicy) -> bool:
+        """Whether the step of the last plan and admission runs as static k's would (module docstring): the plan
+        held (a `_plan_age` past 1 is a hold's) a chain measured at its load (where realized rates decide: they
+        do but in tests and benchmarks/spec_host.py), and the admission was held."""
+        return (self._plan_age > 1 and (self._plan_trusted or not self.realized.decides) and self._admission_held
+                and self.chain > 0
+                and self.paused == 0 and not (self.explore or self.probe or self.verifying_probe or self.verify_all))
+
+    def observes_step(self: SlotPolicy) -> bool:
+        """Whether this step's observations (output processing, step time, realized rate) are kept: called once an
+        adaptive step, after its admission and plan. Every step's, but one in observe_every of settled ones."""
+        if self.observe_every <= 1 or not self.settled():
+            self._settled_steps = 0
+            return True
+        self._settled_steps += 1
+        if self._settled_steps % self.observe_every:
+            self.num_unobserved += 1
+            return False
+        return True
+
+    def calibrates(self: SlotPolicy) -> bool:
+        """Whether this verification's outcomes go to the calibrator (called once a verification, after its
+        admission): every one until the calibrator has counted calibrated_after outcomes, and every probe's; after
+        that one in calibrate_stride; of settled steps' (module docstring), one in observe_every more. The
+        verification's index decides, never its outcomes (non-anticipating)."""
+        self._verifications += 1
+        cal = self.calibrator
+        if cal is None:
+            return False
+        if self.verifying_probe:
+            return True
+        every = self.observe_every if self.observe_every > 1 and self.settled() else 1
+        if cal.num_observed >= self.calibrated_after and self.calibrate_stride > 1:
+            every *= self.calibrate_stride
+        return self._verifications % every == 0

@@ -1,0 +1,112 @@
+"""Settled steps (spec/settled_steps.py): once the plan holds a chain measured at its load and the admission holds,
+the adaptive policy keeps one step's observations in observe_every (and calibrates one verification in
+observe_every); while it decides anything (a fresh plan, a priced admission, a chain not measured yet, a probe) it
+keeps every step's. The sample is by the steps' count, so an engine's observations still measure the held chain
+(its realized steady steps keep counting across the unobserved ones)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from chain_policies import chain_policy
+
+from benchmarks.spec_host import VOCAB, make_engine, run_cell
+from deepinfer.checkpoints.tokenizer_factory import write_tokenizer
+from deepinfer.spec.draft_slots import HeldDraft
+from deepinfer.spec.realized_rates import RealizedRates
+from deepinfer.spec.scheduler import StepCostTable
+from deepinfer.spec.slot_policy import SlotPolicy
+
+
+def drafts(n: int, conf: float = 0.9, k: int = 5) -> list[HeldDraft]:
+    return [HeldDraft(seq=None, num_tokens=0, tokens=[1] * k, confidence=[conf] * k) for _ in range(n)]
+
+
+def policy(**fields) -> SlotPolicy:
+    """Chain 5 pays (every slot accepted 0.9-0.95), slots nearly free; plans hold 8 steps, doubling to 32; realized
+    rates counted from a chain's first steady step (warm_steps 0), trusted after 3."""
+    settings = {"replan_every": 8, "max_replan_every": 32, "hold_after": 3, "challenge_every": 0,
+                "realized": RealizedRates(warm_steps=0),
+                "cost": StepCostTable([1, 4096], [0.01, 0.01 + 4095e-7])}
+    return chain_policy([0.95, 0.95, 0.9, 0.9, 0.9], one=0.001, full=0.002, **{**settings, **fields})
+
+
+def drive(p: SlotPolicy, steps: int, load: int = 4) -> list[tuple[bool, bool]]:
+    """`steps` steps in the pipeline's order (the held drafts' admission, the plan, then the step's observations
+    where kept): per step, (settled, observed)."""
+    out, before = [], p.chain
+    for _ in range(steps):
+        p.counts(drafts(load), [5] * load, load, load)
+        now = p.plan_drafting(load)
+        settled = p.settled()
+        observed = p.observes_step()
+        if observed:
+            tokens = load * (1 + now)
+            p.realized.step(load, before, now, before > 0, tokens, tokens / 5000.0)
+        else:
+            p.realized.tick()
+        out.append((settled, observed))
+        before = now
+    return out
+
+
+def test_settled_steps_keep_one_in_observe_every_and_deciding_steps_keep_all():
+    p = policy()
+    got = drive(p, 200)
+    assert p.chain == 5
+    settled = [i for i, (s, _) in enumerate(got) if s]
+    assert settled and settled[0] >= 3  # not before the chain's rate was measured (3 steady steps) and held
+    assert all(o for s, o in got if not s)  # a step deciding anything keeps its observations
+    kept = [o for s, o in got if s]
+    assert 0.2 <= sum(kept) / len(kept) <= 0.3, sum(kept) / len(kept)  # one in four
+    assert p.num_unobserved == len(kept) - sum(kept)
+    # the held chain's measure kept counting: every kept step was a steady one of chain 5
+    assert p.realized.counts[(4, 5)] == sum(o for _, o in got) - 1  # (the first step drafted after none)
+    every = policy(observe_every=1)
+    assert all(o for _, o in drive(every, 200)) and every.num_unobserved == 0
+
+
+def test_a_plan_or_a_priced_admission_is_never_a_settled_step():
+    p = policy()
+    drive(p, 60)
+    assert p.settled()
+    p._plan_age = 1  # a fresh plan's step
+    assert not p.settled() and p.observes_step()
+    p._plan_age = 2
+    p._admission_held = False  # a priced admission's step
+    assert not p.settled()
+    p._admission_held = True
+    for flag in ("explore", "probe", "verifying_probe", "verify_all"):
+        setattr(p, flag, True)
+        assert not p.settled(), flag
+        setattr(p, flag, False)
+    p._plan_trusted = False  # the held chain not measured at its load yet
+    assert not p.settled()
+
+
+def test_calibration_of_settled_steps_is_sampled_and_a_probe_always_counts():
+    p = policy(calibrated_after=1 << 30)
+    drive(p, 60)
+    assert p.settled()
+    assert [p.calibrates() for _ in range(8)].count(True) == 2  # one in observe_every (4)
+    p.calibrated_after, p.calibrate_stride = 0, 2
+    assert [p.calibrates() for _ in range(16)].count(True) == 2  # and the calibrator's own stride on top
+    p.verifying_probe = True
+    assert all(p.calibrates() for _ in range(5))
+
+
+def test_an_engine_measures_its_held_chain_across_unobserved_steps():
+    """The spec_host stand-in engine (benchmarks/spec_host.py: an adaptive engine at one sequence, priced by tables
+    of the H200's shape): its settled steps are sampled, and every kept step's chain is still read as steady, so the
+    realized rate of the chain it drafts counts every kept step past the first steps of a chain."""
+    with tempfile.TemporaryDirectory() as tok:
+        write_tokenizer(tok, VOCAB)
+        engine = make_engine(tok, "adaptive", 1, 256)
+        run_cell(engine, 1, 8)
+        p = engine._spec.policy
+        counted = dict(p.realized.counts)
+        got = run_cell(engine, 1, 256)
+    assert p.num_unobserved > got["steps"] // 2  # most of the cell's steps were settled, 3 in 4 of those unobserved
+    kept = got["steps"] - p.num_unobserved
+    grew = sum(n - counted.get(key, 0) for key, n in p.realized.counts.items())
+    assert kept - 6 <= grew <= kept, (kept, grew)  # (a cell's first steps are not steady, nor its last)
