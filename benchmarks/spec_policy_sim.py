@@ -214,7 +214,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
                                 emitted=emitted)
             now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
             steady, before_chain = now, steady
-            policy.realized.step(B, before_chain, now, verified, emitted, dt)
+            policy.realized.step(B, before_chain, now, verified, emitted, dt, ended=any(n <= 0 for n in left))
         else:  # (a catch-up step: no steady step, nor the next one)
             steady = -1
             policy.realized.tick()

@@ -115,6 +115,30 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list
                else {})}, [o.outputs[0].token_ids for o in outs]
 
 
+class PlanTrace:
+    """--plan-trace: each adaptive engine's plan decisions and observed steady steps, one JSON line per mode and
+    cell, so that a GPU run shows when and on what measures the plan chose each chain (the plan-state lines give
+    only a cell's end)."""
+
+    def __init__(self, path: str, engines: dict):
+        self.path, self.policies = path, {}
+        for mode, engine in engines.items():
+            policy = getattr(getattr(engine, "_spec", None), "policy", None)
+            if policy is not None and policy.adaptive:
+                policy.plan_trace, policy.realized.trace = [], []
+                self.policies[mode] = policy
+        open(path, "w").close()
+
+    def dump(self, mode: str, concurrency: int, repeat: int) -> None:
+        policy = self.policies.get(mode)
+        if policy is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"mode": mode, "concurrency": concurrency, "repeat": repeat,
+                                "plans": policy.plan_trace, "steps": policy.realized.trace}) + "\n")
+        policy.plan_trace, policy.realized.trace = [], []
+
+
 def _plan_state(policy, load: int) -> dict:
     """What the adaptive plan saw at the cell's load when the cell ended: the model's gain of each chain over plain
     decoding (`chain_rates`), the realized rates and steps of each chain measured at that load, and the speculative
@@ -226,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
     ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:CONC",
                     help="after the table, profile one cell of each MODE at CONC (device kernels and host Python)")
+    ap.add_argument("--plan-trace", default=None, metavar="PATH",
+                    help="write every adaptive plan decision (SlotPolicy.plan_trace) and observed steady step "
+                         "(RealizedRates.trace) to PATH, one JSON line per mode and cell (warm-up cells: repeat -1)")
     ap.add_argument("--trace-dir", default=None, help="where --profile writes its traces (default: a temp dir)")
     ap.add_argument("--profile-lines", type=int, default=30,
                     help="host functions --profile prints by cumulative time (half as many by own time)")
@@ -262,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ[k] = v
         for field_name, value in MODE_POLICY.get(mode, {}).items():
             setattr(engines[mode]._spec.policy, field_name, value)
-    for engine in engines.values():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
+    tracer = PlanTrace(args.plan_trace, engines) if args.plan_trace else None
+    for mode, engine in engines.items():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
         for c in args.concurrency:
             run_cell(engine, c, 16)
+            if tracer is not None:
+                tracer.dump(mode, c, -1)
     results = []
     for c in args.concurrency:
         best: dict[str, dict] = {}
@@ -284,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 if log is not None and log.compiles:
                     compiles.setdefault(mode, []).extend(log.compiles)
                     print(f"compiles at {c}, {mode}, repeat {r}: {log.describe()}", flush=True)
+                if tracer is not None:
+                    tracer.dump(mode, c, r)
                 if spec is not None:
                     phases[mode] = spec.phases.since(before).plus(phases.get(mode))
                 if mode == "off":

@@ -282,7 +282,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         if draft_s is not None:
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
-            self._observe_policy(sched, out_s, step_s, real_s, num_emitted)
+            ended = out_s is not None and any(seq.finished for seq in got)  # (got: every sequence with output)
+            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=ended)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"

@@ -62,19 +62,34 @@ class RealizedRates:
     # the measure (`separation`): a step's tokens vary with its acceptance, so a few steps' rate is a loose measure
     _step_rate: dict[tuple[int, int], float] = field(default_factory=dict)
     _step_rate_sq: dict[tuple[int, int], float] = field(default_factory=dict)
+    # a list: every observed steady step is appended to it as (engine step, load, chain, tokens, seconds)
+    # (benchmarks/speculative.py --plan-trace)
+    trace: list | None = None
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
         self.now += 1
 
-    def step(self, num_seqs: int, before: int, now: int, verified: bool, tokens: int, seconds: float) -> None:
+    def step(self, num_seqs: int, before: int, now: int, verified: bool, tokens: int, seconds: float,
+             ended: bool = False) -> None:
         """One engine step of decode rows (a step that caught up a pause's MTP rows, or ran a prompt chunk, is not
         passed): before / now are the chains drafted for every sampling sequence by the step before and by this
         one (0: none; -1: some sequences only, a probe or an exploration, or mixed lengths). Observed where steady:
         the same chain before and now (drafting's cost and its verification's yield are of one plan), and for
-        plain decoding nothing verified. Every step ages the measures."""
+        plain decoding nothing verified. Every step ages the measures.
+
+        ended: a request ended in this step (its max_tokens, a stop): not observed. Its verification was cut to
+        the tokens the request had left (spec/draft_slots.py length_cap), so the step measures the request's end,
+        not the chain: at one sequence every closed batch ends on such a step (1 to k + 1 tokens where its chain
+        yields ~k + 1), which pulled the chain's moving average ~8% low into the next batch's first plans (on an
+        H100, 2026-12-07, session 38: chain 5 measured at 4,622 tok/s at one sequence after a cell where it
+        ran ~5,700, and the next cell drafted chains of 3 for 123 steps)."""
         self.tick()
         if before != now or now < 0 or (now == 0 and verified):
+            return
+        if ended:
+            if self.trace is not None:
+                self.trace.append((self.now, int(num_seqs), now, tokens, round(seconds, 6), "ended"))
             return
         self.observe(num_seqs, now, tokens, seconds)
 
@@ -85,6 +100,8 @@ class RealizedRates:
             return
         key = (int(num_seqs), chain)
         self.last[key] = self.now
+        if self.trace is not None:
+            self.trace.append((self.now, key[0], chain, tokens, round(seconds, 6)))
         warm_key = (load_bucket(num_seqs), chain)
         warm = self._warm.get(warm_key, 0)
         if warm < self.warm_steps:

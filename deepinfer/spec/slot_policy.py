@@ -123,6 +123,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
     _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
     decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
+    # a list: every decision but a hold is appended to it (`_trace_plan`; benchmarks/speculative.py --plan-trace)
+    plan_trace: list | None = None
     # the admission verifies every held slot where that costs at most this fraction of the step (`_nearly_free`:
     # its rate is then within this fraction of the admission's best), or where priced, the model puts every slot's
     # rate within this fraction of the best prefix's (spec/scheduler.py `all_within`; since 2026-12-06: on an H100
@@ -297,7 +299,16 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
                     self.chain, decision, self._plan_age, self._plan_bucket = rival, "challenge", 0, 0
                 self._count_short()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
+        if self.plan_trace is not None and self._plan_age <= 1:  # (a hold is not a decision: not traced)
+            self._trace_plan(num_seqs, decision)
         return self.chain
+
+    def _trace_plan(self, num_seqs: int, decision: str) -> None:
+        """One decision into plan_trace: the engine step (RealizedRates.now), the load, the decision and its chain,
+        the gains the plan priced chains by, and the realized rates measured at the load (chain, tok/s, steps)."""
+        self.plan_trace.append({"step": self.realized.now, "seqs": num_seqs, "decision": decision, "chain": self.chain,
+                                "gains": [round(g, 3) for g in self._plan_gains],
+                                "realized": [[c, round(r), n] for b, c, r, n in self.realized.rows() if b == num_seqs]})
 
     def plan_interval(self) -> int:
         """Steps a plan holds while drafting steadily at its load (replan_every, doubling while plans repeat)."""

@@ -62,7 +62,7 @@ class VerifyOutcomes:
         self._deferred.append(observe)
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float | None, step_s: float | None,
-                        real_s: float | None, emitted: int) -> None:
+                        real_s: float | None, emitted: int, ended: bool = False) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -74,6 +74,8 @@ class VerifyOutcomes:
         calibration (`_run_deferred`), so a plan reads the observations of the steps before the last one (past
         steps only either way). On the H200 (2026-12-05, session 17) they cost an adaptive one-sync step ~0.03 ms
         after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms.
+
+        ended: a request ended in the step (RealizedRates.step leaves it out of the realized rates).
 
         Times None: a settled step whose observations are not kept (spec/settled_steps.py); its chain is still
         tracked (the next kept step's `before`) and the measures still age."""
@@ -102,7 +104,7 @@ class VerifyOutcomes:
         def observe() -> None:
             policy.observe_output(out_s, emitted, n)
             policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
-            policy.realized.step(n, before, now, verified, emitted, real_s)
+            policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended)
 
         self._deferred.append(observe)
 

@@ -110,3 +110,37 @@ def test_an_engine_measures_its_held_chain_across_unobserved_steps():
     kept = got["steps"] - p.num_unobserved
     grew = sum(n - counted.get(key, 0) for key, n in p.realized.counts.items())
     assert kept - 6 <= grew <= kept, (kept, grew)  # (a cell's first steps are not steady, nor its last)
+
+
+def test_a_requests_last_step_is_not_a_measure_of_its_chain():
+    """At one sequence a closed batch ends on a step whose verification was cut to the tokens its request had left
+    (max_tokens): 1 to k + 1 tokens where the chain yields k + 1. RealizedRates leaves it out (`ended`), so the chain's
+    measure carried into the next batch is its own; every other steady step is counted."""
+    with tempfile.TemporaryDirectory() as tok:
+        write_tokenizer(tok, VOCAB)
+        engine = make_engine(tok, "adaptive", 1, 256)
+        p = engine._spec.policy
+        p.observe_every = 1  # (every step observed: the last one too)
+        run_cell(engine, 1, 61)  # (past the realized rates' warm steps)
+        counted = sum(p.realized.counts.values())
+        p.realized.trace = []
+        run_cell(engine, 1, 61)  # 61 tokens: the ChainLM's cycles end a chain of 5 mid-draft
+    ended = [t for t in p.realized.trace if t[-1] == "ended"]
+    kept = [t for t in p.realized.trace if t[-1] != "ended"]
+    assert len(ended) == 1 and ended[0][3] < 6, p.realized.trace[-3:]
+    assert ended[0] is p.realized.trace[-1]  # the cell's last step
+    assert sum(p.realized.counts.values()) - counted == len(kept) > 5
+
+
+def test_the_plan_trace_records_every_decision_but_the_holds():
+    """SlotPolicy.plan_trace (benchmarks/speculative.py --plan-trace): one record per plan_drafting decision that is
+    not a hold, with the gains it priced chains by and the realized rates at its load."""
+    p = policy(plan_trace=[])
+    drive(p, 100)
+    holds = sum(n for d, n in p.decisions.items() if d.startswith("chain")) - sum(
+        1 for r in p.plan_trace if r["decision"].startswith("chain"))
+    assert p.plan_trace and holds > 50  # most steps held the plan: not traced
+    assert len(p.plan_trace) == 100 - holds
+    last = p.plan_trace[-1]
+    assert last["chain"] == 5 and len(last["gains"]) == 6
+    assert last["realized"] and last["realized"][-1][0] == 5 and last["realized"][-1][2] >= 3  # chain, tok/s, steps
