@@ -80,7 +80,13 @@ class ChainPlan:
             self.decisions["time_fit"] = self.decisions.get("time_fit", 0) + 1
         gains = list(modelled)
         shape = fitted if fitted is not None else rates
+        if fitted is not None and self.fit_orders:  # the fit orders the chains, the most-measured one scales them
+            steps = self.realized.steps_near(num_seqs)
+            anchor = max(measured, key=lambda c: (steps.get(c, 0), -c))
+            gains[1:] = [fitted[c] * measured[anchor] / fitted[anchor] for c in range(1, len(gains))]
         for chain in range(1, len(gains)):  # unmeasured: the shape's gain, scaled by its error at the nearest measure
+            if fitted is not None and self.fit_orders:
+                break
             near = min(measured, key=lambda m: (abs(m - chain), m))
             gains[chain] = measured[chain] if chain in measured else shape[chain] * measured[near] / shape[near]
         top = _best(gains)

@@ -180,6 +180,10 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     # before it fills the chains not measured (spec/chain_plan.py `_fitted_rates`); False: the model's shape scaled
     # at the nearest measure alone, as before session 30 (benchmarks/speculative.py's adaptive_nofit, the A/B)
     time_fit: bool = True
+    # where that fit exists, it orders the chains (its step times measured, its tokens the calibrated survival's,
+    # engine-life averages both) and the most-measured chain's realized gain scales them, in place of each measured
+    # chain's own realized rate (spec/chain_plan.py `_choose_chain`)
+    fit_orders: bool = False
     # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
     # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
     # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never
