@@ -475,3 +475,29 @@ def test_a_pause_the_model_alone_decides_is_vetoed_by_a_chain_realized_well_abov
     measured = policy(1.8, plain_measured=True)
     # gains() decided: drafting (chain 1 here: the model's shape scaled by its error at the measured 5)
     assert measured.plan_drafting(4) > 0 and "pause_vetoed" not in measured.decisions and measured._plan_measured
+
+
+def test_with_fit_orders_the_fit_orders_chains_a_phase_low_measure_does_not():
+    """Chains 3 and 5 measured at one sequence, their step times as the model prices them, but chain 5's tokens
+    measured in a batch's hard first steps (3.7 a step where its calibrated survival yields ~5.3) and chain 3's in its
+    middle (its calibrated 3.7): the realized rates put 3 above 5 (by a margin no noise hides: every step alike), so
+    the plan drafts a shorter chain (4, which the fit proposes between the two measures). With fit_orders the fit orders them (measured step times, calibrated tokens): 5, as truly. The
+    most-measured chain's realized gain over plain decoding scales them, so the gains stay measured ones."""
+    def primed(**fields) -> SlotPolicy:
+        p = policy_with([0.95] * 5, one=0.001, full=0.003, **fields)
+        tokens, seconds = p.chain_model(1)
+        for _ in range(6):
+            p.realized.observe(1, 0, 1, seconds[0])
+            p.realized.observe(1, 3, tokens[3], seconds[3])
+            p.realized.observe(1, 5, tokens[3], seconds[5])  # chain 5's tokens as low as chain 3's: a hard phase
+        p.realized.observe(1, 5, tokens[3], seconds[5])  # (chain 5 the most measured)
+        return p
+
+    measured = primed()
+    assert measured.realized.rate(1, 3) > measured.realized.rate(1, 5)
+    assert measured._choose_chain(1) < 5 and measured._plan_gains[3] > measured._plan_gains[5]
+    ordered = primed(fit_orders=True)
+    assert ordered._choose_chain(1) == 5 and ordered.decisions["time_fit"] == 1
+    gains = ordered._plan_gains
+    assert gains[5] == pytest.approx(ordered.realized.gains(1, 5)[5])  # the anchor keeps its realized gain
+    assert gains[5] > gains[4] > gains[3]
