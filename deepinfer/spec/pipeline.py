@@ -269,21 +269,18 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         t2 = now = time.perf_counter()
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
-        out_s = step_s = real_s = None  # (an unobserved settled step's: spec/settled_steps.py)
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
-            num_emitted = 0
-            if self.policy.observes_step():  # (the same answer on every rank: the policy's state decides)
-                num_emitted = sum(len(toks) for toks in rec.emitted)
-                out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
-                                                                   -1.0 if draft_s is None else draft_s])
-                draft_s = None if draft_s < 0 else draft_s
-            else:
-                draft_s = None
+            num_emitted = sum(len(toks) for toks in rec.emitted)
+            out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
+                                                               -1.0 if draft_s is None else draft_s])
+            draft_s = None if draft_s < 0 else draft_s
         if draft_s is not None:
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
-            ended = out_s is not None and any(seq.finished for seq in got)  # (got: every sequence with output)
-            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=ended)
+            # (the same answer on every rank: the policy's state decides; got: every sequence with output)
+            observed = self.policy.observes_step()
+            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=any(seq.finished for seq in got),
+                                 observed=observed)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"

@@ -1,22 +1,32 @@
 """Which steps' observations the adaptive policy keeps (spec/slot_policy.py's SlotPolicy inherits it): every step's
-while it decides, one in observe_every once it has settled, and the calibrator's stride.
+while it decides, and once it has settled, its output processing, step time and calibration one step in
+observe_every; its realized rate every step.
 
 Why. Static k observes nothing; the confidence scheduler observes every step it runs: the step's output processing
 and wall time against the tables (spec/step_times.py), its realized rate (spec/realized_rates.py) and its drafts'
 outcomes (spec/confidence.py, refitted every few dozen outcomes). On the embedded model the steps are host-bound
-(a one-sync step of ~1 ms at one sequence, the device busy a fraction of it), so that bookkeeping is paid in full:
-on an H100 (2026-12-07, session 37) the adaptive mode ran 0.92-0.96x of static k = 5 at every load where it drafted
+(a one-sync step of ~1 ms at one sequence, the device busy a fraction of it), so that bookkeeping is paid: on an
+H100 (2026-12-07, session 37) the adaptive mode ran 0.92-0.96x of static k = 5 at every load where it drafted
 chains of 5 like it, its slot policy's host time 78 us a step against static k5's 37; on this CPU
 (benchmarks/spec_host.py, one sequence) the adaptive mode's deferred work was 32 us a step against 7, its
 observations ~45 us (the calibrator's refits 25 of them, step times 9, realized rates 4).
 
 A settled step is one where the adaptive policy is running static k's step: the plan holds a chain whose realized
 rate was measured at its load (SlotPolicy._plan_trusted, a hold of plan_drafting), the admission held (every held
-slot verified unpriced), nothing paused, probed, explored or measured. What its observations would feed is a plan
-and an admission that are not being made; the next ones, at most plan_interval() steps later, read moving averages
-that a sample of the steps keeps as well as all of them do. So a settled step keeps them one step in observe_every
-(by the steps' count: the step's index decides, never its outcomes or times, so the sample is non-anticipating and
-unbiased). Every other step, while the policy is deciding anything, keeps all of them.
+slot verified unpriced), nothing paused, probed, explored or measured. What its step time and outcomes would feed
+is a plan and an admission that are not being made; the next ones, at most plan_interval() steps later, read moving
+averages (step-time ratios, output seconds a token) and counts (the calibration) that a sample of the steps keeps
+as well as all of them do. So a settled step keeps those one step in observe_every (by the steps' count: the step's
+index decides, never its outcomes or times, so the sample is non-anticipating and unbiased). Every other step,
+while the policy is deciding anything, keeps all of them.
+
+The realized rates are kept every step. They are the plan's comparator of chains, and a chain's rate moves within a
+closed batch (its first steps' drafts are accepted less: on an H100, session 38, a chain of 5 at 4 sequences ran
+4.5-9k tok/s in a batch's first steps and 14-19k later); sampled, the held chain's moving average spans four times
+the steps, so a batch's hard first steps weighed in it four times as long. The first H100 sweeps of this sampling
+(session 38, calls 1-3, sampling the realized rates too) drafted the chain of 5 in 49%, 58% and 74% of the adaptive
+mode's steps at 4 sequences, against 83% and 89% with every step observed (the best static mode there: k5 or k3,
+within 2%).
 """
 
 from __future__ import annotations
@@ -39,8 +49,8 @@ class SettledSteps:
                 and self.paused == 0 and not (self.explore or self.probe or self.verifying_probe or self.verify_all))
 
     def observes_step(self: SlotPolicy) -> bool:
-        """Whether this step's observations (output processing, step time, realized rate) are kept: called once an
-        adaptive step, after its admission and plan. Every step's, but one in observe_every of settled ones."""
+        """Whether this step's output processing and step time are kept (its realized rate always is): called once
+        an adaptive step, after its admission and plan. Every step's, but one in observe_every of settled ones."""
         if self.observe_every <= 1 or not self.settled():
             self._settled_steps = 0
             return True

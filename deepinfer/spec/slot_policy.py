@@ -156,7 +156,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     calibrate_stride: int = 4
     _verifications: int = 0
     # a settled step (spec/settled_steps.py: the plan and the admission held, the chain measured at its load) keeps
-    # its observations (output processing, step time, realized rate, calibration) one step in observe_every; 1: all
+    # its output processing, step time and calibration one step in observe_every (its realized rate always); 1: all
     observe_every: int = 4
     num_unobserved: int = 0  # settled steps whose observations were not kept (engine life)
     _settled_steps: int = 0  # settled steps in a row (the sample's clock)

@@ -61,8 +61,8 @@ class VerifyOutcomes:
 
         self._deferred.append(observe)
 
-    def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float | None, step_s: float | None,
-                        real_s: float | None, emitted: int, ended: bool = False) -> None:
+    def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
+                        emitted: int, ended: bool = False, observed: bool = True) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -77,19 +77,16 @@ class VerifyOutcomes:
 
         ended: a request ended in the step (RealizedRates.step leaves it out of the realized rates).
 
-        Times None: a settled step whose observations are not kept (spec/settled_steps.py); its chain is still
-        tracked (the next kept step's `before`) and the measures still age."""
+        observed False: a settled step whose output processing and step time are not kept (spec/settled_steps.py);
+        its realized rate is."""
         n = len(sched.scheduled)
         policy = self.policy
-        if out_s is None or step_s is None or real_s is None:
-            self._steady_chain = self._settled_chain(sched)
-            self._deferred.append(policy.realized.tick)
-            return
         if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
 
             def observe_output() -> None:
-                policy.observe_output(out_s, emitted, n)
+                if observed:
+                    policy.observe_output(out_s, emitted, n)
                 policy.realized.tick()
 
             self._deferred.append(observe_output)
@@ -102,8 +99,10 @@ class VerifyOutcomes:
         before, self._steady_chain = self._steady_chain, now
 
         def observe() -> None:
-            policy.observe_output(out_s, emitted, n)
-            policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
+            if observed:
+                policy.observe_output(out_s, emitted, n)
+                policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path,
+                                    emitted=emitted)
             policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended)
 
         self._deferred.append(observe)
@@ -118,16 +117,6 @@ class VerifyOutcomes:
             return chain if not self.policy.explore else -1
         live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
         return chain if seqs >= live and not self.policy.explore else -1
-
-    def _settled_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
-        """`_drafted_chain` of an unobserved settled step (its decode rows only: a prompt chunk or a catch-up is
-        no steady step, -1, as `_observe_policy` reads them). A one-sync step's rows are decode rows (OneSync.qualify),
-        so the settled steps, all one-sync on a device with graphs, skip the pass over them."""
-        if self._one_sync_ran and not self._caught_up:
-            return self._drafted_chain(sched)
-        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
-            return -1
-        return self._drafted_chain(sched)
 
     def _run_deferred(self: SpecStepPipeline) -> None:
         """Run the bookkeeping `_observe` (and `_observe_policy`) deferred: called while the host waits for the device
