@@ -91,13 +91,14 @@ MODELS = {
 
 def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0,
              before: list[tuple[DeviceModel, int]] = (), max_tokens: int | None = None, repeats: int = 1,
-             policy_fields: dict | None = None) -> dict:
+             policy_fields: dict | None = None, phase: tuple[int, float] | None = None) -> dict:
     """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
     The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
     (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
     path. before: (model, steps) phases the same policy runs first, untimed (the benchmark's warm-up over every
     concurrency: a policy carries its pauses, calibration and step times from one load to the next). policy_fields:
-    SlotPolicy fields set on the adaptive policy once made (an A/B of its knobs, `--policy`)."""
+    SlotPolicy fields set on the adaptive policy once made (an A/B of its knobs, `--policy`). phase: (steps, factor),
+    closed batches only: a batch's first `steps` steps accept each slot at `factor` times its rate (`--batch-phase`)."""
     rng = random.Random(seed)
     k = len(model.accept)
     if mode == "adaptive":
@@ -115,7 +116,7 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
         _run(warm, mode, policy, n, rng, host_factor, max_tokens=n if max_tokens else None)
     if not max_tokens:
         return _run(model, mode, policy, steps, rng, host_factor)
-    runs = [_run(model, mode, policy, steps, rng, host_factor, max_tokens) for _ in range(repeats)]
+    runs = [_run(model, mode, policy, steps, rng, host_factor, max_tokens, phase) for _ in range(repeats)]
     out = dict(runs[-1])
     out["repeats"] = runs
     for key in ("per_seq_tok_s", "total_tok_s", "tau", "mean_chain"):
@@ -127,7 +128,7 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
 
 
 def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, rng: random.Random,
-         host_factor: float, max_tokens: int | None = None) -> dict:
+         host_factor: float, max_tokens: int | None = None, phase: tuple[int, float] | None = None) -> dict:
     """One phase: model.seqs sequences (new ones: no draft held) for `steps` steps under `policy`. With max_tokens,
     a closed batch instead (as benchmarks/speculative.py runs a cell): each sequence ends after max_tokens tokens,
     its drafts clipped to what it may still emit, so the load falls step by step once the first ones end, and the
@@ -165,6 +166,8 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
             a = 0
             while a < n:
                 p = min(max(model.accept[a] + 0.8 * (h.confidence[a] - model.confidence[a]), 0.02), 0.98)
+                if phase is not None and step < phase[0]:  # a batch's hard first steps (--batch-phase)
+                    p *= phase[1]
                 ok = rng.random() < p
                 slots.append(a)
                 confs.append(h.confidence[a])
@@ -252,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1,
                     help="seeds 0..N-1, each its own run of every mode; with N > 1 the rows are their means, and a "
                          "line gives adaptive over the best static k (with --host-factor 0 a seed is deterministic)")
+    ap.add_argument("--batch-phase", default=None, metavar="STEPS:FACTOR",
+                    help="closed batches: a batch's first STEPS steps accept each slot at FACTOR times its rate (the "
+                         "session-38 H100 traces: at 4 sequences a batch's first ~20 steps emitted about half the "
+                         "tokens of its later ones; e.g. 20:0.6)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="SlotPolicy fields for the adaptive mode (Python literals: challenge_every=0 time_fit=False)")
     args = ap.parse_args(argv)
@@ -265,6 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, SyntaxError):
             raise SystemExit(f"--policy {item!r}: the value is not a Python literal") from None
 
+    phase = None
+    if args.batch_phase:
+        n, sep, f = args.batch_phase.partition(":")
+        try:
+            phase = (int(n), float(f))
+        except ValueError:
+            raise SystemExit(f"--batch-phase {args.batch_phase!r}: expected STEPS:FACTOR, e.g. 20:0.6") from None
+        if not sep or phase[0] < 0 or not 0.0 < phase[1] <= 1.0:
+            raise SystemExit(f"--batch-phase {args.batch_phase!r}: STEPS >= 0 and 0 < FACTOR <= 1")
+
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
         return [(MODELS[m], args.warm_up) for m in same] if args.warm_up else []
@@ -272,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model:
         model = MODELS[name]
         runs = [[simulate(model, mode, args.steps, seed=seed, host_factor=args.host_factor, before=warm(name),
-                          max_tokens=args.max_tokens or None, repeats=args.repeats, policy_fields=fields)
+                          max_tokens=args.max_tokens or None, repeats=args.repeats, policy_fields=fields,
+                          phase=phase)
                  for mode in ("off", "k1", "k3", "k5", "adaptive")] for seed in range(args.seeds)]
         rows = runs[0] if args.seeds == 1 else [_mean_row([seed_rows[i] for seed_rows in runs]) for i in range(5)]
         off = rows[0]["per_seq_tok_s"]

@@ -26,3 +26,19 @@ def test_unknown_field_and_bad_value_are_refused():
         sim.main(["--model", "h200-b4", "--steps", "10", "--policy", "time_fit=maybe"])
     with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
         sim.main(["--model", "h200-b4", "--steps", "10", "--policy", "time_fit"])
+
+
+def test_a_batch_phase_lowers_the_first_steps_acceptance_only():
+    """`--batch-phase STEPS:FACTOR`: a closed batch's first STEPS steps accept each slot at FACTOR times its rate, so a
+    static k's tau falls by about FACTOR's share over those steps, and a bad spec is refused naming the flag."""
+    def tau(phase) -> float:
+        return sim.simulate(sim.MODELS["h200-b4"], "k5", 3000, seed=0, host_factor=0.0, max_tokens=128, repeats=3,
+                            phase=phase)["tau"]
+
+    plain, hard, none = tau(None), tau((20, 0.5)), tau((0, 0.5))
+    assert none == plain  # no steps in the phase: the same draws
+    assert hard < 0.85 * plain
+    with pytest.raises(SystemExit, match="--batch-phase '20'"):
+        sim.main(["--model", "h200-b4", "--max-tokens", "64", "--batch-phase", "20"])
+    with pytest.raises(SystemExit, match="0 < FACTOR <= 1"):
+        sim.main(["--model", "h200-b4", "--max-tokens", "64", "--batch-phase", "20:1.5"])
