@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         for field_name, value in MODE_POLICY.get(mode, {}).items():
             setattr(engines[mode]._spec.policy, field_name, value)
     tracer = PlanTrace(args.plan_trace, engines) if args.plan_trace else None
-    for mode, engine in engines.items():  # warm-up: first-call costs (Triton compiles per shape on a GPU) are not a mode's
+    for mode, engine in engines.items():  # warm-up: first-call costs (Triton compiles per shape) are not a mode's
         for c in args.concurrency:
             run_cell(engine, c, 16)
             if tracer is not None:

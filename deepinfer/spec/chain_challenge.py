@@ -89,8 +89,9 @@ class ChainChallenge:
     def _paired(self: SlotPolicy, num_seqs: int, best: int) -> int:
         """The plan's chain under paired challenges (`paired_challenges`; else `best`, the plan's own choice): right
         after a paired challenge, the challenger where its fresh realized rate is above the challenged chain's (both
-        measured side by side) by measured_z standard errors, else the challenged chain; between challenges, the chain drafted before this plan where its rate is
-        measured at this load (a plan's pause aside), so that only a paired comparison moves the plan.
+        measured side by side) by measured_z standard errors, else the challenged chain; between challenges, the
+        chain drafted before this plan where its rate is measured at this load (a plan's pause aside), so that only
+        a paired comparison moves the plan.
 
         Why. A chain's realized rate moves up to ~2x within a closed batch (H100, session 38's plan traces: at 4
         sequences a chain of 5 ran 4.5-9k tok/s in a batch's first ~20 steps and 14-19k later; the prompts' first
@@ -98,7 +99,9 @@ class ChainChallenge:
         batch's start, a challenger's of its middle, a chain no longer drafted frozen at whatever moment it left.
         Compared as they were, the plan switched on the batch's phase rather than the chains' speed (call 4: chain 3
         at 12,020 tok/s 27-35 steps into a batch against chain 5's 8,949 from its first 25 steps; chains of 3 for the
-        60 steps left), and chain 5's share of the adaptive mode's steps at 4 sequences ranged 0.49-0.93 over six runs."""
+        60 steps left), and chain 5's share of the adaptive mode's steps at 4 sequences ranged 0.49-0.93 over nine
+        runs. Measured (three H100 runs, docs/speculative.md): steadier at 4 sequences, but at one sequence the keep
+        locked in a first plan of 3 for a whole run (8 steps of 1 to 6 tokens each rarely reach measured_z), so off."""
         if not self.paired_challenges:
             return best
         rate = self.realized.rate

@@ -26,7 +26,9 @@ closed batch (its first steps' drafts are accepted less: on an H100, session 38,
 the steps, so a batch's hard first steps weighed in it four times as long. The first H100 sweeps of this sampling
 (session 38, calls 1-3, sampling the realized rates too) drafted the chain of 5 in 49%, 58% and 74% of the adaptive
 mode's steps at 4 sequences, against 83% and 89% with every step observed (the best static mode there: k5 or k3,
-within 2%).
+within 2%). With the realized rates kept every step (calls 4-6) the share still ranged 0.54-0.93 over six runs: the
+batch's phase moves the plan either way (docs/speculative.md, session 38), and the sampling was not shown to be the
+cause; the comparator is kept whole all the same.
 """
 
 from __future__ import annotations

@@ -200,8 +200,9 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     _challenge_bucket: int = 0
     _challenged_from: int = 0  # the plan's chain the running or last challenge challenged (0: none pending)
     # paired challenges (spec/chain_challenge.py `_paired`): after a challenger's steps, the challenged chain drafts
-    # as many with its measure taken afresh too, and the plan after them takes the faster of the two; between
-    # challenges a plan keeps a chain measured at its load (a pause aside). False: the plan as before session 38
+    # as many with its measure taken afresh too, and the plan after them moves to the challenger only where it is
+    # measured_z standard errors faster; between challenges a plan keeps a chain measured at its load (a pause
+    # aside). False (the default: session 38's H100 runs, docs/speculative.md): the plan as before
     paired_challenges: bool = False
     _defend_left: int = 0  # steps left drafting the challenged chain after a challenge (paired)
     _defended: bool = False  # a paired challenge's two measures are taken: the next plan compares them
