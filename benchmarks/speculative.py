@@ -75,20 +75,16 @@ MODES = {
     "adaptive_allobs": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive with the time fit ordering the chains (SlotPolicy.fit_orders), for an A/B in one process
     "adaptive_fitorder": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
-    # adaptive moving its plan only on paired challenges (SlotPolicy.paired_challenges), for an A/B in one process
-    "adaptive_paired": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
 # SlotPolicy fields set on a mode's engine once built
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
                "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0},
-               "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True},
-               "adaptive_paired": {"paired_challenges": True}}
+               "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
                                               "adaptive_nomeasure", "adaptive_allobs", "adaptive_fitorder",
-                                              "adaptive_paired", "k3_async", "k5_async",
-                                              "adaptive_async", "k5_nooverlap")]
+                                              "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:

@@ -71,54 +71,8 @@ class ChainChallenge:
         self.realized.forget_chain(num_seqs, rival)
         self._challenge_left, self._challenge_chain = max(self.challenge_steps - 1, 0), rival
         self._challenge_bucket, self._challenged_from = bucket, current
-        self._defend_left = self.challenge_steps if self.paired_challenges else 0
-        self._defended = False
         self.num_challenges += 1
         return rival
-
-    def _defend(self: SlotPolicy, num_seqs: int) -> int:
-        """One step of a paired challenge's second half: the challenged chain drafts again, its measure at the load
-        forgotten at the first of these steps, so that the plan after them compares two measures taken side by side
-        (`_paired`). Returns the chain."""
-        if self._defend_left == self.challenge_steps:
-            self.realized.forget_chain(num_seqs, self._challenged_from)
-        self._defend_left -= 1
-        self._defended = self._defend_left == 0
-        return self._challenged_from
-
-    def _paired(self: SlotPolicy, num_seqs: int, best: int) -> int:
-        """The plan's chain under paired challenges (`paired_challenges`; else `best`, the plan's own choice): right
-        after a paired challenge, the challenger where its fresh realized rate is above the challenged chain's (both
-        measured side by side) by measured_z standard errors, else the challenged chain; between challenges, the
-        chain drafted before this plan where its rate is measured at this load (a plan's pause aside), so that only
-        a paired comparison moves the plan.
-
-        Why. A chain's realized rate moves up to ~2x within a closed batch (H100, session 38's plan traces: at 4
-        sequences a chain of 5 ran 4.5-9k tok/s in a batch's first ~20 steps and 14-19k later; the prompts' first
-        tokens are drafted worse), and each chain's measure is of the moment it was drafted: the incumbent's of the
-        batch's start, a challenger's of its middle, a chain no longer drafted frozen at whatever moment it left.
-        Compared as they were, the plan switched on the batch's phase rather than the chains' speed (call 4: chain 3
-        at 12,020 tok/s 27-35 steps into a batch against chain 5's 8,949 from its first 25 steps; chains of 3 for the
-        60 steps left), and chain 5's share of the adaptive mode's steps at 4 sequences ranged 0.49-0.93 over nine
-        runs. Measured (three H100 runs, docs/speculative.md): steadier at 4 sequences, but at one sequence the keep
-        locked in a first plan of 3 for a whole run (8 steps of 1 to 6 tokens each rarely reach measured_z), so off."""
-        if not self.paired_challenges:
-            return best
-        rate = self.realized.rate
-        if self._defended:
-            self._defended = False
-            rival, held = self._challenge_chain, self._challenged_from
-            r_rival, r_held = rate(num_seqs, rival), rate(num_seqs, held)
-            if r_rival is not None and r_held is not None:
-                self.decisions["paired"] = self.decisions.get("paired", 0) + 1
-                z = self.realized.separation(num_seqs, rival, held)
-                return rival if z is not None and z >= self.measured_z else held
-            return best
-        held = self.chain
-        if best and held > 0 and best != held and rate(num_seqs, held) is not None:
-            self.decisions["kept"] = self.decisions.get("kept", 0) + 1
-            return held
-        return best
 
     def _end_challenge(self: SlotPolicy, bucket: int, chosen: int) -> None:
         """The plan after a challenge chose `chosen` at `bucket`: the challenged bucket's interval doubles where the
@@ -127,8 +81,7 @@ class ChainChallenge:
         if not self._challenged_from:
             return
         if bucket != self._challenge_bucket:
-            self._challenged_from = self._challenge_left = self._defend_left = 0
-            self._defended = False
+            self._challenged_from = self._challenge_left = 0
             return
         if chosen == self._challenged_from:
             interval = self._challenge_interval.get(bucket, self.challenge_every)

@@ -64,7 +64,7 @@ class ChainPlan:
         if not measured:
             measured = _anchored(modelled, self.realized.chains_at_one_load(num_seqs, self.k))
         if not measured:
-            return self._paired(num_seqs, self._vetoed(model, num_seqs, rates[0]))
+            return self._vetoed(model, num_seqs, rates[0])
         mtop = _best(modelled)
         mbest = max(measured, key=lambda c: (measured[c], -c))
         if mtop in measured and mbest != mtop:
@@ -97,7 +97,7 @@ class ChainPlan:
         self._plan_gains = gains
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
-        return self._paired(num_seqs, self._vetoed(best, num_seqs, rates[0]))
+        return self._vetoed(best, num_seqs, rates[0])
 
     def _vetoed(self: SlotPolicy, chain: int, num_seqs: int, plain_rate: float) -> int:
         """The plan's chain, or where it pauses (0) with no gain measured against plain decoding at this load, the

@@ -114,6 +114,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         # the chain this step drafts (policy.plan_drafting, once a step: before its forward, or None until after it)
         self._chain_plan: int | None = 0
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
+        self.step_ended = False  # a request ended in the last processed step (StepOutputs._process)
         self.num_grammar_clipped = 0  # drafted tokens never verified: the grammar forbids them or one before
         self.num_grammar_masked = 0  # MTP drafts drawn under a grammar mask (spec/grammar_drafts.py)
         # the form each step's batch runs in, and counts of the verify steps' forms (spec/verify_batch.py; its
@@ -277,10 +278,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         if draft_s is not None:
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
-            # (the same answer on every rank: the policy's state decides; got: every sequence with output)
-            observed = self.policy.observes_step()
-            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=any(seq.finished for seq in got),
-                                 observed=observed)
+            observed = self.policy.observes_step()  # (the same answer on every rank: the policy's state decides)
+            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"

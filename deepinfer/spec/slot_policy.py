@@ -199,13 +199,6 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     _challenge_chain: int = 0
     _challenge_bucket: int = 0
     _challenged_from: int = 0  # the plan's chain the running or last challenge challenged (0: none pending)
-    # paired challenges (spec/chain_challenge.py `_paired`): after a challenger's steps, the challenged chain drafts
-    # as many with its measure taken afresh too, and the plan after them moves to the challenger only where it is
-    # measured_z standard errors faster; between challenges a plan keeps a chain measured at its load (a pause
-    # aside). False (the default: session 38's H100 runs, docs/speculative.md): the plan as before
-    paired_challenges: bool = False
-    _defend_left: int = 0  # steps left drafting the challenged chain after a challenge (paired)
-    _defended: bool = False  # a paired challenge's two measures are taken: the next plan compares them
 
     @property
     def adaptive(self) -> bool:
@@ -270,8 +263,6 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
         elif self._challenge_left > 0 and self._challenge_bucket == bucket:
             self._challenge_left -= 1  # a challenge runs (spec/chain_challenge.py); the plan after it compares
             self.chain, decision = self._challenge_chain, "challenge"
-        elif self._defend_left > 0 and self._challenge_bucket == bucket:
-            self.chain, decision = self._defend(num_seqs), "defend"  # (paired challenges: the challenged chain again)
         elif steady and self._plan_bucket == bucket and steady < self.plan_interval() \
                 and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
             self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (plan_interval)

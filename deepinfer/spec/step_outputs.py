@@ -28,10 +28,12 @@ class StepOutputs:
                  defer_text: bool = False, keep: dict[str, int] | None = None) -> list[Sequence]:
         """Output processing of a step's emitted tokens (defer_text: their text queued, spec/overlap.py), rollback of
         the rejected KV (none below keep[seq_id]: a chained step in flight writes there), the prefix cache's keys and
-        the book of next drafts."""
+        the book of next drafts. Sets `step_ended`: whether a request ended in it (finished or failed; the adaptive
+        policy's realized rates leave such a step out, RealizedRates.step)."""
         append_token = self.output_processor.append_token
         kv = self.scheduler.kv
         got: list[Sequence] = []
+        self.step_ended = bool(self._failed)
         for i, message in self._failed.items():  # a grammar state in error: its request fails (bitmask.py)
             seq = sched.scheduled[i].seq
             if not seq.finished:
@@ -60,8 +62,10 @@ class StepOutputs:
                         self.output_processor.fail(s, request_error(rid, "processing its output", exc))
                         self.scheduler.remove(s)
                 got.append(seq)
+                self.step_ended = True
                 continue
             if seq.finished:
+                self.step_ended = True
                 self.book.discard(seq)
                 self.paused_rows.drop(seq)
                 self.scheduler.remove(seq)

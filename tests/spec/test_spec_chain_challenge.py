@@ -113,32 +113,3 @@ def test_a_challenge_interrupted_by_another_load_leaves_the_interval_and_ends():
     p._plan_age = p.max_replan_every + 1  # (the next plan_drafting plans)
     p.plan_drafting(16)  # another load's plan
     assert p._challenge_interval == before and p._challenge_left == 0 and p._challenged_from == 0
-
-
-def test_paired_challenges_measure_both_chains_side_by_side_and_only_they_move_the_plan():
-    """SlotPolicy.paired_challenges: after a challenger's challenge_steps, the challenged chain drafts as many with
-    its measure taken afresh ("defend"), and the plan after them moves to the challenger only where its rate is
-    measured_z standard errors above; between challenges a plan keeps its measured chain (a model or an old measure
-    proposing another is overruled, "kept"). Chain 3 truly fastest at 4 sequences, the plan starting on the model's
-    5 (the untried-neighbour climb of the test above): the plan climbs 5 -> 4 -> 3 on paired measures."""
-    p = policy_with([0.9] * 5, one=0.0003, full=0.0015, paired_challenges=True)
-    true = {1: 6000.0, 2: 8000.0, 3: 9000.0, 4: 8000.0, 5: 7000.0}
-    chains = drive(p, 4, true, 400)
-    first = chains.index(4)  # the first challenge: 4 against 5
-    steps = p.challenge_steps
-    assert chains[first:first + steps] == [4] * steps and chains[first + steps:first + 2 * steps] == [5] * steps
-    assert chains[first + 2 * steps] == 4  # the paired measures: 4 faster, the plan moves
-    assert p.decisions["defend"] >= 2 * steps and p.decisions["paired"] >= 2
-    assert chains[-100:].count(3) >= 80
-
-    # a measured chain is kept between challenges: an old measure of a faster-looking chain does not move the plan
-    # (chain 5 truly the fastest here; chain 3 measured once at 20k, at another moment of a batch)
-    slower3 = {1: 5000.0, 2: 5500.0, 3: 6000.0, 4: 7000.0, 5: 8000.0}
-    kept = policy_with([0.9] * 5, one=0.0003, full=0.0015, paired_challenges=True, challenge_every=0)
-    for _ in range(4):
-        kept.realized.observe(4, 3, 16, 16 / 20000.0)
-    assert set(drive(kept, 4, slower3, 80)) == {5} and kept.decisions["kept"] >= 1
-    loose = policy_with([0.9] * 5, one=0.0003, full=0.0015, challenge_every=0)  # (as before: the old measure moves it)
-    for _ in range(4):
-        loose.realized.observe(4, 3, 16, 16 / 20000.0)
-    assert 3 in drive(loose, 4, slower3, 80)  # (drafted on the old measure until 3 is measured afresh)
