@@ -84,11 +84,10 @@ class ChainPlan:
             steps = self.realized.steps_near(num_seqs)
             anchor = max(measured, key=lambda c: (steps.get(c, 0), -c))
             gains[1:] = [fitted[c] * measured[anchor] / fitted[anchor] for c in range(1, len(gains))]
-        for chain in range(1, len(gains)):  # unmeasured: the shape's gain, scaled by its error at the nearest measure
-            if fitted is not None and self.fit_orders:
-                break
-            near = min(measured, key=lambda m: (abs(m - chain), m))
-            gains[chain] = measured[chain] if chain in measured else shape[chain] * measured[near] / shape[near]
+        else:
+            for chain in range(1, len(gains)):  # unmeasured: the shape's gain, scaled by its error at the nearest one
+                near = min(measured, key=lambda m: (abs(m - chain), m))
+                gains[chain] = measured[chain] if chain in measured else shape[chain] * measured[near] / shape[near]
         top = _best(gains)
         if self._plan_measured and top in measured:  # the best chain measured against plain decoding at this load
             floor = 1.0 / (1.0 + self.measured_pause_margin)
