@@ -14,7 +14,7 @@
 #      tests (the GPU invariance tests), bench (benchmarks.batch_invariance on $CKPT, flag off vs on, prompt 512,
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
 #      GEMM / MoE plan sweep), probe (benchmarks.invariant_tile_probe); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
-#      SPEC_ARGS), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
+#      SPEC_ARGS; SPEC_RUNS=N processes, SPEC_TRACE=1 plan traces), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      moesweep (issue 18: benchmarks.moe_tile_sweep per MS_RUNS), quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table (QUANT_BENCH_ARGS: throughput arguments for
@@ -186,11 +186,17 @@ if has inv; then  # issue 14: INV_PARTS (comma list) of tests,bench,profile,swee
   fi
 fi
 if has spec; then
-  log "issue 17: speculative decoding (embedded model, bf16)"
-  timeout "${SPEC_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda \
-    ${SPEC_ARGS:---concurrency 1 4 16 64 256 --modes off k1 k3 k5 adaptive --max-tokens 512 --repeats 3} \
-    > "$OUT/speculative.log" 2>&1
-  log "speculative rc=$?"; grep -v '^{' "$OUT/speculative.log" | tail -30 | tee -a "$OUT/summary.txt"
+  # SPEC_RUNS=N: N processes one after another (each its own engines: independent samples of the adaptive plan),
+  # speculative.log then speculative_r2.log ...; SPEC_TRACE=1 adds --plan-trace plan_trace[_rN].jsonl to each
+  for run in $(seq 1 "${SPEC_RUNS:-1}"); do
+    sfx=""; [ "$run" -gt 1 ] && sfx="_r$run"
+    trace=""; [ "${SPEC_TRACE:-0}" = 1 ] && trace="--plan-trace $OUT/plan_trace$sfx.jsonl"
+    log "issue 17: speculative decoding (embedded model, bf16), run $run"
+    timeout "${SPEC_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda \
+      ${SPEC_ARGS:---concurrency 1 4 16 64 256 --modes off k1 k3 k5 adaptive --max-tokens 512 --repeats 3} $trace \
+      > "$OUT/speculative$sfx.log" 2>&1
+    log "speculative rc=$?"; grep -v '^{' "$OUT/speculative$sfx.log" | tail -30 | tee -a "$OUT/summary.txt"
+  done
 fi
 if has kvttft; then
   log "issue 15: TTFT of a miss / device / host / disk hit at 8k"
