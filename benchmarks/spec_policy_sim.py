@@ -207,14 +207,10 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         observed = policy.observes_step() if policy.adaptive else True  # (spec/settled_steps.py)
         if policy.adaptive and observed:  # the engine times its output processing (SpecStepPipeline._step)
             policy.observe_output(model.h_tok * emitted, emitted, B)
-        if not observed:  # a settled step whose observations are not kept: its chain tracked, the measures aged
-            steady = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
-            if caught_up:
-                steady = -1
-            policy.realized.tick()
-        elif not caught_up:
-            policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified, off_path=not one_sync,
-                                emitted=emitted)
+        if not caught_up:  # (a settled step keeps no step time, its realized rate always: spec/settled_steps.py)
+            if observed:
+                policy.observe_step(dt, verify_tokens, B, drafted, max(drafting), verified=verified,
+                                    off_path=not one_sync, emitted=emitted)
             now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
             steady, before_chain = now, steady
             policy.realized.step(B, before_chain, now, verified, emitted, dt, ended=any(n <= 0 for n in left))
