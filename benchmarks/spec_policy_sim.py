@@ -105,9 +105,11 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
         policy = SlotPolicy(k=k, max_model_len=1 << 30, calibrator=SurvivalCalibrator(num_slots=k), cost=model.table,
                             draft_cost=model.drafting)
         for name, value in (policy_fields or {}).items():
-            if not hasattr(policy, name):
+            owner, _, attr = name.rpartition(".")  # (a dotted name: a part's field, e.g. realized.paired)
+            target = getattr(policy, owner, None) if owner else policy
+            if target is None or not hasattr(target, attr):
                 raise SystemExit(f"--policy {name}: SlotPolicy has no such field")
-            setattr(policy, name, value)
+            setattr(target, attr, value)
     elif mode != "off":
         policy = SlotPolicy(k=int(mode[1:]), max_model_len=1 << 30)
     else:
@@ -213,7 +215,11 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
                                     off_path=not one_sync, emitted=emitted)
             now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
             steady, before_chain = now, steady
-            policy.realized.step(B, before_chain, now, verified, emitted, dt, ended=any(n <= 0 for n in left))
+            hist: dict[int, int] = {}  # (the pipeline's count of sequences by tokens emitted: paired tokens)
+            for e in emit:
+                hist[e] = hist.get(e, 0) + 1
+            policy.realized.step(B, before_chain, now, verified, emitted, dt, ended=any(n <= 0 for n in left),
+                                 emitted=hist)
         else:  # (a catch-up step: no steady step, nor the next one)
             steady = -1
             policy.realized.tick()

@@ -75,15 +75,20 @@ MODES = {
     "adaptive_allobs": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive with the time fit ordering the chains (SlotPolicy.fit_orders), for an A/B in one process
     "adaptive_fitorder": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive with each chain's rate from its own steps' tokens (RealizedRates.paired False, as before session 39),
+    # for an A/B in one process
+    "adaptive_unpaired": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
 # SlotPolicy fields set on a mode's engine once built
 MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "adaptive_nofit": {"time_fit": False},
                "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0},
-               "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True}}
+               "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True},
+               "adaptive_unpaired": {"realized.paired": False}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
                                               "adaptive_nomeasure", "adaptive_allobs", "adaptive_fitorder",
+                                              "adaptive_unpaired",
                                               "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 
@@ -148,9 +153,11 @@ def _plan_state(policy, load: int) -> dict:
     tokens, seconds = policy.chain_model(load)
     rates = [t / s for t, s in zip(tokens, seconds)]
     realized = {f"{c}": [round(r), n] for b, c, r, n in policy.realized.rows() if b == load}
+    paired = {f"{c}": round(r) for c, r in policy.realized.paired_rows(load)}
     times = {f"{k}": [round(r, 3), round(a * 1e3, 3), n] for k, b, r, a, n in policy.step_times.rows()
              if b == load_bucket(load)}
     return {"model_gains": [round(r / rates[0], 3) for r in rates], "realized_at_load": realized,
+            "priced_at_load": paired,  # (the rates the plan compares: RealizedRates._rate_at, paired tokens)
             "step_times_at_load": times,
             # which side of a modelled gain is off where it misses the realized one: its tokens a step (from the
             # calibrated survival) or its step time (tables and step-time corrections)
@@ -290,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     os.environ[k] = v
         for field_name, value in MODE_POLICY.get(mode, {}).items():
-            setattr(engines[mode]._spec.policy, field_name, value)
+            owner, _, attr = field_name.rpartition(".")  # (a dotted name: a part's field, realized.paired)
+            policy = engines[mode]._spec.policy
+            setattr(getattr(policy, owner) if owner else policy, attr, value)
     tracer = PlanTrace(args.plan_trace, engines) if args.plan_trace else None
     for mode, engine in engines.items():  # warm-up: first-call costs (Triton compiles per shape) are not a mode's
         for c in args.concurrency:

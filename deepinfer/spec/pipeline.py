@@ -279,7 +279,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
             self._time_drafting(draft_s)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
             observed = self.policy.observes_step()  # (the same answer on every rank: the policy's state decides)
-            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed)
+            self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed,
+                                 per_seq=rec.emitted)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"

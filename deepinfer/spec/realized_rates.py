@@ -26,6 +26,18 @@ the load falls step by step, while a pause's plain steps keep the batch whole. O
 measures at 33-64 sequences ended at 0.89x plain decoding for a chain of 5 (31,462 against 35,415 tok/s), below the
 pause margin, where static k5 ran 1.22x of off at 64 sequences, and the adaptive mode's third timed run there paused
 108 steps (97 tok/s per user against 705 in the run before). Compared at one load, the load's own speed cancels.
+
+Why paired tokens (since 2026-12-07, session 39; `paired`). A chain's tokens a step move with the moment of a closed
+batch it was drafted in: on H100s (session 38's plan traces) a chain of 5 ran 4.5-9k tok/s at 4 sequences in a
+batch's first ~20 steps and 14-19k later, so a chain measured at a batch's start lost to one measured in its middle,
+and the plan switched on the batch's phase, not on the chains. A step that verified a chain of L also says what a
+shorter chain l would have emitted on the same step: the MTP chain drafts its first l tokens the same way whatever
+its length, and the verification accepts a prefix, so a sequence that emitted e tokens would have emitted
+min(e, l + 1) (`counterfactual`; where the admission verified fewer slots than l, the same fewer: the admission
+decides a slot by its own survival). So the tokens of every chain up to the longest measured at a load are taken
+from that chain's steps, the same steps for all (each chain's seconds still from its own steps: a step's time
+follows its rows and its drafting, not the text), and chains are compared at one moment of the batch. A chain
+longer than the longest measured has no such count; a challenge of it measures every shorter one on its steps too.
 """
 
 from __future__ import annotations
@@ -65,13 +77,19 @@ class RealizedRates:
     # a list: every observed steady step is appended to it as (engine step, load, chain, tokens, seconds)
     # (benchmarks/speculative.py --plan-trace)
     trace: list | None = None
+    # the tokens a chain's rate is priced by: the counterfactual tokens on the longest measured chain's steps at the
+    # load (module docstring, "Why paired tokens"); False: each chain's own steps' tokens, as before session 39
+    paired: bool = True
+    # by (load, chain L): the moving averages of the tokens chains 0..L would have emitted on L's steady steps
+    cf: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    _longest: int = 0  # the longest chain with counterfactual tokens observed (the paired lookup's upper end)
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
         self.now += 1
 
     def step(self, num_seqs: int, before: int, now: int, verified: bool, tokens: int, seconds: float,
-             ended: bool = False) -> None:
+             ended: bool = False, emitted: dict[int, int] | None = None) -> None:
         """One engine step of decode rows (a step that caught up a pause's MTP rows, or ran a prompt chunk, is not
         passed): before / now are the chains drafted for every sampling sequence by the step before and by this
         one (0: none; -1: some sequences only, a probe or an exploration, or mixed lengths). Observed where steady:
@@ -83,7 +101,10 @@ class RealizedRates:
         not the chain: at one sequence every closed batch ends on such a step (1 to k + 1 tokens where its chain
         yields ~k + 1), which pulled the chain's moving average ~8% low into the next batch's first plans (on an
         H100, 2026-12-07, session 38: chain 5 measured at 4,622 tok/s at one sequence after a cell where it
-        ran ~5,700, and the next cell drafted chains of 3 for 123 steps)."""
+        ran ~5,700, and the next cell drafted chains of 3 for 123 steps).
+
+        emitted: how many sampling sequences emitted each count of tokens this step ({tokens: sequences}); its
+        counterfactual tokens for the shorter chains (`counterfactual`) are kept where given."""
         self.tick()
         if before != now or now < 0 or (now == 0 and verified):
             return
@@ -91,11 +112,14 @@ class RealizedRates:
             if self.trace is not None:
                 self.trace.append((self.now, int(num_seqs), now, tokens, round(seconds, 6), "ended"))
             return
-        self.observe(num_seqs, now, tokens, seconds)
+        cf = counterfactual(emitted, now) if emitted is not None and now > 0 else None
+        self.observe(num_seqs, now, tokens, seconds, cf)
 
-    def observe(self, num_seqs: int, chain: int, tokens: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, chain: int, tokens: int, seconds: float,
+                cf: list[int] | None = None) -> None:
         """A steady step at num_seqs sampling sequences that ran a chain of `chain` (0: plain), emitting `tokens`
-        in `seconds` of wall time (output processing included: every token pays it, however it is emitted)."""
+        in `seconds` of wall time (output processing included: every token pays it, however it is emitted). cf:
+        the tokens chains 0..chain would have emitted on it (`counterfactual`), where known."""
         if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
             return
         key = (int(num_seqs), chain)
@@ -111,6 +135,8 @@ class RealizedRates:
         self.counts[key] = n
         if n == 1:
             self._loads.setdefault(warm_key[0], set()).add(key[0])
+        if cf is not None and len(cf) == chain + 1:
+            self._observe_cf(key, cf, n)
         if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
             first = self._first.setdefault(key, [])
             first.append((float(tokens), seconds))
@@ -131,6 +157,18 @@ class RealizedRates:
         r = tokens / s
         self._step_rate[key] = (1 - w) * self._step_rate[key] + w * r
         self._step_rate_sq[key] = (1 - w) * self._step_rate_sq[key] + w * r * r
+
+    def _observe_cf(self, key: tuple[int, int], cf: list[int], n: int) -> None:
+        """One steady step's counterfactual tokens into the (load, chain)'s averages: the mean of its first
+        min_count steps, then the moving average (its own tokens' median start is for a rate; these are counts,
+        compared with each other on the same steps)."""
+        old = self.cf.get(key)
+        if old is None or len(old) != len(cf):
+            self.cf[key] = [float(x) for x in cf]
+            self._longest = max(self._longest, key[1])
+            return
+        w = 1.0 / n if n <= self.min_count else self.weight
+        self.cf[key] = [(1 - w) * o + w * x for o, x in zip(old, cf)]
 
     def forget_drafting(self, num_seqs: int) -> None:
         """Forget the drafting measures of this load's bucket (plain decoding's stay): a pause that ends probes the
@@ -156,7 +194,7 @@ class RealizedRates:
     def _drop(self, key: tuple[int, int]) -> None:
         """Forget one (load, chain)'s measure (its bucket's warm-up count stays)."""
         for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
-                      self._step_rate_sq):
+                      self._step_rate_sq, self.cf):
             table.pop(key, None)
 
     def steps_near(self, num_seqs: int) -> dict[int, int]:
@@ -184,7 +222,7 @@ class RealizedRates:
         for load in self._loads_near(num_seqs):
             ka, kb = (load, a), (load, b)
             if ka in self.counts and kb in self.counts and self._trusted(ka) and self._trusted(kb):
-                diff = self.tokens[ka] / self.seconds[ka] - self.tokens[kb] / self.seconds[kb]
+                diff = self._rate_at(ka) - self._rate_at(kb)
                 se = (self._noise(ka) ** 2 + self._noise(kb) ** 2) ** 0.5
                 return diff / se if se > 0 else (float("inf") if diff > 0 else float("-inf") if diff < 0 else 0.0)
         return None
@@ -204,10 +242,10 @@ class RealizedRates:
             return None
         key = (int(num_seqs), chain)
         if key in self.counts and self._trusted(key):  # (every drafting step asks: the common case first)
-            return self.tokens[key] / self.seconds[key]
+            return self._rate_at(key)
         for load in self._loads_near(num_seqs):
             if self._trusted((load, chain)):
-                return self.tokens[(load, chain)] / self.seconds[(load, chain)]
+                return self._rate_at((load, chain))
         return None
 
     def gains(self, num_seqs: int, k: int) -> dict[int, float]:
@@ -220,8 +258,7 @@ class RealizedRates:
         for chain in range(1, k + 1):
             for load in loads:
                 if self._trusted((load, chain)) and self._trusted((load, 0)):
-                    out[chain] = (self.tokens[(load, chain)] / self.seconds[(load, chain)]) / (
-                        self.tokens[(load, 0)] / self.seconds[(load, 0)])
+                    out[chain] = self._rate_at((load, chain)) / self._rate_at((load, 0))
                     break
         return out
 
@@ -232,7 +269,7 @@ class RealizedRates:
         if not self.decides:
             return {}
         for load in self._loads_near(num_seqs):
-            got = {c: (self.tokens[(load, c)] / self.seconds[(load, c)], self.counts[(load, c)])
+            got = {c: (self._rate_at((load, c)), self.counts[(load, c)])
                    for c in range(1, k + 1) if (load, c) in self.counts and self._trusted((load, c))}
             if len(got) >= 2:
                 return got
@@ -251,7 +288,31 @@ class RealizedRates:
                 return load, got
         return None
 
+    def _rate_at(self, key: tuple[int, int]) -> float:
+        """A trusted (load, chain)'s realized rate: its tokens a step over its own steps' seconds; paired, the tokens
+        it would have emitted on the steps of the longest chain trusted at the load (itself where it is the longest;
+        module docstring, "Why paired tokens")."""
+        load, chain = key
+        if self.paired:
+            for m in range(self._longest, chain - 1, -1):
+                got = self.cf.get((load, m))
+                if got is not None and self._trusted((load, m)):
+                    return got[chain] / self.seconds[key]
+        return self.tokens[key] / self.seconds[key]
+
+    def paired_rows(self, load: int) -> list[tuple[int, float]]:
+        """(chain, rate) of each chain trusted at this load as the plan prices it (`_rate_at`): plan traces."""
+        return [(c, self._rate_at((ld, c))) for ld, c in sorted(self.tokens) if ld == load and self._trusted((ld, c))]
+
     def rows(self) -> list[tuple[int, int, float, int]]:
         """(load, chain, tokens per second, steps), sorted: what benchmarks print."""
         return [(b, c, self.tokens[(b, c)] / self.seconds[(b, c)], self.counts[(b, c)])
                 for b, c in sorted(self.tokens)]
+
+
+def counterfactual(emitted: dict[int, int], chain: int) -> list[int]:
+    """The tokens chains 0..chain would have emitted on a step that verified chains of `chain`, from how many
+    sequences emitted each count of tokens ({tokens: sequences}): a sequence that emitted e tokens (e - 1 drafts
+    accepted, then the target's token) would have emitted min(e, l + 1) with a chain of l, whose drafts are the
+    chain's first l and whose verification accepts the same prefix of them (module docstring)."""
+    return [sum(n * min(e, length + 1) for e, n in emitted.items()) for length in range(chain + 1)]

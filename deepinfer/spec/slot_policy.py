@@ -312,7 +312,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
         the gains the plan priced chains by, and the realized rates measured at the load (chain, tok/s, steps)."""
         self.plan_trace.append({"step": self.realized.now, "seqs": num_seqs, "decision": decision, "chain": self.chain,
                                 "gains": [round(g, 3) for g in self._plan_gains],
-                                "realized": [[c, round(r), n] for b, c, r, n in self.realized.rows() if b == num_seqs]})
+                                "realized": [[c, round(r), n] for b, c, r, n in self.realized.rows() if b == num_seqs],
+                                "paired": [[c, round(r)] for c, r in self.realized.paired_rows(num_seqs)]})
 
     def plan_interval(self) -> int:
         """Steps a plan holds while drafting steadily at its load (replan_every, doubling while plans repeat)."""

@@ -7,6 +7,7 @@ observations are deferred the same way (`_observe_policy`)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ class VerifyOutcomes:
         self._deferred.append(observe)
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
-                        emitted: int, ended: bool = False, observed: bool = True) -> None:
+                        emitted: int, ended: bool = False, observed: bool = True,
+                        per_seq: list[list[int]] | None = None) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -76,6 +78,9 @@ class VerifyOutcomes:
         after its output processing at one sequence, where the next step's read-back wait was ~0.14 ms.
 
         ended: a request ended in the step (RealizedRates.step leaves it out of the realized rates).
+
+        per_seq: each scheduled sequence's emitted tokens; on a steady drafting step, how many emitted each count
+        goes to the realized rates (the shorter chains' counterfactual tokens, RealizedRates "paired").
 
         observed False: a settled step whose output processing and step time are not kept (spec/settled_steps.py);
         its realized rate is."""
@@ -103,7 +108,11 @@ class VerifyOutcomes:
                 policy.observe_output(out_s, emitted, n)
                 policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path,
                                     emitted=emitted)
-            policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended)
+            hist = None
+            if per_seq is not None and now > 0 and before == now and not ended and policy.realized.paired:
+                hist = Counter(map(len, per_seq))  # (C-speed: ~10 us at 256 sequences, at the device wait)
+                hist.pop(0, None)  # (a sequence that emitted nothing this step: none is in a steady step)
+            policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended, emitted=hist)
 
         self._deferred.append(observe)
 
