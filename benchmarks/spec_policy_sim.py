@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                          "session-38 H100 traces: at 4 sequences a batch's first ~20 steps emitted about half the "
                          "tokens of its later ones; e.g. 20:0.6)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="SlotPolicy fields for the adaptive mode (Python literals: challenge_every=0 time_fit=False)")
+                    help="SlotPolicy fields for the adaptive mode (Python literals: challenge_every=0 time_fit=False; a "
+                         "part's field dotted: realized.paired=False)")
     args = ap.parse_args(argv)
     fields = {}
     for item in args.policy:

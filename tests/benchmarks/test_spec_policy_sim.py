@@ -19,6 +19,15 @@ def test_policy_fields_reach_the_adaptive_policy():
     assert _run({"challenge_every": 0})["decisions"].get("challenge", 0) == 0
 
 
+def test_a_dotted_field_reaches_the_policys_part():
+    """`realized.paired=False` (RealizedRates.paired): each chain priced by its own steps' tokens, a different plan
+    on the same draws; a part or a field that does not exist is refused naming it."""
+    assert _run({"realized.paired": False})["decisions"] != _run(None)["decisions"]
+    for name in ("realized.no_such_knob", "no_such_part.paired"):
+        with pytest.raises(SystemExit, match=f"--policy {name}: SlotPolicy has no such field"):
+            _run({name: 1})
+
+
 def test_unknown_field_and_bad_value_are_refused():
     with pytest.raises(SystemExit, match="--policy no_such_knob: SlotPolicy has no such field"):
         _run({"no_such_knob": 1})
