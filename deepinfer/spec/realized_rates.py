@@ -80,8 +80,11 @@ class RealizedRates:
     # the tokens a chain's rate is priced by: the counterfactual tokens on the longest measured chain's steps at the
     # load (module docstring, "Why paired tokens"); False: each chain's own steps' tokens, as before session 39
     paired: bool = True
-    # by (load, chain L): the moving averages of the tokens chains 0..L would have emitted on L's steady steps
-    cf: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # by (load, chain L): moving averages, over L's steady steps, of how many sequences emitted e tokens (index e,
+    # 0..L + 1); the tokens chains 0..L would have emitted follow from them (`paired_tokens`), a linear map, so
+    # averaging the counts averages the tokens, and a step pays only the counts' update (~2 us at 16 sequences
+    # against ~7 for the tokens of every chain)
+    emitted: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     _longest: int = 0  # the longest chain with counterfactual tokens observed (the paired lookup's upper end)
 
     def tick(self) -> None:
@@ -103,8 +106,8 @@ class RealizedRates:
         H100, 2026-12-07, session 38: chain 5 measured at 4,622 tok/s at one sequence after a cell where it
         ran ~5,700, and the next cell drafted chains of 3 for 123 steps).
 
-        emitted: how many sampling sequences emitted each count of tokens this step ({tokens: sequences}); its
-        counterfactual tokens for the shorter chains (`counterfactual`) are kept where given."""
+        emitted: how many sampling sequences emitted each count of tokens this step ({tokens: sequences}); kept
+        where given, for the shorter chains' tokens on this step (`paired_tokens`)."""
         self.tick()
         if before != now or now < 0 or (now == 0 and verified):
             return
@@ -112,14 +115,13 @@ class RealizedRates:
             if self.trace is not None:
                 self.trace.append((self.now, int(num_seqs), now, tokens, round(seconds, 6), "ended"))
             return
-        cf = counterfactual(emitted, now) if emitted is not None and now > 0 else None
-        self.observe(num_seqs, now, tokens, seconds, cf)
+        self.observe(num_seqs, now, tokens, seconds, emitted if now > 0 else None)
 
     def observe(self, num_seqs: int, chain: int, tokens: int, seconds: float,
-                cf: list[int] | None = None) -> None:
+                emitted: dict[int, int] | None = None) -> None:
         """A steady step at num_seqs sampling sequences that ran a chain of `chain` (0: plain), emitting `tokens`
-        in `seconds` of wall time (output processing included: every token pays it, however it is emitted). cf:
-        the tokens chains 0..chain would have emitted on it (`counterfactual`), where known."""
+        in `seconds` of wall time (output processing included: every token pays it, however it is emitted).
+        emitted: how many sequences emitted each count of tokens ({tokens: sequences}), where known."""
         if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
             return
         key = (int(num_seqs), chain)
@@ -135,8 +137,8 @@ class RealizedRates:
         self.counts[key] = n
         if n == 1:
             self._loads.setdefault(warm_key[0], set()).add(key[0])
-        if cf is not None and len(cf) == chain + 1:
-            self._observe_cf(key, cf, n)
+        if emitted is not None:
+            self._observe_emitted(key, emitted, n)
         if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
             first = self._first.setdefault(key, [])
             first.append((float(tokens), seconds))
@@ -158,17 +160,27 @@ class RealizedRates:
         self._step_rate[key] = (1 - w) * self._step_rate[key] + w * r
         self._step_rate_sq[key] = (1 - w) * self._step_rate_sq[key] + w * r * r
 
-    def _observe_cf(self, key: tuple[int, int], cf: list[int], n: int) -> None:
-        """One steady step's counterfactual tokens into the (load, chain)'s averages: the mean of its first
-        min_count steps, then the moving average (its own tokens' median start is for a rate; these are counts,
-        compared with each other on the same steps)."""
-        old = self.cf.get(key)
-        if old is None or len(old) != len(cf):
-            self.cf[key] = [float(x) for x in cf]
+    def _observe_emitted(self, key: tuple[int, int], emitted: dict[int, int], n: int) -> None:
+        """One steady step's counts of sequences by tokens emitted into the (load, chain)'s averages: the mean of its
+        first min_count steps, then the moving average (its own tokens' median start is for a rate; these are counts,
+        compared with each other on the same steps). A count above chain + 1 (none in a steady step) is kept at it."""
+        top = key[1] + 1
+        now = [0.0] * (top + 1)
+        for e, m in emitted.items():
+            now[min(e, top)] += m
+        old = self.emitted.get(key)
+        if old is None or len(old) != len(now):
+            self.emitted[key] = now
             self._longest = max(self._longest, key[1])
             return
         w = 1.0 / n if n <= self.min_count else self.weight
-        self.cf[key] = [(1 - w) * o + w * x for o, x in zip(old, cf)]
+        self.emitted[key] = [(1 - w) * o + w * x for o, x in zip(old, now)]
+
+    def paired_tokens(self, load: int, chain: int) -> list[float] | None:
+        """The average tokens chains 0..chain would have emitted on the steady steps of chain at this load
+        (`counterfactual` of the averaged counts), None where none was counted."""
+        counts = self.emitted.get((load, chain))
+        return None if counts is None else counterfactual(counts, chain)
 
     def forget_drafting(self, num_seqs: int) -> None:
         """Forget the drafting measures of this load's bucket (plain decoding's stay): a pause that ends probes the
@@ -194,7 +206,7 @@ class RealizedRates:
     def _drop(self, key: tuple[int, int]) -> None:
         """Forget one (load, chain)'s measure (its bucket's warm-up count stays)."""
         for table in (self.tokens, self.seconds, self.counts, self.last, self._first, self._step_rate,
-                      self._step_rate_sq, self.cf):
+                      self._step_rate_sq, self.emitted):
             table.pop(key, None)
 
     def steps_near(self, num_seqs: int) -> dict[int, int]:
@@ -295,9 +307,9 @@ class RealizedRates:
         load, chain = key
         if self.paired:
             for m in range(self._longest, chain - 1, -1):
-                got = self.cf.get((load, m))
-                if got is not None and self._trusted((load, m)):
-                    return got[chain] / self.seconds[key]
+                counts = self.emitted.get((load, m))
+                if counts is not None and self._trusted((load, m)):
+                    return sum(n * min(e, chain + 1) for e, n in enumerate(counts)) / self.seconds[key]
         return self.tokens[key] / self.seconds[key]
 
     def paired_rows(self, load: int) -> list[tuple[int, float]]:
@@ -310,9 +322,9 @@ class RealizedRates:
                 for b, c in sorted(self.tokens)]
 
 
-def counterfactual(emitted: dict[int, int], chain: int) -> list[int]:
+def counterfactual(counts: list[float], chain: int) -> list[float]:
     """The tokens chains 0..chain would have emitted on a step that verified chains of `chain`, from how many
-    sequences emitted each count of tokens ({tokens: sequences}): a sequence that emitted e tokens (e - 1 drafts
-    accepted, then the target's token) would have emitted min(e, l + 1) with a chain of l, whose drafts are the
-    chain's first l and whose verification accepts the same prefix of them (module docstring)."""
-    return [sum(n * min(e, length + 1) for e, n in emitted.items()) for length in range(chain + 1)]
+    sequences emitted each count of tokens (counts[e]: sequences that emitted e): a sequence that emitted e tokens
+    (e - 1 drafts accepted, then the target's token) would have emitted min(e, l + 1) with a chain of l, whose
+    drafts are the chain's first l and whose verification accepts the same prefix of them (module docstring)."""
+    return [sum(n * min(e, length + 1) for e, n in enumerate(counts)) for length in range(chain + 1)]

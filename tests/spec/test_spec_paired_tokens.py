@@ -5,6 +5,7 @@ trusted chain's steps, so chains measured at different moments of a closed batch
 from __future__ import annotations
 
 import tempfile
+from itertools import pairwise
 
 import pytest
 from chain_policies import chain_policy
@@ -16,9 +17,9 @@ from deepinfer.spec.realized_rates import RealizedRates, counterfactual
 
 def test_counterfactual_tokens_cut_each_sequence_at_the_shorter_chain():
     # two sequences emitted 1 token (their first draft rejected), one 3, one 6 (a chain of 5 accepted in full)
-    assert counterfactual({1: 2, 3: 1, 6: 1}, 5) == [4, 6, 8, 9, 10, 11]
-    assert counterfactual({4: 3}, 3) == [3, 6, 9, 12]
-    assert counterfactual({}, 2) == [0, 0, 0]
+    assert counterfactual([0, 2, 0, 1, 0, 0, 1], 5) == [4, 6, 8, 9, 10, 11]
+    assert counterfactual([0, 0, 0, 0, 3], 3) == [3, 6, 9, 12]
+    assert counterfactual([0.0] * 4, 2) == [0, 0, 0]
 
 
 def phased(paired: bool) -> RealizedRates:
@@ -42,7 +43,8 @@ def test_paired_tokens_compare_chains_on_the_same_steps():
     assert own.rate(4, 3) == pytest.approx(16 / 0.0010) and own.rate(4, 5) == pytest.approx(16 / 0.0012)
     assert own.separation(4, 5, 3) < 0
     got = phased(paired=True)
-    assert got.cf[(4, 5)] == pytest.approx([4, 8, 10, 12, 14, 16])
+    assert got.paired_tokens(4, 5) == pytest.approx([4, 8, 10, 12, 14, 16])
+    assert got.paired_tokens(4, 3) == pytest.approx([4, 8, 12, 16]) and got.paired_tokens(4, 4) is None
     assert got.rate(4, 3) == pytest.approx(12 / 0.0010) and got.rate(4, 5) == pytest.approx(16 / 0.0012)
     assert got.separation(4, 5, 3) > 0
     gains = got.gains(4, 5)
@@ -72,7 +74,7 @@ def test_a_step_without_counts_or_not_steady_keeps_no_counterfactual():
     for _ in range(4):
         r.step(4, 5, 5, True, 16, 0.0012)  # (no counts given: a caller that has none)
         r.step(1, 5, 3, True, 6, 0.0012, emitted={6: 1})  # (not steady: 5 verified, 3 drafted)
-    assert r.cf == {} and r.rate(4, 5) == pytest.approx(16 / 0.0012)
+    assert r.emitted == {} and r.rate(4, 5) == pytest.approx(16 / 0.0012)
 
 
 def test_the_plan_drafts_the_chain_that_wins_on_the_same_steps():
@@ -81,7 +83,7 @@ def test_the_plan_drafts_the_chain_that_wins_on_the_same_steps():
     Unpaired the plan drafts a shorter chain than 5; paired it keeps 5."""
     def planned(paired: bool) -> int:
         p = chain_policy([0.95] * 5, one=0.001, full=0.003, realized=RealizedRates(warm_steps=0, paired=paired))
-        tokens, seconds = p.chain_model(1)
+        seconds = p.chain_model(1)[1]
         for _ in range(8):
             p.realized.step(1, 0, 0, False, 1, seconds[0])
             p.realized.step(1, 5, 5, True, 6, seconds[5], emitted={6: 1})
@@ -102,10 +104,10 @@ def test_an_engine_counts_the_shorter_chains_tokens_on_its_steady_steps():
         engine = make_engine(tok, "adaptive", 1, 256)
         p = engine._spec.policy
         run_cell(engine, 1, 128)
-    chains = [c for (load, c) in p.realized.cf if load == 1]
+    chains = [c for (load, c) in p.realized.emitted if load == 1]
     assert chains, p.realized.rows()
     longest = max(chains)
-    cf = p.realized.cf[(1, longest)]
+    cf = p.realized.paired_tokens(1, longest)
     assert len(cf) == longest + 1 and cf[0] == pytest.approx(1.0)
-    assert all(a <= b + 1e-9 for a, b in zip(cf, cf[1:])) and cf[-1] > cf[0]
+    assert all(a <= b + 1e-9 for a, b in pairwise(cf)) and cf[-1] > cf[0]
     assert cf[-1] == pytest.approx(p.realized.tokens[(1, longest)], rel=0.5)  # (own tokens: a median start)
