@@ -215,11 +215,11 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
                                     off_path=not one_sync, emitted=emitted)
             now = 0 if drafted == 0 else max(drafting) if drafted >= live and not policy.explore else -1
             steady, before_chain = now, steady
-            hist: dict[int, int] = {}  # (the pipeline's count of sequences by tokens emitted: paired tokens)
+            hist = [0] * (max(now, 0) + 2)  # (the pipeline's count of sequences by tokens emitted: paired tokens)
             for e in emit:
-                hist[e] = hist.get(e, 0) + 1
+                hist[min(e, len(hist) - 1)] += 1
             policy.realized.step(B, before_chain, now, verified, emitted, dt, ended=any(n <= 0 for n in left),
-                                 emitted=hist)
+                                 emitted=hist if now > 0 and before_chain == now else None)
         else:  # (a catch-up step: no steady step, nor the next one)
             steady = -1
             policy.realized.tick()

@@ -92,7 +92,7 @@ class RealizedRates:
         self.now += 1
 
     def step(self, num_seqs: int, before: int, now: int, verified: bool, tokens: int, seconds: float,
-             ended: bool = False, emitted: dict[int, int] | None = None) -> None:
+             ended: bool = False, emitted: list[int] | None = None) -> None:
         """One engine step of decode rows (a step that caught up a pause's MTP rows, or ran a prompt chunk, is not
         passed): before / now are the chains drafted for every sampling sequence by the step before and by this
         one (0: none; -1: some sequences only, a probe or an exploration, or mixed lengths). Observed where steady:
@@ -106,8 +106,8 @@ class RealizedRates:
         H100, 2026-12-07, session 38: chain 5 measured at 4,622 tok/s at one sequence after a cell where it
         ran ~5,700, and the next cell drafted chains of 3 for 123 steps).
 
-        emitted: how many sampling sequences emitted each count of tokens this step ({tokens: sequences}); kept
-        where given, for the shorter chains' tokens on this step (`paired_tokens`)."""
+        emitted: how many sampling sequences emitted each count of tokens this step (emitted[e]: those that emitted
+        e, e = 0..now + 1); kept where given, for the shorter chains' tokens on this step (`paired_tokens`)."""
         self.tick()
         if before != now or now < 0 or (now == 0 and verified):
             return
@@ -118,10 +118,10 @@ class RealizedRates:
         self.observe(num_seqs, now, tokens, seconds, emitted if now > 0 else None)
 
     def observe(self, num_seqs: int, chain: int, tokens: int, seconds: float,
-                emitted: dict[int, int] | None = None) -> None:
+                emitted: list[int] | None = None) -> None:
         """A steady step at num_seqs sampling sequences that ran a chain of `chain` (0: plain), emitting `tokens`
         in `seconds` of wall time (output processing included: every token pays it, however it is emitted).
-        emitted: how many sequences emitted each count of tokens ({tokens: sequences}), where known."""
+        emitted: how many sequences emitted each count of tokens (emitted[e], e = 0..chain + 1), where known."""
         if chain < 0 or tokens <= 0 or seconds <= 0 or num_seqs <= 0:
             return
         key = (int(num_seqs), chain)
@@ -137,7 +137,7 @@ class RealizedRates:
         self.counts[key] = n
         if n == 1:
             self._loads.setdefault(warm_key[0], set()).add(key[0])
-        if emitted is not None:
+        if emitted is not None and len(emitted) == chain + 2:
             self._observe_emitted(key, emitted, n)
         if n <= self.min_count:  # the median of the first steps (one may have compiled a kernel)
             first = self._first.setdefault(key, [])
@@ -160,21 +160,17 @@ class RealizedRates:
         self._step_rate[key] = (1 - w) * self._step_rate[key] + w * r
         self._step_rate_sq[key] = (1 - w) * self._step_rate_sq[key] + w * r * r
 
-    def _observe_emitted(self, key: tuple[int, int], emitted: dict[int, int], n: int) -> None:
+    def _observe_emitted(self, key: tuple[int, int], emitted: list[int], n: int) -> None:
         """One steady step's counts of sequences by tokens emitted into the (load, chain)'s averages: the mean of its
         first min_count steps, then the moving average (its own tokens' median start is for a rate; these are counts,
-        compared with each other on the same steps). A count above chain + 1 (none in a steady step) is kept at it."""
-        top = key[1] + 1
-        now = [0.0] * (top + 1)
-        for e, m in emitted.items():
-            now[min(e, top)] += m
+        compared with each other on the same steps)."""
         old = self.emitted.get(key)
-        if old is None or len(old) != len(now):
-            self.emitted[key] = now
+        if old is None:
+            self.emitted[key] = [float(x) for x in emitted]
             self._longest = max(self._longest, key[1])
             return
         w = 1.0 / n if n <= self.min_count else self.weight
-        self.emitted[key] = [(1 - w) * o + w * x for o, x in zip(old, now)]
+        self.emitted[key] = [(1 - w) * o + w * x for o, x in zip(old, emitted)]
 
     def paired_tokens(self, load: int, chain: int) -> list[float] | None:
         """The average tokens chains 0..chain would have emitted on the steady steps of chain at this load

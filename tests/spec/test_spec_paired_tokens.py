@@ -29,9 +29,9 @@ def phased(paired: bool) -> RealizedRates:
     r = RealizedRates(warm_steps=0, paired=paired)
     for _ in range(6):
         r.step(4, 0, 0, False, 4, 0.0008)
-        r.step(4, 5, 5, True, 16, 0.0012, emitted={6: 2, 2: 2})
+        r.step(4, 5, 5, True, 16, 0.0012, emitted=[0, 0, 2, 0, 0, 0, 2])
     for _ in range(6):
-        r.step(4, 3, 3, True, 16, 0.0010, emitted={4: 4})
+        r.step(4, 3, 3, True, 16, 0.0010, emitted=[0, 0, 0, 0, 4])
     return r
 
 
@@ -73,7 +73,8 @@ def test_a_step_without_counts_or_not_steady_keeps_no_counterfactual():
     r = RealizedRates(warm_steps=0)
     for _ in range(4):
         r.step(4, 5, 5, True, 16, 0.0012)  # (no counts given: a caller that has none)
-        r.step(1, 5, 3, True, 6, 0.0012, emitted={6: 1})  # (not steady: 5 verified, 3 drafted)
+        r.step(1, 5, 3, True, 6, 0.0012, emitted=[0, 0, 0, 0, 0, 0, 1])  # (not steady: 5 verified, 3 drafted)
+        r.step(2, 3, 3, True, 6, 0.0012, emitted=[0, 0, 0, 0, 0, 0, 1])  # (counts past a chain of 3: not kept)
     assert r.emitted == {} and r.rate(4, 5) == pytest.approx(16 / 0.0012)
 
 
@@ -86,9 +87,9 @@ def test_the_plan_drafts_the_chain_that_wins_on_the_same_steps():
         seconds = p.chain_model(1)[1]
         for _ in range(8):
             p.realized.step(1, 0, 0, False, 1, seconds[0])
-            p.realized.step(1, 5, 5, True, 6, seconds[5], emitted={6: 1})
-            p.realized.step(1, 5, 5, True, 2, seconds[5], emitted={2: 1})
-            p.realized.step(1, 3, 3, True, 4, seconds[3], emitted={4: 1})
+            p.realized.step(1, 5, 5, True, 6, seconds[5], emitted=[0, 0, 0, 0, 0, 0, 1])
+            p.realized.step(1, 5, 5, True, 2, seconds[5], emitted=[0, 0, 1, 0, 0, 0, 0])
+            p.realized.step(1, 3, 3, True, 4, seconds[3], emitted=[0, 0, 0, 0, 1])
         return p._choose_chain(1)
 
     assert planned(paired=False) < 5
