@@ -47,14 +47,20 @@ class ChainChallenge:
         fresh realized steps at this load, ties the higher gain, then the shorter. The neighbours: where the model's
         shape is wrong it may price every other chain outside the margin, and a rate that rises then falls in the
         chain's length is climbed a neighbour at a time (a challenge that wins moves the plan, whose own neighbours
-        come next)."""
+        come next). A neighbour shorter than the longest chain with paired counts at this load is not challenged for
+        being unmeasured where the plan's model takes its tokens from paired counts (paired_model): they are counted
+        on that chain's steps (`_paired_tokens`), only its step time is the model's, and it is challenged only where
+        that prices it within the margin."""
         gains = self._plan_gains
         if current <= 0 or current >= len(gains) or gains[current] <= 0:
             return 0
         floor = gains[current] / (1.0 + self.challenge_margin)
         steps = self.realized.steps_near(num_seqs)
+        paired = self.realized.paired_near(num_seqs) if self.paired_model in ("current", "longest") else None
+        counted = len(paired) - 1 if paired is not None else 0  # chains whose tokens the plan has from a longer one's
         rivals = [c for c in range(1, len(gains))
-                  if c != current and (gains[c] >= floor or (abs(c - current) == 1 and c not in steps))]
+                  if c != current and (gains[c] >= floor or (abs(c - current) == 1 and c not in steps
+                                                             and c > counted))]
         if not rivals:
             return 0
         return min(rivals, key=lambda c: (steps.get(c, 0), -gains[c], c))

@@ -51,8 +51,13 @@ class ChainPlan:
         B * (1 + S_1 + ... + S_L) tokens (S_j: the reach probability of slot j) in cost(B * (1 + L)) plus the
         drafting of chains of L, each side corrected by the measured step times at this load (`observe_step`,
         spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
-        other plan). Reads calibration counts, past confidences, past step times and realized rates only."""
+        other plan). Reads calibration counts, past confidences, past step times and realized rates only.
+
+        Paired (RealizedRates.paired, since session 39): where the longest chain trusted at this load counted what
+        every shorter chain would have emitted on its steps, the model's tokens are those counts (`_paired_tokens`),
+        so its shape, and the fill of a chain not measured, rest on what the drafts yielded at this load."""
         model_tokens, model_seconds = self.chain_model(num_seqs)
+        model_tokens = self._paired_tokens(num_seqs, model_tokens)
         rates = [t / s for t, s in zip(model_tokens, model_seconds)]  # (chain_rates)
         modelled = [r / rates[0] for r in rates]
         floor = 1.0 / (1.0 + self.pause_margin)
@@ -97,6 +102,31 @@ class ChainPlan:
         if best != model:
             self.decisions["overruled"] = self.decisions.get("overruled", 0) + 1
         return self._vetoed(best, num_seqs, rates[0])
+
+    def _paired_tokens(self: SlotPolicy, num_seqs: int, tokens: list[float]) -> list[float]:
+        """The model's tokens a step at num_seqs sequences (index: chain, 0 plain), with chains 0..M taken from what
+        they would have emitted on the steps of M (RealizedRates.paired_near, per sequence, times num_seqs): M the
+        chain drafted now (paired_model "current") or the longest chain trusted at this load ("longest"); a chain
+        past M the model's own past M's count: M's plus the model's tokens of the deeper slots. Unchanged where no
+        such counts are, or paired_model is off (""). Why: the model's tokens are the calibrated
+        survival at the drafts' mean confidence, an engine-life average over every load and slot; on H100s
+        (2026-12-07, session 38) it put a chain of 5 at 4.0 tokens a step at one sequence (3.8 for 4) where chain 5's
+        steps emitted ~5.5, so it priced shorter chains close to it, and challenges of them (8 steps of ~4 tokens
+        against ~6) ran every cell. Why off by default: in benchmarks/spec_policy_sim.py (12 seeds, h200-b1 / b4 /
+        b64) "longest" ran 0.937 / 0.973 / 0.984 of the best static with --batch-phase 40:0.5 against 0.990 / 0.970
+        / 0.985 off (a chain of 5 measured in a batch's hard first steps priced every chain there, and once a
+        shorter one drafted, chain 5 was not measured again), "current" 0.977 / 0.974 / 0.986; mean over no phase,
+        20:0.6 and 40:0.5: 0.975 "longest", 0.979 "current", 0.980 off."""
+        if self.paired_model not in ("current", "longest"):
+            return tokens
+        paired = self.realized.paired_near(num_seqs, self.chain if self.paired_model == "current" else None)
+        if paired is None or paired[0] <= 0.0:
+            return tokens
+        per_seq = float(num_seqs) / paired[0]
+        out = [t * per_seq for t in paired[: len(tokens)]]
+        top = len(out) - 1
+        out.extend(out[top] + tokens[c] - tokens[top] for c in range(len(out), len(tokens)))
+        return out
 
     def _vetoed(self: SlotPolicy, chain: int, num_seqs: int, plain_rate: float) -> int:
         """The plan's chain, or where it pauses (0) with no gain measured against plain decoding at this load, the

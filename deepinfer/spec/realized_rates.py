@@ -86,6 +86,11 @@ class RealizedRates:
     # against ~7 for the tokens of every chain)
     emitted: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     _longest: int = 0  # the longest chain with counterfactual tokens observed (the paired lookup's upper end)
+    # steps a chain's counts must hold before they stand in for the model's tokens (`paired_near`): a step's tokens
+    # vary from 1 to L + 1 a sequence, and the model's tokens (the calibrated survival) are an engine-life average;
+    # in benchmarks/spec_policy_sim.py at one sequence, three measuring steps that each emitted 2 tokens put a chain
+    # of 5 at a chain of 1's yield and the plan drafted chains of 1 for a whole run (0.94 of the best static k)
+    paired_min_steps: int = 8
 
     def tick(self) -> None:
         """One engine step passed (observed or not): ages every measure."""
@@ -171,6 +176,22 @@ class RealizedRates:
             return
         w = 1.0 / n if n <= self.min_count else self.weight
         self.emitted[key] = [(1 - w) * o + w * x for o, x in zip(old, emitted)]
+
+    def paired_near(self, num_seqs: int, chain: int | None = None) -> list[float] | None:
+        """The tokens chains 0..M would have emitted a step on the steps of M (`paired_tokens`), at the load of
+        num_seqs's bucket nearest to it where M has counts and is trusted: M is `chain` where given, else the longest
+        chain trusted there. None where there is none, where M's counts hold fewer than paired_min_steps steps, or
+        not paired. What the plan's model may take its tokens from (spec/chain_plan.py `_paired_tokens`)."""
+        if not self.paired or not self.decides:
+            return None
+        chains = range(self._longest, 0, -1) if chain is None else (chain,) if chain > 0 else ()
+        for load in self._loads_near(num_seqs):
+            for m in chains:
+                if (load, m) in self.emitted and self._trusted((load, m)):
+                    if self.counts[(load, m)] < self.paired_min_steps:
+                        return None
+                    return counterfactual(self.emitted[(load, m)], m)
+        return None
 
     def paired_tokens(self, load: int, chain: int) -> list[float] | None:
         """The average tokens chains 0..chain would have emitted on the steady steps of chain at this load

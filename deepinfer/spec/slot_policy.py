@@ -184,6 +184,11 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     # engine-life averages both) and the most-measured chain's realized gain scales them, in place of each measured
     # chain's own realized rate (spec/chain_plan.py `_choose_chain`)
     fit_orders: bool = False
+    # "current" / "longest": where the chain drafted now / the longest chain trusted at a load has paired counts
+    # (RealizedRates.paired_near), the plan's model takes its tokens from them (spec/chain_plan.py `_paired_tokens`)
+    # and a challenge skips the shorter chains they price; "": off (the A/B knob: benchmarks.speculative's
+    # adaptive_pcur / adaptive_plong)
+    paired_model: str = ""
     # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
     # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
     # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never

@@ -112,3 +112,25 @@ def test_an_engine_counts_the_shorter_chains_tokens_on_its_steady_steps():
     assert len(cf) == longest + 1 and cf[0] == pytest.approx(1.0)
     assert all(a <= b + 1e-9 for a, b in pairwise(cf)) and cf[-1] > cf[0]
     assert cf[-1] == pytest.approx(p.realized.tokens[(1, longest)], rel=0.5)  # (own tokens: a median start)
+
+
+def test_the_plans_model_takes_paired_tokens_only_where_asked_and_counted():
+    """SlotPolicy.paired_model (an A/B knob, off): "longest" / "current" put the counts of the longest trusted chain
+    / the chain drafted now in place of the model's tokens (per sequence, times the load; a chain past them the
+    model's deeper slots added), once they hold paired_min_steps steps; off, or fewer steps, the model's own."""
+    def primed(mode: str, steps: int, chain: int = 5):
+        p = chain_policy([0.6] * 5, one=0.001, full=0.003, paired_model=mode,
+                         realized=RealizedRates(warm_steps=0))
+        p.chain = chain
+        for _ in range(steps):  # at 2 sequences: chain 5's steps emit 6 and 3 tokens, chain 3's 3 and 4
+            p.realized.step(2, 5, 5, True, 9, 0.002, emitted=[0, 0, 0, 1, 0, 0, 1])
+            p.realized.step(2, 3, 3, True, 7, 0.0015, emitted=[0, 0, 0, 1, 1])
+        return p
+
+    model = primed("", 10).chain_model(2)[0]
+    assert primed("", 10)._paired_tokens(2, model) == model
+    assert primed("longest", 4)._paired_tokens(2, model) == model  # (4 steps: fewer than paired_min_steps)
+    assert primed("longest", 10)._paired_tokens(2, model) == pytest.approx([2, 4, 6, 7, 8, 9])  # (chain 5's)
+    cur = primed("current", 10, chain=3)._paired_tokens(2, model)
+    assert cur[:4] == pytest.approx([2, 4, 6, 7])  # (chain 3's steps: one sequence emitted 3, one 4)
+    assert cur[5] - cur[3] == pytest.approx(model[5] - model[3])  # past chain 3: the model's deeper slots
