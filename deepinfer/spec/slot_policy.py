@@ -189,6 +189,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
     # and a challenge skips the shorter chains they price; "": off (the A/B knob: benchmarks.speculative's
     # adaptive_pcur / adaptive_plong)
     paired_model: str = ""
+    # a load come back to with no chain trusted at it drafts chains of k until one is (`_visits_unmeasured`)
+    measure_visits: bool = True
     # challenges (spec/chain_challenge.py): every challenge_every drafting steps at a load bucket (doubling, up to
     # max_challenge_every, after each that left the plan's chain), a chain whose gain in the plan is within
     # challenge_margin of the planned one's drafts challenge_steps steps with its measure there taken afresh; 0: never
@@ -275,6 +277,11 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
             self._count_short()
             if self._challenge_due(bucket):
                 self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
+        elif self._visits_unmeasured(num_seqs, bucket):
+            # a load come back to with no chain trusted at it: chains of k until one is (`_visits_unmeasured`)
+            self._remeasure_chain, self._remeasure_bucket, self.chain = self.k, bucket, self.k
+            self._remeasure_left = self.realized.warm_steps + self.realized.min_count
+            self._last_plan, decision = (bucket, 0), "visit"
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             self._end_challenge(bucket, self.chain)
@@ -347,6 +354,18 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps):
         self._remeasure_bucket = bucket
         self._remeasure_left = self.realized.warm_steps + self.realized.min_count + 1
         self.realized.forget_drafting(bucket)
+
+    def _visits_unmeasured(self, num_seqs: int, bucket: int) -> bool:
+        """Whether this plan is the first at a load bucket since plans at another (a visit), where no chain's realized
+        rate is trusted (RealizedRates.steps_near): then chains of k draft until one is, and the plan after prices
+        the chains by them (with paired tokens, every shorter chain's tokens too) rather than by the model alone.
+        Why: on an H100 (2026-12-07, session 39) the first cell at one sequence came after the benchmark's warm-up
+        (4 steps there, not trusted) and the model, whose calibrated survival put a chain of 5 at 4.0 tokens a step
+        where its steps emitted 6, planned chains of 4 for 64 steps until a challenge measured 5: 0.83 of static k5
+        in that cell. measure_visits False, or measure_steps 0 (no measuring plans at all): off
+        (benchmarks.speculative adaptive_novisit, the A/B)."""
+        return (self.measure_visits and self.measure_steps > 0 and self.draft_cost is not None
+                and self.realized.decides and self._last_plan[0] != bucket and not self.realized.steps_near(num_seqs))
 
     def _count_short(self) -> None:
         """A drafting step with a chain shorter than k: every explore_every of them, one explores (class docstring)."""

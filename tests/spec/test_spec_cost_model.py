@@ -506,7 +506,7 @@ def test_a_load_is_measured_before_it_is_modelled():
     (2026-12-04, dbb32fd): with nothing seen, the tables priced a plain step at 0.234 ms (it ran 0.52) and a k = 5
     step at 0.88 ms (it ran 1.33), and the first plan at one sequence paused."""
     policy = chain_policy([0.8, 0.05, 0.05, 0.05, 0.05], one=0.2, full=0.2)
-    policy.measure_steps = 4
+    policy.measure_steps, policy.measure_visits = 4, False  # (a load's visits: test_spec_paired_tokens.py)
     assert policy.plan_drafting(1) == 5 and policy.verify_all and policy.plans_before_the_draw()
     low = [HeldDraft(seq=None, num_tokens=0, tokens=[1] * 5, confidence=[0.05] * 5)]
     assert policy.counts(low, [5], 1, 1) == [5] and not policy.verify_all  # every slot, however unlikely

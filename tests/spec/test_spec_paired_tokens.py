@@ -134,3 +134,31 @@ def test_the_plans_model_takes_paired_tokens_only_where_asked_and_counted():
     cur = primed("current", 10, chain=3)._paired_tokens(2, model)
     assert cur[:4] == pytest.approx([2, 4, 6, 7])  # (chain 3's steps: one sequence emitted 3, one 4)
     assert cur[5] - cur[3] == pytest.approx(model[5] - model[3])  # past chain 3: the model's deeper slots
+
+
+def test_a_load_come_back_to_unmeasured_drafts_k_until_a_chain_is_trusted():
+    """SlotPolicy.measure_visits: the first plan at a load since plans at another, where no chain's realized rate is
+    trusted, drafts chains of k for the steps a measure takes (warm_steps + min_count), then the plan prices the
+    chains by that measure; the model alone (here: the deeper slots priced at 5% survival) would draft a chain of 1.
+    A load whose measure is trusted plans at once; measure_visits False, or measure_steps 0, plans by the model."""
+    def policy(**fields):
+        return chain_policy([0.9, 0.05, 0.05, 0.05, 0.05], one=0.001, full=0.0012,
+                            realized=RealizedRates(warm_steps=2), **{"measure_steps": 4, **fields})
+
+    p = policy()
+    for _ in range(5):  # (the load's steps seen before: no `measure` plans)
+        p.step_times.observe("speculative", 4, 0.002, 0.002)
+        p.step_times.observe("plain", 4, 0.001, 0.001)
+    p._last_plan = (64, 5)  # the last plan was at another load
+    chains = [p.plan_drafting(4) for _ in range(5)]
+    assert chains == [5] * 5 and p.decisions["visit"] == 1 and p.decisions["remeasure"] == 4
+    for _ in range(5):  # (what those steps measured: every sequence accepted every draft)
+        p.realized.step(4, 5, 5, True, 24, 0.0015, emitted=[0, 0, 0, 0, 0, 0, 4])
+    assert p.realized.rate(4, 5) is not None
+    assert p.plan_drafting(4) == 5 and p.decisions.get("visit") == 1  # priced by the measure, not visited again
+    for off in (policy(measure_visits=False), policy(measure_steps=0)):
+        for _ in range(5):
+            off.step_times.observe("speculative", 4, 0.002, 0.002)
+            off.step_times.observe("plain", 4, 0.001, 0.001)
+        off._last_plan = (64, 5)
+        assert off.plan_drafting(4) < 5 and "visit" not in off.decisions
