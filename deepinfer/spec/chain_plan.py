@@ -53,9 +53,10 @@ class ChainPlan:
         spec/step_times.py). Plain floats: this runs every replan_every steps while drafting steadily (and at every
         other plan). Reads calibration counts, past confidences, past step times and realized rates only.
 
-        Paired (RealizedRates.paired, since session 39): where the longest chain trusted at this load counted what
-        every shorter chain would have emitted on its steps, the model's tokens are those counts (`_paired_tokens`),
-        so its shape, and the fill of a chain not measured, rest on what the drafts yielded at this load."""
+        The measured rates are priced by paired tokens (RealizedRates.paired, on since session 39: each chain's tokens
+        counted on the longest trusted chain's steps). With paired_model set ("current" / "longest"; off by
+        default) the model's tokens are such counts too (`_paired_tokens`), so its shape, and the fill of a chain not
+        measured, rest on what the drafts yielded at this load."""
         model_tokens, model_seconds = self.chain_model(num_seqs)
         model_tokens = self._paired_tokens(num_seqs, model_tokens)
         rates = [t / s for t, s in zip(model_tokens, model_seconds)]  # (chain_rates)
