@@ -47,9 +47,9 @@ class MeasurePlans:
         the chains by them (with paired tokens, every shorter chain's tokens too) rather than by the model alone.
         Why: on an H100 (2026-12-07, session 39) the first cell at one sequence came after the benchmark's warm-up
         (4 steps there, not trusted) and the model, whose calibrated survival put a chain of 5 at 4.0 tokens a step
-        where its steps emitted 6, planned chains of 4 for 64 steps until a challenge measured 5: 0.83 of static k5
-        in that cell. measure_visits False, or measure_steps 0 (no measuring plans at all): off
-        (benchmarks.speculative adaptive_novisit, the A/B)."""
+        where its steps emitted 6, planned chains of 4 for 64-72 steps until a challenge measured 5: 0.74-0.88 of
+        static k5's tok/s a user in that repeat, over three runs. measure_visits False, or measure_steps 0 (no
+        measuring plans at all): off (benchmarks.speculative adaptive_novisit, the A/B)."""
         return (self.measure_visits and self.measure_steps > 0 and self.draft_cost is not None
                 and self.realized.decides and self._last_plan[0] != bucket and not self.realized.steps_near(num_seqs))
 
