@@ -36,10 +36,14 @@ class MeasurePlans:
         decoding would keep the load paused for good: on the H200 (2026-12-04, 951726e) the adaptive mode paused
         through whole runs at 64 and 256 sequences, where static k = 3 ran 1.12x and 1.01x of speculation off."""
         gains = self.realized.gains(bucket, self.k)
-        self._remeasure_chain = max(gains, key=lambda c: (gains[c], -c)) if gains else self.k
-        self._remeasure_bucket = bucket
-        self._remeasure_left = self.realized.warm_steps + self.realized.min_count + 1
+        self._remeasure(bucket, max(gains, key=lambda c: (gains[c], -c)) if gains else self.k, 1)
         self.realized.forget_drafting(bucket)
+
+    def _remeasure(self: SlotPolicy, bucket: int, chain: int, extra: int = 0) -> None:
+        """The next plans at this load draft `chain` for the steps a realized rate takes to be trusted (warm_steps +
+        min_count, and `extra` more): after a pause (`_start_remeasure`) and on a visit (`_visits_unmeasured`)."""
+        self._remeasure_chain, self._remeasure_bucket = chain, bucket
+        self._remeasure_left = self.realized.warm_steps + self.realized.min_count + extra
 
     def _visits_unmeasured(self: SlotPolicy, num_seqs: int, bucket: int) -> bool:
         """Whether this plan is the first at a load bucket since plans at another (a visit), where no chain's realized

@@ -184,13 +184,11 @@ class RealizedRates:
         not paired. What the plan's model may take its tokens from (spec/chain_plan.py `_paired_tokens`)."""
         if not self.paired or not self.decides:
             return None
-        chains = range(self._longest, 0, -1) if chain is None else (chain,) if chain > 0 else ()
         for load in self._loads_near(num_seqs):
-            for m in chains:
-                if (load, m) in self.emitted and self._trusted((load, m)):
-                    if self.counts[(load, m)] < self.paired_min_steps:
-                        return None
-                    return counterfactual(self.emitted[(load, m)], m)
+            m = self._counted_chain(load, 1) if chain is None else chain if self._counted(load, chain) else 0
+            if m > 0:
+                return counterfactual(self.emitted[(load, m)], m) \
+                    if self.counts[(load, m)] >= self.paired_min_steps else None
         return None
 
     def paired_tokens(self, load: int, chain: int) -> list[float] | None:
@@ -322,12 +320,18 @@ class RealizedRates:
         it would have emitted on the steps of the longest chain trusted at the load (itself where it is the longest;
         module docstring, "Why paired tokens")."""
         load, chain = key
-        if self.paired:
-            for m in range(self._longest, chain - 1, -1):
-                counts = self.emitted.get((load, m))
-                if counts is not None and self._trusted((load, m)):
-                    return sum(n * min(e, chain + 1) for e, n in enumerate(counts)) / self.seconds[key]
+        m = self._counted_chain(load, chain) if self.paired else 0
+        if m:
+            return _tokens_of(self.emitted[(load, m)], chain) / self.seconds[key]
         return self.tokens[key] / self.seconds[key]
+
+    def _counted(self, load: int, chain: int) -> bool:
+        """Whether a chain is trusted at this load and its steps' counts were kept (`_observe_emitted`)."""
+        return (load, chain) in self.emitted and self._trusted((load, chain))
+
+    def _counted_chain(self, load: int, shortest: int) -> int:
+        """The longest chain at least `shortest` long that is `_counted` at this load, 0 where none is."""
+        return next((m for m in range(self._longest, shortest - 1, -1) if m > 0 and self._counted(load, m)), 0)
 
     def paired_rows(self, load: int) -> list[tuple[int, float]]:
         """(chain, rate) of each chain trusted at this load as the plan prices it (`_rate_at`): plan traces."""
@@ -344,4 +348,9 @@ def counterfactual(counts: list[float], chain: int) -> list[float]:
     sequences emitted each count of tokens (counts[e]: sequences that emitted e): a sequence that emitted e tokens
     (e - 1 drafts accepted, then the target's token) would have emitted min(e, l + 1) with a chain of l, whose
     drafts are the chain's first l and whose verification accepts the same prefix of them (module docstring)."""
-    return [sum(n * min(e, length + 1) for e, n in enumerate(counts)) for length in range(chain + 1)]
+    return [_tokens_of(counts, length) for length in range(chain + 1)]
+
+
+def _tokens_of(counts: list[float], chain: int) -> float:
+    """`counterfactual`'s entry for a chain of `chain`: what the counted sequences would have emitted with it."""
+    return sum(n * min(e, chain + 1) for e, n in enumerate(counts))

@@ -280,9 +280,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
                 self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
         elif self._visits_unmeasured(num_seqs, bucket):
             # a load come back to with no chain trusted at it: chains of k until one is (`_visits_unmeasured`)
-            self._remeasure_chain, self._remeasure_bucket, self.chain = self.k, bucket, self.k
-            self._remeasure_left = self.realized.warm_steps + self.realized.min_count
-            self._last_plan, decision = (bucket, 0), "visit"
+            self._remeasure(bucket, self.k)
+            self.chain, self._last_plan, decision = self.k, (bucket, 0), "visit"
         else:  # MTP: the planned chain; n-gram (no drafting table): a pause once an admission verified nothing
             self.chain = self._choose_chain(num_seqs) if self.draft_cost is not None else 0
             self._end_challenge(bucket, self.chain)
