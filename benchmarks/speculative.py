@@ -84,6 +84,8 @@ MODES = {
     "adaptive_plong": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive without measuring a load visited afresh (SlotPolicy.measure_visits False), for an A/B in one process
     "adaptive_novisit": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive whose observations never wait while it holds (SlotPolicy.max_waiting_observations 0), for an A/B
+    "adaptive_nowait": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
@@ -92,11 +94,12 @@ MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "a
                "adaptive_nochal": {"challenge_every": 0}, "adaptive_nomeasure": {"measure_steps": 0},
                "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True},
                "adaptive_unpaired": {"realized.paired": False}, "adaptive_pcur": {"paired_model": "current"},
-               "adaptive_plong": {"paired_model": "longest"}, "adaptive_novisit": {"measure_visits": False}}
+               "adaptive_plong": {"paired_model": "longest"}, "adaptive_novisit": {"measure_visits": False},
+               "adaptive_nowait": {"max_waiting_observations": 0}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
                                               "adaptive_nomeasure", "adaptive_allobs", "adaptive_fitorder",
                                               "adaptive_unpaired", "adaptive_pcur", "adaptive_plong",
-                                              "adaptive_novisit",
+                                              "adaptive_novisit", "adaptive_nowait",
                                               "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 

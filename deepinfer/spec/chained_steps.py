@@ -133,6 +133,7 @@ class ChainedSteps:
         policy = self.policy
         if policy.adaptive and (not policy.plans_before_the_draw() or len(self.paused_rows)):
             return self._fallback("plan")  # (a probe's verification, a pause: the sync step plans after its draw)
+        self._fold_unless_holding(b)
         want = policy.plan_drafting(b)  # (static k: k; adaptive: its plan, from past steps only)
         if want < 1 or not self._uniform_chain(b):  # a pause, a probe or an exploration: the sync step runs it
             self._preplanned = want

@@ -142,6 +142,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         self.policy_seconds = 0.0
         self.policy_steps = 0
         self._deferred: list = []  # bookkeeping run while the host waits for the device (`_run_deferred`)
+        # the adaptive policy's observations, run with those unless the policy holds (spec/settled_steps.py)
+        self._policy_log: list = []
+        self._policy_waiting = 0  # how many of them waited past a wait for the device (`_fold_unless_holding`)
         self._deferred_s = 0.0  # this step's seconds in `_run_deferred` (its "deferred" phase)
         self._draft_s: float | None = None  # this step's drafting seconds, observed at its end (`_time_drafting`)
         self.times = SharedTimes()  # the policy's measured times agreed over the tp ranks (spec/setup.py sets it)
@@ -179,8 +182,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
     def flush_if_idle(self) -> None:
         """Run the deferred bookkeeping when no request is left (every rank reaches this at the same point: the
         end of a step, a delegated async pause step or a drain, an abort)."""
-        if self._deferred and not self.scheduler.has_unfinished():
-            self._run_deferred()
+        if (self._deferred or self._policy_log) and not self.scheduler.has_unfinished():
+            self._run_deferred(fold=True)
 
     def take_extra_tokens(self) -> int:
         n, self._extra_tokens = self._extra_tokens, 0
@@ -232,6 +235,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
                     f"{len(self.scheduler.running)} running sequences (KV cache or token budget too small)")
             return None
         t0 = time.perf_counter()
+        samplers = sum(1 for it in sched.scheduled if it.samples)
+        self._fold_unless_holding(samplers)
         conf = add_draft_slots(sched, self.book, self.scheduler.kv, self.policy,
                                self.scheduler.max_num_batched_tokens, clip=self._clip)
         self._failed = {}
@@ -243,7 +248,6 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         # k; adaptive drafting steadily: from the calibration, confidences and step times of past steps, one step
         # older than planning after the draw; non-anticipating either way), so that the one-sync step can run the
         # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
-        samplers = sum(1 for it in sched.scheduled if it.samples)
         if self._preplanned is not None:  # planned for a chained step that could not run (spec/chained_steps.py)
             self._chain_plan, self._preplanned = self._preplanned, None
         else:
@@ -277,10 +281,14 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
             draft_s = None if draft_s < 0 else draft_s
         if draft_s is not None:
             self._time_drafting(draft_s)
+        tokens = drafts = 0  # (one pass: the step's forward tokens and drafts, for the phases and the policy)
+        for it in sched.scheduled:
+            tokens += it.num_tokens
+            drafts += len(it.draft)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
             observed = self.policy.observes_step()  # (the same answer on every rank: the policy's state decides)
             self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed,
-                                 per_seq=rec.emitted)
+                                 per_seq=rec.emitted, tokens=tokens, drafts=drafts)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"
@@ -293,8 +301,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         kind = "chained" if rec.fields is not None else "overlapped" if rec.pending is not None else kind
         self.phases.add(kind, {"schedule": t0 - t_start, "slots": rec.t_slots - t0, "launch": launch,
                                "overlap": overlap, "deferred": self._deferred_s, "wait": wait, "process": t2 - t1,
-                               "observe": time.perf_counter() - t2, **self._launch_parts},
-                        sum(it.num_tokens for it in sched.scheduled))
+                               "observe": time.perf_counter() - t2, **self._launch_parts}, tokens)
         self.flush_if_idle()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 

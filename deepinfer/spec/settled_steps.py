@@ -29,11 +29,24 @@ mode's steps at 4 sequences, against 83% and 89% with every step observed (the b
 within 2%). With the realized rates kept every step (calls 4-6) the share still ranged 0.54-0.93 over six runs: the
 batch's phase moves the plan either way (docs/speculative.md, session 38), and the sampling was not shown to be the
 cause; the comparator is kept whole all the same.
+
+Observations that wait (since 2026-12-07, session 40). A settled step's observations change nothing it or the next
+held steps read: a held plan and a held admission price nothing. So while the next step holds (`will_hold`), the
+pipeline keeps the policy's observations (realized rates, output and step times, calibration) in order in a list and
+runs them all at the first step that decides anything (a plan, a priced admission, another load), at an idle engine,
+or once max_waiting_observations wait (SpecStepPipeline `_policy_log`). Same updates, same order, read by the same
+decisions; only run later, many at once. Why: one step's observations cost ~5 us in a loop that runs them back to
+back on this CPU and 10-18 us in an engine step between the model's and the sampler's work (the caches cold for
+their code and state), and on the GPU's host about twice that: on an H100 (session 39) the adaptive mode's settled
+steps at 16 sequences ran 0.15 ms longer than static k5's (`deferred` +56 us, `slots` +47, `observe` +13), 7% of
+their time and all of the mode's deficit there.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from deepinfer.spec.step_times import load_bucket
 
 if TYPE_CHECKING:
     from deepinfer.spec.slot_policy import SlotPolicy
@@ -77,3 +90,30 @@ class SettledSteps:
         if cal.num_observed >= self.calibrated_after and self.calibrate_stride > 1:
             every *= self.calibrate_stride
         return self._verifications % every == 0
+
+    def will_hold(self: SlotPolicy, num_seqs: int | None = None) -> bool:
+        """Whether the next step's admission and plan both hold (`_holds_admission`, `_holds_plan`) at num_seqs
+        sampling sequences (None: at the plan's load): the policy is settled, the load is in the plan's bucket, the
+        plan is younger than its interval and the admission's hold has steps left. Where True, neither reads an
+        observation (the plan's chain is trusted, or realized rates do not decide), so the policy's observations may
+        wait (`defers_observations`). Exact, not a guess: the same conditions those holds check, in the state this
+        step left (a test checks that no priced admission nor plan ran while observations waited)."""
+        if not self.settled() or self.hold_after <= 0 or num_seqs == 0:
+            return False
+        bucket = self._plan_bucket if num_seqs is None else load_bucket(num_seqs)
+        interval = self.plan_interval()
+        return (bucket == self._plan_bucket and self._plan_age < interval
+                and self._all_streaks.get(bucket, 0) >= self.hold_after and self._held_admissions < interval - 1)
+
+    def still_holds(self: SlotPolicy, num_seqs: int) -> bool:
+        """`will_hold(num_seqs)` where `will_hold()` was True after the last decisions and none has been made since
+        (the pipeline's case when observations waited at the last wait for the device: between it and the next
+        step's admission only observations are kept, and those change none of will_hold's inputs): the load's
+        bucket is the plan's. The cheaper check, made every held step."""
+        return num_seqs > 0 and load_bucket(num_seqs) == self._plan_bucket
+
+    def defers_observations(self: SlotPolicy, pending: int) -> bool:
+        """Whether the policy's observations of past steps (`pending` of them waiting) may wait past this wait for
+        the device: the next step holds (`will_hold`) and fewer than max_waiting_observations wait (module
+        docstring, "Observations that wait")."""
+        return pending < self.max_waiting_observations and self.will_hold()

@@ -2,7 +2,8 @@
 and how long a chain to draft next), with the measured step times and pauses they rest on (docs/speculative.md,
 "The confidence scheduler"). Used by spec/draft_slots.py (verification) and spec/pipeline.py (drafting); the chain
 plan's model and choice are in spec/chain_plan.py, its challenges in spec/chain_challenge.py, the verification's
-admission in spec/slot_admission.py, which steps' observations it keeps in spec/settled_steps.py (all inherited)."""
+admission in spec/slot_admission.py, which steps' observations it keeps in spec/settled_steps.py, a step's time
+observed in spec/step_observations.py (all inherited)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from deepinfer.spec.realized_rates import RealizedRates
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.settled_steps import SettledSteps
 from deepinfer.spec.slot_admission import SlotAdmission
-from deepinfer.spec.step_times import PLAIN, SPECULATIVE, StepTimeRatios, load_bucket
+from deepinfer.spec.step_observations import StepObservations
+from deepinfer.spec.step_times import PLAIN, StepTimeRatios, load_bucket
 
 if TYPE_CHECKING:
     from deepinfer.spec.draft_cost import DraftCostTable
@@ -27,7 +29,7 @@ _CHAIN_DECISIONS = tuple(f"chain{n}" for n in range(16))  # (plan_drafting's per
 
 
 @dataclass
-class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, MeasurePlans):
+class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, MeasurePlans, StepObservations):
     """Static k, or the confidence scheduler (calibrator + step-cost table) when adaptive.
 
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
@@ -161,6 +163,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     observe_every: int = 4
     num_unobserved: int = 0  # settled steps whose observations were not kept (engine life)
     _settled_steps: int = 0  # settled steps in a row (the sample's clock)
+    # most observations (closures) that wait while the policy holds (spec/settled_steps.py "Observations that wait")
+    max_waiting_observations: int = 96
     _admission_held: bool = False  # whether the last admission was held (`_holds_admission`)
     _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
     _remeasure_chain: int = 0
@@ -243,7 +247,16 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
             self.chain = self.k
             return self.chain
         steady, self._plan_age = self._plan_age, 0  # any decision but a plan's or its hold's: the next plans afresh
-        if self.paused > 0 and self._load_fell(num_seqs, bucket):
+        # the hold first: steady > 0 only after a plan that drafted (chain > 0, no challenge started) or its hold,
+        # so nothing is paused, probed, measured, re-measured or challenged at the plan's load (each of those
+        # decisions sets _plan_age to 0), and the branches below would not be taken; checking it first spares a
+        # held step (most steps) their checks (`_holds_plan`)
+        if steady and num_seqs and self._holds_plan(steady, num_seqs, bucket):
+            decision = _CHAIN_DECISIONS[self.chain] if self.chain < len(_CHAIN_DECISIONS) else f"chain{self.chain}"
+            self._count_short()
+            if self._challenge_due(bucket):
+                self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
+        elif self.paused > 0 and self._load_fell(num_seqs, bucket):
             self.paused = self._low_steps = 0  # the load fell below the pause's: probe, then plan at this load
             self.probe, self.chain = True, self.k
             self.num_load_ends += 1
@@ -271,13 +284,6 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
         elif self._challenge_left > 0 and self._challenge_bucket == bucket:
             self._challenge_left -= 1  # a challenge runs (spec/chain_challenge.py); the plan after it compares
             self.chain, decision = self._challenge_chain, "challenge"
-        elif steady and self._plan_bucket == bucket and steady < self.plan_interval() \
-                and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
-            self._plan_age = steady + 1  # drafting steadily at the plan's load: the plan holds (plan_interval)
-            decision = _CHAIN_DECISIONS[self.chain] if self.chain < len(_CHAIN_DECISIONS) else f"chain{self.chain}"
-            self._count_short()
-            if self._challenge_due(bucket):
-                self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
         elif self._visits_unmeasured(num_seqs, bucket):
             # a load come back to with no chain trusted at it: chains of k until one is (`_visits_unmeasured`)
             self._remeasure(bucket, self.k)
@@ -327,6 +333,15 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
                                 "realized": [[c, round(r), n] for b, c, r, n in self.realized.rows() if b == num_seqs],
                                 "paired": [[c, round(r)] for c, r in self.realized.paired_rows(num_seqs)]})
 
+    def _holds_plan(self, steady: int, num_seqs: int, bucket: int) -> bool:
+        """Whether the plan made `steady` steps ago holds for this step (drafting steadily at its load, within
+        plan_interval, and its chain's realized rate trusted then or still unmeasured); sets _plan_age if so."""
+        if self._plan_bucket == bucket and steady < self.plan_interval() \
+                and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
+            self._plan_age = steady + 1
+            return True
+        return False
+
     def plan_interval(self) -> int:
         """Steps a plan holds while drafting steadily at its load (replan_every, doubling while plans repeat)."""
         return max(self._replan_interval, self.replan_every)  # (_replan_interval never passes max_replan_every)
@@ -347,46 +362,3 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     def next_pause(self, num_seqs: int) -> int:
         """Steps the next pause decided at this load would last (doubling per pause in a row there)."""
         return self._backoff.get(load_bucket(num_seqs), self.min_probe_every)
-
-    def observe_output(self, seconds: float, tokens: int, num_seqs: int) -> None:
-        """One step's output processing: `seconds` of host time for `tokens` emitted tokens of num_seqs sequences."""
-        if tokens > 0:
-            x, b = seconds / tokens, load_bucket(num_seqs)
-            old = self.token_seconds.get(b)
-            self.token_seconds[b] = x if old is None else 0.9 * old + 0.1 * x
-
-    def observe_step(self, seconds: float, num_tokens: int, num_seqs: int, drafted_seqs: int = 0, chain: int = 0,
-                     verified: bool = False, off_path: bool = False, emitted: int | None = None) -> None:
-        """A decode-row step's wall time (schedule to output processing) of num_seqs sequences against what the
-        tables predict for it: the step table at its tokens, plus the drafting table for what it drafted. The tables
-        time the forward and the drafter alone, over no context; the engine's steps also pay the sampler,
-        verification, output processing, batch building and attention over real contexts, and that excess depends
-        on the load and on the kind of step (spec/step_times.py has the H200 numbers), so the correction is kept
-        per kind and per load bucket. Past steps only: non-anticipating.
-
-        Only the two steady states are observed: a plain step (nothing verified, nothing drafted) and a speculative
-        one (verified and drafted). A step that verified and drafted nothing (the last before a pause: a probe's
-        verification) or drafted without verifying (the first after a prompt or a pause) is a transition, priced
-        by neither steady state; on the H200 (2026-12-04, 8734169) three such probe verifications (host path, two
-        waits) at 4.6x their price were all the speculative side ever saw at one sequence, and kept every later
-        plan paused (tau 1.04) where static k = 5 ran 2.12x. off_path: a speculative step that took the host path
-        (two waits) where the steady state runs one-sync (spec/one_sync.py); not observed either: on the H200
-        (2026-12-04, fd509cb) the one speculative step seen at one sequence ran 2.25 ms, x2.86 its price, where the
-        one-sync k = 5 steps ran ~1.8 ms, x1.8.
-
-        emitted: the tokens the step emitted (default num_seqs: a plain step's one each). Their output processing
-        (token_seconds each, measured) is taken out of the step's time before it is compared with the tables: it is
-        paid once per token however the token is emitted, so it is no cost of speculation, and left in, it made a
-        speculative step's ratio (~5 tokens a sequence) price a longer chain by the ratio of a shorter one (x4.9 at 64
-        sequences in benchmarks/spec_policy_sim.py, where k = 3 was planned and k = 5 ran 1.17x faster). Plans
-        compare time per token without it (its share is the same for every choice)."""
-        if not self.adaptive or self.draft_cost is None or self.cost is None or num_tokens <= 0:
-            return
-        if verified != bool(drafted_seqs and chain) or (verified and off_path):
-            return
-        out = self.token_seconds.get(load_bucket(num_seqs), 0.0) * (num_seqs if emitted is None else emitted)
-        seconds = max(seconds - out, 0.1 * seconds)
-        predicted = self.cost.at(num_tokens)
-        drafting = self.drafting_seconds(drafted_seqs, chain) if drafted_seqs and chain else 0.0
-        kind = SPECULATIVE if verified else PLAIN
-        self.step_times.observe(kind, num_seqs, seconds, predicted + drafting, drafting)

@@ -45,25 +45,25 @@ class VerifyOutcomes:
         next wait for the device (`_run_deferred`), where the host would idle; the next step's admission then reads
         the calibration of the steps before this one (non-anticipating either way)."""
         verified = [len(items[i].draft) for i in idx]
+        self._deferred.append(lambda: self.metrics.record(verified, num_acc, sum(verified)))
+        cal = self.policy.calibrator
+        if cal is None or not self.policy.calibrates():  # (decided now: the policy's state is this step's)
+            return
         rows = [(conf.get(i), v, a) for i, v, a in zip(idx, verified, num_acc)]
-        calibrates = self.policy.calibrates()  # (decided now: the policy's state is this step's)
 
-        def observe() -> None:
-            self.metrics.record(verified, num_acc, sum(verified))
-            cal = self.policy.calibrator
-            if cal is None or not calibrates:
-                return
+        def calibrate() -> None:
             t0 = time.perf_counter()
             known = [r for r in rows if r[0] is not None]
             if known:
                 cal.observe_verified([r[0] for r in known], [r[1] for r in known], [r[2] for r in known])
             self.policy_seconds += time.perf_counter() - t0
 
-        self._deferred.append(observe)
+        self._policy_log.append(calibrate)  # (the policy's: it may wait while the policy holds, `_run_deferred`)
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
                         emitted: int, ended: bool = False, observed: bool = True,
-                        per_seq: list[list[int]] | None = None) -> None:
+                        per_seq: list[list[int]] | None = None, tokens: int | None = None,
+                        drafts: int | None = None) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -82,10 +82,18 @@ class VerifyOutcomes:
         goes to the realized rates (the shorter chains' counterfactual tokens, RealizedRates "paired").
 
         observed False: a settled step whose output processing and step time are not kept (spec/settled_steps.py);
-        its realized rate is."""
+        its realized rate is.
+
+        tokens, drafts: the step's forward tokens and drafts summed over its sequences, where the caller has them."""
         n = len(sched.scheduled)
         policy = self.policy
-        if self._caught_up or any(it.num_tokens - len(it.draft) != 1 for it in sched.scheduled):
+        if tokens is None or drafts is None:
+            tokens = drafts = 0
+            for it in sched.scheduled:
+                tokens += it.num_tokens
+                drafts += len(it.draft)
+        # a prompt chunk: some sequence's rows other than its drafts are not one (each is at least one)
+        if self._caught_up or tokens - drafts != n:
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
 
             def observe_output() -> None:
@@ -93,10 +101,9 @@ class VerifyOutcomes:
                     policy.observe_output(out_s, emitted, n)
                 policy.realized.tick()
 
-            self._deferred.append(observe_output)
+            self._policy_log.append(observe_output)
             return
-        verified = any(it.draft for it in sched.scheduled)
-        tokens = sum(it.num_tokens for it in sched.scheduled)
+        verified = drafts > 0
         drafted = self._drafted
         off_path = self.one_sync is not None and not self._one_sync_ran
         now = self._drafted_chain(sched)
@@ -117,7 +124,7 @@ class VerifyOutcomes:
                     counts = None
             policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended, emitted=counts)
 
-        self._deferred.append(observe)
+        self._policy_log.append(observe)
 
     def _drafted_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
         """The chain this decode-rows step drafted for every live sampling sequence (0: none; -1: some only, or an
@@ -130,13 +137,37 @@ class VerifyOutcomes:
         live = sum(1 for it in sched.scheduled if it.samples and not it.seq.finished)
         return chain if seqs >= live and not self.policy.explore else -1
 
-    def _run_deferred(self: SpecStepPipeline) -> None:
+    def _run_deferred(self: SpecStepPipeline, fold: bool = False) -> None:
         """Run the bookkeeping `_observe` (and `_observe_policy`) deferred: called while the host waits for the device
         (the one-sync step's read-back, the host path's draw), and when no request is left after a step or an abort
-        (`flush_if_idle`); not when the metrics are read (`stats_fields`).
+        (`flush_if_idle`, fold: every policy observation too); not when the metrics are read (`stats_fields`).
         On the H200 (2026-12-04, 733f4eb) the adaptive policy's host work was ~540 us a step against static k's ~150,
-        most of it in the host-bound steps of few sequences, where the device is idle half the step."""
+        most of it in the host-bound steps of few sequences, where the device is idle half the step.
+        The policy's observations (`_policy_log`) run with them unless the policy holds its next step
+        (SlotPolicy.defers_observations); then they wait for `_fold_policy_log` (spec/settled_steps.py)."""
         t0 = time.perf_counter()
         while self._deferred:
             self._deferred.pop(0)()
+        log = self._policy_log
+        if log:
+            if fold or not self.policy.defers_observations(len(log)):
+                self._fold_policy_log(len(log))
+            else:
+                self._policy_waiting = len(log)  # (these would have run by now: `_fold_unless_holding`)
         self._deferred_s += time.perf_counter() - t0
+
+    def _fold_policy_log(self: SpecStepPipeline, n: int) -> None:
+        """Run the policy's first n observations, in order (spec/settled_steps.py "Observations that wait")."""
+        log = self._policy_log
+        run, self._policy_log, self._policy_waiting = log[:n], log[n:], 0
+        for observe in run:
+            observe()
+
+    def _fold_unless_holding(self: SpecStepPipeline, num_seqs: int) -> None:
+        """Before a step's admission and plan at num_seqs sampling sequences: the observations that waited run first
+        unless both hold (SlotPolicy.still_holds), so that whatever decides reads what it read before they could wait:
+        every observation up to the last wait for the device (those of the step just resolved run at this step's)."""
+        if self._policy_waiting and not self.policy.still_holds(num_seqs):
+            t0 = time.perf_counter()
+            self._fold_policy_log(self._policy_waiting)
+            self.policy_seconds += time.perf_counter() - t0
