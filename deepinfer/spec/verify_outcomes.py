@@ -50,15 +50,7 @@ class VerifyOutcomes:
         if cal is None or not self.policy.calibrates():  # (decided now: the policy's state is this step's)
             return
         rows = [(conf.get(i), v, a) for i, v, a in zip(idx, verified, num_acc)]
-
-        def calibrate() -> None:
-            t0 = time.perf_counter()
-            known = [r for r in rows if r[0] is not None]
-            if known:
-                cal.observe_verified([r[0] for r in known], [r[1] for r in known], [r[2] for r in known])
-            self.policy_seconds += time.perf_counter() - t0
-
-        self._policy_log.append(calibrate)  # (the policy's: it may wait while the policy holds, `_run_deferred`)
+        self._policy_log.append((_calibrate, self, cal, rows))  # (the policy's: it may wait, `_run_deferred`)
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
                         emitted: int, ended: bool = False, observed: bool = True,
@@ -95,36 +87,21 @@ class VerifyOutcomes:
         # a prompt chunk: some sequence's rows other than its drafts are not one (each is at least one)
         if self._caught_up or tokens - drafts != n:
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
-
-            def observe_output() -> None:
-                if observed:
-                    policy.observe_output(out_s, emitted, n)
-                policy.realized.tick()
-
-            self._policy_log.append(observe_output)
+            self._policy_log.append((_observe_output, policy, observed, out_s, emitted, n))
             return
         verified = drafts > 0
         drafted = self._drafted
         off_path = self.one_sync is not None and not self._one_sync_ran
         now = self._drafted_chain(sched)
         before, self._steady_chain = self._steady_chain, now
-
-        def observe() -> None:
-            if observed:
-                policy.observe_output(out_s, emitted, n)
-                policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path,
-                                    emitted=emitted)
-            counts = None
-            if per_seq is not None and now > 0 and before == now and not ended and policy.realized.paired:
-                counts = [0] * (now + 2)  # sequences by tokens emitted: at most the chain verified + 1
-                try:
-                    for toks in per_seq:
-                        counts[len(toks)] += 1
-                except IndexError:  # (none in a steady step: then no counts rather than wrong ones)
-                    counts = None
-            policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended, emitted=counts)
-
-        self._policy_log.append(observe)
+        # each sequence's tokens emitted, as bytes (at most k + 1 each; an object the garbage collector does not
+        # track): observations that wait keep them, and the step's list of lists kept instead cost 20-30 us a step of
+        # collections at 64 sequences on this CPU (benchmarks/spec_host.py: 33 collections a cell against 5)
+        lens = bytes(map(len, per_seq)) if per_seq is not None and now > 0 and before == now and not ended \
+            and policy.realized.paired and now < 255 else None
+        # (a tuple of the step's numbers, not a closure: a closure's cells are as many objects for the collector)
+        self._policy_log.append((_observe_step, policy, observed, out_s, step_s, real_s, emitted, n, tokens, drafted,
+                                 verified, off_path, before, now, ended, lens))
 
     def _drafted_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
         """The chain this decode-rows step drafted for every live sampling sequence (0: none; -1: some only, or an
@@ -157,11 +134,12 @@ class VerifyOutcomes:
         self._deferred_s += time.perf_counter() - t0
 
     def _fold_policy_log(self: SpecStepPipeline, n: int) -> None:
-        """Run the policy's first n observations, in order (spec/settled_steps.py "Observations that wait")."""
+        """Run the policy's first n observations, in order (spec/settled_steps.py "Observations that wait"): each a
+        tuple of a function and its arguments."""
         log = self._policy_log
         run, self._policy_log, self._policy_waiting = log[:n], log[n:], 0
         for observe in run:
-            observe()
+            observe[0](*observe[1:])
 
     def _fold_unless_holding(self: SpecStepPipeline, num_seqs: int) -> None:
         """Before a step's admission and plan at num_seqs sampling sequences: the observations that waited run first
@@ -171,3 +149,35 @@ class VerifyOutcomes:
             t0 = time.perf_counter()
             self._fold_policy_log(self._policy_waiting)
             self.policy_seconds += time.perf_counter() - t0
+
+
+# the policy's observations, run from `_policy_log` (module-level functions of plain arguments: see _observe_policy)
+
+def _calibrate(pipe: SpecStepPipeline, cal, rows: list) -> None:
+    """A verification's outcomes into the calibrator (rows: each sequence's confidences, verified, accepted)."""
+    t0 = time.perf_counter()
+    known = [r for r in rows if r[0] is not None]
+    if known:
+        cal.observe_verified([r[0] for r in known], [r[1] for r in known], [r[2] for r in known])
+    pipe.policy_seconds += time.perf_counter() - t0
+
+
+def _observe_output(policy, observed: bool, out_s: float, emitted: int, n: int) -> None:
+    """A step with a prompt chunk or a catch-up: its output processing where kept; it ages the realized rates."""
+    if observed:
+        policy.observe_output(out_s, emitted, n)
+    policy.realized.tick()
+
+
+def _observe_step(policy, observed: bool, out_s: float, step_s: float, real_s: float, emitted: int, n: int,
+                  tokens: int, drafted: tuple[int, int], verified: bool, off_path: bool, before: int, now: int,
+                  ended: bool, lens: bytes | None) -> None:
+    """A decode-rows step: its output processing and step time where kept, its realized rate (with the counts of
+    sequences by tokens emitted, from lens, on a steady step)."""
+    if observed:
+        policy.observe_output(out_s, emitted, n)
+        policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
+    counts = None  # sequences by tokens emitted: at most the chain verified + 1 (else none, rather than wrong ones)
+    if lens is not None and (not lens or max(lens) <= now + 1):
+        counts = [lens.count(e) for e in range(now + 2)]
+    policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended, emitted=counts)
