@@ -86,6 +86,8 @@ MODES = {
     "adaptive_novisit": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive whose observations never wait while it holds (SlotPolicy.max_waiting_observations 0), for an A/B
     "adaptive_nowait": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # adaptive whose plans do not hold through a fall in load (SlotPolicy.hold_falls False), for an A/B
+    "adaptive_nofall": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
@@ -95,11 +97,11 @@ MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "a
                "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True},
                "adaptive_unpaired": {"realized.paired": False}, "adaptive_pcur": {"paired_model": "current"},
                "adaptive_plong": {"paired_model": "longest"}, "adaptive_novisit": {"measure_visits": False},
-               "adaptive_nowait": {"max_waiting_observations": 0}}
+               "adaptive_nowait": {"max_waiting_observations": 0}, "adaptive_nofall": {"hold_falls": False}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
                                               "adaptive_nomeasure", "adaptive_allobs", "adaptive_fitorder",
                                               "adaptive_unpaired", "adaptive_pcur", "adaptive_plong",
-                                              "adaptive_novisit", "adaptive_nowait",
+                                              "adaptive_novisit", "adaptive_nowait", "adaptive_nofall",
                                               "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 

@@ -102,15 +102,20 @@ class SettledSteps:
             return False
         bucket = self._plan_bucket if num_seqs is None else load_bucket(num_seqs)
         interval = self.plan_interval()
-        return (bucket == self._plan_bucket and self._plan_age < interval
-                and self._all_streaks.get(bucket, 0) >= self.hold_after and self._held_admissions < interval - 1)
+        return (self._holds_at(bucket) and self._plan_age < interval
+                and self._all_streaks.get(self._hold_bucket(bucket), 0) >= self.hold_after
+                and self._held_admissions < interval - 1)
+
+    def _holds_at(self: SlotPolicy, bucket: int) -> bool:
+        """Whether a held plan holds at this load bucket: its own, or a lower one (hold_falls)."""
+        return bucket == self._plan_bucket or (self.hold_falls and 0 < bucket < self._plan_bucket)
 
     def still_holds(self: SlotPolicy, num_seqs: int) -> bool:
         """`will_hold(num_seqs)` where `will_hold()` was True after the last decisions and none has been made since
         (the pipeline's case when observations waited at the last wait for the device: between it and the next
         step's admission only observations are kept, and those change none of will_hold's inputs): the load's
-        bucket is the plan's. The cheaper check, made every held step."""
-        return num_seqs > 0 and load_bucket(num_seqs) == self._plan_bucket
+        bucket is one the plan holds at. The cheaper check, made every held step."""
+        return num_seqs > 0 and self._holds_at(load_bucket(num_seqs))
 
     def defers_observations(self: SlotPolicy, pending: int) -> bool:
         """Whether the policy's observations of past steps (`pending` of them waiting) may wait past this wait for

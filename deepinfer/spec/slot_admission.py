@@ -90,7 +90,7 @@ class SlotAdmission:
         (plan_interval: replan_every, doubling while plans repeat), so the deeper slots' confidences the plan prices are still tracked once a plan."""
         if self.hold_after <= 0 or self.probe or self.verify_all or self.explore:
             return False
-        if self._all_streaks.get(bucket, 0) < self.hold_after:
+        if self._all_streaks.get(self._hold_bucket(bucket), 0) < self.hold_after:
             return False
         if self._held_admissions >= max(self.plan_interval() - 1, 0):
             return False
@@ -98,6 +98,13 @@ class SlotAdmission:
         self.num_admission_holds += 1
         self._admitted_any = True
         return True
+
+    def _hold_bucket(self: SlotPolicy, bucket: int) -> int:
+        """The load bucket whose streak an admission at `bucket` holds by: its own, or while a plan holds through a
+        fall in load (SlotPolicy.hold_falls) the plan's."""
+        if self.hold_falls and self._plan_age and self.chain > 0 and bucket < self._plan_bucket:
+            return self._plan_bucket
+        return bucket
 
     def _note_admission(self: SlotPolicy, bucket: int, verified_all: bool) -> None:
         """A priced admission at `bucket` verified every held slot (or not): the streak `_holds_admission` reads."""

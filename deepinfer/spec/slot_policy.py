@@ -125,6 +125,14 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     _plan_age: int = 0  # steps the current plan has run (a plan is made when it reaches replan_every)
     _plan_bucket: int = 0  # the load bucket the current plan was made at (another load plans at once)
     _plan_trusted: bool = False  # whether its chain's realized rate was measured then (once it is: plans at once)
+    # a plan drafting a chain keeps holding when the load falls to a lower bucket (requests ending), until its
+    # interval ends, and the admission keeps the plan's load's streak there (`_hold_bucket`). Why: a closed batch's
+    # tail passes through every lower bucket within a few steps each, and each new bucket cost a plan and hold_after
+    # priced admissions before the step's forward (on an H100, session 40, at 16 sequences: 7 of a repeat's 11 plans
+    # came in its last ~40 steps; a plan ~0.1 ms of host time on this CPU); a chain that paid at a load pays at a lower
+    # one as much or more (its steps are no costlier and its drafts as good), so the hold drafts no more than the
+    # lower load's own plan would. A pause does not carry (it ends on a fall: load_fall_steps)
+    hold_falls: bool = True
     decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
     # a list: every decision but a hold is appended to it (`_trace_plan`; benchmarks/speculative.py --plan-trace)
     plan_trace: list | None = None
@@ -334,9 +342,11 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
                                 "paired": [[c, round(r)] for c, r in self.realized.paired_rows(num_seqs)]})
 
     def _holds_plan(self, steady: int, num_seqs: int, bucket: int) -> bool:
-        """Whether the plan made `steady` steps ago holds for this step (drafting steadily at its load, within
-        plan_interval, and its chain's realized rate trusted then or still unmeasured); sets _plan_age if so."""
-        if self._plan_bucket == bucket and steady < self.plan_interval() \
+        """Whether the plan made `steady` steps ago holds for this step (drafting steadily at its load, or with
+        hold_falls at a lower one, within plan_interval, and its chain's realized rate trusted then or still
+        unmeasured); sets _plan_age if so."""
+        if (self._plan_bucket == bucket or (self.hold_falls and bucket < self._plan_bucket)) \
+                and steady < self.plan_interval() \
                 and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
             self._plan_age = steady + 1
             return True

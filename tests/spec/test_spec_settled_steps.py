@@ -144,3 +144,23 @@ def test_the_plan_trace_records_every_decision_but_the_holds():
     last = p.plan_trace[-1]
     assert last["chain"] == 5 and len(last["gains"]) == 6
     assert last["realized"] and last["realized"][-1][0] == 5 and last["realized"][-1][2] >= 3  # chain, tok/s, steps
+
+
+def test_a_plan_holds_through_a_fall_in_load_and_its_admission_too():
+    """SlotPolicy.hold_falls: settled at 16 sequences, the load falls to 6 (another bucket): the plan keeps holding
+    its chain and the admission keeps the 16-sequence streak (nothing priced, no new plan traced) until the plan's
+    interval ends; with hold_falls off the first step at the new load plans (and prices its admission)."""
+    for falls in (True, False):
+        p = policy(plan_trace=[], hold_falls=falls)
+        drive(p, 120, load=16)
+        assert p.settled() and p._plan_age > 1
+        left = p.plan_interval() - p._plan_age  # steps the plan still holds for
+        assert left > 2
+        traced, priced = len(p.plan_trace), p.num_admission_holds
+        drive(p, 2, load=6)
+        if falls:
+            assert len(p.plan_trace) == traced and p.num_admission_holds == priced + 2 and p.chain == 5
+            assert p.will_hold(6) and p.still_holds(6) and not p.still_holds(32)
+        else:
+            assert len(p.plan_trace) > traced and p.plan_trace[traced]["seqs"] == 6
+            assert p.num_admission_holds == priced  # both admissions at 6 priced (no streak there yet)

@@ -73,17 +73,35 @@ def test_observations_wait_while_the_policy_holds_and_decide_the_same(tok_dir, m
 
 
 def test_a_load_change_runs_them_before_its_plan(tok_dir):
-    """A request ending lowers the load to another bucket: the next step plans afresh, after the waiting ones ran."""
+    """The load rises to another bucket mid-run (eight requests join eight settled ones): the first step at it plans
+    afresh, after the waiting observations ran (`_fold_unless_holding`); a fall (requests ending) is held through
+    (SlotPolicy.hold_falls) and plans at the hold's end, after them too."""
+    from deepinfer import SamplingParams
+
     engine, seen = watched(tok_dir, "adaptive-k5", 16, 96)
     run_cell(engine, 16, 8)
-    from deepinfer import SamplingParams
-    for i in range(16):  # eight requests end after 64 tokens, eight run on: 16 -> 8 sequences mid-run
-        engine.add_request(f"r{i}", [10 + i, 20 + i], SamplingParams(temperature=0.0, max_tokens=64 if i < 8 else 200,
-                                                                    ignore_eos=True))
+    spec = engine._spec
+    folds_at_begin = []
+    fold_unless = spec._fold_unless_holding
+
+    def fold_unless_holding(num_seqs):
+        waiting = spec._policy_waiting
+        fold_unless(num_seqs)
+        if waiting and not spec._policy_waiting:
+            folds_at_begin.append(num_seqs)
+
+    spec._fold_unless_holding = fold_unless_holding
+    params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    for i in range(8):
+        engine.add_request(f"a{i}", [10 + i, 20 + i], params(160))
     loads = []
     while engine.has_unfinished_requests():
+        if len(loads) == 40:  # settled at 8 by now: 8 more join (8 -> 16 sequences)
+            for i in range(8):
+                engine.add_request(f"b{i}", [30 + i, 40 + i], params(96))
         engine.step()
-        loads.append(len(engine._spec.scheduler.running))
+        loads.append(len(spec.scheduler.running))
     assert 8 in loads and 16 in loads
+    assert 16 in folds_at_begin  # the rise ran the waiting observations before the new load's plan
     assert seen["plans"] and not any(seen["plans"]) and not any(seen["priced"])
-    assert not engine._spec._policy_log
+    assert not spec._policy_log
