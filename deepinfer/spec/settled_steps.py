@@ -91,6 +91,52 @@ class SettledSteps:
             every *= self.calibrate_stride
         return self._verifications % every == 0
 
+    def _start_run(self: SlotPolicy, bucket: int, decision: str) -> None:
+        """After a held plan (and before the next step's admission): how many steps from the next on would hold the
+        admission and the plan at this bucket by the full checks, with nothing else to do (`_run_step`,
+        `_run_admission`): the plan's interval left, the admission hold's left, the steps to the next challenge and
+        to the next exploration (a chain shorter than k). Only where settled. Each is a count of steps the checks
+        themselves count down, so the run's steps change the state exactly as those checks would."""
+        self._run_left = self._run_admissions = 0
+        if not self.settled() or self.hold_after <= 0 or self._all_streaks.get(bucket, 0) < self.hold_after:
+            return
+        interval = self.plan_interval()
+        left = min(interval - self._plan_age, interval - 1 - self._held_admissions)
+        if self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides:
+            left = min(left, self._challenge_interval.get(bucket, self.challenge_every)
+                       - self._challenge_clock.get(bucket, 0) - 1)
+        if self.chain < self.k:
+            left = min(left, self.explore_every - self._short_chains - 1)
+        if left > 0:
+            self._run_left = self._run_admissions = left
+            self._run_bucket, self._run_decision = bucket, decision
+
+    def _run_admission(self: SlotPolicy, bucket: int) -> bool:
+        """One step of a settled run's admission (`_start_run`): the hold's bookkeeping (`_holds_admission`)."""
+        if self._run_admissions <= 0 or bucket != self._run_bucket:
+            self._run_left = self._run_admissions = 0
+            return False
+        self._run_admissions -= 1
+        self._held_admissions += 1
+        self.num_admission_holds += 1
+        self._admitted_any = self._admission_held = True
+        return True
+
+    def _run_step(self: SlotPolicy, bucket: int) -> bool:
+        """One step of a settled run's plan (`_start_run`): the hold's bookkeeping (plan_drafting's hold,
+        `_count_short`, `_challenge_due`), none of their checks."""
+        if self._run_left <= 0 or bucket != self._run_bucket or self._run_admissions >= self._run_left:
+            self._run_left = self._run_admissions = 0  # (an admission of the run not taken: the full checks)
+            return False
+        self._run_left -= 1
+        self._plan_age += 1
+        if self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides:
+            self._challenge_clock[bucket] += 1
+        if self.chain < self.k:
+            self._short_chains += 1
+        self.decisions[self._run_decision] += 1
+        return True
+
     def will_hold(self: SlotPolicy, num_seqs: int | None = None) -> bool:
         """Whether the next step's admission and plan both hold (`_holds_admission`, `_holds_plan`) at num_seqs
         sampling sequences (None: at the plan's load): the policy is settled, the load is in the plan's bucket, the

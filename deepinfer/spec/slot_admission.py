@@ -31,7 +31,10 @@ class SlotAdmission:
     def counts(self: SlotPolicy, held: list[HeldDraft], caps: list[int], base_tokens: int, base_yield: int) -> list[int]:
         if not self.adaptive:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
-        self._admission_held = self._holds_admission(bucket := load_bucket(len(held)))
+        bucket = load_bucket(len(held))
+        if self._run_admissions and self._run_admission(bucket):  # a settled run (spec/settled_steps.py)
+            return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
+        self._admission_held = self._holds_admission(bucket)
         if self._admission_held:
             return [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
         confs = [h.confidence for h in held]

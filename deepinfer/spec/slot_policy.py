@@ -173,6 +173,13 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     _settled_steps: int = 0  # settled steps in a row (the sample's clock)
     # most observations (closures) that wait while the policy holds (spec/settled_steps.py "Observations that wait")
     max_waiting_observations: int = 96
+    # settled runs (spec/settled_steps.py "Settled runs"): the steps a held plan and admission are known to hold for
+    # run their bookkeeping without their checks
+    settled_runs: bool = True
+    _run_left: int = 0  # plans of the current settled run left
+    _run_admissions: int = 0  # admissions of it left
+    _run_bucket: int = 0
+    _run_decision: str = ""
     _admission_held: bool = False  # whether the last admission was held (`_holds_admission`)
     _remeasure_left: int = 0  # steps left drafting _remeasure_chain after a pause (`_start_remeasure`)
     _remeasure_chain: int = 0
@@ -254,6 +261,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
         if not self.adaptive:
             self.chain = self.k
             return self.chain
+        if self._run_left and num_seqs and self._run_step(bucket):  # a settled run (spec/settled_steps.py)
+            return self.chain
         steady, self._plan_age = self._plan_age, 0  # any decision but a plan's or its hold's: the next plans afresh
         # the hold first: steady > 0 only after a plan that drafted (chain > 0, no challenge started) or its hold,
         # so nothing is paused, probed, measured, re-measured or challenged at the plan's load (each of those
@@ -264,6 +273,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
             self._count_short()
             if self._challenge_due(bucket):
                 self._plan_age = self.max_replan_every + self.replan_every  # the next step plans (and challenges)
+            elif self.settled_runs and bucket == self._plan_bucket:
+                self._start_run(bucket, decision)
         elif self.paused > 0 and self._load_fell(num_seqs, bucket):
             self.paused = self._low_steps = 0  # the load fell below the pause's: probe, then plan at this load
             self.probe, self.chain = True, self.k

@@ -164,3 +164,42 @@ def test_a_plan_holds_through_a_fall_in_load_and_its_admission_too():
         else:
             assert len(p.plan_trace) > traced and p.plan_trace[traced]["seqs"] == 6
             assert p.num_admission_holds == priced  # both admissions at 6 priced (no streak there yet)
+
+
+def _policy_state(p: SlotPolicy) -> tuple:
+    return (p.chain, p._plan_age, p._plan_bucket, p._held_admissions, p.num_admission_holds, p._admission_held,
+            p._admitted_any, dict(p._challenge_clock), p._short_chains, p.explore, dict(p.decisions),
+            dict(p._all_streaks), p.num_unobserved, len(p.plan_trace))
+
+
+def test_a_settled_run_changes_the_state_as_the_full_checks_do():
+    """Settled runs (SlotPolicy.settled_runs): the steps a held plan and admission are known to hold for skip their
+    checks; step by step the policy's state equals a policy's without runs (challenges on, a load change, a chain
+    shorter than k among them), and most settled steps ran that way."""
+    on, off = (policy(plan_trace=[], challenge_every=40, settled_runs=flag) for flag in (True, False))
+    taken = 0
+    for load, steps in ((4, 150), (16, 60), (3, 80)):
+        for _ in range(steps):
+            left = on._run_left
+            for p in (on, off):
+                drive(p, 1, load=load)
+            taken += left > on._run_left
+            assert _policy_state(on) == _policy_state(off)
+    assert taken > 150  # most steps ran as part of a run
+    # a plan of a chain shorter than k (its fifth draft all but never accepted, a long chain dear): its held steps
+    # count towards an exploration, which a run must stop short of
+    runs = [chain_policy([0.95, 0.95, 0.9, 0.9, 0.02], one=0.001, full=0.02, replan_every=8, max_replan_every=32,
+                         hold_after=3, challenge_every=0, realized=RealizedRates(warm_steps=0),
+                         cost=StepCostTable([1, 4096], [0.01, 0.01 + 4095e-7]), plan_trace=[], explore_every=6,
+                         settled_runs=flag) for flag in (True, False)]
+    taken = explored = 0
+    for _ in range(120):
+        left = runs[0]._run_left
+        for p in runs:
+            drive(p, 1)
+        taken += left > runs[0]._run_left
+        explored += runs[0].explore
+        assert _policy_state(runs[0]) == _policy_state(runs[1])
+    chain = runs[0].chain
+    assert 0 < chain < 5 and runs[0].decisions[f"chain{chain}"] > 50
+    assert taken > 20 and explored >= 5  # runs taken, and explorations every explore_every short chains all the same
