@@ -39,7 +39,19 @@ decisions; only run later, many at once. Why: one step's observations cost ~5 us
 back on this CPU and 10-18 us in an engine step between the model's and the sampler's work (the caches cold for
 their code and state), and on the GPU's host about twice that: on an H100 (session 39) the adaptive mode's settled
 steps at 16 sequences ran 0.15 ms longer than static k5's (`deferred` +56 us, `slots` +47, `observe` +13), 7% of
-their time and all of the mode's deficit there.
+their time and all of the mode's deficit there. Measured on an H100 (session 40): no difference at 1-16 sequences,
+where the host waits for the device each step and the deferred work ran inside that wait anyway; on this CPU the
+`deferred` phase fell 6-13 us a step at 16-64 sequences. The log holds tuples of plain arguments (a closure's cells,
+and a step's lists of emitted tokens, tripled the collector's runs at 64 sequences).
+
+Settled runs (since 2026-12-07, session 40; `settled_runs`). After a held plan the steps its plan and admission will
+hold for are known: the plan's interval left, the admission hold's, the steps to the next challenge and to the next
+exploration (`_start_run`). Those steps run the holds' bookkeeping alone (`_run_admission`, `_run_step`: the plan's
+age, the admissions held, the challenge clock, the short chains, the decisions' counts), not their checks, and any
+step that leaves the run (another load bucket, an admission not taken) runs the full checks. The state is the
+checks' step by step (test). Why: a held step's checks were on the host's path before the step's forward (on the
+H100 the adaptive mode's `slots` phase ran 15-23 us a step longer than static k5's at one sequence, where only holds
+run); on this CPU the runs took 3.6 us a step off it there.
 """
 
 from __future__ import annotations
