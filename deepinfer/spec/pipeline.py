@@ -80,7 +80,7 @@ from deepinfer.spec.slot_policy import SlotPolicy
 from deepinfer.spec.step_outputs import StepOutputs
 from deepinfer.spec.step_phases import StepPhases
 from deepinfer.spec.verify_batch import VerifyShapes
-from deepinfer.spec.verify_outcomes import VerifyOutcomes
+from deepinfer.spec.verify_outcomes import VerifyOutcomes, step_sizes
 from deepinfer.spec.verify_sampling import sample_isolated, verified_rows, verify_on_host
 from deepinfer.text.output_processor import OutputProcessor
 from deepinfer.worker.model_runner import ModelRunner
@@ -281,10 +281,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
             draft_s = None if draft_s < 0 else draft_s
         if draft_s is not None:
             self._time_drafting(draft_s)
-        tokens = drafts = 0  # (one pass: the step's forward tokens and drafts, for the phases and the policy)
-        for it in sched.scheduled:
-            tokens += it.num_tokens
-            drafts += len(it.draft)
+        tokens, drafts = step_sizes(sched)  # (one pass, for the phases and the policy)
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
             observed = self.policy.observes_step()  # (the same answer on every rank: the policy's state decides)
             self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed,

@@ -80,10 +80,7 @@ class VerifyOutcomes:
         n = len(sched.scheduled)
         policy = self.policy
         if tokens is None or drafts is None:
-            tokens = drafts = 0
-            for it in sched.scheduled:
-                tokens += it.num_tokens
-                drafts += len(it.draft)
+            tokens, drafts = step_sizes(sched)
         # a prompt chunk: some sequence's rows other than its drafts are not one (each is at least one)
         if self._caught_up or tokens - drafts != n:
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
@@ -149,6 +146,15 @@ class VerifyOutcomes:
             t0 = time.perf_counter()
             self._fold_policy_log(self._policy_waiting)
             self.policy_seconds += time.perf_counter() - t0
+
+
+def step_sizes(sched: SchedulerOutput) -> tuple[int, int]:
+    """A step's forward tokens and drafts, summed over its scheduled sequences (one pass)."""
+    tokens = drafts = 0
+    for it in sched.scheduled:
+        tokens += it.num_tokens
+        drafts += len(it.draft)
+    return tokens, drafts
 
 
 # the policy's observations, run from `_policy_log` (module-level functions of plain arguments: see _observe_policy)
