@@ -143,7 +143,7 @@ class SettledSteps:
         self._run_left -= 1
         self._plan_age += 1
         if self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides:
-            self._challenge_clock[bucket] += 1
+            self._challenge_clock[bucket] = self._challenge_clock.get(bucket, 0) + 1
         if self.chain < self.k:
             self._short_chains += 1
         self.decisions[self._run_decision] += 1

@@ -129,9 +129,10 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     # interval ends, and the admission keeps the plan's load's streak there (`_hold_bucket`). Why: a closed batch's
     # tail passes through every lower bucket within a few steps each, and each new bucket cost a plan and hold_after
     # priced admissions before the step's forward (on an H100, session 40, at 16 sequences: 7 of a repeat's 11 plans
-    # came in its last ~40 steps; a plan ~0.1 ms of host time on this CPU); a chain that paid at a load pays at a lower
-    # one as much or more (its steps are no costlier and its drafts as good), so the hold drafts no more than the
-    # lower load's own plan would. A pause does not carry (it ends on a fall: load_fall_steps)
+    # came in its last ~40 steps; a plan ~0.1 ms of host time on this CPU); speculation pays at least as well at a
+    # lower load in the usual case (a step's cost grows with its tokens, the drafts are as good), so the lower load's
+    # own plan would most likely draft this chain or a longer one. A pause does not carry (it ends on a fall:
+    # load_fall_steps); the lower load is measured and planned when the hold's interval ends
     hold_falls: bool = True
     decisions: dict[str, int] = field(default_factory=dict)  # plan_drafting's decisions by kind (engine life)
     # a list: every decision but a hold is appended to it (`_trace_plan`; benchmarks/speculative.py --plan-trace)
@@ -171,7 +172,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     observe_every: int = 4
     num_unobserved: int = 0  # settled steps whose observations were not kept (engine life)
     _settled_steps: int = 0  # settled steps in a row (the sample's clock)
-    # most observations (closures) that wait while the policy holds (spec/settled_steps.py "Observations that wait")
+    # most observations that wait while the policy holds (spec/settled_steps.py "Observations that wait")
     max_waiting_observations: int = 96
     # settled runs (spec/settled_steps.py "Settled runs"): the steps a held plan and admission are known to hold for
     # run their bookkeeping without their checks
@@ -267,7 +268,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
         # the hold first: steady > 0 only after a plan that drafted (chain > 0, no challenge started) or its hold,
         # so nothing is paused, probed, measured, re-measured or challenged at the plan's load (each of those
         # decisions sets _plan_age to 0), and the branches below would not be taken; checking it first spares a
-        # held step (most steps) their checks (`_holds_plan`)
+        # held step (most steps) their checks (`_holds_plan`). At a lower load (hold_falls) the hold comes before
+        # that load's measuring plans on purpose: they run once the hold's interval ends
         if steady and num_seqs and self._holds_plan(steady, num_seqs, bucket):
             decision = _CHAIN_DECISIONS[self.chain] if self.chain < len(_CHAIN_DECISIONS) else f"chain{self.chain}"
             self._count_short()
