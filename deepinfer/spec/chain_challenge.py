@@ -32,9 +32,13 @@ if TYPE_CHECKING:
 class ChainChallenge:
     """Methods of SlotPolicy (self is one): when a challenge is due, which chain, and its bookkeeping."""
 
+    def _challenges_on(self: SlotPolicy) -> bool:
+        """Whether challenges run at all (their clock counts): an interval set, a drafting table, deciding rates."""
+        return self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides
+
     def _challenge_due(self: SlotPolicy, bucket: int) -> bool:
         """Count one drafting step at this load bucket; True once the bucket's interval has passed."""
-        if self.challenge_every <= 0 or self.draft_cost is None or not self.realized.decides:
+        if not self._challenges_on():
             return False
         n = self._challenge_clock.get(bucket, 0) + 1
         self._challenge_clock[bucket] = n

@@ -114,7 +114,7 @@ class SettledSteps:
             return
         interval = self.plan_interval()
         left = min(interval - self._plan_age, interval - 1 - self._held_admissions)
-        if self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides:
+        if self._challenges_on():
             left = min(left, self._challenge_interval.get(bucket, self.challenge_every)
                        - self._challenge_clock.get(bucket, 0) - 1)
         if self.chain < self.k:
@@ -142,7 +142,7 @@ class SettledSteps:
             return False
         self._run_left -= 1
         self._plan_age += 1
-        if self.challenge_every > 0 and self.draft_cost is not None and self.realized.decides:
+        if self._challenges_on():
             self._challenge_clock[bucket] = self._challenge_clock.get(bucket, 0) + 1
         if self.chain < self.k:
             self._short_chains += 1

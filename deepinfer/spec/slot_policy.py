@@ -358,8 +358,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
         """Whether the plan made `steady` steps ago holds for this step (drafting steadily at its load, or with
         hold_falls at a lower one, within plan_interval, and its chain's realized rate trusted then or still
         unmeasured); sets _plan_age if so."""
-        if (self._plan_bucket == bucket or (self.hold_falls and bucket < self._plan_bucket)) \
-                and steady < self.plan_interval() \
+        if self._holds_at(bucket) and steady < self.plan_interval() \
                 and (self._plan_trusted or self.realized.rate(num_seqs, self.chain) is None):
             self._plan_age = steady + 1
             return True

@@ -54,8 +54,7 @@ class VerifyOutcomes:
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
                         emitted: int, ended: bool = False, observed: bool = True,
-                        per_seq: list[list[int]] | None = None, tokens: int | None = None,
-                        drafts: int | None = None) -> None:
+                        per_seq: list[list[int]] | None = None, *, tokens: int, drafts: int) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -76,11 +75,9 @@ class VerifyOutcomes:
         observed False: a settled step whose output processing and step time are not kept (spec/settled_steps.py);
         its realized rate is.
 
-        tokens, drafts: the step's forward tokens and drafts summed over its sequences, where the caller has them."""
+        tokens, drafts: the step's forward tokens and drafts summed over its sequences (`step_sizes`)."""
         n = len(sched.scheduled)
         policy = self.policy
-        if tokens is None or drafts is None:
-            tokens, drafts = step_sizes(sched)
         # a prompt chunk: some sequence's rows other than its drafts are not one (each is at least one)
         if self._caught_up or tokens - drafts != n:
             self._steady_chain = -1  # a prompt chunk or a catch-up: no steady step, nor the next one
