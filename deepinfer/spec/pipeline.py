@@ -111,7 +111,8 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         self._steady_chain = 0  # the chain the last spec-path step drafted for all its sequences (RealizedRates.step)
         self._caught_up = False  # whether this step's MTP pass caught up a pause's rows (not a step the tables price)
         self._one_sync_ran = False  # whether this step ran one-sync (spec/one_sync.py)
-        # the chain this step drafts (policy.plan_drafting, once a step: before its forward, or None until after it)
+        # the chain this step drafts (policy.plan_drafting, once a step: before its draw, `_plan_chain`, or None until
+        # after it)
         self._chain_plan: int | None = 0
         self._failed: dict[int, str] = {}  # this step's sequences whose grammar mask failed (index -> error)
         self.step_ended = False  # a request ended in the last processed step (StepOutputs._process)
@@ -244,25 +245,13 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         self._drafted = (0, 0)
         self._caught_up = False
         self._one_sync_ran = False
-        # the chain this step drafts for the next one, planned before its forward where the policy allows it (static
-        # k; adaptive drafting steadily: from the calibration, confidences and step times of past steps, one step
-        # older than planning after the draw; non-anticipating either way), so that the one-sync step can run the
-        # adaptive mode's chains too; else after the draw (_draft_next: a probe's verification, a pause)
-        if self._preplanned is not None:  # planned for a chained step that could not run (spec/chained_steps.py)
-            self._chain_plan, self._preplanned = self._preplanned, None
-        else:
-            self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
         t_slots = time.perf_counter()
         self.policy_seconds += t_slots - t0  # (with the draft slots' KV cover, a few us)
         self.policy_steps += 1
         self._deferred_s = 0.0
         rec = StepRecord(sched, conf, t_start, t0, t_slots,
                          wait0=self.one_sync.wait_seconds if self.one_sync is not None else 0.0)
-        plan = None  # the one-sync step (spec/one_sync.py): qualified now, staged once the forward is launched
-        if self.one_sync is not None and self._chain_plan and not len(self.paused_rows) \
-                and self._uniform_chain(samplers):
-            plan = self.one_sync.qualify(sched.scheduled, self._chain_plan)
-        self._launch(rec, plan)
+        self._launch(rec, samplers)
         rec.t1 = time.perf_counter()
         return rec
 
@@ -302,6 +291,30 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         self.flush_if_idle()  # nothing left to overlap with: the metrics are complete when the engine idles
         return got
 
+    def _plan_chain(self, rec: StepRecord, samplers: int) -> OneSyncPlan | None:
+        """The chain this step drafts for the next one, and the one-sync step that runs it (None: the host path).
+        Planned here, once the step's forward is launched, where the policy allows it before the draw (static k;
+        adaptive drafting steadily: from the calibration, confidences and step times of past steps, one step older
+        than planning after the draw; non-anticipating either way), so that the one-sync step can run the adaptive
+        mode's chains too; else after the draw (`_draft_next`: a probe's verification, a pause).
+
+        Why after the forward's launch: nothing before it reads the plan (the admission has counted this step's
+        slots; the batch is the same whatever chain follows), and the one-sync step needs it only to stage the
+        pass's and the chain's inputs (`OneSyncStep.stage`), which follows the launch. Made before it, the plan, its
+        hold's checks and the one-sync qualification were host work between the last step's read-back and this
+        step's forward, with the device idle: on an H100 (session 40) the adaptive mode's `slots` phase ran 15-25
+        us a step longer than static k5's at one sequence, where the device idles ~0.6 ms a step behind the host.
+        After the launch it runs while the device runs the forward. It reads what it read before: no observation
+        runs between the admission and here (the waiting ones fold before the admission, `_fold_unless_holding`,
+        and the last step's run after this step's launch, `_run_deferred`)."""
+        if self._preplanned is not None:  # planned for a chained step that could not run (spec/chained_steps.py)
+            self._chain_plan, self._preplanned = self._preplanned, None
+        else:
+            self._chain_plan = self.policy.plan_drafting(samplers) if self.policy.plans_before_the_draw() else None
+        if self.one_sync is None or not self._chain_plan or len(self.paused_rows) or not self._uniform_chain(samplers):
+            return None
+        return self.one_sync.qualify(rec.sched.scheduled, self._chain_plan)
+
     def _uniform_chain(self, samplers: int) -> bool:
         """Whether every sequence of the step drafts the planned chain (what the one-sync step stages): static k, or
         an adaptive plan that is neither a probe nor an exploration over fewer than all the sequences."""
@@ -319,8 +332,9 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
     # ------------------------------------------------------------ device work
 
     @torch.inference_mode()
-    def _launch(self, rec: StepRecord, plan: OneSyncPlan | None = None) -> None:
-        """Build and launch the step; its tokens into rec.emitted / rec.logprobs, or (overlapped) rec.pending."""
+    def _launch(self, rec: StepRecord, samplers: int) -> None:
+        """Build and launch the step; its tokens into rec.emitted / rec.logprobs, or (overlapped) rec.pending.
+        samplers: the step's sampling sequences (the chain plan's load)."""
         sched, conf = rec.sched, rec.conf
         runner = self.runner
         t_build = time.perf_counter()
@@ -332,7 +346,10 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         run = self.shapes.run_batch(batch, sched.scheduled, runner)
         t_forward = time.perf_counter()
         hidden = runner.run_model(run)
+        t_plan = time.perf_counter()
+        plan = self._plan_chain(rec, samplers)
         t_stage = time.perf_counter()
+        self.policy_seconds += t_stage - t_plan
         items = sched.scheduled
         if plan is not None:  # the rooms and the pass's and chain's inputs, while the device runs the forward
             self.one_sync.stage(plan, items, self.scheduler.kv, self.scheduler.kv.max_model_len)
@@ -361,7 +378,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
             sample, sampling, failed = sample_isolated(runner.sampler, logits, verified_rows(items, sampling), items,
                                                        sampling, grammar)
             self._failed.update(failed)
-        self._launch_parts = {"build": t_forward - t_build, "forward": t_stage - t_forward,
+        self._launch_parts = {"build": t_forward - t_build, "forward": t_plan - t_forward, "plan": t_stage - t_plan,
                               "stage": t_sample - t_stage, "sample": time.perf_counter() - t_sample}
         if plan is not None and sample is not None and not self._failed and len(sampling) == len(items):
             t0 = time.perf_counter()  # verification, pass and chain on the device; one read-back (spec/one_sync.py)

@@ -35,7 +35,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
     - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
       survival; the drafts are made, so their cost is not in it);
-    - `plan_drafting`, before the step's forward while drafting steadily (from past steps only, so that the one-sync
+    - `plan_drafting`, before the step's draw (once its forward is launched) while drafting steadily (from past steps only, so that the one-sync
       step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
       the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
       sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those
@@ -246,7 +246,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
         return self.draft_cost.cost(num_seqs, chain)
 
     def plans_before_the_draw(self) -> bool:
-        """Whether this step's chain may be planned before its forward (so that the one-sync step can run it): static
+        """Whether this step's chain may be planned before its draw (once its forward is launched, so that the one-sync
+        step can run it: SpecStepPipeline._plan_chain): static
         k, or an adaptive policy drafting steadily. A step that verifies a probe, or one in a pause, plans after its
         draw (the host path): the probe's outcome is what the plan after a pause must see (planned before it, each
         plan would read the calibration of the probe before, 32 to 1024 steps old; on the H200 the first plan then

@@ -3,8 +3,8 @@ adaptive mode and a static k at one load (benchmarks/speculative.py prints it pe
 
 Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
 - schedule: the scheduler's step;
-- slots: the draft slots (the admission, SlotPolicy.counts, and the KV cover) and the chain plan made before the
-  forward (what the slot policy's host time counts, less the calibration);
+- slots: the draft slots (the admission, SlotPolicy.counts, and the KV cover; with the launch's "plan" part, what
+  the slot policy's host time counts, less the calibration);
 - launch: batch building, the forward's and the sampler's launches, and for a step off the one-sync path its waits
   for the device (the draw's read-back, the MTP drafter's);
 - overlap: an overlapped step's host time between its launch and its read-back (spec/overlap.py): the text and
@@ -17,7 +17,8 @@ Phases of SpecStepPipeline._step (spec/pipeline.py), in order:
 - observe: the adaptive policy's step observations (step times, output time, realized rates).
 
 Parts of "launch" (recorded beside the phases, not in their total): build (the batch and its decode-rows form),
-forward (the forward's launch: the graph's inputs loaded, its replay), stage (the one-sync step's rooms and staging,
+forward (the forward's launch: the graph's inputs loaded, its replay), plan (the chain plan and the one-sync
+qualification, once the forward is launched: SpecStepPipeline._plan_chain; before session 41 part of "slots"), stage (the one-sync step's rooms and staging,
 once the forward is launched), sample (logits and the draw's launches), draft (a host-path step's MTP pass and
 chain after its draw, their read-back included: spec/next_drafts.py); the rest of "launch" is the one-sync step's
 verification, pass and chain's launches, and the host path's draw and verification.
@@ -40,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "slots", "launch", "overlap", "deferred", "wait", "process", "observe")
-LAUNCH_PARTS = ("build", "forward", "stage", "sample", "draft")  # parts of "launch" (module docstring)
+LAUNCH_PARTS = ("build", "forward", "plan", "stage", "sample", "draft")  # parts of "launch" (module docstring)
 
 
 @dataclass
