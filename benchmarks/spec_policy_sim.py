@@ -81,6 +81,13 @@ MODELS = {
                                           StepCostTable([1, 64], _ms(0.583, 0.828))),
                            h0=0.42e-3, h_tok=0.02e-3, host_path=0.9e-3, catch_up=0.3e-3,
                            accept=(0.80, 0.72, 0.75, 0.55, 0.50), confidence=EMBEDDED_CONFIDENCE, link_factor=2.0),
+    # one sequence on an H100 whose drafts are all accepted (session 40's sweep, embedded model, 629bce7: tau 5.75 of a
+    # possible 6; plain steps ~0.87 ms, the model's chain of 1 at 1.09 ms and of 5 at 1.34, k5's steps 1.43 ms)
+    "h100-b1": DeviceModel(1, StepCostTable([1, 128, 512], _ms(0.321, 0.321, 0.423)),
+                           DraftCostTable(5, StepCostTable([1, 64], _ms(0.162, 0.25)),
+                                          StepCostTable([1, 64], _ms(0.245, 0.6))),
+                           h0=0.48e-3, h_tok=0.064e-3, host_path=0.9e-3, catch_up=0.3e-3, accept=(1.0,) * 5,
+                           confidence=EMBEDDED_CONFIDENCE),
     # a compute-bound device (this CPU's shape: every verified token and draft link costs about a step's share)
     "cpu-like": DeviceModel(1, StepCostTable([1, 2, 4, 8], _ms(13.0, 16.7, 24.4, 29.6)),
                             DraftCostTable(5, StepCostTable([1, 4], _ms(5.0, 8.9)), StepCostTable([1, 4], _ms(29.0, 59.0))),
@@ -91,14 +98,16 @@ MODELS = {
 
 def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_factor: float = 1.0,
              before: list[tuple[DeviceModel, int]] = (), max_tokens: int | None = None, repeats: int = 1,
-             policy_fields: dict | None = None, phase: tuple[int, float] | None = None) -> dict:
+             policy_fields: dict | None = None, phase: tuple[int, float] | None = None,
+             stretches: tuple[int, float] | None = None) -> dict:
     """mode: "off", "k1".."k5" or "adaptive". Returns tokens per second per sequence, tau and the chains drafted.
     The adaptive policy's own host time (admission, plan, calibration), measured here and scaled by host_factor
     (the device host's speed relative to this one), is added to its steps: the engine pays it on the critical
     path. before: (model, steps) phases the same policy runs first, untimed (the benchmark's warm-up over every
     concurrency: a policy carries its pauses, calibration and step times from one load to the next). policy_fields:
     SlotPolicy fields set on the adaptive policy once made (an A/B of its knobs, `--policy`). phase: (steps, factor),
-    closed batches only: a batch's first `steps` steps accept each slot at `factor` times its rate (`--batch-phase`)."""
+    closed batches only: a batch's first `steps` steps accept each slot at `factor` times its rate (`--batch-phase`).
+    stretches: (steps, factor): the device runs `factor` times slower in stretches (`--stretches`)."""
     rng = random.Random(seed)
     k = len(model.accept)
     if mode == "adaptive":
@@ -116,9 +125,10 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
         policy = None
     for warm, n in before:
         _run(warm, mode, policy, n, rng, host_factor, max_tokens=n if max_tokens else None)
+    slow = _Stretches(stretches, rng) if stretches else None
     if not max_tokens:
-        return _run(model, mode, policy, steps, rng, host_factor)
-    runs = [_run(model, mode, policy, steps, rng, host_factor, max_tokens, phase) for _ in range(repeats)]
+        return _run(model, mode, policy, steps, rng, host_factor, slow=slow)
+    runs = [_run(model, mode, policy, steps, rng, host_factor, max_tokens, phase, slow) for _ in range(repeats)]
     out = dict(runs[-1])
     out["repeats"] = runs
     for key in ("per_seq_tok_s", "total_tok_s", "tau", "mean_chain"):
@@ -129,8 +139,25 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
     return out
 
 
+class _Stretches:
+    """The machine's slow stretches (`--stretches STEPS:FACTOR`): each step the device is slow (every step time times
+    FACTOR) or not, switching with probability 1 / STEPS a step, so that stretches of either last STEPS steps on
+    average. Why: on H100s (sessions 38-40) one sequence's steps ran 1.0-2.2 ms in stretches of tens of steps (the
+    machine, not the text), so a chain measured in a slow stretch lost to one measured in a fast one; the model's
+    i.i.d. jitter (`noise`) cancels within a few steps and cannot show that."""
+
+    def __init__(self, stretches: tuple[int, float], rng: random.Random):
+        self.switch, self.factor, self.rng, self.slow = 1.0 / stretches[0], stretches[1], rng, False
+
+    def __call__(self) -> float:
+        if self.rng.random() < self.switch:
+            self.slow = not self.slow
+        return self.factor if self.slow else 1.0
+
+
 def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, rng: random.Random,
-         host_factor: float, max_tokens: int | None = None, phase: tuple[int, float] | None = None) -> dict:
+         host_factor: float, max_tokens: int | None = None, phase: tuple[int, float] | None = None,
+         slow: _Stretches | None = None) -> dict:
     """One phase: model.seqs sequences (new ones: no draft held) for `steps` steps under `policy`. With max_tokens,
     a closed batch instead (as benchmarks/speculative.py runs a cell): each sequence ends after max_tokens tokens,
     its drafts clipped to what it may still emit, so the load falls step by step once the first ones end, and the
@@ -150,6 +177,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
             break
         if mode == "off":
             dt = (model.table.at(B) + model.h0 + model.h_tok * B) * (1 + model.noise * (rng.random() - 0.5))
+            dt *= slow() if slow is not None else 1.0
             tokens += B
             seconds += dt
             left = [n - 1 for n in left if n > 1]
@@ -204,6 +232,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         if caught_up:
             dt += model.catch_up
         dt *= 1 + model.noise * (rng.random() - 0.5)
+        dt *= slow() if slow is not None else 1.0
         if policy.adaptive:
             dt += host * host_factor
         observed = policy.observes_step() if policy.adaptive else True  # (spec/settled_steps.py)
@@ -261,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="closed batches: a batch's first STEPS steps accept each slot at FACTOR times its rate (the "
                          "session-38 H100 traces: at 4 sequences a batch's first ~20 steps emitted about half the "
                          "tokens of its later ones; e.g. 20:0.6)")
+    ap.add_argument("--stretches", default=None, metavar="STEPS:FACTOR",
+                    help="the device runs FACTOR times slower in stretches of STEPS steps on average (the H100s' slow "
+                         "stretches of tens of steps, sessions 38-40; e.g. 30:1.5)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="SlotPolicy fields for the adaptive mode (Python literals: challenge_every=0 time_fit=False; a "
                          "part's field dotted: realized.paired=False)")
@@ -285,6 +317,16 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or phase[0] < 0 or not 0.0 < phase[1] <= 1.0:
             raise SystemExit(f"--batch-phase {args.batch_phase!r}: STEPS >= 0 and 0 < FACTOR <= 1")
 
+    stretches = None
+    if args.stretches:
+        n, sep, f = args.stretches.partition(":")
+        try:
+            stretches = (int(n), float(f))
+        except ValueError:
+            raise SystemExit(f"--stretches {args.stretches!r}: expected STEPS:FACTOR, e.g. 30:1.5") from None
+        if not sep or stretches[0] < 1 or stretches[1] < 1.0:
+            raise SystemExit(f"--stretches {args.stretches!r}: STEPS >= 1 and FACTOR >= 1")
+
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
         return [(MODELS[m], args.warm_up) for m in same] if args.warm_up else []
@@ -293,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         model = MODELS[name]
         runs = [[simulate(model, mode, args.steps, seed=seed, host_factor=args.host_factor, before=warm(name),
                           max_tokens=args.max_tokens or None, repeats=args.repeats, policy_fields=fields,
-                          phase=phase)
+                          phase=phase, stretches=stretches)
                  for mode in ("off", "k1", "k3", "k5", "adaptive")] for seed in range(args.seeds)]
         rows = runs[0] if args.seeds == 1 else [_mean_row([seed_rows[i] for seed_rows in runs]) for i in range(5)]
         off = rows[0]["per_seq_tok_s"]

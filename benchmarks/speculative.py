@@ -88,6 +88,8 @@ MODES = {
     "adaptive_nowait": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
     # adaptive whose plans do not hold through a fall in load (SlotPolicy.hold_falls False), for an A/B
     "adaptive_nofall": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
+    # challenges of shorter chains out of reach made anyway (SlotPolicy.bound_challenges off, as before session 41)
+    "adaptive_nobound": dict(speculative_method="mtp", num_speculative_tokens=5, speculative_adaptive=True),
 }
 # environment a mode's engine is built under (read at start-up)
 MODE_ENV = {"adaptive_sync": {"DEEPINFER_SPEC_ASYNC_PAUSES": "0"}, "k5_nooverlap": {"DEEPINFER_SPEC_OVERLAP_OUTPUT": "0"}}
@@ -97,11 +99,12 @@ MODE_POLICY = {"adaptive_s15": {"pause_margin": 0.0, "admit_all_below": 0.0}, "a
                "adaptive_allobs": {"observe_every": 1}, "adaptive_fitorder": {"fit_orders": True},
                "adaptive_unpaired": {"realized.paired": False}, "adaptive_pcur": {"paired_model": "current"},
                "adaptive_plong": {"paired_model": "longest"}, "adaptive_novisit": {"measure_visits": False},
-               "adaptive_nowait": {"max_waiting_observations": 0}, "adaptive_nofall": {"hold_falls": False}}
+               "adaptive_nowait": {"max_waiting_observations": 0}, "adaptive_nofall": {"hold_falls": False},
+               "adaptive_nobound": {"bound_challenges": False}}
 DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", "adaptive_nofit", "adaptive_nochal",
                                               "adaptive_nomeasure", "adaptive_allobs", "adaptive_fitorder",
                                               "adaptive_unpaired", "adaptive_pcur", "adaptive_plong",
-                                              "adaptive_novisit", "adaptive_nowait", "adaptive_nofall",
+                                              "adaptive_novisit", "adaptive_nowait", "adaptive_nofall", "adaptive_nobound",
                                               "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 
@@ -204,7 +207,8 @@ def print_drafting(mode: str, engine) -> None:
         print(f"{mode}, pauses ended by a fall in load: {policy.num_load_ends}; admissions that verified every held "
               f"slot as nearly free (SlotPolicy.admit_all_below): {policy.num_admitted_all}, held unpriced after a streak "
               f"of such (SlotPolicy.hold_after): {policy.num_admission_holds}; challenges (spec/chain_challenge.py): "
-              f"{policy.num_challenges}, {policy.num_challenges_won} of them changing the plan's chain; settled steps "
+              f"{policy.num_challenges}, {policy.num_challenges_won} of them changing the plan's chain, "
+              f"{policy.num_challenges_bounded} shorter challengers out of reach; settled steps "
               f"unobserved (spec/settled_steps.py): {policy.num_unobserved}; output processing per "
               "token by load bucket: " + ", ".join(f"<={b} {x * 1e6:.1f} us" for b, x in sorted(policy.token_seconds.items())))
     if spec.policy_steps:

@@ -19,6 +19,18 @@ chain as it was doubles the load's interval (up to max_challenge_every); one tha
 
 Cost: at most challenge_steps of challenge_every drafting steps run a chain the plan did not choose, and only one
 within challenge_margin of it by the plan's own estimate. Non-anticipating: every input is a past measure.
+
+Reach (since 2026-12-07, session 41; SlotPolicy.bound_challenges). A chain shorter than the planned one drafts a
+prefix of its chain, so the planned chain's own steps say how many tokens it would have emitted on them (paired
+tokens, spec/realized_rates.py); what a challenge of it can still find out is its step time alone. That time is
+bounded: a shorter chain drafts fewer links and verifies fewer slots, which the model prices (its step seconds per
+chain, corrected by the measured step times), and the model's error is bounded by model_error. So where the shorter
+chain, with its step shorter than the planned chain's measured step by model_error x the model's saving, still
+emits fewer tokens a second than the planned chain measured, its challenge cannot be won but by noise, and is not
+run. Why: at one sequence on the embedded model every draft is accepted, so a chain of 4 emits 5 tokens where 5
+emits 6 for ~0.07 ms less of a ~1.4 ms step; on H100s (session 40) each 88-step cell there ran 8 challenge steps of
+chains of 4 (~1.5% of the cell), and a challenge measured in a fast stretch of the machine won and drafted chains
+of 3-4 for 56-63 steps (0.76 of static k5 in that repeat).
 """
 
 from __future__ import annotations
@@ -65,9 +77,36 @@ class ChainChallenge:
         rivals = [c for c in range(1, len(gains))
                   if c != current and (gains[c] >= floor or (abs(c - current) == 1 and c not in steps
                                                              and c > counted))]
+        if rivals and rivals[0] < current and self.bound_challenges:
+            rivals = self._within_reach(num_seqs, current, rivals)
         if not rivals:
             return 0
         return min(rivals, key=lambda c: (steps.get(c, 0), -gains[c], c))
+
+    def _within_reach(self: SlotPolicy, num_seqs: int, current: int, rivals: list[int]) -> list[int]:
+        """The rivals less the shorter chains out of reach of `current` (module docstring, "Reach"): on current's
+        steady steps at this load, a shorter chain c would have emitted paired[c] tokens (RealizedRates
+        paired_with_seconds, counted on those same steps) where current emitted paired[current] in s seconds; c's
+        step saves at most model_error x the model's saving (the last plan's modelled seconds of current less c's).
+        Where even that step's rate, paired[c] / (s - model_error x saving), is below current's measured one,
+        paired[current] / s, c cannot win the challenge on anything but noise and is left out. Past measures only."""
+        got = self.realized.paired_with_seconds(num_seqs, current)
+        secs = self._plan_seconds
+        if got is None or len(secs) <= current:
+            return rivals
+        paired, s = got
+        if len(paired) <= current or paired[current] <= 0.0 or s <= 0.0:
+            return rivals
+        rate = paired[current] / s
+        kept = []
+        for c in rivals:
+            if c < current:
+                fastest = s - self.model_error * max(secs[current] - secs[c], 0.0)
+                if fastest > 0.0 and paired[c] / fastest < rate:
+                    self.num_challenges_bounded += 1
+                    continue
+            kept.append(c)
+        return kept
 
     def _start_challenge(self: SlotPolicy, num_seqs: int, bucket: int, current: int) -> int:
         """The chain this plan drafts: a challenger when one is due and found (its challenge then runs

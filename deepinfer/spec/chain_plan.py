@@ -65,6 +65,7 @@ class ChainPlan:
         model = _hold(modelled, floor)
         self._plan_gain = max(modelled[1:], default=0.0)
         self._plan_gains = modelled  # (what a challenge compares chains by: spec/chain_challenge.py)
+        self._plan_seconds = model_seconds  # (what bounds a shorter challenger's reach: spec/chain_challenge.py)
         measured = self.realized.gains(num_seqs, self.k)
         self._plan_measured = bool(measured)  # (against plain decoding: SlotPolicy._checks_pause)
         if not measured:

@@ -191,6 +191,19 @@ class RealizedRates:
                     if self.counts[(load, m)] >= self.paired_min_steps else None
         return None
 
+    def paired_with_seconds(self, num_seqs: int, chain: int) -> tuple[list[float], float] | None:
+        """`paired_near(num_seqs, chain)` and the seconds of a steady step of `chain` at the same load (its moving
+        average): the tokens every shorter chain would have emitted on chain's steps, and what those steps took.
+        None where paired_near is None. What a challenge's reach is bounded by (spec/chain_challenge.py)."""
+        if not self.paired or not self.decides:
+            return None
+        for load in self._loads_near(num_seqs):
+            if self._counted(load, chain):
+                if self.counts[(load, chain)] < self.paired_min_steps:
+                    return None
+                return counterfactual(self.emitted[(load, chain)], chain), self.seconds[(load, chain)]
+        return None
+
     def paired_tokens(self, load: int, chain: int) -> list[float] | None:
         """The average tokens chains 0..chain would have emitted on the steady steps of chain at this load
         (`counterfactual` of the averaged counts), None where none was counted."""

@@ -195,6 +195,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     _plan_gain: float = 0.0  # the last plan's best chain's gain over plain decoding (modelled or measured)
     _plan_measured: bool = False  # whether the last plan had a chain's gain measured against plain decoding
     _plan_gains: list[float] = field(default_factory=list)  # the last plan's gain per chain (index 0: plain, 1.0)
+    _plan_seconds: list[float] = field(default_factory=list)  # the last plan's modelled seconds a step per chain
     # a measure overrules the model's best chain only this many standard errors apart (spec/chain_plan.py)
     measured_z: float = 1.5
     # where two drafting chains' step times are measured at one load, the plan fits the model's step times to them
@@ -219,6 +220,11 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     max_challenge_every: int = 512
     challenge_margin: float = 0.15
     challenge_steps: int = 8
+    # a chain shorter than the planned one is not challenged where it cannot win even with its steps shorter than the
+    # planned chain's measured ones by model_error x the model's saving (spec/chain_challenge.py `_out_of_reach`);
+    # False: challenged whatever its tokens (as before session 41; benchmarks.speculative's adaptive_nobound)
+    bound_challenges: bool = True
+    num_challenges_bounded: int = 0  # shorter challengers left out that way (engine life)
     num_challenges: int = 0  # challenges started (engine life)
     num_challenges_won: int = 0  # challenges after which the plan's chain changed (engine life)
     _challenge_clock: dict[int, int] = field(default_factory=dict)  # drafting steps since the last challenge, by bucket

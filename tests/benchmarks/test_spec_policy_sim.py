@@ -4,6 +4,9 @@ refused naming it."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from benchmarks import spec_policy_sim as sim
@@ -51,3 +54,36 @@ def test_a_batch_phase_lowers_the_first_steps_acceptance_only():
         sim.main(["--model", "h200-b4", "--max-tokens", "64", "--batch-phase", "20"])
     with pytest.raises(SystemExit, match="0 < FACTOR <= 1"):
         sim.main(["--model", "h200-b4", "--max-tokens", "64", "--batch-phase", "20:1.5"])
+
+
+def test_slow_stretches_slow_the_steps_in_runs_and_a_bad_spec_is_refused():
+    """`--stretches STEPS:FACTOR`: the device runs FACTOR times slower in stretches of about STEPS steps, so a static
+    k's rate falls to between 1 / FACTOR and 1 of its own (about halfway: slow half the time), with the same tokens
+    a step; the stretches come in runs (a switch a step would be no stretch); a bad spec is refused naming the flag."""
+    def run(stretches) -> dict:
+        return sim.simulate(sim.MODELS["h100-b1"], "k5", 3000, seed=0, host_factor=0.0, max_tokens=512, repeats=3,
+                            stretches=stretches)
+
+    fast, slow = run(None), run((30, 2.0))
+    assert 0.55 < slow["per_seq_tok_s"] / fast["per_seq_tok_s"] < 0.9
+    assert slow["tau"] == pytest.approx(fast["tau"], rel=0.05)
+    stretch = sim._Stretches((30, 2.0), random.Random(0))
+    flags = [stretch() for _ in range(3000)]
+    switches = sum(a != b for a, b in itertools.pairwise(flags))
+    assert 60 < switches < 140 and 0.3 < flags.count(2.0) / len(flags) < 0.7  # ~100 switches: runs of ~30 steps
+    with pytest.raises(SystemExit, match="--stretches '30'"):
+        sim.main(["--model", "h100-b1", "--max-tokens", "64", "--stretches", "30"])
+    with pytest.raises(SystemExit, match="FACTOR >= 1"):
+        sim.main(["--model", "h100-b1", "--max-tokens", "64", "--stretches", "30:0.5"])
+
+
+def test_bounded_challenges_leave_out_the_shorter_chains_where_every_draft_is_accepted():
+    """One sequence whose drafts are all accepted (h100-b1): with the bound (SlotPolicy.bound_challenges, the default)
+    no challenge runs and every drafting step drafts chains of 5; without it shorter chains are challenged."""
+    def run(fields) -> dict:
+        return sim.simulate(sim.MODELS["h100-b1"], "adaptive", 3000, seed=0, host_factor=0.0, max_tokens=512,
+                            repeats=3, policy_fields=fields, stretches=(30, 1.5))
+
+    bounded, unbounded = run(None), run({"bound_challenges": False})
+    assert bounded["decisions"].get("challenge", 0) == 0 and bounded["mean_chain"] == 5.0
+    assert unbounded["decisions"].get("challenge", 0) > 0

@@ -4,6 +4,7 @@ lock the plan on a slower chain; challenges that change nothing back off."""
 
 from __future__ import annotations
 
+import pytest
 from chain_policies import chain_policy
 
 from deepinfer.spec.realized_rates import RealizedRates
@@ -113,3 +114,47 @@ def test_a_challenge_interrupted_by_another_load_leaves_the_interval_and_ends():
     p._plan_age = p.max_replan_every + 1  # (the next plan_drafting plans)
     p.plan_drafting(16)  # another load's plan
     assert p._challenge_interval == before and p._challenge_left == 0 and p._challenged_from == 0
+
+
+def _counted(p: SlotPolicy, load: int, chain: int, emitted: list[int], seconds: float, steps: int = 10) -> None:
+    """`steps` steady steps of `chain` at `load`, each with these counts of sequences by tokens emitted
+    (emitted[e]: sequences that emitted e tokens) in `seconds`."""
+    tokens = sum(e * n for e, n in enumerate(emitted))
+    for _ in range(steps):
+        p.realized.observe(load, chain, tokens, seconds, emitted)
+
+
+def test_a_shorter_chain_out_of_reach_on_the_planned_chains_own_steps_is_not_challenged():
+    """One sequence, every draft accepted (the embedded model on H100s, session 40): chain 5's steps emit 6 tokens in
+    1.4 ms, so a chain of 4 would have emitted 5 on them and must run its step 0.23 ms shorter to win, where the
+    model saves 0.067 ms (x model_error 2: 0.13). Not challenged (the only rival: chain 3 is outside the margin and
+    no neighbour); without the bound it is. Where the fifth draft is mostly rejected (ten sequences, 51 tokens a
+    step against chain 4's 50), chain 4 is within reach and challenged; a longer chain is never bounded; nor is
+    anything before paired_min_steps steps are counted."""
+    def primed(load: int, emitted: list[int], steps: int = 10, **fields) -> SlotPolicy:
+        p = policy_with([1.0] * 5, one=0.001, full=0.0012, **fields)
+        _counted(p, load, 5, emitted, 0.0014, steps)
+        p._plan_gains = [1.0, 1.584, 2.229, 2.693, 3.039, 3.334]  # only 4 within 15% of 5 (3.334 / 1.15 = 2.9)
+        p._plan_seconds = [s * 1e-3 for s in (0.865, 1.091, 1.147, 1.204, 1.271, 1.338)]
+        return p
+
+    all_accepted = [0, 0, 0, 0, 0, 0, 1]
+    p = primed(1, all_accepted)
+    paired, seconds = p.realized.paired_with_seconds(1, 5)
+    assert paired == pytest.approx([1, 2, 3, 4, 5, 6]) and seconds == pytest.approx(0.0014)
+    assert p._challenger(1, 5) == 0 and p.num_challenges_bounded == 1
+    assert primed(1, all_accepted, bound_challenges=False)._challenger(1, 5) == 4  # (the neighbour, then the gain)
+
+    p = primed(10, [0, 0, 0, 0, 0, 9, 1])
+    assert p.realized.paired_with_seconds(10, 5)[0] == pytest.approx([10, 20, 30, 40, 50, 51])
+    assert p._challenger(10, 5) == 4 and p.num_challenges_bounded == 0
+    p._plan_gains = [1.0, 1.584, 2.229, 2.95, 3.039, 3.334]  # chain 3 within the margin too: 40 tokens, out of reach
+    assert p._challenger(10, 5) == 4 and p.num_challenges_bounded == 1
+
+    longer = primed(1, all_accepted)
+    _counted(longer, 1, 4, [0, 0, 0, 0, 0, 1], 0.0013)
+    assert longer._challenger(1, 4) == 5  # (a longer chain's tokens are not counted on a shorter one's steps)
+
+    few = primed(1, all_accepted, steps=4)  # fewer than paired_min_steps (8): no bound
+    assert few.realized.paired_with_seconds(1, 5) is None
+    assert few._challenger(1, 5) == 4 and few.num_challenges_bounded == 0
