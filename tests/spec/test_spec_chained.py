@@ -152,11 +152,11 @@ def test_a_tight_kv_cache_falls_back_and_equals_sync(parts):  # noqa: F811
 def test_max_model_len_ends_chaining_and_the_sync_steps_finish(parts):  # noqa: F811
     """Two requests running into max_model_len (32): once N + 1's rows and its chain's lookahead would pass it, the
     next step waits ("length") and the sync steps shorten the chain and end the requests by length: output ==
-    sync, no block left."""
+    sync, no block left. (max_num_seqs 2: both run at once, and the graphs are captured for the 8 rows they verify.)"""
     ps = parts[4][:2]
     reqs = [(f"r{i}", p, replace(GREEDY, max_tokens=100, logprobs=None)) for i, p in enumerate(ps)]
-    want, _ = drive(engine(parts, None, max_model_len=32), reqs)
-    on = engine(parts, True, max_model_len=32)
+    want, _ = drive(engine(parts, None, max_model_len=32, max_num_seqs=2), reqs)
+    on = engine(parts, True, max_model_len=32, max_num_seqs=2)
     got, _ = drive(on, reqs)
     assert_same_outputs(got, want)
     assert all(w[-1][2] == "length" and len(ps[i]) + len(w[-1][1]) == 32 for i, w in enumerate(want.values()))
