@@ -24,6 +24,21 @@ def deepinfer(*args: str, env: dict | None = None, stdin: str | None = None) -> 
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, input=stdin, timeout=300)
 
 
+def deepinfer_at_once(*runs: tuple[tuple[str, ...], dict | None]) -> list[subprocess.CompletedProcess]:
+    """`deepinfer(*args, env=env)` for every (args, env), all started at once (each mostly imports, then stops at
+    a check); their results in order."""
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "deepinfer.entrypoints.cli"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    procs = [(args, subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**base, **(env or {})})) for args, env in runs]
+    try:
+        outs = [(args, p, p.communicate(timeout=300)) for args, p in procs]
+        return [subprocess.CompletedProcess([*cmd, *args], p.returncode, out, err) for args, p, (out, err) in outs]
+    finally:
+        for _, p in procs:
+            p.kill()
+
+
 def start_serve(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
     """`deepinfer serve ARGS` as a subprocess, read up to its "serving on URL" line: (process, URL, the banner
     so far). DEEPINFER_* of this process are dropped, `env` added."""
@@ -68,7 +83,7 @@ def test_console_script_is_installed():
 
 
 def test_backends_lists_cpu_with_caps_and_coverage():
-    out = deepinfer("backends", "--json")
+    out, text = deepinfer_at_once((("backends", "--json"), None), (("backends",), None))
     assert out.returncode == 0, out.stderr
     entries = {e["name"]: e for e in json.loads(out.stdout)}
     cpu = entries["cpu"]
@@ -78,16 +93,16 @@ def test_backends_lists_cpu_with_caps_and_coverage():
     assert cpu["op_coverage"]["mla_attention"].startswith("cpu: decode rows batched")  # backends/cpu/ops_mla.py
     for e in entries.values():  # every unavailable backend says why
         assert e["available"] or e["reasons"]
-    text = deepinfer("backends")
     assert text.returncode == 0 and "cpu" in text.stdout and "available" in text.stdout
 
 
 def test_make_checkpoint_list_and_bad_preset(tmp_path):
-    out = deepinfer("make-checkpoint", "--list")
+    out, bad = deepinfer_at_once((("make-checkpoint", "--list"), None),
+                                 (("make-checkpoint", "--preset", "nosuch", str(tmp_path / "x")), None))
     assert out.returncode == 0, out.stderr
     names = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
     assert {"tiny-v2-lite", "tiny-v3-fp8", "v2-lite"} <= names
-    assert_user_error(deepinfer("make-checkpoint", "--preset", "nosuch", str(tmp_path / "x")), "nosuch", "tiny-v2-lite")
+    assert_user_error(bad, "nosuch", "tiny-v2-lite")
 
 
 def test_make_checkpoint_writes_hf_layout(ckpt):
@@ -121,36 +136,45 @@ def test_generate_matches_the_python_api(ckpt, tmp_path):
 
 
 def test_generate_chat_and_plain_text_output(ckpt):
-    out = deepinfer("generate", str(ckpt), "Say hi", "--chat", "--temperature", "0", "--max-tokens", "3", "--no-progress")
-    assert out.returncode == 0, out.stderr
-    assert "loaded" in out.stderr and "backend cpu" in out.stderr
-    out = deepinfer(
-        "generate", str(ckpt), "a", "--n", "2", "--temperature", "1", "--request-seed", "7", "--max-tokens", "3", "--json"
-    )
+    chat, out = deepinfer_at_once(
+        (("generate", str(ckpt), "Say hi", "--chat", "--temperature", "0", "--max-tokens", "3", "--no-progress"), None),
+        (("generate", str(ckpt), "a", "--n", "2", "--temperature", "1", "--request-seed", "7", "--max-tokens", "3",
+          "--json"), None))
+    assert chat.returncode == 0, chat.stderr
+    assert "loaded" in chat.stderr and "backend cpu" in chat.stderr
     assert out.returncode == 0, out.stderr
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]
     assert [o["index"] for o in row["outputs"]] == [0, 1]
 
 
 def test_device_env_var_and_bad_device(ckpt):
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--device", "nosuch"), "nosuch", "cpu")
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", env={"DEEPINFER_DEVICE": "nosuch"}), "nosuch")
+    flag, env, npu = deepinfer_at_once((("generate", str(ckpt), "hi", "--device", "nosuch"), None),
+                                       (("generate", str(ckpt), "hi"), {"DEEPINFER_DEVICE": "nosuch"}),
+                                       (("generate", str(ckpt), "hi", "--device", "npu"), None))
+    assert_user_error(flag, "nosuch", "cpu")
+    assert_user_error(env, "nosuch")
     # a device type no registered backend serves here (no Ascend backend exists yet)
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--device", "npu"), "no available backend for device 'npu'", "cpu")
+    assert_user_error(npu, "no available backend for device 'npu'", "cpu")
 
 
 def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
     missing = tmp_path / "no-such-model"
-    assert_user_error(deepinfer("generate", str(missing), "hi", "--device", "cpu"), str(missing))
-    assert_user_error(deepinfer("generate", str(ckpt), "--device", "cpu"), "no prompt")
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--temperature", "-1"), "temperature")
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--prompt-file", str(tmp_path / "none.txt")), "none.txt")
-    # a setting the backend cannot honour, and a malformed environment variable
-    # (3 does not divide the attention heads: refused before any rank is spawned)
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", "--tensor-parallel-size", "3"), "tensor_parallel_size")
-    assert_user_error(deepinfer("generate", str(ckpt), "hi", env={"DEEPINFER_BATCH_INVARIANT": "maybe"}),
-                      "DEEPINFER_BATCH_INVARIANT")
-    out = deepinfer("generate", str(ckpt), "hi", "--dtype", "float64")  # argparse choice error
+    # (seven separate runs, started at once: each mostly imports)
+    runs = [  # (args, env, what stderr names)
+        (("generate", str(missing), "hi", "--device", "cpu"), None, str(missing)),
+        (("generate", str(ckpt), "--device", "cpu"), None, "no prompt"),
+        (("generate", str(ckpt), "hi", "--temperature", "-1"), None, "temperature"),
+        (("generate", str(ckpt), "hi", "--prompt-file", str(tmp_path / "none.txt")), None, "none.txt"),
+        # a setting the backend cannot honour, and a malformed environment variable
+        # (3 does not divide the attention heads: refused before any rank is spawned)
+        (("generate", str(ckpt), "hi", "--tensor-parallel-size", "3"), None, "tensor_parallel_size"),
+        (("generate", str(ckpt), "hi"), {"DEEPINFER_BATCH_INVARIANT": "maybe"}, "DEEPINFER_BATCH_INVARIANT"),
+        (("generate", str(ckpt), "hi", "--dtype", "float64"), None, None),  # argparse choice error
+    ]
+    outs = deepinfer_at_once(*((args, env) for args, env, _ in runs))
+    for (_, _, needle), out in zip(runs[:-1], outs[:-1]):
+        assert_user_error(out, needle)
+    out = outs[-1]
     assert out.returncode == 2 and "Traceback" not in out.stderr
 
 

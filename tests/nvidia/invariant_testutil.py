@@ -64,14 +64,17 @@ def seq_inputs(spec: MLASpec, n: int, seed: int, dtype: torch.dtype, device: tor
                                                    torch.randn(n, L, generator=g), torch.randn(n, rope, generator=g)))
 
 
-def rows_invariant(fn, x: torch.Tensor, sizes, probe) -> None:
-    """fn over x[:M] for every M in sizes: the probed rows equal (bitwise) fn over each row alone."""
+def rows_invariant(fn, x: torch.Tensor, sizes, probe) -> dict:
+    """fn over x[:M] for every M in sizes: the probed rows equal (bitwise) fn over each row alone. Returns
+    {M: fn over x[:M]} (a caller checking the whole batch's values too reuses the run of M = len(x))."""
     alone = {i: fn(x[i: i + 1].clone()) for i in probe}
+    outs = {}
     for m in sizes:
-        out = fn(x[:m].clone())
+        out = outs[m] = fn(x[:m].clone())
         for i in probe:
             if i < m:
                 assert torch.equal(out[i: i + 1], alone[i]), f"row {i} differs inside a batch of {m}"
+    return outs
 
 
 def folded_shared_moe(spec, w13: torch.Tensor, w2: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):

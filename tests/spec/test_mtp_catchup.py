@@ -24,7 +24,7 @@ def make(parts, **kw) -> DeepInferenceEngine:
     cfg = EngineConfig(model_name_or_path=path, device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64,
                        load_progress=False, speculative_method="mtp", num_speculative_tokens=1,
                        speculative_adaptive=True, **kw)
-    engine = DeepInferenceEngine.from_components(cfg, model, tok, backend)
+    engine = DeepInferenceEngine.from_components(cfg, model, tok, backend)  # (the tests skip the profiles: `unprofiled`)
     engine._spec.policy.cost = FLAT
     engine._spec.policy.draft_cost = None  # FLAT's 10 s steps make any measured drafting time negligible
     engine._spec.book = MTPSnapshots(engine)
@@ -39,7 +39,7 @@ def run(engine, pause: int) -> dict:
     return engine._spec.book.seen
 
 
-def test_drafts_after_a_pause_see_the_mtp_kv_of_the_paused_positions(parts):
+def test_drafts_after_a_pause_see_the_mtp_kv_of_the_paused_positions(parts, unprofiled):
     ref_engine = make(parts)
     ref = run(ref_engine, 0)
     paused_engine = make(parts)
@@ -67,7 +67,7 @@ class NoCatchUp(PausedRows):
         return True
 
 
-def test_without_the_catch_up_the_paused_positions_are_holes(parts):
+def test_without_the_catch_up_the_paused_positions_are_holes(parts, unprofiled):
     """Negative control: the same pause with nothing kept leaves the MTP KV of the paused decodes unwritten, which
     the comparison above would catch."""
     ref = run(make(parts), 0)

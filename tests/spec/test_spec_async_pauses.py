@@ -100,7 +100,8 @@ PAUSE = 12
 
 def snapshot_run(parts, monkeypatch, pauses: AsyncPauses | type | None, pause: int) -> tuple[dict, object]:
     """A two-prompt greedy run that starts with `pause` steps of pause (0: never pauses), recording the MTP KV each
-    draft is made over; pauses: a subclass of AsyncPauses to install, or None for sync pauses."""
+    draft is made over; pauses: a subclass of AsyncPauses to install, or None for sync pauses. (Its caller skips the
+    start-up profiles, `unprofiled`: both tables are set here.)"""
     engine = make(parts, monkeypatch, async_pauses=pauses is not None, cost=FLAT, speculative_method="mtp",
                   num_speculative_tokens=1, speculative_adaptive=True)
     spec = engine._spec
@@ -120,7 +121,7 @@ class NoTap(AsyncPauses):
         return None
 
 
-def test_the_mtp_kv_after_an_async_pause_is_a_never_paused_runs(parts, monkeypatch):
+def test_the_mtp_kv_after_an_async_pause_is_a_never_paused_runs(parts, monkeypatch, unprofiled):
     ref, _ = snapshot_run(parts, monkeypatch, None, 0)
     got, engine = snapshot_run(parts, monkeypatch, AsyncPauses, PAUSE)
     # the prompt's step and the pause's last step run the spec path; the PAUSE - 2 decode steps between are async

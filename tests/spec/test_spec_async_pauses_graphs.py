@@ -45,7 +45,8 @@ def parts(tmp_path_factory):
 
 def paused_run(parts, monkeypatch, async_pauses: bool):
     monkeypatch.setenv("DEEPINFER_SPEC_ASYNC_PAUSES", "1" if async_pauses else "0")
-    # token budget 8: the step-cost table profiles 1..8 tokens (graph replays), cheap under the interpreter
+    # token budget 8: the prompts prefill in chunks; the start-up profiles are skipped (`unprofiled`): the tables
+    # are set below
     on = make(parts, speculative_method="mtp", num_speculative_tokens=1, speculative_adaptive=True,
               max_num_batched_tokens=8)
     spec = on._spec
@@ -57,7 +58,7 @@ def paused_run(parts, monkeypatch, async_pauses: bool):
     return on, got, replays(on) - before
 
 
-def test_async_pause_steps_replay_graphs_and_keep_their_rows_from_the_graph_buffer(parts, monkeypatch):
+def test_async_pause_steps_replay_graphs_and_keep_their_rows_from_the_graph_buffer(parts, monkeypatch, unprofiled):
     ps = parts[4]
     want, _ = run(make(parts, enforce_eager=True), ps, replace(GREEDY, max_tokens=14, logprobs=None))
     sync, got_sync, _ = paused_run(parts, monkeypatch, False)

@@ -81,7 +81,11 @@ def test_overlapped_and_chained_steps_equal_the_sync_engine_call_by_call(parts, 
     every verification's accepted count and next drafts per request == sync's but the tail."""
     ps = parts[4]
     monkeypatch.setenv("DEEPINFER_SPEC_OVERLAP_OUTPUT", "0")
-    ref, _ = drive(engine(parts, None), [("g0", ps[0], replace(GREEDY, max_tokens=12, logprobs=None))])
+    # (g0's greedy text, for a stop string and a stop token inside it: speculation off, eager, one sequence, which
+    # captures no graph; greedy speculation's tokens equal it, test_spec_nvidia_interpreter.py; and the asserts on
+    # the "stop" and "tok" requests below fail if they did not)
+    ref, _ = drive(make(parts, enforce_eager=True, max_num_seqs=1), [("g0", ps[0], replace(GREEDY, max_tokens=12,
+                                                                                                logprobs=None))])
     text0, ids0 = ref["g0"][-1][0], ref["g0"][-1][1]
     stop = text0[len(text0) // 2: len(text0) // 2 + 2]
     assert stop.strip(), text0
@@ -148,11 +152,11 @@ def test_a_tight_kv_cache_falls_back_and_equals_sync(parts):  # noqa: F811
 def test_max_model_len_ends_chaining_and_the_sync_steps_finish(parts):  # noqa: F811
     """Two requests running into max_model_len (32): once N + 1's rows and its chain's lookahead would pass it, the
     next step waits ("length") and the sync steps shorten the chain and end the requests by length: output ==
-    sync, no block left."""
+    sync, no block left. (max_num_seqs 2: both run at once, and the graphs are captured for the 8 rows they verify.)"""
     ps = parts[4][:2]
     reqs = [(f"r{i}", p, replace(GREEDY, max_tokens=100, logprobs=None)) for i, p in enumerate(ps)]
-    want, _ = drive(engine(parts, None, max_model_len=32), reqs)
-    on = engine(parts, True, max_model_len=32)
+    want, _ = drive(engine(parts, None, max_model_len=32, max_num_seqs=2), reqs)
+    on = engine(parts, True, max_model_len=32, max_num_seqs=2)
     got, _ = drive(on, reqs)
     assert_same_outputs(got, want)
     assert all(w[-1][2] == "length" and len(ps[i]) + len(w[-1][1]) == 32 for i, w in enumerate(want.values()))
@@ -160,12 +164,13 @@ def test_max_model_len_ends_chaining_and_the_sync_steps_finish(parts):  # noqa: 
     assert on.stats().kv_blocks_used == 0
 
 
-def test_adaptive_steps_chain_with_their_plan_as_the_budget(parts):  # noqa: F811
+def test_adaptive_steps_chain_with_their_plan_as_the_budget(parts, unprofiled):  # noqa: F811
     """The confidence scheduler with async scheduling: a step chains where the policy plans before the draw (its plan,
     made from past steps only, is the chained step's budget: every sequence verifies the planned chain, whose
     confidences are still on the device); a probe's verification or a pause runs sync with the plan already made.
     mtp k = 2, tables where a chain of 1 pays (as test_spec_one_sync.py's adaptive test): tokens == the sync
-    adaptive engine's (greedy and seeded: the target decides them), steps chained, blocks back."""
+    adaptive engine's (greedy and seeded: the target decides them), steps chained, blocks back. (Both engines skip
+    the start-up profiles: `unprofiled`, their tables are set here.)"""
     from deepinfer.spec.draft_cost import DraftCostTable
     from deepinfer.spec.scheduler import StepCostTable
 

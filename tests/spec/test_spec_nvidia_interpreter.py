@@ -249,13 +249,14 @@ def test_batch_invariant_speculation_is_bitwise_equal_to_off(parts):
     bitwise the tokens and top-2 logprobs of off (eager); one draft accepted, the next rejected; the verify steps
     replay the decode graphs as decode rows; then MTP drafts (k = 1) with the steps scheduled async (chained on the
     device results of the step in flight): the same bits. (The invariant kernels are slow under the interpreter: one
-    prompt, one sequence; seeded was checked by hand, docs.)"""
+    prompt, one sequence, four tokens: n-gram's first step verifies 2 drafts and accepts 1, a draft-less step
+    follows; MTP runs 2 chained steps, 2 of 3 drafts accepted; seeded was checked by hand, docs.)"""
     path, _, _, tok, ps = parts
     backend = GraphNvidiaBackend(device=DEVICE)
     backend.enable_batch_invariance()
     model = load_model(path, backend, torch.float32, progress=False, load_mtp=True)
     inv = (path, backend, model, tok, ps)
-    params = replace(GREEDY, max_tokens=6, logprobs=2)
+    params = replace(GREEDY, max_tokens=4, logprobs=2)
 
     def trace(engine):
         c = engine.generate(ps[2:], params, use_tqdm=False)[0].outputs[0]

@@ -164,7 +164,7 @@ def test_one_sync_rooms_staged_after_the_forward_reach_a_separate_device_mirror(
     assert a.spec_accepted_tokens > 0 and b.kv_blocks_used == 0
 
 
-def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts):  # noqa: F811
+def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts, unprofiled):  # noqa: F811
     """The confidence scheduler plans each step's chain before its forward (spec/pipeline.py `_step`), so its
     steps qualify for the one-sync step as static k's do. mtp k = 2 adaptive, tables where a chain of 1 pays and a
     chain of 2 never does: the first drafting is the probe (full chains, drafted by the prompts' step on the host
@@ -179,8 +179,8 @@ def test_adaptive_steps_run_one_sync_with_the_chain_planned_before_them(parts): 
     ps = parts[4][:2]
     params = [replace(GREEDY, max_tokens=10), replace(SEEDED, max_tokens=10)]
     want, _ = run(make(parts, enforce_eager=True), ps, params)
-    # token budget 16: both prompts in one step (a step with a prompt chunk takes the host path), and the start-up
-    # profiles time 1..16 tokens and 1..2 drafting sequences only (cheap under the interpreter)
+    # token budget 16: both prompts in one step (a step with a prompt chunk takes the host path); the start-up
+    # profiles are skipped (`unprofiled`): the tables are set below
     on = make(parts, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=True,
               max_num_batched_tokens=16, max_num_seqs=2)
     spec = on._spec

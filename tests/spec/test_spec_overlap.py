@@ -57,7 +57,9 @@ def test_text_failure_and_abort_in_flight_touch_one_request(parts, monkeypatch):
     chained = True
     ps = parts[4]
     params = replace(GREEDY, max_tokens=14, logprobs=None)
-    clean, _ = drive(spec_engine(parts, monkeypatch, True), [("r0", ps[0], params)])
+    # (r0's clean run: speculation off, eager, one sequence, which captures no graph; greedy speculation's tokens
+    # equal it, test_spec_nvidia_interpreter.py)
+    clean, _ = drive(make(parts, enforce_eager=True, max_num_seqs=1), [("r0", ps[0], params)])
     engine = spec_engine(parts, monkeypatch, True, async_scheduling=True if chained else None)
     state = {"aborted": None, "flushes": 0}
 
