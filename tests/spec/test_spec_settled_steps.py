@@ -185,6 +185,7 @@ def test_a_settled_run_changes_the_state_as_the_full_checks_do():
                 drive(p, 1, load=load)
             taken += left > on._run_left
             assert _policy_state(on) == _policy_state(off)
+            assert on._run_left == 0 or on.will_hold()  # (what defers_observations takes a run's steps left for)
     assert taken > 150  # most steps ran as part of a run
     # a plan of a chain shorter than k (its fifth draft all but never accepted, a long chain dear): its held steps
     # count towards an exploration, which a run must stop short of
@@ -199,6 +200,7 @@ def test_a_settled_run_changes_the_state_as_the_full_checks_do():
             drive(p, 1)
         taken += left > runs[0]._run_left
         explored += runs[0].explore
+        assert runs[0]._run_left == 0 or runs[0].will_hold()
         assert _policy_state(runs[0]) == _policy_state(runs[1])
     chain = runs[0].chain
     assert 0 < chain < 5 and runs[0].decisions[f"chain{chain}"] > 50
