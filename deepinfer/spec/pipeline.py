@@ -303,10 +303,12 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         pass's and the chain's inputs (`OneSyncStep.stage`), which follows the launch. Made before it, the plan, its
         hold's checks and the one-sync qualification were host work between the last step's read-back and this
         step's forward, with the device idle: on an H100 (session 40) the adaptive mode's `slots` phase ran 15-25
-        us a step longer than static k5's at one sequence, where the device idles ~0.6 ms a step behind the host.
-        After the launch it runs while the device runs the forward. It reads what it read before: no observation
-        runs between the admission and here (the waiting ones fold before the admission, `_fold_unless_holding`,
-        and the last step's run after this step's launch, `_run_deferred`)."""
+        us a step longer than static k5's at one sequence. After the launch it runs while the device runs the
+        forward, which hides it where the host then waits for the device (the one-sync read-back's `wait` phase);
+        on an H100 (session 41) that wait was only 12-18 us a step at 1-16 sequences (host-bound steps: there the
+        plan, 22 us a step for static k5 and 38 for the adaptive mode, costs its time wherever it runs). It reads
+        what it read before: no observation runs between the admission and here (the waiting ones fold before the
+        admission, `_fold_unless_holding`, and the last step's run after this step's launch, `_run_deferred`)."""
         if self._preplanned is not None:  # planned for a chained step that could not run (spec/chained_steps.py)
             self._chain_plan, self._preplanned = self._preplanned, None
         else:

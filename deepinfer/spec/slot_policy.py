@@ -35,12 +35,12 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     Adaptive, two decisions per step, both fixed before the draws they decide (non-anticipating):
     - `counts`, at verification: which of the held drafts' slots to verify (the admission over their calibrated
       survival; the drafts are made, so their cost is not in it);
-    - `plan_drafting`, before the step's draw (once its forward is launched) while drafting steadily (from past steps only, so that the one-sync
-      step can run it; else after the draw, `plans_before_the_draw`): how long a chain the MTP module drafts for
-      the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of every sampling
-      sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix of those
-      slots, and chains of L drafted for those sequences (the drafting table, spec/draft_cost.py); the best L drafts
-      unless plain decoding beats it by more than pause_margin, else drafting pauses. So the chain is as long as
+    - `plan_drafting`, before the step's draw (once its forward is launched) while drafting steadily (from past steps
+      only, so that the one-sync step can run it; else after the draw, `plans_before_the_draw`): how long a chain the
+      MTP module drafts for the next step, 0 for none (a pause). For each L in 1..k it evaluates the steady state of
+      every sampling sequence holding a draft of L at each slot's moving-average confidence, the admission's best prefix
+      of those slots, and chains of L drafted for those sequences (the drafting table, spec/draft_cost.py); the best L
+      drafts unless plain decoding beats it by more than pause_margin, else drafting pauses. So the chain is as long as
       pays, and a load where drafting clearly loses drafts nothing.
     A pause lasts probe_every steps (plain decode steps; the MTP pass's rows are kept for the catch-up,
     spec/mtp_catchup.py); then one probe drafts full chains for probe_seqs sequences and the next step verifies
@@ -221,7 +221,7 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     challenge_margin: float = 0.15
     challenge_steps: int = 8
     # a chain shorter than the planned one is not challenged where it cannot win even with its steps shorter than the
-    # planned chain's measured ones by model_error x the model's saving (spec/chain_challenge.py `_out_of_reach`);
+    # planned chain's measured ones by model_error x the model's saving (spec/chain_challenge.py `_within_reach`);
     # False: challenged whatever its tokens (as before session 41; benchmarks.speculative's adaptive_nobound)
     bound_challenges: bool = True
     num_challenges_bounded: int = 0  # shorter challengers left out that way (engine life)
