@@ -307,25 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, SyntaxError):
             raise SystemExit(f"--policy {item!r}: the value is not a Python literal") from None
 
-    phase = None
-    if args.batch_phase:
-        n, sep, f = args.batch_phase.partition(":")
-        try:
-            phase = (int(n), float(f))
-        except ValueError:
-            raise SystemExit(f"--batch-phase {args.batch_phase!r}: expected STEPS:FACTOR, e.g. 20:0.6") from None
-        if not sep or phase[0] < 0 or not 0.0 < phase[1] <= 1.0:
-            raise SystemExit(f"--batch-phase {args.batch_phase!r}: STEPS >= 0 and 0 < FACTOR <= 1")
-
-    stretches = None
-    if args.stretches:
-        n, sep, f = args.stretches.partition(":")
-        try:
-            stretches = (int(n), float(f))
-        except ValueError:
-            raise SystemExit(f"--stretches {args.stretches!r}: expected STEPS:FACTOR, e.g. 30:1.5") from None
-        if not sep or stretches[0] < 1 or stretches[1] < 1.0:
-            raise SystemExit(f"--stretches {args.stretches!r}: STEPS >= 1 and FACTOR >= 1")
+    phase = _steps_factor("--batch-phase", args.batch_phase, "20:0.6", lambda n, f: n >= 0 and 0.0 < f <= 1.0,
+                          "STEPS >= 0 and 0 < FACTOR <= 1") if args.batch_phase else None
+    stretches = _steps_factor("--stretches", args.stretches, "30:1.5", lambda n, f: n >= 1 and f >= 1.0,
+                              "STEPS >= 1 and FACTOR >= 1") if args.stretches else None
 
     def warm(name: str) -> list[tuple[DeviceModel, int]]:  # the same device's models (its name's first part)
         same = [m for m in args.model if m.split("-")[0] == name.split("-")[0]]
@@ -352,6 +337,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  adaptive / best static ({best['mode']}) {rows[4]['per_seq_tok_s'] / best['per_seq_tok_s']:.3f}, "
                   f"mean over {args.seeds} seeds")
     return 0
+
+
+def _steps_factor(flag: str, value: str, example: str, ok, rule: str) -> tuple[int, float]:
+    """A STEPS:FACTOR flag's value (`--batch-phase`, `--stretches`), refused naming the flag where it is not that
+    shape or `ok(steps, factor)` is false (`rule` says what holds)."""
+    n, sep, f = value.partition(":")
+    try:
+        got = (int(n), float(f))
+    except ValueError:
+        raise SystemExit(f"{flag} {value!r}: expected STEPS:FACTOR, e.g. {example}") from None
+    if not sep or not ok(*got):
+        raise SystemExit(f"{flag} {value!r}: {rule}")
+    return got
 
 
 def _mean_row(rows: list[dict]) -> dict:
