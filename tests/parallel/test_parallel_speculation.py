@@ -6,6 +6,7 @@ Data-parallel replicas are refused (a replica's step runs several forwards the o
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -27,18 +28,10 @@ def v3_mtp(tmp_path_factory) -> str:
     return with_mtp(root, os.path.join(root, "tiny-v3"), "v3-mtp")
 
 
-_ONE_PROCESS: dict[tuple[str, int], tuple[list, list]] = {}
-
-
+@functools.cache
 def _one_process(path: str, max_tokens: int) -> tuple[list, list]:
     """Greedy and seeded tokens of engine_script's prompts, one process, no speculation (made once per checkpoint and
     max_tokens: the n-gram parametrizations share theirs, so do V4's two)."""
-    if (path, max_tokens) not in _ONE_PROCESS:
-        _ONE_PROCESS[(path, max_tokens)] = _run_one_process(path, max_tokens)
-    return _ONE_PROCESS[(path, max_tokens)]
-
-
-def _run_one_process(path: str, max_tokens: int) -> tuple[list, list]:
     sys.path.insert(0, os.path.dirname(__file__))
     from engine_script import PROMPTS
 
