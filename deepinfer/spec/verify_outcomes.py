@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from deepinfer.spec.realized_rates import RealizedRates
+
 if TYPE_CHECKING:
     from deepinfer.sched.scheduler import SchedulerOutput
     from deepinfer.spec.pipeline import SpecStepPipeline
@@ -94,8 +96,16 @@ class VerifyOutcomes:
         lens = bytes(map(len, per_seq)) if per_seq is not None and now > 0 and before == now and not ended \
             and policy.realized.paired and now < 255 else None
         # (a tuple of the step's numbers, not a closure: a closure's cells are as many objects for the collector)
-        self._policy_log.append((_observe_step, policy, observed, out_s, step_s, real_s, emitted, n, tokens, drafted,
-                                 verified, off_path, before, now, ended, lens))
+        log = self._policy_log
+        if lens is None:
+            log.append((_observe_step, policy, observed, out_s, step_s, real_s, emitted, n, tokens, drafted, verified,
+                        off_path, before, now, ended, lens))
+            return
+        # a steady step (most of a settled run's, observed one in observe_every): its realized rate by the short path
+        # (RealizedRates.steady_step), and its times where kept
+        if observed:
+            log.append((_observe_times, policy, out_s, step_s, emitted, n, tokens, drafted, verified, off_path))
+        log.append((RealizedRates.steady_step, policy.realized, n, now, emitted, real_s, lens))
 
     def _drafted_chain(self: SpecStepPipeline, sched: SchedulerOutput) -> int:
         """The chain this decode-rows step drafted for every live sampling sequence (0: none; -1: some only, or an
@@ -170,6 +180,13 @@ def _observe_output(policy, observed: bool, out_s: float, emitted: int, n: int) 
     if observed:
         policy.observe_output(out_s, emitted, n)
     policy.realized.tick()
+
+
+def _observe_times(policy, out_s: float, step_s: float, emitted: int, n: int, tokens: int, drafted: tuple[int, int],
+                   verified: bool, off_path: bool) -> None:
+    """A steady step's output processing and step time (its realized rate is `_steady_step`'s)."""
+    policy.observe_output(out_s, emitted, n)
+    policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
 
 
 def _observe_step(policy, observed: bool, out_s: float, step_s: float, real_s: float, emitted: int, n: int,

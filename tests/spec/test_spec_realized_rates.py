@@ -62,6 +62,35 @@ def test_step_observes_steady_steps_only():
     assert r.gains(8, 5) == {3: pytest.approx(1.5)}
 
 
+
+def _state(r: RealizedRates) -> tuple:
+    return (r.now, r.tokens, r.seconds, r.counts, r.last, r._first, r._warm, r._loads, r._step_rate, r._step_rate_sq,
+            r.emitted, r._longest)
+
+
+def test_a_steady_step_by_the_short_path_updates_as_step_does():
+    """RealizedRates.steady_step (the adaptive mode's settled steps) against step with the counts of sequences by
+    tokens emitted: the same floats in every table, from a (load, chain)'s warm-up and first steps (the long path)
+    through its moving averages (the short one), with stalls, one and many sequences, a length past the chain (no
+    counts), and a request's lens empty."""
+    import random
+
+    rng = random.Random(7)
+    short, long = RealizedRates(), RealizedRates()
+    for i in range(400):
+        n = rng.choice([1, 1, 4, 16])
+        chain = rng.choice([3, 5]) if i % 50 else 2
+        lens = bytes(rng.randint(1, chain + 1) for _ in range(n))
+        if i % 97 == 0:
+            lens = bytes([chain + 2]) + lens[1:]  # (a length past the chain: no counts, as the engine gives none)
+        tokens = sum(lens)
+        seconds = 0.001 * n * (50 if i % 31 == 0 else rng.uniform(0.8, 1.2))  # (some stalls: the spread's clamp)
+        counts = [lens.count(e) for e in range(chain + 2)] if max(lens) <= chain + 1 else None
+        short.steady_step(n, chain, tokens, seconds, lens)
+        long.step(n, chain, chain, True, tokens, seconds, emitted=counts)
+        assert _state(short) == _state(long), i
+    assert sum(long.counts.values()) > 300  # (most of them past their first steps: the short path ran)
+
 def host_bound_step(num_seqs: int, tokens_per_seq: float, fixed: float, per_seq: float) -> tuple[float, float]:
     """(tokens, seconds) of a step whose time is a fixed host part plus a part per sequence (the H200's shape)."""
     return num_seqs * tokens_per_seq, fixed + per_seq * num_seqs
