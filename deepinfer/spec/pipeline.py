@@ -264,10 +264,12 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
-            num_emitted = sum(len(toks) for toks in rec.emitted)
-            out_s, step_s, real_s, draft_s = self.times.agree([now - t1, now - t0, now - t_start,
-                                                               -1.0 if draft_s is None else draft_s])
-            draft_s = None if draft_s < 0 else draft_s
+            num_emitted = sum(map(len, rec.emitted))
+            out_s, step_s, real_s = now - t1, now - t0, now - t_start
+            if self.times.comm is not None:  # (one rank: its own times, no list built a step)
+                out_s, step_s, real_s, draft_s = self.times.agree([out_s, step_s, real_s,
+                                                                   -1.0 if draft_s is None else draft_s])
+                draft_s = None if draft_s < 0 else draft_s
         if draft_s is not None:
             self._time_drafting(draft_s)
         tokens, drafts = step_sizes(sched)  # (one pass, for the phases and the policy)
