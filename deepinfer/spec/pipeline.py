@@ -264,7 +264,11 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         num_emitted = None  # (the adaptive policy's: its step times leave output processing out, observe_step)
         draft_s, self._draft_s = self._draft_s, None
         if self.policy.adaptive:  # every time it reads agreed over the tp ranks first (spec/shared_times.py)
-            num_emitted = sum(map(len, rec.emitted))
+            try:  # each sequence's tokens emitted, one byte each (at most k + 1; the realized rates' counts)
+                lens = bytes(map(len, rec.emitted))
+                num_emitted = sum(lens)
+            except ValueError:  # (past 255 tokens a sequence in one step: no counts)
+                lens, num_emitted = None, sum(map(len, rec.emitted))
             out_s, step_s, real_s = now - t1, now - t0, now - t_start
             if self.times.comm is not None:  # (one rank: its own times, no list built a step)
                 out_s, step_s, real_s, draft_s = self.times.agree([out_s, step_s, real_s,
@@ -276,7 +280,7 @@ class SpecStepPipeline(NextDrafts, VerifyOutcomes, StepOutputs, OverlappedSteps,
         if num_emitted is not None:  # (adaptive) its observations, deferred to the next wait for the device
             observed = self.policy.observes_step()  # (the same answer on every rank: the policy's state decides)
             self._observe_policy(sched, out_s, step_s, real_s, num_emitted, ended=self.step_ended, observed=observed,
-                                 per_seq=rec.emitted, tokens=tokens, drafts=drafts)
+                                 lens=lens, tokens=tokens, drafts=drafts)
         wait = self.one_sync.wait_seconds - rec.wait0 if self.one_sync is not None else 0.0
         kind = "one_sync" if self._one_sync_ran else "catch_up" if self._caught_up else "host" if any(
             self._drafted) or any(it.draft for it in sched.scheduled) else "plain"

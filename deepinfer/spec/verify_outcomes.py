@@ -56,7 +56,7 @@ class VerifyOutcomes:
 
     def _observe_policy(self: SpecStepPipeline, sched: SchedulerOutput, out_s: float, step_s: float, real_s: float,
                         emitted: int, ended: bool = False, observed: bool = True,
-                        per_seq: list[list[int]] | None = None, *, tokens: int, drafts: int) -> None:
+                        lens: bytes | None = None, *, tokens: int, drafts: int) -> None:
         """The adaptive policy's observations of this step: its output processing, its time against the tables
         (decode rows only: what the tables price; a step whose MTP pass caught up a pause's rows paid a one-off pass
         over them, spec/mtp_catchup.py, which is the pause's cost, not the step's; where the steady state runs
@@ -71,8 +71,9 @@ class VerifyOutcomes:
 
         ended: a request ended in the step (RealizedRates.step leaves it out of the realized rates).
 
-        per_seq: each scheduled sequence's emitted tokens; on a steady drafting step, how many emitted each count
-        goes to the realized rates (the shorter chains' counterfactual tokens, RealizedRates "paired").
+        lens: how many tokens each scheduled sequence emitted, one byte each (None: not known); on a steady drafting
+        step, how many emitted each count goes to the realized rates (the shorter chains' counterfactual tokens,
+        RealizedRates "paired").
 
         observed False: a settled step whose output processing and step time are not kept (spec/settled_steps.py);
         its realized rate is.
@@ -93,8 +94,8 @@ class VerifyOutcomes:
         # each sequence's tokens emitted, as bytes (at most k + 1 each; an object the garbage collector does not
         # track): observations that wait keep them, and the step's list of lists kept instead cost 20-30 us a step of
         # collections at 64 sequences on this CPU (benchmarks/spec_host.py: 33 collections a cell against 5)
-        lens = bytes(map(len, per_seq)) if per_seq is not None and now > 0 and before == now and not ended \
-            and policy.realized.paired and now < 255 else None
+        lens = lens if lens is not None and now > 0 and before == now and not ended and policy.realized.paired \
+            else None
         # (a tuple of the step's numbers, not a closure: a closure's cells are as many objects for the collector)
         log = self._policy_log
         if lens is None:
