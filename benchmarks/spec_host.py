@@ -14,6 +14,7 @@ and host time (ms), tokens per step, the waits for the device per step (`SpecSte
 time per emitted token.
 
     python -m benchmarks.spec_host --concurrency 1 16 64 --max-tokens 64 [--phases]
+    python -m benchmarks.spec_host --concurrency 1 --modes k5 adaptive-k5 --max-tokens 512 --interleave 8
 """
 
 from __future__ import annotations
@@ -236,6 +237,40 @@ def run_cell(engine, concurrency: int, max_tokens: int) -> dict:
             "phases": spec.phases.since(phases0).describe() if spec else ""}
 
 
+def interleaved(tok_dir: str, conc: int, modes: list[str], max_tokens: int, rounds: int) -> dict[str, dict]:
+    """Per mode, the median over `rounds` cells of each phase's us a step (spec/step_phases.py), of the step kind most
+    of its cell's steps ran as: the modes' engines built and warmed together, their cells run round-robin, so that
+    a busy moment of this machine falls on every mode alike. Whole-step times here move with the stand-in's replays
+    and this VM's load by more than a mode's own bookkeeping (tens of us a step, both ways, between two runs of the
+    same engines); the phases that are each mode's own host work (slots, plan, deferred, observe) do not."""
+    engines = {m: make_engine(tok_dir, m, max(conc, 1), max_tokens) for m in modes}
+    for engine in engines.values():
+        run_cell(engine, conc, 8)  # warm-up
+    got: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    for _ in range(rounds):
+        for m, engine in engines.items():
+            before = engine._spec.phases.snapshot()
+            run_cell(engine, conc, max_tokens)
+            per = engine._spec.phases.since(before).per_step_ms()
+            kind = max(per, key=lambda k: per[k]["steps"])
+            for name, ms in per[kind].items():
+                if name not in ("steps", "tokens"):
+                    got[m].setdefault(name, []).append(1e3 * ms)
+    return {m: {name: statistics.median(v) for name, v in rows.items()} for m, rows in got.items()}
+
+
+def print_interleaved(conc: int, medians: dict[str, dict[str, float]]) -> None:
+    """One row a phase: each mode's median us a step, then each later mode's difference from the first mode's."""
+    modes = list(medians)
+    base = modes[0]
+    names = [n for n in medians[base] if all(n in medians[m] for m in modes)]
+    print(f"{'conc':>5} {'phase us/step':>14} " + " ".join(f"{m:>12}" for m in modes)
+          + "".join(f" {m + ' - ' + base:>24}" for m in modes[1:]))
+    for name in names:
+        print(f"{conc:>5} {name:>14} " + " ".join(f"{medians[m][name]:>12.2f}" for m in modes)
+              + "".join(f" {medians[m][name] - medians[base][name]:>24.2f}" for m in modes[1:]), flush=True)
+
+
 def main() -> None:
     from deepinfer.checkpoints.tokenizer_factory import write_tokenizer
 
@@ -246,10 +281,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="cells per mode; the one with the least host time is kept")
     ap.add_argument("--phases", action="store_true",
                     help="print the kept cell's ms a step by phase and kind (spec/step_phases.py; replays included)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="instead: every mode's engine at once, ROUNDS cells each run round-robin, the median us a "
+                         "step of each phase and each mode's difference from the first mode's (`interleaved`)")
     args = ap.parse_args()
+    if args.interleave and any(m.startswith("off") for m in args.modes):
+        ap.error("--interleave: modes without speculation have no step phases (use k1, k3, k5 or adaptive*)")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tok_dir:
         write_tokenizer(tok_dir, VOCAB)
+        if args.interleave:
+            for conc in args.concurrency:
+                print_interleaved(conc, interleaved(tok_dir, conc, args.modes, args.max_tokens, args.interleave))
+            return
         print(f"{'conc':>5} {'mode':>8} {'steps':>6} {'wall ms':>8} {'replay ms':>9} {'host ms':>8} {'tok/step':>8} "
               f"{'reads/step':>10} {'host ms/tok':>11} {'policy us':>9}")
         for conc in args.concurrency:

@@ -49,7 +49,6 @@ T_max + 2 * B_max rows and 7 * T_max + 8 * B_max int64.
 from __future__ import annotations
 
 import bisect
-
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
