@@ -175,8 +175,9 @@ class RealizedRates:
         sequence's tokens emitted (lens: one byte a sequence): the same updates. Where the (load, chain) is past its
         first min_count steps with counts kept, and no trace is kept, they run here without step's and observe's
         checks (every one of which such a step passes): the adaptive mode's settled steps each make one such call
-        (spec/verify_outcomes.py), and through step and observe it cost ~8 us a step in an engine step on this CPU,
-        ~6 of the mode's 15 us of extra deferred work a step over static k5 at one sequence."""
+        (spec/verify_outcomes.py); through step and observe that cost 6-8 us a step inside an engine step on this CPU
+        (session 42, one sequence: the largest piece of the mode's ~15 us of deferred work over static k5's), ~4
+        by this path."""
         key = (num_seqs, chain)
         old = self.emitted.get(key)
         if (old is None or self.trace is not None or self.counts.get(key, 0) < self.min_count or tokens <= 0

@@ -185,7 +185,7 @@ def _observe_output(policy, observed: bool, out_s: float, emitted: int, n: int) 
 
 def _observe_times(policy, out_s: float, step_s: float, emitted: int, n: int, tokens: int, drafted: tuple[int, int],
                    verified: bool, off_path: bool) -> None:
-    """A steady step's output processing and step time (its realized rate is `_steady_step`'s)."""
+    """A steady step's output processing and step time (its realized rate: RealizedRates.steady_step)."""
     policy.observe_output(out_s, emitted, n)
     policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
 
