@@ -172,21 +172,23 @@ class RealizedRates:
 
     def steady_step(self, num_seqs: int, chain: int, tokens: int, seconds: float, lens: bytes) -> None:
         """`step(num_seqs, chain, chain, ...)` of a steady drafting step that no request ended in, with each sampling
-        sequence's tokens emitted (lens: one byte a sequence): the same updates. Where the (load, chain) is past its
-        first min_count steps with counts kept, and no trace is kept, they run here without step's and observe's
+        sequence's tokens emitted (lens: one byte a sequence): the same updates (and trace entry). Where the (load,
+        chain) is past its first min_count steps with counts kept, they run here without step's and observe's
         checks (every one of which such a step passes): the adaptive mode's settled steps each make one such call
         (spec/verify_outcomes.py); through step and observe that cost 6-8 us a step inside an engine step on this CPU
         (session 42, one sequence: the largest piece of the mode's ~15 us of deferred work over static k5's), ~4
         by this path."""
         key = (num_seqs, chain)
         old = self.emitted.get(key)
-        if (old is None or self.trace is not None or self.counts.get(key, 0) < self.min_count or tokens <= 0
-                or seconds <= 0 or (lens and max(lens) > chain + 1)):
+        if (old is None or self.counts.get(key, 0) < self.min_count or tokens <= 0 or seconds <= 0
+                or (lens and max(lens) > chain + 1)):
             counts = [lens.count(e) for e in range(chain + 2)] if not lens or max(lens) <= chain + 1 else None
             self.step(num_seqs, chain, chain, True, tokens, seconds, emitted=counts)
             return
         self.now += 1
         self.last[key] = self.now
+        if self.trace is not None:
+            self.trace.append((self.now, num_seqs, chain, tokens, round(seconds, 6)))
         self.counts[key] += 1
         w = self.weight
         # `_observe_emitted`'s (1 - w) * o + w * x, x the count of sequences that emitted e: for a count of 0 the

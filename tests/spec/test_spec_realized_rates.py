@@ -65,18 +65,18 @@ def test_step_observes_steady_steps_only():
 
 def _state(r: RealizedRates) -> tuple:
     return (r.now, r.tokens, r.seconds, r.counts, r.last, r._first, r._warm, r._loads, r._step_rate, r._step_rate_sq,
-            r.emitted, r._longest)
+            r.emitted, r._longest, r.trace)
 
 
 def test_a_steady_step_by_the_short_path_updates_as_step_does():
     """RealizedRates.steady_step (the adaptive mode's settled steps) against step with the counts of sequences by
     tokens emitted: the same floats in every table, from a (load, chain)'s warm-up and first steps (the long path)
     through its moving averages (the short one), with stalls, one and many sequences, a length past the chain (no
-    counts), and a request's lens empty."""
+    counts); with a plan trace kept (benchmarks.speculative --plan-trace), the same entries."""
     import random
 
     rng = random.Random(7)
-    short, long = RealizedRates(), RealizedRates()
+    short, long = RealizedRates(trace=[]), RealizedRates(trace=[])
     for i in range(400):
         n = rng.choice([1, 1, 4, 16])
         chain = rng.choice([3, 5]) if i % 50 else 2
@@ -90,6 +90,7 @@ def test_a_steady_step_by_the_short_path_updates_as_step_does():
         long.step(n, chain, chain, True, tokens, seconds, emitted=counts)
         assert _state(short) == _state(long), i
     assert sum(long.counts.values()) > 300  # (most of them past their first steps: the short path ran)
+    assert len(long.trace) == 400  # (every step traced: none ended)
 
 def host_bound_step(num_seqs: int, tokens_per_seq: float, fixed: float, per_seq: float) -> tuple[float, float]:
     """(tokens, seconds) of a step whose time is a fixed host part plus a part per sequence (the H200's shape)."""
