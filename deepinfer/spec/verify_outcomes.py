@@ -100,7 +100,7 @@ class VerifyOutcomes:
         log = self._policy_log
         if lens is None:
             log.append((_observe_step, policy, observed, out_s, step_s, real_s, emitted, n, tokens, drafted, verified,
-                        off_path, before, now, ended, lens))
+                        off_path, before, now, ended))
             return
         # a steady step (most of a settled run's, observed one in observe_every): its realized rate by the short path
         # (RealizedRates.steady_step), and its times where kept
@@ -192,13 +192,10 @@ def _observe_times(policy, out_s: float, step_s: float, emitted: int, n: int, to
 
 def _observe_step(policy, observed: bool, out_s: float, step_s: float, real_s: float, emitted: int, n: int,
                   tokens: int, drafted: tuple[int, int], verified: bool, off_path: bool, before: int, now: int,
-                  ended: bool, lens: bytes | None) -> None:
-    """A decode-rows step: its output processing and step time where kept, its realized rate (with the counts of
-    sequences by tokens emitted, from lens, on a steady step)."""
+                  ended: bool) -> None:
+    """A decode-rows step that is not a steady one with its emitted counts (those: `_observe_times` and
+    RealizedRates.steady_step): its output processing and step time where kept, its realized rate."""
     if observed:
         policy.observe_output(out_s, emitted, n)
         policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
-    counts = None  # sequences by tokens emitted: at most the chain verified + 1 (else none, rather than wrong ones)
-    if lens is not None and (not lens or max(lens) <= now + 1):
-        counts = [lens.count(e) for e in range(now + 2)]
-    policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended, emitted=counts)
+    policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended)
