@@ -180,9 +180,9 @@ class RealizedRates:
         by this path."""
         key = (num_seqs, chain)
         old = self.emitted.get(key)
-        if (old is None or self.counts.get(key, 0) < self.min_count or tokens <= 0 or seconds <= 0
-                or (lens and max(lens) > chain + 1)):
-            counts = [lens.count(e) for e in range(chain + 2)] if not lens or max(lens) <= chain + 1 else None
+        fits = max(lens, default=0) <= chain + 1  # (a sequence past the chain's tokens: no counts, none wrong)
+        if old is None or self.counts.get(key, 0) < self.min_count or tokens <= 0 or seconds <= 0 or not fits:
+            counts = [lens.count(e) for e in range(chain + 2)] if fits else None
             self.step(num_seqs, chain, chain, True, tokens, seconds, emitted=counts)
             return
         self.now += 1

@@ -196,6 +196,5 @@ def _observe_step(policy, observed: bool, out_s: float, step_s: float, real_s: f
     """A decode-rows step that is not a steady one with its emitted counts (those: `_observe_times` and
     RealizedRates.steady_step): its output processing and step time where kept, its realized rate."""
     if observed:
-        policy.observe_output(out_s, emitted, n)
-        policy.observe_step(step_s, tokens, n, *drafted, verified=verified, off_path=off_path, emitted=emitted)
+        _observe_times(policy, out_s, step_s, emitted, n, tokens, drafted, verified, off_path)
     policy.realized.step(n, before, now, verified, emitted, real_s, ended=ended)
