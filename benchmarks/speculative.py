@@ -4,6 +4,8 @@ draft lengths vs the confidence scheduler, at several concurrencies (issue 17's 
     python -m benchmarks.speculative                       # concurrency 1 4 16 64, off / k=1,3,5 / adaptive
     python -m benchmarks.speculative --concurrency 1 4 --max-tokens 32
     python -m benchmarks.speculative --model /tmp/stdlib-coder-v4    # another checkpoint with an MTP module
+    python -m benchmarks.speculative --device cuda --model /tmp/ckpt-v2-lite-mtp-bench --kv-cache-gib 2
+        # V2-Lite layer shapes, drafts accepted at a set rate (deepinfer/checkpoints/presets_mtp_bench.py)
 
 Each (mode, concurrency) cell submits `concurrency` greedy code prompts at once (ignore_eos, max_tokens
 fixed, so every mode does the same work and emits the same tokens: the benchmark checks they are equal to
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None,
                     help="a checkpoint directory with an MTP module (default: the embedded stdlib-coder), e.g. the "
                          "V4 that tools/stdlib_coder/train_v4.py trains")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="each engine's KV cache (kv_cache_memory_bytes; default: the engine's own sizing). On a GPU "
+                         "each mode builds its own engine: give this where several engines of a large model share it")
     ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on a GPU")
     ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:CONC",
                     help="after the table, profile one cell of each MODE at CONC (device kernels and host Python)")
@@ -301,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         cfg = EngineConfig(model_name_or_path=path, device=args.device, dtype=dtype, max_model_len=512,
                            max_num_seqs=args.max_num_seqs or max(args.concurrency), load_progress=False,
+                           kv_cache_memory_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
                            **MODES[mode])
         saved = {v.name: v.raw() for v in envs.ALL if v.name in MODE_ENV.get(mode, {})}
         os.environ.update(MODE_ENV.get(mode, {}))

@@ -14,7 +14,8 @@
 #      tests (the GPU invariance tests), bench (benchmarks.batch_invariance on $CKPT, flag off vs on, prompt 512,
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
 #      GEMM / MoE plan sweep), probe (benchmarks.invariant_tile_probe); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
-#      SPEC_ARGS; SPEC_RUNS=N processes, SPEC_TRACE=1 plan traces), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
+#      SPEC_ARGS; SPEC_RUNS=N processes, SPEC_TRACE=1 plan traces), specbench (issue 17 at V2-Lite layer shapes: the
+#      v2-lite-mtp-bench checkpoint at SB_CKPT, SPECB_ARGS, SPECB_RUNS, SPECB_KV_GIB), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      moesweep (issue 18: benchmarks.moe_tile_sweep per MS_RUNS), quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table (QUANT_BENCH_ARGS: throughput arguments for
@@ -196,6 +197,25 @@ if has spec; then
       ${SPEC_ARGS:---concurrency 1 4 16 64 256 --modes off k1 k3 k5 adaptive --max-tokens 512 --repeats 3} $trace \
       > "$OUT/speculative$sfx.log" 2>&1
     log "speculative rc=$?"; grep -v '^{' "$OUT/speculative$sfx.log" | tail -30 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has specbench; then
+  # issue 17 at V2-Lite layer shapes: the MTP benchmark checkpoint (deepinfer/checkpoints/presets_mtp_bench.py, drafts
+  # accepted at a set rate, device-bound steps), one engine a mode with SPECB_KV_GIB of KV cache each
+  SB_CKPT="${SB_CKPT:-/tmp/ckpt-v2-lite-mtp-bench}"
+  if [ ! -f "$SB_CKPT/config.json" ]; then
+    log "making the v2-lite-mtp-bench checkpoint -> $SB_CKPT"
+    python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite-mtp-bench --workers 8 "$SB_CKPT" > /tmp/sbckpt.log 2>&1
+    log "make-checkpoint rc=$?"
+  fi
+  for run in $(seq 1 "${SPECB_RUNS:-1}"); do
+    sfx=""; [ "$run" -gt 1 ] && sfx="_r$run"
+    log "issue 17: speculative decoding at V2-Lite layer shapes (v2-lite-mtp-bench, bf16), run $run"
+    timeout "${SPECB_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda --model "$SB_CKPT" \
+      --kv-cache-gib "${SPECB_KV_GIB:-2}" \
+      ${SPECB_ARGS:---concurrency 1 4 16 64 --modes off k1 k3 k5 adaptive --max-tokens 256 --repeats 3} \
+      > "$OUT/specbench$sfx.log" 2>&1
+    log "specbench rc=$?"; grep -v '^{' "$OUT/specbench$sfx.log" | tail -40 | tee -a "$OUT/summary.txt"
   done
 fi
 if has kvttft; then

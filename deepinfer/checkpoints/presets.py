@@ -169,7 +169,7 @@ def register_preset(preset: Preset) -> None:
 
 def _load_family_presets() -> None:
     # families in their own modules register on import; a module that exists but fails to import is an error
-    for module in ("deepinfer.checkpoints.presets_v4",):
+    for module in ("deepinfer.checkpoints.presets_v4", "deepinfer.checkpoints.presets_mtp_bench"):
         if importlib.util.find_spec(module) is not None:
             importlib.import_module(module)
 

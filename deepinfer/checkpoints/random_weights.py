@@ -39,7 +39,9 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     std: float = 1.0  # normal(0, std); for kind "norm": 1 + normal(0, std)
-    kind: str = "normal"  # "normal" | "norm" | "expert_table" (V4 tid2eid: distinct ids in [0, std) per row)
+    # "normal" | "norm" | "expert_table" (V4 tid2eid: distinct ids in [0, std) per row) | "zeros" | "identity" (an
+    # [out, in >= out] matrix: the identity plus normal(0, std) noise in its first out columns, zeros after them)
+    kind: str = "normal"
     dtype: torch.dtype | None = None  # None: the checkpoint dtype
     fp8: bool = False  # store e4m3 + `<name without .weight>.weight_scale_inv`
 
@@ -60,6 +62,16 @@ def draw(spec: TensorSpec, seed: int) -> torch.Tensor:
     if spec.kind == "expert_table":
         rows, k = spec.shape
         return torch.rand((rows, int(spec.std)), generator=_generator(seed, spec.name)).argsort(dim=1)[:, :k]
+    if spec.kind == "zeros":
+        return torch.zeros(spec.shape, dtype=torch.float32)
+    if spec.kind == "identity":
+        out_f, in_f = spec.shape
+        if in_f < out_f:
+            raise ValueError(f"{spec.name}: an identity tensor needs in >= out, not {spec.shape}")
+        t = torch.zeros(spec.shape, dtype=torch.float32)
+        noise = torch.randn((out_f, out_f), generator=_generator(seed, spec.name), dtype=torch.float32) * spec.std
+        t[:, :out_f] = torch.eye(out_f) + noise
+        return t
     t = torch.randn(spec.shape, generator=_generator(seed, spec.name), dtype=torch.float32) * spec.std
     if spec.kind == "norm":
         t += 1.0
