@@ -75,7 +75,7 @@ def mtp_bench_tensor_plan(cfg: dict, fp8: bool) -> list[TensorSpec]:
 def _bench_tensor(spec: TensorSpec, hidden: int) -> TensorSpec:
     """One main-plan tensor as the benchmark checkpoint stores it (module docstring)."""
     name = spec.name
-    if name == "model.embed_tokens.weight" or name.endswith(".mlp.gate.weight") or name.endswith("correction_bias"):
+    if name == "model.embed_tokens.weight" or name.endswith((".mlp.gate.weight", "correction_bias")):
         return spec
     if name == "lm_head.weight":
         return TensorSpec(name, spec.shape, std=LOGIT_STD * hidden ** -0.5)
