@@ -15,7 +15,8 @@
 #      64 out, 16 prefill prompts), profile (the flag-on decode step at batch 1 and 64), sweep (the invariant
 #      GEMM / MoE plan sweep), probe (benchmarks.invariant_tile_probe); default tests,bench,profile), spec (issue 17: benchmarks.speculative --device cuda on the embedded model,
 #      SPEC_ARGS; SPEC_RUNS=N processes, SPEC_TRACE=1 plan traces), specbench (issue 17 at V2-Lite layer shapes: the
-#      v2-lite-mtp-bench checkpoint at SB_CKPT, SPECB_ARGS, SPECB_RUNS, SPECB_KV_GIB), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
+#      SB_PRESET checkpoint at SB_CKPT, SPECB_MODES, SPECB_SPLIT=1 a process a mode with off, SPECB_ARGS,
+#      SPECB_RUNS, SPECB_KV_GIB), kvttft (issue 15: benchmarks.kv_tiers_ttft, V2-Lite shapes with KV_LAYERS layers at 8k),
 #      moesweep (issue 18: benchmarks.moe_tile_sweep per MS_RUNS), quant (issue 18: benchmarks.quant_gemm, QG_ARGS e.g. "--sweep" or "--only moe"; device time from graph replays),
 #      quante2e (issue 18: throughput bf16 on $CKPT, then QUANT_ARGS (default --quantization fp8) on QUANT_CKPT
 #      (default $CKPT), then benchmarks.quant_summary's speed-up table (QUANT_BENCH_ARGS: throughput arguments for
@@ -202,20 +203,28 @@ fi
 if has specbench; then
   # issue 17 at V2-Lite layer shapes: the MTP benchmark checkpoint (deepinfer/checkpoints/presets_mtp_bench.py, drafts
   # accepted at a set rate, device-bound steps), one engine a mode with SPECB_KV_GIB of KV cache each
-  SB_CKPT="${SB_CKPT:-/tmp/ckpt-v2-lite-mtp-bench}"
+  # (SB_PRESET: v2-lite-mtp-bench, 8 layers, or v2-lite-mtp-bench-27l, V2-Lite's depth). SPECB_SPLIT=1: one process
+  # a mode of SPECB_MODES, each with off (paired ratios per process; two engines of the 27-layer model fit a GPU)
+  SB_PRESET="${SB_PRESET:-v2-lite-mtp-bench}"
+  SB_CKPT="${SB_CKPT:-/tmp/ckpt-$SB_PRESET}"
   if [ ! -f "$SB_CKPT/config.json" ]; then
-    log "making the v2-lite-mtp-bench checkpoint -> $SB_CKPT"
-    python3 -m deepinfer.entrypoints.cli make-checkpoint --preset v2-lite-mtp-bench --workers 8 "$SB_CKPT" > /tmp/sbckpt.log 2>&1
+    log "making the $SB_PRESET checkpoint -> $SB_CKPT"
+    python3 -m deepinfer.entrypoints.cli make-checkpoint --preset "$SB_PRESET" --workers 8 "$SB_CKPT" > /tmp/sbckpt.log 2>&1
     log "make-checkpoint rc=$?"
   fi
+  SB_SETS="${SPECB_MODES:-off k1 k3 k5 adaptive}"
+  if [ "${SPECB_SPLIT:-0}" = 1 ]; then SB_SETS="$(for m in ${SPECB_MODES:-k1 k3 k5 adaptive}; do printf 'off %s,' "$m"; done)"; fi
+  IFS="," read -ra SB_LIST <<< "$SB_SETS"
   for run in $(seq 1 "${SPECB_RUNS:-1}"); do
-    sfx=""; [ "$run" -gt 1 ] && sfx="_r$run"
-    log "issue 17: speculative decoding at V2-Lite layer shapes (v2-lite-mtp-bench, bf16), run $run"
-    timeout "${SPECB_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda --model "$SB_CKPT" \
-      --kv-cache-gib "${SPECB_KV_GIB:-2}" \
-      ${SPECB_ARGS:---concurrency 1 4 16 64 --modes off k1 k3 k5 adaptive --max-tokens 256 --repeats 3} \
-      > "$OUT/specbench$sfx.log" 2>&1
-    log "specbench rc=$?"; grep -v '^{' "$OUT/specbench$sfx.log" | tail -40 | tee -a "$OUT/summary.txt"
+    for modes in "${SB_LIST[@]}"; do
+      sfx="_${modes// /_}"; [ "$run" -gt 1 ] && sfx="${sfx}_r$run"
+      log "issue 17: speculative decoding at V2-Lite layer shapes ($SB_PRESET, bf16), modes $modes, run $run"
+      timeout "${SPECB_TIMEOUT:-400}" python3 -m benchmarks.speculative --device cuda --model "$SB_CKPT" \
+        --kv-cache-gib "${SPECB_KV_GIB:-2}" --modes $modes \
+        ${SPECB_ARGS:---concurrency 1 4 16 64 --max-tokens 256 --repeats 3} > "$OUT/specbench$sfx.log" 2>&1
+      log "specbench rc=$?"; grep -v '^{' "$OUT/specbench$sfx.log" | grep -v '^steps at\|^plan state\|Loading' | tail -24 \
+        | tee -a "$OUT/summary.txt"
+    done
   done
 fi
 if has kvttft; then

@@ -22,9 +22,12 @@ give the MTP module drafts the main model accepts at a known rate, by constructi
 
 What it is not: a language model. Greedy output follows f from the prompt's last token into one of f's cycles
 (a few hundred tokens at vocab 102400); the drafts' confidences are the MTP head's softmax maxima, which are lower
-where the noise brings a near tie (so the calibration has a signal, not the trained model's). The V2-Lite preset has
+where the noise brings a near tie (so the calibration has a signal, not the trained model's). "v2-lite-mtp-bench" has
 8 decoder layers (V2-Lite has 27) so that the benchmark's engines, one per mode each with its own copy of the
-weights, fit one 80 GB GPU: ~10 GB each.
+weights, fit one 80 GB GPU: ~10 GB each. That depth weighs the MTP module (one decoder layer and the 102400-row
+head a drafted token) against a main model a third of V2-Lite's: on an H100 (session 43) every static draft length
+ran below no speculation there. "v2-lite-mtp-bench-27l" has V2-Lite's 27 (~31 GB): two engines a process
+(scripts/gpu_run.sh specbench with SPECB_SPLIT=1 runs off and one mode a process).
 """
 
 from __future__ import annotations
@@ -89,17 +92,20 @@ def _tiny() -> dict:
                             rope=16, vdim=32, experts=8, top_k=2, shared=1, noise=0.05)
 
 
-def _v2_lite_shapes() -> dict:
-    return mtp_bench_config(vocab=102400, hidden=2048, inter=10944, moe_inter=1408, layers=8, heads=16, kv_lora=512,
-                            nope=128, rope=64, vdim=128, experts=64, top_k=6, shared=2, noise=0.07)
+def _v2_lite_shapes(layers: int) -> dict:
+    return mtp_bench_config(vocab=102400, hidden=2048, inter=10944, moe_inter=1408, layers=layers, heads=16,
+                            kv_lora=512, nope=128, rope=64, vdim=128, experts=64, top_k=6, shared=2, noise=0.07)
 
 
 for _preset in (
     Preset("tiny-mtp-bench", "tiny DeepSeek-V3 with an MTP module whose drafts are accepted at a set rate "
            "(presets_mtp_bench.py), fp32", _tiny(), dtype="float32", tensor_plan=mtp_bench_tensor_plan),
     Preset("v2-lite-mtp-bench", "DeepSeek-V2-Lite layer shapes (8 layers) with an MTP module accepted at a set rate "
-           "(speculation benchmark, presets_mtp_bench.py), bf16, ~10 GB", _v2_lite_shapes(),
+           "(speculation benchmark, presets_mtp_bench.py), bf16, ~10 GB", _v2_lite_shapes(8),
            max_shard_bytes=2 * 1024**3, tensor_plan=mtp_bench_tensor_plan),
+    Preset("v2-lite-mtp-bench-27l", "DeepSeek-V2-Lite shapes and depth (27 layers) with an MTP module accepted at a "
+           "set rate (presets_mtp_bench.py), bf16, ~31 GB", _v2_lite_shapes(27), max_shard_bytes=4 * 1024**3,
+           tensor_plan=mtp_bench_tensor_plan),
 ):
     register_preset(_preset)
 del _preset

@@ -68,6 +68,7 @@ def test_tensor_plan_shapes_and_kinds():
     assert math.isclose(specs["lm_head.weight"].std * math.sqrt(D), LOGIT_STD)
     norms = [s for s in specs.values() if s.kind == "norm"]
     assert norms and all(s.std == 0.0 for s in norms)
+    assert PRESETS["v2-lite-mtp-bench-27l"].config["num_hidden_layers"] == 27
     with pytest.raises(ValueError, match="bf16 / fp32 only"):
         p.tensor_plan(cfg, True)
 
