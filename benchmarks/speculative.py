@@ -110,6 +110,22 @@ DEFAULT_MODES = [m for m in MODES if m not in ("adaptive_sync", "adaptive_s15", 
                                               "k3_async", "k5_async", "adaptive_async", "k5_nooverlap")]
 
 
+def warm_long_prompts(engine, concurrency: int) -> None:
+    """Prompts of ~3/4 max_model_len at the sweep's largest concurrency, two tokens each: the prefill-sized kernels
+    (the main model's chunks and the MTP module's passes over them, which a pause's catch-up reuses) compile here.
+    An engine given its KV cache size (--kv-cache-gib) runs no profiling forward of its token budget at start-up,
+    which otherwise compiles them (on an H100, session 43, three Triton kernels compiled inside a timed cell at 64
+    sequences: 0.94 s)."""
+    from deepinfer import SamplingParams
+
+    tok = engine.tokenizer
+    ids = tok.encode("".join(PROMPTS))
+    want = 3 * engine.config.max_model_len // 4
+    prompt = tok.decode((ids * (want // max(len(ids), 1) + 1))[:want])
+    engine.generate([prompt] * concurrency, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                    use_tqdm=False)
+
+
 def run_cell(engine, concurrency: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
     from deepinfer import SamplingParams
 
@@ -325,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(getattr(policy, owner) if owner else policy, attr, value)
     tracer = PlanTrace(args.plan_trace, engines) if args.plan_trace else None
     for mode, engine in engines.items():  # warm-up: first-call costs (Triton compiles per shape) are not a mode's
+        if args.kv_cache_gib is not None:
+            warm_long_prompts(engine, max(args.concurrency))
         for c in args.concurrency:
             run_cell(engine, c, 16)
             if tracer is not None:
