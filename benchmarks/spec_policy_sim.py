@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.draft_cost import DraftCostTable
 from deepinfer.spec.draft_slots import HeldDraft
+from deepinfer.spec.recent_drafts import RecentDrafts
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.slot_policy import SlotPolicy
 
@@ -48,6 +49,13 @@ class DeviceModel:
     # session 17, 4 sequences) a one-sync step of k5 ran 0.31 ms over k3's where the table priced the two more links
     # at 0.15 ms: ~2x
     link_factor: float = 1.0
+    # acceptance's slope in the draft's confidence about the slot's mean (p = accept + slope x (c - mean), clipped to
+    # 0.02-0.98): 0.8 nearly linear; large, a step (drafts nearly always accepted above some confidence, mostly
+    # rejected below: what makes survival at the mean confidence over-promise, spec/recent_drafts.py)
+    slope: float = 0.8
+    # a plain step (no draft verified or drafted) at this times the table's price: where plain decoding runs a
+    # faster path than the profiled forward (the V2-Lite decode graphs, session 43)
+    plain_factor: float = 1.0
 
 
 def _ms(*xs: float) -> list[float]:
@@ -88,6 +96,22 @@ MODELS = {
                                           StepCostTable([1, 64], _ms(0.245, 0.6))),
                            h0=0.48e-3, h_tok=0.064e-3, host_path=0.9e-3, catch_up=0.3e-3, accept=(1.0,) * 5,
                            confidence=EMBEDDED_CONFIDENCE),
+    # V2-Lite layer shapes, 8 layers, on an H100 (session 43, the v2-lite-mtp-bench checkpoint: device-bound steps,
+    # drafts accepted ~0.85 a slot with a steep dependence on their confidence): the engine's step and drafting
+    # tables of that run; plain steps at ~0.6x the table (off 0.98 / 1.26 / 1.64 ms a step at 1 / 4 / 16 sequences)
+    # and h0 fitted to static k3's and k5's steps. Every static k ran below off there (k3: 0.91 / 0.87 / 0.95x).
+    # accept 1.25 at slope 5 over confidences +-0.2 about the mean: ~0.85 a slot on average (clipped at 0.98 above
+    # the mean, at 0.02 near its bottom)
+    **{f"h100v8-b{b}": DeviceModel(b, StepCostTable([1, 2, 4, 8, 16, 32, 64, 128, 256, 384],
+                                                    _ms(1.129, 1.300, 1.634, 2.105, 2.673, 2.815, 3.140, 3.336, 3.864,
+                                                        4.325)),
+                                   DraftCostTable(5, StepCostTable([1, 2, 4, 8, 16, 32, 64],
+                                                                   _ms(0.640, 0.640, 0.701, 0.859, 0.894, 1.024, 1.206)),
+                                                  StepCostTable([1, 2, 4, 8, 16, 32, 64],
+                                                                _ms(2.119, 2.189, 2.405, 2.810, 3.155, 3.404, 4.010))),
+                                   h0=h0, h_tok=0.01e-3, host_path=0.9e-3, catch_up=0.6e-3, accept=(1.25,) * 5,
+                                   confidence=(0.6,) * 5, slope=5.0, plain_factor=pf)
+       for b, h0, pf in ((1, 0.35e-3, 0.56), (4, 0.2e-3, 0.65), (16, 0.1e-3, 0.58))},
     # a compute-bound device (this CPU's shape: every verified token and draft link costs about a step's share)
     "cpu-like": DeviceModel(1, StepCostTable([1, 2, 4, 8], _ms(13.0, 16.7, 24.4, 29.6)),
                             DraftCostTable(5, StepCostTable([1, 4], _ms(5.0, 8.9)), StepCostTable([1, 4], _ms(29.0, 59.0))),
@@ -118,6 +142,8 @@ def simulate(model: DeviceModel, mode: str, steps: int, seed: int = 0, host_fact
             target = getattr(policy, owner, None) if owner else policy
             if target is None or not hasattr(target, attr):
                 raise SystemExit(f"--policy {name}: SlotPolicy has no such field")
+            if name == "recent_drafts" and isinstance(value, int):  # (a literal: the ring's steps)
+                value = RecentDrafts(steps=value)
             setattr(target, attr, value)
     elif mode != "off":
         policy = SlotPolicy(k=int(mode[1:]), max_model_len=1 << 30)
@@ -176,7 +202,8 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         if B == 0:
             break
         if mode == "off":
-            dt = (model.table.at(B) + model.h0 + model.h_tok * B) * (1 + model.noise * (rng.random() - 0.5))
+            dt = (model.table.at(B) * model.plain_factor + model.h0 + model.h_tok * B) \
+                * (1 + model.noise * (rng.random() - 0.5))
             dt *= slow() if slow is not None else 1.0
             tokens += B
             seconds += dt
@@ -195,7 +222,7 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         for (i, h), n in zip(cands, counts):
             a = 0
             while a < n:
-                p = min(max(model.accept[a] + 0.8 * (h.confidence[a] - model.confidence[a]), 0.02), 0.98)
+                p = min(max(model.accept[a] + model.slope * (h.confidence[a] - model.confidence[a]), 0.02), 0.98)
                 if phase is not None and step < phase[0]:  # a batch's hard first steps (--batch-phase)
                     p *= phase[1]
                 ok = rng.random() < p
@@ -222,7 +249,8 @@ def _run(model: DeviceModel, mode: str, policy: SlotPolicy | None, steps: int, r
         paused_steps += drafted == 0
         one_sync = before and chain > 0 and len({d for d, n in zip(drafting, left) if n > 0}) == 1 and not undrafted
         verify_tokens = B + sum(counts)
-        dt = model.table.at(verify_tokens) + model.h0 + model.h_tok * emitted
+        dt = model.table.at(verify_tokens) * (model.plain_factor if not (verified or drafted) else 1.0) \
+            + model.h0 + model.h_tok * emitted
         if drafted:
             priced, pass_only = model.drafting.cost(drafted, max(drafting)), model.drafting.cost(drafted, 1)
             dt += priced + (model.link_factor - 1.0) * (priced - pass_only)  # the links at link_factor their price

@@ -162,11 +162,15 @@ class ChainPlan:
         k, b = self.k, float(num_seqs)
         conf = [self.mean_confidence[j] if j < len(self.mean_confidence) else 0.5 for j in range(k)]
         survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
+        # each chain's reach: the product of the slots' survival at their mean confidence, or (recent_drafts) its
+        # mean over the recent drafts (spec/recent_drafts.py: the first is biased where survival is not linear)
+        sampled = self.recent_drafts.expected_reach(self.calibrator.table, k, survival) \
+            if self.recent_drafts is not None else None
         times = self.step_times
         tokens, seconds = [b], [times.seconds(PLAIN, num_seqs, self.cost.at(b))]
         reach, expected = 1.0, b
         for chain in range(1, k + 1):
-            reach *= survival[chain - 1]
+            reach = reach * survival[chain - 1] if sampled is None else sampled[chain - 1]
             expected += b * reach
             drafting = self.drafting_seconds(num_seqs, chain)
             tokens.append(expected)

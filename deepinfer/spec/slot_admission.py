@@ -47,9 +47,13 @@ class SlotAdmission:
             conf = conf_matrix(confs, width)
             if width:
                 self._track_confidence_array(conf, lens)
+                if self.recent_drafts is not None:
+                    self.recent_drafts.add(conf, lens)
         else:
             lens_list = [min(c, self.k, len(h.tokens)) for h, c in zip(held, caps)]
             self._track_confidence(confs, lens_list)
+            if self.recent_drafts is not None:
+                self.recent_drafts.add(confs, lens_list)
         if self.probe:  # the first sequences in batch order: chosen before any draw, whatever the drafts
             self.probe, self.verifying_probe, self.verify_all = False, True, False
             self._all_streaks.pop(bucket, None)

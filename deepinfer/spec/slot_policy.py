@@ -15,6 +15,7 @@ from deepinfer.spec.chain_plan import ChainPlan
 from deepinfer.spec.confidence import SurvivalCalibrator
 from deepinfer.spec.measure_plans import MeasurePlans
 from deepinfer.spec.realized_rates import RealizedRates
+from deepinfer.spec.recent_drafts import RecentDrafts
 from deepinfer.spec.scheduler import StepCostTable
 from deepinfer.spec.settled_steps import SettledSteps
 from deepinfer.spec.slot_admission import SlotAdmission
@@ -99,6 +100,8 @@ class SlotPolicy(ChainPlan, ChainChallenge, SlotAdmission, SettledSteps, Measure
     _admitted_any: bool = True  # whether the last verification admitted a slot (n-gram's pause rule)
     # per slot: a moving average of the held drafts' confidences (what plan_drafting prices a chain's slots at)
     mean_confidence: list[float] = field(default_factory=list)
+    # the chain model's reach from the recent drafts' confidences instead (spec/recent_drafts.py; None: off)
+    recent_drafts: RecentDrafts | None = None
     # measured / table-predicted seconds of the engine's decode-row steps, per kind (plain / speculative) and load
     # bucket (spec/step_times.py, fed by `observe_step`); plan_drafting scales the tables' prices by them
     step_times: StepTimeRatios = field(default_factory=StepTimeRatios)

@@ -87,3 +87,19 @@ def test_bounded_challenges_leave_out_the_shorter_chains_where_every_draft_is_ac
     bounded, unbounded = run(None), run({"bound_challenges": False})
     assert bounded["decisions"].get("challenge", 0) == 0 and bounded["mean_chain"] == 5.0
     assert unbounded["decisions"].get("challenge", 0) > 0
+
+
+def test_plain_factor_and_slope_of_the_v2_lite_models():
+    """h100v8-*: a plain step at plain_factor of the table (off's rate follows it); a steep acceptance slope keeps
+    the mean acceptance near its design (~0.85: k1's tau); `recent_drafts=N` makes the chain
+    model's sampled reach (spec/recent_drafts.py) and changes the adaptive plan on the same draws."""
+    m = sim.MODELS["h100v8-b1"]
+    off = sim.simulate(m, "off", 400, seed=0, host_factor=0.0)
+    step = m.table.at(1) * m.plain_factor + m.h0 + m.h_tok
+    assert off["per_seq_tok_s"] == pytest.approx(1.0 / step, rel=0.03)
+    k1 = sim.simulate(m, "k1", 3000, seed=0, host_factor=0.0)
+    assert 1.8 < k1["tau"] < 1.9
+    base = sim.simulate(m, "adaptive", 3000, seed=0, host_factor=0.0, max_tokens=256, repeats=2)
+    sampled = sim.simulate(m, "adaptive", 3000, seed=0, host_factor=0.0, max_tokens=256, repeats=2,
+                           policy_fields={"recent_drafts": 32})
+    assert sampled["decisions"] != base["decisions"]
