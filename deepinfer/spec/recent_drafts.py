@@ -7,8 +7,8 @@ linear in the confidence that is biased (Jensen's inequality): on drafts that ar
 confidence and mostly rejected below it, the survival at the mean confidence is the upper plateau, while the mean
 survival is the plateau weighted down by the low-confidence drafts. On an H100 (session 43, the v2-lite-mtp-bench
 checkpoint, drafts accepted ~0.85 a slot) the model put chains of 1 / 2 / 3 at 2.0 / 3.0 / 4.0 tokens a step at one
-sequence where static k1 and k3 emitted 1.85 and 3.23, so its plans kept returning to chains that its realized
-rates then paused.
+sequence where static k1 and k3 emitted 1.85 and 3.23, and its plans kept returning to chains that its realized
+rates then paused; how much of that over-promise was this bias was not measured (that run kept no confidences).
 
 This keeps the confidences of the drafts held at the last `steps` priced admissions (the steps where the mean
 confidence is updated: `SlotAdmission.counts`), references only, and at plan time answers the mean over those
