@@ -115,8 +115,8 @@ def warm_long_prompts(engine, concurrency: int) -> None:
     (the main model's chunks and the MTP module's passes over them, which a pause's catch-up reuses) compile here.
     An engine given its KV cache size (--kv-cache-gib) runs no profiling forward of its token budget at start-up,
     which otherwise compiles some of them (on an H100, session 43, three Triton kernels compiled inside a timed cell
-    at 64 sequences without it: 0.94 s; the profiling forward routes every token to the same experts, so it leaves
-    MoE shapes out too: session 42's run compiled two inside a cell at 64 sequences with it). Only with
+    at 64 sequences without it: 0.94 s; the profiling forward, prompts of token id 0, does not cover every shape
+    either: session 42's run compiled two inside a cell at 64 sequences with it). Only with
     --kv-cache-gib, so the embedded model's runs keep the warm-up they were measured with."""
     from deepinfer import SamplingParams
 
