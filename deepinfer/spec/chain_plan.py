@@ -164,7 +164,7 @@ class ChainPlan:
         survival = [min(max(self.calibrator.survival(j, c), 0.0), 1.0) for j, c in enumerate(conf)]
         # each chain's reach: the product of the slots' survival at their mean confidence, or (recent_drafts) its
         # mean over the recent drafts (spec/recent_drafts.py: the first is biased where survival is not linear)
-        sampled = self.recent_drafts.expected_reach(self.calibrator.table, k, survival) \
+        sampled = self.recent_drafts.expected_reach(self.calibrator, k, survival) \
             if self.recent_drafts is not None else None
         times = self.step_times
         tokens, seconds = [b], [times.seconds(PLAIN, num_seqs, self.cost.at(b))]

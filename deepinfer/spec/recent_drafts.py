@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deepinfer.spec.confidence import SurvivalCalibrator, conf_matrix
+
 
 @dataclass
 class RecentDrafts:
@@ -50,36 +52,25 @@ class RecentDrafts:
         """One admission's drafts: conf a list of confidence lists or a [B, W] array, lens each draft's held slots."""
         self._rows.append((conf, lens))
 
-    def matrix(self, k: int) -> np.ndarray:
-        """[N, k] confidences of the kept drafts, NaN past each one's held length."""
-        out = []
+    def _stacked(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """[N, k] confidences of the kept drafts (zeros past a draft's width) and [N, k] whether each slot is held."""
+        confs, helds = [], []
         for conf, lens in self._rows:
-            if isinstance(conf, np.ndarray):
-                w = min(conf.shape[1], k)
-                m = np.full((conf.shape[0], k), np.nan)
-                held = np.arange(w)[None, :] < np.asarray(lens)[:, None]
-                m[:, :w] = np.where(held, conf[:, :w], np.nan)
-                out.append(m)
-                continue
-            m = np.full((len(conf), k), np.nan)
-            for i, (c, n) in enumerate(zip(conf, lens)):
-                n = min(n, k)
-                m[i, :n] = c[:n]
-            out.append(m)
-        return np.concatenate(out) if out else np.empty((0, k))
+            m = conf[:, :k] if isinstance(conf, np.ndarray) else conf_matrix(conf, k)
+            if m.shape[1] < k:
+                m = np.pad(m, ((0, 0), (0, k - m.shape[1])))
+            confs.append(m)
+            helds.append(np.arange(k)[None, :] < np.asarray(lens)[:, None])
+        if not confs:
+            return np.empty((0, k)), np.empty((0, k), dtype=bool)
+        return np.concatenate(confs), np.concatenate(helds)
 
-    def expected_reach(self, table: np.ndarray, k: int, fallback: list[float]) -> list[float] | None:
+    def expected_reach(self, calibrator: SurvivalCalibrator, k: int, fallback: list[float]) -> list[float] | None:
         """Mean over the kept drafts of the probability that their first l slots all survive, l = 1..k, under the
-        calibrated table [slots, bins] (a slot past the table's last row at its last row's); a slot a draft does not
-        hold at fallback[j]. None while no draft is kept."""
-        conf = self.matrix(k)
+        calibrator's table (`estimate_array`); a slot a draft does not hold at fallback[j]. None while no draft is
+        kept."""
+        conf, held = self._stacked(k)
         if conf.shape[0] == 0:
             return None
-        slots, bins = table.shape
-        missing = np.isnan(conf)
-        b = np.clip((np.nan_to_num(conf) * bins).astype(np.int64), 0, bins - 1)
-        rows = np.minimum(np.arange(k), slots - 1)
-        surv = table[rows[None, :], b]
-        surv = np.where(missing, np.asarray(fallback, dtype=np.float64)[None, :k], surv)
-        reach = np.cumprod(np.clip(surv, 0.0, 1.0), axis=1).mean(axis=0)
-        return reach.tolist()
+        surv = np.where(held, calibrator.estimate_array(conf), np.asarray(fallback, dtype=np.float64)[None, :k])
+        return np.cumprod(surv, axis=1).mean(axis=0).tolist()

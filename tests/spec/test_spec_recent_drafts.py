@@ -34,8 +34,10 @@ def test_expected_reach_is_the_mean_over_drafts_of_the_products():
     k, slots, nb = 5, 4, 10
     table = [[rng.random() for _ in range(nb)] for _ in range(slots)]
     fallback = [rng.random() for _ in range(k)]
+    cal = SurvivalCalibrator(num_slots=slots, num_bins=nb)
+    cal.table = np.array(table)
     rec = RecentDrafts(steps=3)
-    assert rec.expected_reach(np.array(table), k, fallback) is None
+    assert rec.expected_reach(cal, k, fallback) is None
     every = []
     for step in range(5):  # lists, then arrays; the first two steps fall out of the ring of 3
         n = rng.randint(1, 6)
@@ -47,7 +49,7 @@ def test_expected_reach_is_the_mean_over_drafts_of_the_products():
             rec.add(conf, lens)
         every.append([c[:n_] for c, n_ in zip(conf, lens)])
     kept = [d for step in every[-3:] for d in step]
-    got = rec.expected_reach(np.array(table), k, fallback)
+    got = rec.expected_reach(cal, k, fallback)
     assert got == pytest.approx(_reach_by_loops(kept, table, k, fallback), rel=1e-12)
     with pytest.raises(ValueError, match="steps >= 1"):
         RecentDrafts(steps=0)
